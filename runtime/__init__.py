@@ -1,0 +1,1 @@
+"""dslaunch.runtime: the DeepSpeed-compatible training engine (`import dslaunch.runtime as deepspeed`)."""

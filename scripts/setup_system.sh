@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Operating-system packages the test suite needs: an OpenSSH server and iproute2 for the
+# network-namespace test cluster, pdsh for the pdsh launcher test. Installed only when
+# missing, only as root on a Debian-like system; elsewhere the testbed tests say what is
+# missing (and fail under CI=true).
+set -euo pipefail
+PKGS=()
+[ -x /usr/sbin/sshd ] || PKGS+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || PKGS+=(openssh-client)
+command -v ip >/dev/null 2>&1 || PKGS+=(iproute2)
+command -v pdsh >/dev/null 2>&1 || PKGS+=(pdsh)
+[ "${#PKGS[@]}" -eq 0 ] && exit 0
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup: not root or no apt-get; not installing ${PKGS[*]}" >&2
+    exit 0
+fi
+echo "setup: installing ${PKGS[*]}" >&2
+# Debian's postinst would start a system sshd on 0.0.0.0:22; policy-rc.d forbids that.
+CREATED_POLICY=0
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    CREATED_POLICY=1
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq >/dev/null
+apt-get install -y -qq --no-install-recommends "${PKGS[@]}" >/dev/null
+[ "$CREATED_POLICY" = 1 ] && rm -f /usr/sbin/policy-rc.d
+exit 0
