@@ -1,0 +1,205 @@
+"""Run a function or a script on N local processes (gloo) and collect per-rank results.
+
+    results = run_function(my_test_body, nprocs=2, kwargs={...}, timeout=120)
+    runs = run_script(["script.py", "--flag"], nprocs=2, timeout=120)
+
+`run_function` executes `fn(**kwargs)` in N fresh Python processes with RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and a gloo process group already initialised
+(pass init_process_group=False to skip that); `fn` must be a module-level function of an
+importable file (a test module is fine: it is loaded by path). It returns the list of the
+per-rank return values (anything picklable), in rank order.
+
+`run_script` runs a Python script the same way (no process group: the script makes its
+own) and returns a list of `RankRun(returncode, stdout, stderr)`.
+
+Watchdog: if the ranks have not all finished within `timeout` seconds, each rank is asked
+for the Python stack of every thread (faulthandler on SIGUSR1), all are killed, and
+`DistHang` is raised with those stacks, so a hung collective fails fast and says where.
+If one rank fails, the others are killed at once (they would otherwise wait forever in
+a collective) and `RankFailed` carries the failing rank's stderr.
+
+Running this file directly is the worker side; it is not meant to be invoked by hand.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+HERE = os.path.abspath(__file__)
+
+
+class DistHang(AssertionError):
+    pass
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+@dataclass
+class RankRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, nprocs: int, port: int, extra: Optional[Dict[str, str]]) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+               PYTHONFAULTHANDLER="1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _supervise(cmds: List[List[str]], envs: List[Dict[str, str]], timeout: float, workdir: str,
+               cwd: Optional[str]) -> List[RankRun]:
+    outs = [open(os.path.join(workdir, f"out{r}"), "w+") for r in range(len(cmds))]
+    errs = [open(os.path.join(workdir, f"err{r}"), "w+") for r in range(len(cmds))]
+    procs = [subprocess.Popen(c, env=e, stdout=o, stderr=er, cwd=cwd, start_new_session=True)
+             for c, e, o, er in zip(cmds, envs, outs, errs)]
+
+    def read(files, r):
+        files[r].flush()
+        files[r].seek(0)
+        return files[r].read()
+
+    def kill_all():
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            p.wait()
+
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # Give the others a moment to report their own failure, then stop them.
+                grace = time.monotonic() + 2.0
+                while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+                kill_all()
+                return [RankRun(p.returncode, read(outs, r), read(errs, r)) for r, p in enumerate(procs)]
+            if all(c == 0 for c in codes):
+                return [RankRun(0, read(outs, r), read(errs, r)) for r in range(len(procs))]
+            if time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        try:
+                            os.kill(p.pid, signal.SIGUSR1)
+                        except ProcessLookupError:
+                            pass
+                time.sleep(1.5)
+                kill_all()
+                report = []
+                for r in range(len(procs)):
+                    stack = ""
+                    path = os.path.join(workdir, f"stack{r}")
+                    if os.path.exists(path):
+                        with open(path) as fh:
+                            stack = fh.read()
+                    report.append(f"--- rank {r} stack ---\n{stack or '(no stack)'}\n--- rank {r} stderr tail ---\n"
+                                  f"{read(errs, r)[-2000:]}")
+                raise DistHang(f"{len(procs)} ranks did not finish within {timeout:.0f} s\n" + "\n".join(report))
+            time.sleep(0.02)
+    finally:
+        kill_all()
+        for f in outs + errs:
+            f.close()
+
+
+def run_function(fn: Callable, nprocs: int = 2, kwargs: Optional[Dict[str, Any]] = None, timeout: float = 120,
+                 env: Optional[Dict[str, str]] = None, init_process_group: bool = True) -> List[Any]:
+    import inspect
+
+    source = os.path.abspath(inspect.getfile(fn))
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dist-harness-") as workdir:
+        job = os.path.join(workdir, "job.pkl")
+        with open(job, "wb") as fh:
+            pickle.dump({"source": source, "name": fn.__name__, "kwargs": kwargs or {},
+                         "init": init_process_group}, fh)
+        cmds = [[sys.executable, HERE, job, os.path.join(workdir, f"result{r}"), os.path.join(workdir, f"stack{r}")]
+                for r in range(nprocs)]
+        envs = [_rank_env(r, nprocs, port, env) for r in range(nprocs)]
+        runs = _supervise(cmds, envs, timeout, workdir, cwd=None)
+        # Ranks we killed (-9) are victims; report one that failed on its own.
+        bad = sorted((r for r, run in enumerate(runs) if run.returncode != 0),
+                     key=lambda r: runs[r].returncode == -signal.SIGKILL)
+        if bad:
+            first = bad[0]
+            raise RankFailed(f"rank {first} exited with {runs[first].returncode}:\n{runs[first].stderr[-4000:]}")
+        results = []
+        for r in range(nprocs):
+            with open(os.path.join(workdir, f"result{r}"), "rb") as fh:
+                results.append(pickle.load(fh))
+        return results
+
+
+def run_script(argv: Sequence[str], nprocs: int = 2, timeout: float = 120, env: Optional[Dict[str, str]] = None,
+               cwd: Optional[str] = None) -> List[RankRun]:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dist-harness-") as workdir:
+        cmds = []
+        envs = []
+        for r in range(nprocs):
+            stack = os.path.join(workdir, f"stack{r}")
+            # The script gets the stack-on-SIGUSR1 handler through a tiny bootstrap.
+            boot = (f"import faulthandler,signal,sys,runpy;f=open({stack!r},'w');"
+                    f"faulthandler.register(signal.SIGUSR1,file=f,all_threads=True);"
+                    f"sys.argv={list(argv)!r};runpy.run_path(sys.argv[0],run_name='__main__')")
+            cmds.append([sys.executable, "-c", boot])
+            envs.append(_rank_env(r, nprocs, port, env))
+        return _supervise(cmds, envs, timeout, workdir, cwd=cwd)
+
+
+def _worker(job_path: str, result_path: str, stack_path: str) -> None:
+    import faulthandler
+    import importlib.util
+
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    with open(job_path, "rb") as fh:
+        job = pickle.load(fh)
+    sys.path.insert(0, os.path.dirname(job["source"]))
+    spec = importlib.util.spec_from_file_location(f"_dist_job_{os.getpid()}", job["source"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, job["name"])
+    if job["init"]:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    result = fn(**job["kwargs"])
+    if job["init"]:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(result_path, "wb") as fh:
+        pickle.dump(result, fh)
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:4])

@@ -1,0 +1,51 @@
+"""The multi-process harness itself: results in rank order, a failing rank, a hang caught
+by the watchdog with each rank's stack. No torch here, so these cost almost nothing."""
+import os
+import time
+
+import pytest
+
+from dist_harness import DistHang, RankFailed, run_function, run_script
+
+
+def _rank_and_world():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _rank1_fails():
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("boom on rank 1")
+    time.sleep(60)  # rank 0 would wait forever in a real collective
+
+
+def _sleeps_forever_in_named_function():
+    time.sleep(600)
+
+
+def test_results_come_back_in_rank_order():
+    assert run_function(_rank_and_world, nprocs=2, init_process_group=False) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.timeout(30)
+def test_failing_rank_stops_the_others_and_reports_its_error():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="boom on rank 1"):
+        run_function(_rank1_fails, nprocs=2, init_process_group=False, timeout=60)
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.timeout(30)
+def test_hang_fails_with_each_ranks_stack():
+    with pytest.raises(DistHang) as info:
+        run_function(_sleeps_forever_in_named_function, nprocs=2, init_process_group=False, timeout=3)
+    text = str(info.value)
+    assert "rank 0 stack" in text and "rank 1 stack" in text
+    assert text.count("_sleeps_forever_in_named_function") >= 2
+
+
+@pytest.mark.timeout(30)
+def test_script_hang_reports_stack(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ndef wait_here():\n    time.sleep(600)\nwait_here()\n")
+    with pytest.raises(DistHang, match="wait_here"):
+        run_script([str(script)], nprocs=2, timeout=3)
