@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 # subcommand word -> "module:click command"
 SUBCOMMANDS = {
+    "check": "dslaunch.launcher.preflight:check",
 }
 LAUNCH_COMMAND = "dslaunch.launcher.cli:launch"
 

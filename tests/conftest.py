@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from cluster_fixture import ns_cluster, ssh_home  # noqa: F401  (the multi-host SSH test cluster, issue #3)
+
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

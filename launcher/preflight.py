@@ -1,0 +1,215 @@
+"""Preflight: can this job start on these hosts? `dslaunch check --hostfile H`.
+
+For every host, in parallel: connect over SSH (timed), run one short Python probe with
+the interpreter the workers will use, and report its version, torch's version (read from
+the package metadata, because importing torch costs seconds), the number of NVIDIA GPUs
+against the host's slots, and whether the master address answers from that host.
+
+"Answers" means a TCP connect to MASTER_ADDR:MASTER_PORT either succeeds or is refused:
+before the job starts nobody listens on the port, and a refusal still proves the address
+routes to a live machine. A timeout or "no route" means the workers would hang in
+rendezvous, which is what this check exists to catch.
+
+The same check runs, briefly, before every multi-node launch unless --skip_check.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import click
+import paramiko
+
+from dslaunch.launcher.ssh import SshError, SshOptions, connect, resolve, _load_config
+
+# Runs on the remote host under the workers' interpreter; reads its parameters from stdin.
+_PROBE = r"""
+import json, os, socket, sys, errno
+args = json.loads(sys.stdin.readline())
+out = {"python": sys.version.split()[0], "executable": sys.executable}
+try:
+    from importlib.metadata import version
+    out["torch"] = version("torch")
+except Exception:
+    out["torch"] = None
+gpus = 0
+try:
+    gpus = len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
+except OSError:
+    pass
+out["gpus"] = gpus
+addr, port = args["master_addr"], args["master_port"]
+try:
+    s = socket.create_connection((addr, port), timeout=args["timeout"])
+    s.close()
+    out["master"] = "ok"
+except ConnectionRefusedError:
+    out["master"] = "ok"
+except socket.timeout:
+    out["master"] = "timed out"
+except socket.gaierror as e:
+    out["master"] = "cannot resolve"
+except OSError as e:
+    out["master"] = e.strerror or str(e)
+print("DSLAUNCH_PROBE " + json.dumps(out), flush=True)
+"""
+
+
+@dataclass
+class HostReport:
+    host: str
+    slots: int
+    reachable: bool = False
+    latency_ms: Optional[float] = None
+    python: Optional[str] = None
+    torch: Optional[str] = None
+    gpus: Optional[int] = None
+    master: Optional[str] = None
+    problems: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _quote(word: str) -> str:
+    import shlex
+    return shlex.quote(word)
+
+
+def probe_host(
+    host: str, slots: int, opts: SshOptions, python: str, master_addr: str, master_port: int,
+    need_torch: bool = True, config: Optional[paramiko.SSHConfig] = None,
+) -> HostReport:
+    rep = HostReport(host=host, slots=slots)
+    t0 = time.perf_counter()
+    try:
+        client = connect(resolve(host, opts, config), opts)
+    except SshError as exc:
+        rep.problems.append(str(exc).split(": ", 1)[1])
+        return rep
+    rep.reachable = True
+    rep.latency_ms = (time.perf_counter() - t0) * 1e3
+    try:
+        stdin, stdout, stderr = client.exec_command(f"{_quote(python)} -c {_quote(_PROBE)}", timeout=opts.timeout + 10)
+        stdin.write(json.dumps({"master_addr": master_addr, "master_port": master_port,
+                                "timeout": min(3.0, opts.timeout)}) + "\n")
+        stdin.flush()
+        stdin.channel.shutdown_write()
+        out = stdout.read().decode(errors="replace")
+        err = stderr.read().decode(errors="replace")
+        status = stdout.channel.recv_exit_status()
+    except Exception as exc:  # a channel dying half-way is the host's problem, reported as such
+        rep.problems.append(f"probe failed: {exc or type(exc).__name__}")
+        client.close()
+        return rep
+    client.close()
+    line = next((ln for ln in out.splitlines() if ln.startswith("DSLAUNCH_PROBE ")), None)
+    if status != 0 or line is None:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        rep.problems.append(f"python {python} did not run (exit {status}): {last}")
+        return rep
+    info = json.loads(line.split(" ", 1)[1])
+    rep.python, rep.torch, rep.gpus, rep.master = info["python"], info["torch"], info["gpus"], info["master"]
+    if need_torch and not rep.torch:
+        rep.problems.append(f"torch is not installed for {python}")
+    if rep.gpus and rep.gpus < slots:
+        rep.problems.append(f"slots={slots} but only {rep.gpus} GPU(s)")
+    if rep.master != "ok":
+        rep.problems.append(f"master {master_addr}:{master_port} {rep.master}")
+    return rep
+
+
+def run_preflight(
+    hosts: Sequence[tuple], opts: SshOptions, python: str, master_addr: str, master_port: int,
+    need_torch: bool = True,
+) -> List[HostReport]:
+    """hosts: (ssh target, slots) pairs; returns one report per host, in order."""
+    config = _load_config(opts.config_path)
+    if not hosts:
+        return []
+    with ThreadPoolExecutor(max_workers=min(64, len(hosts))) as pool:
+        futs = [pool.submit(probe_host, h, s, opts, python, master_addr, master_port, need_torch, config)
+                for h, s in hosts]
+        return [f.result() for f in futs]
+
+
+def format_table(reports: Sequence[HostReport], master: str) -> str:
+    head = ["host", "reachable", "ssh ms", "python", "torch", "gpus/slots", f"master {master}", "status"]
+    rows = []
+    for r in reports:
+        gpus = "-" if r.gpus is None else (f"{r.gpus}/{r.slots}" if r.gpus else f"0/{r.slots} (cpu)")
+        rows.append([
+            r.host, "yes" if r.reachable else "NO",
+            "-" if r.latency_ms is None else f"{r.latency_ms:.0f}",
+            r.python or "-", r.torch or "-", gpus, r.master or "-",
+            "ok" if r.ok else "FAIL: " + "; ".join(r.problems),
+        ])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(head)] + [fmt(r) for r in rows])
+
+
+def summary_line(reports: Sequence[HostReport]) -> Optional[str]:
+    bad = [r for r in reports if not r.ok]
+    if not bad:
+        return None
+    return "preflight failed on " + ", ".join(f"{r.host} ({'; '.join(r.problems)})" for r in bad)
+
+
+def default_master_addr(first_host: str, opts: SshOptions) -> str:
+    """The address workers rendezvous at: the first host's address as SSH resolves it."""
+    try:
+        return resolve(first_host, opts).hostname
+    except SshError:
+        return first_host.rpartition("@")[2]
+
+
+def ssh_options_decorator(f):
+    """The SSH options shared by `dslaunch check` and the multi-node launch."""
+    opts = [
+        click.option("--ssh_user", default=None, help="Remote user (default: user@ in the hostfile, ~/.ssh/config, you)."),
+        click.option("--ssh_port", type=int, default=None, help="SSH port (default: ~/.ssh/config, then 22)."),
+        click.option("--ssh_key", default=None, help="Private key file (default: ~/.ssh/config, then ssh's defaults)."),
+        click.option("--ssh_timeout", type=float, default=10.0, show_default=True, help="Seconds to connect to a host."),
+        click.option("--accept_new_host_keys", is_flag=True, help="Trust and record host keys missing from known_hosts."),
+        click.option("--remote_python", default=None, help="Interpreter on the hosts (default: this one's path)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def ssh_options_from(kw) -> SshOptions:
+    return SshOptions(user=kw["ssh_user"], port=kw["ssh_port"], key=kw["ssh_key"], timeout=kw["ssh_timeout"],
+                      accept_new_host_keys=kw["accept_new_host_keys"])
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--hostfile", required=True, help="MPI-style hostfile: `[user@]host slots=N` per line.")
+@click.option("--master_addr", default=None, help="Rendezvous address (default: the first host).")
+@click.option("--master_port", type=int, default=29500, show_default=True)
+@ssh_options_decorator
+def check(hostfile, master_addr, master_port, **kw):
+    """Check every host of HOSTFILE: SSH, Python, torch, GPUs vs slots, master reachability."""
+    from dslaunch.launcher.errors import LaunchConfigError
+    from dslaunch.launcher.hostfile import parse_hostfile
+
+    try:
+        hosts = parse_hostfile(hostfile)
+        opts = ssh_options_from(kw)
+        master = master_addr or default_master_addr(hosts[0].ssh_target, opts)
+    except (LaunchConfigError, SshError) as exc:
+        click.echo(f"dslaunch check: {exc}", err=True)
+        sys.exit(2)
+    python = kw["remote_python"] or sys.executable
+    reports = run_preflight([(h.ssh_target, h.slots) for h in hosts], opts, python, master, master_port)
+    click.echo(format_table(reports, f"{master}:{master_port}"))
+    problem = summary_line(reports)
+    if problem:
+        click.echo(f"dslaunch check: {problem}", err=True)
+        sys.exit(1)

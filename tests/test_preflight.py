@@ -1,0 +1,46 @@
+"""`dslaunch check --hostfile H` against the namespace cluster."""
+import subprocess
+import sys
+
+import pytest
+
+DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
+
+
+@pytest.mark.timeout(120)
+def test_check_prints_table_and_names_offending_hosts(ns_cluster, ssh_home, tmp_path):
+    env, home = ssh_home
+    h1, h2 = ns_cluster.hosts
+    good = tmp_path / "good"
+    good.write_text(f"{h1.name} slots=2\nroot@{h2.ip} slots=2\n")
+    res = subprocess.run(DSLAUNCH + ["check", "--hostfile", str(good), "--master_port", "29517"],
+                         env=env, capture_output=True, text=True, timeout=100)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:7] == ["host", "reachable", "ssh", "ms", "python", "torch", "gpus/slots"]
+    assert f"master {h1.ip}:29517" in lines[0]  # default master: the first host, as SSH resolves it
+    py = ".".join(map(str, sys.version_info[:3]))
+    from importlib.metadata import version
+    for row, name in zip(lines[1:], [h1.name, f"root@{h2.ip}"]):
+        cols = row.split()
+        assert cols[0] == name and cols[1] == "yes" and float(cols[2]) > 0
+        assert cols[3] == py and cols[4] == version("torch")
+        assert "0/2 (cpu)" in row and row.rstrip().endswith("ok")
+
+    bad = tmp_path / "bad"
+    bad.write_text(f"{h1.name} slots=2\n{ns_cluster.unused_ip} slots=1\n")
+    res = subprocess.run(DSLAUNCH + ["check", "--hostfile", str(bad), "--ssh_timeout", "1",
+                                     "--master_addr", "10.213.7.97", "--master_port", "29517"],
+                         env=env, capture_output=True, text=True, timeout=100)
+    assert res.returncode == 1
+    rows = {r.split()[0]: r for r in res.stdout.splitlines()[1:]}
+    assert "FAIL: master 10.213.7.97:29517 " in rows[h1.name]
+    assert rows[ns_cluster.unused_ip].split()[1] == "NO"
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dslaunch check: preflight failed on ")
+    assert h1.name in err[0] and f"{ns_cluster.unused_ip} (connect to" in err[0]
+
+
+def test_check_usage_errors_are_one_line(tmp_path):
+    res = subprocess.run(DSLAUNCH + ["check", "--hostfile", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.strip() == f"dslaunch check: {tmp_path / 'nope'}: hostfile not found"
