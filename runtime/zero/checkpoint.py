@@ -1,0 +1,120 @@
+"""Reading ZeRO shards back: any saved world size and stage into any current one.
+
+A shard (PartitionedOptimizer.shard_state / the stage-3 equivalent) holds, per param
+group, the pieces this rank owned as {"name", "start", "end"} in the parameter's
+flattened coordinates, the full shape of every parameter, and tensors keyed by
+parameter name: "master" (fp32 weights) and, under "state", each optimizer state tensor
+that is partitioned like the weights. Scalars (Adam's step) are stored as they are.
+Pieces are looked up by name across all groups, so regrouping between runs is harmless.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
+
+import torch
+
+from .partition import coverage_gaps, pieces_from_dict
+
+Key = Union[str, Tuple[str, str]]
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _tensors(group: Dict[str, Any], key: Key) -> Dict[str, torch.Tensor]:
+    if key == "master":
+        return group["master"]
+    return group["state"].get(key[1], {})
+
+
+def _index(shards: Sequence[Dict[str, Any]], key: Key) -> Dict[str, List[Tuple[int, int, torch.Tensor]]]:
+    idx: Dict[str, List[Tuple[int, int, torch.Tensor]]] = {}
+    for sh in shards:
+        for g in sh["groups"]:
+            tens = _tensors(g, key)
+            if not isinstance(tens, dict):
+                continue
+            for p in pieces_from_dict(g["pieces"]):
+                if p.name in tens:
+                    idx.setdefault(p.name, []).append((p.start, p.end, tens[p.name]))
+    return idx
+
+
+def assemble(shards: Sequence[Dict[str, Any]], gi: int, key: Key,
+             want: Iterable[Tuple[str, int, int, int]], out: torch.Tensor) -> None:
+    """out[offset:offset+(end-start)] <- elements [start, end) of each wanted parameter,
+    taken from whichever saved pieces overlap them. A wanted element no shard holds is
+    an error (a missing rank file, or a checkpoint of a different model)."""
+    idx = _cached_index(shards, key)
+    for name, start, end, offset in want:
+        got = idx.get(name)
+        if got is None:
+            raise CheckpointError(f"checkpoint has no {_keyname(key)} for parameter {name!r}")
+        spans = []
+        for a, b, t in got:
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                out[offset + lo - start:offset + hi - start].copy_(t[lo - a:hi - a])
+                spans.append((lo - start, hi - start))
+        gaps = coverage_gaps(spans, end - start)
+        if gaps:
+            s, e = gaps[0]
+            raise CheckpointError(f"checkpoint is missing elements [{start + s}, {start + e}) of {_keyname(key)} "
+                                  f"{name!r} (a rank's shard file is absent?)")
+
+
+_index_cache: Dict[Tuple[int, Any], Any] = {}
+
+
+def _cached_index(shards, key):
+    # load_shards calls assemble once per group and key; index each (shards, key) once
+    ck = (id(shards), key)
+    hit = _index_cache.get(ck)
+    if hit is None or hit[0] is not shards:
+        _index_cache.clear() if len(_index_cache) > 16 else None
+        hit = (shards, _index(shards, key))
+        _index_cache[ck] = hit
+    return hit[1]
+
+
+def _keyname(key: Key) -> str:
+    return "fp32 weights" if key == "master" else f"optimizer state {key[1]!r}"
+
+
+def full_fp32_params(shards: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """Every partitioned parameter, whole, in fp32, shaped as recorded."""
+    shapes: Dict[str, List[int]] = {}
+    for sh in shards:
+        for g in sh["groups"]:
+            shapes.update(g["shapes"])
+    out = {}
+    for name, shape in shapes.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        t = torch.zeros(numel, dtype=torch.float32)
+        assemble(shards, 0, "master", [(name, 0, numel, 0)], t)
+        out[name] = t.view(shape)
+    return out
+
+
+def consolidated_state_dict(shards: Sequence[Dict[str, Any]], module_state: Dict[str, torch.Tensor] = None,
+                            aliases: Dict[str, str] = None) -> Dict[str, torch.Tensor]:
+    """A single fp32 state_dict: trainable parameters from the fp32 shards; frozen
+    parameters and buffers from the module state saved beside them (floating ones cast
+    to fp32); tied names (alias -> canonical) filled from their canonical parameter."""
+    params = full_fp32_params(shards)
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in (module_state or {}).items():
+        if k in params:
+            continue
+        out[k] = v.detach().float().clone() if torch.is_floating_point(v) else v.detach().clone()
+    out.update(params)
+    for alias, canon in (aliases or {}).items():
+        if canon in out:
+            out[alias] = out[canon]
+    if module_state:
+        order = list(module_state.keys()) + [k for k in out if k not in module_state]
+        out = {k: out[k] for k in order if k in out}
+    return out

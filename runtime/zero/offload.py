@@ -1,0 +1,211 @@
+"""Where the optimizer update of the fp32 partitions runs.
+
+`InPlaceHost`: the user's optimizer steps the partitions where they are (no offload).
+`CPUHost`: offload_optimizer.device == "cpu": partitions and state live in host memory;
+   the fused CPU Adam from dslaunch.kernels runs the update when it is available and
+   the optimizer is Adam/AdamW, otherwise the user's torch optimizer does (warned once).
+`NVMeHost`: offload_optimizer.device == "nvme": optimizer state tensors live in files
+   under nvme_path between steps; a background thread reads group i+1's state while
+   group i is updated, and another writes group i back while i+1 is updated.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+_warned = False
+
+
+@dataclass
+class StateKey:
+    name: str
+    tensor: bool
+    value: Any = None
+
+
+def _is_partitioned(key: str, v, master: torch.Tensor) -> bool:
+    return torch.is_tensor(v) and key != "step" and v.shape == master.shape
+
+
+class OptimizerHost:
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: List[torch.Tensor]):
+        self.optimizer, self.masters = optimizer, masters
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def state_of(self, gi: int) -> Dict[str, Any]:
+        return dict(self.optimizer.state.get(self.masters[gi], {}))
+
+    def state_keys(self, gi: int, shards: List[Dict[str, Any]]) -> List[StateKey]:
+        keys = {}
+        for sh in shards:
+            if gi >= len(sh["groups"]):
+                continue
+            for k, v in sh["groups"][gi]["state"].items():
+                keys[k] = StateKey(k, True) if isinstance(v, dict) else StateKey(k, False, v)
+        return list(keys.values())
+
+    def load_state_of(self, gi: int, state: Dict[str, Any]) -> None:
+        m = self.masters[gi]
+        self.optimizer.state[m] = {k: (v.to(m.device) if torch.is_tensor(v) and k != "step" else
+                                       (v.clone() if torch.is_tensor(v) else v))
+                                   for k, v in state.items()}
+
+    def close(self) -> None:
+        pass
+
+
+class CPUHost(OptimizerHost):
+    """Masters are already in host memory (the partition builder put them there); the
+    fused kernel steps them when it can."""
+
+    def __init__(self, optimizer, masters):
+        super().__init__(optimizer, masters)
+        self.kernel = _cpu_adam_kernel(optimizer)
+
+    def step(self) -> None:
+        if self.kernel is None:
+            self.optimizer.step()
+            return
+        for pg, m in zip(self.optimizer.param_groups, self.masters):
+            st = self.optimizer.state.setdefault(m, {})
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(m)
+                st["exp_avg_sq"] = torch.zeros_like(m)
+            st["step"] += 1
+            self.kernel(m, m.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), pg)
+
+
+def _cpu_adam_kernel(optimizer):
+    """A callable (param, grad, m, v, step, group) running the fused CPU Adam in place,
+    or None (with a one-time warning) when the kernel or a matching optimizer is missing."""
+    global _warned
+    reason = None
+    if type(optimizer).__name__ not in ("Adam", "AdamW"):
+        reason = f"optimizer {type(optimizer).__name__} is not Adam/AdamW"
+    else:
+        try:
+            from dslaunch.kernels import cpu_adam  # noqa: F401  (provided by the kernels issue)
+            fn = getattr(cpu_adam, "adam_step_flat", None)
+            ok = getattr(cpu_adam, "is_available", lambda: fn is not None)()
+            if fn is None or not ok:
+                reason = "dslaunch.kernels.cpu_adam is not available on this machine"
+        except ImportError:
+            reason = "dslaunch.kernels.cpu_adam is not installed"
+    if reason:
+        if not _warned:
+            warnings.warn(f"offload_optimizer: using torch's {type(optimizer).__name__} on the CPU because {reason}",
+                          stacklevel=3)
+            _warned = True
+        return None
+    decoupled = type(optimizer).__name__ == "AdamW"
+
+    def run(p, g, m, v, step, group):
+        b1, b2 = group["betas"]
+        fn(p, g, m, v, step=step, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+           weight_decay=group["weight_decay"], adamw=decoupled)
+    return run
+
+
+class NVMeHost(OptimizerHost):
+    """Optimizer state swapped to files; one group's state in memory at a time (plus the
+    one being prefetched and the one being written back)."""
+
+    def __init__(self, optimizer, masters, nvme_path: str):
+        super().__init__(optimizer, masters)
+        self.dir = os.path.join(nvme_path, f"dslaunch-swap-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(self.dir, exist_ok=True)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
+        self.pending_writes: Dict[int, Future] = {}
+        self.on_disk = [False] * len(masters)
+        self.lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def _path(self, gi: int) -> str:
+        return os.path.join(self.dir, f"group{gi}.pt")
+
+    def _read(self, gi: int) -> Dict[str, Any]:
+        fut = self.pending_writes.pop(gi, None)
+        if fut is not None:
+            fut.result()
+        if not self.on_disk[gi]:
+            return {}
+        state = torch.load(self._path(gi), map_location="cpu", weights_only=True)
+        self.bytes_read += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        return state
+
+    def _write(self, gi: int, state: Dict[str, Any]) -> None:
+        tmp = self._path(gi) + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self._path(gi))
+        self.bytes_written += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        self.on_disk[gi] = True
+
+    def _swap_in(self, gi: int) -> Future:
+        return self.reader.submit(self._read, gi)
+
+    def step(self) -> None:
+        n = len(self.masters)
+        grads = [m.grad for m in self.masters]
+        nxt = self._swap_in(0) if n else None
+        for gi in range(n):
+            state = nxt.result()
+            nxt = self._swap_in(gi + 1) if gi + 1 < n else None
+            m = self.masters[gi]
+            if state:
+                self.optimizer.state[m] = state
+            # step only this group: the others' grads are hidden for the call
+            for j, mm in enumerate(self.masters):
+                mm.grad = grads[j] if j == gi else None
+            self.optimizer.step()
+            out = self.optimizer.state.pop(m, {})
+            self.pending_writes[gi] = self.writer.submit(self._write, gi, out)
+        for j, mm in enumerate(self.masters):
+            mm.grad = grads[j]
+
+    def flush(self) -> None:
+        for fut in list(self.pending_writes.values()):
+            fut.result()
+        self.pending_writes.clear()
+
+    def state_of(self, gi: int) -> Dict[str, Any]:
+        self.flush()
+        return self._read(gi)
+
+    def load_state_of(self, gi: int, state: Dict[str, Any]) -> None:
+        self.flush()
+        self._write(gi, {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
+
+    def close(self) -> None:
+        self.flush()
+        self.reader.shutdown()
+        self.writer.shutdown()
+        for gi in range(len(self.masters)):
+            try:
+                os.remove(self._path(gi))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+def make_host(optimizer, masters, offload) -> OptimizerHost:
+    device = getattr(offload, "device", "none") if offload is not None else "none"
+    if device == "cpu":
+        return CPUHost(optimizer, masters)
+    if device == "nvme":
+        return NVMeHost(optimizer, masters, offload.nvme_path)
+    return OptimizerHost(optimizer, masters)

@@ -1,0 +1,82 @@
+"""ZeRO stages as engine strategies (see dslaunch.runtime.strategy for the call order).
+
+The checkpoint contract: `optimizer_state_dict()` returns this rank's shard (pieces of
+fp32 masters and optimizer state, keyed by parameter name); the engine saves one file
+per rank. `load_optimizer_state_dict` accepts this rank's own shard or, when the saved
+world size differs, the list of every saved rank's shard, and re-cuts them to this
+rank's partition, so any saved world size and stage loads directly.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Union
+
+import torch
+
+from ..strategy import GradientStrategy, StrategyContext, register_strategy
+from .stage12 import PartitionedOptimizer
+
+
+def _offload(ctx: StrategyContext):
+    z = ctx.config.zero_optimization
+    off = getattr(z, "offload_optimizer", None)
+    return off if off is not None and off.device != "none" else None
+
+
+class _Stage12(GradientStrategy):
+    sharded_optimizer_state = True
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        z = ctx.config.zero_optimization
+        self.impl = PartitionedOptimizer(ctx.module, ctx.optimizer, self.stage, z.reduce_bucket_size,
+                                         z.allgather_bucket_size, overlap_comm=z.overlap_comm,
+                                         offload=_offload(ctx), group=ctx.group)
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self.impl.before_backward(is_boundary)
+
+    def after_backward(self, is_boundary: bool) -> None:
+        self.impl.after_backward(is_boundary)
+
+    def reduce_gradients(self) -> None:
+        self.impl.reduce_gradients()
+
+    def global_grad_norm(self) -> float:
+        return self.impl.global_grad_norm()
+
+    def scale_gradients_(self, factor: float) -> None:
+        self.impl.scale_gradients_(factor)
+
+    def optimizer_step(self) -> None:
+        self.impl.optimizer_step()
+
+    def zero_grad(self) -> None:
+        self.impl.zero_grad()
+
+    def optimizer_state_dict(self) -> Dict[str, Any]:
+        return self.impl.shard_state()
+
+    def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
+        shards = state if isinstance(state, list) else [state]
+        self.impl.load_shards(shards)
+
+    def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        # the module's params are views into flat buffers: copy in place to keep them so
+        with torch.no_grad():
+            self.module.load_state_dict(state, strict=strict)
+        for g in self.impl.groups:
+            lo, hi = g.layout.partition_range(self.impl.rank)
+            g.master.copy_(g.flat[lo:hi].float())
+
+    def close(self) -> None:
+        self.impl.close()
+
+
+@register_strategy(1)
+class ZeroStage1(_Stage12):
+    """Optimizer state partitioned; full gradients until the boundary reduce-scatter."""
+
+
+@register_strategy(2)
+class ZeroStage2(_Stage12):
+    """Optimizer state and gradients partitioned; gradients reduced during backward."""

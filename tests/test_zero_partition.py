@@ -1,0 +1,55 @@
+"""Shard arithmetic: pure, no processes."""
+import pytest
+
+from dslaunch.runtime.zero.partition import (FlatLayout, Piece, coverage_gaps, intersect, padded_size, param_shard,
+                                             plan_buckets)
+
+
+def test_flat_layout_pads_and_every_element_has_exactly_one_owner():
+    shapes = [("a", (3, 5)), ("b", (7,)), ("c", (1,)), ("d", (2, 2))]
+    for world in (1, 2, 3, 4, 7):
+        lay = FlatLayout.build(shapes, world)
+        assert lay.total == 27
+        assert lay.padded_total % world == 0 and lay.padded_total - lay.total < world
+        seen = {}
+        for r in range(world):
+            for p in lay.pieces(r):
+                for i in range(p.start, p.end):
+                    assert (p.name, i) not in seen
+                    seen[(p.name, i)] = r
+                assert 0 <= p.offset and p.offset + p.numel <= lay.partition_size
+        assert len(seen) == 27
+
+
+def test_flat_layout_straddling_parameter_and_owner_ranks():
+    lay = FlatLayout.build([("a", (5,)), ("b", (6,))], 4)  # padded 12, partition 3
+    assert lay.partition_size == 3
+    assert lay.pieces(1) == [Piece("a", 3, 5, 0), Piece("b", 0, 1, 2)]
+    assert lay.pieces(3) == [Piece("b", 4, 6, 0)]
+    assert lay.owner_ranks("b") == [1, 2, 3]
+
+
+def test_tiny_model_still_gives_every_rank_a_partition():
+    lay = FlatLayout.build([("a", (1,))], 4)
+    assert lay.partition_size == 1 and lay.pieces(3) == []
+
+
+def test_param_shard_uneven():
+    assert padded_size(10, 4) == 12
+    chunks = [param_shard(10, 4, r) for r in range(4)]
+    assert [(c.start, c.end) for c in chunks] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [(c.start, c.end) for c in (param_shard(2, 4, r) for r in range(4))] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_bucket_plan_preserves_order_and_isolates_big_items():
+    assert plan_buckets([3, 3, 3, 10, 1], 6) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets([], 5) == []
+    with pytest.raises(ValueError):
+        plan_buckets([1], 0)
+
+
+def test_intersect_and_gaps():
+    pieces = [Piece("w", 0, 4, 0), Piece("w", 4, 9, 0), Piece("v", 0, 3, 0)]
+    assert [(a, b) for _, a, b in intersect(pieces, "w", 2, 6)] == [(2, 4), (4, 6)]
+    assert coverage_gaps([(0, 3), (5, 9)], 10) == [(3, 5), (9, 10)]
+    assert coverage_gaps([(0, 10)], 10) == []
