@@ -1,0 +1,340 @@
+"""The head of a multi-node job: one node agent per host, one job made of them.
+
+    head ──ssh──> agent (host A) ──> workers rank 0..k
+         ──ssh──> agent (host B) ──> workers rank k+1..
+
+The head resolves the world (world.py), builds every worker's argv and environment
+(the single-node contract plus the forwarded variables), connects to all hosts at once,
+and starts `python -m dslaunch.launcher.agent` on each, handing it its node's plan as one
+JSON line on stdin. Nothing reaches a remote shell but the interpreter path and working
+directory, both quoted: arguments and values travel as JSON and arrive byte-for-byte.
+
+Keeping the job whole:
+- an agent reports its node's first failure in its `done` event; the head then tells every
+  other agent to stop (they SIGTERM their workers at once, SIGKILL after --kill_grace) and
+  exits with the first failure's code, naming host and rank and the tail of its stderr;
+- SIGINT/SIGTERM to the head: the same stop everywhere, exit 128+N;
+- the head dies (SIGKILL) or a connection drops: the agent sees EOF on stdin (sshd
+  closes the session) and tears its workers down. Signal requests over SSH are not used
+  because OpenSSH refuses them for root sessions.
+- --max_restarts restarts the whole job on every node, with a new restart count.
+
+Hosts that are this machine get their agent as a local subprocess speaking the same
+protocol, so a hostfile that mixes localhost and remote hosts works.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from dslaunch.launcher.ssh import SshError, SshOptions, connect_all
+
+STOP = json.dumps({"cmd": "stop"}) + "\n"
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    rank: int
+    local_rank: int
+    argv: Tuple[str, ...]
+    env: Dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Everything one agent needs; serialised as the JSON line on the agent's stdin."""
+    node_rank: int
+    host: str          # ssh target (user@host or host), also the output prefix
+    workers: Tuple[WorkerPlan, ...]
+    kill_grace: float
+    log_dir: Optional[str] = None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["workers"] = [dict(w, argv=list(w["argv"])) for w in d["workers"]]
+        return json.dumps(d) + "\n"
+
+
+@dataclass(frozen=True)
+class Failure:
+    host: str
+    rank: Optional[int]
+    code: int
+    how: str
+    tail: Tuple[str, ...] = ()
+
+
+@dataclass
+class Attempt:
+    """One run of the whole job across all nodes."""
+    code: int = 0
+    first_failure: Optional[Failure] = None
+    interrupted_by: Optional[int] = None
+
+
+def agent_command(python: str, workdir: str) -> str:
+    """The only shell line that reaches a remote host: both words quoted."""
+    return f"cd {shlex.quote(workdir)} && exec {shlex.quote(python)} -u -m dslaunch.launcher.agent"
+
+
+class _Link:
+    """One agent's control channel: stdin for the plan and stop, stdout for events."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.lock = threading.Lock()
+
+    def send(self, text: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def safe_send(self, text: str) -> None:
+        with self.lock:
+            try:
+                self.send(text)
+            except (OSError, EOFError, Exception):
+                pass  # a dead link ends in an eof event from its reader
+
+
+class _SshLink(_Link):
+    def __init__(self, host: str, client, python: str, workdir: str):
+        super().__init__(host)
+        self.client = client
+        self.chan = client.get_transport().open_session()
+        self.chan.exec_command(agent_command(python, workdir))
+        self.out = self.chan.makefile("rb")
+        self.err = self.chan.makefile_stderr("rb")
+
+    def send(self, text: str) -> None:
+        self.chan.sendall(text.encode())
+
+    def close(self) -> None:
+        try:
+            self.chan.close()
+        except Exception:
+            pass
+
+
+class _LocalLink(_Link):
+    def __init__(self, host: str, python: str, workdir: str):
+        super().__init__(host)
+        self.proc = subprocess.Popen(
+            [python, "-u", "-m", "dslaunch.launcher.agent"], cwd=workdir,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        self.out, self.err = self.proc.stdout, self.proc.stderr
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+
+Sink = Callable[[str, str], None]  # (stream "out"/"err", full line without newline)
+
+
+def default_sink(stream: str, line: str) -> None:
+    f = sys.stdout if stream == "out" else sys.stderr
+    f.write(line + "\n")
+    f.flush()
+
+
+@dataclass
+class MultiNodeRunner:
+    plans_for: Callable[[int], List[NodePlan]]   # restart count -> plans
+    ssh: SshOptions
+    python: str
+    workdir: str
+    local_hosts: Sequence[str] = ()
+    max_restarts: int = 0
+    sink: Sink = default_sink
+    tail_lines: int = 10
+    _events: "queue.Queue" = field(default_factory=queue.Queue)
+
+    # ------------------------------------------------------------------ public
+    def run(self) -> int:
+        hosts = [p.host for p in self.plans_for(0)]
+        remote = [h for h in hosts if h not in self.local_hosts]
+        conns = connect_all(remote, self.ssh)
+        if conns.errors:
+            conns.close()
+            for host in remote:
+                if host in conns.errors:
+                    self.sink("err", f"dslaunch: {conns.errors[host]}")
+            return 255
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in old:
+            signal.signal(s, lambda signum, frame: self._events.put((None, {"ev": "signal", "sig": signum})))
+        try:
+            restart = 0
+            while True:
+                attempt = self._attempt(self.plans_for(restart), conns.clients)
+                if attempt.code == 0 or attempt.interrupted_by or restart >= self.max_restarts:
+                    break
+                restart += 1
+                self.sink("err", f"dslaunch: restarting the whole job on every node ({restart}/{self.max_restarts})")
+            return attempt.code
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            conns.close()
+
+    # ------------------------------------------------------------------ one attempt
+    def _attempt(self, plans: List[NodePlan], clients) -> Attempt:
+        links: List[_Link] = []
+        result = Attempt()
+        try:
+            for plan in plans:
+                if plan.host in self.local_hosts:
+                    link: _Link = _LocalLink(plan.host, self.python, self.workdir)
+                else:
+                    link = _SshLink(plan.host, clients[plan.host], self.python, self.workdir)
+                links.append(link)
+                self._start_readers(len(links) - 1, link)
+                link.safe_send(plan.to_json())
+        except Exception as exc:  # opening a session failed: stop what started, report the host
+            host = plans[len(links)].host if len(links) < len(plans) else "?"
+            self.sink("err", f"dslaunch: {host}: cannot start the node agent: {exc}")
+            for link in links:
+                link.safe_send(STOP)
+            result.code = 255
+            self._drain(links, set(range(len(links))), deadline=time.monotonic() + 10)
+            return result
+
+        pending = set(range(len(links)))
+        stop_deadline: Optional[float] = None
+        grace = max((p.kill_grace for p in plans), default=5.0)
+        while pending:
+            timeout = None if stop_deadline is None else max(0.0, stop_deadline - time.monotonic())
+            try:
+                idx, ev = self._events.get(timeout=timeout if timeout is not None else 0.5)
+            except queue.Empty:
+                if stop_deadline is not None and time.monotonic() >= stop_deadline:
+                    # agents that did not finish in time lose their channel: EOF makes them kill
+                    for i in pending:
+                        links[i].close()
+                    break
+                continue
+            kind = ev.get("ev")
+            if kind == "signal":
+                if result.interrupted_by is None:
+                    result.interrupted_by = ev["sig"]
+                    result.code = 128 + ev["sig"]
+                    self.sink("err", f"dslaunch: got signal {ev['sig']}; stopping workers on every node")
+                    for i in pending:
+                        links[i].safe_send(STOP)
+                    stop_deadline = time.monotonic() + grace + 5
+                continue
+            host = links[idx].host
+            if kind == "line":
+                self.sink(ev["stream"], f"[{host}:{ev['rank']}] {ev['text']}")
+            elif kind == "agent_err":
+                self.sink("err", f"[{host} agent] {ev['text']}")
+            elif kind in ("done", "eof"):
+                if idx not in pending:
+                    continue
+                pending.discard(idx)
+                if kind == "eof":
+                    fail = Failure(host, None, 255, "lost its node agent (connection dropped or agent died)")
+                else:
+                    fail = None if ev["code"] == 0 or ev.get("stopped") else Failure(
+                        host, ev.get("rank"), ev["code"], ev.get("how", ""), tuple(ev.get("tail", ())))
+                if fail is not None and result.first_failure is None and result.interrupted_by is None:
+                    result.first_failure = fail
+                    result.code = fail.code
+                    for i in pending:
+                        links[i].safe_send(STOP)
+                    stop_deadline = time.monotonic() + grace + 5
+        for link in links:
+            link.close()
+        self._report(result)
+        return result
+
+    def _drain(self, links, pending, deadline) -> None:
+        while pending and time.monotonic() < deadline:
+            try:
+                idx, ev = self._events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if idx is not None and ev.get("ev") in ("done", "eof"):
+                pending.discard(idx)
+        for link in links:
+            link.close()
+
+    def _report(self, result: Attempt) -> None:
+        f = result.first_failure
+        if f is None:
+            return
+        who = f"rank {f.rank} on host {f.host}" if f.rank is not None else f"host {f.host}"
+        self.sink("err", f"dslaunch: {who} failed first: {f.how or f'exit code {f.code}'}")
+        if f.tail:
+            self.sink("err", f"dslaunch: last lines of {f.host}:{f.rank}'s stderr:")
+            for line in f.tail[-self.tail_lines:]:
+                self.sink("err", f"    {line}")
+
+    # ------------------------------------------------------------------ readers
+    def _start_readers(self, idx: int, link: _Link) -> None:
+        def events():
+            try:
+                for raw in link.out:
+                    try:
+                        ev = json.loads(raw)
+                    except ValueError:
+                        ev = {"ev": "agent_err", "text": raw.decode(errors="replace").rstrip("\n")}
+                    self._events.put((idx, ev))
+            except Exception:
+                pass
+            self._events.put((idx, {"ev": "eof"}))
+
+        def errors():
+            try:
+                for raw in link.err:
+                    self._events.put((idx, {"ev": "agent_err", "text": raw.decode(errors="replace").rstrip("\n")}))
+            except Exception:
+                pass
+
+        for target in (events, errors):
+            threading.Thread(target=target, daemon=True, name=f"dslaunch-{link.host}").start()
+
+
+def build_plans(
+    world, script: str, script_args: Sequence[str], *, python: str, master_addr: str, master_port: int,
+    run_id: str, forwarded: Dict[str, str], max_restarts: int = 0, kill_grace: float = 5.0,
+    module: bool = False, no_python: bool = False, no_local_rank: bool = False,
+) -> Callable[[int], List[NodePlan]]:
+    """World + script -> a function from restart count to every node's plan (pure)."""
+    from dslaunch.launcher.world import RunIdentity, worker_argv, worker_env
+
+    def plans(restart: int) -> List[NodePlan]:
+        ident = RunIdentity(master_addr, master_port, run_id, restart, max_restarts)
+        out = []
+        for node in world.nodes:
+            workers = []
+            for lr in range(node.local_world_size):
+                env = dict(forwarded)
+                # the contract wins over forwarded values: a stray RANK in .dslaunch_env must not break the job
+                env.update(worker_env(world, node, lr, ident))
+                argv = worker_argv(script, script_args, lr, python=python, module=module,
+                                   no_python=no_python, no_local_rank=no_local_rank)
+                workers.append(WorkerPlan(node.first_rank + lr, lr, tuple(argv), env))
+            target = f"{node.user}@{node.host}" if node.user else node.host
+            out.append(NodePlan(node.node_rank, target, tuple(workers), kill_grace))
+        return out
+
+    return plans
