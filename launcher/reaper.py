@@ -1,0 +1,145 @@
+"""Process-tree plumbing for the supervisor: parent-death signals, subreaping, tree kills.
+
+Three mechanisms together give "no orphans, ever":
+- each worker gets PR_SET_PDEATHSIG, so the kernel signals it the moment the supervisor
+  dies, even by SIGKILL. The setting is per *thread* of the parent and is not inherited
+  by the worker's own children, which is why it is not enough alone;
+- the supervisor marks itself a child subreaper, so a worker's orphaned descendants are
+  re-parented to it (not to init) and remain findable as its descendants for teardown;
+- watchdog.py, a separate process, cleans up after a supervisor that was SIGKILLed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Dict, Iterable, List, Optional, Set
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+_libc = None
+
+
+def _prctl():
+    global _libc
+    if _libc is None and sys.platform.startswith("linux"):
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc.prctl if _libc is not None else None
+
+
+def become_subreaper() -> bool:
+    prctl = _prctl()
+    return bool(prctl) and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def make_child_setup(death_signal: int = signal.SIGTERM):
+    """A preexec_fn that ties the child's life to this process (Linux; no-op elsewhere).
+
+    Resolved in the parent so the child runs no imports between fork and exec.
+    """
+    prctl = _prctl()
+    parent = os.getpid()
+
+    def setup() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
+        # The parent may have died between fork and prctl; then nobody would signal us.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return setup
+
+
+def _parent_map() -> Dict[int, List[int]]:
+    """ppid -> [pid] for every process, from /proc/*/stat (what psutil does, without importing it)."""
+    kids: Dict[int, List[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                # comm may contain spaces and ')': the fields after the last ')' are fixed.
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def children(pid: int) -> List[int]:
+    return _parent_map().get(pid, [])
+
+
+def descendants(pid: int) -> List[int]:
+    kids = _parent_map()
+    out: List[int] = []
+    todo = list(kids.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.append(p)
+            todo.extend(kids.get(p, []))
+    return out
+
+
+def signal_processes(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def signal_groups(pgids: Iterable[int], sig: int) -> None:
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def reap(pids: Iterable[int]) -> Set[int]:
+    """waitpid(WNOHANG) the given adopted orphans; returns those still running.
+
+    Never waitpid(-1): that could steal the exit status of a worker its Popen still waits for.
+    """
+    alive = set()
+    for pid in pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue  # not our child (yet or any more): leave it to its parent
+        if done == 0:
+            alive.add(pid)
+    return alive
+
+
+def alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def exit_code_of(returncode: Optional[int]) -> int:
+    """Popen returncode -> shell-style exit code: -N (killed by signal N) becomes 128+N."""
+    if returncode is None:
+        return 1
+    return 128 - returncode if returncode < 0 else returncode

@@ -1,0 +1,439 @@
+"""Local worker-group supervision: start, stream, watch, tear down. One attempt.
+
+The group is the unit (as in torch elastic): it succeeds when every worker exits 0, and
+the first worker to fail fails the group, which is then torn down as a whole. Restarts
+are the caller's business (a new Supervisor per attempt), so a remote node agent can run
+exactly one attempt per request from the head.
+
+Teardown: SIGTERM (or the signal the caller was asked to forward) to each worker's process
+group and to every descendant found, immediately; SIGKILL to whatever survives the grace
+period. Descendants that escaped the group with setsid are still found because the
+supervisor is a child subreaper; after a SIGKILL of the supervisor itself, the watchdog
+process and the workers' parent-death signal take over (see reaper.py, watchdog.py).
+
+Output: every worker's stdout and stderr are separate pipes read by one selector loop,
+cut into whole lines and handed to the caller's sink, so lines from different workers
+never interleave mid-line and stderr stays stderr. The sink decides the prefix: `[rank 3]`
+on a terminal, `host:rank` when a node agent forwards lines to the head.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Deque, Dict, List, Optional, Sequence
+
+from dslaunch.launcher import reaper
+
+# Marks every process of one group in its environment; the watchdog finds escaped
+# grandchildren by it. Unique per attempt so two jobs on one host never touch each other.
+GROUP_MARKER_VAR = "DSLAUNCH_GROUP_ID"
+STDOUT, STDERR = "stdout", "stderr"
+_MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is emitted in pieces rather than buffered forever
+
+
+class WorkerState(enum.Enum):
+    """Lifecycle of one worker; the group moves through the same states as a unit.
+
+    INIT -> HEALTHY when its process started (INIT -> FAILED if it could not be started).
+    HEALTHY -> SUCCEEDED on exit 0, FAILED on a non-zero exit or a death by signal that
+    the supervisor did not cause, STOPPED when it ended after the supervisor began a
+    teardown (the group failed elsewhere, or a stop was requested).
+    A group is SUCCEEDED only if every worker is; FAILED if any worker FAILED first;
+    STOPPED if a stop request ended it before any failure.
+    """
+
+    INIT = "init"
+    HEALTHY = "healthy"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    argv: List[str]
+    env: Dict[str, str]  # the complete environment of the worker
+    label: str = ""  # how the sink and reports name it; defaults to "rank N"
+    cwd: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.label:
+            self.label = f"rank {self.rank}"
+
+
+# sink(worker, stream, line): line is bytes including its trailing b"\n"
+Sink = Callable[[WorkerSpec, str, bytes], None]
+
+
+@dataclass
+class WorkerFailure:
+    rank: int
+    label: str
+    exit_code: int  # 128+N when killed by signal N
+    signal: Optional[int]
+    stderr_tail: List[str]
+    elapsed_s: float
+
+    def describe(self) -> str:
+        how = (f"killed by {reaper.signal_name(self.signal)} (exit code {self.exit_code})"
+               if self.signal else f"exited with code {self.exit_code}")
+        return f"{self.label} failed first: {how} after {self.elapsed_s:.1f}s"
+
+
+@dataclass
+class GroupResult:
+    state: WorkerState
+    exit_codes: Dict[int, Optional[int]]  # rank -> shell-style exit code (None: never started)
+    states: Dict[int, WorkerState]
+    failure: Optional[WorkerFailure] = None
+    stop_signal: Optional[int] = None  # the stop request that ended the group, if any
+    teardown_s: Optional[float] = None  # first teardown signal -> last worker gone
+
+    @property
+    def exit_code(self) -> int:
+        if self.failure is not None:
+            return self.failure.exit_code
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        return 0
+
+
+@dataclass
+class _Worker:
+    spec: WorkerSpec
+    state: WorkerState = WorkerState.INIT
+    proc: Optional[subprocess.Popen] = None
+    pidfd: Optional[int] = None
+    started: float = 0.0
+    exit_code: Optional[int] = None
+    partial: Dict[str, bytearray] = field(default_factory=lambda: {STDOUT: bytearray(), STDERR: bytearray()})
+    tail: Deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+
+class Supervisor:
+    """Runs one attempt of a worker group. Use from one thread; request_stop() from any."""
+
+    def __init__(self, specs: Sequence[WorkerSpec], sink: Sink, *, kill_grace: float = 5.0,
+                 stderr_tail_lines: int = 20, subreaper: bool = True, watchdog: bool = True):
+        if not specs:
+            raise ValueError("a worker group needs at least one worker")
+        self.kill_grace = kill_grace
+        self._sink = sink
+        self._workers = [_Worker(s, tail=deque(maxlen=stderr_tail_lines)) for s in specs]
+        self._subreaper = subreaper
+        self._use_watchdog = watchdog
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stop_signal: Optional[int] = None
+        self._watchdog: Optional[subprocess.Popen] = None
+        self._marker = f"{GROUP_MARKER_VAR}={uuid.uuid4().hex}"
+
+    # -- public -------------------------------------------------------------------------
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """Forward `signum` to every worker and end the attempt. Safe in a signal handler."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
+        try:
+            os.write(self._wake_w, b"!")
+        except OSError:
+            pass
+
+    def run(self) -> GroupResult:
+        try:
+            return self._run()
+        finally:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    @property
+    def pids(self) -> List[int]:
+        return [w.proc.pid for w in self._workers if w.proc is not None]
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _run(self) -> GroupResult:
+        if self._subreaper:
+            reaper.become_subreaper()
+        self._start_watchdog()
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        failure: Optional[WorkerFailure] = None
+        teardown_at: Optional[float] = None
+        killed = False
+        try:
+            setup = reaper.make_child_setup()
+            marker_key, _, marker_value = self._marker.partition("=")
+            for w in self._workers:
+                if self._stop_signal is not None:
+                    break
+                failure = self._spawn(w, sel, setup, marker_key, marker_value) or failure
+                if failure is not None:
+                    break
+            if failure is not None or self._stop_signal is not None:
+                teardown_at = self._begin_teardown(failure)
+            while any(w.state is WorkerState.HEALTHY for w in self._workers):
+                timeout = None
+                if teardown_at is not None and not killed:
+                    timeout = max(0.0, teardown_at + self.kill_grace - time.monotonic())
+                elif any(w.pidfd is None for w in self._workers if w.state is WorkerState.HEALTHY):
+                    timeout = 0.05  # no pidfd support: poll exits
+                for key, _ in sel.select(timeout):
+                    kind, w = key.data
+                    if kind == "wake":
+                        self._drain_wake()
+                    elif kind == "exit":
+                        sel.unregister(key.fd)
+                    else:
+                        self._read(sel, key.fd, w, kind)
+                for w in self._workers:
+                    if w.state is WorkerState.HEALTHY and w.proc.poll() is not None:
+                        failed = self._exited(w, sel, tearing_down=teardown_at is not None)
+                        if failed and failure is None:
+                            failure = failed
+                if teardown_at is None and (failure is not None or self._stop_signal is not None):
+                    teardown_at = self._begin_teardown(failure)
+                if (teardown_at is not None and not killed
+                        and time.monotonic() >= teardown_at + self.kill_grace):
+                    self._signal_everything(signal.SIGKILL)
+                    killed = True
+            done_at = time.monotonic()
+            self._sweep_leftovers(killed)
+            self._finish_output(sel)
+        finally:
+            if any(w.state is WorkerState.HEALTHY for w in self._workers):
+                # An exception escaped the loop: never leave the group running.
+                self._signal_everything(signal.SIGKILL)
+                for w in self._workers:
+                    if w.proc is not None:
+                        w.proc.wait()
+            for w in self._workers:
+                if w.pidfd is not None:
+                    os.close(w.pidfd)
+                    w.pidfd = None
+            sel.close()
+            self._stop_watchdog()
+        return self._result(failure, teardown_at, done_at)
+
+    def _spawn(self, w: _Worker, sel, setup, marker_key: str, marker_value: str) -> Optional[WorkerFailure]:
+        env = dict(w.spec.env)
+        env[marker_key] = marker_value
+        w.started = time.monotonic()
+        try:
+            w.proc = subprocess.Popen(
+                w.spec.argv, env=env, cwd=w.spec.cwd, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=setup,
+            )
+        except OSError as e:
+            # Nothing ran; report it like a shell would (126 not executable, 127 not found).
+            code = 127 if isinstance(e, FileNotFoundError) else 126
+            w.state, w.exit_code = WorkerState.FAILED, code
+            msg = f"cannot start {w.spec.argv[0]!r}: {e.strerror or e}"
+            w.tail.append(msg)
+            self._sink(w.spec, STDERR, msg.encode() + b"\n")
+            return WorkerFailure(w.spec.rank, w.spec.label, code, None, list(w.tail), 0.0)
+        w.state = WorkerState.HEALTHY
+        self._announce(f"pgid {w.proc.pid}")
+        for stream, pipe in ((STDOUT, w.proc.stdout), (STDERR, w.proc.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            sel.register(pipe.fileno(), selectors.EVENT_READ, (stream, w))
+        try:
+            w.pidfd = os.pidfd_open(w.proc.pid)
+            sel.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
+        except (AttributeError, OSError):
+            w.pidfd = None
+        return None
+
+    def _read(self, sel, fd: int, w: _Worker, stream: str) -> bool:
+        """One read from a worker pipe; False when nothing was there (EAGAIN or EOF)."""
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not data:
+            sel.unregister(fd)
+            self._flush_partial(w, stream)
+            return False
+        buf = w.partial[stream]
+        buf += data
+        end = buf.rfind(b"\n")
+        if end >= 0:
+            for line in bytes(buf[: end + 1]).splitlines(keepends=True):
+                self._emit(w, stream, line)
+            del buf[: end + 1]
+        if len(buf) > _MAX_PARTIAL_LINE:
+            self._flush_partial(w, stream)
+        return True
+
+    def _emit(self, w: _Worker, stream: str, line: bytes) -> None:
+        if stream == STDERR:
+            w.tail.append(line.decode("utf-8", "replace").rstrip("\r\n"))
+        self._sink(w.spec, stream, line)
+
+    def _flush_partial(self, w: _Worker, stream: str) -> None:
+        buf = w.partial[stream]
+        if buf:
+            self._emit(w, stream, bytes(buf) + b"\n")
+            buf.clear()
+
+    def _drain(self, sel, w: _Worker) -> None:
+        """Read what a dead worker left in its pipes, so its last lines precede any report.
+
+        Bounded: a grandchild that inherited the pipe may still be writing.
+        """
+        for stream, pipe in ((STDOUT, w.proc.stdout), (STDERR, w.proc.stderr)):
+            fd = pipe.fileno()
+            for _ in range(256):
+                if fd not in sel.get_map() or not self._read(sel, fd, w, stream):
+                    break
+
+    def _exited(self, w: _Worker, sel, tearing_down: bool) -> Optional[WorkerFailure]:
+        rc = w.proc.returncode
+        w.exit_code = reaper.exit_code_of(rc)
+        self._drain(sel, w)
+        if rc == 0:
+            w.state = WorkerState.SUCCEEDED
+            return None
+        if tearing_down:
+            w.state = WorkerState.STOPPED
+            return None
+        w.state = WorkerState.FAILED
+        sig = -rc if rc < 0 else None
+        return WorkerFailure(w.spec.rank, w.spec.label, w.exit_code, sig, list(w.tail), time.monotonic() - w.started)
+
+    # -- teardown -----------------------------------------------------------------------
+
+    def _begin_teardown(self, failure: Optional[WorkerFailure]) -> float:
+        sig = signal.SIGTERM if failure is not None or self._stop_signal is None else self._stop_signal
+        self._signal_everything(sig)
+        return time.monotonic()
+
+    def _signal_everything(self, sig: int) -> None:
+        """Signal every worker's group, every descendant, and every adopted orphan."""
+        live = [w.proc.pid for w in self._workers if w.proc is not None]
+        reaper.signal_groups(live, sig)
+        reaper.signal_processes(self._job_descendants(), sig)
+
+    def _job_descendants(self) -> List[int]:
+        skip = {self._watchdog.pid} if self._watchdog is not None else set()
+        return [p for p in reaper.descendants(os.getpid()) if p not in skip and reaper.alive(p)]
+
+    def _sweep_leftovers(self, killed: bool) -> None:
+        """Workers are gone; end anything they left behind (daemons, escaped grandchildren)."""
+        leftovers = self._job_descendants()
+        if not leftovers:
+            self._reap_adopted()
+            return
+        if not killed:
+            reaper.signal_processes(leftovers, signal.SIGTERM)
+            reaper.signal_groups([w.proc.pid for w in self._workers if w.proc is not None], signal.SIGTERM)
+            deadline = time.monotonic() + self.kill_grace
+            while time.monotonic() < deadline:
+                self._reap_adopted()
+                if not self._job_descendants():
+                    return
+                time.sleep(0.02)
+        reaper.signal_processes(self._job_descendants(), signal.SIGKILL)
+        reaper.signal_groups([w.proc.pid for w in self._workers if w.proc is not None], signal.SIGKILL)
+        deadline = time.monotonic() + 2.0
+        while self._job_descendants() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._reap_adopted()
+
+    def _reap_adopted(self) -> None:
+        mine = {w.proc.pid for w in self._workers if w.proc is not None}
+        if self._watchdog is not None:
+            mine.add(self._watchdog.pid)
+        reaper.reap(p for p in reaper.children(os.getpid()) if p not in mine)
+
+    def _finish_output(self, sel) -> None:
+        """Every process of the group is gone: read the pipes to EOF and close them."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            keys = [k for k in sel.get_map().values() if k.data[0] in (STDOUT, STDERR)]
+            if not keys:
+                break
+            for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+                kind, w = key.data
+                if kind in (STDOUT, STDERR):
+                    self._read(sel, key.fd, w, kind)
+                elif kind == "wake":
+                    self._drain_wake()
+        for w in self._workers:
+            for stream in (STDOUT, STDERR):
+                self._flush_partial(w, stream)
+            if w.proc is not None:
+                for pipe in (w.proc.stdout, w.proc.stderr):
+                    try:
+                        sel.unregister(pipe.fileno())
+                    except (KeyError, ValueError):
+                        pass
+                    pipe.close()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # -- watchdog -----------------------------------------------------------------------
+
+    def _start_watchdog(self) -> None:
+        if not self._use_watchdog:
+            return
+        script = Path(__file__).with_name("watchdog.py")
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-S", "-E", str(script), str(self.kill_grace)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        self._announce(f"marker {self._marker}")
+
+    def _announce(self, line: str) -> None:
+        if self._watchdog is not None:
+            try:
+                self._watchdog.stdin.write(line.encode() + b"\n")
+                self._watchdog.stdin.flush()
+            except OSError:
+                pass
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is None:
+            return
+        self._announce("done")
+        try:
+            self._watchdog.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._watchdog.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._watchdog.kill()
+            self._watchdog.wait()
+
+    def _result(self, failure, teardown_at, done_at) -> GroupResult:
+        states = {w.spec.rank: w.state for w in self._workers}
+        codes = {w.spec.rank: w.exit_code for w in self._workers}
+        if failure is not None:
+            group = WorkerState.FAILED
+        elif self._stop_signal is not None:
+            group = WorkerState.STOPPED
+        else:
+            group = WorkerState.SUCCEEDED
+        # A worker that was never spawned (stop arrived, or an earlier spawn failed) is STOPPED.
+        for w in self._workers:
+            if w.state is WorkerState.INIT:
+                states[w.spec.rank] = WorkerState.STOPPED
+        teardown_s = (done_at - teardown_at) if teardown_at is not None else None
+        return GroupResult(group, codes, states, failure, self._stop_signal if failure is None else None, teardown_s)

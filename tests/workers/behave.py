@@ -1,0 +1,86 @@
+"""Test worker (no torch): behaves as its argv says, per rank. Used by the supervisor/launch tests.
+
+    behave.py [--local_rank=N] ACTION [ARGS...]
+ACTIONS
+    ok                       exit 0
+    lines N                  N numbered lines to stdout and to stderr, in many small writes
+    exit RANK CODE           rank RANK exits CODE after 0.3 s; the others wait to be stopped
+    kill RANK SIG            rank RANK kills itself with signal SIG; the others wait
+    tree PIDFILE [ignore]    spawn a child and a setsid'd grandchild that sleep, record every pid
+                             of this rank's tree in PIDFILE.<rank>, then wait; `ignore` makes all
+                             of them ignore SIGTERM
+    env OUT                  write the worker's argv and environment as JSON to OUT.<rank>
+    args                     print the script's argv as JSON on one line
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank=")]
+rank = int(os.environ.get("RANK", "0"))
+action = argv[0] if argv else "ok"
+
+
+def wait_forever():
+    # Bounded so a broken test can never leave a process behind for long.
+    time.sleep(120)
+    sys.exit(99)
+
+
+def ready(tag):
+    print(f"ready {tag}", flush=True)
+
+
+if action == "ok":
+    pass
+elif action == "lines":
+    n = int(argv[1])
+    for i in range(n):
+        # Several writes per line: the supervisor must still deliver whole lines.
+        for part in (f"r{rank} ", f"line {i} ", "end\n"):
+            sys.stdout.write(part)
+            sys.stdout.flush()
+            sys.stderr.write("E" + part)
+            sys.stderr.flush()
+    sys.stdout.write(f"r{rank} no-newline-at-end")
+elif action == "exit":
+    ready(rank)
+    if rank == int(argv[1]):
+        time.sleep(0.3)
+        print(f"rank {rank} is failing", file=sys.stderr, flush=True)
+        sys.exit(int(argv[2]))
+    wait_forever()
+elif action == "kill":
+    ready(rank)
+    if rank == int(argv[1]):
+        time.sleep(0.3)
+        os.kill(os.getpid(), int(argv[2]))
+    wait_forever()
+elif action == "tree":
+    pidfile = f"{argv[1]}.{rank}"
+    ignore = len(argv) > 2 and argv[2] == "ignore"
+    sleeper = "import signal,time\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore else "") + "time.sleep(120)"
+    if ignore:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", sleeper])
+    escaped = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
+    # The grandchild's parent exits at once, orphaning it: only a subreaper can still find it.
+    orphaner = subprocess.Popen([sys.executable, "-c",
+                                 f"import subprocess,sys; p=subprocess.Popen([sys.executable,'-c',{sleeper!r}]); print(p.pid)"],
+                                stdout=subprocess.PIPE, text=True)
+    orphan = int(orphaner.communicate()[0])
+    with open(pidfile + ".tmp", "w") as f:
+        json.dump([os.getpid(), child.pid, escaped.pid, orphan], f)
+    os.replace(pidfile + ".tmp", pidfile)
+    ready(rank)
+    wait_forever()
+elif action == "env":
+    with open(f"{argv[1]}.{rank}", "w") as f:
+        json.dump({"argv": sys.argv, "env": dict(os.environ)}, f)
+elif action == "args":
+    print(json.dumps(sys.argv[1:]))
+else:
+    sys.exit(f"behave.py: unknown action {action!r}")
