@@ -1,1 +1,69 @@
-"""dslaunch.runtime: the DeepSpeed-compatible training engine (`import dslaunch.runtime as deepspeed`)."""
+"""dslaunch.runtime: the DeepSpeed-compatible training engine (`import dslaunch.runtime as deepspeed`).
+
+    engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(args=args, model=model,
+                                                                      model_parameters=model.parameters())
+
+Config errors (ConfigError) and checkpoint errors (CheckpointError) that escape a script
+are printed as one line on stderr with exit status 2 instead of a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import accelerator
+from .checkpoint import CheckpointError
+from .comm import init_distributed
+from .config import DeepSpeedConfig
+from .engine import DeepSpeedEngine
+from .loss_scaler import LossScaleStuck
+from .strategy import GradientStrategy, StrategyContext, register_strategy
+from .strict import ConfigError
+
+__version__ = "0.1.0"
+
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
+           "ConfigError", "CheckpointError", "LossScaleStuck", "GradientStrategy", "StrategyContext",
+           "register_strategy", "accelerator"]
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               config_params=None):
+    """Build the engine; returns (engine, optimizer, training_dataloader, lr_scheduler) like DeepSpeed."""
+    if mpu is not None:
+        raise ConfigError("initialize: model parallelism (mpu=) is not supported; only data parallelism and ZeRO")
+    if dist_init_required is not False and distributed_port is not None:
+        init_distributed(distributed_port=distributed_port)
+    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler, config=config,
+                             config_params=config_params, collate_fn=collate_fn,
+                             dist_init_required=dist_init_required)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's --deepspeed and --deepspeed_config (and tolerate --local_rank from older launchers)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed (kept for compatibility; the engine is always used)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON (or YAML) config file")
+    if not any("--local_rank" in a.option_strings for a in parser._actions):
+        group.add_argument("--local_rank", type=int, default=-1, help="local rank passed by a launcher")
+    return parser
+
+
+def _one_line_errors(previous):
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck)):
+            print(f"error: {exc}", file=sys.stderr)
+            sys.stderr.flush()
+            import os
+
+            os._exit(2)  # skip interpreter teardown (process groups) after a clean message
+        previous(exc_type, exc, tb)
+
+    return hook
+
+
+sys.excepthook = _one_line_errors(sys.excepthook)

@@ -118,3 +118,15 @@ def consolidated_state_dict(shards: Sequence[Dict[str, Any]], module_state: Dict
         order = list(module_state.keys()) + [k for k in out if k not in module_state]
         out = {k: out[k] for k in order if k in out}
     return out
+
+
+def tied_aliases(module: torch.nn.Module) -> Dict[str, str]:
+    """state_dict name -> the name its tied parameter is stored under (its first name)."""
+    first: Dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases

@@ -92,15 +92,15 @@ def _cpu_adam_kernel(optimizer):
     reason = None
     if type(optimizer).__name__ not in ("Adam", "AdamW"):
         reason = f"optimizer {type(optimizer).__name__} is not Adam/AdamW"
+    elif any(g.get("amsgrad") for g in optimizer.param_groups):
+        reason = "amsgrad is on"
     else:
         try:
-            from dslaunch.kernels import cpu_adam  # noqa: F401  (provided by the kernels issue)
-            fn = getattr(cpu_adam, "adam_step_flat", None)
-            ok = getattr(cpu_adam, "is_available", lambda: fn is not None)()
-            if fn is None or not ok:
-                reason = "dslaunch.kernels.cpu_adam is not available on this machine"
-        except ImportError:
-            reason = "dslaunch.kernels.cpu_adam is not installed"
+            from dslaunch.kernels.cpu_adam import cpu_adam_available, cpu_adam_step as fn
+            if not cpu_adam_available():
+                reason = "the dslaunch.kernels CPU Adam op could not be built on this machine"
+        except ImportError as exc:
+            reason = f"dslaunch.kernels.cpu_adam cannot be imported ({exc})"
     if reason:
         if not _warned:
             warnings.warn(f"offload_optimizer: using torch's {type(optimizer).__name__} on the CPU because {reason}",
@@ -111,8 +111,9 @@ def _cpu_adam_kernel(optimizer):
 
     def run(p, g, m, v, step, group):
         b1, b2 = group["betas"]
-        fn(p, g, m, v, step=step, lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
-           weight_decay=group["weight_decay"], adamw=decoupled)
+        fn(p, g, m, v, step=step, lr=group["lr"], betas=(b1, b2), eps=group["eps"],
+           weight_decay=group["weight_decay"], decoupled_weight_decay=decoupled,
+           amsgrad=False, maximize=group.get("maximize", False))
     return run
 
 

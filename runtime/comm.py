@@ -1,0 +1,83 @@
+"""Process-group set-up from whichever launcher started us.
+
+dslaunch, torchrun and DeepSpeed's launcher all export RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT; mpirun exports OMPI_COMM_WORLD_*. With none of these (plain
+`python train.py`) this becomes a one-process group on a free loopback port, so the same
+script runs everywhere.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_WORLD_SOURCE = "single process (no launcher environment)"
+
+
+def world_source() -> str:
+    """Where the world size came from, for error messages."""
+    return _WORLD_SOURCE
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adopt_mpi_env() -> None:
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:
+        os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+        os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: Optional[int] = None, verbose: bool = True,
+                     timeout: timedelta = timedelta(minutes=30), init_method: Optional[str] = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Initialise torch.distributed once (a second call is a no-op), like deepspeed.init_distributed."""
+    global _WORLD_SOURCE
+    if dist.is_initialized():
+        return
+    if auto_mpi_discovery:
+        _adopt_mpi_env()
+    if rank < 0 and "RANK" in os.environ:
+        rank = int(os.environ["RANK"])
+    if world_size < 0 and "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
+        _WORLD_SOURCE = "WORLD_SIZE from the launcher environment"
+    if rank < 0 or world_size < 0:
+        rank, world_size = 0, 1
+        _WORLD_SOURCE = "single process (no launcher environment)"
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port or _free_port()))
+    elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        if init_method is None:
+            raise RuntimeError("init_distributed: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
+                               "start the job with dslaunch or torchrun")
+    backend = dist_backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

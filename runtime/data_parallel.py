@@ -1,0 +1,204 @@
+"""Stage 0: plain data parallelism with bucketed, overlapped gradient all-reduce.
+
+Every rank keeps the whole model and optimizer. Gradients live in flat per-bucket buffers
+(each parameter's .grad is a view into its bucket), so autograd accumulates straight into
+the memory that is all-reduced: no copy in, no copy out. Buckets are filled in reverse
+parameter order (roughly the order backward produces gradients) up to
+`reduce_bucket_size` elements. On the boundary micro-step a post-accumulate-grad hook
+counts ready parameters and launches an asynchronous all-reduce as soon as a bucket is
+complete, while backward keeps computing the earlier layers (`overlap_comm`). Non-boundary
+micro-steps only accumulate locally: no communication at all.
+
+With fp16/bf16 the module holds 16-bit weights and this strategy keeps fp32 master copies,
+rewiring the optimizer's param groups to them; reduced 16-bit gradients are converted to
+fp32 once per step, and updated masters are copied back into the module.
+
+Gradient hooks fire in autograd order, which is the same on every rank for the same
+graph; a parameter that gets no gradient leaves its bucket to be reduced at the step,
+also in the same order everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .strategy import GradientStrategy, StrategyContext, register_strategy
+
+
+@dataclass
+class _Bucket:
+    params: List[torch.nn.Parameter]
+    flat: torch.Tensor  # gradients, in the module's dtype
+    views: List[torch.Tensor]
+    ready: int = 0
+    work: Optional[object] = None
+    master_flat: Optional[torch.Tensor] = None  # fp32 gradients (mixed precision only)
+    masters: List[torch.Tensor] = field(default_factory=list)
+
+
+@register_strategy(0)
+class DataParallelStrategy(GradientStrategy):
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        seen = set()
+        params = []
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        self.params = params
+        self.mixed = ctx.compute_dtype != torch.float32
+        self.overlap = ctx.config.zero.overlap_comm and ctx.distributed
+        self._boundary = False
+        self._hooks = []
+        self.buckets = self._make_buckets(params, max(1, ctx.config.zero.reduce_bucket_size))
+        self.bucket_of: Dict[int, _Bucket] = {}
+        self.view_of: Dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            for p, v in zip(b.params, b.views):
+                self.bucket_of[id(p)] = b
+                self.view_of[id(p)] = v
+                p.grad = v
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if self.mixed:
+            self._make_masters()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _make_buckets(self, params, limit: int) -> List[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in reversed(params):
+            if current and (size + p.numel() > limit or p.dtype != current[0].dtype or p.device != current[0].device):
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            buckets.append(current)
+        out = []
+        for group in buckets:
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
+            views, off = [], 0
+            for p in group:
+                views.append(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+            out.append(_Bucket(params=group, flat=flat, views=views))
+        return out
+
+    def _make_masters(self) -> None:
+        master_of = {}
+        for b in self.buckets:
+            b.masters = [p.detach().to(torch.float32).clone() for p in b.params]
+            for p, m in zip(b.params, b.masters):
+                master_of[id(p)] = m
+        self.masters = [m for b in self.buckets for m in b.masters]
+        for group in self.optimizer.param_groups:
+            group["params"] = [master_of.get(id(p), p) for p in group["params"]]
+
+    # -- backward --------------------------------------------------------------------------
+    def _relink(self, p) -> None:
+        # A user's model.zero_grad(set_to_none=True) detaches .grad from its bucket view.
+        view = self.view_of[id(p)]
+        if p.grad is not view:
+            if p.grad is not None:
+                view.copy_(p.grad)
+            else:
+                view.zero_()
+            p.grad = view
+
+    def _on_grad_ready(self, p) -> None:
+        if not (self._boundary and self.overlap):
+            return
+        self._relink(p)
+        b = self.bucket_of[id(p)]
+        b.ready += 1
+        if b.ready == len(b.params):
+            b.work = dist.all_reduce(b.flat, group=self.ctx.group, async_op=True)
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self._boundary = is_boundary
+        if is_boundary:
+            for b in self.buckets:
+                b.ready, b.work = 0, None
+
+    # -- boundary --------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        ws = self.ctx.world_size
+        for b in self.buckets:
+            if b.work is None:
+                for p in b.params:
+                    self._relink(p)
+                if self.ctx.distributed:
+                    dist.all_reduce(b.flat, group=self.ctx.group)
+            else:
+                b.work.wait()
+                b.work = None
+            if ws > 1:
+                b.flat.div_(ws)
+            if self.mixed:
+                b.master_flat = b.flat.to(torch.float32)
+                off = 0
+                for m in b.masters:
+                    m.grad = b.master_flat[off:off + m.numel()].view_as(m)
+                    off += m.numel()
+        self._boundary = False
+
+    def _grad_flats(self) -> List[torch.Tensor]:
+        return [b.master_flat if self.mixed else b.flat for b in self.buckets]
+
+    def global_grad_norm(self) -> float:
+        # Stage 0 gradients are identical on every rank after the all-reduce: no communication.
+        flats = self._grad_flats()
+        if not flats:
+            return 0.0
+        norms = torch.stack([torch.linalg.vector_norm(f.float(), 2) for f in flats])
+        return float(torch.linalg.vector_norm(norms, 2))
+
+    def scale_gradients_(self, factor: float) -> None:
+        for f in self._grad_flats():
+            f.mul_(factor)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                for b in self.buckets:
+                    torch._foreach_copy_(b.params, b.masters)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+            b.master_flat = None
+            for p, v in zip(b.params, b.views):
+                p.grad = v
+            for m in b.masters:
+                m.grad = None
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def load_module_state_dict(self, state, strict: bool = True) -> None:
+        self.module.load_state_dict(state, strict=strict)
+        if self.mixed:
+            with torch.no_grad():
+                for b in self.buckets:
+                    for p, m in zip(b.params, b.masters):
+                        m.copy_(p.detach().to(torch.float32))
+
+    def optimizer_state_dict(self):
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.mixed:
+            state["fp32_masters"] = [m.detach().clone() for m in self.masters]
+        return state
+
+    def load_optimizer_state_dict(self, state) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.mixed and "fp32_masters" in state:
+            with torch.no_grad():
+                for m, saved in zip(self.masters, state["fp32_masters"]):
+                    m.copy_(saved)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

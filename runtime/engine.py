@@ -1,0 +1,250 @@
+"""The training engine `initialize` returns: DeepSpeed's DeepSpeedEngine surface.
+
+The engine owns what all ZeRO stages share (config, batch sizes, precision casting, loss
+scaling, accumulation counting, clipping arithmetic, LR schedule, logging, checkpoint
+files) and delegates gradient reduction, optimizer stepping and parameter sync to the
+GradientStrategy chosen by zero_optimization.stage (see strategy.py for the call order).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint, comm
+from .config import DeepSpeedConfig, resolve_batch_sizes
+from .dataloader import DistributedDataLoader
+from .loss_scaler import make_loss_scaler
+from .lr_schedules import build_scheduler
+from .optim import build_optimizer
+from .progress import ProgressLog
+from .strategy import StrategyContext, strategy_for_stage
+from .strict import ConfigError
+
+
+def _config_source(args, config, config_params):
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if config is not None and from_args is not None:
+        raise ConfigError("config: given both as initialize(config=...) and --deepspeed_config; pass one")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError("config: none given; pass initialize(config=dict or path) or --deepspeed_config FILE")
+    return source
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    def __init__(self, args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
+                 training_data=None, lr_scheduler=None, config=None, config_params=None, collate_fn=None,
+                 dist_init_required: Optional[bool] = None):
+        super().__init__()
+        if model is None:
+            raise ValueError("initialize: model= is required")
+        self.config = DeepSpeedConfig.load(_config_source(args, config, config_params))
+        if dist_init_required is not False:
+            comm.init_distributed()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.local_rank = comm.local_rank()
+        self.batch = resolve_batch_sizes(self.config, self.world_size, comm.world_source())
+        self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
+
+        if self.config.fp16.enabled:
+            self.compute_dtype = torch.float16
+        elif self.config.bf16.enabled:
+            self.compute_dtype = torch.bfloat16
+        else:
+            self.compute_dtype = torch.float32
+        model.to(self.device)
+        if self.compute_dtype != torch.float32:
+            model.to(self.compute_dtype)
+        self._broadcast_initial_state(model)
+        self.module = model
+
+        self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
+        ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
+                              compute_dtype=self.compute_dtype, rank=self.global_rank, world_size=self.world_size)
+        self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
+        self.strategy.wrap_module()
+        self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+
+        self.training_dataloader = None
+        if training_data is not None:
+            self.training_dataloader = DistributedDataLoader(
+                training_data, self.batch.micro_batch_per_gpu, self.global_rank, self.world_size,
+                collate_fn=collate_fn)
+
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._last_grad_norm: Optional[float] = None
+        self.progress = ProgressLog(self.config.steps_per_print, enabled=self.global_rank == 0,
+                                    wall_clock_breakdown=self.config.wall_clock_breakdown)
+        self._timing = self.config.wall_clock_breakdown
+
+    # -- set-up helpers ----------------------------------------------------------------------
+    def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
+        # Ranks may have initialised differently (different seeds): rank 0's weights win.
+        if self.world_size > 1 and dist.is_initialized():
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    dist.broadcast(t.data, src=0)
+
+    def _make_optimizer(self, optimizer, model_parameters, model):
+        if optimizer is not None and self.config.optimizer is not None:
+            raise ConfigError("optimizer: given both as initialize(optimizer=...) and in the config; pass one")
+        params = model_parameters if model_parameters is not None else model.parameters()
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(params)
+        if self.config.optimizer is None:
+            raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
+        return build_optimizer(self.config.optimizer, params)
+
+    def _make_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None and self.config.scheduler is not None:
+            raise ConfigError("scheduler: given both as initialize(lr_scheduler=...) and in the config; pass one")
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+                else lr_scheduler
+        if self.config.scheduler is not None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    # -- DeepSpeed's accessors ---------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self._last_grad_norm
+
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    # -- training ---------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if not self._timing:
+            return self.module(*args, **kwargs)
+        start = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self.progress.add_time("forward", time.perf_counter() - start)
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
+        start = time.perf_counter()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.progress.add_loss(float(loss.detach()))
+        factor = self.loss_scale() / self.batch.gradient_accumulation_steps
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        self.strategy.before_backward(boundary)
+        scaled.backward(retain_graph=retain_graph)
+        self.strategy.after_backward(boundary)
+        if self._timing:
+            self.progress.add_time("backward", time.perf_counter() - start)
+        return loss
+
+    def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        start = time.perf_counter()
+        if self.is_gradient_accumulation_boundary():
+            self._boundary_step(lr_kwargs or {})
+        self.micro_steps += 1
+        if self._timing:
+            self.progress.add_time("step", time.perf_counter() - start)
+
+    def _boundary_step(self, lr_kwargs: Dict[str, Any]) -> None:
+        s = self.strategy
+        s.reduce_gradients()
+        clip = self.config.gradient_clipping
+        scale = self.loss_scale()
+        overflow = False
+        coef = 1.0 / scale
+        if self.loss_scaler is not None or clip > 0:
+            norm = s.global_grad_norm()
+            overflow = not (norm == norm and norm != float("inf"))  # nan or inf
+            true_norm = norm / scale
+            self._last_grad_norm = true_norm
+            if not overflow and clip > 0 and true_norm > clip:
+                coef *= clip / (true_norm + 1e-6)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            if coef != 1.0:
+                s.scale_gradients_(coef)
+            s.optimizer_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        s.zero_grad()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        lr = self.get_lr()[0] if self.optimizer.param_groups else 0.0
+        self.progress.step_done(self.global_steps, self.batch.train_batch_size, lr,
+                                self.loss_scaler.scale if self.loss_scaler is not None else None, self.skipped_steps)
+
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def counters_state(self) -> Dict[str, int]:
+        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                "dataloader_epoch": self.training_dataloader.epoch if self.training_dataloader else 0}
+
+    def load_counters_state(self, state: Dict[str, int]) -> None:
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.global_samples = state["global_samples"]
+        self.skipped_steps = state["skipped_steps"]
+        if self.training_dataloader is not None:
+            self.training_dataloader.set_epoch(state.get("dataloader_epoch", 0))
+
+    def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None) -> str:
+        return checkpoint.save(self, str(save_dir), tag, client_state or {})
+
+    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        return checkpoint.load(self, str(load_dir), tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def destroy(self) -> None:
+        self.strategy.close()

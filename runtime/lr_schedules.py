@@ -1,0 +1,203 @@
+"""DeepSpeed's LR schedules by name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle.
+
+Each schedule is a pure function of the step count (`lr_at(step)`), wrapped in a small
+stateful object with the torch scheduler surface the engine and users touch: step(),
+get_lr(), get_last_lr(), state_dict(), load_state_dict(). The engine steps the schedule
+once per optimizer step (and not on a skipped fp16 step).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Dict, List, Type
+
+from .strict import ConfigError, suggest
+
+
+def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
+    if step >= warmup_num_steps:
+        return 1.0
+    if warmup_type == "log":
+        return math.log(step + 1) / math.log(warmup_num_steps)
+    return step / warmup_num_steps
+
+
+class _Schedule:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.last_batch_iteration = 0
+        self._apply()
+
+    def lr_at(self, step: int, group_index: int) -> float:
+        raise NotImplementedError
+
+    def _apply(self) -> None:
+        self._last_lr = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["lr"] = self.lr_at(self.last_batch_iteration, i)
+            self._last_lr.append(group["lr"])
+
+    def step(self, last_batch_iteration=None) -> None:
+        self.last_batch_iteration = (self.last_batch_iteration + 1 if last_batch_iteration is None
+                                     else last_batch_iteration)
+        self._apply()
+
+    def get_lr(self) -> List[float]:
+        return list(self._last_lr)
+
+    def get_last_lr(self) -> List[float]:
+        return list(self._last_lr)
+
+    def state_dict(self) -> Dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+        self._apply()
+
+
+def _check_warmup_type(warmup_type: str) -> str:
+    if warmup_type not in ("log", "linear"):
+        raise ConfigError(f"scheduler.params.warmup_type: must be \"log\" or \"linear\", got {warmup_type!r}")
+    return warmup_type
+
+
+class WarmupLR(_Schedule):
+    """warmup_min_lr -> warmup_max_lr over warmup_num_steps (log or linear), then flat."""
+
+    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
+        self.min_lr, self.max_lr = float(warmup_min_lr), float(warmup_max_lr)
+        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        self.warmup_type = _check_warmup_type(warmup_type)
+        super().__init__(optimizer)
+        if last_batch_iteration >= 0:
+            self.step(last_batch_iteration)
+
+    def gamma(self, step: int) -> float:
+        return _warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
+
+    def lr_at(self, step: int, group_index: int) -> float:
+        return self.min_lr + (self.max_lr - self.min_lr) * self.gamma(step)
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
+        self.total_num_steps = int(total_num_steps)
+        if self.total_num_steps < warmup_num_steps:
+            raise ConfigError(f"scheduler.params.total_num_steps: {total_num_steps} is less than "
+                              f"warmup_num_steps {warmup_num_steps}")
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
+
+    def gamma(self, step: int) -> float:
+        if step < self.warmup_num_steps:
+            return super().gamma(step)
+        span = max(1.0, self.total_num_steps - self.warmup_num_steps)
+        return max(0.0, (self.total_num_steps - step) / span)
+
+
+class WarmupCosineLR(_Schedule):
+    """Ratios of each group's initial lr: warmup from warmup_min_ratio to 1, then cosine to cos_min_ratio."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
+                 cos_min_ratio: float = 0.0001, warmup_type: str = "log", last_batch_iteration: int = -1):
+        self.total_num_steps = int(total_num_steps)
+        self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
+        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        self.warmup_type = _check_warmup_type(warmup_type)
+        self.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+        for g, lr in zip(optimizer.param_groups, self.base_lrs):
+            g.setdefault("initial_lr", lr)
+        super().__init__(optimizer)
+        if last_batch_iteration >= 0:
+            self.step(last_batch_iteration)
+
+    def ratio(self, step: int) -> float:
+        if step < self.warmup_num_steps:
+            g = _warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * g
+        span = max(1, self.total_num_steps - self.warmup_num_steps)
+        progress = min(1.0, (step - self.warmup_num_steps) / span)
+        return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def lr_at(self, step: int, group_index: int) -> float:
+        return self.base_lrs[group_index] * self.ratio(step)
+
+
+class OneCycle(_Schedule):
+    """Linear rise cycle_min_lr -> cycle_max_lr, fall back, then decay; momentum cycles inversely."""
+
+    def __init__(self, optimizer, cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size=None, decay_step_size: int = 0,
+                 cycle_momentum: bool = True, cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9,
+                 decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
+        self.min_lr, self.max_lr, self.decay_lr_rate = float(cycle_min_lr), float(cycle_max_lr), float(decay_lr_rate)
+        self.first = int(cycle_first_step_size)
+        self.second = int(cycle_second_step_size) if cycle_second_step_size is not None else self.first
+        self.decay_step_size = int(decay_step_size)
+        self.cycle_momentum = cycle_momentum
+        self.min_mom, self.max_mom, self.decay_mom_rate = float(cycle_min_mom), float(cycle_max_mom), float(decay_mom_rate)
+        super().__init__(optimizer)
+        if last_batch_iteration >= 0:
+            self.step(last_batch_iteration)
+
+    def _phase(self, step: int):
+        """(fraction of the way from min to max lr, decay intervals after the cycle)."""
+        if step < self.first:
+            return step / self.first, 0.0
+        if step < self.first + self.second:
+            return 1.0 - (step - self.first) / self.second, 0.0
+        after = step - self.first - self.second
+        return 0.0, (after / self.decay_step_size if self.decay_step_size else 0.0)
+
+    def lr_at(self, step: int, group_index: int) -> float:
+        frac, decay = self._phase(step)
+        if decay:
+            return self.min_lr / (1.0 + self.decay_lr_rate * decay)
+        return self.min_lr + (self.max_lr - self.min_lr) * frac
+
+    def mom_at(self, step: int) -> float:
+        frac, decay = self._phase(step)
+        if decay:
+            return self.max_mom * (1.0 + self.decay_mom_rate * decay)
+        return self.max_mom - (self.max_mom - self.min_mom) * frac
+
+    def _apply(self) -> None:
+        super()._apply()
+        if not self.cycle_momentum:
+            return
+        mom = self.mom_at(self.last_batch_iteration)
+        for group in self.optimizer.param_groups:
+            if "betas" in group:
+                group["betas"] = (mom, group["betas"][1])
+            elif "momentum" in group:
+                group["momentum"] = mom
+
+
+SCHEDULES: Dict[str, Type[_Schedule]] = {
+    "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle}
+
+
+def build_scheduler(sched_cfg, optimizer):
+    cls = SCHEDULES.get(sched_cfg.type)
+    if cls is None:
+        raise ConfigError(f"scheduler.type: unknown scheduler {sched_cfg.type!r}{suggest(sched_cfg.type, SCHEDULES)} "
+                          f"(known: {', '.join(SCHEDULES)})")
+    check_params("scheduler", sched_cfg.type, cls.__init__, sched_cfg.params, skip=("self", "optimizer"))
+    return cls(optimizer, **sched_cfg.params)
+
+
+def check_params(section: str, name: str, fn, params: Dict, skip=("self", "params")) -> None:
+    sig = inspect.signature(fn)
+    accepted = [p for p in sig.parameters if p not in skip]
+    for key in params:
+        if key not in accepted:
+            raise ConfigError(f"{section}.params.{key}: not a parameter of {name}{suggest(key, accepted)}")
+    missing = [p.name for p in sig.parameters.values()
+               if p.name not in skip and p.default is inspect.Parameter.empty and p.name not in params
+               and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    if missing:
+        raise ConfigError(f"{section}.params: {name} needs {', '.join(missing)}")
