@@ -50,14 +50,24 @@ def make_model(seed=0):
     return Net()
 
 
-def batches(rank, world, steps, gas, micro=3, seq=5):
+def batches(rank, world, steps, gas, rows=12, seq=5, first_step=0):
+    """The same global micro-batches whatever the world size: `rows` sequences split
+    evenly over the ranks (12 divides by 1, 2, 3 and 4)."""
     g = torch.Generator().manual_seed(1234)
     out = []
-    for _ in range(steps * gas):
-        x = torch.randint(0, 13, (world, micro, seq), generator=g)
-        y = torch.randint(0, 13, (world, micro, seq), generator=g)
+    for _ in range((first_step + steps) * gas):
+        x = torch.randint(0, 13, (world, rows // world, seq), generator=g)
+        y = torch.randint(0, 13, (world, rows // world, seq), generator=g)
         out.append((x[rank], y[rank]))
-    return out
+    return out[first_step * gas:]
+
+
+def global_mean(value):
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
 class Cfg:
@@ -109,12 +119,12 @@ def train_reference(cfg, rank, world, steps):
         with torch.no_grad():
             for p, m in zip(trainable, masters):
                 p.copy_(m.to(dtype))
-        losses.append(total)
+        losses.append(global_mean(total))
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return losses, params
 
 
-def train_zero(cfg, rank, world, steps, nvme_dir=None, save_to=None, load_from=None):
+def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_step=0):
     from dslaunch.runtime.zero.stage12 import PartitionedOptimizer
 
     dtype = getattr(torch, cfg.dtype)
@@ -128,7 +138,7 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, save_to=None, load_from=N
     if load_from is not None:
         z.load_shards(load_from)
     losses = []
-    data = batches(rank, world, steps, cfg.gas)
+    data = batches(rank, world, steps, cfg.gas, first_step=first_step)
     for step in range(steps):
         total = 0.0
         for i in range(cfg.gas):
@@ -143,11 +153,12 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, save_to=None, load_from=N
         z.scale_gradients_(min(1.0, cfg.clip / (norm + 1e-6)))
         z.optimizer_step()
         z.zero_grad()
-        losses.append(total)
+        losses.append(global_mean(total))
     params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     shard = z.shard_state()
+    kernel = getattr(z.host, "kernel", None) is not None
     z.close()
-    return losses, params, shard
+    return losses, params, shard, kernel
 
 
 def _matrix_worker(configs, steps):
@@ -160,11 +171,11 @@ def _matrix_worker(configs, steps):
         rk = (dtype, gas)
         if rk not in refs:
             refs[rk] = train_reference(cfg, rank, world, steps)
-        zl, zp, _ = train_zero(cfg, rank, world, steps, nvme_dir=nvme)
+        zl, zp, _, kernel = train_zero(cfg, rank, world, steps, nvme_dir=nvme)
         rl, rp = refs[rk]
         out[cfg.key] = {"ref_losses": rl, "losses": zl,
                         "max_param_diff": max(float((zp[n] - rp[n]).abs().max()) for n in rp),
-                        "nvme_left": os.listdir(nvme)}
+                        "nvme_left": os.listdir(nvme), "cpu_kernel": kernel}
     return out
 
 
@@ -177,6 +188,8 @@ def _check(result):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=tol, abs=tol), key
         assert r["max_param_diff"] <= tol, (key, r["max_param_diff"])
         assert r["nvme_left"] == [], key
+        # offload cpu runs the fused kernel from dslaunch.kernels (built on this machine)
+        assert r["cpu_kernel"] == ("-cpu" in key), key
 
 
 @pytest.mark.timeout(240)
