@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 # subcommand word -> "module:click command"
 SUBCOMMANDS = {
     "check": "dslaunch.launcher.preflight:check",
+    "build-ops": "dslaunch.kernels.build_cli:build_ops",
 }
 LAUNCH_COMMAND = "dslaunch.launcher.cli:launch"
 

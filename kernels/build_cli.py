@@ -1,0 +1,55 @@
+"""`dslaunch build-ops`: compile the kernels ahead of time into the shared cache.
+
+Run it once per machine image (or per node before a job) so that no rank pays for a
+build at start-up. Prints what was built, where, for which instruction set and how long
+it took; a failed build prints the compiler's own error and command and exits 1.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from . import builder
+
+
+@click.command(name="build-ops", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--isa", type=click.Choice(["auto", *builder.ISA_LEVELS]), default="auto", show_default=True,
+              help="Instruction set of the CPU Adam build (auto: the best this CPU runs).")
+@click.option("--cuda/--no-cuda", "cuda", default=None,
+              help="Also build the CUDA fused Adam (default: when torch sees a GPU).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help=f"Build cache (default: ${builder.CACHE_ENV} or ~/.cache/dslaunch/ops).")
+@click.option("-v", "--verbose", is_flag=True, help="Show the compiler commands as they run.")
+def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
+    """Build the fused optimizer kernels (CPU Adam; CUDA fused Adam on GPU machines)."""
+    try:
+        level = builder.detect_isa() if isa == "auto" else isa
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    if isa != "auto":
+        missing = builder._ISA_NEEDS[level] - builder.cpu_flags()
+        if missing:
+            raise click.UsageError(f"--isa {level}: this CPU lacks {', '.join(sorted(missing))}")
+    root = cache_dir or builder.cache_root()
+    specs = [builder.cpu_adam_spec(level)]
+    import torch
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda:
+        specs.append(builder.fused_adam_spec())
+    failed = False
+    for spec in specs:
+        try:
+            built = builder.build(spec, root, verbose=verbose)
+        except builder.BuildError as e:
+            click.echo(f"build-ops: {e}", err=True)
+            failed = True
+            continue
+        how = "cached" if built.cached else f"built in {built.extra.get('build_seconds', built.seconds):.1f} s"
+        click.echo(f"{spec.name}: {how}, instruction set {built.isa}, torch {torch.__version__}\n  {built.path}")
+    if failed:
+        click.echo("build-ops: the optimizers will fall back to torch.optim.AdamW(fused=True)", err=True)
+        sys.exit(1)
