@@ -1,0 +1,190 @@
+"""The config schema: batch-size table, bad-config table with exact messages, JSON/YAML
+errors with positions, and the seeds' configs loading unchanged. Pure logic, no processes."""
+import json
+
+import pytest
+
+from dslaunch.runtime.config import BatchSizes, DeepSpeedConfig, resolve_batch_sizes
+from dslaunch.runtime.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from dslaunch.runtime.optim import build_optimizer
+from dslaunch.runtime.strategy import strategy_for_stage
+from dslaunch.runtime.strict import ConfigError
+
+RULE = "; the rule is train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"
+
+BATCH_TABLE = [
+    # (train_batch_size, micro, gas, world) -> BatchSizes or error message
+    ((64, None, None, 8), BatchSizes(64, 8, 1)),
+    ((64, 4, None, 2), BatchSizes(64, 4, 8)),
+    ((64, None, 4, 2), BatchSizes(64, 8, 4)),
+    ((None, 4, None, 2), BatchSizes(8, 4, 1)),
+    ((None, 4, 3, 2), BatchSizes(24, 4, 3)),
+    ((32, 4, 4, 2), BatchSizes(32, 4, 4)),
+    ((64, 8, 2, 2), "batch size: train_batch_size 64 != 8 x 2 x 2 = 32 (train_micro_batch_size_per_gpu 8, "
+                    "gradient_accumulation_steps 2, world size 2 (WORLD_SIZE from the launcher environment))" + RULE),
+    ((10, 4, None, 2), "batch size: train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x "
+                       "world size 2 (WORLD_SIZE from the launcher environment)" + RULE),
+    ((6, None, 4, 1), "batch size: train_batch_size 6 is not divisible by gradient_accumulation_steps 4 x "
+                      "world size 1 (WORLD_SIZE from the launcher environment)" + RULE),
+    ((3, None, None, 2), "batch size: train_batch_size 3 is not divisible by world size 2 "
+                         "(WORLD_SIZE from the launcher environment)" + RULE),
+    ((None, None, 2, 2), "batch size: set train_batch_size or train_micro_batch_size_per_gpu "
+                         "(neither is in the config)" + RULE),
+]
+
+
+@pytest.mark.parametrize("given,expected", BATCH_TABLE)
+def test_batch_size_table(given, expected):
+    tb, mb, gas, world = given
+    raw = {k: v for k, v in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
+                             ("gradient_accumulation_steps", gas)) if v is not None}
+    cfg = DeepSpeedConfig.load(raw)
+    if isinstance(expected, BatchSizes):
+        assert resolve_batch_sizes(cfg, world, "WORLD_SIZE from the launcher environment") == expected
+    else:
+        with pytest.raises(ConfigError) as info:
+            resolve_batch_sizes(cfg, world, "WORLD_SIZE from the launcher environment")
+        assert str(info.value) == expected
+
+
+BAD_CONFIGS = [
+    ({"train_batch_sise": 8}, "config: train_batch_sise: unknown key; did you mean 'train_batch_size'?"),
+    ({"zero_optimization": {"stgae": 2}}, "config: zero_optimization.stgae: unknown key; did you mean 'stage'?"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+     "config: zero_optimization.offload_optimizer.device: \"gpu\" is not one of 'none', 'cpu', 'nvme'; "
+     "did you mean 'cpu'?"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}},
+     "config: zero_optimization.offload_param.nvme_path: required when device is \"nvme\""),
+    ({"zero_optimization": {"stage": 4}}, "config: zero_optimization.stage: must be 0, 1, 2 or 3, got 4"),
+    ({"fp16": {"enabled": "yes"}}, "config: fp16.enabled: expected bool, got \"yes\""),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     "config: fp16.enabled and bf16.enabled: choose one of fp16 and bf16"),
+    ({"train_batch_size": 8.5}, "config: train_batch_size: expected int, got 8.5"),
+    ({"train_batch_size": 0}, "config: train_batch_size: must be > 0, got 0"),
+    ({"gradient_clipping": "1.0"}, "config: gradient_clipping: expected float, got \"1.0\""),
+    ({"optimizer": {"type": "Adam", "parms": {}}}, "config: optimizer.parms: unknown key; did you mean 'params'?"),
+    ({"steps_per_print": True}, "config: steps_per_print: expected int, got true"),
+    ({"amp": {"enabled": True}},
+     "config: amp.enabled: NVIDIA Apex amp is not supported; use \"fp16\" or \"bf16\" instead"),
+    ({"zero_optimization": "yes"}, "config: zero_optimization: expected object, got \"yes\""),
+]
+
+
+@pytest.mark.parametrize("raw,message", BAD_CONFIGS)
+def test_bad_config_table(raw, message):
+    with pytest.raises(ConfigError) as info:
+        DeepSpeedConfig.load(raw)
+    assert str(info.value) == message
+
+
+def test_json_syntax_error_has_line_and_column(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n}\n')
+    with pytest.raises(ConfigError) as info:
+        DeepSpeedConfig.load(str(path))
+    assert str(info.value).startswith(f"{path}:3:")
+    assert "invalid JSON" in str(info.value)
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "fp16": {"enabeld": True}}))
+    with pytest.raises(ConfigError, match=r"ds.json: fp16.enabeld: unknown key; did you mean 'enabled'\?"):
+        DeepSpeedConfig.load(str(path))
+
+
+def test_yaml_config_and_missing_file(tmp_path):
+    path = tmp_path / "ds.yaml"
+    path.write_text("train_batch_size: 8\nzero_optimization:\n  stage: 1\n")
+    assert DeepSpeedConfig.load(str(path)).zero.stage == 1
+    with pytest.raises(ConfigError, match="cannot read config"):
+        DeepSpeedConfig.load(str(tmp_path / "nope.json"))
+
+
+def test_seed_configs_load_unchanged():
+    # The GPT-lite post (with its "all_reduce_bucket_size" spelling), a ZeRO-2 offload
+    # config, and the getting-started legacy boolean zero_optimization.
+    gptlite = {"train_batch_size": 64, "steps_per_print": 100,
+               "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                        "weight_decay": 3e-7}},
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                            "warmup_num_steps": 1000}},
+               "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "all_reduce_bucket_size": 5e8,
+                                     "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    cfg = DeepSpeedConfig.load(gptlite)
+    assert cfg.zero.stage == 3 and cfg.zero.reduce_bucket_size == 500_000_000
+    assert cfg.zero.offload_param_device == "cpu"
+    zero2 = {"train_batch_size": 1, "fp16": {"enabled": True},
+             "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True,
+                                   "offload_optimizer": {"device": "cpu", "pin_memory": True, "fast_init": True}}}
+    assert DeepSpeedConfig.load(zero2).zero.offload_optimizer.pin_memory is True
+    legacy = DeepSpeedConfig.load({"train_batch_size": 8, "zero_optimization": True})
+    assert legacy.zero.stage == 1
+    assert DeepSpeedConfig.load({"train_batch_size": 8, "zero_optimization": False}).zero.stage == 0
+
+
+def test_unregistered_stage_is_one_clear_error(monkeypatch):
+    import dslaunch.runtime.strategy as strategy
+
+    monkeypatch.setattr(strategy, "_REGISTRY", {k: v for k, v in strategy._REGISTRY.items() if k == 0})
+    monkeypatch.setitem(strategy._PROVIDERS, 2, "dslaunch.runtime.no_such_zero_module")
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage: stage 2 is not available in this build"):
+        strategy_for_stage(2)
+    assert strategy_for_stage(0).__name__ == "DataParallelStrategy"
+
+
+def _opt():
+    import torch
+
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+
+
+def test_optimizers_by_deepspeed_name():
+    import torch
+
+    from dslaunch.runtime.config import OptimizerConfig
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert isinstance(build_optimizer(OptimizerConfig("Adam", {"lr": 0.1}), p), torch.optim.AdamW)
+    assert type(build_optimizer(OptimizerConfig("Adam", {"adam_w_mode": False}), p)) is torch.optim.Adam
+    assert isinstance(build_optimizer(OptimizerConfig("sgd", {"lr": 0.1, "momentum": 0.9}), p), torch.optim.SGD)
+    with pytest.raises(ConfigError, match=r"optimizer.params.lrr: not a parameter of Adam; did you mean 'lr'\?"):
+        build_optimizer(OptimizerConfig("Adam", {"lrr": 0.1}), p)
+    with pytest.raises(ConfigError, match=r"optimizer.type: unknown optimizer 'Adamm'; did you mean 'adam'\?"):
+        build_optimizer(OptimizerConfig("Adamm", {}), p)
+
+
+def test_schedules_follow_deepspeed_formulas():
+    import math
+
+    from dslaunch.runtime.config import SchedulerConfig
+
+    opt = _opt()
+    s = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")
+    lrs = [s.get_lr()[0]] + [(s.step(), s.get_lr()[0])[1] for _ in range(12)]
+    assert lrs[0] == 0.0 and lrs[5] == 0.5 and lrs[10] == 1.0 and lrs[12] == 1.0
+    s = WarmupLR(_opt(), warmup_max_lr=1.0, warmup_num_steps=100)  # log warm-up
+    s.step(9)
+    assert math.isclose(s.get_lr()[0], math.log(10) / math.log(100))
+    d = WarmupDecayLR(_opt(), total_num_steps=20, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")
+    d.step(15)
+    assert math.isclose(d.get_lr()[0], 0.5)
+    d.step(25)
+    assert d.get_lr()[0] == 0.0
+    c = WarmupCosineLR(_opt(), total_num_steps=20, warmup_num_steps=10, cos_min_ratio=0.0, warmup_type="linear")
+    c.step(15)
+    assert math.isclose(c.get_lr()[0], 0.5 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    o = OneCycle(_opt(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=10)
+    o.step(5)
+    assert math.isclose(o.get_lr()[0], 0.55) and math.isclose(o.optimizer.param_groups[0]["lr"], 0.55)
+    assert math.isclose(o.optimizer.param_groups[0]["momentum"], 0.85)  # momentum cycles inversely
+    o.step(15)
+    assert math.isclose(o.get_lr()[0], 0.55)
+    state = o.state_dict()
+    o2 = OneCycle(_opt(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=10)
+    o2.load_state_dict(state)
+    assert o2.get_lr() == o.get_lr()
+    with pytest.raises(ConfigError, match=r"scheduler.params: WarmupDecayLR needs total_num_steps"):
+        build_scheduler(SchedulerConfig("WarmupDecayLR", {}), _opt())
+    with pytest.raises(ConfigError, match=r"scheduler.type: unknown scheduler 'WarmupLr'; did you mean 'WarmupLR'\?"):
+        build_scheduler(SchedulerConfig("WarmupLr", {}), _opt())

@@ -1,0 +1,95 @@
+"""The fp16 loss scaler's state machine, driven by overflow flags directly and, through
+the engine in one process, by gradients poisoned with inf/NaN."""
+import pytest
+
+from dist_harness import run_function
+from dslaunch.runtime.config import FP16Config
+from dslaunch.runtime.loss_scaler import DynamicLossScaler, LossScaleStuck, StaticLossScaler, make_loss_scaler
+
+
+def drive(scaler, pattern):
+    """pattern: string of 'o' (overflow) and '.' (clean); returns the scale after each step."""
+    out = []
+    for ch in pattern:
+        scaler.update(ch == "o")
+        out.append(scaler.scale)
+    return out
+
+
+def test_hysteresis_delays_backoff_then_halves():
+    s = DynamicLossScaler(initial_scale_power=4, window=100, hysteresis=2, min_scale=1)
+    assert drive(s, "ooo") == [16, 8, 4]  # first overflow only spends hysteresis
+    assert s.state.skipped_steps == 3
+
+
+def test_growth_after_window_of_clean_steps_and_refill():
+    s = DynamicLossScaler(initial_scale_power=3, window=3, hysteresis=2, min_scale=1)
+    # overflow at iter 0 (hysteresis 2->1), 1 (halve to 4); clean at 2,3 ; iter 4: (4-1)%3==0 -> grow
+    assert drive(s, "oo...") == [8, 4, 4, 4, 8]
+    assert s.state.hysteresis_left == 2  # refilled on growth
+    assert drive(s, "o") == [8]  # hysteresis again absorbs one overflow
+
+
+def test_consecutive_hysteresis_refills_on_every_clean_step():
+    s = DynamicLossScaler(initial_scale_power=3, window=1000, hysteresis=2, consecutive_hysteresis=True)
+    assert drive(s, "o.o.o") == [8, 8, 8, 8, 8]
+    s2 = DynamicLossScaler(initial_scale_power=3, window=1000, hysteresis=2, consecutive_hysteresis=False)
+    assert drive(s2, "o.o.o") == [8, 8, 4, 4, 2]
+
+
+def test_stuck_at_min_scale_is_a_clear_error():
+    s = DynamicLossScaler(initial_scale_power=1, window=1000, hysteresis=1, min_scale=1)
+    assert drive(s, "o") == [1]
+    with pytest.raises(LossScaleStuck, match=r"overflow even at the minimum loss scale 1 \(fp16.min_loss_scale\)"):
+        s.update(True)
+
+
+def test_static_scale_and_factory_and_state_round_trip():
+    st = make_loss_scaler(FP16Config(enabled=True, loss_scale=128.0))
+    assert isinstance(st, StaticLossScaler) and not st.dynamic
+    assert drive(st, "o..") == [128, 128, 128] and st.state.skipped_steps == 1
+    dyn = make_loss_scaler(FP16Config(enabled=True, initial_scale_power=5, loss_scale_window=2, hysteresis=1))
+    drive(dyn, "o.")
+    copy = make_loss_scaler(FP16Config(enabled=True, initial_scale_power=5, loss_scale_window=2, hysteresis=1))
+    copy.load_state_dict(dyn.state_dict())
+    assert drive(copy, "..") == drive(dyn, "..")
+
+
+def engine_overflow_body():
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    cfg = {"train_batch_size": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_num_steps": 10,
+                                                           "warmup_type": "linear"}},
+           "fp16": {"enabled": True, "initial_scale_power": 4, "hysteresis": 1, "loss_scale_window": 2}}
+    engine, _, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    poison = {1: float("inf"), 2: float("nan")}
+    trace = []
+    for step in range(5):
+        before = model.weight.detach().clone()
+        x = torch.ones(2, 4, dtype=torch.float16)
+        loss = model(x).float().pow(2).mean()
+        if step in poison:
+            loss = loss * poison[step]
+        engine.backward(loss)
+        engine.step()
+        trace.append((engine.loss_scale(), engine.skipped_steps, sched.last_batch_iteration,
+                      not torch.equal(before, model.weight.detach())))
+    return trace
+
+
+def test_engine_skips_poisoned_steps_and_backs_off():
+    trace = run_function(engine_overflow_body, nprocs=1, timeout=60)[0]
+    # (scale, skipped, scheduler steps, weights changed)
+    assert trace == [
+        (16.0, 0, 1, True),
+        (8.0, 1, 1, False),    # inf: skipped, scheduler not stepped, scale halved
+        (4.0, 2, 1, False),    # nan: same
+        (4.0, 2, 2, True),
+        (8.0, 2, 3, True),     # two clean steps since the overflow: grow
+    ]
