@@ -71,8 +71,9 @@ def global_mean(value):
 
 
 class Cfg:
-    def __init__(self, stage, dtype, gas, offload, clip=0.5, bucket=40):
+    def __init__(self, stage, dtype, gas, offload, clip=0.5, bucket=40, persist=7, check=False):
         self.stage, self.dtype, self.gas, self.offload, self.clip, self.bucket = stage, dtype, gas, offload, clip, bucket
+        self.persist, self.check = persist, check  # stage 3: 7 keeps the 7-element biases whole
 
     @property
     def key(self):
@@ -133,8 +134,15 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_ste
     offload = None
     if cfg.offload != "none":
         offload = type("Off", (), {"device": cfg.offload, "nvme_path": nvme_dir})()
-    z = PartitionedOptimizer(model, opt, cfg.stage, reduce_bucket_size=cfg.bucket,
-                             allgather_bucket_size=cfg.bucket, offload=offload)
+    if cfg.stage == 3:
+        from dslaunch.runtime.zero.stage3 import Stage3Engine
+
+        z = Stage3Engine(model, opt, persistence_threshold=cfg.persist, prefetch_bucket_size=cfg.bucket,
+                         offload=offload, check=cfg.check)
+        z.wrap()
+    else:
+        z = PartitionedOptimizer(model, opt, cfg.stage, reduce_bucket_size=cfg.bucket,
+                                 allgather_bucket_size=cfg.bucket, offload=offload)
     if load_from is not None:
         z.load_shards(load_from)
     losses = []
@@ -154,7 +162,12 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_ste
         z.optimizer_step()
         z.zero_grad()
         losses.append(global_mean(total))
-    params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    if cfg.stage == 3:
+        # at rest, everything above the persistence threshold holds only its shard
+        assert all(p.data.numel() == 0 for p in model.parameters() if p.requires_grad and p.numel() > cfg.persist)
+        params = {n: v.float() for n, v in z.full_state_dict().items()}
+    else:
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     shard = z.shard_state()
     kernel = getattr(z.host, "kernel", None) is not None
     z.close()
@@ -179,7 +192,7 @@ def _matrix_worker(configs, steps):
     return out
 
 
-FULL = [(s, d, g, o) for s in (1, 2) for d in ("float32", "bfloat16") for g in (1, 4) for o in ("none", "cpu", "nvme")]
+FULL = [(s, d, g, o) for s in (1, 2, 3) for d in ("float32", "bfloat16") for g in (1, 4) for o in ("none", "cpu", "nvme")]
 
 
 def _check(result):
@@ -193,7 +206,7 @@ def _check(result):
 
 
 @pytest.mark.timeout(240)
-def test_stage1_and_2_match_stage0_full_matrix_on_2_ranks():
+def test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks():
     results = run_function(_matrix_worker, nprocs=2, kwargs={"configs": FULL, "steps": 3}, timeout=220)
     assert len(results[0]) == len(FULL)
     for r in results:
@@ -201,7 +214,8 @@ def test_stage1_and_2_match_stage0_full_matrix_on_2_ranks():
 
 
 @pytest.mark.timeout(240)
-def test_stage1_and_2_match_stage0_on_4_ranks():
-    configs = [(1, "float32", 4, "cpu"), (2, "float32", 1, "nvme"), (2, "bfloat16", 4, "none")]
+def test_stages_1_2_3_match_stage0_on_4_ranks():
+    configs = [(1, "float32", 4, "cpu"), (2, "float32", 1, "nvme"), (2, "bfloat16", 4, "none"),
+               (3, "float32", 4, "none"), (3, "bfloat16", 1, "cpu")]
     for r in run_function(_matrix_worker, nprocs=4, kwargs={"configs": configs, "steps": 3}, timeout=220):
         _check(r)

@@ -1,5 +1,13 @@
 """ZeRO stages 1-3 for dslaunch.runtime, selected by `zero_optimization.stage`.
 
-Importing this package registers the stage strategies with the engine.
+Importing this package registers the stage strategies with the engine. DeepSpeed's
+user-facing names live here too: `zero.Init()` builds a model directly partitioned and
+`zero.GatheredParameters(params, modifier_rank=None)` gives temporary full access.
 """
-from . import strategies  # noqa: F401  (registers stages 1 and 2)
+from . import strategies  # noqa: F401  (registers stages 1, 2 and 3)
+from .checkpoint import CheckpointError, consolidated_state_dict, tied_aliases
+from .params import GatheredParameters, Init
+from .stage3 import RankDivergenceError
+
+__all__ = ["Init", "GatheredParameters", "RankDivergenceError", "CheckpointError", "consolidated_state_dict",
+           "tied_aliases"]

@@ -80,3 +80,57 @@ class ZeroStage1(_Stage12):
 @register_strategy(2)
 class ZeroStage2(_Stage12):
     """Optimizer state and gradients partitioned; gradients reduced during backward."""
+
+
+@register_strategy(3)
+class ZeroStage3(GradientStrategy):
+    """Parameters partitioned at rest, gathered around each module's forward/backward."""
+
+    sharded_optimizer_state = True
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        from .stage3 import Stage3Engine
+
+        z = ctx.config.zero_optimization
+        off_param = getattr(z, "offload_param", None)
+        self.impl = Stage3Engine(ctx.module, ctx.optimizer, z.stage3_param_persistence_threshold,
+                                 z.stage3_prefetch_bucket_size, offload=_offload(ctx),
+                                 offload_param=off_param if off_param is not None and off_param.device != "none" else None,
+                                 group=ctx.group)
+
+    def wrap_module(self) -> None:
+        self.impl.wrap()
+
+    def after_backward(self, is_boundary: bool) -> None:
+        self.impl.after_backward(is_boundary)
+
+    def reduce_gradients(self) -> None:
+        self.impl.reduce_gradients()
+
+    def global_grad_norm(self) -> float:
+        return self.impl.global_grad_norm()
+
+    def scale_gradients_(self, factor: float) -> None:
+        self.impl.scale_gradients_(factor)
+
+    def optimizer_step(self) -> None:
+        self.impl.optimizer_step()
+
+    def zero_grad(self) -> None:
+        self.impl.zero_grad()
+
+    def module_state_dict(self) -> Dict[str, Any]:
+        return self.impl.full_state_dict()
+
+    def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        self.impl.load_full_state_dict(state, strict=strict)
+
+    def optimizer_state_dict(self) -> Dict[str, Any]:
+        return self.impl.shard_state()
+
+    def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
+        self.impl.load_shards(state if isinstance(state, list) else [state])
+
+    def close(self) -> None:
+        self.impl.close()

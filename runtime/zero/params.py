@@ -1,0 +1,206 @@
+"""Stage-3 parameter partitioning: shards at rest, gathered around use.
+
+Every partitioned parameter carries a `ZeroParam` (as `param._zero`): its full shape, its
+padded chunk size and this rank's shard in the compute dtype. At rest `param.data` is an
+empty tensor; `gather` all-gathers the shards of several parameters in one collective
+and points `param.data` at the full value; `release` drops it again. Assigning `.data`
+keeps the Parameter object (and autograd's references to it) the same, which is what
+lets backward re-gather weights that forward released.
+
+Also here: `Init` (build a model directly partitioned) and `GatheredParameters`
+(temporary full access, optionally modified on one rank and broadcast).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .partition import padded_size, param_shard
+
+
+@dataclass
+class ZeroParam:
+    name: str
+    shape: torch.Size
+    numel: int
+    chunk: int
+    shard: torch.Tensor  # this rank's chunk (compute dtype), padded to `chunk` elements
+    persistent: bool = False  # small: kept whole, never released
+    master_offset: int = -1  # where the chunk sits in its group's fp32 master partition
+    group_index: int = -1
+    owner: Optional[object] = field(default=None, repr=False)  # the Stage3 engine, once attached
+
+
+def is_partitioned(p: torch.Tensor) -> bool:
+    return getattr(p, "_zero", None) is not None
+
+
+def is_present(p: torch.Tensor) -> bool:
+    z = p._zero
+    return z.persistent or p.data.numel() == z.numel
+
+
+def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = False,
+                    device: Optional[torch.device] = None) -> ZeroParam:
+    world, rank = comm.world(), comm.rank()
+    numel = p.numel()
+    chunk = padded_size(numel, world) // world
+    piece = param_shard(numel, world, rank)
+    shard = torch.zeros(chunk, dtype=p.dtype, device=device or p.device)
+    shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
+    z = ZeroParam(name, p.shape, numel, chunk, shard, persistent)
+    p._zero = z
+    if not persistent:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    return z
+
+
+def _empty_like(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> None:
+    """Make every listed partitioned parameter whole, with one all-gather for all the
+    ones that are not (shards concatenated per rank, then re-interleaved)."""
+    need = [p for p in params if is_partitioned(p) and not is_present(p)]
+    if not need:
+        return
+    if check is not None:
+        check(f"gather {what}")
+    world = comm.world()
+    dtype = need[0]._zero.shard.dtype
+    device = need[0]._zero.shard.device
+    local = torch.cat([p._zero.shard.to(dtype) for p in need]) if len(need) > 1 else need[0]._zero.shard
+    out = torch.empty(world * local.numel(), dtype=dtype, device=device)
+    comm.all_gather(out, local.contiguous())
+    rows = out.view(world, local.numel())
+    off = 0
+    for p in need:
+        z = p._zero
+        full = rows[:, off:off + z.chunk].reshape(-1)[:z.numel]
+        p.data = full.view(z.shape).to(p.dtype).clone() if len(need) > 1 else full.view(z.shape)
+        off += z.chunk
+
+
+def release(params: Iterable[torch.nn.Parameter]) -> None:
+    for p in params:
+        if is_partitioned(p) and not p._zero.persistent and p.data.numel():
+            p.data = _empty_like(p)
+
+
+def refresh_shard_from_full(p: torch.nn.Parameter) -> None:
+    """After a full value was written (GatheredParameters modifier, checkpoint load):
+    re-cut this rank's shard (and its fp32 master, when an engine owns it)."""
+    z = p._zero
+    piece = param_shard(z.numel, comm.world(), comm.rank())
+    z.shard.zero_()
+    z.shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
+    if z.owner is not None:
+        z.owner.shard_changed(p)
+
+
+class GatheredParameters:
+    """`with GatheredParameters(params, modifier_rank=None):` the parameters are whole
+    inside the block. With modifier_rank=r, rank r's values when the block ends are
+    broadcast to all ranks and become the new shards (and fp32 masters)."""
+
+    def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None, enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = [p for p in params if is_partitioned(p)] if enabled else []
+        self.modifier_rank = modifier_rank
+        self._was_present: List[bool] = []
+
+    def __enter__(self):
+        self._was_present = [is_present(p) for p in self.params]
+        gather(self.params)
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None and self.modifier_rank is not None:
+            for p in self.params:
+                comm.broadcast(p.data, src=self.modifier_rank)
+                refresh_shard_from_full(p)
+        release([p for p, was in zip(self.params, self._was_present) if not was])
+        return False
+
+
+class Init:
+    """`with Init():` modules constructed inside have their parameters partitioned as
+    soon as each module's own __init__ returns, so the whole model never exists on one
+    rank. Parameters must be initialised in the constructor that creates them (the
+    usual case); code that later rewrites a child's weights should use
+    GatheredParameters(..., modifier_rank=0).
+
+    Parameters at most `param_persistence_threshold` elements are kept whole."""
+
+    def __init__(self, module=None, data_parallel_group=None, enabled: bool = True, config_dict_or_path=None,
+                 param_persistence_threshold: Optional[int] = None, remote_device=None, pin_memory=False,
+                 config=None, dtype=None, **_ignored):
+        self.enabled = enabled
+        self.threshold = param_persistence_threshold
+        if self.threshold is None:
+            self.threshold = _threshold_from(config_dict_or_path or config)
+        self.dtype = dtype
+        self._patched = []
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("zero.Init() needs torch.distributed initialised first "
+                               "(call dslaunch.runtime.init_distributed())")
+        for cls in _all_module_classes():
+            if "__init__" in cls.__dict__:
+                orig = cls.__dict__["__init__"]
+                cls.__init__ = self._wrap(orig)
+                self._patched.append((cls, orig))
+        return self
+
+    def _wrap(self, orig):
+        init = self
+
+        def __init__(module, *args, **kwargs):
+            orig(module, *args, **kwargs)
+            for name, p in module.named_parameters(recurse=False):
+                if not is_partitioned(p):
+                    if init.dtype is not None and p.is_floating_point():
+                        p.data = p.data.to(init.dtype)
+                    partition_param(p, name=name, persistent=p.numel() <= init.threshold)
+        __init__.__wrapped__ = orig
+        return __init__
+
+    def __exit__(self, *exc):
+        for cls, orig in reversed(self._patched):
+            cls.__init__ = orig
+        self._patched.clear()
+        return False
+
+
+def _all_module_classes():
+    seen, stack = [], [torch.nn.Module]
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.append(c)
+        stack.extend(c.__subclasses__())
+    return seen
+
+
+def _threshold_from(config) -> int:
+    default = 100_000
+    if config is None:
+        return default
+    if isinstance(config, (str, os.PathLike)):
+        import json
+
+        with open(config) as fh:
+            config = json.load(fh)
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+    return int(zero.get("stage3_param_persistence_threshold", default)) if isinstance(zero, dict) else default

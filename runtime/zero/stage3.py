@@ -1,0 +1,336 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned.
+
+Around every module that owns parameters directly:
+  pre-forward   gather its parameters (plus, once the forward order is known, the
+                parameters of the next modules up to stage3_prefetch_bucket_size
+                elements, in the same collective)
+  post-forward  release them; wrap the outputs so that when their gradient arrives
+                the parameters are gathered again (pre-backward)
+  post-accumulate-grad (per parameter)  reduce-scatter the full gradient into this
+                rank's fp32 gradient chunk, drop it, release the parameter. Autograd
+                runs a leaf's AccumulateGrad once per backward after every use of the
+                leaf has contributed, so tied and reused parameters are safe to drop.
+
+Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
+whole. Optimizer partitions are the concatenation of this rank's chunks per param group.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .offload import OptimizerHost, make_host
+from .params import gather, is_partitioned, is_present, partition_param, release
+from .partition import Piece, param_shard, pieces_to_dict
+
+
+class RankDivergenceError(RuntimeError):
+    pass
+
+
+class DivergenceCheck:
+    """Opt-in (zero_optimization stage 3 with DSLAUNCH_ZERO3_CHECK=1, or check=True):
+    before each stage-3 collective every rank shares a fixed-size description of what it
+    is about to do, so a rank that calls modules in another order or number fails with
+    both ranks' module names instead of hanging in mismatched collectives."""
+
+    WIDTH = 160
+
+    def __init__(self, group=None):
+        self.group = group
+        self.count = 0
+
+    def __call__(self, what: str) -> None:
+        if comm.world() == 1:
+            return
+        self.count += 1
+        data = f"#{self.count} {what}".encode()[:self.WIDTH]
+        mine = torch.zeros(self.WIDTH, dtype=torch.uint8)
+        mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        out = torch.empty(comm.world() * self.WIDTH, dtype=torch.uint8)
+        comm.all_gather(out, mine, group=self.group)
+        seen = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out.view(comm.world(), -1)]
+        if len(set(seen)) > 1:
+            lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+            raise RankDivergenceError(f"ZeRO-3 ranks diverged (modules called in a different order or number): {lines}")
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine, module, *xs):
+        ctx.engine, ctx.module = engine, module
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine.gather_module(ctx.module, "backward")
+        return (None, None) + grads
+
+
+class Stage3Engine:
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, persistence_threshold: int,
+                 prefetch_bucket_size: int, offload=None, offload_param=None, check: Optional[bool] = None,
+                 group=None):
+        self.module, self.optimizer, self.group = module, optimizer, group
+        self.world, self.rank = comm.world(), comm.rank()
+        self.prefetch_numel = int(prefetch_bucket_size)
+        if check is None:
+            check = os.environ.get("DSLAUNCH_ZERO3_CHECK", "") not in ("", "0")
+        self.check = DivergenceCheck(group) if check else None
+        self.param_device = torch.device("cpu") if getattr(offload_param, "device", "none") in ("cpu", "nvme") else None
+        names = {}
+        for n, p in module.named_parameters():
+            names.setdefault(id(p), n)
+        for n, p in module.named_parameters():
+            if not is_partitioned(p):
+                partition_param(p, name=n, persistent=(not p.requires_grad) or p.numel() <= persistence_threshold,
+                                device=self.param_device)
+            p._zero.name = n
+            p._zero.owner = self
+        self.groups: List[Dict[str, Any]] = []
+        seen = set()
+        for gi, pg in enumerate(optimizer.param_groups):
+            params = [p for p in pg["params"] if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            off, pieces = 0, []
+            for p in params:
+                z = p._zero
+                z.master_offset, z.group_index = off, gi
+                sh = param_shard(z.numel, self.world, self.rank)
+                if sh.numel:
+                    pieces.append(Piece(z.name, sh.start, sh.end, off))
+                off += z.chunk
+            master = torch.zeros(max(off, 1), dtype=torch.float32, device=self.param_device or _device(params))
+            for p in params:
+                z = p._zero
+                master[z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
+            self.groups.append({"params": params, "master": master, "grad": torch.zeros_like(master),
+                                "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
+            pg["params"] = [master]
+        optimizer.state.clear()
+        self.host: OptimizerHost = make_host(optimizer, [g["master"] for g in self.groups], offload)
+        self._hooks = []
+        self._trace: List[torch.nn.Module] = []
+        self._recording = True
+        self._pos = 0
+        self._trace_ok = False
+        self._names = {id(m): (n or type(m).__name__) for n, m in module.named_modules()}
+
+    # -- hooks ------------------------------------------------------------------------------
+    def wrap(self) -> None:
+        self._hooks.append(self.module.register_forward_pre_hook(self._root_pre))
+        self._hooks.append(self.module.register_forward_hook(self._root_post))
+        for m in self.module.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(m.register_forward_hook(self._post_forward))
+        for g in self.groups:
+            for p in g["params"]:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _root_pre(self, module, args):
+        self._pos = 0
+
+    def _root_post(self, module, args, out):
+        if self._recording and self._trace:
+            self._recording = False
+            self._trace_ok = True
+
+    def _own(self, m) -> List[torch.nn.Parameter]:
+        return list(m.parameters(recurse=False))
+
+    def gather_module(self, m, phase: str) -> None:
+        params = self._own(m)
+        if phase == "forward" and self._trace_ok and self.prefetch_numel > 0:
+            # prefetch: the next modules in last forward's order join this collective
+            if self._pos < len(self._trace) and self._trace[self._pos] is m:
+                budget = self.prefetch_numel
+                for nxt in self._trace[self._pos + 1:]:
+                    extra = [p for p in self._own(nxt) if is_partitioned(p) and not is_present(p)]
+                    size = sum(p._zero.numel for p in extra)
+                    if size > budget:
+                        break
+                    budget -= size
+                    params += [p for p in extra if all(p is not q for q in params)]
+                self._pos += 1
+            else:
+                self._trace_ok = False  # this forward differs from the recorded one
+        gather(params, check=self.check, what=f"{self._names.get(id(m), type(m).__name__)} ({phase})")
+
+    def _pre_forward(self, m, args):
+        if self._recording:
+            self._trace.append(m)
+        self.gather_module(m, "forward")
+
+    def _post_forward(self, m, args, out):
+        keep = set()
+        if self._trace_ok and self._pos < len(self._trace):
+            keep = {id(p) for nxt in self._trace[self._pos:] for p in self._own(nxt)}  # prefetched, about to be used
+        release([p for p in self._own(m) if id(p) not in keep])
+        if torch.is_grad_enabled():
+            return _wrap_outputs(self, m, out)
+        return out
+
+    def _grad_ready(self, p) -> None:
+        z = p._zero
+        g = self.groups[z.group_index]
+        full = torch.zeros(z.chunk * self.world, dtype=torch.float32, device=p.grad.device)
+        full[:z.numel].copy_(p.grad.reshape(-1))
+        if self.check is not None:
+            self.check(f"reduce grad of {z.name}")
+        part = torch.empty(z.chunk, dtype=torch.float32, device=full.device)
+        comm.reduce_scatter(part, full, group=self.group)
+        g["grad"][z.master_offset:z.master_offset + z.chunk] += part.to(g["grad"].device)
+        p.grad = None
+        release([p])
+
+    def before_backward(self, is_boundary: bool = True) -> None:
+        pass
+
+    def after_backward(self, is_boundary: bool = True) -> None:
+        if self.check is not None:
+            self.check("end of backward")
+        for g in self.groups:
+            release(g["params"])
+
+    # -- boundary -------------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        for g in self.groups:
+            g["grad"].div_(self.world)
+
+    def global_grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float32)
+        for g in self.groups:
+            sq += g["grad"].pow(2).sum().cpu()
+        comm.all_reduce_sum(sq, group=self.group)
+        return float(sq.sqrt())
+
+    def scale_gradients_(self, factor: float) -> None:
+        if factor != 1.0:
+            for g in self.groups:
+                g["grad"].mul_(factor)
+
+    def optimizer_step(self) -> None:
+        for g in self.groups:
+            g["master"].grad = g["grad"]
+        self.host.step()
+        for g in self.groups:
+            g["master"].grad = None
+            for p in g["params"]:
+                z = p._zero
+                z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
+                if z.persistent:  # whole on every rank: refresh from all shards
+                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=z.shard.device)
+                    comm.all_gather(full, z.shard, group=self.group)
+                    p.data.copy_(full[:z.numel].view(z.shape))
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g["grad"].zero_()
+            for p in g["params"]:
+                p.grad = None
+
+    def shard_changed(self, p) -> None:
+        z = p._zero
+        if z.group_index >= 0:
+            self.groups[z.group_index]["master"][z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Collective: every parameter gathered, the module's state_dict cloned."""
+        params = [p for p in self.module.parameters() if is_partitioned(p)]
+        was = [is_present(p) for p in params]
+        gather(params)
+        try:
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        finally:
+            release([p for p, w in zip(params, was) if not w])
+
+    def load_full_state_dict(self, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
+        params = dict(self.module.named_parameters())
+        missing = [n for n in params if n not in state]
+        if strict and missing:
+            raise KeyError(f"checkpoint lacks parameters: {missing[:5]}")
+        for n, p in params.items():
+            if n in state and is_partitioned(p):
+                z = p._zero
+                src = state[n].reshape(-1)
+                sh = param_shard(z.numel, self.world, self.rank)
+                z.shard.zero_()
+                z.shard[:sh.numel].copy_(src[sh.start:sh.end])
+                if z.persistent:
+                    p.data.copy_(src.view(z.shape))
+                self.shard_changed(p)
+        buffers = {n: v for n, v in state.items() if n not in params}
+        if buffers:
+            self.module.load_state_dict(buffers, strict=False)
+
+    def shard_state(self) -> Dict[str, Any]:
+        groups = []
+        for gi, g in enumerate(self.groups):
+            m = g["master"]
+            state = self.host.state_of(gi)
+            groups.append({
+                "pieces": pieces_to_dict(g["pieces"]), "shapes": g["shapes"],
+                "master": {p.name: m[p.offset:p.offset + p.numel].clone() for p in g["pieces"]},
+                "state": {k: ({p.name: v[p.offset:p.offset + p.numel].clone() for p in g["pieces"]}
+                              if torch.is_tensor(v) and v.shape == m.shape and k != "step" else v)
+                          for k, v in state.items()},
+            })
+        return {"format": "dslaunch-zero-shard/1", "stage": 3, "world_size": self.world, "rank": self.rank,
+                "groups": groups}
+
+    def load_shards(self, shards, load_optimizer: bool = True) -> None:
+        from .checkpoint import assemble
+
+        for gi, g in enumerate(self.groups):
+            want = [(p.name, p.start, p.end, p.offset) for p in g["pieces"]]
+            assemble(shards, gi, "master", want, g["master"])
+            if load_optimizer:
+                state = {}
+                for k in self.host.state_keys(gi, shards):
+                    if k.tensor:
+                        t = torch.zeros_like(g["master"])
+                        assemble(shards, gi, ("state", k.name), want, t)
+                        state[k.name] = t
+                    else:
+                        state[k.name] = k.value
+                self.host.load_state_of(gi, state)
+            for p in g["params"]:
+                z = p._zero
+                z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
+                if z.persistent:
+                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=z.shard.device)
+                    comm.all_gather(full, z.shard, group=self.group)
+                    p.data.copy_(full[:z.numel].view(z.shape))
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.host.close()
+
+
+def _device(params):
+    return params[0]._zero.shard.device if params else torch.device("cpu")
+
+
+def _wrap_outputs(engine, m, out):
+    if torch.is_tensor(out):
+        if out.requires_grad:
+            return _PreBackward.apply(engine, m, out)[0]
+        return out
+    if isinstance(out, (tuple, list)):
+        idx = [i for i, o in enumerate(out) if torch.is_tensor(o) and o.requires_grad]
+        if not idx:
+            return out
+        wrapped = _PreBackward.apply(engine, m, *[out[i] for i in idx])
+        new = list(out)
+        for i, w in zip(idx, wrapped):
+            new[i] = w
+        return type(out)(new) if isinstance(out, tuple) and type(out) is tuple else (tuple(new) if isinstance(out, tuple) else new)
+    return out
