@@ -19,6 +19,7 @@ from .engine import DeepSpeedEngine
 from .loss_scaler import LossScaleStuck
 from .strategy import GradientStrategy, StrategyContext, register_strategy
 from .strict import ConfigError
+from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 1-3
 
 __version__ = "0.1.0"
 
@@ -56,9 +57,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def _one_line_errors(previous):
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck)):
-            print(f"error: {exc}", file=sys.stderr)
-            sys.stderr.flush()
             import os
+
+            # sys.__stderr__: torch.distributed's own excepthook swaps sys.stderr for a buffer.
+            print(f"error: {exc}", file=sys.__stderr__)
+            sys.__stderr__.flush()
 
             os._exit(2)  # skip interpreter teardown (process groups) after a clean message
         previous(exc_type, exc, tb)
