@@ -265,11 +265,17 @@ def fused_adam_spec() -> OpSpec:
 
 
 def nvcc_compile_command(out_obj: Path, arch: str = "sm_90") -> List[str]:
-    """The nvcc line that compiles fused_adam.cu to an object: what a CUDA build would run,
-    usable on a machine without a GPU (CI) to catch syntax and type errors."""
+    """The nvcc line that compiles fused_adam.cu to an object with the flags torch's CUDA
+    builds add (no half operators/conversions, relaxed constexpr) and warnings as errors:
+    runs on a machine without a GPU (CI), so a syntax or type error cannot land unseen."""
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as torch_flags
+    except ImportError:
+        torch_flags = []
     return [
         os.environ.get("NVCC", "nvcc"),
         "-c", str(HERE / "fused_adam.cu"), "-o", str(out_obj),
-        "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
+        *torch_flags, *fused_adam_spec().cuda_cflags,
+        "-Xcompiler", "-fPIC,-Wall", "-Werror", "all-warnings",
         f"-gencode=arch=compute_{arch[3:]},code={arch}",
     ]

@@ -1,0 +1,249 @@
+"""FusedAdam: multi-tensor Adam/AdamW on CUDA through fused_adam.cu.
+
+One kernel launch steps every tensor of a parameter group that shares a (parameter dtype,
+gradient dtype) pair. The launch reads a device-resident table of pointers, rebuilt only
+when a pointer changes (it is uploaded from pinned memory without a host sync). Step
+counts are device tensors (as in torch's fused/capturable AdamW) that the kernel itself
+increments, so a step issues no host synchronisation at all.
+
+AMP: like torch's fused optimizers, `step(grad_scale=..., found_inf=...)` is accepted
+(torch.amp.GradScaler passes them), the kernel divides gradients by *grad_scale and skips
+the update (step counts included) when *found_inf is non-zero. `skip_nonfinite=True`
+makes the optimizer run its own multi-tensor inf/NaN check first when no found_inf is
+given (e.g. under a hand-written loss scaler).
+
+States are fp32 whatever the parameter dtype (fp32, bf16, fp16); the state_dict has
+torch.optim.AdamW's keys. Without a usable CUDA op the step falls back to torch's Adam
+kernels with one warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import builder
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CHUNK = 1 << 16  # elements per thread block
+
+
+class FusedHyper(ctypes.Structure):
+    """Mirrors `struct Hyper` in fused_adam.cu."""
+
+    _fields_ = [
+        ("lr", ctypes.c_float),
+        ("beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("decoupled", ctypes.c_int32),
+        ("amsgrad", ctypes.c_int32),
+        ("maximize", ctypes.c_int32),
+    ]
+
+
+class _CudaOp:
+    def __init__(self):
+        self.lib: Optional[ctypes.CDLL] = None
+        self.error: Optional[str] = None
+        self.tried = False
+        self.warned = False
+        self.lock = threading.Lock()
+
+    def load(self) -> bool:
+        with self.lock:
+            if not self.tried:
+                self.tried = True
+                if not torch.cuda.is_available():
+                    self.error = "torch sees no CUDA device"
+                    return False
+                try:
+                    built = builder.build(builder.fused_adam_spec())
+                    lib = ctypes.CDLL(str(built.path))
+                    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                    lib.ds_fused_adam_step.restype = i32
+                    lib.ds_fused_adam_step.argtypes = [vp, i32, i64, i64, i32, i32, ctypes.POINTER(FusedHyper),
+                                                       vp, vp, vp, vp]
+                    lib.ds_fused_nonfinite.restype = i32
+                    lib.ds_fused_nonfinite.argtypes = [vp, i32, i64, i64, i32, vp, vp]
+                    lib.ds_fused_adam_error_string.restype = ctypes.c_char_p
+                    lib.ds_fused_adam_error_string.argtypes = [i32]
+                    self.lib = lib
+                except (builder.BuildError, OSError, ValueError) as e:
+                    self.error = str(e)
+            return self.lib is not None
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            detail = "unknown dtype" if rc < 0 else self.lib.ds_fused_adam_error_string(rc).decode()
+            raise RuntimeError(f"FusedAdam: {what} failed: {detail}")
+
+
+_OP = _CudaOp()
+
+
+def fused_adam_available() -> bool:
+    """True when a CUDA device is present and the fused op is built (building it on first call)."""
+    return _OP.load()
+
+
+class _Bucket:
+    """Tensors stepped by one launch, with the device table of their pointers."""
+
+    def __init__(self):
+        self.params: List[torch.Tensor] = []
+        self.rows: List[Tuple[int, ...]] = []
+        self.blocks = 0
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over CUDA parameters in one kernel launch per dtype pair; AdamW-compatible state."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 decoupled_weight_decay: bool = True, skip_nonfinite: bool = False):
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"FusedAdam: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"FusedAdam: betas must lie in [0, 1), got {betas}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=None, capturable=False, differentiable=False, fused=None,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.device.type != "cuda" or p.dtype not in _DTYPES:
+                    raise TypeError(f"FusedAdam: parameter {i} is {p.dtype} on {p.device}; FusedAdam steps CUDA "
+                                    "fp32/bf16/fp16 parameters (use dslaunch.kernels.CPUAdam on the CPU)")
+        self.skip_nonfinite = skip_nonfinite
+        self._tables: Dict[tuple, torch.Tensor] = {}
+        self._aux: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _state_for(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        # A state_dict from torch (or a CPU run) may carry a host step and param-dtype states.
+        if state["step"].device != p.device or state["step"].dtype != torch.float32:
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32).reshape(())
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in state and (state[key].dtype != torch.float32 or not state[key].is_contiguous()):
+                state[key] = state[key].float().contiguous()
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
+        return state
+
+    def _table(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
+        key = tuple(bucket.rows)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) > 64:  # pointers churn (e.g. fresh grads every step): keep the cache small
+                self._tables.clear()
+            host = torch.tensor(bucket.rows, dtype=torch.int64).pin_memory()
+            table = host.to(device, non_blocking=True)
+            self._tables[key] = table
+        return table
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        usable = _OP.load()
+        if not usable and not _OP.warned:
+            _OP.warned = True
+            warnings.warn(f"dslaunch FusedAdam op is unavailable, falling back to torch's Adam kernels. Cause:\n{_OP.error}",
+                          RuntimeWarning, stacklevel=2)
+        for group in self.param_groups:
+            amsgrad = group["amsgrad"]
+            buckets: Dict[tuple, _Bucket] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdam does not support sparse gradients")
+                g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                if not p.is_contiguous():
+                    raise ValueError("FusedAdam: a parameter is not contiguous; its update would be lost in a copy")
+                state = self._state_for(p, amsgrad)
+                b = buckets.setdefault((p.device, p.dtype, g.dtype), _Bucket())
+                chunks = (p.numel() + CHUNK - 1) // CHUNK
+                vmax = state["max_exp_avg_sq"].data_ptr() if amsgrad else 0
+                b.rows.append((p.data_ptr(), g.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                               vmax, state["step"].data_ptr(), p.numel(), b.blocks))
+                b.params.append(p)
+                b.blocks += chunks
+            for (device, p_dtype, g_dtype), bucket in buckets.items():
+                if usable:
+                    self._launch(group, bucket, device, p_dtype, g_dtype, grad_scale, found_inf)
+                else:
+                    self._fallback(group, bucket, grad_scale, found_inf)
+        return loss
+
+    def _launch(self, group, bucket: _Bucket, device, p_dtype, g_dtype, grad_scale, found_inf) -> None:
+        if device not in self._aux:
+            self._aux[device] = (torch.zeros(1, dtype=torch.int32, device=device),
+                                 torch.zeros(1, dtype=torch.float32, device=device))
+        done, own_found_inf = self._aux[device]
+        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        table = self._table(bucket, device)
+        n = len(bucket.rows)
+        if bucket.blocks == 0:  # only empty tensors: nothing to compute, but the counts still advance
+            if found_inf is None:
+                torch._foreach_add_([self.state[p]["step"] for p in bucket.params], 1.0)
+            else:
+                torch._foreach_add_([self.state[p]["step"] for p in bucket.params], 1.0 - (found_inf != 0).float())
+            return
+        if found_inf is None and self.skip_nonfinite:
+            own_found_inf.zero_()
+            _OP.check(_OP.lib.ds_fused_nonfinite(table.data_ptr(), n, bucket.blocks, CHUNK, _DTYPES[g_dtype],
+                                                 own_found_inf.data_ptr(), stream), "the inf/NaN check")
+            found_inf = own_found_inf
+        b1, b2 = group["betas"]
+        hyper = FusedHyper(float(group["lr"]), b1, b2, group["eps"], group["weight_decay"],
+                           int(group.get("decoupled_weight_decay", True)), int(group["amsgrad"]),
+                           int(group.get("maximize", False)))
+        scale_ptr = self._device_scalar(grad_scale, device)
+        inf_ptr = self._device_scalar(found_inf, device)
+        rc = _OP.lib.ds_fused_adam_step(table.data_ptr(), n, bucket.blocks, CHUNK, _DTYPES[p_dtype], _DTYPES[g_dtype],
+                                        ctypes.byref(hyper), scale_ptr, inf_ptr, done.data_ptr(), stream)
+        _OP.check(rc, "the Adam launch")
+
+    @staticmethod
+    def _device_scalar(t: Optional[torch.Tensor], device) -> Optional[int]:
+        if t is None:
+            return None
+        if t.device != device or t.dtype != torch.float32 or t.numel() != 1:
+            raise ValueError(f"FusedAdam: grad_scale/found_inf must be one float32 element on {device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        return t.data_ptr()
+
+    def _fallback(self, group, bucket: _Bucket, grad_scale, found_inf) -> None:
+        """torch's own single-tensor Adam on fp32 views of the same state."""
+        from torch.optim.adam import adam
+
+        if found_inf is not None and bool(found_inf.item()):
+            return
+        for p in bucket.params:
+            st = self.state[p]
+            p32 = p.detach().float()
+            g32 = p.grad.float()
+            if grad_scale is not None:
+                g32 = g32 / grad_scale
+            b1, b2 = group["betas"]
+            adam([p32], [g32], [st["exp_avg"]], [st["exp_avg_sq"]],
+                 [st["max_exp_avg_sq"]] if group["amsgrad"] else [], [st["step"]], foreach=False,
+                 capturable=p.device.type == "cuda", decoupled_weight_decay=group.get("decoupled_weight_decay", True),
+                 amsgrad=group["amsgrad"], beta1=b1, beta2=b2, lr=group["lr"], weight_decay=group["weight_decay"],
+                 eps=group["eps"], maximize=group.get("maximize", False))
+            if p32.data_ptr() != p.data_ptr():
+                p.copy_(p32)
