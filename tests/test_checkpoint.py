@@ -1,0 +1,114 @@
+"""Checkpoint atomicity: a save killed halfway leaves the previous checkpoint and `latest`
+loadable; a damaged or missing checkpoint is a clear CheckpointError that loads nothing."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dist_harness import run_function
+
+SAVE_THEN_DIE = r'''
+import json, os, signal, sys
+import torch
+import dslaunch.runtime as deepspeed
+
+save_dir = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+    "train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "steps_per_print": 100})
+def train(n):
+    for _ in range(n):
+        engine.backward(engine(torch.ones(4, 4)).pow(2).mean())
+        engine.step()
+train(2)
+engine.save_checkpoint(save_dir, tag="good", client_state={"note": "good"})
+print("SAVED " + json.dumps([p.detach().flatten().tolist() for p in model.parameters()]), flush=True)
+train(2)
+
+real_save = torch.save
+def dying_save(obj, f, *a, **k):
+    f.write(b"half a checkpoint")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dying_save
+engine.save_checkpoint(save_dir, tag="next")
+'''
+
+
+def load_body(save_dir, expected):
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.checkpoint import CheckpointError
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "steps_per_print": 100})
+    out = {}
+    path, client = engine.load_checkpoint(save_dir)
+    out["latest"] = (os.path.basename(path), client, engine.global_steps)
+    out["weights_match"] = [p.detach().flatten().tolist() for p in model.parameters()] == expected
+
+    def snapshot():
+        return [p.detach().clone() for p in model.parameters()] + [engine.global_steps]
+
+    errors = {}
+    for tag in ("missing", "no_manifest", "truncated", "garbage"):
+        before = snapshot()
+        try:
+            engine.load_checkpoint(save_dir, tag=tag)
+            errors[tag] = None
+        except CheckpointError as exc:
+            errors[tag] = str(exc)
+        after = snapshot()
+        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(before, after)), tag
+    out["errors"] = errors
+    try:
+        engine.load_checkpoint(os.path.join(save_dir, "nowhere"))
+    except CheckpointError as exc:
+        out["no_latest"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_killed_save_keeps_previous_checkpoint_and_damage_is_detected(tmp_path):
+    save = tmp_path / "ckpt"
+    script = tmp_path / "die.py"
+    script.write_text(SAVE_THEN_DIE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), str(save)], capture_output=True, text=True, timeout=100,
+                          env=env)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    expected = json.loads([l for l in proc.stdout.splitlines() if l.startswith("SAVED ")][0][6:])
+    assert (save / "latest").read_text() == "good"
+    assert not (save / "next").exists()
+
+    # Damaged copies of the good checkpoint.
+    good = save / "good"
+    shutil.copytree(good, save / "no_manifest")
+    os.remove(save / "no_manifest" / "manifest.json")
+    shutil.copytree(good, save / "truncated")
+    model_file = save / "truncated" / "mp_rank_00_model_states.pt"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    shutil.copytree(good, save / "garbage")
+    gfile = save / "garbage" / "mp_rank_00_model_states.pt"
+    size = gfile.stat().st_size
+    gfile.write_bytes(b"\0" * size)  # right size, unreadable content
+
+    out = run_function(load_body, nprocs=1, kwargs={"save_dir": str(save), "expected": expected}, timeout=100)[0]
+    assert out["latest"] == ("good", {"note": "good"}, 2)
+    assert out["weights_match"]
+    errs = out["errors"]
+    assert errs["missing"] == f"checkpoint {save}/missing does not exist"
+    assert errs["no_manifest"] == (f"checkpoint {save}/no_manifest is incomplete or damaged: "
+                                   "manifest.json is missing or unreadable")
+    assert errs["truncated"] == (f"checkpoint {save}/truncated is damaged: "
+                                 "mp_rank_00_model_states.pt is missing or has the wrong size")
+    assert errs["garbage"].startswith(f"checkpoint file {save}/garbage/mp_rank_00_model_states.pt cannot be read")
+    assert out["no_latest"] == (f"no checkpoint to resume: {save}/nowhere/latest does not exist "
+                                "(pass tag= to choose one)")
