@@ -6,9 +6,10 @@ ACTIONS
     lines N                  N numbered lines to stdout and to stderr, in many small writes
     exit RANK CODE           rank RANK exits CODE after 0.3 s; the others wait to be stopped
     kill RANK SIG            rank RANK kills itself with signal SIG; the others wait
-    tree PIDFILE [ignore]    spawn a child and a setsid'd grandchild that sleep, record every pid
-                             of this rank's tree in PIDFILE.<rank>, then wait; `ignore` makes all
-                             of them ignore SIGTERM
+    tree PIDFILE MODE        spawn a child, a setsid'd child and an orphaned grandchild that sleep,
+                             record this rank's tree in PIDFILE.<rank>, wait for every rank's file;
+                             MODE: wait | ignore (the whole tree ignores SIGTERM, rank 1 exits 5)
+                             | exit:CODE (rank 1 exits CODE) | signal:N (rank 1 kills itself)
     env OUT                  write the worker's argv and environment as JSON to OUT.<rank>
     args                     print the script's argv as JSON on one line
 """
@@ -61,7 +62,8 @@ elif action == "kill":
     wait_forever()
 elif action == "tree":
     pidfile = f"{argv[1]}.{rank}"
-    ignore = len(argv) > 2 and argv[2] == "ignore"
+    mode = argv[2]
+    ignore = mode == "ignore"
     sleeper = "import signal,time\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore else "") + "time.sleep(120)"
     if ignore:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -69,13 +71,21 @@ elif action == "tree":
     escaped = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
     # The grandchild's parent exits at once, orphaning it: only a subreaper can still find it.
     orphaner = subprocess.Popen([sys.executable, "-c",
-                                 f"import subprocess,sys; p=subprocess.Popen([sys.executable,'-c',{sleeper!r}]); print(p.pid)"],
+                                 f"import subprocess,sys; p=subprocess.Popen([sys.executable,'-c',{sleeper!r}], stdout=subprocess.DEVNULL); print(p.pid)"],
                                 stdout=subprocess.PIPE, text=True)
     orphan = int(orphaner.communicate()[0])
     with open(pidfile + ".tmp", "w") as f:
         json.dump([os.getpid(), child.pid, escaped.pid, orphan], f)
     os.replace(pidfile + ".tmp", pidfile)
+    world = int(os.environ["WORLD_SIZE"])
+    while not all(os.path.exists(f"{argv[1]}.{r}") for r in range(world)):
+        time.sleep(0.02)
     ready(rank)
+    if rank == 1 and mode != "wait":
+        print(f"rank {rank} is failing ({mode})", file=sys.stderr, flush=True)
+        if mode.startswith("signal:"):
+            os.kill(os.getpid(), int(mode.split(":")[1]))
+        sys.exit(5 if ignore else int(mode.split(":")[1]))
     wait_forever()
 elif action == "env":
     with open(f"{argv[1]}.{rank}", "w") as f:

@@ -1,0 +1,117 @@
+"""Supervision through the CLI, proved with psutil: no process of the job survives a rank
+crash, a rank killed by a signal, SIGINT, SIGTERM, or SIGKILL to the launcher, including
+children that left the worker's process group and orphaned grandchildren."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BEHAVE = str(Path(__file__).with_name("workers") / "behave.py")
+DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
+
+
+@pytest.fixture
+def launched():
+    """Launchers started by a test; a failing test must not leave its job running."""
+    procs = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start(launched, tmp_path, mode, grace=1.0):
+    pidfile = tmp_path / "pids"
+    proc = subprocess.Popen(
+        [*DSLAUNCH, "--num_gpus", "2", "--kill_grace", str(grace), "--master_port", "0", BEHAVE, "tree", str(pidfile), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+    )
+    launched.append(proc)
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f"pids.{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "workers did not start"
+        time.sleep(0.02)
+    pids = {proc.pid}
+    for r in (0, 1):
+        pids.update(json.loads((tmp_path / f"pids.{r}").read_text()))
+    pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))  # the watchdog too
+    assert len(pids) >= 1 + 2 * 4 + 1
+    return proc, pids
+
+
+def survivors(pids, within):
+    deadline = time.monotonic() + within
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def describe(pids):
+    out = []
+    for pid in pids:
+        try:
+            out.append(" ".join(psutil.Process(pid).cmdline()))
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "mode, action, code, says",
+    [
+        ("exit:3", None, 3, "rank 1 failed first: exited with code 3"),
+        ("signal:11", None, 139, "rank 1 failed first: killed by SIGSEGV (exit code 139)"),
+        ("wait", signal.SIGINT, 130, "stopped by SIGINT; all 2 worker(s) ended"),
+        ("wait", signal.SIGTERM, 143, "stopped by SIGTERM; all 2 worker(s) ended"),
+        # The whole tree ignores SIGTERM: only the SIGKILL after --kill_grace ends it.
+        ("ignore", None, 5, "rank 1 failed first: exited with code 5"),
+    ],
+)
+def test_no_survivors(launched, tmp_path, mode, action, code, says):
+    proc, pids = start(launched, tmp_path, mode)
+    t0 = time.monotonic()
+    if action is not None:
+        time.sleep(0.2)
+        proc.send_signal(action)
+    out, err = proc.communicate(timeout=30)
+    elapsed = time.monotonic() - t0
+    err = err.decode()
+    assert proc.returncode == code, err
+    assert f"dslaunch: {says}" in err
+    if mode != "wait":
+        assert "dslaunch:   | rank 1 is failing" in err  # the tail of the failing rank's stderr
+        assert "dslaunch: stopped the other 1 of 2 worker(s)" in err
+    if mode == "ignore":
+        assert elapsed >= 1.0  # waited the grace period before SIGKILL
+    assert survivors(pids, within=5) == [], describe(pids)
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_to_launcher_leaves_no_orphans(launched, tmp_path):
+    proc, pids = start(launched, tmp_path, "wait", grace=1.0)
+    proc.kill()
+    proc.wait()
+    left = survivors(pids - {proc.pid}, within=8)
+    assert left == [], describe(left)
