@@ -21,6 +21,7 @@ import sys
 import click
 
 from dslaunch.launcher.errors import LaunchConfigError
+from dslaunch.launcher.ssh_options import multinode_options, pop_multinode_options
 
 ENV_PREFIX = "DSLAUNCH"
 
@@ -79,6 +80,7 @@ class _LaunchCommand(click.Command):
         help="KEY=VALUE file exported to every worker. Default: ./.dslaunch_env, else ~/.dslaunch_env.")
 @option("--dry_run", is_flag=True, default=False, help="Print the plan (nodes, ranks, devices, env, commands); run nothing.")
 @option("--json", "json", is_flag=True, default=False, help="With --dry_run: print the plan as JSON.")
+@multinode_options  # --launcher, --ssh_*, --export, --show_env, ... (multi-node, ssh_options.py)
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(**params) -> int:
@@ -90,14 +92,15 @@ def launch(**params) -> int:
     from dslaunch.launcher.plan import LaunchOptions
 
     try:
+        mn = pop_multinode_options(params)
         opts = LaunchOptions(**params)
-        return _launch(opts)
+        return _launch(opts, mn)
     except LaunchConfigError as e:
         click.echo(f"dslaunch: error: {e}", err=True)
         return e.exit_code
 
 
-def _launch(opts) -> int:
+def _launch(opts, mn=None) -> int:
     from dslaunch.launcher.local import run_local, say
     from dslaunch.launcher.machine import gather_facts, is_local, pick_free_port
     from dslaunch.launcher.plan import build_plan, format_plan, plan_to_dict
@@ -110,6 +113,9 @@ def _launch(opts) -> int:
         say(err, note)
     if plan.master_port == 0 and is_local(plan.master_addr, facts.hostnames):
         plan.master_port = pick_free_port(plan.master_addr)
+    if plan.remote_nodes:  # other hosts: the multi-node hand-off (SSH agents, pdsh, mpirun, srun), --dry_run too
+        from dslaunch.launcher.multinode import run_plan
+        return run_plan(plan, mn or pop_multinode_options({}), environ)
     if opts.dry_run:
         text = json.dumps(plan_to_dict(plan), indent=2) if opts.json else format_plan(plan)
         click.echo(text)

@@ -45,6 +45,7 @@ class ClusterJob:
     workdir: Optional[str] = None
     python: str = "python3"
     launcher_args: str = ""                # --launcher_args, split like a shell would
+    local_rank_at: Optional[int] = None    # insert --local_rank=N at this argv index (known only per rank)
 
     @property
     def world_size(self) -> int:
@@ -77,7 +78,10 @@ def _extra(job: ClusterJob) -> List[str]:
 
 
 def _rank_shim(job: ClusterJob) -> List[str]:
-    return [job.python, "-m", "dslaunch.launcher.cluster_env", "--", *job.worker_argv]
+    shim = [job.python, "-m", "dslaunch.launcher.cluster_env"]
+    if job.local_rank_at is not None:
+        shim += ["--local_rank_at", str(job.local_rank_at)]
+    return [*shim, "--", *job.worker_argv]
 
 
 def _contract_env(job: ClusterJob) -> Dict[str, str]:

@@ -62,6 +62,9 @@ def _expand_slurm_counts(spec: str) -> List[int]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    insert_at = None
+    if args[:1] == ["--local_rank_at"] and len(args) > 1 and args[1].isdigit():
+        insert_at, args = int(args[1]), args[2:]
     if args and args[0] == "--":
         args = args[1:]
     if not args:
@@ -73,6 +76,9 @@ def main(argv: Optional[List[str]] = None) -> None:
               "(run me under mpirun or srun)", file=sys.stderr)
         sys.exit(2)
     os.environ.update(contract)
+    if insert_at is not None:
+        # DeepSpeed-style scripts take --local_rank; only now is this rank's value known
+        args.insert(insert_at, f"--local_rank={contract.get('LOCAL_RANK', '0')}")
     try:
         os.execvp(args[0], args)
     except OSError as exc:

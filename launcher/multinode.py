@@ -36,7 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from dslaunch.launcher.ssh import SshError, SshOptions, connect_all
+from dslaunch.launcher.ssh import connect_all
+from dslaunch.launcher.ssh_options import MultiNodeOptions, SshOptions
 
 STOP = json.dumps({"cmd": "stop"}) + "\n"
 
@@ -171,7 +172,7 @@ class MultiNodeRunner:
     def run(self) -> int:
         hosts = [p.host for p in self.plans_for(0)]
         remote = [h for h in hosts if h not in self.local_hosts]
-        conns = connect_all(remote, self.ssh)
+        conns = self._connect(remote)
         if conns.errors:
             conns.close()
             for host in remote:
@@ -197,19 +198,14 @@ class MultiNodeRunner:
 
     # ------------------------------------------------------------------ one attempt
     def _attempt(self, plans: List[NodePlan], clients) -> Attempt:
-        links: List[_Link] = []
         result = Attempt()
+        links: List[_Link] = []
+        # a fresh queue per attempt: the previous attempt's readers may still post their eofs
+        self._events = queue.Queue()
         try:
-            for plan in plans:
-                if plan.host in self.local_hosts:
-                    link: _Link = _LocalLink(plan.host, self.python, self.workdir)
-                else:
-                    link = _SshLink(plan.host, clients[plan.host], self.python, self.workdir)
-                links.append(link)
-                self._start_readers(len(links) - 1, link)
-                link.safe_send(plan.to_json())
+            self._open_links(plans, clients, links)
         except Exception as exc:  # opening a session failed: stop what started, report the host
-            host = plans[len(links)].host if len(links) < len(plans) else "?"
+            host = plans[min(len(links), len(plans) - 1)].host
             self.sink("err", f"dslaunch: {host}: cannot start the node agent: {exc}")
             for link in links:
                 link.safe_send(STOP)
@@ -288,8 +284,24 @@ class MultiNodeRunner:
             for line in f.tail[-self.tail_lines:]:
                 self.sink("err", f"    {line}")
 
+    def _connect(self, hosts: List[str]):
+        return connect_all(hosts, self.ssh)
+
+    def _open_links(self, plans: List[NodePlan], clients, links: List[_Link]) -> None:
+        """Start one agent per plan, appending each link as soon as it exists."""
+        for plan in plans:
+            if plan.host in self.local_hosts:
+                link: _Link = _LocalLink(plan.host, self.python, self.workdir)
+            else:
+                link = _SshLink(plan.host, clients[plan.host], self.python, self.workdir)
+            links.append(link)
+            self._start_readers(len(links) - 1, link)
+            link.safe_send(plan.to_json())
+
     # ------------------------------------------------------------------ readers
     def _start_readers(self, idx: int, link: _Link) -> None:
+        events_q = self._events
+
         def events():
             try:
                 for raw in link.out:
@@ -297,15 +309,15 @@ class MultiNodeRunner:
                         ev = json.loads(raw)
                     except ValueError:
                         ev = {"ev": "agent_err", "text": raw.decode(errors="replace").rstrip("\n")}
-                    self._events.put((idx, ev))
+                    events_q.put((idx, ev))
             except Exception:
                 pass
-            self._events.put((idx, {"ev": "eof"}))
+            events_q.put((idx, {"ev": "eof"}))
 
         def errors():
             try:
                 for raw in link.err:
-                    self._events.put((idx, {"ev": "agent_err", "text": raw.decode(errors="replace").rstrip("\n")}))
+                    events_q.put((idx, {"ev": "agent_err", "text": raw.decode(errors="replace").rstrip("\n")}))
             except Exception:
                 pass
 
@@ -338,3 +350,99 @@ def build_plans(
         return out
 
     return plans
+
+
+# ---------------------------------------------------------------------- the CLI's hand-off
+
+def run_plan(plan, mn: MultiNodeOptions, environ: Optional[Dict[str, str]] = None, sink: Sink = default_sink) -> int:
+    """Run (or for --dry_run, print) a launch plan (plan.LaunchPlan) that spans other hosts.
+
+    Usage errors raise LaunchConfigError (the CLI prints one line and exits 2).
+    """
+    import random
+
+    from dslaunch.launcher import preflight
+    from dslaunch.launcher.cluster import ClusterError, require_tool
+    from dslaunch.launcher.errors import LaunchConfigError
+    from dslaunch.launcher.ssh_env import forwarded_env
+
+    o = plan.options
+    environ = dict(os.environ if environ is None else environ)
+    python = mn.remote_python or sys.executable
+    workdir = mn.workdir or os.getcwd()
+    forwarded = forwarded_env(environ, plan.env_file.values, mn.exports)
+    first = plan.world.nodes[0]
+    first_target = f"{first.user}@{first.host}" if first.user else first.host
+    # the first host's address as SSH resolves it (~/.ssh/config HostName), so workers need no DNS for it
+    master = o.master_addr or preflight.default_master_addr(first_target, mn.ssh)
+    # --master_port 0: no port can be proven free on another host from here; pick an unlikely one
+    port = plan.master_port or random.randint(20000, 40000)
+    kw = dict(module=o.module, no_python=o.no_python, no_local_rank=o.no_local_rank)
+    try:
+        if mn.launcher in ("openmpi", "slurm"):
+            # mpirun and srun start the ranks themselves; we only build and run their command
+            from dslaunch.launcher.cluster_launch import run_cluster_tool
+            return run_cluster_tool(plan.world, o.script, o.script_args, mn, python=python, workdir=workdir,
+                                    master_addr=master, master_port=port, forwarded=forwarded,
+                                    dry_run=o.dry_run, sink=sink, **kw)
+        if mn.launcher == "pdsh" and not o.dry_run:
+            require_tool("pdsh")
+    except ClusterError as exc:
+        raise LaunchConfigError(str(exc)) from None
+    plans = build_plans(plan.world, o.script, o.script_args, python=python, master_addr=master, master_port=port,
+                        run_id=plan.run_id, forwarded=forwarded, max_restarts=o.max_restarts,
+                        kill_grace=o.kill_grace, **kw)
+    if o.dry_run:
+        sink("out", format_plan(plan, plans(0), python, workdir, mn, set(forwarded), o.json))
+        return 0
+    local = tuple(f"{n.node.user}@{n.node.host}" if n.node.user else n.node.host for n in plan.nodes if n.local)
+    if not mn.skip_check:
+        remote = [(p.host, len(p.workers)) for p in plans(0) if p.host not in local]
+        reports = preflight.run_preflight(remote, mn.ssh, python, master, port, need_torch=False)
+        problem = preflight.summary_line(reports)
+        if problem:
+            sink("err", preflight.format_table(reports, f"{master}:{port}"))
+            sink("err", f"dslaunch: {problem} (--skip_check to launch anyway)")
+            return 255
+    if mn.launcher == "pdsh":
+        from dslaunch.launcher.cluster_launch import run_pdsh
+        return run_pdsh(plans, mn, python=python, workdir=workdir, sink=sink, environ=environ)
+    runner = MultiNodeRunner(plans, mn.ssh, python, workdir, local_hosts=local,
+                             max_restarts=o.max_restarts, sink=sink)
+    return runner.run()
+
+
+def format_plan(launch_plan, plans: List[NodePlan], python: str, workdir: str, mn: MultiNodeOptions,
+                secret_names, as_json: bool) -> str:
+    """--dry_run for a multi-host layout: the single-node plan's shape (plan.plan_to_dict),
+    with each remote worker's real environment (forwarded values *** unless --show_env),
+    the transport, and the agent command each host runs."""
+    from dslaunch.launcher.plan import plan_to_dict
+    from dslaunch.launcher.ssh_env import MASK, masked
+
+    d = plan_to_dict(launch_plan)
+    d["master_addr"], d["master_port"] = plans[0].workers[0].env["MASTER_ADDR"], int(plans[0].workers[0].env["MASTER_PORT"])
+    d["launcher"] = mn.launcher
+    for node, p in zip(d["nodes"], plans):
+        if not node["local"]:
+            node["agent"] = agent_command(python, workdir)
+        for w, wp in zip(node["workers"], p.workers):
+            w["argv"] = list(wp.argv)
+            w["env"] = masked(wp.env, secret_names, mn.show_env)
+    if as_json:
+        return json.dumps(d, indent=2)
+    out = [f"dslaunch plan: {d['num_nodes']} node(s), world size {d['world_size']}, "
+           f"master {d['master_addr']}:{d['master_port']}, run id {d['run_id']}, max restarts {d['max_restarts']}, "
+           f"launcher {mn.launcher}"]
+    if d["env_file"]:
+        out.append(f"env file: {d['env_file']}")
+    for n in d["nodes"]:
+        who = f"{n['user']}@{n['host']}" if n["user"] else n["host"]
+        where = "this machine" if n["local"] else f"remote: {n['agent']}"
+        out.append(f"node {n['node_rank']}: {who} ({where}) slots {','.join(map(str, n['slots']))} "
+                   f"ranks {n['ranks'][0]}-{n['ranks'][-1]}")
+        for w in n["workers"]:
+            out.append(f"  rank {w['rank']} (local {w['local_rank']}): {shlex.join(w['argv'])}")
+            out.append("    env: " + " ".join(f"{k}={v if v == MASK else shlex.quote(v)}"
+                                          for k, v in sorted(w["env"].items())))
+    return "\n".join(out)

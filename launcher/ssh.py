@@ -20,22 +20,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import paramiko
 
+from dslaunch.launcher.ssh_options import SshOptions  # noqa: F401  (re-exported)
+
 
 class SshError(RuntimeError):
     def __init__(self, host: str, message: str):
         super().__init__(f"{host}: {message}")
         self.host = host
-
-
-@dataclass(frozen=True)
-class SshOptions:
-    """The `--ssh_*` options; None means "ask ~/.ssh/config, then the default"."""
-    user: Optional[str] = None
-    port: Optional[int] = None
-    key: Optional[str] = None
-    timeout: float = 10.0
-    accept_new_host_keys: bool = False
-    config_path: Optional[str] = None  # default ~/.ssh/config
 
 
 @dataclass(frozen=True)

@@ -97,3 +97,14 @@ def test_shim_execs_the_worker_with_the_contract():
     bare = subprocess.run([sys.executable, "-m", "dslaunch.launcher.cluster_env", "--", "true"],
                           env={"PATH": os.environ["PATH"]}, capture_output=True, text=True)
     assert bare.returncode == 2 and "OMPI_COMM_WORLD_RANK" in bare.stderr
+
+
+def test_shim_inserts_local_rank_where_asked():
+    env = dict(os.environ, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_NODEID="1")
+    code = "import sys; print(sys.argv[1:])"
+    out = subprocess.run([sys.executable, "-m", "dslaunch.launcher.cluster_env", "--local_rank_at", "3", "--",
+                          sys.executable, "-c", code, "x"], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['--local_rank=1', 'x']"
+    cmd = slurm_command(job(local_rank_at=3))
+    i = cmd.argv.index("dslaunch.launcher.cluster_env")
+    assert cmd.argv[i + 1:i + 4] == ["--local_rank_at", "3", "--"]
