@@ -161,9 +161,9 @@ def _read_manifest(path: str) -> Dict[str, Any]:
     return manifest
 
 
-def _load_file(path: str) -> Any:
+def _load_file(path: str, mmap: bool = False) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as exc:  # any unpickling failure means a damaged file
         raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from None
 
@@ -193,7 +193,12 @@ def load(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool 
     path = os.path.join(load_dir, str(tag))
     manifest = _read_manifest(path)
     rank, strategy = engine.global_rank, engine.strategy
-    if manifest["sharded_optimizer_state"] and manifest["world_size"] != engine.world_size and load_optimizer_states:
+    # ZeRO strategies re-cut shards saved at any world size or stage (runtime/zero/checkpoint.py):
+    # they get every saved rank's file, memory-mapped so only the overlapping pieces are read.
+    reshard = (manifest["sharded_optimizer_state"] and getattr(strategy, "loads_any_world_size", False)
+               and (manifest["world_size"] != engine.world_size or manifest["zero_stage"] != strategy.stage))
+    if manifest["sharded_optimizer_state"] and manifest["world_size"] != engine.world_size and load_optimizer_states \
+            and not reshard:
         raise CheckpointError(f"checkpoint {path} holds optimizer state sharded over {manifest['world_size']} ranks; "
                               f"this job has {engine.world_size} (consolidate it or load with load_optimizer_states=False)")
     # Read everything first: nothing is applied until every file has been read.
@@ -202,8 +207,11 @@ def load(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool 
         _check_module_state(engine.module, model["module"], path)
     optim = None
     if load_optimizer_states and not load_module_only:
-        optim = (_load_file(os.path.join(path, optim_file(rank))) if manifest["sharded_optimizer_state"]
-                 else model["optimizer"])
+        if reshard:
+            optim = [_load_file(os.path.join(path, optim_file(r)), mmap=True) for r in range(manifest["world_size"])]
+        else:
+            optim = (_load_file(os.path.join(path, optim_file(rank))) if manifest["sharded_optimizer_state"]
+                     else model["optimizer"])
     rng_path = os.path.join(path, rng_file(rank))
     rng = _load_file(rng_path) if os.path.exists(rng_path) and not load_module_only else None
 

@@ -91,6 +91,8 @@ class Stage3Engine:
                                 device=self.param_device)
             p._zero.name = n
             p._zero.owner = self
+            if p._zero.shard.dtype != p.dtype:  # built by zero.Init, then cast by the engine
+                p._zero.shard = p._zero.shard.to(p.dtype)
         self.groups: List[Dict[str, Any]] = []
         seen = set()
         for gi, pg in enumerate(optimizer.param_groups):

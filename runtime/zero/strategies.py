@@ -24,6 +24,7 @@ def _offload(ctx: StrategyContext):
 
 class _Stage12(GradientStrategy):
     sharded_optimizer_state = True
+    loads_any_world_size = True  # the engine then hands load_optimizer_state_dict every saved shard
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -87,6 +88,7 @@ class ZeroStage3(GradientStrategy):
     """Parameters partitioned at rest, gathered around each module's forward/backward."""
 
     sharded_optimizer_state = True
+    loads_any_world_size = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
