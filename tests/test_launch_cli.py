@@ -1,0 +1,240 @@
+"""The dslaunch command end to end: options, environment, plan, pass-through, env contract."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from dslaunch.launcher.cli import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+BEHAVE = str(Path(__file__).with_name("workers") / "behave.py")
+DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
+
+
+def cli(args, env=None, cwd=None):
+    """In-process run (fast) for everything that starts no worker."""
+    runner = CliRunner()
+    old = os.getcwd()
+    try:
+        if cwd:
+            os.chdir(cwd)
+        r = runner.invoke(launch, args, env=env, prog_name="dslaunch")
+    finally:
+        os.chdir(old)
+    return r.exit_code, r.stdout, r.stderr
+
+
+def plan(args, env=None, cwd=None):
+    code, out, err = cli(["--dry_run", "--json", *args], env=env, cwd=cwd)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def run(args, timeout=60, **kw):
+    return subprocess.run([*DSLAUNCH, *args], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    def make(text):
+        p = tmp_path / "hosts"
+        p.write_text(text)
+        return str(p)
+
+    return make
+
+
+# ---------------------------------------------------------------- plan and options (in-process)
+
+def test_cpu_default_is_one_worker_and_num_gpus_counts_processes():
+    p = plan([BEHAVE])
+    assert p["world_size"] == 1 and p["nodes"][0]["accelerator"] == "cpu"
+    p = plan(["--num_gpus", "3", BEHAVE])
+    assert [w["rank"] for w in p["nodes"][0]["workers"]] == [0, 1, 2]
+    code, out, err = cli(["--dry_run", "--num_gpus", "3", BEHAVE])
+    assert err.count("no GPU on this machine: --num_gpus counts worker processes; running 3 on the CPU") == 1
+
+
+def test_multi_host_dry_run_plan(hostfile):
+    hf = hostfile("localhost slots=2\nbob@far-away slots=3\n")
+    p = plan(["--hostfile", hf, "--exclude", "far-away:1", BEHAVE, "ok"])
+    assert p["world_size"] == 4 and p["master_addr"] == "localhost"
+    local, remote = p["nodes"]
+    assert (local["local"], remote["local"], remote["user"]) == (True, False, "bob")
+    assert remote["slots"] == [0, 2] and remote["ranks"] == [2, 3]
+    w = remote["workers"][1]
+    assert (w["env"]["RANK"], w["env"]["LOCAL_RANK"], w["env"]["NODE_RANK"], w["env"]["CUDA_VISIBLE_DEVICES"]) == ("3", "1", "1", "0,2")
+    assert w["argv"][-2:] == ["--local_rank=1", "ok"]
+    code, out, err = cli(["--dry_run", "--hostfile", hf, BEHAVE])
+    assert code == 0 and "far-away" in out and "world size 5" in out
+
+
+def test_local_hostfile_text_plan(hostfile):
+    code, out, err = cli(["--dry_run", "--hostfile", hostfile("localhost slots=3\n"), "--include", "localhost:0,2", BEHAVE])
+    assert code == 0, err
+    assert "node 0: localhost (this machine, cpu) slots 0,2 ranks 0-1" in out
+    assert "CUDA_VISIBLE_DEVICES=0,2" in out and "--local_rank=1" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hostfile", "/nonexistent/hosts", "x.py"], "dslaunch: error: /nonexistent/hosts: hostfile not found"),
+        (["--hostfile", "HF", "x.py"], "dslaunch: error: HF:2: slots=4x is not a whole number"),
+        (["--hostfile", "GOOD", "--include", "w9", "x.py"], "unknown host 'w9'"),
+        (["--hostfile", "GOOD", "--include", "localhost:7", "x.py"], "host 'localhost' has no slot 7"),
+        (["--hostfile", "GOOD", "--include", "localhost", "--exclude", "localhost:0", "x.py"], "--include and --exclude cannot"),
+        (["--hostfile", "GOOD", "--num_gpus", "3", "x.py"], "--num_gpus 3: host 'localhost' has only slots=2 (GOOD:1)"),
+        (["--num_nodes", "2", "x.py"], "--num_nodes 2 needs a --hostfile"),
+        (["--num_gpus", "0", "x.py"], "--num_gpus 0: must be at least 1"),
+        (["--num_gpus", "two", "x.py"], "dslaunch: error: Invalid value for '--num_gpus'"),
+        (["--bogus", "x.py"], "dslaunch: error: No such option"),
+        ([], "dslaunch: error: Missing argument 'SCRIPT'"),
+        (["--master_port", "70000", "x.py"], "--master_port 70000: not a TCP port"),
+        (["--json", "x.py"], "--json only applies to --dry_run"),
+        (["--module", "--no_python", "x"], "--module and --no_python cannot be used together"),
+        (["missing.py"], "dslaunch: error: missing.py: no such script"),
+        (["--no_python", "no-such-program-xyz"], "no-such-program-xyz: program not found on PATH"),
+        (["--env_file", "/nonexistent/envf", BEHAVE], "/nonexistent/envf: env file"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(tmp_path, args, message):
+    (tmp_path / "HF").write_text("localhost slots=2\nw1 slots=4x\n")
+    (tmp_path / "x.py").write_text("")
+    (tmp_path / "GOOD").write_text("localhost slots=2\n")
+    code, out, err = cli(args, cwd=tmp_path)
+    assert code == 2, err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert out == ""
+
+
+def test_every_option_reads_its_environment_variable_and_the_command_line_wins():
+    """Generic over launch.params, so options added later are covered too."""
+    def sample(opt):
+        """(env text, command-line text, parsed env value, parsed command-line value)."""
+        if isinstance(opt.type, click.Choice):
+            a, b = opt.type.choices[-1], opt.type.choices[0]
+            return a, b, a, b
+        if opt.multiple:
+            return "A B", "C", ("A", "B"), ("C",)
+        return {click.INT: ("3", "4", 3, 4), click.FLOAT: ("1.5", "2.5", 1.5, 2.5),
+                click.STRING: ("env", "cmd", "env", "cmd")}[opt.type]
+
+    code, help_text, _ = cli(["--help"])
+    options = [p for p in launch.params if isinstance(p, click.Option)]
+    assert len(options) >= 16
+    for opt in options:
+        var = f"DSLAUNCH_{opt.name.upper()}"
+        assert var in help_text.replace("\n", " ").replace("  ", " ") or var in help_text, var
+        if opt.is_flag:
+            ctx = launch.make_context("dslaunch", ["x.py"])
+            assert ctx.params[opt.name] is False
+            os.environ[var] = "1"
+            try:
+                assert launch.make_context("dslaunch", ["x.py"]).params[opt.name] is True, var
+            finally:
+                del os.environ[var]
+            continue
+        env_text, cmd_text, env_val, cmd_val = sample(opt)
+        os.environ[var] = env_text
+        try:
+            assert launch.make_context("dslaunch", ["x.py"]).params[opt.name] == env_val, var
+            assert launch.make_context("dslaunch", [opt.opts[-1], cmd_text, "x.py"]).params[opt.name] == cmd_val, var
+        finally:
+            del os.environ[var]
+
+
+def test_env_var_reaches_the_plan():
+    p = plan([BEHAVE], env={"DSLAUNCH_NUM_GPUS": "2", "DSLAUNCH_MAX_RESTARTS": "3"})
+    assert p["world_size"] == 2 and p["max_restarts"] == 3
+    assert plan(["--num_gpus", "1", BEHAVE], env={"DSLAUNCH_NUM_GPUS": "2"})["world_size"] == 1
+
+
+def test_master_port_zero_picks_a_free_port():
+    port = plan(["--master_port", "0", BEHAVE])["master_port"]
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free: binding succeeds
+
+
+def test_modes_module_no_python_no_local_rank():
+    w = plan(["-m", "json.tool", "--x"])["nodes"][0]["workers"][0]
+    assert w["argv"] == [sys.executable, "-u", "-m", "json.tool", "--local_rank=0", "--x"]
+    w = plan(["--no_python", "--no_local_rank", "true", "a"])["nodes"][0]["workers"][0]
+    assert w["argv"] == ["true", "a"]
+
+
+def test_no_torch_on_the_start_up_path(tmp_path):
+    """A real 1-worker launch under -X importtime: the launcher process never imports torch."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "dslaunch.launcher", "--num_gpus", "1", BEHAVE, "ok"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    own = [l for l in r.stderr.splitlines() if l.startswith("import time:")]
+    assert any("dslaunch.launcher.supervisor" in l for l in own)
+    assert not [l for l in own if l.rstrip().endswith(("| torch", "|   torch"))] and not any(" torch" in l.split("|")[-1] for l in own)
+
+
+# ---------------------------------------------------------------- real runs (subprocess)
+
+WEIRD_ARGS = ["--num_gpus", "3", "-m", "--help", "a b", "'q'", '"dq"', "$HOME", "; rm -rf /", "ünï©ødé", "", "--", "-x=1"]
+
+
+def test_script_args_pass_through_untouched_and_env_contract(tmp_path):
+    (tmp_path / ".dslaunch_env").write_text("FROM_ENV_FILE=yes it is\nRANK=999\n")
+    out = tmp_path / "env"
+    r = run(["--num_gpus", "2", "--master_port", "0", BEHAVE, "env", str(out), *WEIRD_ARGS], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for rank, g in enumerate(got):
+        assert g["argv"][1:] == [f"--local_rank={rank}", "env", str(out), *WEIRD_ARGS]
+        e = g["env"]
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
+        assert (e["NODE_RANK"], e["GROUP_RANK"], e["MASTER_ADDR"]) == ("0", "0", "127.0.0.1")
+        assert e["CUDA_VISIBLE_DEVICES"] == "0,1" and e["DSLAUNCH_ACCELERATOR"] == "cpu"
+        assert e["DSLAUNCH_RESTART_COUNT"] == e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert e["FROM_ENV_FILE"] == "yes it is"
+    assert got[0]["env"]["MASTER_PORT"] == got[1]["env"]["MASTER_PORT"] != "29500"
+    assert got[0]["env"]["DSLAUNCH_RUN_ID"] == got[1]["env"]["DSLAUNCH_RUN_ID"]
+
+
+def test_output_lines_are_prefixed_and_stderr_stays_stderr(tmp_path):
+    r = run(["--num_gpus", "2", "--log_dir", str(tmp_path / "logs"), BEHAVE, "lines", "50"])
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        out = [l for l in r.stdout.splitlines() if l.startswith(f"[rank {rank}] ")]
+        err = [l for l in r.stderr.splitlines() if l.startswith(f"[rank {rank}] ")]
+        assert out == [f"[rank {rank}] r{rank} line {i} end" for i in range(50)] + [f"[rank {rank}] r{rank} no-newline-at-end"]
+        assert err == [f"[rank {rank}] Er{rank} Eline {i} Eend" for i in range(50)]
+        log = (tmp_path / "logs" / f"rank_{rank}.log").read_text().splitlines()
+        assert log[0].startswith("=== dslaunch run ") and len(log) == 1 + 101
+    assert "\x1b[" not in r.stdout  # no colours into a pipe
+
+
+def test_max_restarts_restarts_the_group_with_the_counter_in_env(tmp_path):
+    worker = tmp_path / "flaky.py"
+    worker.write_text(
+        "import os, sys\n"
+        "n = int(os.environ['DSLAUNCH_RESTART_COUNT'])\n"
+        "print('attempt', n, 'rank', os.environ['RANK'])\n"
+        "sys.exit(4 if n < 2 and os.environ['RANK'] == '1' else 0)\n"
+    )
+    r = run(["--num_gpus", "2", "--max_restarts", "2", "--no_local_rank", str(worker)])
+    assert r.returncode == 0, r.stderr
+    assert "restarting the worker group (restart 1 of 2)" in r.stderr and "(restart 2 of 2)" in r.stderr
+    assert "[rank 1] attempt 2 rank 1" in r.stdout
+    r = run(["--num_gpus", "2", "--max_restarts", "1", "--no_local_rank", str(worker)])
+    assert r.returncode == 4 and "giving up after 1 restart(s)" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_gloo_all_reduce_under_dslaunch():
+    r = run(["--num_gpus", "2", "--master_port", "0", str(ROOT / "scripts" / "examples" / "allreduce.py")], timeout=110)
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] all_reduce sum = 3 (expected 3) on rank {rank} of 2, local rank {rank}" in r.stdout
