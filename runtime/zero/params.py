@@ -74,8 +74,9 @@ def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> 
         check(f"gather {what}")
     world = comm.world()
     dtype = need[0]._zero.shard.dtype
-    device = need[0]._zero.shard.device
-    local = torch.cat([p._zero.shard.to(dtype) for p in need]) if len(need) > 1 else need[0]._zero.shard
+    device = need[0].device  # the compute device, even when shards rest in CPU memory (offload_param)
+    local = torch.cat([p._zero.shard.to(device, dtype) for p in need]) if len(need) > 1 \
+        else need[0]._zero.shard.to(device)
     out = torch.empty(world * local.numel(), dtype=dtype, device=device)
     comm.all_gather(out, local.contiguous())
     rows = out.view(world, local.numel())

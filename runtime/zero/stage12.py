@@ -60,6 +60,7 @@ class PartitionedOptimizer:
         self.reduce_bucket = int(reduce_bucket_size)
         self.gather_bucket = int(allgather_bucket_size)
         self.overlap_comm = overlap_comm
+        self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
         names = named_trainable(module)
         seen = set()
         self.groups: List[_Group] = []
@@ -89,7 +90,9 @@ class PartitionedOptimizer:
             flat[s.offset:s.offset + s.numel].copy_(p.data.reshape(-1))
             p.data = flat[s.offset:s.offset + s.numel].view(s.shape)
         lo, hi = layout.partition_range(self.rank)
-        master = flat[lo:hi].detach().to(torch.float32).clone()
+        # offloaded: masters, optimizer state and (stage 2) the gradient partition in host memory
+        host = torch.device("cpu") if self.offload_device in ("cpu", "nvme") else device
+        master = flat[lo:hi].detach().to(host, torch.float32).clone()
         grad = torch.zeros_like(master) if self.stage == 2 else None
         return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(self.rank))
 
@@ -143,14 +146,14 @@ class PartitionedOptimizer:
             p.grad = None  # the point of stage 2: no full gradient survives the bucket
         for owner in sorted(by_owner):
             parts = by_owner[owner]
-            buf = torch.cat([gf[a:b].float() if gf is not None else torch.zeros(b - a, device=self.groups[gi].master.device)
+            buf = torch.cat([gf[a:b].float() if gf is not None else torch.zeros(b - a, device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
             if self.world > 1:
                 dist.reduce(buf, dst=owner, group=self.group)
             if owner == self.rank:
                 pos = 0
                 for gi, _, a, b, off in parts:
-                    self.groups[gi].grad[off:off + b - a] += buf[pos:pos + b - a]
+                    self.groups[gi].grad[off:off + b - a] += buf[pos:pos + b - a].to(self.groups[gi].grad.device)
                     pos += b - a
 
     # -- boundary -------------------------------------------------------------------------
@@ -172,18 +175,18 @@ class PartitionedOptimizer:
             return
         for g in self.groups:
             L, P = g.layout, g.layout.partition_size
-            full = torch.zeros(L.padded_total, dtype=torch.float32, device=g.master.device)
+            full = torch.zeros(L.padded_total, dtype=torch.float32, device=g.flat.device)
             for p, s in zip(g.params, L.slots):
                 if p.grad is not None:
                     full[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
             cols = max(1, self.reduce_bucket // self.world)
-            grad = torch.empty(P, dtype=torch.float32, device=g.master.device)
+            grad = torch.empty(P, dtype=torch.float32, device=g.flat.device)
             rows = full.view(self.world, P)
             for c in range(0, P, cols):
                 chunk = rows[:, c:c + cols].contiguous()
                 comm.reduce_scatter(grad[c:c + cols], chunk.view(-1), group=self.group)
-            g.grad = grad.div_(self.world)
+            g.grad = grad.div_(self.world).to(g.master.device)
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].master.device if self.groups else "cpu")
@@ -215,7 +218,7 @@ class PartitionedOptimizer:
             rows = g.flat.view(self.world, P)
             cols = max(1, self.gather_bucket // self.world)
             for c in range(0, P, cols):
-                shard = g.master[c:c + cols].to(g.flat.dtype)
+                shard = g.master[c:c + cols].to(g.flat.device, g.flat.dtype)
                 out = torch.empty(self.world * shard.numel(), dtype=g.flat.dtype, device=g.flat.device)
                 comm.all_gather(out, shard, group=self.group)
                 rows[:, c:c + shard.numel()].copy_(out.view(self.world, -1))

@@ -106,7 +106,9 @@ class Stage3Engine:
                 if sh.numel:
                     pieces.append(Piece(z.name, sh.start, sh.end, off))
                 off += z.chunk
-            master = torch.zeros(max(off, 1), dtype=torch.float32, device=self.param_device or _device(params))
+            host = getattr(offload, "device", "none") in ("cpu", "nvme")
+            master = torch.zeros(max(off, 1), dtype=torch.float32,
+                                 device=torch.device("cpu") if host else _device(params))
             for p in params:
                 z = p._zero
                 master[z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
@@ -226,8 +228,8 @@ class Stage3Engine:
                 z = p._zero
                 z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
                 if z.persistent:  # whole on every rank: refresh from all shards
-                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=z.shard.device)
-                    comm.all_gather(full, z.shard, group=self.group)
+                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
+                    comm.all_gather(full, z.shard.to(p.device), group=self.group)
                     p.data.copy_(full[:z.numel].view(z.shape))
 
     def zero_grad(self) -> None:
@@ -306,8 +308,8 @@ class Stage3Engine:
                 z = p._zero
                 z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
                 if z.persistent:
-                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=z.shard.device)
-                    comm.all_gather(full, z.shard, group=self.group)
+                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
+                    comm.all_gather(full, z.shard.to(p.device), group=self.group)
                     p.data.copy_(full[:z.numel].view(z.shape))
 
     def close(self) -> None:
@@ -318,7 +320,7 @@ class Stage3Engine:
 
 
 def _device(params):
-    return params[0]._zero.shard.device if params else torch.device("cpu")
+    return params[0].device if params else torch.device("cpu")
 
 
 def _wrap_outputs(engine, m, out):
