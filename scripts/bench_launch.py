@@ -1,0 +1,74 @@
+"""Launch overhead: dslaunch vs torchrun, side by side in one run.
+
+For each worker (a no-op script, and gloo init_process_group + one all_reduce) it times,
+interleaved and repeated:
+    bare      python WORKER with WORLD_SIZE=1 (no launcher at all)
+    dslaunch  dslaunch --num_gpus 2 --master_port 0 WORKER
+    torchrun  torchrun --standalone --nproc-per-node 2 WORKER
+and prints medians, each launcher's overhead (its time minus the bare run) and the ratio
+dslaunch/torchrun of the overheads. Target: ratio <= 0.5.
+
+    python scripts/bench_launch.py [--repeat 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "scripts" / "examples"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed(argv, env) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    elapsed = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.exit(f"bench_launch: {' '.join(map(str, argv))} failed ({r.returncode}):\n{r.stderr.decode()[-2000:]}")
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    dslaunch = BIN / "dslaunch"
+    torchrun = BIN / "torchrun" if (BIN / "torchrun").exists() else shutil.which("torchrun")
+    if not dslaunch.exists() or not torchrun:
+        sys.exit("bench_launch: needs dslaunch and torchrun in the interpreter's bin directory (bash scripts/setup_env.sh)")
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("DSLAUNCH_")}
+    base_env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"# {os.cpu_count()} CPUs, python {sys.version.split()[0]}, {args.repeat} runs each, medians; 2 processes per launch")
+    print(f"{'worker':<10} {'bare s':>8} {'dslaunch s':>11} {'torchrun s':>11} {'ds overhead':>12} {'tr overhead':>12} {'ratio':>6}")
+    for name in ("noop", "allreduce"):
+        worker = str(EXAMPLES / f"{name}.py")
+        runs = {"bare": [], "dslaunch": [], "torchrun": []}
+        for _ in range(args.repeat):
+            bare_env = dict(base_env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port()))
+            runs["bare"].append(timed([sys.executable, worker], bare_env))
+            runs["dslaunch"].append(timed([str(dslaunch), "--num_gpus", "2", "--master_port", "0", worker], base_env))
+            runs["torchrun"].append(timed([str(torchrun), "--standalone", "--nproc-per-node", "2", worker], base_env))
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        ds, tr = med["dslaunch"] - med["bare"], med["torchrun"] - med["bare"]
+        print(f"{name:<10} {med['bare']:8.3f} {med['dslaunch']:11.3f} {med['torchrun']:11.3f} "
+              f"{ds:12.3f} {tr:12.3f} {ds / tr:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
