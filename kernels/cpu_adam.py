@@ -127,15 +127,18 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _check(name: str, i: int, t: torch.Tensor, numel: int, dtypes) -> None:
-    if t.device.type != "cpu":
-        raise ValueError(f"cpu_adam_step: {name}[{i}] is on {t.device}; the CPU op needs CPU tensors")
-    if t.dtype not in dtypes:
-        allowed = ", ".join(_name(d) for d in dtypes)
-        raise TypeError(f"cpu_adam_step: {name}[{i}] has dtype {_name(t.dtype)}; expected {allowed}")
-    if t.numel() != numel:
-        raise ValueError(f"cpu_adam_step: {name}[{i}] has {t.numel()} elements, the parameter has {numel}")
-    if not t.is_contiguous():
+def _check(name: str, ts: List[torch.Tensor], numels: List[int], dtypes) -> None:
+    """One fast pass over a list; the slow path only runs to word the error."""
+    for i, t in enumerate(ts):
+        if t.dtype in dtypes and t.is_cpu and t.numel() == numels[i] and t.is_contiguous():
+            continue
+        if not t.is_cpu:
+            raise ValueError(f"cpu_adam_step: {name}[{i}] is on {t.device}; the CPU op needs CPU tensors")
+        if t.dtype not in dtypes:
+            allowed = ", ".join(_name(d) for d in dtypes)
+            raise TypeError(f"cpu_adam_step: {name}[{i}] has dtype {_name(t.dtype)}; expected {allowed}")
+        if t.numel() != numels[i]:
+            raise ValueError(f"cpu_adam_step: {name}[{i}] has {t.numel()} elements, the parameter has {numels[i]}")
         # A silent .contiguous() copy would receive the update and be thrown away.
         raise ValueError(f"cpu_adam_step: {name}[{i}] is not contiguous; the update would be lost in a copy")
 
@@ -215,18 +218,15 @@ def cpu_adam_step(
         raise TypeError(f"cpu_adam_step: grads[0] has dtype {_name(grad_dtype)}; expected float32, bfloat16 or float16")
     if outs and out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"cpu_adam_step: copy_out[0] has dtype {_name(out_dtype)}; expected bfloat16 or float16")
-    numels = []
-    for i, p in enumerate(ps):
-        numel = p.numel()
-        _check("params", i, p, numel, (torch.float32,))
-        _check("grads", i, gs[i], numel, (grad_dtype,))
-        _check("exp_avgs", i, ms[i], numel, (torch.float32,))
-        _check("exp_avg_sqs", i, vs[i], numel, (torch.float32,))
-        if amsgrad:
-            _check("max_exp_avg_sqs", i, maxs[i], numel, (torch.float32,))
-        if outs:
-            _check("copy_out", i, outs[i], numel, (out_dtype,))
-        numels.append(numel)
+    numels = [p.numel() for p in ps]
+    _check("params", ps, numels, (torch.float32,))
+    _check("grads", gs, numels, (grad_dtype,))
+    _check("exp_avgs", ms, numels, (torch.float32,))
+    _check("exp_avg_sqs", vs, numels, (torch.float32,))
+    if amsgrad:
+        _check("max_exp_avg_sqs", maxs, numels, (torch.float32,))
+    if outs:
+        _check("copy_out", outs, numels, (out_dtype,))
     if n == 0:
         return
     op = op or _OP
