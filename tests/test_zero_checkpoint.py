@@ -1,10 +1,12 @@
-"""ZeRO shards: save on 4 ranks, resume on 2 and 1 with another stage, consolidate.
+"""ZeRO shards: save on 4 ranks (stage 2, NVMe-swapped Adam state), resume on 2 and 1 with
+another stage and no offload, consolidate.
 
 Resume equality is checked against an uninterrupted 4-rank run on the same global
 batches (every world size sees the same 12 sequences per micro-step), so the only
 differences are reduction order: fp32, 1e-5.
 """
 import os
+import tempfile
 
 import pytest
 import torch
@@ -17,9 +19,9 @@ TOL = 1e-5
 
 def _save_worker(ckpt, stage):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = Cfg(stage, "float32", 2, "none")
+    cfg = Cfg(stage, "float32", 2, "nvme")  # the saved Adam state comes back from the swap files
     full_losses, _ = train_reference(cfg, rank, world, 5)
-    losses, params, shard, _ = train_zero(cfg, rank, world, 3)
+    losses, params, shard, _ = train_zero(cfg, rank, world, 3, nvme_dir=tempfile.mkdtemp(prefix="zero-nvme-"))
     torch.save(shard, os.path.join(ckpt, f"zero_shard_rank{rank}.pt"))
     if rank == 0:
         model = make_model()

@@ -118,60 +118,76 @@ def _cpu_adam_kernel(optimizer):
 
 
 class NVMeHost(OptimizerHost):
-    """Optimizer state swapped to files; one group's state in memory at a time (plus the
-    one being prefetched and the one being written back)."""
+    """Optimizer state swapped to files under nvme_path.
 
-    def __init__(self, optimizer, masters, nvme_path: str):
+    With the fused CPU Adam (Adam/AdamW), each group's partition is cut into chunks of
+    `sub_group_size` elements; chunk k+1's state is read by a background thread while
+    chunk k is updated, and chunk k is written back by another thread while k+1 is
+    updated, so at most three chunks of state are in memory. Other optimizers swap whole
+    param groups the same way and step them with the user's optimizer."""
+
+    def __init__(self, optimizer, masters, nvme_path: str, sub_group_size: int = 1_000_000_000):
         super().__init__(optimizer, masters)
+        self.kernel = _cpu_adam_kernel(optimizer)
+        chunk = max(1, int(sub_group_size)) if self.kernel is not None else None
+        self.units = [(gi, a, min(a + chunk, m.numel()) if chunk else m.numel())
+                      for gi, m in enumerate(masters) for a in (range(0, m.numel(), chunk) if chunk else [0])]
+        self.steps = [0] * len(masters)
         self.dir = os.path.join(nvme_path, f"dslaunch-swap-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.makedirs(self.dir, exist_ok=True)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="nvme-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="nvme-write")
         self.pending_writes: Dict[int, Future] = {}
-        self.on_disk = [False] * len(masters)
-        self.lock = threading.Lock()
+        self.on_disk = [False] * len(self.units)
         self.bytes_read = 0
         self.bytes_written = 0
 
-    def _path(self, gi: int) -> str:
-        return os.path.join(self.dir, f"group{gi}.pt")
+    def _path(self, ui: int) -> str:
+        return os.path.join(self.dir, f"unit{ui}.pt")
 
-    def _read(self, gi: int) -> Dict[str, Any]:
-        fut = self.pending_writes.pop(gi, None)
+    def _read(self, ui: int) -> Dict[str, Any]:
+        fut = self.pending_writes.pop(ui, None)
         if fut is not None:
             fut.result()
-        if not self.on_disk[gi]:
+        if not self.on_disk[ui]:
             return {}
-        state = torch.load(self._path(gi), map_location="cpu", weights_only=True)
+        state = torch.load(self._path(ui), map_location="cpu", weights_only=True)
         self.bytes_read += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
         return state
 
-    def _write(self, gi: int, state: Dict[str, Any]) -> None:
-        tmp = self._path(gi) + ".tmp"
+    def _write(self, ui: int, state: Dict[str, Any]) -> None:
+        tmp = self._path(ui) + ".tmp"
         torch.save(state, tmp)
-        os.replace(tmp, self._path(gi))
+        os.replace(tmp, self._path(ui))
         self.bytes_written += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-        self.on_disk[gi] = True
-
-    def _swap_in(self, gi: int) -> Future:
-        return self.reader.submit(self._read, gi)
+        self.on_disk[ui] = True
 
     def step(self) -> None:
-        n = len(self.masters)
+        if not self.units:
+            return
+        groups = self.optimizer.param_groups
+        if self.kernel is not None:
+            for gi in range(len(self.masters)):
+                self.steps[gi] += 1
         grads = [m.grad for m in self.masters]
-        nxt = self._swap_in(0) if n else None
-        for gi in range(n):
+        nxt = self.reader.submit(self._read, 0)
+        for ui, (gi, a, b) in enumerate(self.units):
             state = nxt.result()
-            nxt = self._swap_in(gi + 1) if gi + 1 < n else None
+            nxt = self.reader.submit(self._read, ui + 1) if ui + 1 < len(self.units) else None
             m = self.masters[gi]
-            if state:
-                self.optimizer.state[m] = state
-            # step only this group: the others' grads are hidden for the call
-            for j, mm in enumerate(self.masters):
-                mm.grad = grads[j] if j == gi else None
-            self.optimizer.step()
-            out = self.optimizer.state.pop(m, {})
-            self.pending_writes[gi] = self.writer.submit(self._write, gi, out)
+            if self.kernel is not None:
+                if not state:
+                    state = {"exp_avg": torch.zeros(b - a), "exp_avg_sq": torch.zeros(b - a)}
+                self.kernel(m[a:b], grads[gi][a:b], state["exp_avg"], state["exp_avg_sq"], self.steps[gi], groups[gi])
+                out = state
+            else:
+                if state:
+                    self.optimizer.state[m] = state
+                for j, mm in enumerate(self.masters):  # step only this group
+                    mm.grad = grads[j] if j == gi else None
+                self.optimizer.step()
+                out = self.optimizer.state.pop(m, {})
+            self.pending_writes[ui] = self.writer.submit(self._write, ui, out)
         for j, mm in enumerate(self.masters):
             mm.grad = grads[j]
 
@@ -182,19 +198,39 @@ class NVMeHost(OptimizerHost):
 
     def state_of(self, gi: int) -> Dict[str, Any]:
         self.flush()
-        return self._read(gi)
+        mine = [(ui, a, b) for ui, (g, a, b) in enumerate(self.units) if g == gi]
+        if self.kernel is None:
+            return self._read(mine[0][0]) if mine else {}
+        if not any(self.on_disk[ui] for ui, _, _ in mine):
+            return {}
+        m = self.masters[gi]
+        out = {"step": torch.tensor(float(self.steps[gi])), "exp_avg": torch.zeros_like(m),
+               "exp_avg_sq": torch.zeros_like(m)}
+        for ui, a, b in mine:
+            st = self._read(ui)
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    out[k][a:b] = st[k]
+        return out
 
     def load_state_of(self, gi: int, state: Dict[str, Any]) -> None:
         self.flush()
-        self._write(gi, {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
+        mine = [(ui, a, b) for ui, (g, a, b) in enumerate(self.units) if g == gi]
+        if self.kernel is None:
+            for ui, _, _ in mine:
+                self._write(ui, {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
+            return
+        self.steps[gi] = int(float(state.get("step", 0)))
+        for ui, a, b in mine:
+            self._write(ui, {k: state[k][a:b].clone() for k in ("exp_avg", "exp_avg_sq") if k in state})
 
     def close(self) -> None:
         self.flush()
         self.reader.shutdown()
         self.writer.shutdown()
-        for gi in range(len(self.masters)):
+        for ui in range(len(self.units)):
             try:
-                os.remove(self._path(gi))
+                os.remove(self._path(ui))
             except FileNotFoundError:
                 pass
         try:
@@ -203,10 +239,10 @@ class NVMeHost(OptimizerHost):
             pass
 
 
-def make_host(optimizer, masters, offload) -> OptimizerHost:
+def make_host(optimizer, masters, offload, sub_group_size: int = 1_000_000_000) -> OptimizerHost:
     device = getattr(offload, "device", "none") if offload is not None else "none"
     if device == "cpu":
         return CPUHost(optimizer, masters)
     if device == "nvme":
-        return NVMeHost(optimizer, masters, offload.nvme_path)
+        return NVMeHost(optimizer, masters, offload.nvme_path, sub_group_size)
     return OptimizerHost(optimizer, masters)

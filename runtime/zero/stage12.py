@@ -52,7 +52,7 @@ class PartitionedOptimizer:
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int,
                  reduce_bucket_size: int, allgather_bucket_size: int, overlap_comm: bool = True,
-                 offload=None, group=None):
+                 offload=None, group=None, sub_group_size: int = 1_000_000_000):
         if stage not in (1, 2):
             raise ValueError(f"PartitionedOptimizer handles stages 1 and 2, not {stage}")
         self.stage, self.module, self.optimizer, self.group = stage, module, optimizer, group
@@ -73,7 +73,7 @@ class PartitionedOptimizer:
         optimizer.state.clear()
         # Where the update runs: in place on the masters, on the CPU with the fused
         # kernel, or with state swapped to NVMe files.
-        self.host: OptimizerHost = make_host(optimizer, [g.master for g in self.groups], offload)
+        self.host: OptimizerHost = make_host(optimizer, [g.master for g in self.groups], offload, sub_group_size)
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []

@@ -74,7 +74,7 @@ class _PreBackward(torch.autograd.Function):
 class Stage3Engine:
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, persistence_threshold: int,
                  prefetch_bucket_size: int, offload=None, offload_param=None, check: Optional[bool] = None,
-                 group=None):
+                 group=None, sub_group_size: int = 1_000_000_000):
         self.module, self.optimizer, self.group = module, optimizer, group
         self.world, self.rank = comm.world(), comm.rank()
         self.prefetch_numel = int(prefetch_bucket_size)
@@ -116,7 +116,7 @@ class Stage3Engine:
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
         optimizer.state.clear()
-        self.host: OptimizerHost = make_host(optimizer, [g["master"] for g in self.groups], offload)
+        self.host: OptimizerHost = make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
         self._hooks = []
         self._trace: List[torch.nn.Module] = []
         self._recording = True

@@ -31,7 +31,7 @@ class _Stage12(GradientStrategy):
         z = ctx.config.zero_optimization
         self.impl = PartitionedOptimizer(ctx.module, ctx.optimizer, self.stage, z.reduce_bucket_size,
                                          z.allgather_bucket_size, overlap_comm=z.overlap_comm,
-                                         offload=_offload(ctx), group=ctx.group)
+                                         offload=_offload(ctx), group=ctx.group, sub_group_size=z.sub_group_size)
 
     def before_backward(self, is_boundary: bool) -> None:
         self.impl.before_backward(is_boundary)
@@ -105,7 +105,7 @@ class ZeroStage3(GradientStrategy):
         self.impl = Stage3Engine(ctx.module, ctx.optimizer, z.stage3_param_persistence_threshold,
                                  z.stage3_prefetch_bucket_size, offload=_offload(ctx),
                                  offload_param=off_param if off_param is not None and off_param.device != "none" else None,
-                                 group=ctx.group)
+                                 group=ctx.group, sub_group_size=z.sub_group_size)
 
     def wrap_module(self) -> None:
         self.impl.wrap()
