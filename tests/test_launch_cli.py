@@ -130,7 +130,7 @@ def test_every_option_reads_its_environment_variable_and_the_command_line_wins()
     assert len(options) >= 16
     for opt in options:
         var = f"DSLAUNCH_{opt.name.upper()}"
-        assert var in help_text.replace("\n", " ").replace("  ", " ") or var in help_text, var
+        assert var in help_text, var
         if opt.is_flag:
             ctx = launch.make_context("dslaunch", ["x.py"])
             assert ctx.params[opt.name] is False
@@ -177,7 +177,8 @@ def test_no_torch_on_the_start_up_path(tmp_path):
     assert r.returncode == 0, r.stderr
     own = [l for l in r.stderr.splitlines() if l.startswith("import time:")]
     assert any("dslaunch.launcher.supervisor" in l for l in own)
-    assert not [l for l in own if l.rstrip().endswith(("| torch", "|   torch"))] and not any(" torch" in l.split("|")[-1] for l in own)
+    modules = [l.split("|")[-1].strip() for l in own]
+    assert not [m for m in modules if m == "torch" or m.startswith("torch.")]
 
 
 # ---------------------------------------------------------------- real runs (subprocess)
