@@ -267,7 +267,9 @@ class Supervisor:
             return False
         buf = w.partial[stream]
         buf += data
-        end = buf.rfind(b"\n")
+        # '\r' ends a line too, so progress bars (tqdm) show up as they update. A trailing
+        # '\r' waits for the next read: it may be the first half of '\r\n'.
+        end = max(buf.rfind(b"\n"), buf.rfind(b"\r", 0, len(buf) - 1))
         if end >= 0:
             for line in bytes(buf[: end + 1]).splitlines(keepends=True):
                 self._emit(w, stream, line)

@@ -90,3 +90,14 @@ def test_unstartable_worker_fails_the_group():
     result, sink = run(bad)
     assert result.failure.rank == 0 and result.exit_code == 127
     assert "cannot start '/nonexistent/prog'" in result.failure.stderr_tail[0]
+
+
+@pytest.mark.timeout(60)
+def test_carriage_returns_end_lines_for_progress_bars():
+    code = ("import sys, time\n"
+            "for i in range(3):\n"
+            "    sys.stderr.write(f'{i}/3\\r'); sys.stderr.flush(); time.sleep(0.05)\n"
+            "sys.stderr.write('done\\r'); sys.stderr.flush(); time.sleep(0.05); sys.stderr.write('\\nwin\\r\\n')\n")
+    result, sink = run([WorkerSpec(0, [sys.executable, "-c", code], dict(os.environ))])
+    assert result.state is WorkerState.SUCCEEDED
+    assert [l for _, _, l in sink.lines] == [b"0/3\r", b"1/3\r", b"2/3\r", b"done\r\n", b"win\r\n"]
