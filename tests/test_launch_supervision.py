@@ -90,7 +90,9 @@ def describe(pids):
     ],
 )
 def test_no_survivors(launched, tmp_path, mode, action, code, says):
-    proc, pids = start(launched, tmp_path, mode)
+    # A long grace period proves the SIGTERM sent at once ends every tree (no waiting for
+    # SIGKILL), except where the tree ignores SIGTERM.
+    proc, pids = start(launched, tmp_path, mode, grace=1.0 if mode == "ignore" else 20.0)
     t0 = time.monotonic()
     if action is not None:
         time.sleep(0.2)
@@ -105,6 +107,8 @@ def test_no_survivors(launched, tmp_path, mode, action, code, says):
         assert "dslaunch: stopped the other 1 of 2 worker(s)" in err
     if mode == "ignore":
         assert elapsed >= 1.0  # waited the grace period before SIGKILL
+    else:
+        assert elapsed < 10.0
     assert survivors(pids, within=5) == [], describe(pids)
 
 
