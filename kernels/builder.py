@@ -208,6 +208,9 @@ def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> B
         if done is not None:
             return done
         build_dir.mkdir(exist_ok=True)
+        # torch's own baton; one left by a builder killed half-way would block load() forever.
+        # Holding our flock means nobody else is building here, so it can only be stale.
+        (build_dir / "lock").unlink(missing_ok=True)
         from torch.utils import cpp_extension
 
         old_path = os.environ.get("PATH", "")

@@ -97,6 +97,14 @@ def test_ranks_starting_together_build_once(tmp_path):
         print(json.dumps({"cached": built.cached, "path": str(built.path), "end": time.time()}))
     """)
     root = tmp_path / "cache"
+    # A builder killed half-way before: torch's baton file is left behind in the build dir.
+    spec = builder.cpu_adam_spec("scalar")
+    import torch
+
+    key = builder.cache_key(spec, torch.__version__, builder._compiler_id(False))
+    stale = root / f"{spec.name}-{spec.isa}-{key}"
+    stale.mkdir(parents=True)
+    (stale / "lock").write_text("")
     procs = [subprocess.Popen([sys.executable, "-c", script, str(root)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=170) for p in procs]
@@ -106,6 +114,7 @@ def test_ranks_starting_together_build_once(tmp_path):
     assert sorted(r["cached"] for r in results) == [False, True]
     assert results[0]["path"] == results[1]["path"]
     assert len(list(root.glob("*/build.json"))) == 1
+    assert results[0]["path"].startswith(str(stale))
 
 
 def test_importing_the_kernels_package_does_not_import_torch():

@@ -50,7 +50,8 @@ def test_cold_build_is_fast_and_the_cached_load_faster(ops_cache):
     assert time.perf_counter() - t0 < 2.0
     assert cpu_adam_available()
     info = cpu_adam_info()
-    assert info["isa"] == built.isa and info["path"].startswith(str(root))
+    # Another suite may have loaded the process-wide op from the user's cache first.
+    assert info["isa"] == built.isa and info["path"].endswith(built.path.name)
 
 
 def test_cache_key_covers_flags_isa_torch_and_source(tmp_path):
