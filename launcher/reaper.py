@@ -38,7 +38,10 @@ def become_subreaper() -> bool:
 def make_child_setup(death_signal: int = signal.SIGTERM):
     """A preexec_fn that ties the child's life to this process (Linux; no-op elsewhere).
 
-    Resolved in the parent so the child runs no imports between fork and exec.
+    Resolved in the parent so the child runs no imports between fork and exec (a
+    preexec_fn in a process with other threads must not take locks another thread may
+    hold). PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so
+    spawn from a thread that lives as long as the workers (Supervisor.run does).
     """
     prctl = _prctl()
     parent = os.getpid()

@@ -6,7 +6,6 @@ these tests run with subreaper=False so the pytest process itself is not changed
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -67,16 +66,14 @@ def test_signal_death_maps_to_128_plus_n():
 
 
 @pytest.mark.timeout(60)
-def test_request_stop_forwards_signal(tmp_path):
-    sink = Collect()
-    sup = Supervisor(specs(2, "exit", "9", "1"), sink, kill_grace=2.0, subreaper=False)
+def test_request_stop_forwards_signal():
+    class StopWhenReady(Collect):
+        def __call__(self, spec, stream, line):
+            super().__call__(spec, stream, line)
+            if sum(1 for _, _, l in self.lines if l.startswith(b"ready")) == 2:
+                sup.request_stop(signal.SIGINT)  # as a signal handler would, mid-loop
 
-    def stop_when_ready():
-        while sum(1 for _, _, l in sink.lines if l.startswith(b"ready")) < 2:
-            threading.Event().wait(0.02)
-        sup.request_stop(signal.SIGINT)
-
-    threading.Thread(target=stop_when_ready, daemon=True).start()
+    sup = Supervisor(specs(2, "exit", "9", "1"), StopWhenReady(), kill_grace=2.0, subreaper=False)
     result = sup.run()
     assert result.state is WorkerState.STOPPED and result.stop_signal == signal.SIGINT
     assert result.exit_code == 130
