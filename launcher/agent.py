@@ -5,6 +5,7 @@ line on its stdin. The agent starts the node's workers with the single-node supe
 (same env contract, same teardown rules), and reports on stdout, one JSON object a line:
 
     {"ev": "line", "rank": 3, "stream": "out"|"err", "text": "..."}
+    {"ev": "failed", "code": 7, "rank": 3, "how": "...", "tail": [...]}   the moment a worker fails
     {"ev": "done", "code": 0, "rank": null, "how": "", "tail": [], "stopped": false}
 
 Control: a later `{"cmd": "stop"}` line, or EOF on stdin, stops the workers (SIGTERM now,
@@ -31,6 +32,21 @@ from typing import Optional
 from dslaunch.launcher.supervisor import Supervisor, WorkerSpec
 
 HEARTBEAT_S = 1.0
+
+
+class _AgentSupervisor(Supervisor):
+    """The single-node Supervisor, plus a report the moment a worker fails.
+
+    The head must stop the other nodes at once, not after this node's grace period;
+    _begin_teardown is where the Supervisor first learns of the failure.
+    """
+
+    on_failure = None
+
+    def _begin_teardown(self, failure):
+        if failure is not None and self.on_failure is not None:
+            self.on_failure(failure)
+        return super()._begin_teardown(failure)
 
 
 class _Out:
@@ -88,7 +104,8 @@ def run(plan: dict, watch_stdin: bool) -> int:
         out.emit({"ev": "line", "rank": spec.rank, "stream": "out" if stream == "stdout" else "err",
                   "text": line.decode("utf-8", "replace").rstrip("\r\n")})
 
-    sup = Supervisor(specs, sink, kill_grace=float(plan.get("kill_grace", 5.0)))
+    sup = _AgentSupervisor(specs, sink, kill_grace=float(plan.get("kill_grace", 5.0)))
+    sup.on_failure = lambda f: out.emit(_failure_event("failed", f.exit_code, f))
     sup_box.append(sup)
     if stop_requested.is_set():
         sup.request_stop(signal.SIGTERM)
@@ -112,17 +129,21 @@ def run(plan: dict, watch_stdin: bool) -> int:
         threading.Thread(target=heartbeat, daemon=True, name="dslaunch-agent-hb").start()
 
     result = sup.run()
-    f = result.failure
-    out.emit({
-        "ev": "done",
-        "code": result.exit_code,
+    ev = _failure_event("done", result.exit_code, result.failure)
+    ev["stopped"] = result.failure is None and result.stop_signal is not None
+    ev["teardown_s"] = result.teardown_s
+    out.emit(ev)
+    return result.exit_code
+
+
+def _failure_event(kind: str, code: int, f) -> dict:
+    return {
+        "ev": kind,
+        "code": code,
         "rank": f.rank if f else None,
         "how": f.describe().split("failed first: ", 1)[-1] if f else "",
         "tail": list(f.stderr_tail) if f else [],
-        "stopped": f is None and result.stop_signal is not None,
-        "teardown_s": result.teardown_s,
-    })
-    return result.exit_code
+    }
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -166,13 +166,14 @@ class MultiNodeRunner:
     max_restarts: int = 0
     sink: Sink = default_sink
     tail_lines: int = 10
+    connections: Optional[object] = None  # ssh.ConnectResult opened by the caller (preflight), reused
     _events: "queue.Queue" = field(default_factory=queue.Queue)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
         hosts = [p.host for p in self.plans_for(0)]
         remote = [h for h in hosts if h not in self.local_hosts]
-        conns = self._connect(remote)
+        conns = self.connections if self.connections is not None else self._connect(remote)
         if conns.errors:
             conns.close()
             for host in remote:
@@ -242,10 +243,11 @@ class MultiNodeRunner:
                 self.sink(ev["stream"], f"[{host}:{ev['rank']}] {ev['text']}")
             elif kind == "agent_err":
                 self.sink("err", f"[{host} agent] {ev['text']}")
-            elif kind in ("done", "eof"):
+            elif kind in ("failed", "done", "eof"):
                 if idx not in pending:
                     continue
-                pending.discard(idx)
+                if kind != "failed":
+                    pending.discard(idx)
                 if kind == "eof":
                     fail = Failure(host, None, 255, "lost its node agent (connection dropped or agent died)")
                 else:
@@ -254,7 +256,8 @@ class MultiNodeRunner:
                 if fail is not None and result.first_failure is None and result.interrupted_by is None:
                     result.first_failure = fail
                     result.code = fail.code
-                    for i in pending:
+                    # the failing node tears itself down; every other node is told now
+                    for i in pending - {idx}:
                         links[i].safe_send(STOP)
                     stop_deadline = time.monotonic() + grace + 5
         for link in links:
@@ -396,11 +399,21 @@ def run_plan(plan, mn: MultiNodeOptions, environ: Optional[Dict[str, str]] = Non
         sink("out", format_plan(plan, plans(0), python, workdir, mn, set(forwarded), o.json))
         return 0
     local = tuple(f"{n.node.user}@{n.node.host}" if n.node.user else n.node.host for n in plan.nodes if n.local)
+    remote = [(p.host, len(p.workers)) for p in plans(0) if p.host not in local]
+    # the SSH transport connects once: the preflight probes over the connections the job then uses
+    conns = connect_all([h for h, _ in remote], mn.ssh) if mn.launcher == "ssh" else None
+    if conns is not None and conns.errors and mn.skip_check:
+        conns.close()
+        for host, _ in remote:
+            if host in conns.errors:
+                sink("err", f"dslaunch: {conns.errors[host]}")
+        return 255
     if not mn.skip_check:
-        remote = [(p.host, len(p.workers)) for p in plans(0) if p.host not in local]
-        reports = preflight.run_preflight(remote, mn.ssh, python, master, port, need_torch=False)
+        reports = preflight.run_preflight(remote, mn.ssh, python, master, port, need_torch=False, connections=conns)
         problem = preflight.summary_line(reports)
         if problem:
+            if conns is not None:
+                conns.close()
             sink("err", preflight.format_table(reports, f"{master}:{port}"))
             sink("err", f"dslaunch: {problem} (--skip_check to launch anyway)")
             return 255
@@ -408,7 +421,7 @@ def run_plan(plan, mn: MultiNodeOptions, environ: Optional[Dict[str, str]] = Non
         from dslaunch.launcher.cluster_launch import run_pdsh
         return run_pdsh(plans, mn, python=python, workdir=workdir, sink=sink, environ=environ)
     runner = MultiNodeRunner(plans, mn.ssh, python, workdir, local_hosts=local,
-                             max_restarts=o.max_restarts, sink=sink)
+                             max_restarts=o.max_restarts, sink=sink, connections=conns)
     return runner.run()
 
 

@@ -84,16 +84,21 @@ def _quote(word: str) -> str:
 def probe_host(
     host: str, slots: int, opts: SshOptions, python: str, master_addr: str, master_port: int,
     need_torch: bool = True, config: Optional[paramiko.SSHConfig] = None,
+    client: Optional[paramiko.SSHClient] = None, connect_ms: Optional[float] = None,
 ) -> HostReport:
+    """Probe one host; with `client` given (the launch's own connection) it is reused, not closed."""
     rep = HostReport(host=host, slots=slots)
+    own = client is None
     t0 = time.perf_counter()
-    try:
-        client = connect(resolve(host, opts, config), opts)
-    except SshError as exc:
-        rep.problems.append(str(exc).split(": ", 1)[1])
-        return rep
+    if own:
+        try:
+            client = connect(resolve(host, opts, config), opts)
+        except SshError as exc:
+            rep.problems.append(str(exc).split(": ", 1)[1])
+            return rep
+        connect_ms = (time.perf_counter() - t0) * 1e3
     rep.reachable = True
-    rep.latency_ms = (time.perf_counter() - t0) * 1e3
+    rep.latency_ms = connect_ms
     try:
         stdin, stdout, stderr = client.exec_command(f"{_quote(python)} -c {_quote(_PROBE)}", timeout=opts.timeout + 10)
         stdin.write(json.dumps({"master_addr": master_addr, "master_port": master_port,
@@ -105,9 +110,11 @@ def probe_host(
         status = stdout.channel.recv_exit_status()
     except Exception as exc:  # a channel dying half-way is the host's problem, reported as such
         rep.problems.append(f"probe failed: {exc or type(exc).__name__}")
-        client.close()
+        if own:
+            client.close()
         return rep
-    client.close()
+    if own:
+        client.close()
     line = next((ln for ln in out.splitlines() if ln.startswith("DSLAUNCH_PROBE ")), None)
     if status != 0 or line is None:
         last = (err.strip().splitlines() or ["no output"])[-1]
@@ -126,15 +133,27 @@ def probe_host(
 
 def run_preflight(
     hosts: Sequence[tuple], opts: SshOptions, python: str, master_addr: str, master_port: int,
-    need_torch: bool = True,
+    need_torch: bool = True, connections=None,
 ) -> List[HostReport]:
-    """hosts: (ssh target, slots) pairs; returns one report per host, in order."""
+    """hosts: (ssh target, slots) pairs; returns one report per host, in order.
+
+    `connections` (ssh.ConnectResult) lets a launch probe over the connections it then uses.
+    """
     config = _load_config(opts.config_path)
     if not hosts:
         return []
+    clients = connections.clients if connections is not None else {}
+    times = connections.connect_ms if connections is not None else {}
+    failed = connections.errors if connections is not None else {}
+
+    def one(host: str, slots: int) -> HostReport:
+        if host in failed:  # the caller already tried; do not pay its timeout twice
+            return HostReport(host=host, slots=slots, problems=[str(failed[host]).split(": ", 1)[1]])
+        return probe_host(host, slots, opts, python, master_addr, master_port, need_torch, config,
+                          clients.get(host), times.get(host))
+
     with ThreadPoolExecutor(max_workers=min(64, len(hosts))) as pool:
-        futs = [pool.submit(probe_host, h, s, opts, python, master_addr, master_port, need_torch, config)
-                for h, s in hosts]
+        futs = [pool.submit(one, h, s) for h, s in hosts]
         return [f.result() for f in futs]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,10 @@ def connect(target: SshTarget, opts: SshOptions) -> paramiko.SSHClient:
     except socket.gaierror as exc:
         client.close()
         raise SshError(target.alias, f"cannot resolve {target.hostname}: {exc.strerror}") from None
+    except paramiko.ssh_exception.NoValidConnectionsError as exc:
+        client.close()
+        why = "; ".join(sorted({e.strerror or str(e) for e in exc.errors.values()})) or "refused"
+        raise SshError(target.alias, f"cannot connect to {target.hostname}:{target.port}: {why}") from None
     except (OSError, paramiko.SSHException, EOFError) as exc:
         client.close()
         raise SshError(target.alias, f"cannot connect to {target.hostname}:{target.port}: {exc or type(exc).__name__}") from None
@@ -179,6 +184,7 @@ def connect(target: SshTarget, opts: SshOptions) -> paramiko.SSHClient:
 class ConnectResult:
     clients: Dict[str, paramiko.SSHClient] = field(default_factory=dict)
     errors: Dict[str, SshError] = field(default_factory=dict)
+    connect_ms: Dict[str, float] = field(default_factory=dict)  # TCP + SSH handshake + auth
 
     def close(self) -> None:
         for c in self.clients.values():
@@ -191,8 +197,11 @@ def connect_all(hosts: Sequence[str], opts: SshOptions) -> ConnectResult:
     result = ConnectResult()
 
     def one(host: str):
+        t0 = time.perf_counter()
         try:
-            return host, connect(resolve(host, opts, config), opts), None
+            client = connect(resolve(host, opts, config), opts)
+            result.connect_ms[host] = (time.perf_counter() - t0) * 1e3
+            return host, client, None
         except SshError as exc:
             return host, None, exc
 

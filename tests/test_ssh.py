@@ -70,7 +70,9 @@ def test_unknown_key_refused_then_accepted_with_flag_and_mismatch_always_refused
     assert list(res.clients) == [host.ip]
     res.close()
     assert host.ip in kh.read_text()
-    assert not connect_all([host.ip], SshOptions(timeout=5)).errors  # recorded, so trusted now
+    again = connect_all([host.ip], SshOptions(timeout=5))
+    again.close()
+    assert not again.errors  # recorded, so trusted now
     # a different key under the same name: refused even with the accept flag
     other = home / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
