@@ -239,3 +239,28 @@ def test_gloo_all_reduce_under_dslaunch():
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
         assert f"[rank {rank}] all_reduce sum = 3 (expected 3) on rank {rank} of 2, local rank {rank}" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "HF: hostfile lists no hosts"),
+        ("localhost\n", "HF:1: host 'localhost' has no slots=N"),
+        ("# c\nlocalhost slots=0\n", "HF:2: slots=0: a host needs at least 1 slot"),
+        ("localhost slots=1\nlocalhost slots=1 # again\n", "HF:2: duplicate host 'localhost' (first listed at HF:1)"),
+    ],
+)
+def test_bad_hostfiles_start_nothing(tmp_path, text, message):
+    (tmp_path / "HF").write_text(text)
+    r = run(["--hostfile", "HF", BEHAVE, "env", str(tmp_path / "ran")], cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == f"dslaunch: error: {message}\n" and r.stdout == ""
+    assert not list(tmp_path.glob("ran*"))
+
+
+def test_module_and_no_python_runs(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(Path(BEHAVE).parent))
+    r = run(["--num_gpus", "2", "-m", "behave", "args", "--flag"], env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == [f'[rank {i}] ["--local_rank={i}", "args", "--flag"]' for i in (0, 1)]
+    r = run(["--no_python", "--no_local_rank", "echo", "hi there"])
+    assert r.returncode == 0 and r.stdout == "[rank 0] hi there\n"
