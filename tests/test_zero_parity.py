@@ -139,7 +139,8 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_ste
         from dslaunch.runtime.zero.stage3 import Stage3Engine
 
         z = Stage3Engine(model, opt, persistence_threshold=cfg.persist, prefetch_bucket_size=cfg.bucket,
-                         offload=offload, check=cfg.check, sub_group_size=cfg.sub_group)
+                         offload=offload, check=cfg.check, sub_group_size=cfg.sub_group,
+                         reduce_bucket_size=cfg.bucket * 4)  # several params per reduce-scatter
         z.wrap()
     else:
         z = PartitionedOptimizer(model, opt, cfg.stage, reduce_bucket_size=cfg.bucket,

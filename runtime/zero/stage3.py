@@ -6,8 +6,9 @@ Around every module that owns parameters directly:
                 elements, in the same collective)
   post-forward  release them; wrap the outputs so that when their gradient arrives
                 the parameters are gathered again (pre-backward)
-  post-accumulate-grad (per parameter)  reduce-scatter the full gradient into this
-                rank's fp32 gradient chunk, drop it, release the parameter. Autograd
+  post-accumulate-grad (per parameter)  queue the full gradient, release the parameter;
+                a queue of reduce_bucket_size elements is reduce-scattered in one
+                collective into each rank's fp32 gradient chunks. Autograd
                 runs a leaf's AccumulateGrad once per backward after every use of the
                 leaf has contributed, so tied and reused parameters are safe to drop.
 
@@ -74,10 +75,13 @@ class _PreBackward(torch.autograd.Function):
 class Stage3Engine:
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, persistence_threshold: int,
                  prefetch_bucket_size: int, offload=None, offload_param=None, check: Optional[bool] = None,
-                 group=None, sub_group_size: int = 1_000_000_000):
+                 group=None, sub_group_size: int = 1_000_000_000, reduce_bucket_size: int = 500_000_000):
         self.module, self.optimizer, self.group = module, optimizer, group
         self.world, self.rank = comm.world(), comm.rank()
         self.prefetch_numel = int(prefetch_bucket_size)
+        self.reduce_numel = int(reduce_bucket_size)
+        self._bucket: List = []
+        self._bucket_numel = 0
         if check is None:
             check = os.environ.get("DSLAUNCH_ZERO3_CHECK", "") not in ("", "0")
         self.check = DivergenceCheck(group) if check else None
@@ -180,22 +184,44 @@ class Stage3Engine:
         return out
 
     def _grad_ready(self, p) -> None:
+        """Queue this parameter's full gradient (fp32, padded) and release the parameter;
+        reduce-scatter the queue once it holds reduce_bucket_size elements."""
         z = p._zero
-        g = self.groups[z.group_index]
         full = torch.zeros(z.chunk * self.world, dtype=torch.float32, device=p.grad.device)
         full[:z.numel].copy_(p.grad.reshape(-1))
-        if self.check is not None:
-            self.check(f"reduce grad of {z.name}")
-        part = torch.empty(z.chunk, dtype=torch.float32, device=full.device)
-        comm.reduce_scatter(part, full, group=self.group)
-        g["grad"][z.master_offset:z.master_offset + z.chunk] += part.to(g["grad"].device)
+        self._bucket.append((p, full))
+        self._bucket_numel += full.numel()
         p.grad = None
         release([p])
+        if self._bucket_numel >= self.reduce_numel:
+            self._flush_grads()
+
+    def _flush_grads(self) -> None:
+        """One reduce-scatter for the queued gradients: laid out as a (world, sum of
+        chunks) matrix so rank r's row holds its chunk of every queued parameter."""
+        if not self._bucket:
+            return
+        bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
+        if self.check is not None:
+            self.check("reduce grads of " + ", ".join(p._zero.name for p, _ in bucket))
+        width = sum(p._zero.chunk for p, _ in bucket)
+        device = bucket[0][1].device
+        mat = torch.cat([full.view(self.world, -1) for _, full in bucket], dim=1) if len(bucket) > 1 \
+            else bucket[0][1].view(self.world, -1)
+        part = torch.empty(width, dtype=torch.float32, device=device)
+        comm.reduce_scatter(part, mat.contiguous().view(-1), group=self.group)
+        off = 0
+        for p, _ in bucket:
+            z = p._zero
+            g = self.groups[z.group_index]["grad"]
+            g[z.master_offset:z.master_offset + z.chunk] += part[off:off + z.chunk].to(g.device)
+            off += z.chunk
 
     def before_backward(self, is_boundary: bool = True) -> None:
         pass
 
     def after_backward(self, is_boundary: bool = True) -> None:
+        self._flush_grads()
         if self.check is not None:
             self.check("end of backward")
         for g in self.groups:

@@ -105,7 +105,8 @@ class ZeroStage3(GradientStrategy):
         self.impl = Stage3Engine(ctx.module, ctx.optimizer, z.stage3_param_persistence_threshold,
                                  z.stage3_prefetch_bucket_size, offload=_offload(ctx),
                                  offload_param=off_param if off_param is not None and off_param.device != "none" else None,
-                                 group=ctx.group, sub_group_size=z.sub_group_size)
+                                 group=ctx.group, sub_group_size=z.sub_group_size,
+                                 reduce_bucket_size=z.reduce_bucket_size)
 
     def wrap_module(self) -> None:
         self.impl.wrap()
