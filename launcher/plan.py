@@ -128,6 +128,7 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
     world = layout_world(hosts, include=opts.include, exclude=opts.exclude,
                          num_nodes=opts.num_nodes if opts.hostfile else None,
                          num_gpus=opts.num_gpus if opts.hostfile else None)
+    env_file = load_env_file(opts.env_file, Path(facts.cwd), Path(facts.home))
     notes: List[str] = []
     nodes: List[NodePlan] = []
     for node in world.nodes:
@@ -140,7 +141,7 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
                 raise LaunchConfigError(
                     f"{source}: {node.host} would use GPU slot {max(node.slots)} but this machine has "
                     f"{facts.gpu_count} GPU(s) visible")
-            if "OMP_NUM_THREADS" not in environ and "OMP_NUM_THREADS" not in _env_keys(opts, facts):
+            if "OMP_NUM_THREADS" not in environ and "OMP_NUM_THREADS" not in env_file.values:
                 # torchrun sets 1; an even share of the cores is as safe against oversubscription and faster.
                 omp = max(1, facts.cpu_count // node.local_world_size)
         argvs = [worker_argv(opts.script, opts.script_args, lr, python=facts.python, module=opts.module,
@@ -153,18 +154,10 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
     all_local = all(n.local for n in nodes)
     master_addr = opts.master_addr or ("127.0.0.1" if all_local else world.nodes[0].host)
     master_port = opts.master_port
-    env_file = load_env_file(opts.env_file, Path(facts.cwd), Path(facts.home))
     if any(n.local for n in nodes) and not opts.module:
         _check_script(opts, facts)
     return LaunchPlan(opts, world, nodes, master_addr, master_port, run_id or new_run_id(), env_file,
                       facts.visible_devices, notes)
-
-
-def _env_keys(opts: LaunchOptions, facts: MachineFacts) -> set:
-    try:
-        return set(load_env_file(opts.env_file, Path(facts.cwd), Path(facts.home)).values)
-    except LaunchConfigError:
-        return set()
 
 
 def _check_script(opts: LaunchOptions, facts: MachineFacts) -> None:

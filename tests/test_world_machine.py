@@ -86,3 +86,11 @@ def test_console_colours_only_on_a_terminal(monkeypatch):
     plain = FakeTty()
     ConsoleSink(plain, pipe)(WorkerSpec(0, ["x"], {}), "stdout", b"hi\n")
     assert plain.getvalue() == b"[rank 0] hi\n"
+
+
+def test_env_file_values_reach_workers_but_never_override_the_contract(tmp_path):
+    (tmp_path / ".dslaunch_env").write_text("OMP_NUM_THREADS=3\nRANK=99\nNCCL_DEBUG=INFO\n")
+    p = build_plan(LaunchOptions(SCRIPT, num_gpus=2), facts(0, tmp=tmp_path), {})
+    envs = [w["env"] for w in plan_to_dict(p)["nodes"][0]["workers"]]
+    assert [(e["OMP_NUM_THREADS"], e["RANK"], e["NCCL_DEBUG"]) for e in envs] == [("3", "0", "INFO"), ("3", "1", "INFO")]
+    assert p.notes == ["no GPU on this machine: --num_gpus counts worker processes; running 2 on the CPU"]
