@@ -83,6 +83,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._last_grad_norm: Optional[float] = None
+        self._step_applied = False
         self.progress = ProgressLog(self.config.steps_per_print, enabled=self.global_rank == 0,
                                     wall_clock_breakdown=self.config.wall_clock_breakdown)
         self._timing = self.config.wall_clock_breakdown
@@ -148,6 +149,10 @@ class DeepSpeedEngine(torch.nn.Module):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped for an fp16 overflow."""
+        return self._step_applied
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
@@ -195,6 +200,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self._last_grad_norm = true_norm
             if not overflow and clip > 0 and true_norm > clip:
                 coef *= clip / (true_norm + 1e-6)
+        self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
         else:

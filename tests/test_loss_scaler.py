@@ -78,8 +78,9 @@ def engine_overflow_body():
             loss = loss * poison[step]
         engine.backward(loss)
         engine.step()
-        trace.append((engine.loss_scale(), engine.skipped_steps, sched.last_batch_iteration,
-                      not torch.equal(before, model.weight.detach())))
+        changed = not torch.equal(before, model.weight.detach())
+        assert engine.was_step_applied() == changed
+        trace.append((engine.loss_scale(), engine.skipped_steps, sched.last_batch_iteration, changed))
     return trace
 
 
