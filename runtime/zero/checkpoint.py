@@ -44,13 +44,14 @@ def _index(shards: Sequence[Dict[str, Any]], key: Key) -> Dict[str, List[Tuple[i
 def assemble(shards: Sequence[Dict[str, Any]], gi: int, key: Key,
              want: Iterable[Tuple[str, int, int, int]], out: torch.Tensor) -> None:
     """out[offset:offset+(end-start)] <- elements [start, end) of each wanted parameter,
-    taken from whichever saved pieces overlap them. A wanted element no shard holds is
+    taken from whichever saved pieces overlap them, in any saved group (`gi`, the
+    caller's group, only labels errors). A wanted element no shard holds is
     an error (a missing rank file, or a checkpoint of a different model)."""
-    idx = _cached_index(shards, key)
+    idx = _index(shards, key)
     for name, start, end, offset in want:
         got = idx.get(name)
         if got is None:
-            raise CheckpointError(f"checkpoint has no {_keyname(key)} for parameter {name!r}")
+            raise CheckpointError(f"checkpoint has no {_keyname(key)} for parameter {name!r} (param group {gi})")
         spans = []
         for a, b, t in got:
             lo, hi = max(a, start), min(b, end)
@@ -62,20 +63,6 @@ def assemble(shards: Sequence[Dict[str, Any]], gi: int, key: Key,
             s, e = gaps[0]
             raise CheckpointError(f"checkpoint is missing elements [{start + s}, {start + e}) of {_keyname(key)} "
                                   f"{name!r} (a rank's shard file is absent?)")
-
-
-_index_cache: Dict[Tuple[int, Any], Any] = {}
-
-
-def _cached_index(shards, key):
-    # load_shards calls assemble once per group and key; index each (shards, key) once
-    ck = (id(shards), key)
-    hit = _index_cache.get(ck)
-    if hit is None or hit[0] is not shards:
-        _index_cache.clear() if len(_index_cache) > 16 else None
-        hit = (shards, _index(shards, key))
-        _index_cache[ck] = hit
-    return hit[1]
 
 
 def _keyname(key: Key) -> str:

@@ -18,7 +18,6 @@ Gradient flow:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -276,6 +275,3 @@ class PartitionedOptimizer:
         self._hooks.clear()
         self.host.close()
 
-
-def grad_norm_finite(norm: float) -> bool:
-    return math.isfinite(norm)

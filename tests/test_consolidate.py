@@ -1,0 +1,79 @@
+"""`dslaunch consolidate`: bad input is one line and exit 2; stage-0 checkpoints work too
+(the ZeRO paths are exercised in test_zero_engine.py and test_zero_checkpoint.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dslaunch.runtime.consolidate import consolidate_checkpoint
+
+DSLAUNCH = os.path.join(os.path.dirname(sys.executable), "dslaunch")
+
+
+def _run(*args):
+    return subprocess.run([DSLAUNCH, "consolidate", *args], capture_output=True, text=True)
+
+
+def _fake_stage0_checkpoint(root):
+    tag = root / "global_step3"
+    tag.mkdir(parents=True)
+    lin = torch.nn.Linear(3, 5).to(torch.bfloat16)
+    torch.save({"module": lin.state_dict()}, tag / "mp_rank_00_model_states.pt")
+    (tag / "manifest.json").write_text(json.dumps({"world_size": 2, "zero_stage": 0, "sharded_optimizer_state": False}))
+    (root / "latest").write_text("global_step3")
+    return lin
+
+
+def test_stage0_checkpoint_consolidates_to_fp32(tmp_path):
+    lin = _fake_stage0_checkpoint(tmp_path / "ck")
+    out = tmp_path / "out" / "model.pt"
+    proc = _run(str(tmp_path / "ck"), str(out))
+    assert proc.returncode == 0, proc.stderr
+    sd = torch.load(out)
+    assert set(sd) == {"weight", "bias"} and all(v.dtype == torch.float32 for v in sd.values())
+    assert torch.equal(sd["weight"], lin.weight.float())
+
+
+@pytest.mark.parametrize("setup,args,message", [
+    ("none", ["{d}/nope", "{d}/o.pt"], "nope: not a directory"),
+    ("empty", ["{d}/ck", "{d}/o.pt"], "latest: missing; pass --tag"),
+    ("ckpt", ["{d}/ck", "{d}/o.pt", "--tag", "global_step9"], "global_step9: no such checkpoint tag"),
+    ("broken", ["{d}/ck", "{d}/o.pt"], "manifest.json: missing or unreadable"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, message):
+    if setup == "empty":
+        (tmp_path / "ck").mkdir()
+    elif setup == "ckpt":
+        _fake_stage0_checkpoint(tmp_path / "ck")
+    elif setup == "broken":
+        _fake_stage0_checkpoint(tmp_path / "ck")
+        os.remove(tmp_path / "ck" / "global_step3" / "manifest.json")
+    proc = _run(*[a.format(d=tmp_path) for a in args])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("dslaunch consolidate: ") and message in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_safetensors_output_needs_the_package(tmp_path):
+    _fake_stage0_checkpoint(tmp_path / "ck")
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        proc = _run(str(tmp_path / "ck"), str(tmp_path / "o.safetensors"))
+        assert proc.returncode == 2 and "safetensors package is not installed" in proc.stderr
+    else:
+        from safetensors.torch import load_file
+
+        proc = _run(str(tmp_path / "ck"), str(tmp_path / "o.safetensors"))
+        assert proc.returncode == 0 and set(load_file(str(tmp_path / "o.safetensors"))) == {"weight", "bias"}
+    assert not (tmp_path / "o.safetensors.tmp").exists()
+
+
+def test_function_api_matches_cli(tmp_path):
+    lin = _fake_stage0_checkpoint(tmp_path / "ck")
+    sd = consolidate_checkpoint(str(tmp_path / "ck"), "global_step3")
+    assert torch.equal(sd["bias"], lin.bias.float())
