@@ -132,7 +132,7 @@ def run_pdsh(plans_for, opts, *, python: str, workdir: str, sink, environ: Dict[
 def run_cluster_tool(world, script: str, script_args: Sequence[str], opts, *, python: str, workdir: str,
                      master_addr: str, master_port: int, forwarded: Dict[str, str], module: bool,
                      no_python: bool, no_local_rank: bool, dry_run: bool, sink) -> int:
-    from dslaunch.launcher.ssh_env import masked
+    from dslaunch.launcher.ssh_env import MASK, masked
     from dslaunch.launcher.world import worker_argv
 
     # the rank's LOCAL_RANK is known only when mpirun/srun start it: the shim adds --local_rank
@@ -144,11 +144,13 @@ def run_cluster_tool(world, script: str, script_args: Sequence[str], opts, *, py
                      master_port=master_port, workdir=workdir, python=python, launcher_args=opts.launcher_args,
                      local_rank_at=local_rank_at)
     cmd = openmpi_command(job) if opts.launcher == "openmpi" else slurm_command(job)
+    if not dry_run:
+        require_tool(opts.launcher)
     shown = masked(cmd.env, forwarded, opts.show_env)
     sink("err" if not dry_run else "out",
-         " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(shown.items())) + " " + shlex.join(cmd.argv))
+         " ".join(f"{k}={v if v == MASK else shlex.quote(v)}" for k, v in sorted(shown.items()))
+         + " " + shlex.join(cmd.argv))
     if dry_run:
         return 0
-    require_tool(opts.launcher)
     proc = subprocess.run(cmd.argv, env={**os.environ, **cmd.env})
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode

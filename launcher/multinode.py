@@ -369,7 +369,13 @@ def run_plan(plan, mn: MultiNodeOptions, environ: Optional[Dict[str, str]] = Non
     from dslaunch.launcher.errors import LaunchConfigError
     from dslaunch.launcher.ssh_env import forwarded_env
 
+    from dslaunch.launcher.ssh import SshError, _load_config
+
     o = plan.options
+    try:
+        _load_config(mn.ssh.config_path)  # a broken ~/.ssh/config is a usage error, reported once
+    except SshError as exc:
+        raise LaunchConfigError(str(exc)) from None
     environ = dict(os.environ if environ is None else environ)
     python = mn.remote_python or sys.executable
     workdir = mn.workdir or os.getcwd()
