@@ -62,6 +62,15 @@ def run_local(plan: LaunchPlan, *, out: Optional[BinaryIO] = None, err: Optional
     stop: List[Optional[int]] = [None]
 
     def on_signal(signum, _frame):
+        if stop[0] is None:
+            # A raw write: the handler may run inside a buffered write to the same stream,
+            # where another buffered write would raise "reentrant call".
+            msg = (f"dslaunch: received {reaper.signal_name(signum)}: stopping the workers "
+                   f"(again to kill them at once, else SIGKILL after {opts.kill_grace:g}s)\n")
+            try:
+                os.write(err.fileno(), msg.encode())
+            except (OSError, ValueError, AttributeError):
+                pass
         stop[0] = stop[0] or signum
         if current[0] is not None:
             current[0].request_stop(signum)

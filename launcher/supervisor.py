@@ -136,15 +136,21 @@ class Supervisor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stop_signal: Optional[int] = None
+        self._force_kill = False
         self._watchdog: Optional[subprocess.Popen] = None
         self._marker = f"{GROUP_MARKER_VAR}={uuid.uuid4().hex}"
 
     # -- public -------------------------------------------------------------------------
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
-        """Forward `signum` to every worker and end the attempt. Safe in a signal handler."""
+        """Forward `signum` to every worker and end the attempt. Safe in a signal handler.
+
+        A second request (Ctrl-C pressed again) does not wait out the grace period: SIGKILL now.
+        """
         if self._stop_signal is None:
             self._stop_signal = signum
+        else:
+            self._force_kill = True
         try:
             os.write(self._wake_w, b"!")
         except OSError:
@@ -205,7 +211,7 @@ class Supervisor:
                 if teardown_at is None and (failure is not None or self._stop_signal is not None):
                     teardown_at = self._begin_teardown(failure)
                 if (teardown_at is not None and not killed
-                        and time.monotonic() >= teardown_at + self.kill_grace):
+                        and (self._force_kill or time.monotonic() >= teardown_at + self.kill_grace)):
                     self._signal_everything(signal.SIGKILL)
                     killed = True
             done_at = time.monotonic()

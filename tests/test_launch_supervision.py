@@ -119,3 +119,18 @@ def test_sigkill_to_launcher_leaves_no_orphans(launched, tmp_path):
     proc.wait()
     left = survivors(pids - {proc.pid}, within=8)
     assert left == [], describe(left)
+
+
+@pytest.mark.timeout(90)
+def test_second_sigint_kills_at_once(launched, tmp_path):
+    """Workers that ignore SIGINT and SIGTERM: the second Ctrl-C does not wait out a 20 s grace."""
+    proc, pids = start(launched, tmp_path, "ignore_wait", grace=20.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None  # still inside the grace period
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 10
+    assert "dslaunch: received SIGINT: stopping the workers (again to kill them at once" in err.decode()
+    assert survivors(pids, within=5) == [], describe(pids)

@@ -8,7 +8,8 @@ ACTIONS
     kill RANK SIG            rank RANK kills itself with signal SIG; the others wait
     tree PIDFILE MODE        spawn a child, a setsid'd child and an orphaned grandchild that sleep,
                              record this rank's tree in PIDFILE.<rank>, wait for every rank's file;
-                             MODE: wait | ignore (the whole tree ignores SIGTERM, rank 1 exits 5)
+                             MODE: wait | ignore (the whole tree ignores SIGTERM and SIGINT,
+                             rank 1 exits 5) | ignore_wait (the same, nobody fails)
                              | exit:CODE (rank 1 exits CODE) | signal:N (rank 1 kills itself)
     env OUT                  write the worker's argv and environment as JSON to OUT.<rank>
     args                     print the script's argv as JSON on one line
@@ -63,10 +64,12 @@ elif action == "kill":
 elif action == "tree":
     pidfile = f"{argv[1]}.{rank}"
     mode = argv[2]
-    ignore = mode == "ignore"
-    sleeper = "import signal,time\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore else "") + "time.sleep(120)"
+    ignore = mode.startswith("ignore")
+    deaf = "signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    sleeper = "import signal,time\n" + (deaf if ignore else "") + "time.sleep(120)"
     if ignore:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", sleeper])
     escaped = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
     # The grandchild's parent exits at once, orphaning it: only a subreaper can still find it.
@@ -81,7 +84,7 @@ elif action == "tree":
     while not all(os.path.exists(f"{argv[1]}.{r}") for r in range(world)):
         time.sleep(0.02)
     ready(rank)
-    if rank == 1 and mode != "wait":
+    if rank == 1 and mode not in ("wait", "ignore_wait"):
         print(f"rank {rank} is failing ({mode})", file=sys.stderr, flush=True)
         if mode.startswith("signal:"):
             os.kill(os.getpid(), int(mode.split(":")[1]))
