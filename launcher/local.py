@@ -71,9 +71,10 @@ def run_local(plan: LaunchPlan, *, out: Optional[BinaryIO] = None, err: Optional
                 os.write(err.fileno(), msg.encode())
             except (OSError, ValueError, AttributeError):
                 pass
+        again = stop[0] is not None
         stop[0] = stop[0] or signum
         if current[0] is not None:
-            current[0].request_stop(signum)
+            current[0].request_stop(signum, force=again)
 
     previous = {s: signal.signal(s, on_signal) for s in _FORWARDED}
     try:

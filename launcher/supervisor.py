@@ -142,14 +142,15 @@ class Supervisor:
 
     # -- public -------------------------------------------------------------------------
 
-    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+    def request_stop(self, signum: int = signal.SIGTERM, *, force: bool = False) -> None:
         """Forward `signum` to every worker and end the attempt. Safe in a signal handler.
 
-        A second request (Ctrl-C pressed again) does not wait out the grace period: SIGKILL now.
+        Repeated requests are harmless; force=True (Ctrl-C pressed again) skips the rest
+        of the grace period and SIGKILLs at once.
         """
         if self._stop_signal is None:
             self._stop_signal = signum
-        else:
+        if force:
             self._force_kill = True
         try:
             os.write(self._wake_w, b"!")
