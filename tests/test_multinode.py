@@ -275,3 +275,22 @@ def test_pdsh_launcher_for_real(ns_cluster, ssh_home, tmp_path):
     res = _run([*common, script, "fail"], env, tmp_path)
     assert res.returncode == 4 and f"rank 2 on host {h2.ip} failed first" in res.stderr
     assert not _only_sshd_left(ns_cluster)
+
+
+@pytest.mark.timeout(60)
+def test_local_and_remote_hosts_in_one_job_with_workdir(ns_cluster, ssh_home, tmp_path):
+    env, _ = ssh_home
+    h1 = ns_cluster.hosts[0]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    hf = _hostfile(tmp_path, ["localhost slots=1", f"{h1.name} slots=1"])
+    script = _script(tmp_path, "where.py", """
+        import os, socket
+        print("at", os.environ["RANK"], socket.gethostname(), os.getcwd(), flush=True)
+    """)
+    res = _run(["--hostfile", hf, "--master_addr", ns_cluster.root_ip, "--workdir", str(work),
+                "--no_local_rank", script], env, tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = sorted(line for line in res.stdout.splitlines() if " at " in line)
+    import socket
+    assert lines == sorted([f"[localhost:0] at 0 {socket.gethostname()} {work}", f"[{h1.name}:1] at 1 {h1.name} {work}"])
