@@ -34,6 +34,8 @@ def _config(stage, dtype="float32", gas=2, offload="none", nvme=None):
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if offload != "none":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": nvme}
+    if offload == "cpu" and stage == 3:  # ZeRO-Infinity style: shards rest in host memory too
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     return cfg
 
 

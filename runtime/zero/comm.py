@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 _native_ok = {"reduce_scatter": True, "all_gather": True}
+# torch 2.13 renamed the tensor collectives (*_single) and warns on the old names
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
 
 def world() -> int:
@@ -30,9 +33,9 @@ def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group=None) -> None:
     if n == 1:
         out.copy_(flat)
         return
-    if _native_ok["reduce_scatter"]:
+    if _native_ok["reduce_scatter"] and _REDUCE_SCATTER is not None:
         try:
-            dist.reduce_scatter_tensor(out, flat, group=group)
+            _REDUCE_SCATTER(out, flat, group=group)
             return
         except (RuntimeError, NotImplementedError, ValueError):
             _native_ok["reduce_scatter"] = False
@@ -48,9 +51,9 @@ def all_gather(flat_out: torch.Tensor, shard: torch.Tensor, group=None) -> None:
     if n == 1:
         flat_out.copy_(shard)
         return
-    if _native_ok["all_gather"]:
+    if _native_ok["all_gather"] and _ALL_GATHER is not None:
         try:
-            dist.all_gather_into_tensor(flat_out, shard, group=group)
+            _ALL_GATHER(flat_out, shard, group=group)
             return
         except (RuntimeError, NotImplementedError, ValueError):
             _native_ok["all_gather"] = False
