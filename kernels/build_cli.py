@@ -48,6 +48,9 @@ def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
             click.echo(f"build-ops: {e}", err=True)
             failed = True
             continue
+        except OSError as e:  # e.g. an unwritable cache directory
+            click.echo(f"build-ops: cannot use the cache {root}: {e}", err=True)
+            sys.exit(1)
         how = "cached" if built.cached else f"built in {built.extra.get('build_seconds', built.seconds):.1f} s"
         click.echo(f"{spec.name}: {how}, instruction set {built.isa}, torch {torch.__version__}\n  {built.path}")
     if failed:

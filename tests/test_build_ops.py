@@ -42,6 +42,14 @@ def test_build_ops_usage_errors_exit_2():
     assert result.exit_code == 2 and "DSLAUNCH_CPU_ISA='avx1024'" in result.output
 
 
+def test_unusable_cache_dir_is_one_line_not_a_traceback(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = CliRunner().invoke(build_ops, ["--no-cuda", "--cache-dir", str(blocker / "sub")])
+    assert result.exit_code == 1 and "cannot use the cache" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_failed_build_shows_the_compiler_error_and_command(tmp_path):
     src = tmp_path / "broken.cpp"
     src.write_text('extern "C" int f() { return undeclared_thing; }\n')
