@@ -100,7 +100,8 @@ def parity_body(ckpt_dir=None):
     real = dist.all_reduce
 
     def counting(*a, **k):
-        calls.append(engine.micro_steps)
+        # graph task id != -1: called from a backward hook, i.e. overlapping backward
+        calls.append((engine.micro_steps, torch._C._current_graph_task_id() != -1))
         return real(*a, **k)
 
     engine = _engine(4, 0.0, dist.get_world_size())
@@ -109,7 +110,8 @@ def parity_body(ckpt_dir=None):
         _train(engine, 2)
     finally:
         dist.all_reduce = real
-    out["allreduce_micro_steps"] = sorted(set(calls))
+    out["allreduce_micro_steps"] = sorted({m for m, _ in calls})
+    out["allreduce_in_backward"] = [inside for _, inside in calls]
     out["n_buckets"] = len(engine.strategy.buckets)
     engine.destroy()
 
@@ -176,6 +178,7 @@ def test_two_ranks_match_one_rank_and_resume_exactly(tmp_path):
     # No all-reduce on micro-steps 0-2 or 4-6 of gas=4; several buckets on micro-steps 3 and 7.
     assert r0["allreduce_micro_steps"] == [3, 7]
     assert r0["n_buckets"] > 1
+    assert all(r0["allreduce_in_backward"]) and len(r0["allreduce_in_backward"]) == 2 * r0["n_buckets"]
 
     for precision, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         losses, same, skipped, scale, wdtype = r0[precision]
