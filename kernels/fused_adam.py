@@ -6,8 +6,8 @@ when a pointer changes (it is uploaded from pinned memory without a host sync). 
 counts are device tensors (as in torch's fused/capturable AdamW) that the kernel itself
 increments, so a step issues no host synchronisation at all.
 
-AMP: like torch's fused optimizers, `step(grad_scale=..., found_inf=...)` is accepted
-(torch.amp.GradScaler passes them), the kernel divides gradients by *grad_scale and skips
+AMP: like torch's fused optimizers, `grad_scale` and `found_inf` are read from the
+attributes torch.amp.GradScaler sets around step() (or passed to step()); the kernel divides gradients by *grad_scale and skips
 the update (step counts included) when *found_inf is non-zero. `skip_nonfinite=True`
 makes the optimizer run its own multi-tensor inf/NaN check first when no found_inf is
 given (e.g. under a hand-written loss scaler).
@@ -96,6 +96,7 @@ class _Bucket:
 
     def __init__(self):
         self.params: List[torch.Tensor] = []
+        self.grads: List[torch.Tensor] = []
         self.rows: List[Tuple[int, ...]] = []
         self.blocks = 0
 
@@ -158,6 +159,9 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # torch.amp.GradScaler sets these attributes around step() for fused optimizers.
+        grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
+        found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         usable = _OP.load()
         if not usable and not _OP.warned:
             _OP.warned = True
@@ -178,6 +182,7 @@ class FusedAdam(torch.optim.Optimizer):
                 b = buckets.setdefault((p.device, p.dtype, g.dtype), _Bucket())
                 chunks = (p.numel() + CHUNK - 1) // CHUNK
                 vmax = state["max_exp_avg_sq"].data_ptr() if amsgrad else 0
+                b.grads.append(g)  # a contiguous copy must outlive the launch
                 b.rows.append((p.data_ptr(), g.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
                                vmax, state["step"].data_ptr(), p.numel(), b.blocks))
                 b.params.append(p)

@@ -154,3 +154,27 @@ def test_state_dict_round_trip_with_torch_adamw():
             o.step()
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_grad_scaler_drives_fused_adam_like_torch_fused_adamw():
+    from dslaunch.kernels import FusedAdam
+
+    torch.manual_seed(0)
+    a = torch.nn.Linear(64, 64).cuda()
+    b = copy.deepcopy(a)
+    oa, ob = FusedAdam(a.parameters(), lr=1e-3), torch.optim.AdamW(b.parameters(), lr=1e-3, fused=True)
+    sa, sb = torch.amp.GradScaler("cuda", init_scale=2.0**10), torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    for i in range(4):
+        x = torch.randn(16, 64, device="cuda")
+        if i == 2:
+            x[0, 0] = float("inf")  # this step must be skipped by both
+        for m, o, s in ((a, oa, sa), (b, ob, sb)):
+            o.zero_grad()
+            s.scale(m(x).square().mean()).backward()
+            s.step(o)
+            s.update()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert oa.state[next(a.parameters())]["step"].item() == 3
