@@ -72,7 +72,42 @@ def load_body(save_dir, expected):
         engine.load_checkpoint(os.path.join(save_dir, "nowhere"))
     except CheckpointError as exc:
         out["no_latest"] = str(exc)
+    out["fp16"] = _fp16_round_trip(os.path.join(save_dir, "fp16"))
     return out
+
+
+def _fp16_round_trip(save_dir):
+    """fp16: fp32 masters, Adam state and the loss scaler survive a round trip bit for bit."""
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "steps_per_print": 100,
+           "fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 3}}
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    def train(engine, n):
+        losses = []
+        for i in range(n):
+            x = torch.linspace(-1, 1, 16).view(4, 4).half() * (i + 1)
+            loss = engine(x).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        return losses
+
+    a = make(0)
+    train(a, 4)
+    a.save_checkpoint(save_dir)
+    b = make(1)
+    b.load_checkpoint(save_dir)
+    same_masters = all(torch.equal(x, y) for x, y in zip(a.strategy.masters, b.strategy.masters))
+    return (same_masters, a.loss_scale() == b.loss_scale(), a.skipped_steps == b.skipped_steps,
+            train(a, 3) == train(b, 3), b.module[0].weight.dtype)
 
 
 @pytest.mark.timeout(120)
@@ -110,5 +145,8 @@ def test_killed_save_keeps_previous_checkpoint_and_damage_is_detected(tmp_path):
     assert errs["truncated"] == (f"checkpoint {save}/truncated is damaged: "
                                  "mp_rank_00_model_states.pt is missing or has the wrong size")
     assert errs["garbage"].startswith(f"checkpoint file {save}/garbage/mp_rank_00_model_states.pt cannot be read")
+    import torch
+
+    assert out["fp16"] == (True, True, True, True, torch.float16)
     assert out["no_latest"] == (f"no checkpoint to resume: {save}/nowhere/latest does not exist "
                                 "(pass tag= to choose one)")
