@@ -92,6 +92,11 @@ def run(plan: dict, watch_stdin: bool) -> int:
 
     out = _Out(on_broken=stop)
     base_env = dict(os.environ)
+    # the head cannot see this host's devices; the contract's accelerator is decided here
+    from dslaunch.launcher.machine import detect_gpus
+    accelerator = "cuda" if detect_gpus(base_env)[0] else "cpu"
+    for w in plan["workers"]:
+        w["env"].setdefault("DSLAUNCH_ACCELERATOR", accelerator)
     specs = [
         WorkerSpec(
             rank=w["rank"], argv=list(w["argv"]), env={**base_env, **w["env"]},

@@ -345,6 +345,7 @@ def build_plans(
                 env = dict(forwarded)
                 # the contract wins over forwarded values: a stray RANK in .dslaunch_env must not break the job
                 env.update(worker_env(world, node, lr, ident))
+                del env["DSLAUNCH_ACCELERATOR"]  # each node's agent decides (cuda/cpu) from its own devices
                 argv = worker_argv(script, script_args, lr, python=python, module=module,
                                    no_python=no_python, no_local_rank=no_local_rank)
                 workers.append(WorkerPlan(node.first_rank + lr, lr, tuple(argv), env))

@@ -93,7 +93,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dslaunch-bench-"))
     (work / "noop.py").write_text(NOOP)
     (work / "fail.py").write_text(FAIL)
-    tb = testbed.build("dlb", "10.213.8", 3, work / "testbed")
+    tb = testbed.build_free("db", 120, 20, 3, work / "testbed")
     try:
         env = tb.ssh_env(work / "home")
         env["PDSH_SSH_ARGS_APPEND"] = f"-o UserKnownHostsFile={tb.known_hosts} -o LogLevel=ERROR"

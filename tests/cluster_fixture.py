@@ -11,13 +11,15 @@ import pytest
 
 import testbed
 
-PREFIX, SUBNET = "dlt", "10.213.7"   # the benchmark uses another pair, so both can run at once
+# Test sessions take a subnet among 10.213.20-119 (the benchmark uses 120-139): two sessions on
+# one machine each get their own cluster instead of tearing down each other's.
+FIRST_SUBNET, SUBNETS = 20, 100
 
 
 @pytest.fixture(scope="session")
 def ns_cluster(tmp_path_factory):
     try:
-        tb = testbed.build(PREFIX, SUBNET, 2, tmp_path_factory.mktemp("testbed"))
+        tb = testbed.build_free("dt", FIRST_SUBNET, SUBNETS, 2, tmp_path_factory.mktemp("testbed"))
     except testbed.TestbedUnavailable as exc:
         pytest.skip(f"cannot build the SSH test cluster: {exc}")
     try:

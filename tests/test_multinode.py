@@ -161,7 +161,7 @@ def test_unreachable_host_is_named_and_nothing_starts(ns_cluster, ssh_home, tmp_
         assert res.returncode != 0 and time.monotonic() - t0 < 15
         # the first try times out; after it the kernel remembers the failed ARP and says so at once
         ip = re.escape(ns_cluster.unused_ip)
-        assert re.search(rf"{ip}(: | \().*{ip}:22 "
+        assert re.search(rf"{ip}(: | \().*{ip}:22:? "
                          r"(timed out after 1s|.*No route to host)", res.stderr), res.stderr
         assert "must not run" not in res.stdout + res.stderr
         assert "Traceback" not in res.stderr
@@ -212,7 +212,7 @@ def test_arguments_and_env_arrive_byte_identical_and_secrets_are_masked(ns_clust
     hf = _hostfile(tmp_path, [f"{h1.name} slots=1", f"{h2.name} slots=1"])
     script = _script(tmp_path, "echo.py", """
         import json, os, sys
-        keys = ["NCCL_TRICKY", "MY_VAR", "NOT_FORWARDED", "HF_TOKEN", "FROM_FILE", "RANK"]
+        keys = ["NCCL_TRICKY", "MY_VAR", "NOT_FORWARDED", "HF_TOKEN", "FROM_FILE", "RANK", "DSLAUNCH_ACCELERATOR"]
         with open(f"out-{os.environ['RANK']}.json", "w") as f:
             json.dump({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}, "cwd": os.getcwd()}, f)
     """)
@@ -222,7 +222,8 @@ def test_arguments_and_env_arrive_byte_identical_and_secrets_are_masked(ns_clust
         got = json.loads((tmp_path / f"out-{rank}.json").read_text())
         assert got["argv"] == [f"--local_rank=0", *TRICKY]
         assert got["env"] == {"NCCL_TRICKY": "a b;$x 'q'", "MY_VAR": "exported ✓", "NOT_FORWARDED": None,
-                              "HF_TOKEN": "hf_secret_123", "FROM_FILE": "x y", "RANK": str(rank)}
+                              "HF_TOKEN": "hf_secret_123", "FROM_FILE": "x y", "RANK": str(rank),
+                              "DSLAUNCH_ACCELERATOR": "cpu"}
         assert got["cwd"] == str(tmp_path)  # the head's working directory
     assert "hf_secret_123" not in res.stdout + res.stderr
 

@@ -30,11 +30,11 @@ def test_check_prints_table_and_names_offending_hosts(ns_cluster, ssh_home, tmp_
     bad = tmp_path / "bad"
     bad.write_text(f"{h1.name} slots=2\n{ns_cluster.unused_ip} slots=1\n")
     res = subprocess.run(DSLAUNCH + ["check", "--hostfile", str(bad), "--ssh_timeout", "1",
-                                     "--master_addr", "10.213.7.97", "--master_port", "29517"],
+                                     "--master_addr", f"{ns_cluster.subnet}.97", "--master_port", "29517"],
                          env=env, capture_output=True, text=True, timeout=100)
     assert res.returncode == 1
     rows = {r.split()[0]: r for r in res.stdout.splitlines()[1:]}
-    assert "FAIL: master 10.213.7.97:29517 " in rows[h1.name]
+    assert f"FAIL: master {ns_cluster.subnet}.97:29517 " in rows[h1.name]
     assert rows[ns_cluster.unused_ip].split()[1] == "NO"
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dslaunch check: preflight failed on ")

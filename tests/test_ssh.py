@@ -39,7 +39,7 @@ def test_resolve_precedence_command_line_then_hostfile_then_config():
 def test_connect_all_is_parallel_and_names_hosts(ns_cluster, ssh_home, monkeypatch):
     env, home = ssh_home
     monkeypatch.setenv("HOME", str(home))
-    dead = [ns_cluster.unused_ip, "10.213.7.98", "10.213.7.97"]
+    dead = [ns_cluster.unused_ip, f"{ns_cluster.subnet}.98", f"{ns_cluster.subnet}.97"]
     t0 = time.monotonic()
     res = connect_all([h.name for h in ns_cluster.hosts] + dead, SshOptions(timeout=1.5))
     took = time.monotonic() - t0

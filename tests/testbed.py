@@ -33,6 +33,10 @@ class TestbedUnavailable(RuntimeError):
     """The machine cannot host the cluster (not root, no sshd, no iproute2, ...)."""
 
 
+class SubnetInUse(TestbedUnavailable):
+    """Another cluster (another test session, a benchmark) already uses this subnet."""
+
+
 @dataclass
 class Host:
     name: str   # hostname inside the namespace
@@ -102,9 +106,10 @@ class Testbed:
         _check_prerequisites()
         if not (1 <= n_hosts <= 9):
             raise ValueError("n_hosts must be 1..9")
-        self.teardown(quiet=True)  # leftovers of an aborted run with the same prefix
+        # Checked before anything is touched: a live cluster of a concurrent session must survive us.
         if subprocess.run(["ip", "route", "show", f"{self.subnet}.0/24"], capture_output=True, text=True).stdout.strip():
-            raise TestbedUnavailable(f"{self.subnet}.0/24 is already routed here; pick another subnet")
+            raise SubnetInUse(f"{self.subnet}.0/24 is already routed here; pick another subnet")
+        self.teardown(quiet=True)  # half-built leftovers (namespaces without a bridge) of the same prefix
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd refuses to start without it
         os.chmod("/run/sshd", 0o755)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +117,11 @@ class Testbed:
             Host(f"{self.prefix}-h{i}", f"{self.subnet}.{10 + i}", f"{self.prefix}-h{i}", f"{self.prefix}-h{i}-br")
             for i in range(1, n_hosts + 1)
         ]
+        # The bridge is the claim on the prefix: if a concurrent session created it first, back off
+        # without touching anything of theirs.
+        claim = subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], capture_output=True, text=True)
+        if claim.returncode != 0:
+            raise SubnetInUse(f"cannot create bridge {self.bridge}: {claim.stderr.strip()}")
         try:
             self._make_keys()
             self._make_network()
@@ -135,7 +145,6 @@ class Testbed:
         (self.dir / "hosts").write_text("\n".join(hosts) + "\n")
 
     def _make_network(self) -> None:
-        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         _run(["ip", "addr", "add", f"{self.root_ip}/24", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
         for h in self.hosts:
@@ -265,3 +274,16 @@ def build(prefix: str, subnet: str, n_hosts: int, directory: Optional[Path] = No
     """Build a cluster; the caller must call teardown() (use try/finally)."""
     d = Path(directory) if directory else Path(tempfile.mkdtemp(prefix=f"{prefix}-testbed-"))
     return Testbed(prefix=prefix, subnet=subnet, dir=d).build(n_hosts)
+
+
+def build_free(tag: str, first: int, count: int, n_hosts: int, directory: Optional[Path] = None) -> Testbed:
+    """Build on the first free subnet 10.213.X, X in [first, first+count), starting at a pid-derived
+    offset, so concurrent sessions (tests and benchmarks on one machine) never share one."""
+    start = os.getpid() % count
+    for k in range(count):
+        x = first + (start + k) % count
+        try:
+            return build(f"{tag}{x}", f"10.213.{x}", n_hosts, directory)
+        except SubnetInUse:
+            continue
+    raise TestbedUnavailable(f"no free subnet among 10.213.{first}-{first + count - 1}")
