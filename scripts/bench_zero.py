@@ -14,7 +14,9 @@ parameters, fp32 reduction). Per configuration it prints:
   optimizer's param groups and state) is by reachability; the rest is gradients and
   communication buffers. Beside it, ZeRO's formula for mixed-precision Adam:
   16P (stage 0), 4P + 12P/N (1), 2P + 14P/N (2), 16P/N (3).
-* median step time and its ratio to stage 0 and to FSDP2.
+* median step time and its ratio to stage 0 and to FSDP2. All runs are alive at once
+  for the timing and are stepped round-robin, so load from other processes on the
+  machine falls on every configuration alike (memory is measured first, one run alone).
 """
 from __future__ import annotations
 
@@ -93,64 +95,95 @@ def data(dim, micro, rank, step):
     return x, torch.tanh(x)
 
 
-def run_engine(args, stage, offload, nvme_dir):
-    import dslaunch.runtime as deepspeed
+class EngineRun:
+    """One configuration under dslaunch.runtime."""
 
+    def __init__(self, args, stage, offload, nvme_dir):
+        import dslaunch.runtime as deepspeed
+
+        model = build_model(args.dim, args.layers)
+        cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+               "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
+                                     "allgather_bucket_size": args.bucket, "stage3_prefetch_bucket_size": args.bucket,
+                                     "stage3_param_persistence_threshold": 0, "sub_group_size": args.bucket}}
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": nvme_dir}
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        self.module, self.optimizer, self.args = self.engine.module, self.engine.optimizer, args
+
+    def forward_backward(self, step):
+        x, y = data(self.args.dim, self.args.micro, dist.get_rank(), step)
+        loss = torch.nn.functional.mse_loss(self.engine(x).float(), y.float())
+        self.engine.backward(loss)
+
+    def optimizer_step(self):
+        self.engine.step()
+
+    def close(self):
+        self.engine.destroy()
+
+
+class FSDP2Run:
+    """The same model under torch's fully_shard (per block, then the root)."""
+
+    def __init__(self, args):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.module = build_model(args.dim, args.layers)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in self.module:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(self.module, mp_policy=policy)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.01)
+        self.args = args
+
+    def forward_backward(self, step):
+        x, y = data(self.args.dim, self.args.micro, dist.get_rank(), step)
+        torch.nn.functional.mse_loss(self.module(x).float(), y.float()).backward()
+
+    def optimizer_step(self):
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def close(self):
+        pass
+
+
+def memory_of(make, args):
+    """Bytes after backward of one run built and stepped alone (nothing else alive)."""
+    gc.collect()
     baseline = storages()
-    model = build_model(args.dim, args.layers)
-    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-           "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket,
-                                 "stage3_prefetch_bucket_size": args.bucket, "stage3_param_persistence_threshold": 0}}
-    if offload:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": nvme_dir}
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    del model
-    rank = engine.global_rank
-    times, mem = [], None
+    run = make()
+    for step in range(args.warmup):
+        run.forward_backward(step)
+        if step == args.warmup - 1:
+            mem = measure(run.module, run.optimizer, baseline)
+        run.optimizer_step()
+    run.close()
+    del run
+    gc.collect()
+    return mem
+
+
+def interleaved_times(makers, args):
+    """Median step time of every run, stepping them round-robin so that load from other
+    processes on the machine falls on all of them alike."""
+    runs = [make() for make in makers]
+    times = [[] for _ in runs]
     for step in range(args.warmup + args.steps):
-        x, y = data(args.dim, args.micro, rank, step)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
-        engine.backward(loss)
-        if mem is None and step == args.warmup - 1:
-            mem = measure(engine.module, engine.optimizer, baseline)
-        engine.step()
-        dist.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    engine.destroy()
-    return mem, statistics.median(times)
-
-
-def run_fsdp2(args):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    baseline = storages()
-    model = build_model(args.dim, args.layers)
-    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    rank = dist.get_rank()
-    times, mem = [], None
-    for step in range(args.warmup + args.steps):
-        x, y = data(args.dim, args.micro, rank, step)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-        loss.backward()
-        if mem is None and step == args.warmup - 1:
-            mem = measure(model, opt, baseline)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return mem, statistics.median(times)
+        for i, run in enumerate(runs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            run.forward_backward(step)
+            run.optimizer_step()
+            dist.barrier()
+            if step >= args.warmup:
+                times[i].append(time.perf_counter() - t0)
+    for run in runs:
+        run.close()
+    return [statistics.median(t) for t in times]
 
 
 def worker(rank, args, port):
@@ -163,17 +196,21 @@ def worker(rank, args, port):
     configs = [("stage 0", 0, None), ("stage 1", 1, None), ("stage 2", 2, None), ("stage 3", 3, None),
                ("stage 1 + cpu offload", 1, "cpu"), ("stage 2 + cpu offload", 2, "cpu"),
                ("stage 3 + cpu offload", 3, "cpu"), ("stage 2 + nvme offload", 2, "nvme")]
-    results = []
-    for name, stage, off in configs:
-        mem, t = run_engine(args, stage, off, nvme)
-        results.append((name, stage, mem, t))
+    makers = [(lambda st=st, off=off: EngineRun(args, st, off, nvme)) for _, st, off in configs]
+    names = [c[0] for c in configs]
+    stages = [c[1] for c in configs]
     try:
-        mem, t = run_fsdp2(args)
-        results.append(("FSDP2 fully_shard", 3, mem, t))
-    except Exception as exc:  # report, don't hide: FSDP2 on this torch/backend may not run
-        results.append((f"FSDP2 failed: {type(exc).__name__}: {str(exc)[:60]}", 3, None, float("nan")))
+        FSDP2Run(args)  # probe: FSDP2 may not run on this torch/backend; say so instead of failing
+        makers.append(lambda: FSDP2Run(args))
+        names.append("FSDP2 fully_shard")
+        stages.append(3)
+    except Exception as exc:
+        if rank == 0:
+            print(f"FSDP2 unavailable: {type(exc).__name__}: {exc}")
+    mems = [memory_of(m, args) for m in makers]
+    times = interleaved_times(makers, args)
     if rank == 0:
-        report(args, results)
+        report(args, list(zip(names, stages, mems, times)))
     dist.destroy_process_group()
 
 

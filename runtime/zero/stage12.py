@@ -145,14 +145,17 @@ class PartitionedOptimizer:
             p.grad = None  # the point of stage 2: no full gradient survives the bucket
         for owner in sorted(by_owner):
             parts = by_owner[owner]
-            buf = torch.cat([gf[a:b].float() if gf is not None else torch.zeros(b - a, device=self.groups[gi].flat.device)
+            # reduced in the module's dtype like stage 0 (half the bytes in bf16), summed into fp32
+            buf = torch.cat([gf[a:b] if gf is not None else torch.zeros(b - a, dtype=self.groups[gi].flat.dtype,
+                                                                         device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
             if self.world > 1:
                 dist.reduce(buf, dst=owner, group=self.group)
             if owner == self.rank:
                 pos = 0
                 for gi, _, a, b, off in parts:
-                    self.groups[gi].grad[off:off + b - a] += buf[pos:pos + b - a].to(self.groups[gi].grad.device)
+                    self.groups[gi].grad[off:off + b - a] += buf[pos:pos + b - a].to(self.groups[gi].grad.device,
+                                                                                      torch.float32)
                     pos += b - a
 
     # -- boundary -------------------------------------------------------------------------
@@ -174,18 +177,18 @@ class PartitionedOptimizer:
             return
         for g in self.groups:
             L, P = g.layout, g.layout.partition_size
-            full = torch.zeros(L.padded_total, dtype=torch.float32, device=g.flat.device)
+            full = torch.zeros(L.padded_total, dtype=g.flat.dtype, device=g.flat.device)  # module dtype, as stage 0
             for p, s in zip(g.params, L.slots):
                 if p.grad is not None:
                     full[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
             cols = max(1, self.reduce_bucket // self.world)
-            grad = torch.empty(P, dtype=torch.float32, device=g.flat.device)
+            grad = torch.empty(P, dtype=g.flat.dtype, device=g.flat.device)
             rows = full.view(self.world, P)
             for c in range(0, P, cols):
                 chunk = rows[:, c:c + cols].contiguous()
                 comm.reduce_scatter(grad[c:c + cols], chunk.view(-1), group=self.group)
-            g.grad = grad.div_(self.world).to(g.master.device)
+            g.grad = grad.to(g.master.device, torch.float32).div_(self.world)
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].master.device if self.groups else "cpu")

@@ -184,10 +184,10 @@ class Stage3Engine:
         return out
 
     def _grad_ready(self, p) -> None:
-        """Queue this parameter's full gradient (fp32, padded) and release the parameter;
+        """Queue this parameter's full gradient (module dtype, padded) and release the parameter;
         reduce-scatter the queue once it holds reduce_bucket_size elements."""
         z = p._zero
-        full = torch.zeros(z.chunk * self.world, dtype=torch.float32, device=p.grad.device)
+        full = torch.zeros(z.chunk * self.world, dtype=p.grad.dtype, device=p.grad.device)  # reduced in module dtype
         full[:z.numel].copy_(p.grad.reshape(-1))
         self._bucket.append((p, full))
         self._bucket_numel += full.numel()
@@ -208,13 +208,13 @@ class Stage3Engine:
         device = bucket[0][1].device
         mat = torch.cat([full.view(self.world, -1) for _, full in bucket], dim=1) if len(bucket) > 1 \
             else bucket[0][1].view(self.world, -1)
-        part = torch.empty(width, dtype=torch.float32, device=device)
+        part = torch.empty(width, dtype=bucket[0][1].dtype, device=device)
         comm.reduce_scatter(part, mat.contiguous().view(-1), group=self.group)
         off = 0
         for p, _ in bucket:
             z = p._zero
             g = self.groups[z.group_index]["grad"]
-            g[z.master_offset:z.master_offset + z.chunk] += part[off:off + z.chunk].to(g.device)
+            g[z.master_offset:z.master_offset + z.chunk] += part[off:off + z.chunk].to(g.device, torch.float32)
             off += z.chunk
 
     def before_backward(self, is_boundary: bool = True) -> None:
