@@ -9,6 +9,7 @@ PKGS=()
 command -v ssh >/dev/null 2>&1 || PKGS+=(openssh-client)
 command -v ip >/dev/null 2>&1 || PKGS+=(iproute2)
 command -v pdsh >/dev/null 2>&1 || PKGS+=(pdsh)
+command -v unshare >/dev/null 2>&1 || PKGS+=(util-linux)   # the test cluster gives each host its own hostname
 [ "${#PKGS[@]}" -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     echo "setup: not root or no apt-get; not installing ${PKGS[*]}" >&2
@@ -16,13 +17,12 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
 fi
 echo "setup: installing ${PKGS[*]}" >&2
 # Debian's postinst would start a system sshd on 0.0.0.0:22; policy-rc.d forbids that.
-CREATED_POLICY=0
 if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-    CREATED_POLICY=1
+    # removed again however apt-get ends, so the machine's services behave as before afterwards
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq >/dev/null
 apt-get install -y -qq --no-install-recommends "${PKGS[@]}" >/dev/null
-[ "$CREATED_POLICY" = 1 ] && rm -f /usr/sbin/policy-rc.d
 exit 0
