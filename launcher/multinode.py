@@ -167,6 +167,7 @@ class MultiNodeRunner:
     sink: Sink = default_sink
     tail_lines: int = 10
     connections: Optional[object] = None  # ssh.ConnectResult opened by the caller (preflight), reused
+    line_log: Optional[Callable[[int, str, str], None]] = None  # (rank, stream, text): --log_dir
     _events: "queue.Queue" = field(default_factory=queue.Queue)
 
     # ------------------------------------------------------------------ public
@@ -241,6 +242,8 @@ class MultiNodeRunner:
             host = links[idx].host
             if kind == "line":
                 self.sink(ev["stream"], f"[{host}:{ev['rank']}] {ev['text']}")
+                if self.line_log is not None:
+                    self.line_log(ev["rank"], ev["stream"], ev["text"])
             elif kind == "agent_err":
                 self.sink("err", f"[{host} agent] {ev['text']}")
             elif kind in ("failed", "done", "eof"):
@@ -429,7 +432,19 @@ def run_plan(plan, mn: MultiNodeOptions, environ: Optional[Dict[str, str]] = Non
         return run_pdsh(plans, mn, python=python, workdir=workdir, sink=sink, environ=environ)
     runner = MultiNodeRunner(plans, mn.ssh, python, workdir, local_hosts=local,
                              max_restarts=o.max_restarts, sink=sink, connections=conns)
-    return runner.run()
+    logs = None
+    if o.log_dir:
+        # the head keeps the logs: every rank's lines arrive here anyway, whatever host ran it
+        from types import SimpleNamespace
+
+        from dslaunch.launcher.output import LogDirSink
+        logs = LogDirSink(o.log_dir, list(range(plan.world.world_size)), f"run {plan.run_id}")
+        runner.line_log = lambda rank, stream, text: logs(SimpleNamespace(rank=rank), stream, text.encode() + b"\n")
+    try:
+        return runner.run()
+    finally:
+        if logs is not None:
+            logs.close()
 
 
 def format_plan(launch_plan, plans: List[NodePlan], python: str, workdir: str, mn: MultiNodeOptions,

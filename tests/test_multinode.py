@@ -246,9 +246,13 @@ def test_max_restarts_restarts_every_node(ns_cluster, ssh_home, tmp_path):
         print("attempt", n, "rank", os.environ["RANK"], flush=True)
         sys.exit(5 if (n == "0" and os.environ["RANK"] == "1") else 0)
     """)
-    res = _run(["--hostfile", hf, "--max_restarts", "1", "--no_local_rank", "--skip_check", script], env, tmp_path)
+    res = _run(["--hostfile", hf, "--max_restarts", "1", "--no_local_rank", "--skip_check",
+                "--log_dir", str(tmp_path / "logs"), script], env, tmp_path)
     assert res.returncode == 0, res.stderr
     assert f"[{h2.ip}:1] attempt 1 rank 1" in res.stdout and f"[{h1.ip}:0] attempt 1 rank 0" in res.stdout
+    # --log_dir: the head writes every rank's lines, remote ones included
+    log1 = (tmp_path / "logs" / "rank_1.log").read_text().splitlines()
+    assert log1[0].startswith("=== run ") and log1[1:] == ["attempt 0 rank 1", "attempt 1 rank 1"]
     assert "restarting the whole job on every node (1/1)" in res.stderr
 
 
