@@ -27,8 +27,13 @@ class _PdshProcess:
     """One pdsh process carrying every node's agent."""
 
     def __init__(self, argv: List[str], env: Dict[str, str]):
+        from dslaunch.launcher.reaper import make_child_setup
+
+        # Own session, so stop() can end pdsh and its ssh clients as one group; parent-death
+        # signal, so a SIGKILLed head still takes pdsh down. The ssh clients then fail on their
+        # next write, each agent's heartbeat write fails after that, and the agent stops its workers.
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.PIPE, start_new_session=True, preexec_fn=make_child_setup())
         self.stopped = False
 
     def stop(self) -> None:

@@ -281,6 +281,24 @@ def test_pdsh_launcher_for_real(ns_cluster, ssh_home, tmp_path):
     assert res.returncode == 4 and f"rank 2 on host {h2.ip} failed first" in res.stderr
     assert not _only_sshd_left(ns_cluster)
 
+    # SIGKILL to the head: pdsh dies with it, and the agents notice through their heartbeat
+    sleeper = _script(tmp_path, "sleep.py", """
+        import os, time
+        print("pid", os.getpid(), flush=True)
+        time.sleep(120)
+    """)
+    head = subprocess.Popen(DSLAUNCH + [*common, "--kill_grace", "1", sleeper], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = [int(head.stdout.readline().split()[-1]) for _ in range(3)]
+        head.kill()
+        head.wait()
+        assert not _wait_gone(pids, 10.0)
+        assert not _only_sshd_left(ns_cluster)
+    finally:
+        if head.poll() is None:
+            head.kill()
+
 
 @pytest.mark.timeout(60)
 def test_local_and_remote_hosts_in_one_job_with_workdir(ns_cluster, ssh_home, tmp_path):
