@@ -194,9 +194,11 @@ def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> B
     record = build_dir / "build.json"
 
     def finished() -> Optional[BuiltOp]:
-        if record.exists() and lib.exists():
+        if record.exists():
             meta = json.loads(record.read_text())
-            return BuiltOp(spec.name, lib, spec.isa, key, True, time.perf_counter() - t0, meta)
+            found = build_dir / meta.get("library", lib.name)
+            if found.exists():
+                return BuiltOp(spec.name, found, spec.isa, key, True, time.perf_counter() - t0, meta)
         return None
 
     done = finished()
@@ -217,7 +219,9 @@ def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> B
         os.environ["PATH"] = _ninja_on_path(old_path)
         t_build = time.perf_counter()
         try:
-            cpp_extension.load(
+            # The returned path is the library's: torch renames it (name_v1.so, ...) when one
+            # process builds the same name twice with different sources, flags or directories.
+            out = cpp_extension.load(
                 name=spec.name,
                 sources=list(spec.sources),
                 extra_cflags=list(spec.cflags),
@@ -232,8 +236,10 @@ def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> B
             raise _build_error(spec, build_dir, str(e)) from None
         finally:
             os.environ["PATH"] = old_path
+        lib = Path(out)
         meta = {
             "name": spec.name,
+            "library": lib.name,
             "isa": spec.isa,
             "torch": torch.__version__,
             "cflags": list(spec.cflags),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import tempfile
 import time
 

@@ -139,3 +139,16 @@ def test_cached_load_is_fast(shared_cache):
     assert built.cached
     # Sanity bound for a loaded CI box; the target (< 0.5 s) is measured by scripts/bench_adam.py.
     assert elapsed < 2.0, elapsed
+
+
+def test_same_op_built_twice_in_one_process_loads_from_both_caches(tmp_path):
+    """torch renames the second build of a name in one process (name_v1.so); the cache
+    records the real file, so both builds load."""
+    import ctypes
+
+    spec = builder.cpu_adam_spec("scalar")
+    first = builder.build(spec, tmp_path / "a")
+    second = builder.build(spec, tmp_path / "b")
+    for built in (first, second, builder.build(spec, tmp_path / "b")):
+        assert built.path.exists(), built.path
+        assert ctypes.CDLL(str(built.path)).ds_cpu_adam_isa
