@@ -15,11 +15,12 @@ The same check runs, briefly, before every multi-node launch unless --skip_check
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import click
 import paramiko
@@ -76,11 +77,6 @@ class HostReport:
         return not self.problems
 
 
-def _quote(word: str) -> str:
-    import shlex
-    return shlex.quote(word)
-
-
 def probe_host(
     host: str, slots: int, opts: SshOptions, python: str, master_addr: str, master_port: int,
     need_torch: bool = True, config: Optional[paramiko.SSHConfig] = None,
@@ -100,7 +96,7 @@ def probe_host(
     rep.reachable = True
     rep.latency_ms = connect_ms
     try:
-        stdin, stdout, stderr = client.exec_command(f"{_quote(python)} -c {_quote(_PROBE)}", timeout=opts.timeout + 10)
+        stdin, stdout, stderr = client.exec_command(f"{shlex.quote(python)} -c {shlex.quote(_PROBE)}", timeout=opts.timeout + 10)
         stdin.write(json.dumps({"master_addr": master_addr, "master_port": master_port,
                                 "timeout": min(3.0, opts.timeout)}) + "\n")
         stdin.flush()

@@ -5,7 +5,6 @@ share our PID namespace, so psutil sees remote workers and can prove that none s
 Only the all_reduce test imports torch in its workers; the rest use plain Python.
 """
 import json
-import os
 import re
 import signal
 import subprocess

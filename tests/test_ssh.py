@@ -1,12 +1,10 @@
 """The paramiko transport: config resolution (pure) and host-key policy against real sshd."""
 import subprocess
-import sys
 import time
 
 import paramiko
-import pytest
 
-from dslaunch.launcher.ssh import SshError, SshOptions, connect_all, resolve
+from dslaunch.launcher.ssh import SshOptions, connect_all, resolve
 
 CONFIG = """
 Host n1
