@@ -366,6 +366,15 @@ def run_plan(plan, mn: MultiNodeOptions, environ: Optional[Dict[str, str]] = Non
 
     Usage errors raise LaunchConfigError (the CLI prints one line and exits 2).
     """
+    try:
+        return _run_plan(plan, mn, environ, sink)
+    except KeyboardInterrupt:
+        # Ctrl-C while connecting or in the preflight, before any worker started
+        sink("err", "dslaunch: interrupted before the job started")
+        return 130
+
+
+def _run_plan(plan, mn: MultiNodeOptions, environ: Optional[Dict[str, str]], sink: Sink) -> int:
     import random
 
     from dslaunch.launcher import preflight
