@@ -4,7 +4,8 @@ One 2-rank run trains the same model (odd sizes, tied embedding/head, a frozen l
 a layer used twice) under stage 0 and under stages 1-3 with and without offload, in
 fp32 and bf16, and compares losses and final full weights per config (fp32 1e-5, bf16
 2e-2). The same run saves a stage-3 checkpoint that a 1-rank stage-1 run resumes
-(resume equality across world size and stage) and that `dslaunch consolidate` turns
+(resume equality across world size and stage; a stage-0 checkpoint resumes under stage 2)
+and that `dslaunch consolidate` turns
 into one fp32 state_dict. Also: zero.Init + GatheredParameters, and the opt-in
 rank-divergence check naming the module instead of hanging.
 """
@@ -87,6 +88,7 @@ def _engine_worker(ckpt, nvme):
         losses = _train(e, 3)
         params = _full_params(e)
         if dtype == "float32":
+            e.save_checkpoint(ckpt, tag="s0")
             losses += _train(e, 2, first_step=3)
         refs[dtype] = (losses, params)
         e.destroy()
@@ -103,6 +105,12 @@ def _engine_worker(ckpt, nvme):
             "diff": max(float((params[n] - rp[n]).abs().max()) for n in rp)}
         e.destroy()
     out["full_losses"] = refs["float32"][0]
+
+    # a stage-0 checkpoint resumed under stage 2 (and bf16 stage 0 under stage 3)
+    e = _engine(_config(2))
+    e.load_checkpoint(ckpt, tag="s0")
+    out["from_stage0"] = _train(e, 2, first_step=3)
+    e.destroy()
 
     # zero.Init builds the model partitioned; GatheredParameters modifies it on rank 0.
     with deepspeed.zero.Init(param_persistence_threshold=7):
@@ -156,6 +164,7 @@ def test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate(tmp_pa
     assert torch.equal(res["modified_bias"], torch.full((7,), 0.25))
     assert all(l == l for l in res["init_losses"])
     assert os.listdir(nvme) == []
+    assert res["from_stage0"] == pytest.approx(res["full_losses"][3:], rel=FP32_TOL)
 
     # saved by 2 ranks at stage 3, resumed by 1 rank at stage 1: same losses as going on
     resumed = run_function(_resume_worker, nprocs=1, kwargs={"ckpt": str(ckpt)}, timeout=120)[0]

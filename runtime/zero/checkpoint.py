@@ -117,3 +117,38 @@ def tied_aliases(module: torch.nn.Module) -> Dict[str, str]:
         else:
             first[id(p)] = name
     return aliases
+
+
+def shards_from_stage0(state: Dict[str, Any], group_names: Sequence[Sequence[str]],
+                       module_state: Dict[str, torch.Tensor]) -> List[Dict[str, Any]]:
+    """A stage-0 checkpoint's optimizer state (a torch optimizer state_dict, plus fp32
+    masters in mixed precision) as one shard holding every parameter whole, so a ZeRO
+    stage can resume from it. Parameters are matched by position within each group."""
+    opt = state.get("optimizer") if isinstance(state, dict) else None
+    if not isinstance(opt, dict) or "param_groups" not in opt:
+        raise CheckpointError("checkpoint optimizer state is neither a ZeRO shard nor a torch optimizer state_dict")
+    pgs = opt["param_groups"]
+    if [len(pg["params"]) for pg in pgs] != [len(n) for n in group_names]:
+        raise CheckpointError(f"stage-0 optimizer state has param groups of sizes {[len(pg['params']) for pg in pgs]}, "
+                              f"this model's are {[len(n) for n in group_names]}")
+    masters = state.get("fp32_masters")
+    flat_names = [n for names in group_names for n in names]
+    if masters is not None and len(masters) != len(flat_names):
+        masters = None
+    by_name = dict(zip(flat_names, masters)) if masters is not None else {}
+    groups = []
+    for pg, names in zip(pgs, group_names):
+        g = {"pieces": [], "shapes": {}, "master": {}, "state": {}}
+        for idx, name in zip(pg["params"], names):
+            full = by_name.get(name, module_state[name])
+            numel = full.numel()
+            g["pieces"].append({"name": name, "start": 0, "end": numel, "offset": 0})
+            g["shapes"][name] = list(full.shape)
+            g["master"][name] = full.detach().reshape(-1).float()
+            for k, v in opt["state"].get(idx, {}).items():
+                if torch.is_tensor(v) and v.numel() == numel and k != "step":
+                    g["state"].setdefault(k, {})[name] = v.reshape(-1).float()
+                else:
+                    g["state"][k] = v
+        groups.append(g)
+    return [{"format": "dslaunch-zero-shard/1", "stage": 0, "world_size": 1, "rank": 0, "groups": groups}]

@@ -63,6 +63,9 @@ class PartitionedOptimizer:
         names = named_trainable(module)
         seen = set()
         self.groups: List[_Group] = []
+        # every group's parameters as the user's optimizer listed them (frozen ones too):
+        # how a stage-0 checkpoint's optimizer state is matched to names
+        self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in optimizer.param_groups]
         for pg in optimizer.param_groups:
             params = [p for p in pg["params"] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)

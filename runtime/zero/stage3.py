@@ -98,6 +98,7 @@ class Stage3Engine:
             if p._zero.shard.dtype != p.dtype:  # built by zero.Init, then cast by the engine
                 p._zero.shard = p._zero.shard.to(p.dtype)
         self.groups: List[Dict[str, Any]] = []
+        self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in optimizer.param_groups]
         seen = set()
         for gi, pg in enumerate(optimizer.param_groups):
             params = [p for p in pg["params"] if p.requires_grad and id(p) not in seen]

@@ -16,6 +16,18 @@ from ..strategy import GradientStrategy, StrategyContext, register_strategy
 from .stage12 import PartitionedOptimizer
 
 
+def _as_shards(state, group_names, module_state) -> List[Dict[str, Any]]:
+    """Shards from what the engine read: this rank's shard, every saved rank's shards, or
+    a stage-0 checkpoint's torch optimizer state (resuming stage 0 under ZeRO)."""
+    from .checkpoint import shards_from_stage0
+
+    if isinstance(state, list):
+        return state
+    if isinstance(state, dict) and "groups" in state:
+        return [state]
+    return shards_from_stage0(state, group_names, module_state or {})
+
+
 def _offload(ctx: StrategyContext):
     z = ctx.config.zero_optimization
     off = getattr(z, "offload_optimizer", None)
@@ -24,6 +36,7 @@ def _offload(ctx: StrategyContext):
 
 class _Stage12(GradientStrategy):
     sharded_optimizer_state = True
+    _module_state = None
     loads_any_world_size = True  # the engine then hands load_optimizer_state_dict every saved shard
 
     def __init__(self, ctx: StrategyContext):
@@ -58,10 +71,10 @@ class _Stage12(GradientStrategy):
         return self.impl.shard_state()
 
     def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
-        shards = state if isinstance(state, list) else [state]
-        self.impl.load_shards(shards)
+        self.impl.load_shards(_as_shards(state, self.impl.listed_names, self._module_state))
 
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        self._module_state = state  # a stage-0 optimizer state is re-cut with these weights
         # the module's params are views into flat buffers: copy in place to keep them so
         with torch.no_grad():
             self.module.load_state_dict(state, strict=strict)
@@ -89,6 +102,7 @@ class ZeroStage3(GradientStrategy):
 
     sharded_optimizer_state = True
     loads_any_world_size = True
+    _module_state = None
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -133,13 +147,14 @@ class ZeroStage3(GradientStrategy):
         return self.impl.full_state_dict()
 
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        self._module_state = state
         self.impl.load_full_state_dict(state, strict=strict)
 
     def optimizer_state_dict(self) -> Dict[str, Any]:
         return self.impl.shard_state()
 
     def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
-        self.impl.load_shards(state if isinstance(state, list) else [state])
+        self.impl.load_shards(_as_shards(state, self.impl.listed_names, self._module_state))
 
     def close(self) -> None:
         self.impl.close()
