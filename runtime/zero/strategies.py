@@ -34,20 +34,14 @@ def _offload(ctx: StrategyContext):
     return off if off is not None and off.device != "none" else None
 
 
-class _Stage12(GradientStrategy):
+class _ShardedStrategy(GradientStrategy):
+    """What stages 1-3 share: every call is forwarded to the stage's implementation
+    (`self.impl`), and checkpoints hold one optimizer shard per rank that load at any
+    saved world size or stage."""
+
     sharded_optimizer_state = True
-    _module_state = None
     loads_any_world_size = True  # the engine then hands load_optimizer_state_dict every saved shard
-
-    def __init__(self, ctx: StrategyContext):
-        super().__init__(ctx)
-        z = ctx.config.zero_optimization
-        self.impl = PartitionedOptimizer(ctx.module, ctx.optimizer, self.stage, z.reduce_bucket_size,
-                                         z.allgather_bucket_size, overlap_comm=z.overlap_comm,
-                                         offload=_offload(ctx), group=ctx.group, sub_group_size=z.sub_group_size)
-
-    def before_backward(self, is_boundary: bool) -> None:
-        self.impl.before_backward(is_boundary)
+    _module_state = None  # kept so a stage-0 optimizer state can be re-cut with these weights
 
     def after_backward(self, is_boundary: bool) -> None:
         self.impl.after_backward(is_boundary)
@@ -73,17 +67,29 @@ class _Stage12(GradientStrategy):
     def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
         self.impl.load_shards(_as_shards(state, self.impl.listed_names, self._module_state))
 
+    def close(self) -> None:
+        self.impl.close()
+
+
+class _Stage12(_ShardedStrategy):
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        z = ctx.config.zero_optimization
+        self.impl = PartitionedOptimizer(ctx.module, ctx.optimizer, self.stage, z.reduce_bucket_size,
+                                         z.allgather_bucket_size, overlap_comm=z.overlap_comm,
+                                         offload=_offload(ctx), group=ctx.group, sub_group_size=z.sub_group_size)
+
+    def before_backward(self, is_boundary: bool) -> None:
+        self.impl.before_backward(is_boundary)
+
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
-        self._module_state = state  # a stage-0 optimizer state is re-cut with these weights
+        self._module_state = state
         # the module's params are views into flat buffers: copy in place to keep them so
         with torch.no_grad():
             self.module.load_state_dict(state, strict=strict)
         for g in self.impl.groups:
             lo, hi = g.layout.partition_range(self.impl.rank)
             g.master.copy_(g.flat[lo:hi].float())
-
-    def close(self) -> None:
-        self.impl.close()
 
 
 @register_strategy(1)
@@ -97,12 +103,8 @@ class ZeroStage2(_Stage12):
 
 
 @register_strategy(3)
-class ZeroStage3(GradientStrategy):
+class ZeroStage3(_ShardedStrategy):
     """Parameters partitioned at rest, gathered around each module's forward/backward."""
-
-    sharded_optimizer_state = True
-    loads_any_world_size = True
-    _module_state = None
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -125,36 +127,9 @@ class ZeroStage3(GradientStrategy):
     def wrap_module(self) -> None:
         self.impl.wrap()
 
-    def after_backward(self, is_boundary: bool) -> None:
-        self.impl.after_backward(is_boundary)
-
-    def reduce_gradients(self) -> None:
-        self.impl.reduce_gradients()
-
-    def global_grad_norm(self) -> float:
-        return self.impl.global_grad_norm()
-
-    def scale_gradients_(self, factor: float) -> None:
-        self.impl.scale_gradients_(factor)
-
-    def optimizer_step(self) -> None:
-        self.impl.optimizer_step()
-
-    def zero_grad(self) -> None:
-        self.impl.zero_grad()
-
     def module_state_dict(self) -> Dict[str, Any]:
         return self.impl.full_state_dict()
 
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
         self._module_state = state
         self.impl.load_full_state_dict(state, strict=strict)
-
-    def optimizer_state_dict(self) -> Dict[str, Any]:
-        return self.impl.shard_state()
-
-    def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
-        self.impl.load_shards(_as_shards(state, self.impl.listed_names, self._module_state))
-
-    def close(self) -> None:
-        self.impl.close()
