@@ -34,21 +34,6 @@ from dslaunch.launcher.supervisor import Supervisor, WorkerSpec
 HEARTBEAT_S = 1.0
 
 
-class _AgentSupervisor(Supervisor):
-    """The single-node Supervisor, plus a report the moment a worker fails.
-
-    The head must stop the other nodes at once, not after this node's grace period;
-    _begin_teardown is where the Supervisor first learns of the failure.
-    """
-
-    on_failure = None
-
-    def _begin_teardown(self, failure):
-        if failure is not None and self.on_failure is not None:
-            self.on_failure(failure)
-        return super()._begin_teardown(failure)
-
-
 class _Out:
     """Serialised JSON-line writer; a broken pipe means the head is gone."""
 
@@ -109,8 +94,8 @@ def run(plan: dict, watch_stdin: bool) -> int:
         out.emit({"ev": "line", "rank": spec.rank, "stream": "out" if stream == "stdout" else "err",
                   "text": line.decode("utf-8", "replace").rstrip("\r\n")})
 
-    sup = _AgentSupervisor(specs, sink, kill_grace=float(plan.get("kill_grace", 5.0)))
-    sup.on_failure = lambda f: out.emit(_failure_event("failed", f.exit_code, f))
+    sup = Supervisor(specs, sink, kill_grace=float(plan.get("kill_grace", 5.0)),
+                     on_failure=lambda f: out.emit(_failure_event("failed", f.exit_code, f)))
     sup_box.append(sup)
     if stop_requested.is_set():
         sup.request_stop(signal.SIGTERM)

@@ -120,9 +120,4 @@ def _launch(opts, mn=None) -> int:
         text = json.dumps(plan_to_dict(plan), indent=2) if opts.json else format_plan(plan)
         click.echo(text)
         return 0
-    if plan.remote_nodes:
-        first = plan.remote_nodes[0].node
-        raise LaunchConfigError(
-            f"host {first.host!r} is not this machine, and this build of dslaunch launches on this machine only "
-            "(--dry_run shows the plan)")
     return run_local(plan, environ=environ)

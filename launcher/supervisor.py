@@ -124,11 +124,15 @@ class Supervisor:
     """Runs one attempt of a worker group. Use from one thread; request_stop() from any."""
 
     def __init__(self, specs: Sequence[WorkerSpec], sink: Sink, *, kill_grace: float = 5.0,
-                 stderr_tail_lines: int = 20, subreaper: bool = True, watchdog: bool = True):
+                 stderr_tail_lines: int = 20, subreaper: bool = True, watchdog: bool = True,
+                 on_failure: Optional[Callable[["WorkerFailure"], None]] = None):
         if not specs:
             raise ValueError("a worker group needs at least one worker")
         self.kill_grace = kill_grace
         self._sink = sink
+        # Called once, the moment the first worker fails and before teardown starts: a node
+        # agent reports it to the head at once so the other nodes stop within the same second.
+        self._on_failure = on_failure
         self._workers = [_Worker(s, tail=deque(maxlen=stderr_tail_lines)) for s in specs]
         self._subreaper = subreaper
         self._use_watchdog = watchdog
@@ -324,6 +328,8 @@ class Supervisor:
     # -- teardown -----------------------------------------------------------------------
 
     def _begin_teardown(self, failure: Optional[WorkerFailure]) -> float:
+        if failure is not None and self._on_failure is not None:
+            self._on_failure(failure)
         sig = signal.SIGTERM if failure is not None or self._stop_signal is None else self._stop_signal
         self._signal_everything(sig)
         return time.monotonic()
