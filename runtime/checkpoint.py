@@ -193,8 +193,9 @@ def load(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool 
     path = os.path.join(load_dir, str(tag))
     manifest = _read_manifest(path)
     rank, strategy = engine.global_rank, engine.strategy
-    # ZeRO strategies re-cut shards saved at any world size or stage (runtime/zero/checkpoint.py):
-    # they get every saved rank's file, memory-mapped so only the overlapping pieces are read.
+    # Strategies with loads_any_world_size (stage 0 and ZeRO) re-cut shards saved at any world size
+    # or stage (runtime/zero/checkpoint.py): they get every saved rank's file, memory-mapped so
+    # only the overlapping pieces are read.
     reshard = (manifest["sharded_optimizer_state"] and getattr(strategy, "loads_any_world_size", False)
                and (manifest["world_size"] != engine.world_size or manifest["zero_stage"] != strategy.stage))
     if manifest["sharded_optimizer_state"] and manifest["world_size"] != engine.world_size and load_optimizer_states \

@@ -41,8 +41,15 @@ class _Bucket:
 
 @register_strategy(0)
 class DataParallelStrategy(GradientStrategy):
+    loads_any_world_size = True  # a ZeRO checkpoint's shards (any stage, any world size) load here
+
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
+        # each optimizer group's parameters by name (before masters replace them): how
+        # a ZeRO checkpoint's shards, keyed by name, are matched to this optimizer
+        self._first_name = {id(p): n for n, p in self.module.named_parameters()}
+        self._trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
+        self._group_names = [[self._first_name.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
         seen = set()
         params = []
         for p in self.module.parameters():
@@ -192,11 +199,46 @@ class DataParallelStrategy(GradientStrategy):
         return state
 
     def load_optimizer_state_dict(self, state) -> None:
+        if isinstance(state, list):
+            state = self._state_from_zero_shards(state)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.mixed and "fp32_masters" in state:
             with torch.no_grad():
                 for m, saved in zip(self.masters, state["fp32_masters"]):
                     m.copy_(saved)
+
+    def _state_from_zero_shards(self, shards):
+        """Every saved rank's ZeRO shard re-cut into whole tensors, in the form
+        optimizer_state_dict() returns: a torch optimizer state_dict (plus fp32 masters)."""
+        from .zero.checkpoint import whole_optimizer_state
+
+        saved = self.optimizer.state_dict()  # current hyperparameters and parameter indices
+        numels = {}
+        for pg, names in zip(self.optimizer.param_groups, self._group_names):
+            for p, name in zip(pg["params"], names):
+                if name in self._trainable:  # frozen parameters have no ZeRO shard
+                    numels[name] = p.numel()
+        masters, states = whole_optimizer_state(shards, numels)
+        opt_state = {}
+        for pg, spg, names in zip(self.optimizer.param_groups, saved["param_groups"], self._group_names):
+            for p, idx, name in zip(pg["params"], spg["params"], names):
+                if name in states and states[name]:
+                    opt_state[idx] = {k: (v.view_as(p) if torch.is_tensor(v) and v.numel() == p.numel() and k != "step"
+                                          else v) for k, v in states[name].items()}
+        if self.mixed:
+            fp32 = [masters.get(self._first_name[id(p)], m).view_as(m)
+                    for b in self.buckets for p, m in zip(b.params, b.masters)]
+        else:  # the module's fp32 weights are the masters: take them from the shards
+            with torch.no_grad():
+                for pg, names in zip(self.optimizer.param_groups, self._group_names):
+                    for p, name in zip(pg["params"], names):
+                        if name in masters:
+                            p.copy_(masters[name].view_as(p))
+            fp32 = None
+        out = {"optimizer": {"state": opt_state, "param_groups": saved["param_groups"]}}
+        if fp32 is not None:
+            out["fp32_masters"] = fp32
+        return out
 
     def close(self) -> None:
         for h in self._hooks:

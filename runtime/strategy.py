@@ -40,7 +40,9 @@ Contract details:
   this rank's optimizer state; with `sharded_optimizer_state = True` every rank's dict is
   saved to its own file, otherwise only rank 0's is saved. Loading calls
   `load_module_state_dict` then `load_optimizer_state_dict` on every rank, each with what
-  was saved for that rank; masters must be refreshed from the loaded module weights.
+  was saved for that rank; masters must be refreshed from the loaded module weights. A
+  strategy with `loads_any_world_size = True` is instead handed the list of every saved
+  rank's ZeRO shard when the checkpoint's stage or world size differs from its own.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ One 2-rank run trains the same model (odd sizes, tied embedding/head, a frozen l
 a layer used twice) under stage 0 and under stages 1-3 with and without offload, in
 fp32 and bf16, and compares losses and final full weights per config (fp32 1e-5, bf16
 2e-2). The same run saves a stage-3 checkpoint that a 1-rank stage-1 run resumes
-(resume equality across world size and stage; a stage-0 checkpoint resumes under stage 2)
+(resume equality across world size and stage, stage 0 included; a stage-0 checkpoint
+resumes under stage 2)
 and that `dslaunch consolidate` turns
 into one fp32 state_dict. Also: zero.Init + GatheredParameters, and the opt-in
 rank-divergence check naming the module instead of hanging.
@@ -128,10 +129,12 @@ def _engine_worker(ckpt, nvme):
 
 
 def _resume_worker(ckpt):
-    e = _engine(_config(1))
-    e.load_checkpoint(ckpt, tag="s3")
-    losses = _train(e, 2, first_step=3)
-    e.destroy()
+    losses = {}
+    for stage in (1, 0):  # stage 0 re-cuts the ZeRO shards into a torch optimizer state_dict
+        e = _engine(_config(stage))
+        e.load_checkpoint(ckpt, tag="s3")
+        losses[stage] = _train(e, 2, first_step=3)
+        e.destroy()
     return losses
 
 
@@ -166,9 +169,10 @@ def test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate(tmp_pa
     assert os.listdir(nvme) == []
     assert res["from_stage0"] == pytest.approx(res["full_losses"][3:], rel=FP32_TOL)
 
-    # saved by 2 ranks at stage 3, resumed by 1 rank at stage 1: same losses as going on
+    # saved by 2 ranks at stage 3, resumed by 1 rank at stage 1 and at stage 0: same losses as going on
     resumed = run_function(_resume_worker, nprocs=1, kwargs={"ckpt": str(ckpt)}, timeout=120)[0]
-    assert resumed == pytest.approx(res["full_losses"][3:], rel=FP32_TOL)
+    for stage in (1, 0):
+        assert resumed[stage] == pytest.approx(res["full_losses"][3:], rel=FP32_TOL), stage
 
     out = tmp_path / "consolidated.pt"
     proc = subprocess.run([sys.executable, "-m", "dslaunch.runtime.consolidate", str(ckpt), str(out), "--tag", "s3"],

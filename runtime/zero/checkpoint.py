@@ -152,3 +152,41 @@ def shards_from_stage0(state: Dict[str, Any], group_names: Sequence[Sequence[str
                     g["state"][k] = v
         groups.append(g)
     return [{"format": "dslaunch-zero-shard/1", "stage": 0, "world_size": 1, "rank": 0, "groups": groups}]
+
+
+def whole_optimizer_state(shards: Sequence[Dict[str, Any]], numels: Dict[str, int]
+                          ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict[str, Any]]]:
+    """The inverse of shards_from_stage0, for resuming ZeRO shards (any stage and saved
+    world size) under stage 0: each named parameter's fp32 weights and optimizer state,
+    whole and flat. A partitioned state tensor is re-cut from every shard holding pieces
+    of it; a scalar (Adam's step) is taken from the saved group that held the parameter.
+    A parameter the shards keep no state for (never stepped) gets an empty state."""
+    tensor_keys: Dict[str, set] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    for sh in shards:
+        for g in sh["groups"]:
+            names = {p.name for p in pieces_from_dict(g["pieces"])}
+            for k, v in g["state"].items():
+                for n in names:
+                    if isinstance(v, dict):
+                        if n in v:
+                            tensor_keys.setdefault(n, set()).add(k)
+                    else:
+                        scalars.setdefault(n, {})[k] = v
+    masters, states = {}, {}
+    for name, numel in numels.items():
+        masters[name] = torch.zeros(numel, dtype=torch.float32)
+        assemble(shards, 0, "master", [(name, 0, numel, 0)], masters[name])
+        st: Dict[str, Any] = {}
+        for k in sorted(tensor_keys.get(name, ())):
+            st[k] = torch.zeros(numel, dtype=torch.float32)
+            assemble(shards, 0, ("state", k), [(name, 0, numel, 0)], st[k])
+        if st:
+            for k, v in scalars.get(name, {}).items():
+                if torch.is_tensor(v):
+                    v = v.clone()
+                elif k == "step":  # torch's Adam counts steps in a float32 tensor
+                    v = torch.tensor(float(v), dtype=torch.float32)
+                st[k] = v
+        states[name] = st
+    return masters, states
