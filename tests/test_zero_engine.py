@@ -2,7 +2,7 @@
 
 One 2-rank run trains the same model (odd sizes, tied embedding/head, a frozen layer,
 a layer used twice) under stage 0 and under stages 1-3 with and without offload, in
-fp32 and bf16, and compares losses and final full weights per config (fp32 1e-5, bf16
+fp32 and bf16 (stage-3 parameters resting in NVMe files included), and compares losses and final full weights per config (fp32 1e-5, bf16
 2e-2). The same run saves a stage-3 checkpoint that a 1-rank stage-1 run resumes
 (resume equality across world size and stage, stage 0 included; a stage-0 checkpoint
 resumes under stage 2)
@@ -34,7 +34,9 @@ def _config(stage, dtype="float32", gas=2, offload="none", nvme=None):
         cfg["bf16"] = {"enabled": True}
     if dtype == "float16":  # dynamic loss scaling: the engine unscales through the strategy
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    if offload != "none":
+    if offload == "nvme-param":  # stage-3 shards rest in files under nvme_path between uses
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme}
+    elif offload != "none":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": nvme}
     if offload == "cpu" and stage == 3:  # ZeRO-Infinity style: shards rest in host memory too
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
@@ -75,6 +77,7 @@ def _engine(cfg, model=None):
 
 
 MATRIX = [(1, "float32", "none"), (2, "float32", "cpu"), (3, "float32", "none"), (3, "float32", "nvme"),
+          (3, "float32", "nvme-param"),
           (1, "bfloat16", "nvme"), (2, "bfloat16", "none"), (3, "bfloat16", "cpu"),
           (2, "float16", "none"), (3, "float16", "none")]
 
@@ -104,6 +107,9 @@ def _engine_worker(ckpt, nvme):
         out["configs"][f"{stage}-{dtype}-{off}"] = {
             "losses": losses, "ref": rl[:len(losses)],
             "diff": max(float((params[n] - rp[n]).abs().max()) for n in rp)}
+        if off == "nvme-param":
+            sw = e.strategy.impl.swapper
+            out["param_swap"] = (sw.bytes_read, sw.bytes_written, os.path.dirname(sw.dir) == nvme)
         e.destroy()
     out["full_losses"] = refs["float32"][0]
 
@@ -166,7 +172,9 @@ def test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate(tmp_pa
     assert res["init_empty"]
     assert torch.equal(res["modified_bias"], torch.full((7,), 0.25))
     assert all(l == l for l in res["init_losses"])
-    assert os.listdir(nvme) == []
+    assert os.listdir(nvme) == []  # swap files (optimizer state, parameters) removed by destroy()
+    read, written, under_nvme = res["param_swap"]  # the parameters really went through their files
+    assert read > 0 and written > 0 and under_nvme, res["param_swap"]
     assert res["from_stage0"] == pytest.approx(res["full_losses"][3:], rel=FP32_TOL)
 
     # saved by 2 ranks at stage 3, resumed by 1 rank at stage 1 and at stage 0: same losses as going on

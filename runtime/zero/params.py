@@ -29,11 +29,31 @@ class ZeroParam:
     shape: torch.Size
     numel: int
     chunk: int
-    shard: torch.Tensor  # this rank's chunk (compute dtype), padded to `chunk` elements
+    resident: Optional[torch.Tensor]  # this rank's chunk (compute dtype), padded to `chunk` elements;
+    # None while it rests in a file (offload_param nvme): read `shard` instead
     persistent: bool = False  # small: kept whole, never released
     master_offset: int = -1  # where the chunk sits in its group's fp32 master partition
     group_index: int = -1
     owner: Optional[object] = field(default=None, repr=False)  # the Stage3 engine, once attached
+    swap: Optional[object] = field(default=None, repr=False)  # a ParamSwapper when the shard rests in a file
+
+    @property
+    def shard(self) -> torch.Tensor:
+        if self.resident is None:
+            self.resident = self.swap.read(self)
+        return self.resident
+
+    @shard.setter
+    def shard(self, value: torch.Tensor) -> None:
+        self.resident = value
+
+
+def rest(params: Iterable[torch.nn.Parameter], dirty: bool) -> None:
+    """Send file-backed shards back to their files (written first when `dirty`)."""
+    for p in params:
+        z = getattr(p, "_zero", None)
+        if z is not None and z.swap is not None:
+            z.swap.evict(z, dirty)
 
 
 def is_partitioned(p: torch.Tensor) -> bool:
@@ -77,6 +97,7 @@ def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> 
     device = need[0].device  # the compute device, even when shards rest in CPU memory (offload_param)
     local = torch.cat([p._zero.shard.to(device, dtype) for p in need]) if len(need) > 1 \
         else need[0]._zero.shard.to(device)
+    rest(need, dirty=False)  # `local` keeps a file-backed shard alive until the all-gather is done
     out = torch.empty(world * local.numel(), dtype=dtype, device=device)
     comm.all_gather(out, local.contiguous())
     rows = out.view(world, local.numel())
@@ -103,6 +124,7 @@ def refresh_shard_from_full(p: torch.nn.Parameter) -> None:
     z.shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
     if z.owner is not None:
         z.owner.shard_changed(p)
+    rest([p], dirty=True)
 
 
 class GatheredParameters:

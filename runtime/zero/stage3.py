@@ -14,6 +14,7 @@ Around every module that owns parameters directly:
 
 Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
 whole. Optimizer partitions are the concatenation of this rank's chunks per param group.
+With offload_param.device "nvme" the other shards rest in files between uses (param_swap.py).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from . import comm
 from .offload import OptimizerHost, make_host
-from .params import gather, is_partitioned, is_present, partition_param, release
+from .params import gather, is_partitioned, is_present, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
 
 
@@ -121,6 +122,12 @@ class Stage3Engine:
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
         optimizer.state.clear()
+        self.swapper = None
+        if getattr(offload_param, "device", "none") == "nvme":  # shards rest in files between uses
+            from .param_swap import ParamSwapper
+
+            self.swapper = ParamSwapper(offload_param.nvme_path, self.rank)
+            self.swapper.attach(p._zero for p in module.parameters() if not p._zero.persistent)
         self.host: OptimizerHost = make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
         self._hooks = []
         self._trace: List[torch.nn.Module] = []
@@ -174,6 +181,13 @@ class Stage3Engine:
         if self._recording:
             self._trace.append(m)
         self.gather_module(m, "forward")
+        if self.swapper is not None and self._trace_ok:
+            # read the next module's file-backed shards while this one computes
+            for nxt in self._trace[self._pos:]:
+                waiting = [p._zero for p in self._own(nxt) if is_partitioned(p) and not is_present(p)]
+                if waiting:
+                    self.swapper.prefetch(waiting)
+                    break
 
     def _post_forward(self, m, args, out):
         keep = set()
@@ -253,7 +267,12 @@ class Stage3Engine:
             g["master"].grad = None
             for p in g["params"]:
                 z = p._zero
-                z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
+                new = g["master"][z.master_offset:z.master_offset + z.chunk]
+                if z.swap is not None:  # a fresh tensor, queued for writing: the old value is never read
+                    z.shard = new.to(device="cpu", dtype=p.dtype, copy=True)
+                    rest([p], dirty=True)
+                    continue
+                z.shard.copy_(new)
                 if z.persistent:  # whole on every rank: refresh from all shards
                     full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
                     comm.all_gather(full, z.shard.to(p.device), group=self.group)
@@ -296,6 +315,7 @@ class Stage3Engine:
                 if z.persistent:
                     p.data.copy_(src.view(z.shape))
                 self.shard_changed(p)
+                rest([p], dirty=True)
         buffers = {n: v for n, v in state.items() if n not in params}
         if buffers:
             self.module.load_state_dict(buffers, strict=False)
@@ -334,6 +354,7 @@ class Stage3Engine:
             for p in g["params"]:
                 z = p._zero
                 z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
+                rest([p], dirty=True)
                 if z.persistent:
                     full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
                     comm.all_gather(full, z.shard.to(p.device), group=self.group)
@@ -344,6 +365,9 @@ class Stage3Engine:
             h.remove()
         self._hooks.clear()
         self.host.close()
+        if self.swapper is not None:
+            self.swapper.close()
+            self.swapper = None
 
 
 def _device(params):

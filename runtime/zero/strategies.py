@@ -111,13 +111,7 @@ class ZeroStage3(_ShardedStrategy):
         from .stage3 import Stage3Engine
 
         z = ctx.config.zero_optimization
-        off_param = getattr(z, "offload_param", None)
-        if off_param is not None and off_param.device == "nvme":
-            from ..strict import ConfigError
-
-            raise ConfigError("zero_optimization.offload_param.device: \"nvme\" is not supported by this build "
-                              "(parameters can rest in CPU memory: use \"cpu\"; optimizer state can go to NVMe "
-                              "with offload_optimizer)")
+        off_param = getattr(z, "offload_param", None)  # cpu: shards rest in host memory; nvme: in files
         self.impl = Stage3Engine(ctx.module, ctx.optimizer, z.stage3_param_persistence_threshold,
                                  z.stage3_prefetch_bucket_size, offload=_offload(ctx),
                                  offload_param=off_param if off_param is not None and off_param.device != "none" else None,
