@@ -84,3 +84,38 @@ def test_gloo_collectives_native_and_fallback_agree():
         assert r[False] == r[True]
         assert r[False][0] == total[rank * 6:(rank + 1) * 6]
         assert r[False][1] == total
+
+
+def test_pin_memory_is_a_no_op_without_cuda_and_pins_with_it():
+    import torch
+
+    from dslaunch.runtime.zero.offload import pin_host
+
+    t = torch.arange(4.0)
+    assert pin_host(t, False) is t
+    out = pin_host(t, True)
+    if torch.cuda.is_available():
+        assert out.is_pinned() and torch.equal(out, t)
+    else:
+        assert out is t  # torch cannot pin without CUDA, and there is no device to copy to
+
+
+@pytest.mark.gpu
+def test_offloaded_masters_and_stage3_shards_are_pinned_on_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from dslaunch.runtime.zero.stage12 import PartitionedOptimizer
+    from dslaunch.runtime.zero.stage3 import Stage3Engine
+
+    off = type("Off", (), {"device": "cpu", "pin_memory": True, "nvme_path": None})()
+    model = torch.nn.Linear(16, 8).cuda()
+    opt = PartitionedOptimizer(model, torch.optim.Adam(model.parameters()), 2, 100, 100, offload=off)
+    assert all(g.master.is_pinned() and g.grad.is_pinned() for g in opt.groups)
+    opt.close()
+    model = torch.nn.Linear(16, 8).cuda()
+    eng = Stage3Engine(model, torch.optim.Adam(model.parameters()), 0, 100, offload=off, offload_param=off)
+    assert all(g["master"].is_pinned() for g in eng.groups)
+    assert all(p._zero.shard.is_pinned() for p in model.parameters())
+    eng.close()

@@ -239,6 +239,15 @@ class NVMeHost(OptimizerHost):
             pass
 
 
+def pin_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`pin_memory: true`: page-locked host buffers, so copies between them and the GPU can
+    run asynchronously. Without CUDA there is no device to copy to and torch cannot pin,
+    so the option is then a no-op and `t` comes back as it is."""
+    if pin and t.device.type == "cpu" and torch.cuda.is_available():
+        return t.pin_memory()
+    return t
+
+
 def make_host(optimizer, masters, offload, sub_group_size: int = 1_000_000_000) -> OptimizerHost:
     device = getattr(offload, "device", "none") if offload is not None else "none"
     if device == "cpu":

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .offload import OptimizerHost, make_host
+from .offload import OptimizerHost, make_host, pin_host
 from .partition import FlatLayout, Piece, pieces_to_dict, plan_buckets
 
 
@@ -60,6 +60,7 @@ class PartitionedOptimizer:
         self.gather_bucket = int(allgather_bucket_size)
         self.overlap_comm = overlap_comm
         self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
+        self.pin = bool(getattr(offload, "pin_memory", False))
         names = named_trainable(module)
         seen = set()
         self.groups: List[_Group] = []
@@ -94,8 +95,8 @@ class PartitionedOptimizer:
         lo, hi = layout.partition_range(self.rank)
         # offloaded: masters, optimizer state and (stage 2) the gradient partition in host memory
         host = torch.device("cpu") if self.offload_device in ("cpu", "nvme") else device
-        master = flat[lo:hi].detach().to(host, torch.float32).clone()
-        grad = torch.zeros_like(master) if self.stage == 2 else None
+        master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
+        grad = pin_host(torch.zeros_like(master), self.pin) if self.stage == 2 else None
         return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(self.rank))
 
     # -- stage 2: reduce to owner during backward ----------------------------------------

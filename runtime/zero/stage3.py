@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .offload import OptimizerHost, make_host
+from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
 
@@ -98,6 +98,8 @@ class Stage3Engine:
             p._zero.owner = self
             if p._zero.shard.dtype != p.dtype:  # built by zero.Init, then cast by the engine
                 p._zero.shard = p._zero.shard.to(p.dtype)
+            if offload_param is not None and offload_param.device == "cpu":
+                p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
         self.groups: List[Dict[str, Any]] = []
         self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in optimizer.param_groups]
         seen = set()
@@ -113,12 +115,13 @@ class Stage3Engine:
                     pieces.append(Piece(z.name, sh.start, sh.end, off))
                 off += z.chunk
             host = getattr(offload, "device", "none") in ("cpu", "nvme")
-            master = torch.zeros(max(off, 1), dtype=torch.float32,
-                                 device=torch.device("cpu") if host else _device(params))
+            pin = host and bool(getattr(offload, "pin_memory", False))
+            master = pin_host(torch.zeros(max(off, 1), dtype=torch.float32,
+                                          device=torch.device("cpu") if host else _device(params)), pin)
             for p in params:
                 z = p._zero
                 master[z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
-            self.groups.append({"params": params, "master": master, "grad": torch.zeros_like(master),
+            self.groups.append({"params": params, "master": master, "grad": pin_host(torch.zeros_like(master), pin),
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
         optimizer.state.clear()
