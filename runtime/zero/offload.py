@@ -228,15 +228,20 @@ class NVMeHost(OptimizerHost):
         self.flush()
         self.reader.shutdown()
         self.writer.shutdown()
-        for ui in range(len(self.units)):
-            try:
-                os.remove(self._path(ui))
-            except FileNotFoundError:
-                pass
+        remove_swap_files([self._path(ui) for ui in range(len(self.units))], self.dir)
+
+
+def remove_swap_files(paths, folder: str) -> None:
+    """Delete a swapper's files and then its folder (left in place if something else lives there)."""
+    for path in paths:
         try:
-            os.rmdir(self.dir)
-        except OSError:
+            os.remove(path)
+        except FileNotFoundError:
             pass
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def pin_host(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
+from .offload import remove_swap_files
+
 
 class ParamSwapper:
     def __init__(self, nvme_path: str, rank: int):
@@ -112,13 +114,5 @@ class ParamSwapper:
                 z.resident = self.read(z)
             z.swap = None
         self._io.shutdown(wait=True)
-        for path in self._paths.values():
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-        try:
-            os.rmdir(self.dir)
-        except OSError:
-            pass
+        remove_swap_files(self._paths.values(), self.dir)
         self._zs.clear()
