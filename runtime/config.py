@@ -72,13 +72,12 @@ class AmpConfig:
 
 
 @dataclass
-class OffloadOptimizerConfig:
+class _OffloadTarget:
+    """Where offloaded tensors live; shared by offload_optimizer and offload_param."""
+
     device: OffloadDevice = "none"
     nvme_path: Optional[str] = None
     pin_memory: bool = False
-    buffer_count: int = 4
-    fast_init: bool = False
-    ratio: float = 1.0
 
     def validate(self, path: str) -> None:
         if self.device == "nvme" and not self.nvme_path:
@@ -86,17 +85,17 @@ class OffloadOptimizerConfig:
 
 
 @dataclass
-class OffloadParamConfig:
-    device: OffloadDevice = "none"
-    nvme_path: Optional[str] = None
-    pin_memory: bool = False
+class OffloadOptimizerConfig(_OffloadTarget):
+    buffer_count: int = 4
+    fast_init: bool = False
+    ratio: float = 1.0
+
+
+@dataclass
+class OffloadParamConfig(_OffloadTarget):
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
-
-    def validate(self, path: str) -> None:
-        if self.device == "nvme" and not self.nvme_path:
-            raise ConfigError(f"{path}.nvme_path: required when device is \"nvme\"")
 
 
 @dataclass
