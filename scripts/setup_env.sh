@@ -26,7 +26,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 # Reinstall only when the package metadata changed: an editable install picks up code edits by itself.
 STAMP="$VENV/.dslaunch-installed"
-SUM="$(cat "$ROOT/pyproject.toml" | cksum)"
+SUM="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" | cksum)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SUM" ] || ! "$VENV/bin/python" -c "import dslaunch.launcher" >/dev/null 2>&1; then
     echo "setup: installing dslaunch (editable) with test extras" >&2
     quiet_pip -e "$ROOT[test]"
