@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 SUBCOMMANDS = {
     "check": "dslaunch.launcher.preflight:check",
     "build-ops": "dslaunch.kernels.build_cli:build_ops",
-    "consolidate": "dslaunch.runtime.consolidate:consolidate",
+    "consolidate": "dslaunch.runtime.checkpoint.consolidate:consolidate",
 }
 LAUNCH_COMMAND = "dslaunch.launcher.cli:launch"
 

@@ -210,7 +210,7 @@ class DataParallelStrategy(GradientStrategy):
     def _state_from_zero_shards(self, shards):
         """Every saved rank's ZeRO shard re-cut into whole tensors, in the form
         optimizer_state_dict() returns: a torch optimizer state_dict (plus fp32 masters)."""
-        from .zero.checkpoint import whole_optimizer_state
+        from .checkpoint.reshard import whole_optimizer_state
 
         saved = self.optimizer.state_dict()  # current hyperparameters and parameter indices
         numels = {}

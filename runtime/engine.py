@@ -243,14 +243,21 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.training_dataloader is not None:
             self.training_dataloader.set_epoch(state.get("dataloader_epoch", 0))
 
-    def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None) -> str:
-        return checkpoint.save(self, str(save_dir), tag, client_state or {})
+    def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
+                        save_latest: bool = True, allow_pickle: bool = False) -> str:
+        """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
+        need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
-        return checkpoint.load(self, str(load_dir), tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                        load_module_only: bool = False, trust_pickle: bool = False):
+        """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
+        weights_only=True unless trust_pickle=True."""
+        return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               trust_pickle=trust_pickle)
 
     def destroy(self) -> None:
         self.strategy.close()

@@ -144,7 +144,8 @@ def test_killed_save_keeps_previous_checkpoint_and_damage_is_detected(tmp_path):
                                    "manifest.json is missing or unreadable")
     assert errs["truncated"] == (f"checkpoint {save}/truncated is damaged: "
                                  "mp_rank_00_model_states.pt is missing or has the wrong size")
-    assert errs["garbage"].startswith(f"checkpoint file {save}/garbage/mp_rank_00_model_states.pt cannot be read")
+    assert errs["garbage"] == (f"checkpoint file {save}/garbage/mp_rank_00_model_states.pt is damaged: "
+                               "its contents do not match the crc32 checksum in manifest.json")
     import torch
 
     assert out["fp16"] == (True, True, True, True, torch.float16)

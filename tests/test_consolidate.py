@@ -1,6 +1,5 @@
 """`dslaunch consolidate`: bad input is one line and exit 2; stage-0 checkpoints work too
 (the ZeRO paths are exercised in test_zero_engine.py and test_zero_checkpoint.py)."""
-import json
 import os
 import subprocess
 import sys
@@ -27,11 +26,18 @@ def _run_in_process(capsys, *args):
 
 
 def _fake_stage0_checkpoint(root):
+    """A stage-0 checkpoint as save_checkpoint lays it out, without an engine."""
+    from dslaunch.runtime.checkpoint.files import write_torch
+    from dslaunch.runtime.checkpoint.manifest import Manifest
+
     tag = root / "global_step3"
     tag.mkdir(parents=True)
     lin = torch.nn.Linear(3, 5).to(torch.bfloat16)
-    torch.save({"module": lin.state_dict()}, tag / "mp_rank_00_model_states.pt")
-    (tag / "manifest.json").write_text(json.dumps({"world_size": 2, "zero_stage": 0, "sharded_optimizer_state": False}))
+    name = "mp_rank_00_model_states.pt"
+    rec = write_torch(str(tag / name), {"module": lin.state_dict()})
+    manifest = Manifest(tag="global_step3", world_size=2, zero_stage=0, sharded_optimizer_state=False,
+                        files={name: rec})
+    (tag / "manifest.json").write_text(manifest.to_json())
     (root / "latest").write_text("global_step3")
     return lin
 
@@ -50,7 +56,7 @@ def test_stage0_checkpoint_consolidates_to_fp32(tmp_path):
     ("none", ["{d}/nope", "{d}/o.pt"], "nope: not a directory"),
     ("empty", ["{d}/ck", "{d}/o.pt"], "latest: missing; pass --tag"),
     ("ckpt", ["{d}/ck", "{d}/o.pt", "--tag", "global_step9"], "global_step9: no such checkpoint tag"),
-    ("broken", ["{d}/ck", "{d}/o.pt"], "manifest.json: missing or unreadable"),
+    ("broken", ["{d}/ck", "{d}/o.pt"], "is incomplete or damaged: manifest.json is missing or unreadable"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, args, message):
     if setup == "empty":

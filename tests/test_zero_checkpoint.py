@@ -40,7 +40,7 @@ def _resume_worker(ckpt, stage, saved_world):
 
 @pytest.mark.timeout(300)
 def test_save_on_4_ranks_resume_on_2_and_1_with_other_stages_and_consolidate(tmp_path):
-    from dslaunch.runtime.zero.checkpoint import consolidated_state_dict, tied_aliases
+    from dslaunch.runtime.checkpoint.reshard import consolidated_state_dict, tied_aliases
 
     saved = run_function(_save_worker, nprocs=4, kwargs={"ckpt": str(tmp_path), "stage": 2}, timeout=200)
     full = saved[0]["full_losses"]
@@ -62,7 +62,8 @@ def test_save_on_4_ranks_resume_on_2_and_1_with_other_stages_and_consolidate(tmp
 
 
 def test_missing_rank_file_is_a_clear_error(tmp_path):
-    from dslaunch.runtime.zero.checkpoint import CheckpointError, full_fp32_params
+    from dslaunch.runtime.checkpoint import CheckpointError
+    from dslaunch.runtime.checkpoint.reshard import full_fp32_params
 
     shard = {"groups": [{"pieces": [{"name": "w", "start": 0, "end": 3, "offset": 0}], "shapes": {"w": [2, 3]},
                          "master": {"w": torch.ones(3)}, "state": {}}]}

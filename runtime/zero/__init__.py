@@ -5,7 +5,8 @@ user-facing names live here too: `zero.Init()` builds a model directly partition
 `zero.GatheredParameters(params, modifier_rank=None)` gives temporary full access.
 """
 from . import strategies  # noqa: F401  (registers stages 1, 2 and 3)
-from .checkpoint import CheckpointError, consolidated_state_dict, tied_aliases
+from ..checkpoint import CheckpointError
+from ..checkpoint.reshard import consolidated_state_dict, tied_aliases
 from .params import GatheredParameters, Init
 from .stage3 import RankDivergenceError
 

@@ -258,7 +258,7 @@ class PartitionedOptimizer:
     def load_shards(self, shards: List[Dict[str, Any]], load_optimizer: bool = True) -> None:
         """Fill this rank's partition from the pieces of any number of saved shards (any
         world size, stage 1, 2 or 3); then all-gather so module params match."""
-        from .checkpoint import assemble
+        from ..checkpoint.reshard import assemble
 
         for gi, g in enumerate(self.groups):
             want = [(p.name, p.start, p.end, p.offset) for p in g.pieces]

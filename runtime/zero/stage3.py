@@ -339,7 +339,7 @@ class Stage3Engine:
                 "groups": groups}
 
     def load_shards(self, shards, load_optimizer: bool = True) -> None:
-        from .checkpoint import assemble
+        from ..checkpoint.reshard import assemble
 
         for gi, g in enumerate(self.groups):
             want = [(p.name, p.start, p.end, p.offset) for p in g["pieces"]]

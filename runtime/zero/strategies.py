@@ -19,7 +19,7 @@ from .stage12 import PartitionedOptimizer
 def _as_shards(state, group_names, module_state) -> List[Dict[str, Any]]:
     """Shards from what the engine read: this rank's shard, every saved rank's shards, or
     a stage-0 checkpoint's torch optimizer state (resuming stage 0 under ZeRO)."""
-    from .checkpoint import shards_from_stage0
+    from ..checkpoint.reshard import shards_from_stage0
 
     if isinstance(state, list):
         return state

@@ -13,13 +13,10 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 
-from .partition import coverage_gaps, pieces_from_dict
+from ..zero.partition import coverage_gaps, pieces_from_dict
+from .errors import CheckpointError
 
 Key = Union[str, Tuple[str, str]]
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def _tensors(group: Dict[str, Any], key: Key) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,115 @@
+"""Turn a checkpoint directory into one fp32 state_dict file.
+
+    dslaunch consolidate CKPT_DIR OUT [--tag TAG]
+    python -m dslaunch.runtime.consolidate CKPT_DIR OUT [--tag TAG]
+
+Works for every stage: ZeRO shards (any world size) are re-assembled by parameter name;
+frozen parameters and buffers come from the module state saved beside them; tied
+parameters appear under every name the model's state_dict uses. Every file is checked
+against the manifest's checksum and read with weights_only=True: consolidating a
+checkpoint someone sent you runs none of its code. OUT ending in .safetensors is written
+with the safetensors package when it is installed (tied tensors are stored as separate
+copies there, as that format requires); anything else is written with torch.save.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, Optional
+
+import click
+import torch
+
+from .errors import CheckpointError
+from .files import load_torch, write_torch
+from .layout import MANIFEST, model_states_name, optim_states_name, read_latest, validate_tag
+from .manifest import Manifest
+from .reshard import consolidated_state_dict
+
+
+def _aliases(module_state: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """Keys whose tensor is the very same view as an earlier key's (tied weights)."""
+    first: Dict[tuple, str] = {}
+    out = {}
+    for k, v in module_state.items():
+        if not torch.is_tensor(v) or v.numel() == 0:
+            continue
+        ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()), v.dtype)
+        if ident in first:
+            out[k] = first[ident]
+        else:
+            first[ident] = k
+    return out
+
+
+def resolve_tag(ckpt_dir: str, tag: Optional[str]) -> str:
+    """The tag directory to read: CKPT_DIR itself when it is one, else TAG or `latest`."""
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: not a directory")
+    if tag is None:
+        if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):
+            return ckpt_dir  # pointed at the tag directory itself
+        tag = read_latest(ckpt_dir)
+        if tag is None:
+            raise CheckpointError(f"{os.path.join(ckpt_dir, 'latest')}: missing; pass --tag to choose a checkpoint")
+    path = os.path.join(ckpt_dir, validate_tag(tag, "--tag"))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint tag")
+    return path
+
+
+def consolidate_checkpoint(ckpt_dir: str, tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """The full fp32 state_dict of the checkpoint `ckpt_dir/tag` (tag from `latest`)."""
+    path = resolve_tag(ckpt_dir, tag)
+    manifest = Manifest.read(path)
+    model = load_torch(manifest.verify(path, model_states_name()))
+    module_state = model.get("module") if isinstance(model, dict) else None
+    if not isinstance(module_state, dict):
+        raise CheckpointError(f"{path}: {model_states_name()} holds no module state")
+    if not manifest.sharded_optimizer_state:
+        return consolidated_state_dict([], module_state, _aliases(module_state))
+    shards = [load_torch(manifest.verify(path, optim_states_name(r)), mmap=True) for r in range(manifest.world_size)]
+    return consolidated_state_dict(shards, module_state, _aliases(module_state))
+
+
+def write_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the folder of {out}: {exc.strerror}") from None
+    if not out.endswith(".safetensors"):
+        write_torch(out, state)
+        return
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise CheckpointError(f"{out}: the safetensors package is not installed; "
+                              "pip install safetensors, or write a .pt file") from None
+    tmp = out + ".part"
+    try:
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, tmp)
+        os.replace(tmp, out)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise CheckpointError(f"cannot write {out}: {exc.strerror}") from None
+
+
+@click.command(help="Write the checkpoint in CKPT_DIR as one fp32 state_dict file OUT "
+                    "(.safetensors if the package is installed, otherwise torch format).")
+@click.argument("ckpt_dir", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--tag", default=None, help="checkpoint tag (default: the one named in CKPT_DIR/latest)")
+def consolidate(ckpt_dir: str, out: str, tag: Optional[str]) -> None:
+    try:
+        state = consolidate_checkpoint(ckpt_dir, tag)
+        write_state_dict(state, out)
+    except CheckpointError as exc:
+        click.echo(f"dslaunch consolidate: {exc}", err=True)
+        sys.exit(2)
+    n = sum(v.numel() for k, v in state.items() if torch.is_tensor(v))
+    click.echo(f"wrote {out}: {len(state)} tensors, {n:,} elements, fp32")
+
+
+if __name__ == "__main__":
+    consolidate.main(prog_name="python -m dslaunch.runtime.checkpoint.consolidate")
