@@ -46,13 +46,18 @@ def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
             built = builder.build(spec, root, verbose=verbose)
         except builder.BuildError as e:
             click.echo(f"build-ops: {e}", err=True)
+            if str(e).startswith("ops cache:"):  # the cache itself is unusable: no op can be built
+                sys.exit(1)
             failed = True
             continue
-        except OSError as e:  # e.g. an unwritable cache directory
-            click.echo(f"build-ops: cannot use the cache {root}: {e}", err=True)
-            sys.exit(1)
-        how = "cached" if built.cached else f"built in {built.extra.get('build_seconds', built.seconds):.1f} s"
-        click.echo(f"{spec.name}: {how}, instruction set {built.isa}, torch {torch.__version__}\n  {built.path}")
+        if built.cached:
+            how = "cached"
+        else:
+            how = f"built in {built.extra.get('build_seconds', built.seconds):.1f} s"
+            if built.rebuilt_because:
+                how += " (the cached library was damaged)"
+        click.echo(f"{spec.name}: {how}, instruction set {built.isa}, torch {torch.__version__}, "
+                   f"sha256 {built.sha256[:16]} (checked, with its exports)\n  {built.path}")
     if failed:
-        click.echo("build-ops: the optimizers will fall back to torch.optim.AdamW(fused=True)", err=True)
+        click.echo("build-ops: the optimizers will fall back to torch's own kernels", err=True)
         sys.exit(1)

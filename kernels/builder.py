@@ -1,23 +1,26 @@
-"""JIT build of the kernels through torch.utils.cpp_extension, cached and lock-protected.
+"""Compile the kernels with the compiler directly, cached in the trusted ops cache (cache.py).
+
+Why not torch.utils.cpp_extension: our sources include no torch headers (pointers cross a
+C ABI through ctypes), and a CPU-only torch cannot build CUDA through cpp_extension at all
+(no CUDA_HOME, no c10_cuda to link), so CI could only ever test a *different* command from
+the one a GPU machine ran; that gap hid a library with a hidden entry point. Here the
+commands are ours, the same on every machine, and `compile_commands()` shows them.
 
 A build lands in `<cache>/<name>-<isa>-<key>/`, where the key hashes everything that
 changes the binary: the sources, the torch version, the compiler and its flags, and the
-CPU instruction set the code is compiled for. The instruction set is a coarse level
-(avx512, avx2, scalar) with fixed flags rather than -march=native, so one build serves
-every CPU of that level, and a cache shared between machines never hands an AVX-512
-binary to a CPU without AVX-512.
+instruction set (CPU: a coarse level with fixed flags rather than -march=native, so one
+build serves every CPU of that level; CUDA: the GPU architectures). A fresh library must
+export the op's C entry points (read from its ELF symbol table) before it is cached.
 
-Ranks starting together take an flock on `<dir>.lock`: the first builds, the others
-block on the lock and then find the finished build. An flock dies with its process, so
-a builder killed half-way leaves no stale lock behind (torch's own baton file would).
-A build is complete only once `build.json` exists; it is written last, atomically.
+Ranks starting together take an flock on `<entry>.lock`: the first builds, the others
+wait and then find the finished build. `build.json` is written last, atomically.
 """
 from __future__ import annotations
 
-import fcntl
+import functools
 import hashlib
-import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,7 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from .cache import BuildError, Damaged, Entry, OpsCache, check_library, remove_workdir
+
 HERE = Path(__file__).resolve().parent
+# Bump when the way a library is produced changes, so that old cache entries are not reused.
+BUILD_SCHEME = "direct-2"
 
 ISA_LEVELS = ("avx512", "avx2", "scalar")
 # Fixed per level, never -march=native: the binary must run on every CPU of its level.
@@ -41,15 +48,17 @@ _ISA_NEEDS = {
 }
 ISA_ENV = "DSLAUNCH_CPU_ISA"
 CACHE_ENV = "DSLAUNCH_OPS_CACHE"
+ARCH_ENV = "TORCH_CUDA_ARCH_LIST"  # torch's own variable, so one setting serves both
+DEFAULT_CUDA_ARCHES = ("9.0",)
 
-
-class BuildError(RuntimeError):
-    """A kernel failed to compile; the message carries the compiler's own output and command."""
+__all__ = ["BuildError", "OpSpec", "BuiltOp", "build", "cache_root", "detect_isa", "cpu_flags",
+           "cpu_adam_spec", "fused_adam_spec", "compile_commands", "nvcc_compile_command"]
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """What to compile: one op, its sources and the flags that shape the binary."""
+    """What to compile: one op, its sources, the flags that shape the binary, and the C
+    functions the library must export."""
 
     name: str
     sources: Tuple[str, ...]
@@ -58,6 +67,8 @@ class OpSpec:
     cuda_cflags: Tuple[str, ...] = ()
     isa: str = "scalar"
     with_cuda: bool = False
+    symbols: Tuple[str, ...] = ()
+    headers: Tuple[str, ...] = ()  # included files: part of the cache key, not compiled
 
 
 @dataclass
@@ -69,6 +80,8 @@ class BuiltOp:
     cached: bool  # found in the cache rather than compiled by this call
     seconds: float  # time spent in this call (build or lookup)
     extra: dict = field(default_factory=dict)
+    sha256: str = ""
+    rebuilt_because: Optional[str] = None  # the damage that made this call rebuild a cached entry
 
 
 def cpu_flags() -> set:
@@ -111,23 +124,42 @@ def cache_root() -> Path:
     return Path(base) / "dslaunch" / "ops"
 
 
+def _cxx() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _nvcc() -> str:
+    explicit = os.environ.get("NVCC")
+    if explicit:
+        return explicit
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    return os.path.join(home, "bin", "nvcc")
+
+
+@functools.lru_cache(maxsize=None)
+def _version_line(cmd: str, last: bool) -> str:
+    try:
+        out = subprocess.run([cmd, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"{cmd}: unavailable"
+    lines = out.splitlines() or [""]
+    return lines[-1] if last else lines[0]
+
+
 def _compiler_id(with_cuda: bool) -> str:
     """The compiler's version line: a compiler upgrade must not reuse old objects."""
-    ids = []
-    cxx = os.environ.get("CXX", "c++")
-    cmds = [[cxx, "--version"]] + ([["nvcc", "--version"]] if with_cuda else [])
-    for cmd in cmds:
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-            ids.append(out.strip().splitlines()[-1] if cmd[0] == "nvcc" and out.strip() else out.split("\n", 1)[0])
-        except (OSError, subprocess.SubprocessError):
-            ids.append(f"{cmd[0]}: unavailable")
+    ids = [_version_line(_cxx(), False)]
+    if with_cuda:
+        ids.append(_version_line(_nvcc(), True))
     return " | ".join(ids)
 
 
 def cache_key(spec: OpSpec, torch_version: str, compiler: str) -> str:
-    h = hashlib.sha256()
-    for src in spec.sources:
+    h = hashlib.sha256(BUILD_SCHEME.encode())
+    for src in (*spec.sources, *spec.headers):
         h.update(Path(src).name.encode())
         h.update(Path(src).read_bytes())
     for part in (torch_version, compiler, spec.isa, *spec.cflags, "|", *spec.ldflags, "|", *spec.cuda_cflags):
@@ -136,155 +168,202 @@ def cache_key(spec: OpSpec, torch_version: str, compiler: str) -> str:
     return h.hexdigest()[:16]
 
 
-class _FileLock:
-    """Exclusive flock on a file; says once on stderr that it waits for another builder."""
+def entry_name(spec: OpSpec) -> str:
+    """The cache entry (directory) name of a spec on this machine: <name>-<isa>-<key>."""
+    import torch
 
-    def __init__(self, path: Path, what: str):
-        self.path, self.what, self.fd = path, what, -1
-
-    def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"dslaunch: waiting for another process building {self.what} ({self.path})", file=sys.stderr)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+    return f"{spec.name}-{spec.isa}-{cache_key(spec, torch.__version__, _compiler_id(spec.with_cuda))}"
 
 
-def _ninja_on_path(env_path: str) -> str:
-    """torch's builder runs `ninja` from PATH; the pip ninja lives next to our interpreter."""
-    dirs = [os.path.dirname(sys.executable)]
+def compile_commands(spec: OpSpec, out_dir: Path) -> List[List[str]]:
+    """The exact commands that turn the spec into `<out_dir>/<name>.so`.
+
+    Exported entry points are marked visibility("default") in the sources; the CUDA
+    runtime is linked statically so that the library needs no libcudart on the loader's
+    path and cannot pick up a different runtime version than the one it was compiled for.
+    """
+    lib = str(Path(out_dir) / f"{spec.name}.so")
+    if not spec.with_cuda:
+        return [[_cxx(), *spec.cflags, "-fPIC", "-shared", "-std=c++17", f"-I{HERE}", *spec.sources, "-o", lib,
+                 *spec.ldflags]]
+    objects, cmds = [], []
+    for src in spec.sources:
+        obj = str(Path(out_dir) / (Path(src).stem + ".o"))
+        cmds.append(nvcc_compile_command(Path(obj), spec=spec, source=Path(src)))
+        objects.append(obj)
+    cmds.append([_nvcc(), "-shared", "-cudart", "static", *objects, "-o", lib, *spec.ldflags])
+    return cmds
+
+
+def _run(spec: OpSpec, cmd: List[str], cwd: Path) -> None:
+    shown = " ".join(cmd)
     try:
-        import ninja  # the pip package ships the binary
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
+    except FileNotFoundError:
+        raise BuildError(f"building {spec.name} ({spec.isa}) failed: {cmd[0]}: not found "
+                         f"(set CXX/NVCC or install a compiler)\ncommand: {shown}") from None
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"building {spec.name} ({spec.isa}) failed: {cmd[0]} ran for 30 minutes\ncommand: {shown}"
+                         ) from None
+    if proc.returncode != 0:
+        output = (proc.stdout + proc.stderr).strip()
+        raise BuildError(f"building {spec.name} ({spec.isa}) failed ({cmd[0]} exited {proc.returncode}):\n"
+                         f"{output}\ncommand: {shown}")
 
-        dirs.append(getattr(ninja, "BIN_DIR", ""))
-    except ImportError:
-        pass
-    return os.pathsep.join([d for d in dirs if d] + [env_path])
 
-
-def _build_error(spec: OpSpec, build_dir: Path, raw: str) -> BuildError:
-    """Turn torch's "Error building extension" into the compiler's output plus the command."""
-    text = raw.split(":", 1)[1].strip() if raw.startswith("Error building extension") and ":" in raw else raw
-    command = ""
-    ninja_file = build_dir / "build.ninja"
-    if ninja_file.exists():
-        rules = [ln.strip() for ln in ninja_file.read_text().splitlines() if ln.strip().startswith("command =")]
-        command = "\n".join(r.split("=", 1)[1].strip() for r in rules)
-    msg = f"building {spec.name} ({spec.isa}) failed in {build_dir}:\n{text}"
-    if command and "command" not in text.lower():
-        msg += f"\ncompiler commands (from build.ninja):\n{command}"
-    return BuildError(msg)
+def _compile(spec: OpSpec, cache: OpsCache, entry: str, torch_version: str, compiler: str,
+             verbose: bool) -> Entry:
+    """Compile in a private work directory, check the exports, then publish."""
+    work = cache.workdir(entry)
+    try:
+        t0 = time.perf_counter()
+        cmds = compile_commands(spec, work)
+        for cmd in cmds:
+            if verbose:
+                print(" ".join(cmd), file=sys.stderr)
+            _run(spec, cmd, work)
+        lib = work / f"{spec.name}.so"
+        try:
+            check_library(cache.root / entry / lib.name, lib.read_bytes(), None, spec.symbols)
+        except Damaged as e:
+            raise BuildError(f"building {spec.name} ({spec.isa}) produced a broken library: {e}; "
+                             f"commands: {' && '.join(' '.join(c) for c in cmds)}") from None
+        meta = {"name": spec.name, "isa": spec.isa, "torch": torch_version, "compiler": compiler,
+                "cflags": list(spec.cflags), "cuda_cflags": list(spec.cuda_cflags), "symbols": list(spec.symbols),
+                "build_seconds": round(time.perf_counter() - t0, 2)}
+        return cache.publish(entry, work, lib.name, meta)
+    finally:
+        remove_workdir(work)
 
 
 def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> BuiltOp:
-    """Return the op's shared library, compiling it first unless the cache has it."""
+    """Return the op's verified shared library, compiling it first unless the cache has it.
+
+    A cached library that is damaged (its sha256 differs from build.json, it is no ELF
+    library, or it lacks an entry point) is rebuilt once, with one line on stderr. Raises
+    BuildError: an untrusted cache (one line naming the path and why), a compiler failure
+    (its output and command), or a library that is broken again after the rebuild.
+    """
     t0 = time.perf_counter()
-    root = Path(root) if root is not None else cache_root()
     import torch
 
-    key = cache_key(spec, torch.__version__, _compiler_id(spec.with_cuda))
-    build_dir = root / f"{spec.name}-{spec.isa}-{key}"
-    lib = build_dir / f"{spec.name}.so"
-    record = build_dir / "build.json"
-
-    def finished() -> Optional[BuiltOp]:
-        if record.exists():
-            meta = json.loads(record.read_text())
-            found = build_dir / meta.get("library", lib.name)
-            if found.exists():
-                return BuiltOp(spec.name, found, spec.isa, key, True, time.perf_counter() - t0, meta)
-        return None
-
-    done = finished()
-    if done is not None:
-        return done
-    root.mkdir(parents=True, exist_ok=True)
-    with _FileLock(root / f"{build_dir.name}.lock", spec.name):
-        done = finished()
-        if done is not None:
-            return done
-        build_dir.mkdir(exist_ok=True)
-        # torch's own baton; one left by a builder killed half-way would block load() forever.
-        # Holding our flock means nobody else is building here, so it can only be stale.
-        (build_dir / "lock").unlink(missing_ok=True)
-        from torch.utils import cpp_extension
-
-        old_path = os.environ.get("PATH", "")
-        os.environ["PATH"] = _ninja_on_path(old_path)
-        t_build = time.perf_counter()
+    compiler = _compiler_id(spec.with_cuda)
+    entry = entry_name(spec)
+    key = entry.rsplit("-", 1)[1]
+    root = Path(root) if root is not None else cache_root()
+    with OpsCache(root) as cache:
         try:
-            # The returned path is the library's: torch renames it (name_v1.so, ...) when one
-            # process builds the same name twice with different sources, flags or directories.
-            out = cpp_extension.load(
-                name=spec.name,
-                sources=list(spec.sources),
-                extra_cflags=list(spec.cflags),
-                extra_cuda_cflags=list(spec.cuda_cflags) or None,
-                extra_ldflags=list(spec.ldflags),
-                build_directory=str(build_dir),
-                verbose=verbose,
-                with_cuda=spec.with_cuda,
-                is_python_module=False,
-            )
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            raise _build_error(spec, build_dir, str(e)) from None
-        finally:
-            os.environ["PATH"] = old_path
-        lib = Path(out)
-        meta = {
-            "name": spec.name,
-            "library": lib.name,
-            "isa": spec.isa,
-            "torch": torch.__version__,
-            "cflags": list(spec.cflags),
-            "build_seconds": round(time.perf_counter() - t_build, 2),
-        }
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, record)
-    return BuiltOp(spec.name, lib, spec.isa, key, False, time.perf_counter() - t0, meta)
+            found = cache.lookup(entry, spec.symbols)
+            if found is not None:
+                return _built(spec, key, found, True, t0)
+        except Damaged:
+            pass  # looked at again under the lock: another rank may be repairing it
+        damage = None
+        try:
+            with cache.lock(entry):
+                try:
+                    found = cache.lookup(entry, spec.symbols)
+                    if found is not None:
+                        return _built(spec, key, found, True, t0)
+                except Damaged as e:
+                    damage = str(e)
+                    print(f"dslaunch: rebuilding {spec.name}: {damage}", file=sys.stderr)
+                    cache.invalidate(entry)
+                try:
+                    found = _compile(spec, cache, entry, torch.__version__, compiler, verbose)
+                except BuildError as e:
+                    if damage is not None:
+                        raise BuildError(f"{damage}; rebuilding it failed: {e}") from None
+                    raise
+        except OSError as e:
+            raise BuildError(f"ops cache: cannot build in {root / entry}: {e.strerror or e}") from None
+        built = _built(spec, key, found, False, t0)
+        built.rebuilt_because = damage
+        return built
+
+
+def _built(spec: OpSpec, key: str, found: Entry, cached: bool, t0: float) -> BuiltOp:
+    return BuiltOp(spec.name, found.path, spec.isa, key, cached, time.perf_counter() - t0, found.meta, found.sha256)
+
+
+# -- the ops ----------------------------------------------------------------------------
+
+
+def cpu_op_spec(name: str, source: str, symbols: Tuple[str, ...], isa: Optional[str] = None) -> OpSpec:
+    """A CPU SIMD op at an instruction-set level (default: the best this CPU runs)."""
+    isa = isa or detect_isa()
+    return OpSpec(
+        name=f"{name}_{isa}",
+        sources=(str(HERE / source),),
+        cflags=("-O3", "-fopenmp", "-fvisibility=hidden", *ISA_CFLAGS[isa]),
+        ldflags=("-fopenmp",),
+        isa=isa,
+        symbols=symbols,
+        headers=(str(HERE / "cpu_simd.h"),),
+    )
 
 
 def cpu_adam_spec(isa: Optional[str] = None) -> OpSpec:
-    isa = isa or detect_isa()
-    return OpSpec(
-        name=f"ds_cpu_adam_{isa}",
-        sources=(str(HERE / "cpu_adam.cpp"),),
-        cflags=("-O3", "-fopenmp", *ISA_CFLAGS[isa]),
-        ldflags=("-fopenmp",),
-        isa=isa,
-    )
+    return cpu_op_spec("ds_cpu_adam", "cpu_adam.cpp", ("ds_cpu_adam_step", "ds_cpu_adam_isa"), isa)
 
 
-def fused_adam_spec() -> OpSpec:
+def _arch_list() -> List[str]:
+    """GPU architectures ("9.0", "8.6+PTX", ...): TORCH_CUDA_ARCH_LIST as torch reads it,
+    else the visible devices' capabilities, else DEFAULT_CUDA_ARCHES (a machine without a GPU)."""
+    text = os.environ.get(ARCH_ENV, "").strip()
+    if text and text != "native":
+        arches = [a for a in text.replace(";", " ").replace(",", " ").split() if a]
+        for a in arches:
+            base = a[:-4] if a.endswith("+PTX") else a
+            if not base.replace(".", "", 1).rstrip("a").isdigit() or "." not in base:
+                raise ValueError(f"{ARCH_ENV}={text!r}: {a!r} is not an architecture like 9.0 or 8.6+PTX")
+        return arches
+    try:
+        import torch
+
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    except Exception:  # no CUDA runtime: compile for the default
+        caps = []
+    return [f"{a}.{b}" for a, b in caps] or list(DEFAULT_CUDA_ARCHES)
+
+
+def _gencode(arches: List[str]) -> List[str]:
+    flags = []
+    for i, a in enumerate(arches):
+        base = a[:-4] if a.endswith("+PTX") else a
+        num = base.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if a.endswith("+PTX") or i == len(arches) - 1:  # PTX of the newest: runs on later GPUs too
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def fused_adam_spec(arches: Optional[List[str]] = None) -> OpSpec:
+    arches = list(arches) if arches else _arch_list()
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as torch_flags  # no half operators, as torch's ops
+    except ImportError:
+        torch_flags = []
     return OpSpec(
         name="ds_fused_adam",
         sources=(str(HERE / "fused_adam.cu"),),
-        cflags=("-O3",),
-        cuda_cflags=("-O3", "-std=c++17"),
-        isa="cuda",
+        cuda_cflags=(*torch_flags, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall,-fvisibility=hidden",
+                     *_gencode(arches)),
+        isa="cuda-" + "-".join(a.replace(".", "").replace("+PTX", "p") for a in arches),
         with_cuda=True,
+        symbols=("ds_fused_adam_step", "ds_fused_nonfinite", "ds_fused_adam_error_string"),
     )
 
 
-def nvcc_compile_command(out_obj: Path, arch: str = "sm_90") -> List[str]:
-    """The nvcc line that compiles fused_adam.cu to an object with the flags torch's CUDA
-    builds add (no half operators/conversions, relaxed constexpr) and warnings as errors:
-    runs on a machine without a GPU (CI), so a syntax or type error cannot land unseen."""
-    try:
-        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as torch_flags
-    except ImportError:
-        torch_flags = []
-    return [
-        os.environ.get("NVCC", "nvcc"),
-        "-c", str(HERE / "fused_adam.cu"), "-o", str(out_obj),
-        *torch_flags, *fused_adam_spec().cuda_cflags,
-        "-Xcompiler", "-fPIC,-Wall", "-Werror", "all-warnings",
-        f"-gencode=arch=compute_{arch[3:]},code={arch}",
-    ]
+def nvcc_compile_command(out_obj: Path, arch: str = "sm_90", spec: Optional[OpSpec] = None,
+                         source: Optional[Path] = None, werror: bool = False) -> List[str]:
+    """The nvcc line that compiles a CUDA source of `spec` (default: fused_adam.cu for
+    `arch`) to an object, as the builder runs it. `werror=True` (CI) also turns every
+    warning into an error; a user's build does not, so a newer nvcc's new warning costs
+    nobody their kernel."""
+    if spec is None:
+        num = arch[3:] if arch.startswith("sm_") else arch.replace(".", "")
+        spec = fused_adam_spec([f"{num[:-1]}.{num[-1]}"])
+    src = source or Path(spec.sources[0])
+    strict = ["-Werror", "all-warnings"] if werror else []
+    return [_nvcc(), "-c", str(src), "-o", str(out_obj), *spec.cuda_cflags, *strict]

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import builder
+from .loader import LazyOp
 
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_CODES = {None: -1, torch.bfloat16: 1, torch.float16: 2}
@@ -48,7 +47,17 @@ class AdamHyper(ctypes.Structure):
     ]
 
 
-class CpuAdamOp:
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.ds_cpu_adam_isa.restype = ctypes.c_char_p
+    lib.ds_cpu_adam_step.restype = ctypes.c_int
+    lib.ds_cpu_adam_step.argtypes = [
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(AdamHyper), ctypes.c_int32,
+    ]
+
+
+class CpuAdamOp(LazyOp):
     """One build of the op (one instruction set), loaded on first use.
 
     The process-wide default, for this CPU's best instruction set, is behind
@@ -56,42 +65,8 @@ class CpuAdamOp:
     """
 
     def __init__(self, isa: Optional[str] = None):
+        super().__init__("CPU Adam", lambda: builder.cpu_adam_spec(isa), _bind)
         self.isa = isa
-        self.lib: Optional[ctypes.CDLL] = None
-        self.built: Optional[builder.BuiltOp] = None
-        self.error: Optional[str] = None
-        self.tried = False
-        self.warned = False
-        self.lock = threading.Lock()
-
-    def load(self) -> bool:
-        with self.lock:
-            if not self.tried:
-                self.tried = True
-                try:
-                    self.built = builder.build(builder.cpu_adam_spec(self.isa))
-                    lib = ctypes.CDLL(str(self.built.path))
-                    lib.ds_cpu_adam_isa.restype = ctypes.c_char_p
-                    lib.ds_cpu_adam_step.restype = ctypes.c_int
-                    lib.ds_cpu_adam_step.argtypes = [
-                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(AdamHyper), ctypes.c_int32,
-                    ]
-                    self.lib = lib
-                except (builder.BuildError, OSError, ValueError) as e:
-                    self.error = str(e)
-            return self.lib is not None
-
-    def warn_fallback(self) -> None:
-        if not self.warned:
-            self.warned = True
-            warnings.warn(
-                "dslaunch CPU Adam op is unavailable, falling back to torch.optim.AdamW(fused=True) "
-                f"(slower). Cause:\n{self.error}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
 
 
 _OP = CpuAdamOp()
@@ -231,7 +206,7 @@ def cpu_adam_step(
         return
     op = op or _OP
     if not op.load():
-        op.warn_fallback()
+        op.warn_fallback("torch.optim.AdamW(fused=True) (slower)")
         _torch_step(ps, gs, ms, vs, maxs if amsgrad else None, outs, step, lr, betas, eps, weight_decay,
                     decoupled_weight_decay, maximize)
         return

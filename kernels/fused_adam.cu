@@ -16,7 +16,14 @@
 
 #include <cstdint>
 
-namespace {
+// The C entry points: default visibility stated, never inferred. They once came out
+// HIDDEN because their signature named a type from an anonymous namespace (Hyper): the
+// object still listed them in `nm -g` as "T", the linked library did not export them, and
+// ctypes said "undefined symbol". Hence a named namespace below, this macro, and a CI test
+// that reads the exports of the library the builder links.
+#define DS_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace ds_fused {
 
 enum : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 constexpr int kThreads = 512;
@@ -156,44 +163,43 @@ int dispatch_grad(int grad_dtype, const Entry* table, int n, int64_t blocks, int
   return 0;
 }
 
-}  // namespace
+}  // namespace ds_fused
 
-extern "C" {
+using ds_fused::Entry;
+using ds_fused::Hyper;
 
 // table: device array of n Entry rows; blocks: total chunks over all tensors. Returns 0,
 // -1 for an unknown dtype, or the cudaError_t of the launch.
-int ds_fused_adam_step(const void* table, int n, int64_t blocks, int64_t chunk, int param_dtype, int grad_dtype,
-                       const Hyper* hyper, const float* grad_scale, const float* found_inf, unsigned int* done,
-                       void* stream) {
+DS_EXPORT int ds_fused_adam_step(const void* table, int n, int64_t blocks, int64_t chunk, int param_dtype,
+                                 int grad_dtype, const Hyper* hyper, const float* grad_scale, const float* found_inf,
+                                 unsigned int* done, void* stream) {
   if (blocks <= 0) return 0;
   const Entry* t = static_cast<const Entry*>(table);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   int rc;
   switch (param_dtype) {
-    case kF32: rc = dispatch_grad<float>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
-    case kBF16: rc = dispatch_grad<__nv_bfloat16>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
-    case kF16: rc = dispatch_grad<__half>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
+    case ds_fused::kF32: rc = ds_fused::dispatch_grad<float>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
+    case ds_fused::kBF16: rc = ds_fused::dispatch_grad<__nv_bfloat16>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
+    case ds_fused::kF16: rc = ds_fused::dispatch_grad<__half>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
     default: return -1;
   }
   if (rc != 0) return rc;
   return static_cast<int>(cudaGetLastError());
 }
 
-int ds_fused_nonfinite(const void* table, int n, int64_t blocks, int64_t chunk, int grad_dtype, float* found_inf,
-                       void* stream) {
+DS_EXPORT int ds_fused_nonfinite(const void* table, int n, int64_t blocks, int64_t chunk, int grad_dtype,
+                                 float* found_inf, void* stream) {
   if (blocks <= 0) return 0;
   const Entry* t = static_cast<const Entry*>(table);
   const unsigned int grid = static_cast<unsigned int>(blocks);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (grad_dtype) {
-    case kF32: nonfinite_kernel<float><<<grid, kThreads, 0, s>>>(t, n, chunk, found_inf); break;
-    case kBF16: nonfinite_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(t, n, chunk, found_inf); break;
-    case kF16: nonfinite_kernel<__half><<<grid, kThreads, 0, s>>>(t, n, chunk, found_inf); break;
+    case ds_fused::kF32: ds_fused::nonfinite_kernel<float><<<grid, ds_fused::kThreads, 0, s>>>(t, n, chunk, found_inf); break;
+    case ds_fused::kBF16: ds_fused::nonfinite_kernel<__nv_bfloat16><<<grid, ds_fused::kThreads, 0, s>>>(t, n, chunk, found_inf); break;
+    case ds_fused::kF16: ds_fused::nonfinite_kernel<__half><<<grid, ds_fused::kThreads, 0, s>>>(t, n, chunk, found_inf); break;
     default: return -1;
   }
   return static_cast<int>(cudaGetLastError());
 }
 
-const char* ds_fused_adam_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
-
-}  // extern "C"
+DS_EXPORT const char* ds_fused_adam_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

@@ -10,7 +10,8 @@ AMP: like torch's fused optimizers, `grad_scale` and `found_inf` are read from t
 attributes torch.amp.GradScaler sets around step() (or passed to step()); the kernel divides gradients by *grad_scale and skips
 the update (step counts included) when *found_inf is non-zero. `skip_nonfinite=True`
 makes the optimizer run its own multi-tensor inf/NaN check first when no found_inf is
-given (e.g. under a hand-written loss scaler).
+given (e.g. under a hand-written loss scaler): one verdict for the whole step, every group
+and dtype, on the device; the torch fallback honours it the same way.
 
 States are fp32 whatever the parameter dtype (fp32, bf16, fp16); the state_dict has
 torch.optim.AdamW's keys. Without a usable CUDA op the step falls back to torch's Adam
@@ -19,13 +20,12 @@ kernels with one warning.
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import builder
+from .loader import LazyOp
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CHUNK = 1 << 16  # elements per thread block
@@ -46,36 +46,23 @@ class FusedHyper(ctypes.Structure):
     ]
 
 
-class _CudaOp:
-    def __init__(self):
-        self.lib: Optional[ctypes.CDLL] = None
-        self.error: Optional[str] = None
-        self.tried = False
-        self.warned = False
-        self.lock = threading.Lock()
+def _bind(lib: ctypes.CDLL) -> None:
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ds_fused_adam_step.restype = i32
+    lib.ds_fused_adam_step.argtypes = [vp, i32, i64, i64, i32, i32, ctypes.POINTER(FusedHyper), vp, vp, vp, vp]
+    lib.ds_fused_nonfinite.restype = i32
+    lib.ds_fused_nonfinite.argtypes = [vp, i32, i64, i64, i32, vp, vp]
+    lib.ds_fused_adam_error_string.restype = ctypes.c_char_p
+    lib.ds_fused_adam_error_string.argtypes = [i32]
 
-    def load(self) -> bool:
-        with self.lock:
-            if not self.tried:
-                self.tried = True
-                if not torch.cuda.is_available():
-                    self.error = "torch sees no CUDA device"
-                    return False
-                try:
-                    built = builder.build(builder.fused_adam_spec())
-                    lib = ctypes.CDLL(str(built.path))
-                    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                    lib.ds_fused_adam_step.restype = i32
-                    lib.ds_fused_adam_step.argtypes = [vp, i32, i64, i64, i32, i32, ctypes.POINTER(FusedHyper),
-                                                       vp, vp, vp, vp]
-                    lib.ds_fused_nonfinite.restype = i32
-                    lib.ds_fused_nonfinite.argtypes = [vp, i32, i64, i64, i32, vp, vp]
-                    lib.ds_fused_adam_error_string.restype = ctypes.c_char_p
-                    lib.ds_fused_adam_error_string.argtypes = [i32]
-                    self.lib = lib
-                except (builder.BuildError, OSError, ValueError) as e:
-                    self.error = str(e)
-            return self.lib is not None
+
+def _no_cuda() -> Optional[str]:
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+
+class _CudaOp(LazyOp):
+    def __init__(self):
+        super().__init__("FusedAdam", builder.fused_adam_spec, _bind, _no_cuda)
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -163,10 +150,9 @@ class FusedAdam(torch.optim.Optimizer):
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         usable = _OP.load()
-        if not usable and not _OP.warned:
-            _OP.warned = True
-            warnings.warn(f"dslaunch FusedAdam op is unavailable, falling back to torch's Adam kernels. Cause:\n{_OP.error}",
-                          RuntimeWarning, stacklevel=2)
+        if not usable:
+            _OP.warn_fallback("torch's Adam kernels", stacklevel=3)
+        work = []  # (group, (device, param dtype, grad dtype), bucket) for the whole step
         for group in self.param_groups:
             amsgrad = group["amsgrad"]
             buckets: Dict[tuple, _Bucket] = {}
@@ -187,18 +173,52 @@ class FusedAdam(torch.optim.Optimizer):
                                vmax, state["step"].data_ptr(), p.numel(), b.blocks))
                 b.params.append(p)
                 b.blocks += chunks
-            for (device, p_dtype, g_dtype), bucket in buckets.items():
-                if usable:
-                    self._launch(group, bucket, device, p_dtype, g_dtype, grad_scale, found_inf)
-                else:
-                    self._fallback(group, bucket, grad_scale, found_inf)
+            work += [(group, key, bucket) for key, bucket in buckets.items()]
+        # skip_nonfinite: one verdict for the whole step (every group and dtype), as GradScaler's
+        # found_inf is, so a NaN in one bucket never lets the others step alone.
+        flags = self._nonfinite_flags(work, usable) if found_inf is None and self.skip_nonfinite else None
+        for group, (device, p_dtype, g_dtype), bucket in work:
+            skip = flags[device] if flags is not None else found_inf
+            if usable:
+                self._launch(group, bucket, device, p_dtype, g_dtype, grad_scale, skip)
+            else:
+                self._fallback(group, bucket, grad_scale, skip)
         return loss
 
-    def _launch(self, group, bucket: _Bucket, device, p_dtype, g_dtype, grad_scale, found_inf) -> None:
+    def _nonfinite_flags(self, work, usable: bool) -> Dict[torch.device, torch.Tensor]:
+        """Per device a float32 [1] that is 1 when any gradient of the step is inf/NaN,
+        computed on the device without a host sync (the kernel; torch ops in the fallback)."""
+        flags: Dict[torch.device, torch.Tensor] = {}
+        for _, (device, _, g_dtype), bucket in work:
+            if device not in flags:
+                flags[device] = self._aux_for(device)[1]
+                flags[device].zero_()
+            if not bucket.blocks:
+                continue
+            if usable:
+                stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+                rc = _OP.lib.ds_fused_nonfinite(self._table(bucket, device).data_ptr(), len(bucket.rows), bucket.blocks,
+                                                CHUNK, _DTYPES[g_dtype], flags[device].data_ptr(), stream)
+                _OP.check(rc, "the inf/NaN check")
+            else:
+                for g in bucket.grads:
+                    flags[device].copy_(torch.maximum(flags[device], (~torch.isfinite(g)).any().float().reshape(1)))
+        if len(flags) > 1:  # one verdict across devices too
+            first = next(iter(flags))
+            worst = torch.stack([f.to(first) for f in flags.values()]).amax(0)
+            for device, f in flags.items():
+                f.copy_(worst.to(device))
+        return flags
+
+    def _aux_for(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The launch counter the kernel's last block re-arms, and our own found_inf flag."""
         if device not in self._aux:
             self._aux[device] = (torch.zeros(1, dtype=torch.int32, device=device),
                                  torch.zeros(1, dtype=torch.float32, device=device))
-        done, own_found_inf = self._aux[device]
+        return self._aux[device]
+
+    def _launch(self, group, bucket: _Bucket, device, p_dtype, g_dtype, grad_scale, found_inf) -> None:
+        done = self._aux_for(device)[0]
         stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
         table = self._table(bucket, device)
         n = len(bucket.rows)
@@ -208,11 +228,6 @@ class FusedAdam(torch.optim.Optimizer):
             else:
                 torch._foreach_add_([self.state[p]["step"] for p in bucket.params], 1.0 - (found_inf != 0).float())
             return
-        if found_inf is None and self.skip_nonfinite:
-            own_found_inf.zero_()
-            _OP.check(_OP.lib.ds_fused_nonfinite(table.data_ptr(), n, bucket.blocks, CHUNK, _DTYPES[g_dtype],
-                                                 own_found_inf.data_ptr(), stream), "the inf/NaN check")
-            found_inf = own_found_inf
         b1, b2 = group["betas"]
         hyper = FusedHyper(float(group["lr"]), b1, b2, group["eps"], group["weight_decay"],
                            int(group.get("decoupled_weight_decay", True)), int(group["amsgrad"]),
@@ -233,7 +248,9 @@ class FusedAdam(torch.optim.Optimizer):
         return t.data_ptr()
 
     def _fallback(self, group, bucket: _Bucket, grad_scale, found_inf) -> None:
-        """torch's own single-tensor Adam on fp32 views of the same state."""
+        """torch's own single-tensor Adam on fp32 views of the same state, skipped as the
+        kernel skips (found_inf set, by the caller or by skip_nonfinite's check); reading
+        the flag costs a host sync here, which the kernel path avoids."""
         from torch.optim.adam import adam
 
         if found_inf is not None and bool(found_inf.item()):
