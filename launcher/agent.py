@@ -1,148 +1,217 @@
 """The node agent: `python -m dslaunch.launcher.agent`, one per host of a multi-node job.
 
-The head starts it over SSH and writes the node's plan (multinode.NodePlan) as one JSON
-line on its stdin. The agent starts the node's workers with the single-node supervisor
-(same env contract, same teardown rules), and reports on stdout, one JSON object a line:
+The head starts it (over SSH, through pdsh, or as a local subprocess for its own machine)
+and sends it an AgentRequest (protocol.py): this node's workers for one attempt, argv and
+env already planned by the head. The agent applies what only this host knows (accelerator,
+OMP_NUM_THREADS, --bind_cores_to_rank cores; plan.finish_workers), runs the workers with
+the single-node Supervisor and reports lines, the first failure and the end as JSON events
+on stdout, through a bounded buffer, so a stalled channel never stalls supervision.
 
-    {"ev": "line", "rank": 3, "stream": "out"|"err", "text": "..."}
-    {"ev": "failed", "code": 7, "rank": 3, "how": "...", "tail": [...]}   the moment a worker fails
-    {"ev": "done", "code": 0, "rank": null, "how": "", "tail": [], "stopped": false}
+The head and the agent watch each other: the head pings every heartbeat_s, the agent
+sends `hb` as often. When no ping (or other line) has come from the head for
+heartbeat_timeout seconds, or its channel ends (EOF: the head died, the connection was
+closed), or a `stop` arrives, the agent stops its workers (SIGTERM, SIGKILL after the
+grace period) and exits. Signal requests over SSH are not relied on (OpenSSH refuses them
+for root) and a session without a pty gets no SIGHUP, so without this watch a lost head
+would leave the workers running as orphans until the network came back.
 
-Control: a later `{"cmd": "stop"}` line, or EOF on stdin, stops the workers (SIGTERM now,
-SIGKILL after the grace period). EOF is how the agent learns that the head died or the
-connection dropped: sshd closes the session's pipes then. Signal requests over SSH are
-not relied on (OpenSSH refuses them for root), and a session without a pty gets no
-SIGHUP, so without this watch the workers would run on as orphans.
-
-Under pdsh (`--launcher pdsh`) there is no usable stdin: the plan arrives as
-`--plan BASE64 --node_rank N`, and the agent instead notices a dead head by its stdout
-breaking, which a heartbeat line every second makes prompt.
+Control channel: stdin under ssh. pdsh gives remote commands no stdin, so there the head
+writes each node's request into a file readable only by the user (`--request_file`,
+removed as soon as it is read; the working directory must be the same on every host),
+which also names a TCP port and a one-time token: the agent connects back to the head
+(at the address in $SSH_CONNECTION) and the pings and stop travel over that socket.
 """
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import os
+import select
 import signal
+import socket
 import sys
 import threading
-from typing import Optional
+import time
+from typing import BinaryIO, Callable, Optional
 
-from dslaunch.launcher.supervisor import Supervisor, WorkerSpec
+from dslaunch.launcher.errors import LaunchConfigError
+from dslaunch.launcher.failure import Failure
+from dslaunch.launcher.output import OutputLine
+from dslaunch.launcher.protocol import AgentRequest, ProtocolError, decode, encode
+from dslaunch.launcher.writer import BoundedWriter
 
-HEARTBEAT_S = 1.0
+FIRST_LINE_TIMEOUT = 120.0  # a head that connected but never sent a request is gone
 
 
-class _Out:
-    """Serialised JSON-line writer; a broken pipe means the head is gone."""
+class _Events:
+    """The agent's event stream to the head; implements supervisor.GroupObserver."""
 
-    def __init__(self, on_broken):
-        self.lock = threading.Lock()
-        self.on_broken = on_broken
-        self.broken = False
+    def __init__(self, stream: BinaryIO, on_broken: Callable[[], None]):
+        self.writer = BoundedWriter(stream, name="dslaunch-agent-out", on_broken=on_broken)
 
-    def emit(self, ev: dict) -> None:
-        data = (json.dumps(ev) + "\n").encode()
-        with self.lock:
-            if self.broken:
+    def emit(self, obj: dict, force: bool = True) -> None:
+        self.writer.write(encode(obj), force=force)
+
+    def line(self, line: OutputLine) -> None:
+        self.emit({"ev": "line", "rank": line.rank, "stream": line.stream,
+                   "data": line.data.decode("utf-8", "replace")}, force=False)
+
+    def failed(self, failure: Failure) -> None:
+        self.emit({"ev": "failed", "failure": failure.to_dict()})
+
+    def exited(self, label: str) -> None:
+        self.emit({"ev": "exited", "label": label})
+
+
+def _watch_head(control: BinaryIO, stop: Callable[[str], None], seen: Callable[[], None]) -> None:
+    """Read the head's control lines until stop or EOF. Never dies on a bad line."""
+    try:
+        for raw in control:
+            seen()
+            msg = decode(raw)
+            if msg is None:
+                sys.stderr.write(f"dslaunch agent: ignoring a line that is not a JSON object: {raw[:80]!r}\n")
+                continue
+            if msg.get("cmd") == "stop":
+                stop("the head asked to stop")
                 return
-            try:
-                sys.stdout.buffer.write(data)
-                sys.stdout.buffer.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                self.broken = True
-                self.on_broken()
+    except (OSError, ValueError):
+        pass
+    stop("the head's channel closed")
 
 
-def _read_plan(args) -> dict:
-    if args.plan:
-        plans = json.loads(base64.b64decode(args.plan))
-        return plans[args.node_rank]
-    line = sys.stdin.buffer.readline()
-    if not line:
-        raise SystemExit("dslaunch agent: no plan on stdin (the head went away before sending it)")
-    return json.loads(line)
-
-
-def run(plan: dict, watch_stdin: bool) -> int:
-    host = plan["host"]
-    sup_box: list = []
-    stop_requested = threading.Event()
-
-    def stop(signum: int = signal.SIGTERM) -> None:
-        stop_requested.set()
-        if sup_box:
-            sup_box[0].request_stop(signum)
-
-    out = _Out(on_broken=stop)
-    base_env = dict(os.environ)
-    # the head cannot see this host's devices; the contract's accelerator is decided here
+def run(request: AgentRequest, control: BinaryIO, out: BinaryIO) -> int:
+    from dslaunch.launcher.local import worker_spec
     from dslaunch.launcher.machine import detect_gpus
-    accelerator = "cuda" if detect_gpus(base_env)[0] else "cpu"
-    for w in plan["workers"]:
-        w["env"].setdefault("DSLAUNCH_ACCELERATOR", accelerator)
-    specs = [
-        WorkerSpec(
-            rank=w["rank"], argv=list(w["argv"]), env={**base_env, **w["env"]},
-            label=f"{host}:{w['rank']}", cwd=os.getcwd(),
-        )
-        for w in plan["workers"]
-    ]
+    from dslaunch.launcher.plan import finish_workers
+    from dslaunch.launcher.supervisor import Supervisor
 
-    def sink(spec: WorkerSpec, stream: str, line: bytes) -> None:
-        out.emit({"ev": "line", "rank": spec.rank, "stream": "out" if stream == "stdout" else "err",
-                  "text": line.decode("utf-8", "replace").rstrip("\r\n")})
+    lock = threading.Lock()
+    state = {"sup": None, "why": None, "last": time.monotonic()}
 
-    sup = Supervisor(specs, sink, kill_grace=float(plan.get("kill_grace", 5.0)),
-                     on_failure=lambda f: out.emit(_failure_event("failed", f.exit_code, f)))
-    sup_box.append(sup)
-    if stop_requested.is_set():
-        sup.request_stop(signal.SIGTERM)
+    def stop(why: str) -> None:
+        with lock:
+            if state["why"] is None:
+                state["why"] = why
+            sup = state["sup"]
+        if sup is not None:
+            sup.request_stop(signal.SIGTERM)
+
+    def seen() -> None:
+        state["last"] = time.monotonic()
+
+    events = _Events(out, on_broken=lambda: stop("the head's channel broke"))
+    inherited = dict(os.environ)
+    workers = request.workers
+    if not request.finished:
+        try:
+            workers = finish_workers(workers, accelerator="cuda" if detect_gpus(inherited)[0] else "cpu",
+                                     cpu_count=os.cpu_count() or 1, inherited=inherited,
+                                     bind_core_list=request.bind_core_list)
+        except LaunchConfigError as e:
+            events.emit({"ev": "error", "text": str(e)})
+            events.writer.close(timeout=5)
+            return 2
+    specs = [worker_spec(w, request.restart, inherited, label=f"{request.host}:{w.rank}", cwd=os.getcwd())
+             for w in workers]
+    sup = Supervisor(specs, events, kill_grace=request.kill_grace)
+    with lock:
+        state["sup"] = sup
+        if state["why"] is not None:
+            sup.request_stop(signal.SIGTERM)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, lambda signum, frame: stop(signal.SIGTERM))
+        signal.signal(s, lambda signum, frame: stop(f"received {signal.Signals(signum).name}"))
+    threading.Thread(target=_watch_head, args=(control, stop, seen), daemon=True, name="dslaunch-agent-in").start()
 
-    if watch_stdin:
-        def watch() -> None:
-            for raw in sys.stdin.buffer:
-                try:
-                    if json.loads(raw).get("cmd") == "stop":
-                        break
-                except ValueError:
-                    continue
-            stop()  # a stop command, or EOF: the head is gone
-        threading.Thread(target=watch, daemon=True, name="dslaunch-agent-stdin").start()
-    else:
-        def heartbeat() -> None:
-            while not stop_requested.wait(HEARTBEAT_S):
-                out.emit({"ev": "hb"})
-        threading.Thread(target=heartbeat, daemon=True, name="dslaunch-agent-hb").start()
+    finished = threading.Event()
 
+    def heartbeat() -> None:
+        while not finished.wait(request.heartbeat_s):
+            events.emit({"ev": "hb"})
+            silent = time.monotonic() - state["last"]
+            if silent > request.heartbeat_timeout:
+                stop(f"lost the head: nothing from it for {silent:.0f}s (--heartbeat_timeout "
+                     f"{request.heartbeat_timeout:g})")
+
+    threading.Thread(target=heartbeat, daemon=True, name="dslaunch-agent-hb").start()
     result = sup.run()
-    ev = _failure_event("done", result.exit_code, result.failure)
-    ev["stopped"] = result.failure is None and result.stop_signal is not None
-    ev["teardown_s"] = result.teardown_s
-    out.emit(ev)
+    finished.set()
+    failed_rank = result.failure.rank if result.failure is not None else None
+    events.emit({
+        "ev": "done", "exit_code": result.exit_code,
+        "failure": result.failure.to_dict() if result.failure is not None else None,
+        "stop_signal": result.stop_signal, "stopped_because": state["why"],
+        "ended": {s.label: result.states[s.rank].value for s in specs if s.rank != failed_rank},
+        "dropped": events.writer.dropped,
+    })
+    if state["why"] is not None and state["why"].startswith("lost the head"):
+        sys.stderr.write(f"dslaunch agent on {request.host}: {state['why']}; stopped the workers\n")
+    # a stalled channel (the head is gone) must not keep this process alive
+    if not events.writer.close(timeout=5):
+        sys.stderr.flush()
+        os._exit(result.exit_code)
     return result.exit_code
 
 
-def _failure_event(kind: str, code: int, f) -> dict:
-    return {
-        "ev": kind,
-        "code": code,
-        "rank": f.rank if f else None,
-        "how": f.describe().split("failed first: ", 1)[-1] if f else "",
-        "tail": list(f.stderr_tail) if f else [],
-    }
+def _first_line(stream: BinaryIO, timeout: float) -> bytes:
+    ready, _, _ = select.select([stream], [], [], timeout)
+    return stream.readline() if ready else b""
+
+
+def _connect_back(control: dict, host: str) -> BinaryIO:
+    """pdsh: open the control socket to the head and prove who we are with the token."""
+    head_ip = os.environ.get("SSH_CONNECTION", "").split()[:1]
+    if not head_ip:
+        raise ProtocolError("no $SSH_CONNECTION: cannot tell the head's address (pdsh must use -R ssh)")
+    try:
+        sock = socket.create_connection((head_ip[0], int(control["port"])), timeout=30)
+    except OSError as e:
+        raise ProtocolError(f"cannot reach the head at {head_ip[0]}:{control['port']} for control: "
+                            f"{e.strerror or e}") from None
+    sock.settimeout(None)
+    sock.sendall(encode({"token": control["token"], "host": host}))
+    return sock.makefile("rb")
+
+
+def _read_request_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    msg = decode(raw)
+    if msg is None:
+        raise ProtocolError(f"{path}: not a JSON object")
+    return msg
 
 
 def main(argv: Optional[list] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m dslaunch.launcher.agent")
-    ap.add_argument("--plan", help="base64 JSON list of node plans (pdsh mode; stdin otherwise)")
-    ap.add_argument("--node_rank", type=int, default=0)
+    ap.add_argument("--request_file", help="pdsh: this node's request, in a 0600 file removed once read")
     args = ap.parse_args(argv)
-    plan = _read_plan(args)
-    sys.exit(run(plan, watch_stdin=not args.plan))
+    out = sys.stdout.buffer
+    try:
+        if args.request_file:
+            msg = _read_request_file(args.request_file)
+            request = AgentRequest.from_message(msg)
+            control = _connect_back(msg.get("control") or {}, request.host)
+        else:
+            raw = _first_line(sys.stdin.buffer, FIRST_LINE_TIMEOUT)
+            if not raw:
+                raise ProtocolError("no request on stdin (the head went away before sending it)")
+            msg = decode(raw)
+            if msg is None:
+                raise ProtocolError(f"the first line on stdin is not a JSON object: {raw[:80]!r}")
+            request = AgentRequest.from_message(msg)
+            control = sys.stdin.buffer
+    except (ProtocolError, OSError) as e:
+        text = str(e) if isinstance(e, ProtocolError) else f"cannot read the request: {e}"
+        out.write(encode({"ev": "error", "text": text}))
+        out.flush()
+        sys.exit(2)
+    sys.exit(run(request, control, out))
 
 
 if __name__ == "__main__":

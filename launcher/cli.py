@@ -5,31 +5,104 @@ that look like our options (click: allow_interspersed_args=False + UNPROCESSED a
 
 Every option also reads DSLAUNCH_<OPTION> from the environment (click's
 auto_envvar_prefix, so options added later get a variable without further code), and
---help shows each variable. To add an option: one `@option(...)` below and a field of
-the same name in plan.LaunchOptions. Do not name an option after a variable the
+--help shows each variable. To add an option: one `option(...)` below and a field of
+the same name in options.LaunchOptions. Do not name an option after a variable the
 workers receive (run_id, restart_count, accelerator, group_id): DSLAUNCH_RUN_ID and
 friends are in every worker's environment, so a nested dslaunch would read them.
 
-Usage errors (LaunchConfigError, click's own) print one line and exit 2.
+DeepSpeed's and torchrun's spellings are accepted where they mean the same (-H -i -e,
+--num_accelerators, --nproc_per_node, --enable_each_rank_log, --no_ssh_check,
+--master-port, ...); where the meaning differs, the option is refused with a hint saying
+what to do instead (REFUSED, HINTS). Usage errors print one line and exit 2.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import click
 
+from dslaunch.launcher import backends
 from dslaunch.launcher.errors import LaunchConfigError
-from dslaunch.launcher.ssh_options import multinode_options, pop_multinode_options
+from dslaunch.launcher.options import DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MASTER_PORT
 
 ENV_PREFIX = "DSLAUNCH"
+
+EXAMPLES = [
+    ("dslaunch --num_gpus 2 train.py --epochs 3", "2 workers on this machine"),
+    ("dslaunch -H hosts -i worker-0@worker-1:0,2 train.py", "some slots of two hosts, over SSH"),
+    ("dslaunch --num_gpus 4 --dry_run --json train.py", "show the plan (env values masked), run nothing"),
+]
+
+# torchrun options whose meaning differs from ours: refused with what to use instead
+HINTS = {
+    "--nnodes": "dslaunch starts every node from one machine: list the hosts in --hostfile "
+                "(--num_nodes N uses the first N) and run dslaunch once",
+    "--node_rank": "node ranks follow the hostfile order: run dslaunch once, on one machine, with --hostfile",
+    "--node-rank": "node ranks follow the hostfile order: run dslaunch once, on one machine, with --hostfile",
+    "--rdzv-endpoint": "use --master_addr / --master_port",
+    "--rdzv_endpoint": "use --master_addr / --master_port",
+    "--rdzv-backend": "dslaunch rendezvous is MASTER_ADDR:MASTER_PORT (torch's env:// init); drop the option",
+    "--rdzv_backend": "dslaunch rendezvous is MASTER_ADDR:MASTER_PORT (torch's env:// init); drop the option",
+}
+
+# DeepSpeed options dslaunch refuses rather than accept and ignore: param name -> why
+REFUSED = {
+    "autotuning": "--autotuning: dslaunch has no autotuner yet; tune the config by hand and launch without it",
+    "elastic_training": "--elastic_training: not supported; dslaunch restarts the whole job on the same nodes "
+                        "(--max_restarts N), it does not change the number of nodes",
+    "min_elastic_nodes": "--min_elastic_nodes: not supported (no --elastic_training)",
+    "max_elastic_nodes": "--max_elastic_nodes: not supported (no --elastic_training)",
+    "no_ssh": "--no_ssh: dslaunch starts the other nodes itself; to run one node's workers without SSH, "
+              "use a hostfile naming only this machine",
+}
 
 
 def option(*decls, **kwargs):
     """click.option whose help always names its DSLAUNCH_* variable."""
     kwargs.setdefault("show_envvar", True)
     return click.option(*decls, **kwargs)
+
+
+def ssh_options(f):
+    """The SSH options, shared by the launch and `dslaunch check` (same names, same variables)."""
+    for decorator in reversed([
+        option("--ssh_user", default=None, help="Remote user (default: user@ in the hostfile, then ~/.ssh/config, then you)."),
+        option("--ssh_port", type=int, default=None, help="SSH port (default: ~/.ssh/config, then 22)."),
+        option("--ssh_key", default=None, help="Private key file (default: ~/.ssh/config, then ssh's defaults)."),
+        option("--ssh_timeout", type=float, default=10.0, show_default=True,
+               help="Seconds to connect to a host before giving up on it."),
+        option("--accept_new_host_keys", is_flag=True, default=False,
+               help="Trust and record host keys missing from known_hosts (a changed key is always refused)."),
+        option("--remote_python", default=None, help="Interpreter on the other hosts (default: this interpreter's path)."),
+    ]):
+        f = decorator(f)
+    return f
+
+
+def _epilog() -> str:
+    from dslaunch.launcher.main import SUBCOMMANDS
+
+    width = max(len(w) for w in SUBCOMMANDS)
+    lines = ["\b", "Subcommands (dslaunch SUBCOMMAND --help):"]
+    lines += [f"  {word.ljust(width)}  {text}" for word, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "\b", "Examples:"]
+    lines += [f"  {cmd}\n      {what}" for cmd, what in EXAMPLES]
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dslaunch")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _show_version(ctx, _param, value):
+    if value and not ctx.resilient_parsing:
+        click.echo(f"dslaunch {_version()}")
+        ctx.exit(0)
 
 
 class _LaunchCommand(click.Command):
@@ -40,6 +113,11 @@ class _LaunchCommand(click.Command):
             sys.exit(e.exit_code)
         except click.Abort:
             sys.exit(130)
+        except click.NoSuchOption as e:
+            hint = HINTS.get(e.option_name)
+            msg = f"{e.option_name}: {hint}" if hint else f"{e.format_message()} (see {prog_name} --help)"
+            click.echo(f"dslaunch: error: {msg}", err=True)
+            sys.exit(2)
         except click.UsageError as e:
             hint = "" if e.ctx is None else f" (see {e.ctx.command_path} --help)"
             click.echo(f"dslaunch: error: {e.format_message()}{hint}", err=True)
@@ -52,6 +130,7 @@ class _LaunchCommand(click.Command):
 
 @click.command(
     cls=_LaunchCommand,
+    epilog=_epilog(),
     context_settings={
         "auto_envvar_prefix": ENV_PREFIX,
         "allow_interspersed_args": False,
@@ -59,28 +138,62 @@ class _LaunchCommand(click.Command):
         "max_content_width": 100,
     },
 )
-@option("--num_gpus", type=int, default=None,
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Print dslaunch's version and exit.")
+# -- layout
+@option("--num_gpus", "--num_accelerators", "--nproc_per_node", "--nproc-per-node", type=int, default=None,
         help="Workers per node. Default: every visible GPU; with no GPU, 1 worker process on the CPU.")
 @option("--num_nodes", type=int, default=None, help="Use the first N hosts of the hostfile.")
-@option("--hostfile", type=str, default=None, help="MPI-style hostfile: `[user@]host slots=N` per line.")
-@option("--include", type=str, default="", help="Only these hosts/slots, e.g. worker-0@worker-1:0,2.")
-@option("--exclude", type=str, default="", help="All but these hosts/slots, e.g. worker-1:0.")
-@option("--master_addr", type=str, default=None,
+@option("-H", "--hostfile", type=str, default=None, help="MPI-style hostfile: `[user@]host slots=N` per line.")
+@option("-i", "--include", type=str, default="", help="Only these hosts/slots, e.g. worker-0@worker-1:0,2.")
+@option("-e", "--exclude", type=str, default="", help="All but these hosts/slots, e.g. worker-1:0.")
+@option("--master_addr", "--master-addr", type=str, default=None,
         help="Rendezvous address. Default: 127.0.0.1 on one machine, else the first node.")
-@option("--master_port", type=int, default=29500, show_default=True, help="Rendezvous port; 0 picks a free one.")
+@option("--master_port", "--master-port", type=int, default=DEFAULT_MASTER_PORT, show_default=True,
+        help="Rendezvous port; 0 picks a free one.")
+@option("--standalone", is_flag=True, default=False,
+        help="torchrun's spelling: this machine only, on a free port (--master_port 0).")
+# -- what each worker runs
 @option("-m", "--module", is_flag=True, default=False, help="SCRIPT is a module name (python -m SCRIPT).")
 @option("--no_python", is_flag=True, default=False, help="SCRIPT is a program to run directly, not with python.")
 @option("--no_local_rank", is_flag=True, default=False, help="Do not pass --local_rank=N to the script.")
-@option("--log_dir", type=str, default=None, help="Also write each rank's output to LOG_DIR/rank_<N>.log.")
-@option("--max_restarts", type=int, default=0, show_default=True,
-        help="Restart the whole worker group up to N times after a failure.")
+@option("--env_file", type=str, default=None,
+        help="KEY=VALUE file for every worker, instead of the .deepspeed_env/.dslaunch_env files of ~ and ./.")
+@option("--bind_cores_to_rank", is_flag=True, default=False,
+        help="Pin each worker's threads to its own share of the node's cores; OMP_NUM_THREADS to match.")
+@option("--bind_core_list", type=str, default=None,
+        help="With --bind_cores_to_rank: the cores to share out, e.g. 0-15,32-47 (default: one per physical core).")
+# -- supervision and output
+@option("--log_dir", "--enable_each_rank_log", type=str, default=None,
+        help="Also write each rank's output to LOG_DIR/rank_<N>.log.")
+@option("--max_restarts", "--max-restarts", type=int, default=0, show_default=True,
+        help="Restart the whole job up to N times after a failure.")
 @option("--kill_grace", type=float, default=5.0, show_default=True,
         help="Seconds between SIGTERM and SIGKILL when stopping workers.")
-@option("--env_file", type=str, default=None,
-        help="KEY=VALUE file exported to every worker. Default: ./.dslaunch_env, else ~/.dslaunch_env.")
+@option("--save_pid", is_flag=True, default=False,
+        help="Write this launcher's pid to /tmp/<pid>.deepspeed while the job runs (as DeepSpeed does).")
 @option("--dry_run", is_flag=True, default=False, help="Print the plan (nodes, ranks, devices, env, commands); run nothing.")
 @option("--json", "json", is_flag=True, default=False, help="With --dry_run: print the plan as JSON.")
-@multinode_options  # --launcher, --ssh_*, --export, --show_env, ... (multi-node, ssh_options.py)
+# -- other hosts
+@option("--launcher", type=click.Choice(backends.names()),
+        default="ssh", show_default=True, help="How to start work on other hosts (see README: Multi-node).")
+@option("--launcher_args", default="", help="Extra arguments for pdsh/mpirun/srun, split like a shell would.")
+@option("--force_multi", is_flag=True, default=False,
+        help="Start even this machine's hosts through --launcher (e.g. ssh to localhost), as DeepSpeed does.")
+@ssh_options
+@option("--workdir", default=None, help="Working directory on the other hosts (default: the current one).")
+@option("--export", "export", multiple=True,
+        help="NAME or NAME=VALUE: also send this variable to remote workers (repeatable; a VALUE goes to every worker).")
+@option("--show_env", is_flag=True, default=False, help="Print env values in --dry_run instead of *** for secrets.")
+@option("--skip_check", "--no_ssh_check", is_flag=True, default=False, help="Skip the preflight check before a multi-node launch.")
+@option("--heartbeat_timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, show_default=True,
+        help="Seconds of silence after which the head declares a host lost and an agent its head.")
+# -- DeepSpeed options refused (see REFUSED)
+@option("--autotuning", type=click.Choice(["tune", "run"]), default=None, help="Refused: no autotuner yet.")
+@option("--elastic_training", is_flag=True, default=False, help="Refused: the node count is fixed.")
+@option("--min_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
+@option("--max_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
+@option("--no_ssh", is_flag=True, default=False, help="Refused: dslaunch starts the other nodes itself.")
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(**params) -> int:
@@ -89,35 +202,20 @@ def launch(**params) -> int:
     Every line a worker prints arrives whole, prefixed with its rank; the first failing
     worker stops the job, and dslaunch exits with its exit code (128+N for signal N).
     """
-    from dslaunch.launcher.plan import LaunchOptions
+    from dslaunch.launcher.launch import launch as run_launch
+    from dslaunch.launcher.options import LaunchOptions
 
     try:
-        mn = pop_multinode_options(params)
-        opts = LaunchOptions(**params)
-        return _launch(opts, mn)
+        for name, why in REFUSED.items():
+            if params.pop(name) not in (None, False):
+                raise LaunchConfigError(why)
+        if params.pop("standalone"):
+            if params["hostfile"]:
+                raise LaunchConfigError("--standalone means this machine only: drop it or --hostfile")
+            ctx = click.get_current_context()
+            if ctx.get_parameter_source("master_port") is click.core.ParameterSource.DEFAULT:
+                params["master_port"] = 0
+        return run_launch(LaunchOptions(**params))
     except LaunchConfigError as e:
         click.echo(f"dslaunch: error: {e}", err=True)
         return e.exit_code
-
-
-def _launch(opts, mn=None) -> int:
-    from dslaunch.launcher.local import run_local, say
-    from dslaunch.launcher.machine import gather_facts, is_local, pick_free_port
-    from dslaunch.launcher.plan import build_plan, format_plan, plan_to_dict
-
-    environ = dict(os.environ)
-    facts = gather_facts(environ, need_addresses=opts.hostfile is not None)
-    plan = build_plan(opts, facts, environ)
-    err = sys.stderr.buffer
-    for note in plan.notes:
-        say(err, note)
-    if plan.master_port == 0 and is_local(plan.master_addr, facts.hostnames):
-        plan.master_port = pick_free_port(plan.master_addr)
-    if plan.remote_nodes:  # other hosts: the multi-node hand-off (SSH agents, pdsh, mpirun, srun), --dry_run too
-        from dslaunch.launcher.multinode import run_plan
-        return run_plan(plan, mn or pop_multinode_options({}), environ)
-    if opts.dry_run:
-        text = json.dumps(plan_to_dict(plan), indent=2) if opts.json else format_plan(plan)
-        click.echo(text)
-        return 0
-    return run_local(plan, environ=environ)

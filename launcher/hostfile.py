@@ -4,7 +4,7 @@ Grammar (strict, because a hostfile that is silently misread launches the wrong 
     line     := [entry] [comment]
     entry    := [user "@"] host (whitespace "slots=" N)
     comment  := "#" anything           (whole-line or trailing)
-Blank lines are ignored. `slots=` is required and must be a positive integer; any other
+Blank lines are ignored. `slots=` is required and must be a whole number in 1..MAX_SLOTS; any other
 key, a repeated host, or a file with no hosts is an error naming file:line.
 
 Pure: no network, no processes; the caller decides what the hosts mean.
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from dslaunch.launcher.errors import LaunchConfigError
+from dslaunch.launcher.options import MAX_SLOTS
 
 # Host names and IPv4 addresses. ':' and '@' are excluded because --include/--exclude use
 # them as separators, so a host that contained them could never be filtered.
@@ -35,7 +36,18 @@ class HostSpec:
 
     @property
     def ssh_target(self) -> str:
-        return f"{self.user}@{self.host}" if self.user else self.host
+        return join_user(self.user, self.host)
+
+
+def join_user(user: Optional[str], host: str) -> str:
+    """The one place `user@host` is built (SSH targets, pdsh -w lists, output prefixes)."""
+    return f"{user}@{host}" if user else host
+
+
+def split_user(target: str) -> "tuple[Optional[str], str]":
+    """"alice@node1" -> ("alice", "node1"); "node1" -> (None, "node1")."""
+    user, at, host = target.rpartition("@")
+    return (user or None, host) if at else (None, target)
 
 
 def parse_hostfile(path: str | Path) -> List[HostSpec]:
@@ -93,9 +105,12 @@ def _parse_entry(line: str, where: str) -> HostSpec:
             raise LaunchConfigError(f"{where}: slots given twice for host {host!r}")
         if not value.isdigit() or not value.isascii():
             raise LaunchConfigError(f"{where}: slots={value} is not a whole number")
-        slots = int(value)
+        # compared as text first: int() of a 5000-digit string is itself an error
+        slots = int(value) if len(value) <= 6 else MAX_SLOTS + 1
         if slots < 1:
             raise LaunchConfigError(f"{where}: slots={value}: a host needs at least 1 slot")
+        if slots > MAX_SLOTS:
+            raise LaunchConfigError(f"{where}: slots={value}: more than {MAX_SLOTS} slots on one host")
     if slots is None:
         raise LaunchConfigError(f"{where}: host {host!r} has no slots=N")
     return HostSpec(host=host, user=user, slots=slots, source=where)

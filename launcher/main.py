@@ -4,6 +4,9 @@
 name subcommands instead. Each subcommand lives beside the code it drives and is
 imported only when asked for, so launching never pays for torch or the kernel builder.
 A script whose file name collides with a subcommand is launched as `./NAME`.
+
+To add a subcommand: one line in SUBCOMMANDS (its word, its click command, its one-line
+description for `dslaunch --help`).
 """
 from __future__ import annotations
 
@@ -11,11 +14,11 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-# subcommand word -> "module:click command"
+# word -> ("module:click command", one line for `dslaunch --help`)
 SUBCOMMANDS = {
-    "check": "dslaunch.launcher.preflight:check",
-    "build-ops": "dslaunch.kernels.build_cli:build_ops",
-    "consolidate": "dslaunch.runtime.checkpoint.consolidate:consolidate",
+    "check": ("dslaunch.launcher.preflight:check", "preflight every host of a hostfile: ssh, python, torch, GPUs, master"),
+    "build-ops": ("dslaunch.kernels.build_cli:build_ops", "build the fused optimizer kernels ahead of time into the shared cache"),
+    "consolidate": ("dslaunch.runtime.checkpoint.consolidate:consolidate", "write a (ZeRO) checkpoint as one fp32 state_dict file"),
 }
 LAUNCH_COMMAND = "dslaunch.launcher.cli:launch"
 
@@ -28,7 +31,7 @@ def _load(target: str):
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
-        command = _load(SUBCOMMANDS[args[0]])
+        command = _load(SUBCOMMANDS[args[0]][0])
         command.main(args=args[1:], prog_name=f"dslaunch {args[0]}")
     else:
         _load(LAUNCH_COMMAND).main(args=args, prog_name="dslaunch")

@@ -1,85 +1,95 @@
-"""From resolved options and machine facts to a launch plan: pure, so --dry_run can show it.
+"""From resolved options and machine facts to the launch plan: pure, so --dry_run can show it.
 
-LaunchOptions mirrors the CLI one field per option (cli.py builds it with
-LaunchOptions(**params)), so adding an option means adding a field here and a
-decorator there. The plan holds everything a run needs except the restart count, which
-changes per attempt: worker_specs_env() builds the env for any attempt.
+The plan is the only place a worker's argv and environment are computed, for every node:
+the local supervisor runs its workers as they are, and a backend (ssh, pdsh, mpirun, srun)
+only transports a node's part to its host. What only the host itself can know (its
+accelerator, its core count for OMP_NUM_THREADS and --bind_cores_to_rank) is filled in by
+finish_workers(), here for this machine and by the node agent for other hosts: one
+function either way.
+
+A worker's env is what the launcher sets on top of the environment the worker inherits:
+the env files, --export values, for other hosts the forwarded variables, then the
+contract (world.worker_env), which wins over all of them (a stray RANK in an env file must
+not break the job). The restart count is the only value that changes per attempt
+(WorkerPlan.env_for).
 """
 from __future__ import annotations
 
+import re
 import secrets
-import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
-from dslaunch.launcher.envfile import EnvFile, load_env_file
+from dslaunch.launcher.cores import cores_for_rank, node_core_pool
+from dslaunch.launcher.envfile import EnvFiles, load_env_files
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.hostfile import HostSpec, parse_hostfile
 from dslaunch.launcher.machine import MachineFacts, is_local
+from dslaunch.launcher.options import LaunchOptions
 from dslaunch.launcher.world import Node, RunIdentity, World, layout_world, worker_argv, worker_env
 
-DEFAULT_MASTER_PORT = 29500
+# Variables of the launcher's environment that other hosts' workers get too (DeepSpeed
+# forwards NCCL PYTHON MV2 UCX; torchrun's users expect TORCH_ and OMP_ to travel as well).
+FORWARD_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "CUDA_", "TORCH_", "OMP_", "UCX_", "FI_", "HF_")
+RESTART_VARS = ("DSLAUNCH_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-@dataclass
-class LaunchOptions:
-    """Every option of `dslaunch`, resolved (command line over DSLAUNCH_* over default)."""
+@dataclass(frozen=True)
+class WorkerPlan:
+    rank: int
+    local_rank: int
+    argv: Tuple[str, ...]
+    env: Dict[str, str]  # set on top of the inherited environment; restart count 0
+    cpus: Optional[Tuple[int, ...]] = None  # --bind_cores_to_rank: the only cores it may run on
 
-    script: str
-    script_args: Tuple[str, ...] = ()
-    num_gpus: Optional[int] = None
-    num_nodes: Optional[int] = None
-    hostfile: Optional[str] = None
-    include: str = ""
-    exclude: str = ""
-    master_addr: Optional[str] = None
-    master_port: int = DEFAULT_MASTER_PORT
-    module: bool = False
-    no_python: bool = False
-    no_local_rank: bool = False
-    log_dir: Optional[str] = None
-    max_restarts: int = 0
-    kill_grace: float = 5.0
-    env_file: Optional[str] = None
-    dry_run: bool = False
-    json: bool = False
+    def env_for(self, restart: int) -> Dict[str, str]:
+        env = dict(self.env)
+        for name in RESTART_VARS:
+            env[name] = str(restart)
+        return env
 
-    def __post_init__(self):
-        self.script_args = tuple(self.script_args)
-        if self.max_restarts < 0:
-            raise LaunchConfigError(f"--max_restarts {self.max_restarts}: must be 0 or more")
-        if self.kill_grace < 0:
-            raise LaunchConfigError(f"--kill_grace {self.kill_grace}: must be 0 or more")
-        if not 0 <= self.master_port <= 65535:
-            raise LaunchConfigError(f"--master_port {self.master_port}: not a TCP port (0 picks a free one)")
-        if self.json and not self.dry_run:
-            raise LaunchConfigError("--json only applies to --dry_run")
-        if self.module and self.no_python:
-            raise LaunchConfigError("--module and --no_python cannot be used together")
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["argv"] = list(self.argv)
+        d["cpus"] = None if self.cpus is None else list(self.cpus)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "WorkerPlan":
+        cpus = d.get("cpus")
+        return cls(int(d["rank"]), int(d["local_rank"]), tuple(str(a) for a in d["argv"]),
+                   {str(k): str(v) for k, v in dict(d["env"]).items()}, None if cpus is None else tuple(cpus))
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodePlan:
     node: Node
-    local: bool  # this machine: run here; otherwise the multi-node hand-off runs it
-    accelerator: Optional[str]  # "cuda"/"cpu" for local nodes; None: decided on that host
-    omp_threads: Optional[int]
-    argvs: List[List[str]]  # per local rank
+    local: bool  # runs on this machine with no transport; otherwise a backend carries it
+    workers: Tuple[WorkerPlan, ...]
+    finished: bool  # host facts applied (this machine); False: the node's agent applies them
+    bind_core_list: Optional[str] = None  # None: no binding; "": all usable cores of the host
+
+    @property
+    def target(self) -> str:
+        return self.node.target
 
 
 @dataclass
 class LaunchPlan:
     options: LaunchOptions
     world: World
-    nodes: List[NodePlan]
+    nodes: Tuple[NodePlan, ...]
     master_addr: str
     master_port: int
     run_id: str
-    env_file: EnvFile
-    visible_devices: Optional[List[str]]
-    notes: List[str] = field(default_factory=list)  # said once on stderr (e.g. the CPU-mode note)
+    env_files: EnvFiles
+    hidden: FrozenSet[str]  # names whose values are hidden by origin (env files, --export VALUE)
+    remote_python: str
+    workdir: str
+    notes: List[str] = field(default_factory=list)  # said once on stderr before the launch
 
     @property
     def remote_nodes(self) -> List[NodePlan]:
@@ -87,17 +97,6 @@ class LaunchPlan:
 
     def identity(self, restart_count: int = 0) -> RunIdentity:
         return RunIdentity(self.master_addr, self.master_port, self.run_id, restart_count, self.options.max_restarts)
-
-    def worker_env(self, node: NodePlan, local_rank: int, restart_count: int = 0) -> Dict[str, str]:
-        """What the launcher adds to a worker's inherited environment: .dslaunch_env, then the contract."""
-        env = dict(self.env_file.values)
-        contract = worker_env(self.world, node.node, local_rank, self.identity(restart_count),
-                              accelerator=node.accelerator or "cuda", omp_threads=node.omp_threads,
-                              visible_devices=self.visible_devices if node.local else None)
-        if node.accelerator is None:
-            del contract["DSLAUNCH_ACCELERATOR"]
-        env.update(contract)
-        return env
 
 
 def new_run_id() -> str:
@@ -111,8 +110,6 @@ def resolve_hosts(opts: LaunchOptions, facts: MachineFacts) -> List[HostSpec]:
     if opts.num_nodes not in (None, 1):
         raise LaunchConfigError(f"--num_nodes {opts.num_nodes} needs a --hostfile listing the nodes")
     if opts.num_gpus is not None:
-        if opts.num_gpus < 1:
-            raise LaunchConfigError(f"--num_gpus {opts.num_gpus}: must be at least 1")
         if facts.gpu_count and opts.num_gpus > facts.gpu_count:
             raise LaunchConfigError(f"--num_gpus {opts.num_gpus}: only {facts.gpu_count} GPU(s) visible on this machine")
         slots = opts.num_gpus
@@ -121,43 +118,113 @@ def resolve_hosts(opts: LaunchOptions, facts: MachineFacts) -> List[HostSpec]:
     return [HostSpec("localhost", None, slots, "<this machine>")]
 
 
-def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, str],
-               run_id: Optional[str] = None) -> LaunchPlan:
+def passed_env(opts: LaunchOptions, environ: Mapping[str, str], env_files: EnvFiles,
+               remote: bool) -> Tuple[Dict[str, str], FrozenSet[str]]:
+    """What the launcher adds below the contract, and the names hidden by origin.
+
+    Local workers inherit the launcher's environment, so they get the env files and
+    --export values; other hosts' workers also get the FORWARD_PREFIXES variables and
+    every bare `--export NAME`.
+    """
+    out: Dict[str, str] = dict(env_files.values)
+    hidden = set(out)
+    if remote:
+        for name, value in environ.items():
+            if name.startswith(FORWARD_PREFIXES):
+                out[name] = value
+        out.pop("CUDA_VISIBLE_DEVICES", None)  # describes this machine's devices, not the remote node's
+    for item in opts.export:
+        name, eq, value = item.partition("=")
+        if not _NAME_RE.match(name):
+            raise LaunchConfigError(f"--export {item!r}: {name!r} is not a valid variable name")
+        if "\0" in value:
+            raise LaunchConfigError(f"--export {name}: the value contains a NUL byte")
+        if eq:
+            out[name] = value
+            hidden.add(name)
+        elif name in environ:
+            if remote:
+                out[name] = environ[name]
+        else:
+            raise LaunchConfigError(f"--export {name}: not set in the launcher's environment")
+    return out, frozenset(hidden)
+
+
+def finish_workers(workers: Sequence[WorkerPlan], *, accelerator: str, cpu_count: int,
+                   inherited: Mapping[str, str], bind_core_list: Optional[str],
+                   core_pool: Callable[[Optional[str]], List[int]] = node_core_pool) -> Tuple[WorkerPlan, ...]:
+    """Apply what only the worker's host knows: its accelerator, OMP_NUM_THREADS and the
+    --bind_cores_to_rank core sets. Used for this machine by build_plan and for other hosts
+    by the node agent."""
+    n = len(workers)
+    cores = core_pool(bind_core_list or None) if bind_core_list is not None else None
+    out = []
+    for w in workers:
+        env = dict(w.env)
+        env["DSLAUNCH_ACCELERATOR"] = accelerator
+        cpus = None
+        if cores is not None:
+            cpus = cores_for_rank(cores, n, w.local_rank)
+            env["OMP_NUM_THREADS"] = str(len(cpus))  # one thread per pinned core, as DeepSpeed does
+        elif "OMP_NUM_THREADS" not in inherited and "OMP_NUM_THREADS" not in env:
+            # torchrun sets 1; an even share of the cores is as safe against oversubscription and faster
+            env["OMP_NUM_THREADS"] = str(max(1, cpu_count // n))
+        out.append(replace(w, env=env, cpus=cpus))
+    return tuple(out)
+
+
+def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, str], *,
+               run_id: Optional[str] = None, pick_port: Optional[Callable[[str], int]] = None,
+               master_addr_of: Optional[Callable[[str], str]] = None) -> LaunchPlan:
+    """pick_port(addr) serves --master_port 0 on this machine; master_addr_of(target) gives
+    the first host's address as the transport resolves it (~/.ssh/config HostName)."""
     hosts = resolve_hosts(opts, facts)
     # Without a hostfile --num_gpus already sized the pool; with one it picks slots per host.
     world = layout_world(hosts, include=opts.include, exclude=opts.exclude,
                          num_nodes=opts.num_nodes if opts.hostfile else None,
                          num_gpus=opts.num_gpus if opts.hostfile else None)
-    env_file = load_env_file(opts.env_file, Path(facts.cwd), Path(facts.home))
+    env_files = load_env_files(opts.env_file, Path(facts.cwd), Path(facts.home), environ)
+    local = [is_local(n.host, facts.hostnames) and not opts.force_multi for n in world.nodes]
     notes: List[str] = []
-    nodes: List[NodePlan] = []
-    for node in world.nodes:
-        local = is_local(node.host, facts.hostnames)
-        accelerator = omp = None
-        if local:
-            accelerator = "cuda" if facts.gpu_count else "cpu"
-            if facts.gpu_count and max(node.slots) >= facts.gpu_count:
-                source = next(h.source for h in hosts if h.host == node.host)
-                raise LaunchConfigError(
-                    f"{source}: {node.host} would use GPU slot {max(node.slots)} but this machine has "
-                    f"{facts.gpu_count} GPU(s) visible")
-            if "OMP_NUM_THREADS" not in environ and "OMP_NUM_THREADS" not in env_file.values:
-                # torchrun sets 1; an even share of the cores is as safe against oversubscription and faster.
-                omp = max(1, facts.cpu_count // node.local_world_size)
-        argvs = [worker_argv(opts.script, opts.script_args, lr, python=facts.python, module=opts.module,
-                             no_python=opts.no_python, no_local_rank=opts.no_local_rank)
-                 for lr in range(node.local_world_size)]
-        nodes.append(NodePlan(node, local, accelerator, omp, argvs))
-    if any(n.local for n in nodes) and not facts.gpu_count:
-        n = sum(p.node.local_world_size for p in nodes if p.local)
+    for node, here in zip(world.nodes, local):
+        if here and facts.gpu_count and max(node.slots) >= facts.gpu_count:
+            source = next(h.source for h in hosts if h.host == node.host)
+            raise LaunchConfigError(f"{source}: {node.host} would use GPU slot {max(node.slots)} but this machine "
+                                    f"has {facts.gpu_count} GPU(s) visible")
+    if any(local) and not facts.gpu_count:
+        n = sum(node.local_world_size for node, here in zip(world.nodes, local) if here)
         notes.append(f"no GPU on this machine: --num_gpus counts worker processes; running {n} on the CPU")
-    all_local = all(n.local for n in nodes)
-    master_addr = opts.master_addr or ("127.0.0.1" if all_local else world.nodes[0].host)
+
+    master_addr = opts.master_addr or ("127.0.0.1" if all(local) else
+                                       (master_addr_of or (lambda t: t.rpartition("@")[2]))(world.nodes[0].target))
     master_port = opts.master_port
-    if any(n.local for n in nodes) and not opts.module:
+    if master_port == 0 and pick_port is not None:
+        master_port = pick_port(master_addr)
+    ident = RunIdentity(master_addr, master_port, run_id or new_run_id(), 0, opts.max_restarts)
+    remote_python = opts.remote_python or facts.python
+    bind = (opts.bind_core_list or "") if opts.bind_cores_to_rank else None
+    hidden: set = set()
+    nodes = []
+    for node, here in zip(world.nodes, local):
+        passed, hidden_here = passed_env(opts, environ, env_files, remote=not here)
+        workers = []
+        for lr in range(node.local_world_size):
+            env = dict(passed)
+            contract = worker_env(world, node, lr, ident, visible_devices=facts.visible_devices if here else None)
+            del contract["DSLAUNCH_ACCELERATOR"]  # the host's own fact: finish_workers sets it
+            env.update(contract)
+            hidden |= hidden_here - contract.keys()  # a contract value replaced the file's: nothing to hide
+            argv = worker_argv(opts.script, opts.script_args, lr, python=facts.python if here else remote_python,
+                               module=opts.module, no_python=opts.no_python, no_local_rank=opts.no_local_rank)
+            workers.append(WorkerPlan(node.first_rank + lr, lr, tuple(argv), env))
+        if here:
+            workers = finish_workers(workers, accelerator="cuda" if facts.gpu_count else "cpu",
+                                     cpu_count=facts.cpu_count, inherited=environ, bind_core_list=bind)
+        nodes.append(NodePlan(node, here, tuple(workers), finished=here, bind_core_list=bind))
+    if any(local) and not opts.module:
         _check_script(opts, facts)
-    return LaunchPlan(opts, world, nodes, master_addr, master_port, run_id or new_run_id(), env_file,
-                      facts.visible_devices, notes)
+    return LaunchPlan(opts, world, tuple(nodes), master_addr, master_port, ident.run_id, env_files,
+                      frozenset(hidden), remote_python, opts.workdir or facts.cwd, notes)
 
 
 def _check_script(opts: LaunchOptions, facts: MachineFacts) -> None:
@@ -172,52 +239,3 @@ def _check_script(opts: LaunchOptions, facts: MachineFacts) -> None:
             raise LaunchConfigError(f"{opts.script}: program not found on PATH")
     elif not path.is_file():
         raise LaunchConfigError(f"{opts.script}: no such script")
-
-
-def plan_to_dict(plan: LaunchPlan) -> Dict[str, Any]:
-    return {
-        "run_id": plan.run_id,
-        "world_size": plan.world.world_size,
-        "num_nodes": plan.world.num_nodes,
-        "master_addr": plan.master_addr,
-        "master_port": plan.master_port,
-        "env_file": plan.env_file.path,
-        "max_restarts": plan.options.max_restarts,
-        "log_dir": plan.options.log_dir,
-        "notes": plan.notes,
-        "nodes": [
-            {
-                "node_rank": n.node.node_rank,
-                "host": n.node.host,
-                "user": n.node.user,
-                "local": n.local,
-                "accelerator": n.accelerator,
-                "slots": list(n.node.slots),
-                "ranks": list(n.node.ranks),
-                "workers": [
-                    {"rank": n.node.first_rank + lr, "local_rank": lr, "argv": argv, "env": plan.worker_env(n, lr)}
-                    for lr, argv in enumerate(n.argvs)
-                ],
-            }
-            for n in plan.nodes
-        ],
-    }
-
-
-def format_plan(plan: LaunchPlan) -> str:
-    d = plan_to_dict(plan)
-    port = d["master_port"] or "a free port"
-    out = [f"dslaunch plan: {d['num_nodes']} node(s), world size {d['world_size']}, "
-           f"master {d['master_addr']}:{port}, run id {d['run_id']}, max restarts {d['max_restarts']}"]
-    if d["env_file"]:
-        out.append(f"env file: {d['env_file']}")
-    for n in d["nodes"]:
-        where = "this machine" if n["local"] else "remote"
-        who = f"{n['user']}@{n['host']}" if n["user"] else n["host"]
-        acc = f", {n['accelerator']}" if n["accelerator"] else ""
-        out.append(f"node {n['node_rank']}: {who} ({where}{acc}) slots {','.join(map(str, n['slots']))} "
-                   f"ranks {n['ranks'][0]}-{n['ranks'][-1]}")
-        for w in n["workers"]:
-            out.append(f"  rank {w['rank']} (local {w['local_rank']}): {shlex.join(w['argv'])}")
-            out.append("    env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in w["env"].items()))
-    return "\n".join(out)

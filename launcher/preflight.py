@@ -15,6 +15,7 @@ The same check runs, briefly, before every multi-node launch unless --skip_check
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -25,7 +26,9 @@ from typing import List, Optional, Sequence
 import click
 import paramiko
 
-from dslaunch.launcher.ssh import SshError, SshOptions, connect, resolve, _load_config
+from dslaunch.launcher.cli import option, ssh_options
+from dslaunch.launcher.options import DEFAULT_MASTER_PORT, SshOptions
+from dslaunch.launcher.ssh import SshError, connect, load_config, resolve
 
 # Runs on the remote host under the workers' interpreter; reads its parameters from stdin.
 _PROBE = r"""
@@ -111,6 +114,11 @@ def probe_host(
         return rep
     if own:
         client.close()
+    return _read_probe(rep, python, status, out, err, need_torch, master_addr, master_port)
+
+
+def _read_probe(rep: HostReport, python: str, status: int, out: str, err: str, need_torch: bool,
+                master_addr: str, master_port: int) -> HostReport:
     line = next((ln for ln in out.splitlines() if ln.startswith("DSLAUNCH_PROBE ")), None)
     if status != 0 or line is None:
         last = (err.strip().splitlines() or ["no output"])[-1]
@@ -120,8 +128,8 @@ def probe_host(
     rep.python, rep.torch, rep.gpus, rep.master = info["python"], info["torch"], info["gpus"], info["master"]
     if need_torch and not rep.torch:
         rep.problems.append(f"torch is not installed for {python}")
-    if rep.gpus and rep.gpus < slots:
-        rep.problems.append(f"slots={slots} but only {rep.gpus} GPU(s)")
+    if rep.gpus and rep.gpus < rep.slots:
+        rep.problems.append(f"slots={rep.slots} but only {rep.gpus} GPU(s)")
     if rep.master != "ok":
         rep.problems.append(f"master {master_addr}:{master_port} {rep.master}")
     return rep
@@ -135,7 +143,7 @@ def run_preflight(
 
     `connections` (ssh.ConnectResult) lets a launch probe over the connections it then uses.
     """
-    config = _load_config(opts.config_path)
+    config = load_config(opts.config_path)
     if not hosts:
         return []
     clients = connections.clients if connections is not None else {}
@@ -176,53 +184,58 @@ def summary_line(reports: Sequence[HostReport]) -> Optional[str]:
     return "preflight failed on " + ", ".join(f"{r.host} ({'; '.join(r.problems)})" for r in bad)
 
 
-def default_master_addr(first_host: str, opts: SshOptions) -> str:
-    """The address workers rendezvous at: the first host's address as SSH resolves it."""
+def local_probe(host: str, slots: int, python: str, master_addr: str, master_port: int, timeout: float,
+                need_torch: bool = True) -> HostReport:
+    """The same probe for a host that is this machine: run here, no SSH to localhost:22."""
+    import subprocess
+
+    rep = HostReport(host=host, slots=slots, reachable=True)
     try:
-        return resolve(first_host, opts).hostname
-    except SshError:
-        return first_host.rpartition("@")[2]
+        res = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout + 30,
+                             input=json.dumps({"master_addr": master_addr, "master_port": master_port,
+                                               "timeout": min(3.0, timeout)}) + "\n")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        rep.problems.append(f"python {python} did not run: {exc}")
+        return rep
+    return _read_probe(rep, python, res.returncode, res.stdout, res.stderr, need_torch, master_addr, master_port)
 
 
-def ssh_options_decorator(f):
-    """The SSH options shared by `dslaunch check` and the multi-node launch."""
-    opts = [
-        click.option("--ssh_user", default=None, help="Remote user (default: user@ in the hostfile, ~/.ssh/config, you)."),
-        click.option("--ssh_port", type=int, default=None, help="SSH port (default: ~/.ssh/config, then 22)."),
-        click.option("--ssh_key", default=None, help="Private key file (default: ~/.ssh/config, then ssh's defaults)."),
-        click.option("--ssh_timeout", type=float, default=10.0, show_default=True, help="Seconds to connect to a host."),
-        click.option("--accept_new_host_keys", is_flag=True, help="Trust and record host keys missing from known_hosts."),
-        click.option("--remote_python", default=None, help="Interpreter on the hosts (default: this one's path)."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-def ssh_options_from(kw) -> SshOptions:
-    return SshOptions(user=kw["ssh_user"], port=kw["ssh_port"], key=kw["ssh_key"], timeout=kw["ssh_timeout"],
-                      accept_new_host_keys=kw["accept_new_host_keys"])
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--hostfile", required=True, help="MPI-style hostfile: `[user@]host slots=N` per line.")
-@click.option("--master_addr", default=None, help="Rendezvous address (default: the first host).")
-@click.option("--master_port", type=int, default=29500, show_default=True)
-@ssh_options_decorator
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "DSLAUNCH",
+                                 "max_content_width": 100})
+@option("-H", "--hostfile", required=True, help="MPI-style hostfile: `[user@]host slots=N` per line.")
+@option("--master_addr", default=None, help="Rendezvous address (default: 127.0.0.1 on one machine, else the first host).")
+@option("--master_port", type=int, default=DEFAULT_MASTER_PORT, show_default=True)
+@ssh_options
 def check(hostfile, master_addr, master_port, **kw):
-    """Check every host of HOSTFILE: SSH, Python, torch, GPUs vs slots, master reachability."""
+    """Check every host of HOSTFILE: SSH, Python, torch, GPUs vs slots, master reachability.
+
+    Hosts that are this machine are probed here, without SSH. The SSH options and their
+    DSLAUNCH_* variables are the launch's own.
+    """
     from dslaunch.launcher.errors import LaunchConfigError
     from dslaunch.launcher.hostfile import parse_hostfile
+    from dslaunch.launcher.machine import gather_facts, is_local
+    from dslaunch.launcher.options import LaunchOptions
 
     try:
         hosts = parse_hostfile(hostfile)
-        opts = ssh_options_from(kw)
-        master = master_addr or default_master_addr(hosts[0].ssh_target, opts)
+        opts = LaunchOptions(script="-", hostfile=hostfile, master_port=master_port, **kw)
+        facts = gather_facts(os.environ, need_addresses=True)
+        local = {h.ssh_target for h in hosts if is_local(h.host, facts.hostnames)}
+        first = hosts[0].ssh_target
+        master = master_addr or ("127.0.0.1" if len(local) == len(hosts) else
+                                 first.rpartition("@")[2] if first in local else resolve(first, opts.ssh).hostname)
     except (LaunchConfigError, SshError) as exc:
         click.echo(f"dslaunch check: {exc}", err=True)
         sys.exit(2)
-    python = kw["remote_python"] or sys.executable
-    reports = run_preflight([(h.ssh_target, h.slots) for h in hosts], opts, python, master, master_port)
+    python = opts.remote_python or sys.executable
+    remote = [(h.ssh_target, h.slots) for h in hosts if h.ssh_target not in local]
+    by_host = {r.host: r for r in run_preflight(remote, opts.ssh, python, master, master_port)}
+    for h in hosts:
+        if h.ssh_target in local:
+            by_host[h.ssh_target] = local_probe(h.ssh_target, h.slots, sys.executable, master, master_port,
+                                                opts.ssh_timeout)
+    reports = [by_host[h.ssh_target] for h in hosts]
     click.echo(format_table(reports, f"{master}:{master_port}"))
     problem = summary_line(reports)
     if problem:

@@ -35,8 +35,10 @@ def become_subreaper() -> bool:
     return bool(prctl) and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def make_child_setup(death_signal: int = signal.SIGTERM):
-    """A preexec_fn that ties the child's life to this process (Linux; no-op elsewhere).
+def make_child_setup(death_signal: int = signal.SIGTERM, cpus: Optional[Iterable[int]] = None):
+    """A preexec_fn that ties the child's life to this process (Linux; no-op elsewhere)
+    and, with `cpus`, pins it to those cores before it runs a line of its own code, so every
+    thread it starts later (OpenMP, torch intra-op) inherits the pinning.
 
     Resolved in the parent so the child runs no imports between fork and exec (a
     preexec_fn in a process with other threads must not take locks another thread may
@@ -45,8 +47,12 @@ def make_child_setup(death_signal: int = signal.SIGTERM):
     """
     prctl = _prctl()
     parent = os.getpid()
+    affinity = None if cpus is None else frozenset(cpus)
+    setaffinity = os.sched_setaffinity
 
     def setup() -> None:
+        if affinity is not None:
+            setaffinity(0, affinity)
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
         # The parent may have died between fork and prctl; then nobody would signal us.

@@ -21,7 +21,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import paramiko
 
-from dslaunch.launcher.ssh_options import SshOptions  # noqa: F401  (re-exported)
+from dslaunch.launcher.hostfile import split_user
+from dslaunch.launcher.options import SshOptions
 
 
 class SshError(RuntimeError):
@@ -42,15 +43,7 @@ class SshTarget:
     proxy_command: Optional[str] = None
 
 
-def split_user(host: str) -> Tuple[Optional[str], str]:
-    """"alice@node1" -> ("alice", "node1"); "node1" -> (None, "node1")."""
-    if "@" in host:
-        user, _, name = host.rpartition("@")
-        return (user or None), name
-    return None, host
-
-
-def _load_config(path: Optional[str]) -> paramiko.SSHConfig:
+def load_config(path: Optional[str]) -> paramiko.SSHConfig:
     p = Path(path).expanduser() if path else Path("~/.ssh/config").expanduser()
     if not p.is_file():
         return paramiko.SSHConfig()
@@ -70,7 +63,7 @@ def _default_user() -> str:
 
 def resolve(host: str, opts: SshOptions, config: Optional[paramiko.SSHConfig] = None) -> SshTarget:
     """Resolve one hostfile entry into a connect target (pure apart from reading the config)."""
-    config = config if config is not None else _load_config(opts.config_path)
+    config = config if config is not None else load_config(opts.config_path)
     hf_user, alias = split_user(host)
     cfg = config.lookup(alias)
     user = opts.user or hf_user or cfg.get("user") or _default_user()
@@ -193,7 +186,7 @@ class ConnectResult:
 
 def connect_all(hosts: Sequence[str], opts: SshOptions) -> ConnectResult:
     """Connect to every host at once. Keys of the result are the hostfile entries as given."""
-    config = _load_config(opts.config_path)
+    config = load_config(opts.config_path)
     result = ConnectResult()
 
     def one(host: str):

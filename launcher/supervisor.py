@@ -12,9 +12,14 @@ supervisor is a child subreaper; after a SIGKILL of the supervisor itself, the w
 process and the workers' parent-death signal take over (see reaper.py, watchdog.py).
 
 Output: every worker's stdout and stderr are separate pipes read by one selector loop,
-cut into whole lines and handed to the caller's sink, so lines from different workers
-never interleave mid-line and stderr stays stderr. The sink decides the prefix: `[rank 3]`
-on a terminal, `host:rank` when a node agent forwards lines to the head.
+cut into whole lines and handed to the caller's observer as OutputLines, so lines from
+different workers never interleave mid-line and stderr stays stderr. The observer must not
+block (output.JobOutput and the node agent's event stream both queue and return): this
+loop is also what reacts to failures and stop requests.
+
+In each round the loop looks at exits before it reads pipes, so a worker that fails is
+known (and the observer told) before the lines other workers wrote in the same instant
+are handed over; the console can then treat those as follow-on errors.
 """
 from __future__ import annotations
 
@@ -29,14 +34,15 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence
+from typing import Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dslaunch.launcher import reaper
+from dslaunch.launcher.failure import Failure
+from dslaunch.launcher.output import STDERR, STDOUT, OutputLine
 
 # Marks every process of one group in its environment; the watchdog finds escaped
 # grandchildren by it. Unique per attempt so two jobs on one host never touch each other.
 GROUP_MARKER_VAR = "DSLAUNCH_GROUP_ID"
-STDOUT, STDERR = "stdout", "stderr"
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is emitted in pieces rather than buffered forever
 
 
@@ -63,31 +69,25 @@ class WorkerSpec:
     rank: int
     argv: List[str]
     env: Dict[str, str]  # the complete environment of the worker
-    label: str = ""  # how the sink and reports name it; defaults to "rank N"
+    label: str = ""  # how output and reports name it; defaults to "rank N"
     cwd: Optional[str] = None
+    cpus: Optional[Tuple[int, ...]] = None  # pin every thread of the worker to these cores
 
     def __post_init__(self):
         if not self.label:
             self.label = f"rank {self.rank}"
 
 
-# sink(worker, stream, line): line is bytes including its trailing b"\n"
-Sink = Callable[[WorkerSpec, str, bytes], None]
+class GroupObserver(Protocol):
+    """What a running group tells its owner; every method must return at once."""
 
+    def line(self, line: OutputLine) -> None: ...
 
-@dataclass
-class WorkerFailure:
-    rank: int
-    label: str
-    exit_code: int  # 128+N when killed by signal N
-    signal: Optional[int]
-    stderr_tail: List[str]
-    elapsed_s: float
+    def failed(self, failure: Failure) -> None:
+        """The first failure, before teardown starts (a node agent reports it to the head
+        at once, so the other nodes stop within the same second)."""
 
-    def describe(self) -> str:
-        how = (f"killed by {reaper.signal_name(self.signal)} (exit code {self.exit_code})"
-               if self.signal else f"exited with code {self.exit_code}")
-        return f"{self.label} failed first: {how} after {self.elapsed_s:.1f}s"
+    def exited(self, label: str) -> None: ...
 
 
 @dataclass
@@ -95,7 +95,7 @@ class GroupResult:
     state: WorkerState
     exit_codes: Dict[int, Optional[int]]  # rank -> shell-style exit code (None: never started)
     states: Dict[int, WorkerState]
-    failure: Optional[WorkerFailure] = None
+    failure: Optional[Failure] = None
     stop_signal: Optional[int] = None  # the stop request that ended the group, if any
     teardown_s: Optional[float] = None  # first teardown signal -> last worker gone
 
@@ -123,16 +123,12 @@ class _Worker:
 class Supervisor:
     """Runs one attempt of a worker group. Use from one thread; request_stop() from any."""
 
-    def __init__(self, specs: Sequence[WorkerSpec], sink: Sink, *, kill_grace: float = 5.0,
-                 stderr_tail_lines: int = 20, subreaper: bool = True, watchdog: bool = True,
-                 on_failure: Optional[Callable[["WorkerFailure"], None]] = None):
+    def __init__(self, specs: Sequence[WorkerSpec], observer: GroupObserver, *, kill_grace: float = 5.0,
+                 stderr_tail_lines: int = 20, subreaper: bool = True, watchdog: bool = True):
         if not specs:
             raise ValueError("a worker group needs at least one worker")
         self.kill_grace = kill_grace
-        self._sink = sink
-        # Called once, the moment the first worker fails and before teardown starts: a node
-        # agent reports it to the head at once so the other nodes stop within the same second.
-        self._on_failure = on_failure
+        self._observer = observer
         self._workers = [_Worker(s, tail=deque(maxlen=stderr_tail_lines)) for s in specs]
         self._subreaper = subreaper
         self._use_watchdog = watchdog
@@ -180,16 +176,16 @@ class Supervisor:
         self._start_watchdog()
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        failure: Optional[WorkerFailure] = None
+        failure: Optional[Failure] = None
         teardown_at: Optional[float] = None
         killed = False
+        done_at = time.monotonic()
         try:
-            setup = reaper.make_child_setup()
             marker_key, _, marker_value = self._marker.partition("=")
             for w in self._workers:
                 if self._stop_signal is not None:
                     break
-                failure = self._spawn(w, sel, setup, marker_key, marker_value) or failure
+                failure = self._spawn(w, sel, marker_key, marker_value) or failure
                 if failure is not None:
                     break
             if failure is not None or self._stop_signal is not None:
@@ -200,14 +196,13 @@ class Supervisor:
                     timeout = max(0.0, teardown_at + self.kill_grace - time.monotonic())
                 elif any(w.pidfd is None for w in self._workers if w.state is WorkerState.HEALTHY):
                     timeout = 0.05  # no pidfd support: poll exits
-                for key, _ in sel.select(timeout):
-                    kind, w = key.data
-                    if kind == "wake":
-                        self._drain_wake()
-                    elif kind == "exit":
+                ready = sel.select(timeout)
+                # exits first: a failure is known before the lines others wrote meanwhile are handed on
+                for key, _ in ready:
+                    if key.data[0] == "exit":
                         sel.unregister(key.fd)
-                    else:
-                        self._read(sel, key.fd, w, kind)
+                    elif key.data[0] == "wake":
+                        self._drain_wake()
                 for w in self._workers:
                     if w.state is WorkerState.HEALTHY and w.proc.poll() is not None:
                         failed = self._exited(w, sel, tearing_down=teardown_at is not None)
@@ -215,6 +210,10 @@ class Supervisor:
                             failure = failed
                 if teardown_at is None and (failure is not None or self._stop_signal is not None):
                     teardown_at = self._begin_teardown(failure)
+                for key, _ in ready:
+                    kind, w = key.data
+                    if kind in (STDOUT, STDERR) and key.fd in sel.get_map():
+                        self._read(sel, key.fd, w, kind)
                 if (teardown_at is not None and not killed
                         and (self._force_kill or time.monotonic() >= teardown_at + self.kill_grace)):
                     self._signal_everything(signal.SIGKILL)
@@ -237,23 +236,25 @@ class Supervisor:
             self._stop_watchdog()
         return self._result(failure, teardown_at, done_at)
 
-    def _spawn(self, w: _Worker, sel, setup, marker_key: str, marker_value: str) -> Optional[WorkerFailure]:
+    def _spawn(self, w: _Worker, sel, marker_key: str, marker_value: str) -> Optional[Failure]:
         env = dict(w.spec.env)
         env[marker_key] = marker_value
         w.started = time.monotonic()
         try:
             w.proc = subprocess.Popen(
                 w.spec.argv, env=env, cwd=w.spec.cwd, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=setup,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                preexec_fn=reaper.make_child_setup(cpus=w.spec.cpus),
             )
-        except OSError as e:
+        except (OSError, ValueError) as e:
             # Nothing ran; report it like a shell would (126 not executable, 127 not found).
             code = 127 if isinstance(e, FileNotFoundError) else 126
             w.state, w.exit_code = WorkerState.FAILED, code
-            msg = f"cannot start {w.spec.argv[0]!r}: {e.strerror or e}"
+            why = getattr(e, "strerror", None) or str(e)
+            msg = f"cannot start {w.spec.argv[0]!r}: {why}"
             w.tail.append(msg)
-            self._sink(w.spec, STDERR, msg.encode() + b"\n")
-            return WorkerFailure(w.spec.rank, w.spec.label, code, None, list(w.tail), 0.0)
+            self._observer.line(OutputLine(w.spec.rank, w.spec.label, STDERR, msg.encode() + b"\n"))
+            return Failure(w.spec.rank, w.spec.label, code, reason=msg, stderr_tail=tuple(w.tail), elapsed_s=0.0)
         w.state = WorkerState.HEALTHY
         self._announce(f"pgid {w.proc.pid}")
         for stream, pipe in ((STDOUT, w.proc.stdout), (STDERR, w.proc.stderr)):
@@ -292,7 +293,7 @@ class Supervisor:
     def _emit(self, w: _Worker, stream: str, line: bytes) -> None:
         if stream == STDERR:
             w.tail.append(line.decode("utf-8", "replace").rstrip("\r\n"))
-        self._sink(w.spec, stream, line)
+        self._observer.line(OutputLine(w.spec.rank, w.spec.label, stream, line))
 
     def _flush_partial(self, w: _Worker, stream: str) -> None:
         buf = w.partial[stream]
@@ -311,25 +312,24 @@ class Supervisor:
                 if fd not in sel.get_map() or not self._read(sel, fd, w, stream):
                     break
 
-    def _exited(self, w: _Worker, sel, tearing_down: bool) -> Optional[WorkerFailure]:
+    def _exited(self, w: _Worker, sel, tearing_down: bool) -> Optional[Failure]:
         rc = w.proc.returncode
         w.exit_code = reaper.exit_code_of(rc)
         self._drain(sel, w)
-        if rc == 0:
-            w.state = WorkerState.SUCCEEDED
-            return None
-        if tearing_down:
-            w.state = WorkerState.STOPPED
-            return None
-        w.state = WorkerState.FAILED
-        sig = -rc if rc < 0 else None
-        return WorkerFailure(w.spec.rank, w.spec.label, w.exit_code, sig, list(w.tail), time.monotonic() - w.started)
+        if rc != 0 and not tearing_down:
+            w.state = WorkerState.FAILED
+            sig = -rc if rc < 0 else None
+            return Failure(w.spec.rank, w.spec.label, w.exit_code, signal=sig, stderr_tail=tuple(w.tail),
+                           elapsed_s=time.monotonic() - w.started)
+        self._observer.exited(w.spec.label)
+        w.state = WorkerState.SUCCEEDED if rc == 0 else WorkerState.STOPPED
+        return None
 
     # -- teardown -----------------------------------------------------------------------
 
-    def _begin_teardown(self, failure: Optional[WorkerFailure]) -> float:
-        if failure is not None and self._on_failure is not None:
-            self._on_failure(failure)
+    def _begin_teardown(self, failure: Optional[Failure]) -> float:
+        if failure is not None:
+            self._observer.failed(failure)
         sig = signal.SIGTERM if failure is not None or self._stop_signal is None else self._stop_signal
         self._signal_everything(sig)
         return time.monotonic()

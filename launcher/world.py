@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from dslaunch.launcher.errors import LaunchConfigError
-from dslaunch.launcher.hostfile import HostSpec
+from dslaunch.launcher.hostfile import HostSpec, join_user
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,11 @@ class Node:
     user: Optional[str]
     slots: Tuple[int, ...]  # device indices, in LOCAL_RANK order
     first_rank: int
+
+    @property
+    def target(self) -> str:
+        """`user@host` (or `host`): what SSH connects to and how output names this node."""
+        return join_user(self.user, self.host)
 
     @property
     def local_world_size(self) -> int:
@@ -54,27 +59,31 @@ class World:
 
 
 def parse_filter(expr: str, option: str) -> "OrderedDict[str, Optional[List[int]]]":
-    """`a@b:0,2` -> {"a": None, "b": [0, 2]}; None means every slot of that host."""
+    """`a@b:0,2` -> {"a": None, "b": [0, 2]}; None means every slot of that host.
+
+    As in DeepSpeed, a host named more than once gets the union of its slots
+    (`w0:1@w0:0,1` -> w0: [0, 1]) and a repeated slot counts once (`w0:1,1` -> [1]);
+    a bare host name means all of its slots, whatever else names it.
+    """
     out: "OrderedDict[str, Optional[List[int]]]" = OrderedDict()
     for part in expr.split("@"):
         host, colon, slot_text = part.partition(":")
         host = host.strip()
         if not host:
             raise LaunchConfigError(f"{option} {expr!r}: empty host name")
-        if host in out:
-            raise LaunchConfigError(f"{option} {expr!r}: host {host!r} named twice")
         if not colon:
             out[host] = None
             continue
         slots: List[int] = []
         for s in slot_text.split(","):
             s = s.strip()
-            if not s.isdigit() or not s.isascii():
+            if not s.isdigit() or not s.isascii() or len(s) > 6:
                 raise LaunchConfigError(f"{option} {expr!r}: slot {s!r} of host {host!r} is not a whole number")
-            if int(s) in slots:
-                raise LaunchConfigError(f"{option} {expr!r}: slot {s} of host {host!r} named twice")
             slots.append(int(s))
-        out[host] = slots
+        if host in out and out[host] is None:
+            continue
+        merged = set(out.get(host) or ()) | set(slots)
+        out[host] = sorted(merged)
     return out
 
 
@@ -250,10 +259,3 @@ def contract_keys() -> Tuple[str, ...]:
     """Names of every variable worker_env may set, for --dry_run and for the remote agent."""
     w = World((Node(0, "h", None, (0,), 0),))
     return tuple(worker_env(w, w.nodes[0], 0, RunIdentity("a", 1, "r"), omp_threads=1))
-
-
-def merge_env(base: Mapping[str, str], *layers: Mapping[str, str]) -> Dict[str, str]:
-    out = dict(base)
-    for layer in layers:
-        out.update(layer)
-    return out

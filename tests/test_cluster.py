@@ -1,4 +1,4 @@
-"""Command generation for --launcher pdsh / openmpi / slurm, and the per-rank env shim."""
+"""Commands for --launcher pdsh / openmpi / slurm, built from the one plan, and the per-rank env shim."""
 import os
 import shlex
 import subprocess
@@ -6,69 +6,78 @@ import sys
 
 import pytest
 
-from dslaunch.launcher.cluster import (
-    ClusterError, ClusterJob, openmpi_command, pdsh_command, require_tool, slurm_command,
-)
+from dslaunch.launcher.backends import names, require_tool
+from dslaunch.launcher.backends import openmpi, pdsh, slurm
 from dslaunch.launcher.cluster_env import contract_from
+from dslaunch.launcher.errors import LaunchConfigError
+from dslaunch.launcher.machine import MachineFacts
+from dslaunch.launcher.options import LaunchOptions
+from dslaunch.launcher.plan import build_plan
 
-WORKER = ["/venv/bin/python", "-u", "train.py", "--msg", "a b;$HOME 'q'", ""]
-
-
-def job(**kw):
-    base = dict(hosts=[("alice@n1", 2), ("n2", 2)], worker_argv=WORKER, env={"NCCL_DEBUG": "INFO", "SECRET": "x y"},
-                master_addr="10.0.0.1", master_port=29511, workdir="/work dir", python="/venv/bin/python")
-    base.update(kw)
-    return ClusterJob(**base)
+ARGS = ("--msg", "a b;$HOME 'q'", "")
 
 
-def test_pdsh_command_quotes_every_word_and_substitutes_node_rank():
-    agent = ["/venv/bin/python", "-m", "dslaunch.launcher.agent", "--plan", "abc=", "--x", "100%"]
-    cmd = pdsh_command(job(launcher_args="-u 30"), agent)
-    assert cmd.argv[:8] == ["pdsh", "-S", "-R", "ssh", "-f", "2", "-w", "alice@n1,n2"]
-    assert cmd.argv[8:10] == ["-u", "30"]
-    remote = cmd.argv[-1]
-    assert remote.endswith(" --node_rank %n")
-    # what the remote shell sees after pdsh's substitution (%% -> %, %n -> 1)
-    shell_line = remote.replace("%n", "1").replace("%%", "%")
+def plan(tmp_path, hosts="alice@n1 slots=2\nn2 slots=2\n", **kw):
+    hf = tmp_path / "hosts"
+    hf.write_text(hosts)
+    opts = LaunchOptions("train.py", ARGS, hostfile=str(hf), master_addr="10.0.0.1", master_port=29511,
+                         workdir="/work dir", remote_python="/venv/bin/python", **kw)
+    facts = MachineFacts(0, None, 8, ("localhost",), python="/venv/bin/python", cwd=str(tmp_path), home=str(tmp_path))
+    return build_plan(opts, facts, {"NCCL_DEBUG": "INFO", "HF_TOKEN": "x y"}, run_id="r1")
+
+
+def test_backends_are_discovered_one_module_each():
+    assert names() == ["ssh", "openmpi", "pdsh", "slurm"]
+
+
+def test_pdsh_command_quotes_every_word_and_substitutes_node_rank(tmp_path):
+    p = plan(tmp_path, launcher_args="-u 30")
+    cmd = pdsh.BACKEND.describe(p)["command"]
+    assert cmd[:8] == ["pdsh", "-S", "-R", "ssh", "-f", "2", "-w", "alice@n1,n2"]
+    assert cmd[8:10] == ["-u", "30"]
+    # what the remote shell sees after pdsh's substitution (%% -> %, %n -> 1): no plan, no value
+    shell_line = cmd[-1].replace("%n", "1").replace("%%", "%")
     words = shlex.split(shell_line)
     assert words[:5] == ["cd", "/work dir", "&&", "exec", "/venv/bin/python"]
-    assert words[5:] == agent[1:] + ["--node_rank", "1"]
+    assert words[5:9] == ["-u", "-m", "dslaunch.launcher.agent", "--request_file"]
+    assert words[9] == "/work dir/.dslaunch/request-RUN-1.json" and len(words) == 10
+    assert "x y" not in " ".join(cmd) and "a b;" not in " ".join(cmd)
 
 
-def test_openmpi_command_exports_names_not_values_and_maps_ranks():
-    cmd = openmpi_command(job())
-    a = cmd.argv
-    assert a[:5] == ["mpirun", "-n", "4", "-H", "alice@n1:2,n2:2"]
-    assert a[a.index("--wdir") + 1] == "/work dir"
-    exported = [a[i + 1] for i, w in enumerate(a) if w == "-x"]
-    assert exported == ["MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "SECRET"]
-    assert "x y" not in a  # values travel in the environment, never on the command line
-    assert cmd.env == {"NCCL_DEBUG": "INFO", "SECRET": "x y", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}
-    tail = a[a.index("dslaunch.launcher.cluster_env") - 2:]
-    assert tail == ["/venv/bin/python", "-m", "dslaunch.launcher.cluster_env", "--", *WORKER]
-    with_file = openmpi_command(job(), hostfile_path="/tmp/hf")
-    assert with_file.argv[3:5] == ["--hostfile", "/tmp/hf"]
+def test_openmpi_command_exports_names_not_values_and_maps_ranks(tmp_path):
+    argv, env = openmpi.command(plan(tmp_path))
+    assert argv[:5] == ["mpirun", "-n", "4", "-H", "alice@n1:2,n2:2"]
+    assert argv[argv.index("--wdir") + 1] == "/work dir"
+    exported = [argv[i + 1] for i, w in enumerate(argv) if w == "-x"]
+    assert {"MASTER_ADDR", "MASTER_PORT", "NCCL_DEBUG", "HF_TOKEN", "WORLD_SIZE"} <= set(exported)
+    assert not {"RANK", "LOCAL_RANK", "NODE_RANK"} & set(exported)  # per rank: the shim's business
+    assert "x y" not in argv  # values travel in the environment, never on the command line
+    assert (env["HF_TOKEN"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("x y", "10.0.0.1", "29511")
+    tail = argv[argv.index("dslaunch.launcher.cluster_env") - 2:]
+    assert tail == ["/venv/bin/python", "-m", "dslaunch.launcher.cluster_env", "--local_rank_at", "3", "--",
+                    "/venv/bin/python", "-u", "train.py", *ARGS]
+    shown = openmpi.BACKEND.describe(plan(tmp_path))
+    assert shown["env"]["HF_TOKEN"] == "***" and shown["env"]["NCCL_DEBUG"] == "INFO"
 
 
-def test_slurm_command_and_uneven_slots_error():
-    cmd = slurm_command(job(launcher_args="--partition gpu"))
-    a = cmd.argv
-    assert a[:7] == ["srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "-w"]
-    assert a[7] == "n1,n2"
-    assert "--export=ALL" in a and "--chdir=/work dir" in a
-    assert a[a.index("--partition") + 1] == "gpu"
-    assert cmd.env["MASTER_PORT"] == "29511"
-    with pytest.raises(ClusterError, match="same number of processes"):
-        slurm_command(job(hosts=[("n1", 2), ("n2", 1)]))
+def test_slurm_command_and_uneven_slots_error(tmp_path):
+    argv, env = slurm.command(plan(tmp_path, launcher_args="--partition gpu", no_local_rank=True))
+    assert argv[:7] == ["srun", "-N", "2", "-n", "4", "--ntasks-per-node=2", "-w"]
+    assert argv[7] == "n1,n2"
+    assert "--export=ALL" in argv and "--chdir=/work dir" in argv
+    assert argv[argv.index("--partition") + 1] == "gpu"
+    assert "--local_rank_at" not in argv and env["MASTER_PORT"] == "29511"
+    with pytest.raises(LaunchConfigError, match="same number of processes"):
+        slurm.command(plan(tmp_path, hosts="n1 slots=2\nn2 slots=1\n"))
 
 
-def test_bad_launcher_args_and_missing_tool_name_the_package():
-    with pytest.raises(ClusterError, match="--launcher_args"):
-        openmpi_command(job(launcher_args="'unterminated"))
-    for launcher, package in [("pdsh", "pdsh"), ("openmpi", "openmpi-bin"), ("slurm", "slurm-client")]:
-        with pytest.raises(ClusterError, match=f"apt-get install {package}"):
-            require_tool(launcher, which=lambda exe: None)
-    assert require_tool("pdsh", which=lambda exe: "/usr/bin/" + exe) == "/usr/bin/pdsh"
+def test_bad_launcher_args_and_missing_tool_name_the_package(tmp_path):
+    with pytest.raises(LaunchConfigError, match="--launcher_args"):
+        openmpi.command(plan(tmp_path, launcher_args="'unterminated"))
+    for exe, package in [("pdsh", "pdsh"), ("mpirun", "openmpi-bin"), ("srun", "slurm-client")]:
+        with pytest.raises(LaunchConfigError, match=f"apt-get install {package}"):
+            require_tool(exe, package, "x", which=lambda exe: None)
+    assert require_tool("pdsh", "pdsh", "pdsh", which=lambda exe: "/usr/bin/" + exe) == "/usr/bin/pdsh"
 
 
 @pytest.mark.parametrize("environ,expected", [
@@ -99,12 +108,12 @@ def test_shim_execs_the_worker_with_the_contract():
     assert bare.returncode == 2 and "OMPI_COMM_WORLD_RANK" in bare.stderr
 
 
-def test_shim_inserts_local_rank_where_asked():
+def test_shim_inserts_local_rank_where_asked(tmp_path):
     env = dict(os.environ, SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_NODEID="1")
     code = "import sys; print(sys.argv[1:])"
     out = subprocess.run([sys.executable, "-m", "dslaunch.launcher.cluster_env", "--local_rank_at", "3", "--",
                           sys.executable, "-c", code, "x"], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['--local_rank=1', 'x']"
-    cmd = slurm_command(job(local_rank_at=3))
-    i = cmd.argv.index("dslaunch.launcher.cluster_env")
-    assert cmd.argv[i + 1:i + 4] == ["--local_rank_at", "3", "--"]
+    argv, _ = slurm.command(plan(tmp_path))
+    i = argv.index("dslaunch.launcher.cluster_env")
+    assert argv[i + 1:i + 4] == ["--local_rank_at", "3", "--"]

@@ -107,9 +107,10 @@ def test_remote_worker_failure_tears_down_every_host(ns_cluster, ssh_home, tmp_p
     pids = [int(line.split()[-1]) for line in res.stdout.splitlines() if " pid " in line]
     assert len(pids) == 4, res.stdout + res.stderr
     assert res.returncode == 7, res.stderr
-    assert f"rank 3 on host {h2.ip} failed first: exited with code 7" in res.stderr
-    assert "    rank 3 is about to fail" in res.stderr  # the tail of its stderr
-    assert f"[{h2.ip}:3] rank 3 is about to fail" in res.stderr  # stderr stays stderr
+    # the failing rank's own line (stderr stays stderr), then one summary naming host and rank
+    assert res.stderr.index(f"[{h2.ip}:3] rank 3 is about to fail") < res.stderr.index(
+        f"dslaunch: {h2.ip}:3 failed first: exited with code 7")
+    assert "dslaunch: stopped the other 3 of 4 worker(s)" in res.stderr
     assert not _wait_gone(pids, 0.5)
     assert took < 20, took
     assert not _only_sshd_left(ns_cluster)
@@ -228,8 +229,11 @@ def test_arguments_and_env_arrive_byte_identical_and_secrets_are_masked(ns_clust
 
     dry = _run(["--hostfile", hf, "--export", "MY_VAR", "--dry_run", script, *TRICKY], env, tmp_path)
     assert dry.returncode == 0, dry.stderr
-    assert "HF_TOKEN=***" in dry.stdout and "NCCL_TRICKY=***" in dry.stdout and "MY_VAR=***" in dry.stdout
+    # HF_TOKEN hidden (an env file's value, and a secret-looking name); forwarded non-secrets shown
+    assert "HF_TOKEN=***" in dry.stdout and "FROM_FILE=***" in dry.stdout
+    assert "NCCL_TRICKY='a b;$x '\"'\"'q'\"'\"''" in dry.stdout and "MY_VAR='exported ✓'" in dry.stdout
     assert "hf_secret_123" not in dry.stdout + dry.stderr
+    assert f"env file {tmp_path / '.dslaunch_env'} sets HF_TOKEN, FROM_FILE for every worker" in dry.stderr
     shown = _run(["--hostfile", hf, "--export", "MY_VAR", "--dry_run", "--show_env", script], env, tmp_path)
     assert "HF_TOKEN=hf_secret_123" in shown.stdout
 
@@ -251,8 +255,9 @@ def test_max_restarts_restarts_every_node(ns_cluster, ssh_home, tmp_path):
     assert f"[{h2.ip}:1] attempt 1 rank 1" in res.stdout and f"[{h1.ip}:0] attempt 1 rank 0" in res.stdout
     # --log_dir: the head writes every rank's lines, remote ones included
     log1 = (tmp_path / "logs" / "rank_1.log").read_text().splitlines()
-    assert log1[0].startswith("=== run ") and log1[1:] == ["attempt 0 rank 1", "attempt 1 rank 1"]
-    assert "restarting the whole job on every node (1/1)" in res.stderr
+    assert log1[0].startswith("=== dslaunch run ") and log1[0].endswith(" restart 0 ===")
+    assert log1[1:] == ["attempt 0 rank 1", log1[2], "attempt 1 rank 1"] and log1[2].endswith(" restart 1 ===")
+    assert "restarting every worker (restart 1 of 1)" in res.stderr
 
 
 @pytest.mark.timeout(90)
@@ -277,7 +282,7 @@ def test_pdsh_launcher_for_real(ns_cluster, ssh_home, tmp_path):
         f"[{h2.ip}:2] hi 2 0 {h2.name} ['a b', '%n']",
     ]
     res = _run([*common, script, "fail"], env, tmp_path)
-    assert res.returncode == 4 and f"rank 2 on host {h2.ip} failed first" in res.stderr
+    assert res.returncode == 4 and f"dslaunch: {h2.ip}:2 failed first" in res.stderr
     assert not _only_sshd_left(ns_cluster)
 
     # SIGKILL to the head: pdsh dies with it, and the agents notice through their heartbeat

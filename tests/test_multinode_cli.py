@@ -4,8 +4,11 @@ import sys
 
 import pytest
 
+from dslaunch.launcher.envfile import EnvFile, EnvFiles
 from dslaunch.launcher.errors import LaunchConfigError
-from dslaunch.launcher.ssh_env import MASK, forwarded_env, masked
+from dslaunch.launcher.masking import MASK, looks_secret, masked
+from dslaunch.launcher.options import LaunchOptions
+from dslaunch.launcher.plan import passed_env
 
 DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 
@@ -14,20 +17,35 @@ def test_forwarded_env_prefixes_file_and_exports():
     environ = {"NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": "/x", "HF_TOKEN": "t",
                "CUDA_VISIBLE_DEVICES": "0,1", "CUDA_HOME": "/cuda", "HOME": "/root", "PATH": "/bin", "MINE": "m",
                "OMP_NUM_THREADS": "4", "UCX_TLS": "tcp", "FI_PROVIDER": "efa", "TORCH_SHOW_CPP_STACKTRACES": "1"}
-    got = forwarded_env(environ, {"FROM_FILE": "f", "NCCL_DEBUG": "WARN"}, ["MINE", "SET=a=b c"])
+    files = EnvFiles((EnvFile("f", {"FROM_FILE": "f", "NCCL_DEBUG": "WARN"}),))
+    opts = LaunchOptions("x.py", export=("MINE", "SET=a=b c"))
+    got, hidden = passed_env(opts, environ, files, remote=True)
     assert got == {"FROM_FILE": "f", "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": "/x",
                    "HF_TOKEN": "t", "CUDA_HOME": "/cuda", "OMP_NUM_THREADS": "4", "UCX_TLS": "tcp",
                    "FI_PROVIDER": "efa", "TORCH_SHOW_CPP_STACKTRACES": "1", "MINE": "m", "SET": "a=b c"}
+    assert hidden == {"FROM_FILE", "NCCL_DEBUG", "SET"}  # by origin: the env file and --export VALUE
+    # this machine's workers inherit the environment: only the file and --export values are added
+    here, _ = passed_env(opts, environ, files, remote=False)
+    assert here == {"FROM_FILE": "f", "NCCL_DEBUG": "WARN", "SET": "a=b c"}
     with pytest.raises(LaunchConfigError, match="--export NOPE: not set"):
-        forwarded_env(environ, {}, ["NOPE"])
+        passed_env(LaunchOptions("x.py", export=("NOPE",)), environ, EnvFiles(), remote=True)
     with pytest.raises(LaunchConfigError, match="not a valid variable name"):
-        forwarded_env(environ, {}, ["1BAD=x"])
+        passed_env(LaunchOptions("x.py", export=("1BAD=x",)), environ, EnvFiles(), remote=True)
 
 
-def test_masking():
-    env = {"RANK": "0", "HF_TOKEN": "secret"}
-    assert masked(env, {"HF_TOKEN"}, show=False) == {"RANK": "0", "HF_TOKEN": MASK}
-    assert masked(env, {"HF_TOKEN"}, show=True) == env
+@pytest.mark.parametrize("name, secret", [
+    ("HF_TOKEN", True), ("WANDB_API_KEY", True), ("MYPASS", True), ("DB_PASSWORD", True), ("AWS_SECRET_ACCESS_KEY", True),
+    ("GITHUB_AUTH", True), ("PYTHONUNBUFFERED", False), ("NCCL_DEBUG", False), ("PYTHONPATH", False), ("RANK", False),
+])
+def test_secret_looking_names(name, secret):
+    assert looks_secret(name) is secret
+
+
+def test_masking_by_name_or_origin():
+    env = {"RANK": "0", "HF_TOKEN": "secret", "FROM_FILE": "v", "PYTHONUNBUFFERED": "1"}
+    assert masked(env, {"FROM_FILE"}, show=False) == {"RANK": "0", "HF_TOKEN": MASK, "FROM_FILE": MASK,
+                                                       "PYTHONUNBUFFERED": "1"}
+    assert masked(env, {"FROM_FILE"}, show=True) == env
 
 
 def _run(args, tmp_path, env=None):
@@ -45,14 +63,17 @@ def test_dry_run_of_remote_layout_masks_and_shows_agents(tmp_path):
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "dslaunch plan: 2 node(s), world size 3, master 10.1.1.1:29500" in out and "launcher ssh" in out
-    assert "node 0: alice@node-a (remote: cd " in out and "-m dslaunch.launcher.agent" in out
-    assert "HF_TOKEN=*** " in out and "NCCL_IB_HCA=***" in out and "hf_xyz" not in out + res.stderr
+    assert "node 0: alice@node-a (remote) slots 0-1 ranks 0-1\n  agent: cd " in out
+    assert "-m dslaunch.launcher.agent" in out
+    # masked by name (HF_TOKEN); NCCL_IB_HCA is forwarded by prefix and not secret-looking
+    assert "HF_TOKEN=*** " in out and "NCCL_IB_HCA=mlx5" in out and "hf_xyz" not in out + res.stderr
     assert "'a b'" in out and "RANK=2" in out
     shown = _run(["--hostfile", str(hf), "--dry_run", "--show_env", "--json", "train.py"], tmp_path,
                  env={"HF_TOKEN": "hf_xyz"})
     import json
     plan = json.loads(shown.stdout)
     assert plan["launcher"] == "ssh" and plan["nodes"][1]["workers"][0]["env"]["HF_TOKEN"] == "hf_xyz"
+    assert plan["backend"]["agents"]["node-b"].endswith("-u -m dslaunch.launcher.agent")
 
 
 @pytest.mark.parametrize("launcher,exe,package", [("openmpi", "mpirun", "openmpi-bin"), ("slurm", "srun", "slurm-client")])
@@ -64,9 +85,12 @@ def test_missing_cluster_tool_is_one_line_naming_the_package(tmp_path, launcher,
     assert res.stderr.strip().splitlines() == [
         f"dslaunch: error: --launcher {launcher} needs `{exe}`, which is not on PATH "
         f"(Debian/Ubuntu: apt-get install {package})"]
-    dry = _run(["--hostfile", str(hf), "--launcher", launcher, "--dry_run", "--master_addr", "h", "x.py", "q r"],
-               tmp_path, env={"NCCL_X": "v"})
-    assert dry.returncode == 0 and exe in dry.stdout and "'q r'" in dry.stdout and "NCCL_X=***" in dry.stdout
+    dry = _run(["--hostfile", str(hf), "--launcher", launcher, "--dry_run", "--master_addr", "h",
+                "--export", "MYPASS=hunter2", "x.py", "q r"], tmp_path, env={"NCCL_X": "v", "NCCL_TOKEN": "tok"})
+    assert dry.returncode == 0, dry.stderr
+    command = next(line for line in dry.stdout.splitlines() if line.startswith("command: "))
+    assert f" {exe} " in command and "'q r'" in command and "NCCL_X=v" in command
+    assert "NCCL_TOKEN=***" in command and "MYPASS=***" in command and "hunter2" not in dry.stdout + dry.stderr
 
 
 def test_bad_export_and_bad_ssh_config_are_usage_errors(tmp_path):

@@ -1,4 +1,6 @@
 """`dslaunch check --hostfile H` against the namespace cluster."""
+import os
+import re
 import subprocess
 import sys
 
@@ -38,7 +40,25 @@ def test_check_prints_table_and_names_offending_hosts(ns_cluster, ssh_home, tmp_
     assert rows[ns_cluster.unused_ip].split()[1] == "NO"
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dslaunch check: preflight failed on ")
-    assert h1.name in err[0] and f"{ns_cluster.unused_ip} (connect to" in err[0]
+    # the first try times out; after it the kernel may remember the failed ARP and say so at once
+    assert h1.name in err[0] and re.search(rf"{re.escape(ns_cluster.unused_ip)} \((connect to .* timed out|"
+                                           r"cannot connect to .*No route to host)", err[0]), err[0]
+
+
+def test_check_of_this_machine_needs_no_ssh_and_reads_the_launch_variables(tmp_path):
+    """localhost only: probed here (no SSH to localhost:22); DSLAUNCH_* options as for a launch."""
+    hf = tmp_path / "hosts"
+    hf.write_text("localhost slots=2\n")
+    env = dict(os.environ, DSLAUNCH_HOSTFILE=str(hf), DSLAUNCH_MASTER_PORT="1", DSLAUNCH_SSH_TIMEOUT="nan",
+               HOME=str(tmp_path))
+    res = subprocess.run(DSLAUNCH + ["check"], env=env, capture_output=True, text=True, timeout=100)
+    assert res.returncode == 2 and res.stderr.strip() == "dslaunch check: --ssh_timeout nan: must be a finite number of seconds"
+    del env["DSLAUNCH_SSH_TIMEOUT"]
+    res = subprocess.run(DSLAUNCH + ["check"], env=env, capture_output=True, text=True, timeout=100)
+    assert res.returncode == 0, res.stdout + res.stderr
+    header, row = res.stdout.splitlines()
+    assert "master 127.0.0.1:1" in header  # nobody listens on port 1: refused, which proves the address
+    assert row.split()[:2] == ["localhost", "yes"] and "0/2 (cpu)" in row and row.rstrip().endswith("ok")
 
 
 def test_check_usage_errors_are_one_line(tmp_path):

@@ -20,11 +20,21 @@ def specs(n, *action):
 
 
 class Collect:
+    """A GroupObserver that keeps everything."""
+
     def __init__(self):
         self.lines = []
+        self.failures = []
+        self.exits = []
 
-    def __call__(self, spec, stream, line):
-        self.lines.append((spec.rank, stream, line))
+    def line(self, line):
+        self.lines.append((line.rank, line.stream, line.data))
+
+    def failed(self, failure):
+        self.failures.append(failure)
+
+    def exited(self, label):
+        self.exits.append(label)
 
 
 def run(specs_, **kw) -> "tuple[GroupResult, Collect]":
@@ -53,6 +63,8 @@ def test_first_failure_stops_the_group_and_reports_stderr_tail():
     assert (f.rank, f.exit_code, f.signal) == (1, 7, None)
     assert f.stderr_tail[-1] == "rank 1 is failing"
     assert f.describe().startswith("rank 1 failed first: exited with code 7")
+    assert sink.failures == [f]  # told once, before teardown
+    assert sorted(sink.exits) == ["rank 0", "rank 2"]
     assert result.states == {0: WorkerState.STOPPED, 1: WorkerState.FAILED, 2: WorkerState.STOPPED}
     assert result.exit_codes[0] == result.exit_codes[2] == 128 + signal.SIGTERM
     assert result.teardown_s < 1.0
@@ -68,8 +80,8 @@ def test_signal_death_maps_to_128_plus_n():
 @pytest.mark.timeout(60)
 def test_request_stop_forwards_signal():
     class StopWhenReady(Collect):
-        def __call__(self, spec, stream, line):
-            super().__call__(spec, stream, line)
+        def line(self, line):
+            super().line(line)
             if sum(1 for _, _, l in self.lines if l.startswith(b"ready")) == 2:
                 sup.request_stop(signal.SIGINT)  # as a signal handler would, mid-loop
 
@@ -87,6 +99,7 @@ def test_unstartable_worker_fails_the_group():
     result, sink = run(bad)
     assert result.failure.rank == 0 and result.exit_code == 127
     assert "cannot start '/nonexistent/prog'" in result.failure.stderr_tail[0]
+    assert result.failure.how() == "cannot start '/nonexistent/prog': No such file or directory"
 
 
 @pytest.mark.timeout(60)

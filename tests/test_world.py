@@ -29,6 +29,11 @@ def shape(world):
         ({"exclude": "w1"}, [(0, "w0", (0, 1, 2, 3), 0), (1, "w2", (0, 1), 4)]),
         ({"exclude": "w0:0@w2:1"}, [(0, "w0", (1, 2, 3), 0), (1, "w1", (0, 1, 2, 3), 3), (2, "w2", (0,), 7)]),
         ({"exclude": "w2:0,1"}, [(0, "w0", (0, 1, 2, 3), 0), (1, "w1", (0, 1, 2, 3), 4)]),
+        # DeepSpeed merges a host named twice and a slot named twice
+        ({"include": "w0:1,1"}, [(0, "w0", (1,), 0)]),
+        ({"include": "w0:1@w0:0,1"}, [(0, "w0", (0, 1), 0)]),
+        ({"include": "w0@w0:1"}, [(0, "w0", (0, 1, 2, 3), 0)]),  # a bare host is all of it
+        ({"exclude": "w0:1@w0:2"}, [(0, "w0", (0, 3), 0), (1, "w1", (0, 1, 2, 3), 2), (2, "w2", (0, 1), 6)]),
     ],
 )
 def test_layout(kwargs, expected):
@@ -49,8 +54,6 @@ def test_layout(kwargs, expected):
         ({"include": "w0:a"}, "--include 'w0:a': slot 'a' of host 'w0' is not a whole number"),
         ({"include": "w0:"}, "--include 'w0:': slot '' of host 'w0' is not a whole number"),
         ({"include": "w0@@w1"}, "--include 'w0@@w1': empty host name"),
-        ({"include": "w0@w0:1"}, "--include 'w0@w0:1': host 'w0' named twice"),
-        ({"include": "w0:1,1"}, "--include 'w0:1,1': slot 1 of host 'w0' named twice"),
         ({"exclude": "w0@w1@w2"}, "--exclude 'w0@w1@w2': no slots left to run on"),
         ({"num_nodes": 4}, "--num_nodes 4: only 3 host(s) available"),
         ({"num_nodes": 0}, "--num_nodes 0: must be at least 1"),

@@ -1,16 +1,15 @@
 """GPU detection without torch, and plans for machines we do not have (GPU boxes)."""
 import io
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.machine import MachineFacts, detect_gpus, is_local
-from dslaunch.launcher.output import ConsoleSink
-from dslaunch.launcher.plan import LaunchOptions, build_plan, plan_to_dict
-from dslaunch.launcher.supervisor import WorkerSpec
+from dslaunch.launcher.options import LaunchOptions
+from dslaunch.launcher.output import JobOutput, OutputLine
+from dslaunch.launcher.plan import build_plan
+from dslaunch.launcher.plan_view import plan_to_dict
 
 SCRIPT = str(Path(__file__).resolve())
 
@@ -79,18 +78,25 @@ class FakeTty(io.BytesIO):
 def test_console_colours_only_on_a_terminal(monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     tty, pipe = FakeTty(), io.BytesIO()
-    ConsoleSink(tty, pipe)(WorkerSpec(1, ["x"], {}), "stdout", b"hi\n")
-    ConsoleSink(tty, pipe)(WorkerSpec(1, ["x"], {}), "stderr", b"oops\n")
+    out = JobOutput(tty, pipe)
+    out.line(OutputLine(1, "rank 1", "stdout", b"hi\n"))
+    out.line(OutputLine(1, "rank 1", "stderr", b"oops\n"))
+    out.close()
     assert tty.getvalue() == b"\x1b[33m[rank 1]\x1b[0m hi\n" and pipe.getvalue() == b"[rank 1] oops\n"
     monkeypatch.setenv("NO_COLOR", "1")
     plain = FakeTty()
-    ConsoleSink(plain, pipe)(WorkerSpec(0, ["x"], {}), "stdout", b"hi\n")
+    out = JobOutput(plain, pipe)
+    out.line(OutputLine(0, "rank 0", "stdout", b"hi\n"))
+    out.close()
     assert plain.getvalue() == b"[rank 0] hi\n"
 
 
 def test_env_file_values_reach_workers_but_never_override_the_contract(tmp_path):
     (tmp_path / ".dslaunch_env").write_text("OMP_NUM_THREADS=3\nRANK=99\nNCCL_DEBUG=INFO\n")
     p = build_plan(LaunchOptions(SCRIPT, num_gpus=2), facts(0, tmp=tmp_path), {})
-    envs = [w["env"] for w in plan_to_dict(p)["nodes"][0]["workers"]]
+    envs = [w.env for w in p.nodes[0].workers]
     assert [(e["OMP_NUM_THREADS"], e["RANK"], e["NCCL_DEBUG"]) for e in envs] == [("3", "0", "INFO"), ("3", "1", "INFO")]
+    # every value from an env file is masked in the plan's printed forms, by origin
+    shown = plan_to_dict(p)["nodes"][0]["workers"][0]["env"]
+    assert (shown["OMP_NUM_THREADS"], shown["NCCL_DEBUG"], shown["RANK"]) == ("***", "***", "0")
     assert p.notes == ["no GPU on this machine: --num_gpus counts worker processes; running 2 on the CPU"]

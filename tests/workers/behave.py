@@ -7,7 +7,8 @@ ACTIONS
     exit RANK CODE           rank RANK exits CODE after 0.3 s; the others wait to be stopped
     kill RANK SIG            rank RANK kills itself with signal SIG; the others wait
     tree PIDFILE MODE        spawn a child, a setsid'd child and an orphaned grandchild that sleep,
-                             record this rank's tree in PIDFILE.<rank>, wait for every rank's file;
+                             record this rank's tree in PIDFILE.<rank>, wait for every rank's file
+                             and then for PIDFILE.go (the test's census of the tree is done);
                              MODE: wait | ignore (the whole tree ignores SIGTERM and SIGINT,
                              rank 1 exits 5) | ignore_wait (the same, nobody fails)
                              | exit:CODE (rank 1 exits CODE) | signal:N (rank 1 kills itself)
@@ -81,7 +82,9 @@ elif action == "tree":
         json.dump([os.getpid(), child.pid, escaped.pid, orphan], f)
     os.replace(pidfile + ".tmp", pidfile)
     world = int(os.environ["WORLD_SIZE"])
-    while not all(os.path.exists(f"{argv[1]}.{r}") for r in range(world)):
+    # Act only once the test has counted every process: a rank that failed earlier would end
+    # the job (and its watchdog) while the census is being taken.
+    while not all(os.path.exists(f"{argv[1]}.{r}") for r in (*range(world), "go")):
         time.sleep(0.02)
     ready(rank)
     if rank == 1 and mode not in ("wait", "ignore_wait"):

@@ -1,0 +1,277 @@
+"""The head of a multi-node job: one node agent per host, one job made of them.
+
+    head ──link──> agent (host A) ──> workers rank 0..k
+         ──link──> agent (host B) ──> workers rank k+1..
+
+The plan (plan.py) already holds every worker's argv and env; the head only hands each
+node's part to that node's agent over a link (ssh channel, pdsh, local subprocess: the
+backend's business, see backends/) and supervises the agents. Transport-independent.
+
+Keeping the job whole:
+- an agent reports its node's first failure at once; the head then tells every other
+  agent to stop (they SIGTERM their workers, SIGKILL after --kill_grace) and ends the
+  attempt with that failure;
+- heartbeats: the head pings every agent every heartbeat_s and counts any event from
+  an agent as a sign of life. A host silent for --heartbeat_timeout (a partition, a
+  dead machine, a hung sshd) is lost: the head stops every other host and exits 255
+  naming it. The agent, missing the head's pings as long, kills its own workers;
+- SIGINT/SIGTERM/SIGHUP to the head: the same stop everywhere, exit 128+N;
+- --max_restarts restarts the whole job on every node (attempts.run_attempts).
+Sending never blocks the loop: every link has its own sender thread.
+"""
+from __future__ import annotations
+
+import queue
+import subprocess
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from dslaunch.launcher.attempts import AttemptResult, StopSignals, run_attempts
+from dslaunch.launcher.failure import Failure, host_failure
+from dslaunch.launcher.output import STDERR, STDOUT, JobOutput, OutputLine
+from dslaunch.launcher.plan import LaunchPlan, NodePlan
+from dslaunch.launcher.protocol import PING, STOP, AgentRequest, decode
+
+
+def heartbeat_interval(timeout: float) -> float:
+    """Pings often enough that a few lost to load never look like a silent host."""
+    return max(0.2, min(2.0, timeout / 5))
+
+
+class AgentLink:
+    """One node agent's channel. Subclasses start the agent and feed its output to post();
+    send() only queues, a thread per link does the writing (a partitioned link may block)."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self._outbox: "queue.Queue[Optional[bytes]]" = queue.Queue()
+        self._post: Optional[Callable[[dict], None]] = None
+        threading.Thread(target=self._send_loop, daemon=True, name=f"dslaunch-send-{host}").start()
+
+    def start(self, post: Callable[[dict], None], request: AgentRequest) -> None:
+        """Start the agent, hand it the request; events (parsed or {"ev": "agent_err"}) go to post."""
+        raise NotImplementedError
+
+    def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """End the channel: the agent sees EOF and stops its workers."""
+        raise NotImplementedError
+
+    def send(self, data: bytes) -> None:
+        self._outbox.put(data)
+
+    def _send_loop(self) -> None:
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            try:
+                self.write(data)
+            except Exception:
+                return  # a dead link ends in an eof event from its reader
+
+    def stop_sending(self) -> None:
+        self._outbox.put(None)
+
+    def read_events(self, stream, post: Callable[[dict], None]) -> None:
+        """Reader-thread body for a stream of JSON event lines; ends with an eof event."""
+        try:
+            for raw in stream:
+                post(decode(raw) or {"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")})
+        except Exception:
+            pass
+        post({"ev": "eof"})
+
+    @staticmethod
+    def read_errors(stream, post: Callable[[dict], None]) -> None:
+        try:
+            for raw in stream:
+                post({"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")})
+        except Exception:
+            pass
+
+
+class LocalLink(AgentLink):
+    """An agent for a node of the head's own machine: a subprocess speaking the same protocol."""
+
+    def __init__(self, host: str, python: str, workdir: str):
+        super().__init__(host)
+        self._argv = [python, "-u", "-m", "dslaunch.launcher.agent"]
+        self._workdir = workdir
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, post: Callable[[dict], None], request: AgentRequest) -> None:
+        self.proc = subprocess.Popen(self._argv, cwd=self._workdir, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for target, stream in ((self.read_events, self.proc.stdout), (self.read_errors, self.proc.stderr)):
+            threading.Thread(target=target, args=(stream, post), daemon=True, name=f"dslaunch-{self.host}").start()
+        self.send(request.to_line())
+
+    def write(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+
+class Head:
+    def __init__(self, plan: LaunchPlan, open_links: Callable[[Sequence[NodePlan]], List[AgentLink]],
+                 output: JobOutput, err_fd: Optional[int]):
+        self.plan = plan
+        self.output = output
+        self._open_links = open_links
+        self._err_fd = err_fd
+        self._events: "queue.Queue" = queue.Queue()
+        self._signals: Optional[StopSignals] = None
+        o = plan.options
+        self.timeout = o.heartbeat_timeout
+        self.interval = heartbeat_interval(o.heartbeat_timeout)
+        # a starting agent may take the SSH connect time on top before its first word
+        self.first_timeout = o.heartbeat_timeout + o.ssh_timeout
+
+    def run(self) -> int:
+        def on_signal(signum: int, again: bool) -> None:
+            self._events.put((None, {"ev": "signal", "sig": signum, "again": again}))
+
+        with StopSignals(on_signal, self._err_fd, self.plan.options.kill_grace) as signals:
+            self._signals = signals
+            return run_attempts(self._attempt, self.plan.options.max_restarts, self.output, lambda: signals.first)
+
+    # ---------------------------------------------------------------------- one attempt
+    def _attempt(self, restart: int) -> AttemptResult:
+        plan, o = self.plan, self.plan.options
+        self.output.start_attempt(restart, range(plan.world.world_size))
+        # a fresh queue: the last attempt's readers may still post their eofs into theirs
+        events: "queue.Queue" = queue.Queue()
+        self._events = events
+        if self._signals.first is not None:  # a signal that came as the attempts changed over
+            events.put((None, {"ev": "signal", "sig": self._signals.first, "again": False}))
+        nodes = list(plan.nodes)
+        total = plan.world.world_size
+        failure: Optional[Failure] = None
+        stop_signal: Optional[int] = None
+        ended: Dict[str, str] = {}
+        try:
+            links = self._open_links(nodes)
+        except Exception as exc:  # a backend that cannot start its transport: the host is named
+            f = host_failure(getattr(exc, "host", nodes[0].target), f"cannot start the node agent: {exc}")
+            self.output.failed(f)
+            return AttemptResult(f.exit_code, f, None, {}, total)
+        started = time.monotonic()
+        last_seen = {i: None for i in range(len(links))}
+        pending = set(range(len(links)))
+        for i, (link, node) in enumerate(zip(links, nodes)):
+            request = AgentRequest(link.host, node.workers, restart, o.kill_grace, self.interval, self.timeout,
+                                   node.finished, node.bind_core_list)
+            link.start(lambda ev, i=i: events.put((i, ev)), request)
+        stop_deadline: Optional[float] = None
+        next_ping = time.monotonic() + self.interval
+
+        def stop_all(exclude: Sequence[int] = ()) -> None:
+            nonlocal stop_deadline
+            for i in pending - set(exclude):
+                links[i].send(STOP)
+            if stop_deadline is None:
+                stop_deadline = time.monotonic() + o.kill_grace + 5
+
+        while pending:
+            now = time.monotonic()
+            if now >= next_ping:
+                for i in pending:
+                    links[i].send(PING)
+                next_ping = now + self.interval
+            wait = next_ping - now if stop_deadline is None else min(next_ping, stop_deadline) - now
+            try:
+                idx, ev = events.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                idx, ev = None, None
+            now = time.monotonic()
+            if ev is not None:
+                kind = ev.get("ev")
+                if idx is not None:
+                    last_seen[idx] = now
+                if kind == "signal":
+                    if stop_signal is None and failure is None:
+                        stop_signal = ev["sig"]
+                    if ev.get("again"):
+                        for i in pending:
+                            links[i].close()  # agents kill at once on EOF
+                    stop_all()
+                    continue
+                host = links[idx].host
+                if kind == "line":
+                    data = str(ev.get("data", "")).encode("utf-8", "replace")
+                    stream = STDERR if ev.get("stream") == STDERR else STDOUT
+                    rank = int(ev.get("rank", -1))
+                    self.output.line(OutputLine(rank, f"{host}:{rank}", stream, data))
+                elif kind == "exited":
+                    self.output.exited(str(ev.get("label", "")))
+                elif kind in ("agent_err", "error"):
+                    self.output.say(f"[{host} agent] {ev.get('text', '')}")
+                    if kind == "error" and failure is None and idx in pending:
+                        failure = host_failure(host, f"the node agent refused the request: {ev.get('text', '')}")
+                        self.output.failed(failure)
+                        stop_all(exclude=[idx])
+                elif kind == "failed" and idx in pending:
+                    f = Failure.from_dict(ev.get("failure") or {}).on_host(host)
+                    if failure is None and stop_signal is None:
+                        failure = f
+                        self.output.failed(f)
+                        stop_all(exclude=[idx])
+                elif kind == "done" and idx in pending:
+                    pending.discard(idx)
+                    ended.update({str(k): str(v) for k, v in (ev.get("ended") or {}).items()})
+                    f = Failure.from_dict(ev["failure"]).on_host(host) if ev.get("failure") else None
+                    if f is not None and failure is None and stop_signal is None:
+                        failure = f
+                        self.output.failed(f)
+                        stop_all(exclude=[idx])
+                    elif f is not None and f.label != (failure.label if failure else None):
+                        ended[f.label] = "failed"
+                    if ev.get("dropped"):
+                        self.output.say(f"{host}: {ev['dropped']} worker line(s) were dropped on the host: "
+                                        "the head did not read fast enough")
+                elif kind == "eof" and idx in pending:
+                    pending.discard(idx)
+                    if failure is None and stop_signal is None:
+                        failure = host_failure(host, "lost its node agent (the connection dropped or the agent died)")
+                        self.output.failed(failure)
+                        stop_all()
+            # heartbeats: a host that has been silent too long is lost
+            for i in list(pending):
+                seen = last_seen[i]
+                limit = self.timeout if seen is not None else self.first_timeout
+                silent = now - (seen if seen is not None else started)
+                if silent > limit:
+                    pending.discard(i)
+                    links[i].close()
+                    if failure is None:
+                        failure = host_failure(links[i].host, f"lost: nothing from its agent for {silent:.0f}s "
+                                               f"(--heartbeat_timeout {self.timeout:g}; network partition or host down)")
+                        self.output.failed(failure)
+                        stop_all()
+            if stop_deadline is not None and now >= stop_deadline and pending:
+                for i in pending:  # agents that did not finish in time lose their channel: EOF makes them kill
+                    self.output.say(f"{links[i].host}: its agent did not report the end in time; closing it")
+                    links[i].close()
+                break
+        for link in links:
+            link.stop_sending()
+            link.close()
+        if failure is not None:
+            for node in nodes:  # workers of a lost host: their fate is unknown, never "succeeded"
+                for w in node.workers:
+                    ended.setdefault(f"{node.target}:{w.rank}", "stopped")
+            ended.pop(failure.label, None)
+            return AttemptResult(failure.exit_code, failure, None, ended, total)
+        if stop_signal is not None:
+            return AttemptResult(128 + stop_signal, None, stop_signal, ended, total)
+        return AttemptResult(0, None, None, ended, total)
