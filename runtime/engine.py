@@ -19,6 +19,8 @@ from .dataloader import DistributedDataLoader
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_scheduler
 from .optim import build_optimizer
+from .optimizer_policy import check_optimizer
+from .precision import cast_floating, explain_dtype_error, forward_context
 from .progress import ProgressLog
 from .strategy import StrategyContext, strategy_for_stage
 from .strict import ConfigError
@@ -65,6 +67,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = model
 
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
+        check_optimizer(self.optimizer, self.config)
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self.global_rank, world_size=self.world_size)
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
@@ -76,7 +79,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if training_data is not None:
             self.training_dataloader = DistributedDataLoader(
                 training_data, self.batch.micro_batch_per_gpu, self.global_rank, self.world_size,
-                collate_fn=collate_fn)
+                collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last)
 
         self.global_steps = 0
         self.micro_steps = 0
@@ -84,7 +87,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._last_grad_norm: Optional[float] = None
         self._step_applied = False
-        self.progress = ProgressLog(self.config.steps_per_print, enabled=self.global_rank == 0,
+        self.progress = ProgressLog(self.config.steps_per_print, enabled=self.global_rank == 0 and not self.config.quiet,
                                     wall_clock_breakdown=self.config.wall_clock_breakdown)
         self._timing = self.config.wall_clock_breakdown
 
@@ -158,11 +161,17 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # -- training ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if not self._timing:
-            return self.module(*args, **kwargs)
         start = time.perf_counter()
-        out = self.module(*args, **kwargs)
-        self.progress.add_time("forward", time.perf_counter() - start)
+        if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
+            args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        try:
+            with forward_context(self.config, self.device):
+                out = self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            explain_dtype_error(exc, self.compute_dtype, args, kwargs)
+            raise
+        if self._timing:
+            self.progress.add_time("forward", time.perf_counter() - start)
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
@@ -193,7 +202,7 @@ class DeepSpeedEngine(torch.nn.Module):
         scale = self.loss_scale()
         overflow = False
         coef = 1.0 / scale
-        if self.loss_scaler is not None or clip > 0:
+        if self._needs_grad_norm():
             norm = s.global_grad_norm()
             overflow = not (norm == norm and norm != float("inf"))  # nan or inf
             true_norm = norm / scale
@@ -217,6 +226,13 @@ class DeepSpeedEngine(torch.nn.Module):
         lr = self.get_lr()[0] if self.optimizer.param_groups else 0.0
         self.progress.step_done(self.global_steps, self.batch.train_batch_size, lr,
                                 self.loss_scaler.scale if self.loss_scaler is not None else None, self.skipped_steps)
+
+    def _needs_grad_norm(self) -> bool:
+        # fp16 overflow, clipping, bf16's check_grad_overflow, and stage 1-2's compute_grad_norm all need it.
+        c = self.config
+        return (self.loss_scaler is not None or c.gradient_clipping > 0
+                or (c.bf16.enabled and c.bf16.check_grad_overflow)
+                or (c.zero.stage in (1, 2) and c.zero.compute_grad_norm))
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()

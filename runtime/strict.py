@@ -9,6 +9,14 @@ refusing them is the point of this module.
 Supported annotations: bool, int, float, str, Any, Optional[X], List[X], Dict[str, Any],
 Literal[...], nested dataclasses, and Union[bool, SomeDataclass] (for legacy boolean forms,
 resolved by the dataclass's `from_bool` classmethod).
+
+Every key DeepSpeed documents is declared, once, as a field of its section's dataclass:
+`supported(default, note)` when it does here what DeepSpeed documents, `refused(reason,
+*accepted)` when it does not. A refused key is accepted only at the values in `accepted`
+(DeepSpeed's "off" value, which asks for nothing); any other value is an error whose text
+is the reason. So nothing is silently ignored, and a documented key is never reported as
+a typo. `key_rows(cls)` walks the declarations for the README table. The value "auto"
+(Hugging Face's placeholder) is refused everywhere with a line naming the key.
 """
 from __future__ import annotations
 
@@ -17,11 +25,83 @@ import difflib
 import json
 import sys
 import typing
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import MISSING, dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 
 class ConfigError(ValueError):
     """A config problem, already phrased as the one line the user should see."""
+
+
+META = "dslaunch.key"
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What a declared key does here; attached to its dataclass field."""
+
+    note: str = ""  # supported: one line on what it does (README table)
+    refused: Optional[str] = None  # why it is not supported here; the error line after "key: "
+    accepted: Tuple[Any, ...] = ()  # values of a refused key that ask for nothing (or predicates)
+
+
+def supported(default: Any = MISSING, note: str = "", *, factory: Any = MISSING):
+    """A key that does what DeepSpeed documents. `note` says how, for the README table."""
+    meta = {META: KeyInfo(note=note)}
+    if factory is not MISSING:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def refused(reason: str, *accepted: Any):
+    """A documented key that is not supported here. Values in `accepted` (DeepSpeed's off
+    value; a callable is a predicate) load and do nothing; anything else is refused with
+    `reason`. The field's default is the first accepted value."""
+    default = accepted[0] if accepted and not callable(accepted[0]) else None
+    return dataclasses.field(default=default, metadata={META: KeyInfo(refused=reason, accepted=accepted)})
+
+
+def disabled(value) -> bool:
+    """The off form of a whole section: absent/empty, false, or {"enabled": false, ...}."""
+    if value is None or value is False or value == {}:
+        return True
+    return isinstance(value, dict) and value.get("enabled") is False
+
+
+def key_info(f: dataclasses.Field) -> KeyInfo:
+    return f.metadata.get(META, KeyInfo())
+
+
+def _same(value, ref) -> bool:
+    if callable(ref):
+        return bool(ref(value))
+    if isinstance(value, bool) or isinstance(ref, bool):
+        return isinstance(value, bool) and isinstance(ref, bool) and value == ref
+    return value == ref
+
+
+def _shown(value) -> str:
+    return json.dumps(value) if _jsonable(value) else repr(value)
+
+
+AUTO = "auto"
+
+
+def auto_error(path: str) -> ConfigError:
+    return ConfigError(f"{path}: \"auto\" is a placeholder the caller must resolve (the Hugging Face Trainer and "
+                       f"Accelerate fill it in before calling initialize); write the actual value")
+
+
+def find_auto(value, path: str) -> None:
+    """Raise auto_error for the first "auto" inside a free-form value (optimizer params...)."""
+    if isinstance(value, str) and value == AUTO:
+        raise auto_error(path)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            find_auto(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            find_auto(v, f"{path}[{i}]")
 
 
 def _type_name(tp) -> str:
@@ -62,7 +142,10 @@ def convert(value, tp, path: str):
     """Convert `value` to annotation `tp`, raising ConfigError naming `path`."""
     origin = typing.get_origin(tp)
     if tp is Any:
+        find_auto(value, path)
         return value
+    if isinstance(value, str) and value == AUTO and not _admits(tp, AUTO):
+        raise auto_error(path)
     if origin is typing.Union:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -132,8 +215,21 @@ def convert(value, tp, path: str):
     raise TypeError(f"unsupported annotation {tp!r} at {path}")
 
 
+def _admits(tp, value) -> bool:
+    """Whether annotation `tp` takes this string as a legitimate value."""
+    if tp is str or tp is Any:
+        return False  # a free-form string field never legitimately holds "auto" in a DeepSpeed config
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if origin is typing.Union:
+        return any(_admits(a, value) for a in typing.get_args(tp))
+    return False
+
+
 def parse_dataclass(cls, data: Dict[str, Any], path: str = ""):
-    """Build `cls` from `data`; every key must be a field (or a declared alias)."""
+    """Build `cls` from `data`; every key must be a field (or a declared alias), and a
+    refused key must hold one of its accepted values."""
     hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     aliases: Dict[str, str] = getattr(cls, "ALIASES", {})
@@ -143,12 +239,66 @@ def parse_dataclass(cls, data: Dict[str, Any], path: str = ""):
         where = f"{path}.{key}" if path else key
         if name not in fields:
             raise ConfigError(f"{where}: unknown key{suggest(key, list(fields) + list(aliases))}")
+        info = key_info(fields[name])
+        if info.refused is not None:
+            if not any(_same(value, ok) for ok in info.accepted):
+                raise auto_error(where) if isinstance(value, str) and value == AUTO else \
+                    ConfigError(f"{where}: {info.refused}")
+            kwargs[name] = value
+            continue
         kwargs[name] = convert(value, hints[name], where)
+    for name, f in fields.items():
+        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(f"{path + '.' if path else ''}{name}: required")
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
     if check is not None:
         check(path)
     return obj
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """One line of the key table: dotted key, "supported"/"refused"/"alias", and the note
+    (what it does here, or why it is refused)."""
+
+    key: str
+    status: str
+    note: str
+
+
+def _sections(tp) -> List[type]:
+    """The dataclasses an annotation nests (Optional[X], Union[bool, X], X)."""
+    if dataclasses.is_dataclass(tp):
+        return [tp]
+    if typing.get_origin(tp) is typing.Union:
+        return [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+    return []
+
+
+def _accepted_text(accepted) -> str:
+    shown = [_shown(a) for a in accepted if not callable(a)]
+    if any(callable(a) for a in accepted):
+        shown.append("disabled")
+    return f" unless {' or '.join(shown)}" if shown else ""
+
+
+def key_rows(cls, prefix: str = "") -> Iterator[KeyRow]:
+    """Every declared key of `cls`, depth first, in declaration order."""
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = f"{prefix}{f.name}"
+        info = key_info(f)
+        if info.refused is not None:
+            yield KeyRow(key, "refused" + _accepted_text(info.accepted), info.refused)
+            continue
+        yield KeyRow(key, "supported", info.note)
+        for section in _sections(hints[f.name]):
+            yield from key_rows(section, key + ".")
+    for alias, target in getattr(cls, "ALIASES", {}).items():
+        yield KeyRow(f"{prefix}{alias}", "supported", f"older spelling of {prefix}{target}")
 
 
 def _line_col(text: str, pos: int) -> Tuple[int, int]:

@@ -65,7 +65,7 @@ BAD_CONFIGS = [
     ({"optimizer": {"type": "Adam", "parms": {}}}, "config: optimizer.parms: unknown key; did you mean 'params'?"),
     ({"steps_per_print": True}, "config: steps_per_print: expected int, got true"),
     ({"amp": {"enabled": True}},
-     "config: amp.enabled: NVIDIA Apex amp is not supported; use \"fp16\" or \"bf16\" instead"),
+     "config: amp: NVIDIA Apex amp is not supported (DeepSpeed removed it too); use \"fp16\" or \"bf16\""),
     ({"zero_optimization": "yes"}, "config: zero_optimization: expected object, got \"yes\""),
 ]
 

@@ -148,8 +148,9 @@ def _resume_worker(ckpt):
 def _diverging_worker():
     from dslaunch.runtime.zero import RankDivergenceError
 
-    os.environ["DSLAUNCH_ZERO3_CHECK"] = "1"
-    e = _engine(_config(3))
+    cfg = _config(3)
+    cfg["zero_optimization"]["enable_sanity_checks"] = True  # DeepSpeed's key; DSLAUNCH_ZERO3_CHECK overrides it
+    e = _engine(cfg)
     x, y = batches(0, 1, 1, 1)[0]
     try:
         if int(os.environ["RANK"]) == 1:

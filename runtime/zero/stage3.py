@@ -35,7 +35,7 @@ class RankDivergenceError(RuntimeError):
 
 
 class DivergenceCheck:
-    """Opt-in (zero_optimization stage 3 with DSLAUNCH_ZERO3_CHECK=1, or check=True):
+    """Opt-in (zero_optimization.enable_sanity_checks, DSLAUNCH_ZERO3_CHECK=1, or check=True):
     before each stage-3 collective every rank shares a fixed-size description of what it
     is about to do, so a rank that calls modules in another order or number fails with
     both ranks' module names instead of hanging in mismatched collectives."""

@@ -116,7 +116,7 @@ class ZeroStage3(_ShardedStrategy):
                                  z.stage3_prefetch_bucket_size, offload=_offload(ctx),
                                  offload_param=off_param if off_param is not None and off_param.device != "none" else None,
                                  group=ctx.group, sub_group_size=z.sub_group_size,
-                                 reduce_bucket_size=z.reduce_bucket_size)
+                                 reduce_bucket_size=z.reduce_bucket_size, check=z.sanity_checks())
 
     def wrap_module(self) -> None:
         self.impl.wrap()

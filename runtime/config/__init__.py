@@ -1,0 +1,224 @@
+"""The DeepSpeed JSON config as typed dataclasses, and the batch-size rule.
+
+Keys are spelt as DeepSpeed spells them so existing configs load unchanged. Every key
+DeepSpeed documents is declared once, in its section's dataclass (this package, one module
+per concern), either `supported(...)` with a note on what it does here or `refused(...)`
+with the reason (see strict.py); unknown keys are refused with the nearest valid key.
+`DeepSpeedConfig.load(source)` accepts a dict, a JSON/YAML path, or an already parsed
+config. `python -m dslaunch.runtime.config.table` prints the README's key table.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+from ..strict import ConfigError, disabled, load_file, parse_dataclass, refused, supported
+from .checkpoint import CheckpointConfig
+from .checks import positive
+from .comm import CommsLoggerConfig
+from .compute import ActivationCheckpointingConfig, CompileConfig
+from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
+                      WandbConfig)
+from .parallel import ElasticityConfig, PipelineConfig
+from .precision import (REDUCTION_LATER, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig,
+                        check_precision)
+from .zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+REMOVED = "{what} is not supported (DeepSpeed removed it too); remove it"
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = supported(note="Adam (AdamW unless adam_w_mode false), AdamW, SGD, Adagrad, RMSprop")
+    params: Dict[str, Any] = supported(factory=dict, note="the optimizer's constructor arguments, checked by name")
+    legacy_fusion: Any = refused("the legacy fused fp16 optimizer is not supported; remove it", False)
+
+
+@dataclass
+class SchedulerConfig:
+    type: str = supported(note="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle")
+    params: Dict[str, Any] = supported(factory=dict, note="the schedule's arguments, checked by name")
+
+
+@dataclass
+class DeepSpeedConfig:
+    # -- batch ---------------------------------------------------------------------------
+    train_batch_size: Optional[int] = supported(None, "global batch per optimizer step")
+    train_micro_batch_size_per_gpu: Optional[int] = supported(None, "batch per rank per forward/backward")
+    gradient_accumulation_steps: Optional[int] = supported(None, "micro-batches per optimizer step")
+    managed_gradient_accumulation: Any = refused(
+        "false (the script calls step() only at boundaries) is not supported: the engine counts micro-steps", True)
+    dataloader_drop_last: bool = supported(False, "initialize()'s data loader drops the last incomplete batch")
+    # -- optimizer and schedule ----------------------------------------------------------
+    optimizer: Optional[OptimizerConfig] = supported(None, "built by name when initialize() gets no optimizer")
+    scheduler: Optional[SchedulerConfig] = supported(None, "built by name, stepped once per optimizer step")
+    zero_allow_untested_optimizer: bool = supported(
+        False, "ZeRO with a client optimizer other than Adam/AdamW/SGD/Adagrad/RMSprop needs this")
+    zero_force_ds_cpu_optimizer: bool = supported(
+        True, "with offload_optimizer, a client optimizer without a fused CPU step is refused unless false")
+    gradient_clipping: float = supported(0.0, "clip the global gradient norm to this (0 = off)")
+    # -- precision -----------------------------------------------------------------------
+    fp16: FP16Config = supported(factory=FP16Config, note="")
+    bf16: BF16Config = supported(factory=BF16Config, note="")
+    torch_autocast: TorchAutocastConfig = supported(factory=TorchAutocastConfig, note="")
+    data_types: DataTypesConfig = supported(factory=DataTypesConfig, note="")
+    amp: Any = refused("NVIDIA Apex amp is not supported (DeepSpeed removed it too); use \"fp16\" or \"bf16\"",
+                       disabled)
+    # -- gradient reduction --------------------------------------------------------------
+    prescale_gradients: Any = refused("prescaling gradients " + REDUCTION_LATER, False)
+    gradient_predivide_factor: Any = refused("a gradient predivide factor " + REDUCTION_LATER, 1.0, 1)
+    communication_data_type: Any = refused("a communication dtype " + REDUCTION_LATER, None)
+    gradient_allreduce_op: Any = refused("only \"mean\" gradient averaging is supported", "mean")
+    disable_allgather: Any = refused("broadcast-based parameter sync is not supported; remove it", False)
+    # -- ZeRO ----------------------------------------------------------------------------
+    zero_optimization: Union[bool, ZeroConfig] = supported(factory=ZeroConfig, note="true = stage 1 (legacy form)")
+    allgather_size: Optional[int] = supported(None, "allgather_bucket_size of the legacy \"zero_optimization\": "
+                                                    "true form")
+    # -- logging and monitoring ----------------------------------------------------------
+    steps_per_print: int = supported(10, "rank 0 prints a progress line every this many steps")
+    wall_clock_breakdown: bool = supported(False, "forward/backward/step times in the progress line and monitors")
+    memory_breakdown: bool = supported(False, "rank 0 prints memory in use after forward, backward and step")
+    dump_state: bool = supported(False, "rank 0 prints the resolved config and engine state after initialize")
+    log_level: Optional[str] = supported(None, "\"warning\" or higher silences the start-up and progress lines")
+    disable_python_gc: bool = supported(False, "gc.collect() once, then Python's cyclic GC is off until "
+                                               "engine.destroy()")
+    vocabulary_size: Optional[int] = supported(None, "a warning when not a multiple of 8 (tensor-core alignment)")
+    timers: TimersConfig = supported(factory=TimersConfig, note="")
+    tensorboard: TensorBoardConfig = supported(factory=TensorBoardConfig, note="")
+    wandb: WandbConfig = supported(factory=WandbConfig, note="")
+    csv_monitor: CSVConfig = supported(factory=CSVConfig, note="")
+    comet: CometConfig = supported(factory=CometConfig, note="")
+    comms_logger: CommsLoggerConfig = supported(factory=CommsLoggerConfig, note="")
+    flops_profiler: FlopsProfilerConfig = supported(factory=FlopsProfilerConfig, note="")
+    # -- memory and compute --------------------------------------------------------------
+    activation_checkpointing: ActivationCheckpointingConfig = supported(factory=ActivationCheckpointingConfig,
+                                                                        note="read by deepspeed.checkpointing")
+    compile: CompileConfig = supported(factory=CompileConfig, note="")
+    # -- layout --------------------------------------------------------------------------
+    elasticity: ElasticityConfig = supported(factory=ElasticityConfig, note="")
+    pipeline: PipelineConfig = supported(factory=PipelineConfig, note="")
+    sequence_parallel_size: Any = refused("sequence parallelism is not supported; remove it", 1)
+    seq_parallel_communication_data_type: Any = refused("sequence parallelism is not supported; remove it", "fp32")
+    tensor_parallel: Any = refused("AutoTP training is not supported (init_inference shards for inference)",
+                                   disabled, lambda v: isinstance(v, dict) and v.get("autotp_size", 0) == 0)
+    expert_parallel: Any = refused("AutoEP expert parallelism is not supported; remove it", disabled)
+    use_data_before_expert_parallelism: Any = refused("expert parallelism is not supported; remove it", False)
+    hybrid_engine: Any = refused("the RLHF hybrid engine is not supported; remove it", disabled)
+    # -- checkpoints ---------------------------------------------------------------------
+    checkpoint: CheckpointConfig = supported(factory=CheckpointConfig, note="")
+    datastates_ckpt: Any = refused("DataStates asynchronous checkpointing is not supported; remove it", None)
+    # -- not supported -------------------------------------------------------------------
+    autotuning: Any = refused("autotuning is not supported; remove it", disabled)
+    aio: Any = refused("libaio tuning is not supported (NVMe offload uses plain file reads and writes on "
+                       "threads); remove it", disabled)
+    weight_quantization: Any = refused("weight quantization for training is not supported; remove it", None)
+    data_efficiency: Any = refused("the data efficiency library (curriculum learning, random-LTD) is not "
+                                   "supported; remove it", disabled)
+    curriculum_learning: Any = refused(REMOVED.format(what="top-level curriculum learning"), disabled)
+    progressive_layer_drop: Any = refused(REMOVED.format(what="progressive layer drop"), disabled)
+    sparse_attention: Any = refused(REMOVED.format(what="sparse attention"), None)
+    sparse_gradients: Any = refused(REMOVED.format(what="sparse embedding gradient compression"), False)
+    eigenvalue: Any = refused(REMOVED.format(what="eigenvalue-based quantization"), disabled)
+    quantize_training: Any = refused(REMOVED.format(what="mixture-of-quantization training"), disabled)
+    compression_training: Any = refused(REMOVED.format(what="the compression library"), None)
+    nebula: Any = refused(REMOVED.format(what="Nebula checkpointing"), disabled)
+    graph_harvesting: Any = refused(REMOVED.format(what="graph harvesting"), False)
+
+    ALIASES = {"bfloat16": "bf16"}
+
+    def validate(self, path: str) -> None:
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            positive(path, key, getattr(self, key))
+        positive(path, "gradient_clipping", self.gradient_clipping, allow_zero=True)
+        positive(path, "steps_per_print", self.steps_per_print)
+        check_precision(self.fp16, self.bf16, self.torch_autocast)
+        if self.allgather_size is not None:
+            if not self.zero.legacy_bool:
+                raise ConfigError("allgather_size: only read with the legacy \"zero_optimization\": true form; "
+                                  "use zero_optimization.allgather_bucket_size")
+            self.zero.allgather_bucket_size = self.allgather_size
+        if self.log_level is not None and self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def zero(self) -> ZeroConfig:
+        return self.zero_optimization  # always a ZeroConfig after parsing
+
+    @property
+    def quiet(self) -> bool:
+        """log_level asks for warnings and errors only."""
+        return self.log_level is not None and LOG_LEVELS.index(self.log_level.lower()) > LOG_LEVELS.index("info")
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any], source: str = "config") -> "DeepSpeedConfig":
+        try:
+            return parse_dataclass(cls, data)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def load(cls, source) -> "DeepSpeedConfig":
+        """A dict, a JSON/YAML file path, or a DeepSpeedConfig."""
+        if isinstance(source, DeepSpeedConfig):
+            return source
+        if isinstance(source, dict):
+            return cls.from_dict(source)
+        if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+            path = str(source)
+            return cls.from_dict(load_file(path), source=path)
+        raise ConfigError(f"config: expected a dict or a path to a JSON/YAML file, got {type(source).__name__}")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+__all__ = ["DeepSpeedConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
+           "OffloadOptimizerConfig", "OffloadParamConfig", "OffloadDevice", "BatchSizes", "resolve_batch_sizes",
+           "ConfigError"]
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch_per_gpu: int
+    gradient_accumulation_steps: int
+
+
+def resolve_batch_sizes(cfg: DeepSpeedConfig, world_size: int, world_source: str = "world size") -> BatchSizes:
+    """Any two of the three keys fix the third: train_batch = micro * accumulation * world.
+
+    An inconsistent or under-determined set is a ConfigError that prints the numbers, the
+    rule and where the world size came from.
+    """
+    tb, mb, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    rule = "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"
+    ws = f"world size {world_size} ({world_source})"
+
+    def bad(detail: str) -> ConfigError:
+        return ConfigError(f"batch size: {detail}; the rule is {rule}")
+
+    if tb is not None and mb is not None and gas is not None:
+        if tb != mb * gas * world_size:
+            raise bad(f"train_batch_size {tb} != {mb} x {gas} x {world_size} = {mb * gas * world_size} "
+                      f"(train_micro_batch_size_per_gpu {mb}, gradient_accumulation_steps {gas}, {ws})")
+    elif tb is not None and mb is not None:
+        if tb % (mb * world_size):
+            raise bad(f"train_batch_size {tb} is not divisible by train_micro_batch_size_per_gpu {mb} x {ws}")
+        gas = tb // (mb * world_size)
+    elif tb is not None and gas is not None:
+        if tb % (gas * world_size):
+            raise bad(f"train_batch_size {tb} is not divisible by gradient_accumulation_steps {gas} x {ws}")
+        mb = tb // (gas * world_size)
+    elif tb is not None:
+        gas = 1
+        if tb % world_size:
+            raise bad(f"train_batch_size {tb} is not divisible by {ws}")
+        mb = tb // world_size
+    elif mb is not None:
+        gas = gas or 1
+        tb = mb * gas * world_size
+    else:
+        raise bad("set train_batch_size or train_micro_batch_size_per_gpu (neither is in the config)")
+    return BatchSizes(tb, mb, gas)

@@ -1,0 +1,74 @@
+"""Precision sections: `fp16`, `bf16`, `torch_autocast`, `data_types`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..strict import ConfigError, refused, supported
+from .checks import positive
+
+# Reduction numerics wait for the ZeRO refactor (every stage reducing on one group).
+REDUCTION_LATER = "is not supported yet (the reduction dtype is the gradients' dtype); remove it"
+
+
+@dataclass
+class FP16Config:
+    enabled: bool = supported(False, "fp16 compute with fp32 master weights and dynamic or static loss scaling")
+    auto_cast: bool = supported(False, "floating-point tensors passed to engine(...) are cast to fp16")
+    loss_scale: float = supported(0.0, "0 = dynamic loss scaling, otherwise this static scale")
+    initial_scale_power: int = supported(16, "the dynamic scale starts at 2**initial_scale_power")
+    loss_scale_window: int = supported(1000, "clean steps before the dynamic scale doubles")
+    hysteresis: int = supported(2, "overflows tolerated before the scale halves")
+    consecutive_hysteresis: bool = supported(False, "a clean step refills the hysteresis")
+    min_loss_scale: float = supported(1.0, "the dynamic scale never drops below this (a clear error when stuck)")
+    fp16_master_weights_and_grads: Any = refused(
+        "fp16 master weights and gradients are not supported; masters and gradients partitions are fp32", False)
+
+    def validate(self, path: str) -> None:
+        positive(path, "loss_scale", self.loss_scale, allow_zero=True)
+        positive(path, "loss_scale_window", self.loss_scale_window)
+        positive(path, "hysteresis", self.hysteresis)
+        positive(path, "min_loss_scale", self.min_loss_scale)
+
+
+@dataclass
+class BF16Config:
+    enabled: bool = supported(False, "bf16 compute with fp32 master weights")
+    immediate_grad_update: Any = refused(
+        "applying bf16 gradients to the fp32 masters during backward is not supported; remove it", False)
+    check_grad_overflow: bool = supported(True, "an inf/nan gradient norm skips the step (counted as skipped)")
+    bf16_master_weights_and_grads: Any = refused(
+        "bf16 master weights and gradients are not supported; masters are fp32", False)
+    bf16_optimizer_states: Any = refused("bf16 optimizer states are not supported; optimizer state is fp32", False)
+
+
+@dataclass
+class TorchAutocastConfig:
+    enabled: bool = supported(False, "the forward runs under torch.autocast (parameters stay fp32)")
+    dtype: Literal["bfloat16", "bf16", "float16", "fp16", "half"] = supported(
+        "bfloat16", "torch.autocast's lower precision dtype")
+    lower_precision_safe_modules: Any = refused(
+        "reducing chosen modules' gradients in the autocast dtype is not supported; gradients are reduced in "
+        "fp32", None)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.dtype in ("bfloat16", "bf16") else torch.float16
+
+
+@dataclass
+class DataTypesConfig:
+    grad_accum_dtype: Any = refused("gradient accumulation dtype " + REDUCTION_LATER, None)
+    param_dtype: Any = refused("a separate parameter dtype is not supported; use fp16/bf16", None)
+    buffer_dtype: Any = refused("a separate buffer dtype is not supported; buffers follow the model dtype", None)
+    keep_in_fp32_modules: Any = refused("keeping chosen modules in fp32 is not supported; remove it", "auto", None)
+
+
+def check_precision(fp16: FP16Config, bf16: BF16Config, autocast: TorchAutocastConfig) -> None:
+    if fp16.enabled and bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled: choose one of fp16 and bf16")
+    if autocast.enabled and (fp16.enabled or bf16.enabled):
+        raise ConfigError("torch_autocast.enabled: cannot be combined with fp16 or bf16 (autocast keeps fp32 "
+                          "parameters); choose one")
