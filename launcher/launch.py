@@ -73,6 +73,11 @@ def launch(opts: LaunchOptions) -> int:
     plan = build_plan(opts, facts, environ, pick_port=_pick_port(facts),
                       master_addr_of=_master_addr_of(opts) if opts.hostfile else None)
     backend = backends.get(opts.launcher) if plan.remote_nodes else None
+    if not opts.dry_run:  # a dry run needs neither the tool nor the log directory
+        if backend is not None:
+            backend.check(plan)
+        if opts.log_dir:
+            check_log_dir(opts.log_dir)
     err = sys.stderr.buffer
     for note in plan.notes + plan.env_files.notices():
         say(err, note)
@@ -81,10 +86,6 @@ def launch(opts: LaunchOptions) -> int:
         text = json.dumps(plan_to_dict(plan, info), indent=2) if opts.json else format_plan(plan, info)
         sys.stdout.write(text + "\n")
         return 0
-    if backend is not None:
-        backend.check(plan)
-    if opts.log_dir:
-        check_log_dir(opts.log_dir)
     output = JobOutput(sys.stdout.buffer, err, opts.log_dir, plan.run_id)
     err_fd = _fileno(err)
     code = 1

@@ -283,9 +283,9 @@ class JobOutput:
                 continue
             how = f"stopped after {f.label} failed" if state == "stopped" else f"also {state}"
             rank = self._ranks.get(label)
-            where = (f"all in {Path(self._log_dir) / f'rank_{rank}.log'}" if self._log_dir and rank is not None
-                     else "--log_dir keeps them")
-            lines.append(f"{label}: {how}; {hidden} line(s) not shown, {where}")
+            where = (f", all in {Path(self._log_dir) / f'rank_{rank}.log'}" if self._log_dir and rank is not None
+                     else " (--log_dir keeps them)")
+            lines.append(f"{label}: {how}; {hidden} line(s) not shown{where}")
         stopped = sum(1 for state in s.ended.values() if state == "stopped")
         if stopped:
             lines.append(f"stopped the other {stopped} of {s.total} worker(s)")

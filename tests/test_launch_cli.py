@@ -101,12 +101,29 @@ def test_local_hostfile_text_plan(hostfile):
         (["missing.py"], "dslaunch: error: missing.py: no such script"),
         (["--no_python", "no-such-program-xyz"], "no-such-program-xyz: program not found on PATH"),
         (["--env_file", "/nonexistent/envf", BEHAVE], "/nonexistent/envf: env file"),
+        # bad values: one line, exit 2, nothing started
+        (["--kill_grace", "nan", BEHAVE], "--kill_grace nan: must be a finite number of seconds"),
+        (["--kill_grace", "inf", BEHAVE], "--kill_grace inf: must be a finite number of seconds"),
+        (["--kill_grace", "-1", BEHAVE], "--kill_grace -1: must be 0 or more"),
+        (["--heartbeat_timeout", "0", BEHAVE], "--heartbeat_timeout 0: must be 1 or more"),
+        (["--num_gpus", "100000000", BEHAVE], "--num_gpus 100000000: must be between 1 and 1024"),
+        (["--hostfile", "HUGE", BEHAVE], "HUGE:1: slots=100000000: more than 1024 slots on one host"),
+        (["--hostfile", "HUGER", BEHAVE], "HUGER:1: slots=100000000000000000000: more than 1024 slots on one host"),
+        (["--hostfile", "EXP", BEHAVE], "EXP:1: slots=1e20 is not a whole number"),
+        (["--env_file", "NUL", BEHAVE], "NUL:2: contains a NUL byte, which no environment variable can hold"),
+        (["--log_dir", "x.py/logs", BEHAVE], "--log_dir x.py/logs: cannot write there (Not a directory)"),
+        (["--bind_core_list", "0-1", BEHAVE], "--bind_core_list needs --bind_cores_to_rank"),
+        (["--bind_cores_to_rank", "--bind_core_list", "3-1", BEHAVE], "--bind_core_list '3-1': range '3-1' runs backwards"),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(tmp_path, args, message):
     (tmp_path / "HF").write_text("localhost slots=2\nw1 slots=4x\n")
     (tmp_path / "x.py").write_text("")
     (tmp_path / "GOOD").write_text("localhost slots=2\n")
+    (tmp_path / "HUGE").write_text("localhost slots=100000000\n")
+    (tmp_path / "HUGER").write_text("localhost slots=100000000000000000000\n")
+    (tmp_path / "EXP").write_text("localhost slots=1e20\n")
+    (tmp_path / "NUL").write_bytes(b"A=1\nB=x\0y\n")
     code, out, err = cli(args, cwd=tmp_path)
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -153,6 +170,25 @@ def test_env_var_reaches_the_plan():
     p = plan([BEHAVE], env={"DSLAUNCH_NUM_GPUS": "2", "DSLAUNCH_MAX_RESTARTS": "3"})
     assert p["world_size"] == 2 and p["max_restarts"] == 3
     assert plan(["--num_gpus", "1", BEHAVE], env={"DSLAUNCH_NUM_GPUS": "2"})["world_size"] == 1
+
+
+def test_env_files_are_named_on_every_launch_and_masked_in_every_dry_run_form(tmp_path):
+    (tmp_path / ".dslaunch_env").write_text("HF_TOKEN=hf_secret\nPYTHONPATH=/evil\n")
+    (tmp_path / ".deepspeed_env").write_text("WANDB_MODE=offline\n")  # Accelerate writes this one
+    env = {"HOME": str(tmp_path / "nohome"), "DB_PASSWORD": "pw"}
+    for extra in ([], ["--json"]):
+        code, out, err = cli(["--dry_run", *extra, "--export", "MYPASS=hunter2", BEHAVE], env=env, cwd=tmp_path)
+        assert code == 0, err
+        assert f"dslaunch: env file {tmp_path / '.deepspeed_env'} sets WANDB_MODE for every worker" in err
+        assert f"dslaunch: env file {tmp_path / '.dslaunch_env'} sets HF_TOKEN, PYTHONPATH for every worker" in err
+        assert not {"hf_secret", "/evil", "hunter2", "offline"} & set(out.replace("=", " ").replace('"', " ").split())
+        for shown in (["HF_TOKEN", "***"], ["PYTHONPATH", "***"], ["MYPASS", "***"], ["WANDB_MODE", "***"],
+                      ["PYTHONUNBUFFERED", "1"]):
+            assert ("=".join(shown) if not extra else '"%s": "%s"' % tuple(shown)) in out
+    code, out, err = cli(["--dry_run", "--show_env", BEHAVE], env=env, cwd=tmp_path)
+    assert "HF_TOKEN=hf_secret" in out and "WANDB_MODE=offline" in out
+    r = run(["--num_gpus", "1", BEHAVE, "ok"], cwd=tmp_path, env=dict(os.environ, **env))
+    assert r.returncode == 0 and f"env file {tmp_path / '.dslaunch_env'} sets HF_TOKEN, PYTHONPATH" in r.stderr
 
 
 def test_master_port_zero_picks_a_free_port():

@@ -291,10 +291,22 @@ def test_pdsh_launcher_for_real(ns_cluster, ssh_home, tmp_path):
         print("pid", os.getpid(), flush=True)
         time.sleep(120)
     """)
-    head = subprocess.Popen(DSLAUNCH + [*common, "--kill_grace", "1", sleeper], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (tmp_path / ".dslaunch_env").write_text("HF_TOKEN=hf_pdsh_secret\n")
+    head = subprocess.Popen(DSLAUNCH + [*common, "--kill_grace", "1", "--export", "MYPASS=hunter2", sleeper],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pids = [int(head.stdout.readline().split()[-1]) for _ in range(3)]
+        # the plan (secrets included) went through 0600 files, already read and removed, not argv
+        leaked = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.pid == head.pid:
+                continue  # the user's own command line is theirs
+            if "hf_pdsh_secret" in cmd or "hunter2" in cmd or "--plan" in cmd:
+                leaked.append(cmd)
+        assert not leaked
+        request_dir = tmp_path / ".dslaunch"
+        assert request_dir.stat().st_mode & 0o777 == 0o700 and not list(request_dir.iterdir())
         head.kill()
         head.wait()
         assert not _wait_gone(pids, 10.0)
@@ -321,3 +333,65 @@ def test_local_and_remote_hosts_in_one_job_with_workdir(ns_cluster, ssh_home, tm
     lines = sorted(line for line in res.stdout.splitlines() if " at " in line)
     import socket
     assert lines == sorted([f"[localhost:0] at 0 {socket.gethostname()} {work}", f"[{h1.name}:1] at 1 {h1.name} {work}"])
+
+
+def _job_processes(tb):
+    """Processes in the host namespaces other than sshd (listeners and their sessions)."""
+    out = []
+    for pid in tb.host_pids():
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        if cmd and not cmd[0].startswith(("sshd", "/usr/sbin/sshd")):
+            out.append(" ".join(cmd))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_link_down_is_a_lost_host_and_both_sides_stop(ns_cluster, ssh_home, tmp_path, launcher):
+    """`ip link set <veth> down` on one host mid-job: the head names it lost and exits within
+    --heartbeat_timeout + 5 s; that host's agent, missing the head's pings as long, kills its
+    workers; once the link is back no process of the job is left on either host."""
+    env, home = ssh_home
+    extra = ["--launcher", "pdsh", "--ssh_key", str(home / ".ssh" / "id_ed25519"), "--skip_check"] if launcher == "pdsh" else []
+    env["PDSH_SSH_ARGS_APPEND"] = f"-o UserKnownHostsFile={home}/.ssh/known_hosts -o LogLevel=ERROR"
+    h1, h2 = ns_cluster.hosts
+    hf = _hostfile(tmp_path, [f"{h1.ip} slots=1", f"{h2.ip} slots=1"])
+    script = _script(tmp_path, "sleep.py", """
+        import os, time
+        print("pid", os.getpid(), flush=True)
+        time.sleep(120)
+    """)
+    timeout = 5
+    head = subprocess.Popen(DSLAUNCH + ["--hostfile", hf, "--kill_grace", "1", "--heartbeat_timeout", str(timeout),
+                                        *extra, "--no_local_rank", script], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    link_down = False
+    try:
+        pids = [int(head.stdout.readline().split()[-1]) for _ in range(2)]
+        subprocess.run(["ip", "link", "set", "dev", h2.veth, "down"], check=True)
+        link_down = True
+        t0 = time.monotonic()
+        code = head.wait(timeout=timeout + 5)
+        took = time.monotonic() - t0
+        err = head.stderr.read()
+        assert code == 255, err
+        assert f"dslaunch: {h2.ip} failed first: lost: nothing from its agent for " in err, err
+        assert took < timeout + 5
+        assert not _wait_gone(pids[:1], 5)  # the reachable host was stopped by the head
+        # the cut-off host's agent killed its worker by itself, while the link was still down
+        assert not _wait_gone(pids[1:], t0 + timeout + 5 - time.monotonic() + 1)
+        subprocess.run(["ip", "link", "set", "dev", h2.veth, "up"], check=True)
+        link_down = False
+        deadline = time.monotonic() + 15
+        while _job_processes(ns_cluster) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _job_processes(ns_cluster)
+    finally:
+        if link_down:
+            subprocess.run(["ip", "link", "set", "dev", h2.veth, "up"])
+        if head.poll() is None:
+            head.kill()
+            head.wait()

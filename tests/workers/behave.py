@@ -12,6 +12,12 @@ ACTIONS
                              MODE: wait | ignore (the whole tree ignores SIGTERM and SIGINT,
                              rank 1 exits 5) | ignore_wait (the same, nobody fails)
                              | exit:CODE (rank 1 exits CODE) | signal:N (rank 1 kills itself)
+    flood OUT MODE           record SIGTERM/SIGINT arrival in OUT.stopped.<rank> and exit; rank 0
+                             floods stdout; MODE fail: rank 1 exits 3 after 1 s (time in OUT.failed)
+    cascade OUT MODE         torch-style `[rankN]: ` tracebacks. MODE victim: rank 1 fails with a
+                             config error, then rank 0 (deaf to SIGTERM) prints a follow-on
+                             "Connection closed by peer" traceback and exits 1. MODE same: both
+                             print the same config error, rank 0 first, but rank 1 exits first
     env OUT                  write the worker's argv and environment as JSON to OUT.<rank>
     args                     print the script's argv as JSON on one line
 """
@@ -93,6 +99,65 @@ elif action == "tree":
             os.kill(os.getpid(), int(mode.split(":")[1]))
         sys.exit(5 if ignore else int(mode.split(":")[1]))
     wait_forever()
+elif action == "flood":
+    out, mode = argv[1], argv[2]
+
+    def stopped(signum, frame):
+        with open(f"{out}.stopped.{rank}", "w") as f:
+            f.write(repr(time.time()))
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGINT, stopped)
+    open(f"{out}.ready.{rank}", "w").close()
+    if rank == 1:
+        if mode == "fail":
+            time.sleep(1.0)
+            with open(f"{out}.failed", "w") as f:
+                f.write(repr(time.time()))
+            sys.exit(3)
+        wait_forever()
+    line = "x" * 200 + "\n"
+    while True:
+        sys.stdout.write(line)
+elif action == "cascade":
+    out, mode = argv[1], argv[2]
+
+    def traceback_lines(r, error):
+        return "".join(f"[rank{r}]: {t}\n" for t in (
+            "Traceback (most recent call last):", '  File "train.py", line 7, in <module>', f"    {error}", error))
+
+    def wait_for(name):
+        while not os.path.exists(f"{out}.{name}"):
+            time.sleep(0.01)
+
+    config_error = "ValueError: ds_config: unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"
+    print(f"rank {rank} starting", flush=True)
+    if mode == "victim":
+        if rank == 1:
+            sys.stderr.write(traceback_lines(1, config_error))
+            sys.stderr.flush()
+            open(f"{out}.failing", "w").close()
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        wait_for("failing")
+        time.sleep(0.2)  # rank 1 is gone: what follows is a follow-on error
+        sys.stderr.write(traceback_lines(0, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"))
+        sys.stderr.flush()
+        sys.exit(1)
+    if rank == 0:
+        wait_for("started")
+        sys.stderr.write(traceback_lines(0, config_error))
+        sys.stderr.flush()
+        open(f"{out}.printed", "w").close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(0.5)
+        sys.exit(1)
+    open(f"{out}.started", "w").close()
+    wait_for("printed")
+    sys.stderr.write(traceback_lines(1, config_error))
+    sys.stderr.flush()
+    sys.exit(1)
 elif action == "env":
     with open(f"{argv[1]}.{rank}", "w") as f:
         json.dump({"argv": sys.argv, "env": dict(os.environ)}, f)

@@ -1,0 +1,90 @@
+"""What the console shows while a job runs and fails, through the real CLI: output never
+holds up supervision (a reader that does not read), the first failure's own output then
+one summary, follow-on errors collapsed to one line per victim, every line in --log_dir."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BEHAVE = str(Path(__file__).with_name("workers") / "behave.py")
+DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
+
+
+def _wait_for(path: Path, proc, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["rank fails", "SIGINT"])
+def test_a_reader_that_never_reads_does_not_delay_the_stop(tmp_path, how):
+    """Rank 0 floods stdout into a pipe nobody reads. The stop still reaches the workers
+    within 1 s of the failure (or of Ctrl-C) while not one byte has been read; the lines
+    the console could not take are counted, and every line is in --log_dir."""
+    out = tmp_path / "flood"
+    mode = "fail" if how == "rank fails" else "wait"
+    proc = subprocess.Popen([*DSLAUNCH, "--num_gpus", "2", "--kill_grace", "20", "--log_dir", str(tmp_path / "logs"),
+                             BEHAVE, "flood", str(out), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path)
+    try:
+        for r in (0, 1):
+            _wait_for(Path(f"{out}.ready.{r}"), proc)
+        time.sleep(1.0 if how == "SIGINT" else 0)  # the 64 KiB pipe to us is full by now
+        if how == "SIGINT":
+            t_cause = time.time()
+            proc.send_signal(signal.SIGINT)
+        else:
+            _wait_for(Path(f"{out}.failed"), proc)
+            t_cause = float(Path(f"{out}.failed").read_text())
+        stopped = Path(f"{out}.stopped.0")
+        _wait_for(stopped, proc, timeout=30)  # still not a byte read from dslaunch's stdout
+        assert float(stopped.read_text()) - t_cause < 1.0
+    finally:
+        stdout, stderr = proc.communicate(timeout=60)  # now read: dslaunch shows what it kept and ends
+    err = stderr.decode()
+    assert proc.returncode == (3 if how == "rank fails" else 130), err
+    assert "worker line(s) were not shown: the console did not keep up (every line is in" in err
+    assert len(stdout) > 1 << 20  # the console buffer's worth, not everything
+    assert (tmp_path / "logs" / "rank_0.log").stat().st_size > len(stdout)
+
+
+@pytest.mark.timeout(90)
+def test_follow_on_errors_are_collapsed_and_the_first_failure_shown_once(tmp_path):
+    r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", "--log_dir", "logs", BEHAVE, "cascade", str(tmp_path / "c"),
+                        "victim"], capture_output=True, text=True, cwd=tmp_path, timeout=80)
+    assert r.returncode == 1, r.stderr
+    err = r.stderr.splitlines()
+    ours = [line for line in err if not line.startswith("dslaunch: no GPU")]
+    assert ours[:4] == [
+        "[rank 1] Traceback (most recent call last):",  # torch's own `[rank1]: ` prefix is not doubled
+        '[rank 1]   File "train.py", line 7, in <module>',
+        "[rank 1]     ValueError: ds_config: unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)",
+        "[rank 1] ValueError: ds_config: unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)",
+    ]
+    assert ours[4].startswith("dslaunch: rank 1 failed first: exited with code 1 after ")
+    assert ours[5:] == [
+        f"dslaunch: rank 0: also failed; 4 line(s) not shown, all in {Path('logs') / 'rank_0.log'}",
+    ] or ours[5:] == [
+        f"dslaunch: rank 0: stopped after rank 1 failed; 4 line(s) not shown, all in {Path('logs') / 'rank_0.log'}",
+        "dslaunch: stopped the other 1 of 2 worker(s)",
+    ]
+    assert "Connection closed by peer" not in r.stderr
+    log0 = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "[rank0]: RuntimeError: [gloo] Connection closed by peer" in log0  # every line kept, unprefixed
+
+
+@pytest.mark.timeout(90)
+def test_the_same_error_on_every_rank_is_shown_once(tmp_path):
+    r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", BEHAVE, "cascade", str(tmp_path / "c"), "same"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=80)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("unknown key 'zero_optimisation'") == 2  # one traceback: the error line and its source
+    assert r.stderr.count("Traceback (most recent call last):") == 1
+    assert "line(s) not shown (--log_dir keeps them)" in r.stderr
