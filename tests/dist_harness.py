@@ -18,6 +18,14 @@ for the Python stack of every thread (faulthandler on SIGUSR1), all are killed, 
 If one rank fails, the others are killed at once (they would otherwise wait forever in
 a collective) and `RankFailed` carries the failing rank's stderr.
 
+Shutdown: like the runtime (dslaunch.runtime.comm.shutdown), every rank tears down in
+order before the interpreter finalises: after `fn` returns (and, for scripts, at exit) it
+runs the runtime's orderly shutdown when the runtime was imported (runtime threads
+stopped, outstanding collectives waited for, groups destroyed), and otherwise destroys
+whatever process group is left, then collects garbage so the backend threads are joined
+while Python is whole. Without this a rank can exit with SIGABRT ("terminate called
+without an active exception") after finishing its work.
+
 Running this file directly is the worker side; it is not meant to be invoked by hand.
 """
 from __future__ import annotations
@@ -164,22 +172,48 @@ def run_script(argv: Sequence[str], nprocs: int = 2, timeout: float = 120, env: 
         cmds = []
         envs = []
         for r in range(nprocs):
-            stack = os.path.join(workdir, f"stack{r}")
-            # The script gets the stack-on-SIGUSR1 handler through a tiny bootstrap.
-            boot = (f"import faulthandler,signal,sys,runpy;f=open({stack!r},'w');"
-                    f"faulthandler.register(signal.SIGUSR1,file=f,all_threads=True);"
-                    f"sys.argv={list(argv)!r};runpy.run_path(sys.argv[0],run_name='__main__')")
-            cmds.append([sys.executable, "-c", boot])
+            # this file runs the script (stack-on-SIGUSR1 handler, teardown at exit)
+            cmds.append([sys.executable, HERE, "--script", os.path.join(workdir, f"stack{r}"), *argv])
             envs.append(_rank_env(r, nprocs, port, env))
         return _supervise(cmds, envs, timeout, workdir, cwd=cwd)
 
 
-def _worker(job_path: str, result_path: str, stack_path: str) -> None:
+def teardown() -> None:
+    """The orderly end of a rank (see the module docstring); idempotent."""
+    import gc
+
+    runtime_shutdown = sys.modules.get("dslaunch.runtime.comm.shutdown")
+    if runtime_shutdown is not None:
+        runtime_shutdown.orderly_shutdown()
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    gc.collect()
+
+
+def _stacks_on_sigusr1(stack_path: str) -> None:
     import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)
+
+
+def _script_main(stack_path: str, argv: List[str]) -> None:
+    import atexit
+    import runpy
+
+    _stacks_on_sigusr1(stack_path)
+    atexit.register(teardown)  # registered first, so it runs after the script's own handlers
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` would
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def _worker(job_path: str, result_path: str, stack_path: str) -> None:
     import importlib.util
 
-    stack_file = open(stack_path, "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    _stacks_on_sigusr1(stack_path)
     with open(job_path, "rb") as fh:
         job = pickle.load(fh)
     sys.path.insert(0, os.path.dirname(job["source"]))
@@ -192,14 +226,14 @@ def _worker(job_path: str, result_path: str, stack_path: str) -> None:
 
         dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     result = fn(**job["kwargs"])
-    if job["init"]:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
     with open(result_path, "wb") as fh:
         pickle.dump(result, fh)
+    del result
+    teardown()
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:4])
+    if sys.argv[1] == "--script":
+        _script_main(sys.argv[2], sys.argv[3:])
+    else:
+        _worker(*sys.argv[1:4])

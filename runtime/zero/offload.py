@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..comm import shutdown
+
 _warned = False
 
 
@@ -141,6 +143,7 @@ class NVMeHost(OptimizerHost):
         self.on_disk = [False] * len(self.units)
         self.bytes_read = 0
         self.bytes_written = 0
+        shutdown.register_owner(self.close)  # at exit: writes flushed, threads stopped, files removed
 
     def _path(self, ui: int) -> str:
         return os.path.join(self.dir, f"unit{ui}.pt")

@@ -22,6 +22,7 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
+from ..comm import shutdown
 from .offload import remove_swap_files
 
 
@@ -38,6 +39,7 @@ class ParamSwapper:
         self._lock = threading.Lock()  # _writing is also emptied from the I/O thread
         self.bytes_read = 0
         self.bytes_written = 0
+        shutdown.register_owner(self.stop)
 
     def attach(self, zs: Iterable) -> None:
         """Move these shards (now in memory) to their files."""
@@ -113,6 +115,12 @@ class ParamSwapper:
             if z.resident is None:
                 z.resident = self.read(z)
             z.swap = None
+        self.stop()
+
+    def stop(self) -> None:
+        """At interpreter exit (and from close): queued writes finish, the I/O thread
+        stops, the files go. Shards still in files are not read back."""
+        self.flush()
         self._io.shutdown(wait=True)
         remove_swap_files(self._paths.values(), self.dir)
         self._zs.clear()
