@@ -7,7 +7,6 @@ GradientStrategy chosen by zero_optimization.stage (see strategy.py for the call
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, Optional
 
 import torch
@@ -21,6 +20,8 @@ from .lr_schedules import build_scheduler
 from .optim import build_optimizer
 from .optimizer_policy import check_optimizer
 from .precision import cast_floating, explain_dtype_error, forward_context
+from .monitor import StepMeter, build_monitor
+from .monitor import report
 from .progress import ProgressLog
 from .strategy import StrategyContext, strategy_for_stage
 from .strict import ConfigError
@@ -87,9 +88,34 @@ class DeepSpeedEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._last_grad_norm: Optional[float] = None
         self._step_applied = False
-        self.progress = ProgressLog(self.config.steps_per_print, enabled=self.global_rank == 0 and not self.config.quiet,
-                                    wall_clock_breakdown=self.config.wall_clock_breakdown)
-        self._timing = self.config.wall_clock_breakdown
+        self._train_steps: Optional[int] = None
+        self._setup_reporting()
+
+    def _setup_reporting(self) -> None:
+        # Rank 0 reports through one Monitor: the progress line plus the configured monitors.
+        c, rank0 = self.config, self.global_rank == 0
+        breakdown = c.wall_clock_breakdown or c.flops_profiler.enabled
+        self.progress = ProgressLog(c.steps_per_print, enabled=rank0 and not c.quiet, wall_clock_breakdown=breakdown,
+                                    throughput=c.timers.throughput.enabled)
+        self.monitor = build_monitor(c, self.global_rank, self.progress)
+        self._meter = StepMeter(breakdown, synchronize=c.timers.throughput.synchronized or breakdown)
+        self._gc = report.PythonGC()
+        if c.disable_python_gc:
+            self._gc.acquire()
+        if rank0:
+            for line in filter(None, [None if c.quiet else report.startup_line(self),
+                                      report.vocabulary_warning(c.vocabulary_size)]):
+                print(line, flush=True)
+            if c.dump_state:
+                report.dump_state(self)
+
+    def _memory(self, label: str) -> None:
+        if self.config.memory_breakdown and self.global_rank == 0:
+            print(report.memory_line(label, self.device), flush=True)
+
+    def set_train_steps(self, steps: int) -> None:
+        """The run's total optimizer steps, for the progress line's step/total and ETA."""
+        self._train_steps = int(steps)
 
     # -- set-up helpers ----------------------------------------------------------------------
     def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
@@ -161,43 +187,54 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # -- training ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        start = time.perf_counter()
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         try:
-            with forward_context(self.config, self.device):
+            with self._meter.timed("forward"), forward_context(self.config, self.device):
                 out = self.module(*args, **kwargs)
         except RuntimeError as exc:
             explain_dtype_error(exc, self.compute_dtype, args, kwargs)
             raise
-        if self._timing:
-            self.progress.add_time("forward", time.perf_counter() - start)
+        self._memory("after forward")
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
-        start = time.perf_counter()
         boundary = self.is_gradient_accumulation_boundary()
-        self.progress.add_loss(float(loss.detach()))
+        self._meter.add_loss(float(loss.detach()))
         factor = self.loss_scale() / self.batch.gradient_accumulation_steps
         scaled = loss.float() * factor if factor != 1.0 else loss
-        self.strategy.before_backward(boundary)
-        scaled.backward(retain_graph=retain_graph)
-        self.strategy.after_backward(boundary)
-        if self._timing:
-            self.progress.add_time("backward", time.perf_counter() - start)
+        with self._meter.timed("backward"):
+            self.strategy.before_backward(boundary)
+            with self._meter.timed("backward_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with self._meter.timed("backward_allreduce"):
+                self.strategy.after_backward(boundary)
+        self._memory("after backward")
         return loss
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        start = time.perf_counter()
-        if self.is_gradient_accumulation_boundary():
-            self._boundary_step(lr_kwargs or {})
-        self.micro_steps += 1
-        if self._timing:
-            self.progress.add_time("step", time.perf_counter() - start)
+        boundary = self.is_gradient_accumulation_boundary()
+        with self._meter.timed("step"):
+            if boundary:
+                self._boundary_step(lr_kwargs or {})
+            self.micro_steps += 1
+        if boundary:
+            self._report_step()
+        self._memory("after step")
+
+    def _report_step(self) -> None:
+        lr = self.get_lr()[0] if self.optimizer.param_groups else 0.0
+        loader = self.training_dataloader
+        epoch_steps = len(loader) // self.batch.gradient_accumulation_steps if loader is not None else None
+        record = self._meter.record(self.global_steps, self.global_samples, lr,
+                                    self.loss_scaler.scale if self.loss_scaler is not None else None,
+                                    self.skipped_steps, total_steps=self._train_steps, epoch_steps=epoch_steps or None)
+        self.monitor.write_step(record)
 
     def _boundary_step(self, lr_kwargs: Dict[str, Any]) -> None:
         s = self.strategy
-        s.reduce_gradients()
+        with self._meter.timed("backward_allreduce"):
+            s.reduce_gradients()
         clip = self.config.gradient_clipping
         scale = self.loss_scale()
         overflow = False
@@ -223,9 +260,6 @@ class DeepSpeedEngine(torch.nn.Module):
             self.loss_scaler.update(overflow)
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
-        lr = self.get_lr()[0] if self.optimizer.param_groups else 0.0
-        self.progress.step_done(self.global_steps, self.batch.train_batch_size, lr,
-                                self.loss_scaler.scale if self.loss_scaler is not None else None, self.skipped_steps)
 
     def _needs_grad_norm(self) -> bool:
         # fp16 overflow, clipping, bf16's check_grad_overflow, and stage 1-2's compute_grad_norm all need it.
@@ -277,3 +311,5 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def destroy(self) -> None:
         self.strategy.close()
+        self.monitor.close()
+        self._gc.release()

@@ -114,7 +114,14 @@ def test_getting_started_script_on_two_ranks(tmp_path, script):
     assert res[0]["losses"][-1] < res[0]["losses"][0] / 2
     assert res[0]["client"] == {"epoch": 2}
     # rank 0 logs every steps_per_print steps; rank 1 is quiet
-    assert "step 4 | loss" in runs[0].stdout and "step 4 |" not in runs[1].stdout
+    # the loader's length gives the epoch position; the loss is labelled as a window mean
+    assert "step 4 (epoch 0 4/8) | loss " in runs[0].stdout and "(mean of 4 steps)" in runs[0].stdout
+    assert "step 4" not in runs[1].stdout
+    # rank 0 says once what is running
+    assert runs[0].stdout.count("dslaunch: ZeRO stage 0 | fp32 | offload optimizer none, params none | optimizer "
+                                "AdamW stepped by torch AdamW | world 2 = data 2 x pipeline 1 x model 1 | batch 32 = "
+                                "micro 8 x accumulation 2 x data 2") == 1
+    assert "dslaunch: ZeRO" not in runs[1].stdout
     assert (save / "latest").read_text() == "global_step24"
     assert sorted(os.listdir(save)) == ["global_step16", "global_step24", "global_step8", "latest"]
 

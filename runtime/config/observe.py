@@ -13,14 +13,14 @@ from .checks import positive
 @dataclass
 class TensorBoardConfig:
     enabled: bool = supported(False, "event files through torch.utils.tensorboard (the `tensorboard` extra)")
-    output_path: str = supported("", "directory for the job folder; empty = ./runs")
+    output_path: str = supported("", "directory holding the job folder (empty: the working directory)")
     job_name: str = supported("DeepSpeedJobName", "folder inside output_path")
 
 
 @dataclass
 class CSVConfig:
-    enabled: bool = supported(False, "one <event name>.csv (step,value) per event")
-    output_path: str = supported("", "directory for the job folder; empty = ./csv_monitor")
+    enabled: bool = supported(False, "one Train_Samples_<event>.csv (step,value rows) per event")
+    output_path: str = supported("", "directory holding the job folder (empty: the working directory)")
     job_name: str = supported("DeepSpeedJobName", "folder inside output_path")
 
 
