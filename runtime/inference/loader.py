@@ -1,0 +1,192 @@
+"""`checkpoint=`: load full-model weights straight into the sharded layers.
+
+Accepted forms:
+- a DeepSpeed inference checkpoint json (path or dict): {"type": "ds_model" | "bloom",
+  "checkpoints": [files...], "version": 1.0, "base_dir": optional}; each file holds full
+  tensors for some of the model's keys (the Hugging Face shard files, for instance);
+- a state_dict file: torch.save'd (.pt/.bin/.pth; a DeepSpeed/dslaunch `module`/`model`
+  wrapper is unwrapped) or .safetensors;
+- a directory: a DeepSpeed/dslaunch training checkpoint (`latest` -> <tag>/mp_rank_00_model_states.pt)
+  or a Hugging Face save_pretrained folder (model.safetensors, pytorch_model.bin, or a
+  sharded *.index.json).
+
+Files are opened memory-mapped (torch.load(mmap=True), safetensors' lazy slices), and each
+parallel layer copies only its slice, so a rank reads roughly its share of the bytes and
+never holds a full copy of the model; at most one full tensor of a replicated layer is in
+flight. Keys the model does not have are counted and reported; a tensor that must come from
+the checkpoint (a meta-device model's) and does not is an error naming it.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Set, Tuple
+
+import torch
+from torch import nn
+
+from ..checkpoint import CheckpointError
+from .layers import ParallelEmbedding, ParallelLinear, local_part
+
+_WRAPPER_KEYS = ("module", "model", "state_dict")
+
+
+@dataclass
+class LoadReport:
+    files: List[str] = field(default_factory=list)
+    loaded: Set[int] = field(default_factory=set)  # id() of every model tensor that received data
+    unused: List[str] = field(default_factory=list)  # checkpoint keys the model has no tensor for
+
+
+def _json_files(data: Dict[str, Any], where: str, base_dir: str) -> List[str]:
+    kind = str(data.get("type", "")).lower()
+    ckpts = data.get("checkpoints")
+    if kind not in ("ds_model", "bloom"):
+        raise CheckpointError(f"{where}: checkpoint type {data.get('type')!r} is not supported "
+                              "(\"ds_model\" or \"bloom\" with full-tensor files)")
+    if isinstance(ckpts, dict):
+        raise CheckpointError(f"{where}: pre-sharded \"tp\"/\"non_tp\" checkpoints (DeepSpeed kernel-injection "
+                              "format) are not supported; list the full-model files instead")
+    if not isinstance(ckpts, list) or not ckpts or not all(isinstance(c, str) for c in ckpts):
+        raise CheckpointError(f"{where}: \"checkpoints\" must be a non-empty list of file names")
+    root = data.get("base_dir") or base_dir
+    return [os.path.join(root, c) if root and not os.path.isabs(c) else c for c in ckpts]
+
+
+def _dir_files(path: str) -> List[str]:
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as fh:
+            tag = fh.read().strip()
+        return [os.path.join(path, tag, "mp_rank_00_model_states.pt")]
+    for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map", {})
+        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    for name in ("model.safetensors", "pytorch_model.bin", "mp_rank_00_model_states.pt"):
+        if os.path.isfile(os.path.join(path, name)):
+            return [os.path.join(path, name)]
+    raise CheckpointError(f"{path}: no checkpoint found (expected latest, *.index.json, model.safetensors or "
+                          "pytorch_model.bin)")
+
+
+def checkpoint_files(checkpoint, base_dir: str = "") -> List[str]:
+    if isinstance(checkpoint, dict):
+        files = _json_files(checkpoint, "checkpoint", base_dir)
+    elif os.path.isdir(checkpoint):
+        files = _dir_files(checkpoint)
+    elif checkpoint.endswith(".json"):
+        try:
+            with open(checkpoint) as fh:
+                data = json.load(fh)
+        except OSError as exc:
+            raise CheckpointError(f"{checkpoint}: cannot read: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{checkpoint}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+        files = _json_files(data, checkpoint, base_dir or os.path.dirname(checkpoint))
+    else:
+        files = [checkpoint]
+    for f in files:
+        if not os.path.isfile(f):
+            raise CheckpointError(f"{f}: checkpoint file not found")
+    return files
+
+
+class _StateFile:
+    """One checkpoint file, open for lazy reads: keys() and get(key)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._safe = None
+        self._sd: Dict[str, torch.Tensor] = {}
+        if path.endswith(".safetensors"):
+            try:
+                from safetensors import safe_open
+            except ImportError:
+                raise CheckpointError(f"{path}: reading .safetensors needs the safetensors package") from None
+            self._safe = safe_open(path, framework="pt")
+            return
+        try:
+            sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # a damaged or foreign file: one line naming it
+            raise CheckpointError(f"{path}: cannot load checkpoint: {str(exc).splitlines()[0]}") from None
+        for wrapper in _WRAPPER_KEYS:
+            if isinstance(sd, dict) and isinstance(sd.get(wrapper), dict):
+                sd = sd[wrapper]
+                break
+        if not isinstance(sd, dict):
+            raise CheckpointError(f"{path}: not a state_dict (got {type(sd).__name__})")
+        self._sd = {k: v for k, v in sd.items() if torch.is_tensor(v)}
+
+    def keys(self) -> List[str]:
+        return list(self._safe.keys()) if self._safe is not None else list(self._sd)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._safe.get_tensor(key) if self._safe is not None else self._sd[key]
+
+
+def _expected_full_shape(module: nn.Module, pname: str, local: torch.Tensor) -> Tuple[int, ...]:
+    if isinstance(module, ParallelLinear):
+        if pname == "bias":
+            return (module.full_out,)
+        return (module.full_in, module.full_out) if module.conv1d else (module.full_out, module.full_in)
+    if isinstance(module, ParallelEmbedding):
+        return (module.num_embeddings, module.embedding_dim)
+    shard = getattr(module, "tp_shard", None)
+    if shard is not None:
+        return (shard[0].in_features, shard[0].out_features)
+    return tuple(local.shape)
+
+
+def _copy_into(module: nn.Module, pname: str, full: torch.Tensor, key: str, path: str) -> torch.Tensor:
+    """Copy this rank's part of `full` into the module's tensor `pname`; returns that tensor."""
+    target = module._parameters.get(pname)
+    target = module._buffers.get(pname) if target is None else target
+    local = target if target is not None else getattr(module, pname)
+    expected = _expected_full_shape(module, pname, local)
+    if tuple(full.shape) != expected:
+        raise CheckpointError(f"{path}: {key} has shape {tuple(full.shape)}, the model expects {expected}")
+    if isinstance(module, (ParallelLinear, ParallelEmbedding)):
+        module.load_full_(pname, full)
+    elif getattr(module, "tp_shard", None) is not None:
+        shard, tp, rank = module.tp_shard
+        local.data.copy_(local_part(full, shard, tp, rank, pname))
+    else:
+        local.data.copy_(full)
+    return local
+
+
+def _prefix_fix(keys: List[str], names: Set[str], prefix: str) -> Callable[[str], str]:
+    """Map checkpoint keys onto model names when one side has the base-model prefix the other lacks."""
+    if not prefix or any(k in names for k in keys):
+        return lambda k: k
+    if any(f"{prefix}.{k}" in names for k in keys):
+        return lambda k: f"{prefix}.{k}"
+    if any(k.startswith(prefix + ".") and k[len(prefix) + 1:] in names for k in keys):
+        return lambda k: k[len(prefix) + 1:] if k.startswith(prefix + ".") else k
+    return lambda k: k
+
+
+def load_checkpoint(model: nn.Module, checkpoint, base_dir: str = "") -> LoadReport:
+    report = LoadReport(files=checkpoint_files(checkpoint, base_dir))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    names = {f"{m}.{p}" if m else p for m, mod in modules.items()
+             for p in list(mod._parameters) + list(mod._buffers) + (["weight"] if isinstance(
+                 mod, (ParallelLinear, ParallelEmbedding)) else [])}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    with torch.no_grad():
+        for path in report.files:
+            state = _StateFile(path)
+            keys = state.keys()
+            fix = _prefix_fix(keys, names, prefix)
+            for key in keys:
+                name = fix(key)
+                mod_name, _, pname = name.rpartition(".")
+                module = modules.get(mod_name)
+                if module is None or name not in names:
+                    report.unused.append(key)
+                    continue
+                report.loaded.add(id(_copy_into(module, pname, state.get(key), key, path)))
+    return report
