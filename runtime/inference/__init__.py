@@ -16,14 +16,16 @@ Modules, in the order the data flows:
     quantize.py       per-group symmetric int8 and its dequantisation
     kernel_inject.py  replace_with_kernel_inject: the optimised modules we have
     engine.py         InferenceEngine: the order of the above, forward, generate
+    on_device.py      OnDevice: build a model with its parameters on the meta device
 """
 from __future__ import annotations
 
 from .config import InferenceConfig, InferenceConfigError, parse_inference_config
 from .engine import InferenceEngine, MaxTokensError
+from .on_device import OnDevice
 from .plan import ShardPlan, plan_tensor_parallel
 
-__all__ = ["init_inference", "InferenceEngine", "InferenceConfig", "InferenceConfigError", "MaxTokensError",
+__all__ = ["init_inference", "InferenceEngine", "OnDevice", "InferenceConfig", "InferenceConfigError", "MaxTokensError",
            "ShardPlan", "plan_tensor_parallel"]
 
 
