@@ -13,11 +13,13 @@ def build(kind: str, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, **overrides)
+        cfg = tf.GPT2Config(**{**dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                         bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1), **overrides})
         model = tf.GPT2LMHeadModel(cfg)
     elif kind == "llama":
-        cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                             num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=128, **overrides)
+        cfg = tf.LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                       num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=128),
+                                **overrides})
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "mistral":
         cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

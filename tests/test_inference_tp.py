@@ -135,12 +135,53 @@ def _check_sampling(tp):
         return engine.generate(prompt(), do_sample=True, max_new_tokens=16, pad_token_id=0).tolist()
 
 
+def _check_replicas():
+    """World 4 serving two copies of a tp-2 model: groups from the topology's model axis, made here
+    or passed in as a grid (mpu=)."""
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from inference_models import build, logits, prompt
+
+    ref = logits(build("gpt2"), prompt())
+    made = deepspeed.init_inference(build("gpt2"), mp_size=2, dtype=torch.float)
+    grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=2))
+    given = deepspeed.init_inference(build("gpt2"), mpu=grid, dtype=torch.float)
+    return {"made": (logits(made.module, prompt()) - ref).abs().max().item(), "made_tp": made.tp.size,
+            "made_rank": made.tp.rank, "given": (logits(given.module, prompt()) - ref).abs().max().item(),
+            "given_tp": given.tp.size}
+
+
+def _check_kernel_inject(kinds, tp):
+    """replace_with_kernel_inject on top of tensor parallelism: the attention backend is swapped and
+    the numbers do not move."""
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    from inference_models import build, greedy, logits, prompt
+
+    out = {}
+    for kind in kinds:
+        ref_model = build(kind)
+        ref_logits, ref_tokens = logits(ref_model, prompt()), greedy(ref_model, prompt(), TOKENS)
+        engine = deepspeed.init_inference(build(kind), mp_size=tp, dtype=torch.float, replace_with_kernel_inject=True)
+        out[kind] = {"backend": engine.injected.backend, "attn": engine.module.config._attn_implementation,
+                     "logit_diff": (logits(engine.module, prompt()) - ref_logits).abs().max().item(),
+                     "tokens_equal": torch.equal(greedy(engine, prompt(), TOKENS), ref_tokens)}
+    return out
+
+
 def job(tp: int, kinds, modes, auto_only, int8_kinds, ckpt_path):
     results = {"models": _check_models(kinds, tp, modes)}
+    if tp == 2:
+        results["kernel_inject"] = _check_kernel_inject(("gpt2", "llama"), tp)
     results["models"].update(_check_models(auto_only, tp, ("auto",)))
     results["int8"] = _check_int8(int8_kinds, tp)
     results["checkpoint"] = _check_checkpoint("llama", tp, ckpt_path)
     results["sampled"] = _check_sampling(tp)
+    if tp == 4:
+        results["replicas"] = _check_replicas()
     return results
 
 
@@ -164,6 +205,14 @@ def _assert_results(per_rank, tp):
         assert ck["logit_diff"] < FP32_TOL, (rank, ck)
         assert ck["bytes"] < ck["full_bytes"] / tp * 1.25, (rank, ck)
     assert all(r["sampled"] == per_rank[0]["sampled"] for r in per_rank), "sampling diverged across ranks"
+    for rank, res in enumerate(per_rank):
+        for kind, m in res.get("kernel_inject", {}).items():
+            assert m["backend"] == m["attn"] == "dslaunch_sdpa", (rank, kind, m)
+            assert m["logit_diff"] < FP32_TOL and m["tokens_equal"], (rank, kind, m)
+        if "replicas" in res:
+            rep = res["replicas"]
+            assert rep["made"] < FP32_TOL and rep["given"] < FP32_TOL, (rank, rep)
+            assert (rep["made_tp"], rep["made_rank"], rep["given_tp"]) == (2, rank % 2, 2), (rank, rep)
 
 
 def test_tp2_matches_single_process(tmp_path):

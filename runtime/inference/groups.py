@@ -2,16 +2,16 @@
 
 Where the group comes from, in order:
 1. `tensor_parallel={"tp_group": group}`: that group;
-2. `mpu=` / `tensor_parallel={"mpu": grid}`: a PipelineParallelGrid's model (slice) axis, or a
-   Megatron-style mpu's model-parallel group;
-3. otherwise tp_size consecutive ranks (the innermost `model` axis of DeepSpeed's
-   (pipe, data, model) order): all ranks when tp_size is the world size, else world/tp_size
-   groups side by side, each a full copy of the model.
+2. `mpu=` / `tensor_parallel={"mpu": grid}`: a topology grid's (runtime/topology.py
+   PipelineParallelGrid) tensor-parallel axis, or a Megatron-style mpu's model-parallel group;
+3. otherwise the `model` axis of PipeModelDataParallelTopology(num_pp=1, num_mp=tp_size,
+   num_dp=world/tp_size): tp_size consecutive ranks, all ranks when tp_size is the world size,
+   else world/tp_size groups side by side, each serving a full copy of the model.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,10 +24,6 @@ class TPGroup:
     size: int
     rank: int
     source: str  # said in the log line and in errors
-
-
-def consecutive_groups(world: int, tp: int) -> List[List[int]]:
-    return [list(range(start, start + tp)) for start in range(0, world, tp)]
 
 
 def _from_mpu(mpu) -> Any:
@@ -59,12 +55,8 @@ def resolve_tp_group(cfg: InferenceConfig) -> TPGroup:
     world = dist.get_world_size()
     if world % wanted:
         raise InferenceConfigError(f"init_inference: tp_size={wanted} does not divide the world size {world}")
-    rank = dist.get_rank()
-    if wanted == world:
-        return TPGroup(dist.group.WORLD, world, rank, "all ranks")
-    mine = None
-    for ranks in consecutive_groups(world, wanted):  # every rank creates every group, in one order
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return TPGroup(mine, wanted, rank % wanted, f"ranks in consecutive groups of {wanted}")
+    from ..topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+    grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=wanted, num_dp=world // wanted))
+    source = "all ranks" if wanted == world else f"topology model axis, {world // wanted} replicas of {wanted} ranks"
+    return TPGroup(grid.get_slice_parallel_group(), wanted, grid.get_slice_parallel_rank(), source)
