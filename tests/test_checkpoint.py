@@ -145,9 +145,88 @@ def test_killed_save_keeps_previous_checkpoint_and_damage_is_detected(tmp_path):
     assert errs["truncated"] == (f"checkpoint {save}/truncated is damaged: "
                                  "mp_rank_00_model_states.pt is missing or has the wrong size")
     assert errs["garbage"] == (f"checkpoint file {save}/garbage/mp_rank_00_model_states.pt is damaged: "
-                               "its contents do not match the crc32 checksum in manifest.json")
+                               "its contents do not match the xxh3_64 checksum in manifest.json")
     import torch
 
     assert out["fp16"] == (True, True, True, True, torch.float16)
     assert out["no_latest"] == (f"no checkpoint to resume: {save}/nowhere/latest does not exist "
                                 "(pass tag= to choose one)")
+
+
+CRASH_AT_EVERY_STEP = r'''
+import json, os, shutil, signal, sys
+import torch
+import dslaunch.runtime as deepspeed
+from dslaunch.runtime.checkpoint import saving as save_module
+from dslaunch.runtime.checkpoint.layout import read_latest
+
+root = sys.argv[1]
+steps = sys.argv[2].split(",")
+cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.1}}, "steps_per_print": 100}
+
+def make(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+def train(engine):
+    engine.backward(engine(torch.ones(4, 4)).pow(2).mean())
+    engine.step()
+
+def weights(engine):
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+engine, checker = make(0), make(1)
+save = os.path.join(root, "ckpt")
+train(engine)
+engine.save_checkpoint(save, tag="T")        # the old checkpoint: latest -> T
+old = weights(engine)
+pristine = os.path.join(root, "pristine")
+shutil.copytree(save, pristine)
+train(engine)
+new = weights(engine)
+result = {}
+for step in steps:
+    shutil.rmtree(save)
+    shutil.copytree(pristine, save)
+    pid = os.fork()
+    if pid == 0:
+        def die(name):
+            if name == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        save_module._crash_hook = die
+        engine.save_checkpoint(save, tag="T")  # overwrite the tag latest names
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    path, _ = checker.load_checkpoint(save)  # whatever latest names must load, checksums verified
+    got = weights(checker)
+    which = "old" if all(torch.equal(a, b) for a, b in zip(got, old)) else \
+        "new" if all(torch.equal(a, b) for a, b in zip(got, new)) else "neither"
+    result[step] = [killed, read_latest(save), which]
+# After a crash, the next save completes and leaves no leftovers.
+engine.save_checkpoint(save, tag="T")
+result["after"] = sorted(os.listdir(save))
+print("RESULT " + json.dumps(result), flush=True)
+'''
+
+SAVE_STEPS = ["staging-created", "files-written", "manifest-written", "previous-linked", "latest-to-previous",
+              "old-moved-aside", "new-in-place", "latest-updated", "cleaned"]
+
+
+@pytest.mark.timeout(150)
+def test_latest_always_names_a_loadable_checkpoint_when_a_save_is_killed_at_any_step(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_AT_EVERY_STEP)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), ",".join(SAVE_STEPS)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][0][7:])
+    expected_latest = {"latest-to-previous": ".old.T", "old-moved-aside": ".old.T", "new-in-place": ".old.T"}
+    for i, step in enumerate(SAVE_STEPS):
+        killed, latest, which = result[step]
+        assert killed, step
+        assert latest == expected_latest.get(step, "T"), step
+        assert which == ("new" if i >= SAVE_STEPS.index("latest-updated") else "old"), step
+    assert result["after"] == ["T", "latest"]

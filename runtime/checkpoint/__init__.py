@@ -3,16 +3,16 @@
     errors.py       CheckpointError, the one failure type (one line, exit 2 when uncaught)
     layout.py       file names (DeepSpeed's, with real dp/pp/mp ranks), tags, `latest`
     files.py        atomic checksummed writes, weights_only reads, OS errors as one line
-    manifest.py     manifest.json: every file's size and CRC-32, written last
+    manifest.py     manifest.json: every file's size and XXH3-64 checksum, written last
     rng.py          per-rank RNG states as plain values
     agree.py        every rank learns whether every other rank's part succeeded
-    save.py         engine.save_checkpoint: write, then commit the tag atomically
-    load.py         engine.load_checkpoint: read and check everything, then apply
+    saving.py       engine.save_checkpoint: write, then commit the tag atomically
+    loading.py      engine.load_checkpoint: read and check everything, then apply
     reshard.py      ZeRO shards re-cut for any world size and stage; consolidation maths
     consolidate.py  `dslaunch consolidate`: one fp32 state_dict from any checkpoint
 """
 from .errors import CheckpointError
-from .load import load
-from .save import save
+from .loading import load
+from .saving import save
 
 __all__ = ["CheckpointError", "load", "save"]

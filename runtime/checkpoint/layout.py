@@ -35,7 +35,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 RECOVERY_SCRIPT = "zero_to_fp32.py"
 
-# Directory prefixes reserved for a save in progress (see save.py); never valid user tags.
+# Directory prefixes reserved for a save in progress (see saving.py); never valid user tags.
 STAGING, PREVIOUS, TRASH = ".tmp.", ".old.", ".trash."
 _MAX_TAG = 200  # leaves room for the prefixes within the usual 255-byte name limit
 

@@ -1,6 +1,6 @@
 """manifest.json: what a complete dslaunch checkpoint holds, written last.
 
-It lists every file with its size and CRC-32, plus what a loader must know before it
+It lists every file with its size and XXH3-64 checksum, plus what a loader must know before it
 reads any tensor (saved world size, ZeRO stage, whether the optimizer state is sharded,
 whether client_state needed pickle). Sizes are checked for every file as soon as the
 manifest is read (a truncated file is caught before anything loads); each file's
@@ -55,7 +55,7 @@ class Manifest:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} uses checksum {d.get('checksum')!r}; "
                                   f"this dslaunch verifies {CHECKSUM}")
         try:
-            d["files"] = {k: FileRecord(int(v["size"]), int(v["crc32"])) for k, v in d["files"].items()}
+            d["files"] = {k: FileRecord(int(v["size"]), str(v["digest"])) for k, v in d["files"].items()}
             m = Manifest(**d)
         except (KeyError, TypeError, ValueError, AttributeError):
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} is damaged (fields missing or mistyped)") from None

@@ -22,7 +22,7 @@ from .files import load_torch
 from .layout import model_states_name, optim_states_name, read_latest, rng_states_name, validate_tag
 from .manifest import Manifest
 from .rng import set_rng_state
-from .save import CLIENT_STATE_FILE
+from .saving import CLIENT_STATE_FILE
 
 
 @dataclass
