@@ -20,6 +20,7 @@ from .lr_schedules import build_scheduler
 from .optim import build_optimizer
 from .optimizer_policy import check_optimizer
 from .precision import cast_floating, explain_dtype_error, forward_context
+from .activation_checkpointing import checkpointing
 from .monitor import StepMeter, build_monitor
 from .monitor import report
 from .progress import ProgressLog
@@ -90,6 +91,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_applied = False
         self._train_steps: Optional[int] = None
         self._setup_reporting()
+        # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
+        checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
 
     def _setup_reporting(self) -> None:
         # Rank 0 reports through one Monitor: the progress line plus the configured monitors.

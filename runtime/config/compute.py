@@ -16,13 +16,16 @@ class ActivationCheckpointingConfig:
         False, "checkpointed inputs are split across the model-parallel group and gathered for recompute")
     cpu_checkpointing: bool = supported(False, "checkpointed inputs wait in host memory (moved back for recompute)")
     contiguous_memory_optimization: bool = supported(
-        False, "checkpointed inputs are copied into one preallocated buffer (needs number_checkpoints)")
+        False, "partitioned checkpoint inputs are packed into one preallocated buffer (needs number_checkpoints)")
     number_checkpoints: Optional[int] = supported(None, "checkpoints per step held in that buffer")
     synchronize_checkpoint_boundary: bool = supported(False, "waits for the GPU at each checkpoint (CUDA only)")
     profile: bool = supported(False, "times each checkpointed function's forward and recompute+backward")
 
     def validate(self, path: str) -> None:
         positive(path, "number_checkpoints", self.number_checkpoints)
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise ConfigError(f"{path}.contiguous_memory_optimization: needs partition_activations (it packs the "
+                              f"partitioned activations)")
         if self.contiguous_memory_optimization and self.number_checkpoints is None:
             raise ConfigError(f"{path}.number_checkpoints: required with contiguous_memory_optimization")
 
