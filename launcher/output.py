@@ -8,10 +8,11 @@ blocking writes, see writer.py) and applies one policy:
 
 - Before any failure every line is shown as `[rank N] ...` (`[host:N]` from other hosts),
   stdout to stdout and stderr to stderr, colours only on a terminal.
-- A stderr block that starts with "Traceback (most recent call last):" is held back for up
-  to HOLD_S seconds, or until its worker exits: when another worker fails first, that
-  traceback is a follow-on error (a gloo "Connection closed by peer", the same config
-  error raised on every rank) and is not shown.
+- stdout lines are shown as they come. stderr lines reach the console DELAY_S (0.25 s)
+  after they arrived, in arrival order, and a stderr block that starts with "Traceback
+  (most recent call last):" up to TRACEBACK_S (2 s) later, or when its worker exits. When a worker fails, what the others wrote in
+  that moment is a follow-on error (a gloo "Connection closed by peer", the same config
+  error raised on every rank a few milliseconds apart) and is not shown.
 - After the first failure the console shows only the failing worker's lines; each other
   worker's lines are counted, and the summary names it once: `rank 0: stopped after rank 1
   failed; 22 lines not shown, all in logs/rank_0.log`.
@@ -28,7 +29,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -37,7 +38,8 @@ from dslaunch.launcher.failure import Failure
 from dslaunch.launcher.writer import BoundedWriter
 
 STDOUT, STDERR = "stdout", "stderr"
-HOLD_S = 2.0
+DELAY_S = 0.25
+TRACEBACK_S = 2.0
 CONSOLE_BUFFER = 8 << 20
 LOG_BUFFER = 32 << 20
 _COLOURS = (b"\x1b[36m", b"\x1b[33m", b"\x1b[35m", b"\x1b[32m", b"\x1b[34m", b"\x1b[91m", b"\x1b[96m", b"\x1b[93m")
@@ -114,9 +116,10 @@ class LogDirSink:
 
 
 @dataclass
-class _Hold:
-    deadline: float
-    lines: List[OutputLine] = field(default_factory=list)
+class _Held:
+    due: float
+    line: OutputLine
+    size: int
 
 
 @dataclass(frozen=True)
@@ -132,24 +135,26 @@ class JobOutput:
     """The head's output for a whole job (all attempts). Thread-safe; never blocks the caller."""
 
     def __init__(self, out: BinaryIO, err: BinaryIO, log_dir: Optional[str] = None, run_id: str = "",
-                 hold_s: float = HOLD_S, capacity: int = CONSOLE_BUFFER):
+                 delay_s: float = DELAY_S, traceback_s: float = TRACEBACK_S, capacity: int = CONSOLE_BUFFER):
         self._streams = {STDOUT: (out, _wants_colour(out)), STDERR: (err, _wants_colour(err))}
         self._log_dir = log_dir
         self._run_id = run_id
-        self._hold_s = hold_s
+        self._delay_s = delay_s
+        self._traceback_s = traceback_s
         self._capacity = capacity
         self._logs: Optional[LogDirSink] = None
         self._events: Deque[tuple] = collections.deque()
-        self._pending = 0
+        self._pending = 0  # bytes of worker lines taken and not yet shown or hidden
         self._cond = threading.Condition()
         self._closed = False
         self.dropped = 0  # worker lines the console could not take
-        # console-thread state, reset per attempt
+        # console-thread state; failure, hidden counts and stderr_shown are per attempt
         self._failure: Optional[Failure] = None
         self._hidden: Dict[str, int] = {}
         self._ranks: Dict[str, int] = {}
         self._stderr_shown: set = set()
-        self._holds: Dict[str, _Hold] = {}
+        self._held: Deque[_Held] = collections.deque()  # stderr lines, for delay_s, in arrival order
+        self._tracebacks: Dict[str, Tuple[float, List[_Held]]] = {}  # label -> (due, a traceback block)
         self._gone: set = set()  # streams whose reader went away
         self._thread = threading.Thread(target=self._loop, name="dslaunch-console", daemon=True)
         self._thread.start()
@@ -167,7 +172,7 @@ class JobOutput:
         logs = self._logs
         if logs is not None:
             logs.write(line)
-        self._put(("line", line), size=len(line.data))
+        self._put(("line", line, time.monotonic()), size=len(line.data))
 
     def failed(self, failure: Failure) -> None:
         self._put(("failed", failure), force=True)
@@ -209,7 +214,7 @@ class JobOutput:
         while True:
             with self._cond:
                 while not self._events and not self._closed:
-                    timeout = self._next_deadline()
+                    timeout = self._next_due()
                     if timeout is not None and timeout <= 0:
                         break
                     self._cond.wait(timeout)
@@ -217,61 +222,65 @@ class JobOutput:
                 self._events.clear()
                 closing = self._closed and not batch
             for event, size in batch:
-                getattr(self, "_on_" + event[0])(*event[1:])
-                with self._cond:
-                    self._pending -= size
-            self._release_expired(time.monotonic())
+                getattr(self, "_on_" + event[0])(*event[1:], **({"size": size} if event[0] == "line" else {}))
+            self._release_due(time.monotonic())
             if closing:
-                for label in list(self._holds):
-                    self._release(label)
+                self._flush()
                 if self.dropped:
                     where = f"every line is in {self._log_dir}" if self._log_dir else "--log_dir keeps every line"
                     self._say_now(f"{self.dropped} worker line(s) were not shown: the console did not keep up ({where})")
                 return
 
-    def _next_deadline(self) -> Optional[float]:
-        if not self._holds:
-            return None
-        return min(h.deadline for h in self._holds.values()) - time.monotonic()
+    def _next_due(self) -> Optional[float]:
+        dues = [due for due, _ in self._tracebacks.values()]
+        if self._held:
+            dues.append(self._held[0].due)
+        return min(dues) - time.monotonic() if dues else None
 
     def _on_attempt(self) -> None:
-        for label in list(self._holds):
-            self._release(label)
+        self._flush()
         self._failure = None
         self._hidden.clear()
         self._stderr_shown.clear()
 
-    def _on_line(self, line: OutputLine) -> None:
+    def _on_line(self, line: OutputLine, arrived: float, size: int) -> None:
         self._ranks[line.label] = line.rank
+        held = _Held(arrived + self._delay_s, line, size)
         f = self._failure
         if f is not None and line.label != f.label:
-            self._hidden[line.label] = self._hidden.get(line.label, 0) + 1
-            return
-        if line.stream == STDERR:
-            hold = self._holds.get(line.label)
-            if hold is not None:
-                hold.lines.append(line)
-                return
-            if f is None and self._strip(line).startswith(_TRACEBACK):
-                self._holds[line.label] = _Hold(time.monotonic() + self._hold_s, [line])
-                return
-        self._show(line)
+            self._hide(held)
+        elif line.stream == STDERR and line.label in self._tracebacks:
+            self._tracebacks[line.label][1].append(held)
+        elif line.stream == STDERR and f is None and self._strip(line).startswith(_TRACEBACK):
+            self._tracebacks[line.label] = (arrived + self._traceback_s, [held])
+        elif line.stream == STDERR:
+            self._held.append(held)
+        else:
+            self._show(held)
 
     def _on_failed(self, failure: Failure) -> None:
         if self._failure is not None:
             return
         self._failure = failure
-        self._release(failure.label)
-        for label in list(self._holds):
-            self._release(label)  # now hidden: another worker failed first
+        # what the others wrote in the last instant is a follow-on of this failure: hidden
+        keep = collections.deque()
+        for held in self._held:
+            if held.line.label == failure.label:
+                keep.append(held)
+            else:
+                self._hide(held)
+        self._held = keep
+        self._flush()
 
     def _on_exited(self, label: str) -> None:
-        self._release(label)
+        self._release_traceback(label)
 
     def _on_say(self, text: str) -> None:
+        self._flush()
         self._say_now(text)
 
     def _on_summary(self, s: AttemptSummary) -> None:
+        self._flush()
         f = s.failure
         lines = [f.describe()]
         if f.stderr_tail and f.label not in self._stderr_shown:
@@ -291,20 +300,37 @@ class JobOutput:
             lines.append(f"stopped the other {stopped} of {s.total} worker(s)")
         self._say_now("\n".join(lines))
 
-    def _release(self, label: str) -> None:
-        hold = self._holds.pop(label, None)
-        if hold is None:
+    def _release_due(self, now: float) -> None:
+        for label in [k for k, (due, _) in self._tracebacks.items() if due <= now]:
+            self._release_traceback(label)
+        while self._held and self._held[0].due <= now:
+            self._show(self._held.popleft())
+
+    def _release_traceback(self, label: str) -> None:
+        entry = self._tracebacks.pop(label, None)
+        if entry is None:
             return
         f = self._failure
-        if f is not None and label != f.label:
-            self._hidden[label] = self._hidden.get(label, 0) + len(hold.lines)
-            return
-        for line in hold.lines:
-            self._show(line)
+        for held in entry[1]:
+            if f is not None and label != f.label:
+                self._hide(held)
+            else:
+                self._show(held)
 
-    def _release_expired(self, now: float) -> None:
-        for label in [k for k, h in self._holds.items() if h.deadline <= now]:
-            self._release(label)
+    def _flush(self) -> None:
+        """Everything held goes out now (before a launcher message, at the end of an attempt)."""
+        for label in list(self._tracebacks):
+            self._release_traceback(label)
+        while self._held:
+            self._show(self._held.popleft())
+
+    def _hide(self, held: _Held) -> None:
+        self._hidden[held.line.label] = self._hidden.get(held.line.label, 0) + 1
+        self._done(held.size)
+
+    def _done(self, size: int) -> None:
+        with self._cond:
+            self._pending -= size
 
     def _strip(self, line: OutputLine) -> bytes:
         m = _TORCH_PREFIX.match(line.data)
@@ -312,7 +338,9 @@ class JobOutput:
             return line.data[m.end():]
         return line.data
 
-    def _show(self, line: OutputLine) -> None:
+    def _show(self, held: _Held) -> None:
+        line = held.line
+        self._done(held.size)
         if line.stream == STDERR:
             self._stderr_shown.add(line.label)
         target, colour = self._streams[line.stream]

@@ -28,7 +28,8 @@ from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.hostfile import HostSpec, parse_hostfile
 from dslaunch.launcher.machine import MachineFacts, is_local
 from dslaunch.launcher.options import LaunchOptions
-from dslaunch.launcher.world import Node, RunIdentity, World, layout_world, worker_argv, worker_env
+from dslaunch.launcher.world import (Node, RunIdentity, World, check_selection, layout_world, worker_argv,
+                                     worker_env)
 
 # Variables of the launcher's environment that other hosts' workers get too (DeepSpeed
 # forwards NCCL PYTHON MV2 UCX; torchrun's users expect TORCH_ and OMP_ to travel as well).
@@ -178,6 +179,8 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
                master_addr_of: Optional[Callable[[str], str]] = None) -> LaunchPlan:
     """pick_port(addr) serves --master_port 0 on this machine; master_addr_of(target) gives
     the first host's address as the transport resolves it (~/.ssh/config HostName)."""
+    # before --num_gpus sizes this machine's pool, so the rule holds with or without a hostfile
+    check_selection(opts.include, opts.exclude, opts.num_nodes, opts.num_gpus)
     hosts = resolve_hosts(opts, facts)
     # Without a hostfile --num_gpus already sized the pool; with one it picks slots per host.
     world = layout_world(hosts, include=opts.include, exclude=opts.exclude,

@@ -114,6 +114,17 @@ def _apply_filter(pool: "OrderedDict[str, List[int]]", expr: str, option: str, i
     return result
 
 
+def check_selection(include: str, exclude: str, num_nodes: Optional[int], num_gpus: Optional[int]) -> None:
+    """As in DeepSpeed, --include/--exclude pick exact slots and so cannot be combined with
+    --num_nodes/--num_gpus, nor with each other."""
+    if include and exclude:
+        raise LaunchConfigError("--include and --exclude cannot be used together")
+    if (include or exclude) and (num_nodes is not None or num_gpus is not None):
+        which = "--include" if include else "--exclude"
+        counts = "--num_nodes" if num_nodes is not None else "--num_gpus"
+        raise LaunchConfigError(f"{which} cannot be combined with {counts}: the filter already picks the slots")
+
+
 def layout_world(
     hosts: Sequence[HostSpec],
     *,
@@ -130,12 +141,7 @@ def layout_world(
     """
     if not hosts:
         raise LaunchConfigError("no hosts to run on")
-    if include and exclude:
-        raise LaunchConfigError("--include and --exclude cannot be used together")
-    if (include or exclude) and (num_nodes is not None or num_gpus is not None):
-        which = "--include" if include else "--exclude"
-        counts = "--num_nodes" if num_nodes is not None else "--num_gpus"
-        raise LaunchConfigError(f"{which} cannot be combined with {counts}: the filter already picks the slots")
+    check_selection(include, exclude, num_nodes, num_gpus)
     pool: "OrderedDict[str, List[int]]" = OrderedDict((h.host, list(range(h.slots))) for h in hosts)
     by_name: Dict[str, HostSpec] = {h.host: h for h in hosts}
     if include:

@@ -9,6 +9,15 @@ and prints medians, each launcher's overhead (its time minus the bare run) and t
 dslaunch/torchrun of the overheads. Target: ratio <= 0.5.
 
     python scripts/bench_launch.py [--repeat 5]
+    python scripts/bench_launch.py --bind [--repeat 5] [--nprocs 2]
+
+--bind measures --bind_cores_to_rank instead: the ZeRO-2 CPU-offload loop of
+scripts/examples/zero_offload_steps.py under dslaunch, interleaved in three ways:
+    share     dslaunch's default: no pinning, OMP_NUM_THREADS = cores / ranks
+    all       OMP_NUM_THREADS = all cores per rank, no pinning (DeepSpeed's launcher leaves
+              torch to use every core in every rank)
+    bound     --bind_cores_to_rank: each rank pinned to its share, OMP_NUM_THREADS to match
+and prints each one's median step time and the speed-up of `bound` over the other two.
 """
 from __future__ import annotations
 
@@ -42,10 +51,46 @@ def timed(argv, env) -> float:
     return elapsed
 
 
+def step_time(argv, env) -> float:
+    r = subprocess.run(argv, env=env, capture_output=True, text=True)
+    line = next((ln for ln in r.stdout.splitlines() if "step_s " in ln), None)
+    if r.returncode != 0 or line is None:
+        sys.exit(f"bench_launch: {' '.join(argv)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return float(line.split("step_s ")[1])
+
+
+def bench_bind(args, dslaunch: Path) -> int:
+    cores = len(os.sched_getaffinity(0))
+    worker = str(EXAMPLES / "zero_offload_steps.py")
+    base = [str(dslaunch), "--num_gpus", str(args.nprocs), "--master_port", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSLAUNCH_") and k != "OMP_NUM_THREADS"}
+    ways = {
+        "share": (base, env),
+        "all": (base, dict(env, OMP_NUM_THREADS=str(cores))),
+        "bound": (base + ["--bind_cores_to_rank"], env),
+    }
+    runs = {k: [] for k in ways}
+    for _ in range(args.repeat):
+        for name, (argv, e) in ways.items():
+            runs[name].append(step_time(argv + [worker, "--steps", str(args.steps)], e))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"# {cores} usable CPUs, {args.nprocs} ranks, ZeRO-2 CPU offload, {args.steps} steps, "
+          f"{args.repeat} runs each, median step time; load average {os.getloadavg()[0]:.1f}")
+    for name in ways:
+        print(f"{name:<6} {med[name]:.4f} s   runs: {' '.join(f'{t:.3f}' for t in runs[name])}")
+    print(f"bound vs share: {med['share'] / med['bound']:.2f}x   bound vs all: {med['all'] / med['bound']:.2f}x")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--bind", action="store_true", help="measure --bind_cores_to_rank (see above)")
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
+    if args.bind:
+        return bench_bind(args, BIN / "dslaunch")
     dslaunch = BIN / "dslaunch"
     torchrun = BIN / "torchrun" if (BIN / "torchrun").exists() else shutil.which("torchrun")
     if not dslaunch.exists() or not torchrun:

@@ -1,6 +1,7 @@
 """What the console shows while a job runs and fails, through the real CLI: output never
 holds up supervision (a reader that does not read), the first failure's own output then
 one summary, follow-on errors collapsed to one line per victim, every line in --log_dir."""
+import io
 import os
 import signal
 import subprocess
@@ -9,6 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from dslaunch.launcher.failure import Failure
+from dslaunch.launcher.output import AttemptSummary, JobOutput, OutputLine
 
 BEHAVE = str(Path(__file__).with_name("workers") / "behave.py")
 DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
@@ -88,3 +92,26 @@ def test_the_same_error_on_every_rank_is_shown_once(tmp_path):
     assert r.stderr.count("unknown key 'zero_optimisation'") == 2  # one traceback: the error line and its source
     assert r.stderr.count("Traceback (most recent call last):") == 1
     assert "line(s) not shown (--log_dir keeps them)" in r.stderr
+
+
+def test_console_policy_for_errors_written_in_the_same_instant():
+    """The same one-line error from two ranks a moment apart: the failing rank's shows, the
+    other's (still within the stderr delay) is counted; stdout is never delayed or hidden
+    before the failure."""
+    out, err = io.BytesIO(), io.BytesIO()
+    o = JobOutput(out, err, delay_s=30, traceback_s=30)  # long delays: nothing here depends on timing
+    o.line(OutputLine(0, "rank 0", "stderr", b"error: bad key\n"))
+    o.line(OutputLine(0, "rank 0", "stdout", b"step 1\n"))
+    o.line(OutputLine(1, "rank 1", "stderr", b"[rank1]: error: bad key\n"))
+    o.failed(Failure(1, "rank 1", 2, elapsed_s=1.0))
+    o.line(OutputLine(0, "rank 0", "stderr", b"[rank0]: Traceback (most recent call last):\n"))
+    o.line(OutputLine(1, "rank 1", "stdout", b"bye\n"))
+    o.summary(AttemptSummary(Failure(1, "rank 1", 2, elapsed_s=1.0), {"rank 0": "stopped"}, 2))
+    o.close()
+    assert out.getvalue() == b"[rank 0] step 1\n[rank 1] bye\n"
+    assert err.getvalue().decode().splitlines() == [
+        "[rank 1] error: bad key",
+        "dslaunch: rank 1 failed first: exited with code 2 after 1.0s",
+        "dslaunch: rank 0: stopped after rank 1 failed; 2 line(s) not shown (--log_dir keeps them)",
+        "dslaunch: stopped the other 1 of 2 worker(s)",
+    ]
