@@ -59,10 +59,10 @@ def step_time(argv, env) -> float:
     return float(line.split("step_s ")[1])
 
 
-def bench_bind(args, dslaunch: Path) -> int:
+def bench_bind(args) -> int:
     cores = len(os.sched_getaffinity(0))
     worker = str(EXAMPLES / "zero_offload_steps.py")
-    base = [str(dslaunch), "--num_gpus", str(args.nprocs), "--master_port", "0"]
+    base = [sys.executable, "-m", "dslaunch.launcher", "--num_gpus", str(args.nprocs), "--master_port", "0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSLAUNCH_") and k != "OMP_NUM_THREADS"}
     ways = {
         "share": (base, env),
@@ -90,7 +90,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
     if args.bind:
-        return bench_bind(args, BIN / "dslaunch")
+        return bench_bind(args)
     dslaunch = BIN / "dslaunch"
     torchrun = BIN / "torchrun" if (BIN / "torchrun").exists() else shutil.which("torchrun")
     if not dslaunch.exists() or not torchrun:
