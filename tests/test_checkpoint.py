@@ -68,10 +68,18 @@ def load_body(save_dir, expected):
         after = snapshot()
         assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(before, after)), tag
     out["errors"] = errors
+    # No `latest`: DeepSpeed's (None, None) and a one-line notice; a named tag that is absent is an error.
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        out["no_latest"] = engine.load_checkpoint(os.path.join(save_dir, "nowhere"))
+    out["no_latest_notice"] = err.getvalue()
     try:
-        engine.load_checkpoint(os.path.join(save_dir, "nowhere"))
+        engine.load_checkpoint(os.path.join(save_dir, "nowhere"), tag="global_step1")
     except CheckpointError as exc:
-        out["no_latest"] = str(exc)
+        out["absent_tag"] = str(exc)
     out["fp16"] = _fp16_round_trip(os.path.join(save_dir, "fp16"))
     return out
 
@@ -149,8 +157,10 @@ def test_killed_save_keeps_previous_checkpoint_and_damage_is_detected(tmp_path):
     import torch
 
     assert out["fp16"] == (True, True, True, True, torch.float16)
-    assert out["no_latest"] == (f"no checkpoint to resume: {save}/nowhere/latest does not exist "
-                                "(pass tag= to choose one)")
+    assert out["no_latest"] == (None, None)
+    assert out["no_latest_notice"] == (f"dslaunch: load_checkpoint: no checkpoint in {save}/nowhere "
+                                       f"({save}/nowhere/latest does not exist); nothing loaded\n")
+    assert out["absent_tag"] == f"checkpoint {save}/nowhere/global_step1 does not exist"
 
 
 CRASH_AT_EVERY_STEP = r'''

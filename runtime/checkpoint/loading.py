@@ -11,6 +11,7 @@ checkpoint is one CheckpointError line on every rank and loads nothing.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -91,8 +92,13 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
                                   f"ranks; this job has {world} (consolidate it or load with "
                                   "load_optimizer_states=False)")
         if reshard:
-            optim = [load_torch(manifest.verify(path, optim_states_name(r)), mmap=True)
-                     for r in range(manifest.world_size)]
+            names = [optim_states_name(r) for r in range(manifest.world_size)]
+            absent = [n for n in names if n not in manifest.files]
+            if manifest.node_local and absent:
+                raise CheckpointError(f"checkpoint {path} was saved with checkpoint.use_node_local_storage: this "
+                                      f"node holds {len(names) - len(absent)} of the {len(names)} optimizer shards "
+                                      "needed to re-shard it; resume on the nodes and world size that saved it")
+            optim = [load_torch(manifest.verify(path, n), mmap=True) for n in names]
         elif sharded:
             optim = load_torch(manifest.verify(path, optim_states_name(rank)))
         else:
@@ -131,16 +137,37 @@ def resolve(load_dir: str, tag) -> Optional[str]:
     return os.path.join(load_dir, tag)
 
 
+def _same_checkpoint(paths) -> Optional[str]:
+    """Every rank must load the same tag (with node-local storage each node reads its own
+    `latest`, which a crash can leave behind on one node)."""
+    tags = [None if p is None else os.path.basename(p) for p in paths]
+    if len(set(tags)) > 1:
+        shown = ", ".join(f"rank {r} {t!r}" for r, t in enumerate(tags) if t != tags[0])
+        return f"load_checkpoint: ranks resolved different checkpoints: rank 0 {tags[0]!r}, {shown}"
+    return None
+
+
 def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False,
          trust_pickle: bool = False) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     load_dir = str(load_dir)
-    got, error = None, None
+    path, error = None, None
     try:
         path = resolve(load_dir, tag)
-        if path is None:
-            raise CheckpointError(f"no checkpoint to resume: {os.path.join(load_dir, 'latest')} does not exist "
-                                  "(pass tag= to choose one)")
+    except CheckpointError as exc:
+        error = str(exc)
+    paths = agree(error, path)
+    error = _same_checkpoint(paths)
+    if error:
+        raise CheckpointError(error)
+    if path is None:
+        # DeepSpeed's behaviour, which "resume if possible" scripts rely on: nothing to load.
+        if engine.global_rank == 0:
+            print(f"dslaunch: load_checkpoint: no checkpoint in {load_dir} ({os.path.join(load_dir, 'latest')} does "
+                  "not exist); nothing loaded", file=sys.stderr, flush=True)
+        return None, None
+    got = None
+    try:
         got = _read(engine, path, load_module_strict, load_optimizer_states, load_module_only, trust_pickle)
     except CheckpointError as exc:
         error = str(exc)

@@ -28,6 +28,7 @@ class Manifest:
     sharded_optimizer_state: bool
     files: Dict[str, FileRecord] = field(default_factory=dict)
     pickled_client_state: bool = False  # client_state.pt was saved with allow_pickle=True
+    node_local: bool = False  # checkpoint.use_node_local_storage: only this node's ranks' files are here
     checksum: str = CHECKSUM
     format: str = FORMAT
 
@@ -69,6 +70,9 @@ class Manifest:
         """Path of file `name` after checking its checksum against the manifest."""
         rec = self.files.get(name)
         fpath = os.path.join(path, name)
+        if rec is None and self.node_local:
+            raise CheckpointError(f"checkpoint {path} was saved with checkpoint.use_node_local_storage and this "
+                                  f"node does not hold {name}; resume on the nodes and world size that saved it")
         if rec is None:
             raise CheckpointError(f"checkpoint {path} is damaged: {name} is not listed in {MANIFEST}")
         if file_record(fpath) != rec:

@@ -3,11 +3,17 @@
 Phases (each ends with every rank agreeing on success, so one rank's failure is every
 rank's one-line CheckpointError, never a hang):
 
+  0. every rank's tag is compared (checkpoint.tag_validation) and rank 0's is used;
   1. rank 0 checks that SAVE_DIR can be written (before any state is gathered), checks
      client_state, and creates SAVE_DIR/.tmp.TAG/;
   2. every rank gathers its state (collective under ZeRO-3) and writes its files there,
      each through a .part name, checksummed as it is written;
   3. rank 0 writes manifest.json (sizes and checksums of all ranks' files) and commits.
+
+With checkpoint.use_node_local_storage, SAVE_DIR is a disk of each node's own: what rank 0
+does above, each node's local rank 0 does for its node (its manifest lists the files on
+that node; every node gets the model states and its own `latest`), and a rank reads only
+what its node holds, so such a checkpoint resumes on the same nodes and world size.
 
 The commit never leaves `latest` naming a checkpoint that cannot be loaded, at any
 instant, also when TAG already exists (a tag saved again) and `latest` names it:
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from typing import Any, Callable, Dict, Optional
 
 from .agree import agree
@@ -145,17 +152,44 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
     }
 
 
+def _agreed_tag(engine, tag) -> str:
+    """Every rank's tag compared (checkpoint.tag_validation: Ignore, Warn or Fail, as in
+    DeepSpeed); all ranks then save under rank 0's tag, so a mismatch can never split one
+    checkpoint over several directories (DeepSpeed would write it half in each)."""
+    wanted = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tags = agree(None, wanted)
+    mode = str(engine.config.checkpoint.tag_validation).lower()
+    differ = [f"rank {r} {t!r}" for r, t in enumerate(tags) if t != tags[0]]
+    if differ and mode != "ignore":
+        msg = (f"checkpoint tag differs across ranks: rank 0 {tags[0]!r}, {', '.join(differ[:3])}"
+               f"{' ...' if len(differ) > 3 else ''}")
+        if mode == "fail":
+            raise CheckpointError(msg + " (checkpoint.tag_validation: Fail)")
+        if engine.global_rank == 0:
+            print(f"dslaunch: warning: {msg}; saving under rank 0's tag", file=sys.stderr, flush=True)
+    return validate_tag(tags[0], "save_checkpoint tag")
+
+
+def storage_leader(engine) -> int:
+    """The rank that writes the files every rank shares (model states, manifest, latest) into
+    the storage this rank writes to: rank 0, or with checkpoint.use_node_local_storage the
+    node's local rank 0 (launchers number the ranks of a node consecutively)."""
+    return engine.global_rank - engine.local_rank if engine.config.checkpoint.use_node_local_storage else 0
+
+
 def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
          allow_pickle: bool = False) -> str:
     save_dir = str(save_dir)
-    tag = validate_tag(tag if tag is not None else f"global_step{engine.global_steps}", "save_checkpoint tag")
+    tag = _agreed_tag(engine, tag)
     client_state = dict(client_state) if client_state is not None else {}
     rank, strategy = engine.global_rank, engine.strategy
+    leader = storage_leader(engine)
+    writes_shared = rank == leader
     staging = os.path.join(save_dir, STAGING + tag)
 
     # 1. the directory is checked before any state is gathered
     error, pickled = None, False
-    if rank == 0:
+    if writes_shared:
         try:
             pickled = _prepare(save_dir, staging, client_state, allow_pickle)
         except CheckpointError as exc:
@@ -172,7 +206,7 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
         if strategy.sharded_optimizer_state:
             name = optim_states_name(rank)
             records[name] = write_torch(os.path.join(staging, name), optim_state)
-        if rank == 0:
+        if writes_shared:
             saved_client = {} if pickled else client_state
             records[model_states_name()] = write_torch(
                 os.path.join(staging, model_states_name()),
@@ -183,18 +217,20 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
     except CheckpointError as exc:
         error = str(exc)
     del module_state, optim_state
-    all_records = agree(error, records, on_failure=lambda: rank == 0 and remove_tree(staging))
+    all_records = agree(error, (leader, records), on_failure=lambda: writes_shared and remove_tree(staging))
 
-    # 3. rank 0 writes the manifest and commits
+    # 3. each storage leader writes the manifest of the files in its storage and commits
     error = None
-    if rank == 0:
+    if writes_shared:
         try:
             files: Dict[str, FileRecord] = {}
-            for r in all_records:
-                files.update(r)
+            for r_leader, r_files in all_records:
+                if r_leader == leader:
+                    files.update(r_files)
             manifest = Manifest(tag=tag, world_size=engine.world_size, zero_stage=strategy.stage,
                                 sharded_optimizer_state=strategy.sharded_optimizer_state, files=files,
-                                pickled_client_state=pickled)
+                                pickled_client_state=pickled, node_local=leader != 0 or any(
+                                    r_leader != 0 for r_leader, _ in all_records))
             write_bytes(os.path.join(staging, "manifest.json"), manifest.to_json().encode())
             fsync_dir(staging)
             _step("manifest-written")

@@ -2,19 +2,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from ..strict import disabled, refused
+from ..strict import disabled, refused, supported
 
 LATER = "is not supported yet; remove it"
 
 
 @dataclass
 class CheckpointConfig:
-    tag_validation: Any = refused("checkpoint tag validation across ranks " + LATER, "Ignore", "IGNORE", "ignore")
+    tag_validation: Literal["Ignore", "Warn", "Fail", "IGNORE", "WARN", "FAIL", "ignore", "warn", "fail"] = supported(
+        "Warn", "save_checkpoint compares every rank's tag: Ignore, Warn (one line) or Fail (CheckpointError); "
+        "rank 0's tag is used")
     load_universal: Any = refused("universal checkpoints are not supported; checkpoints re-shard on load by "
                                   "themselves", False)
-    use_node_local_storage: Any = refused("node-local checkpoint storage " + LATER, False)
+    use_node_local_storage: bool = supported(False, "each node's local rank 0 writes the model states, manifest "
+                                             "and latest into its own save_dir; ranks read from their node")
     parallel_write: Any = refused("parallel checkpoint writing by pipeline stage " + LATER, disabled,
                                   lambda v: v == {"pipeline_stage": False})
     checkpoint_serialization: Any = refused("unserialized (legacy zipfile-less) checkpoints are not supported",
