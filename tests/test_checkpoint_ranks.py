@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dist_harness import run_function
+from test_checkpoint_safety import _error
 
 
 def _engine(checkpoint_cfg, seed=0):
@@ -27,16 +28,6 @@ def _step(engine, i):
     x = torch.linspace(-1, 1, 8).view(2, 4) * (i + 1) + rank
     engine.backward(engine(x).pow(2).mean())
     engine.step()
-
-
-def _error(fn, *args, **kwargs):
-    from dslaunch.runtime.checkpoint import CheckpointError
-
-    try:
-        fn(*args, **kwargs)
-    except CheckpointError as exc:
-        return str(exc)
-    return None
 
 
 def ranks_body(root):
