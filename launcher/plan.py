@@ -213,8 +213,11 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
         workers = []
         for lr in range(node.local_world_size):
             env = dict(passed)
-            contract = worker_env(world, node, lr, ident, visible_devices=facts.visible_devices if here else None)
+            visible = facts.visible_devices if here and facts.gpu_count else None
+            contract = worker_env(world, node, lr, ident, visible_devices=visible)
             del contract["DSLAUNCH_ACCELERATOR"]  # the host's own fact: finish_workers sets it
+            if here and not facts.gpu_count and facts.visible_devices is not None:
+                del contract["CUDA_VISIBLE_DEVICES"]  # CPU mode where the user hid the GPUs: they stay hidden
             env.update(contract)
             hidden |= hidden_here - contract.keys()  # a contract value replaced the file's: nothing to hide
             argv = worker_argv(opts.script, opts.script_args, lr, python=facts.python if here else remote_python,

@@ -100,3 +100,10 @@ def test_env_file_values_reach_workers_but_never_override_the_contract(tmp_path)
     shown = plan_to_dict(p)["nodes"][0]["workers"][0]["env"]
     assert (shown["OMP_NUM_THREADS"], shown["NCCL_DEBUG"], shown["RANK"]) == ("***", "***", "0")
     assert p.notes == ["no GPU on this machine: --num_gpus counts worker processes; running 2 on the CPU"]
+
+
+def test_hidden_gpus_mean_cpu_mode_and_stay_hidden():
+    """CUDA_VISIBLE_DEVICES= on a GPU machine: workers on the CPU, and they keep the empty mask."""
+    p = build_plan(LaunchOptions(SCRIPT, num_gpus=2), facts(0, []), environ={"CUDA_VISIBLE_DEVICES": ""})
+    assert [w.env["DSLAUNCH_ACCELERATOR"] for w in p.nodes[0].workers] == ["cpu", "cpu"]
+    assert all("CUDA_VISIBLE_DEVICES" not in w.env for w in p.nodes[0].workers)
