@@ -20,6 +20,7 @@ from .lr_schedules import build_scheduler
 from .optim import build_optimizer
 from .optimizer_policy import check_optimizer
 from .precision import cast_floating, explain_dtype_error, forward_context
+from .profiling.step import StepProfiler
 from .activation_checkpointing import checkpointing
 from .monitor import StepMeter, build_monitor
 from .monitor import report
@@ -102,6 +103,7 @@ class DeepSpeedEngine(torch.nn.Module):
                                     throughput=c.timers.throughput.enabled)
         self.monitor = build_monitor(c, self.global_rank, self.progress)
         self._meter = StepMeter(breakdown, synchronize=c.timers.throughput.synchronized or breakdown)
+        self._flops = StepProfiler(c.flops_profiler, self.module, self.global_rank)
         self._gc = report.PythonGC()
         if c.disable_python_gc:
             self._gc.acquire()
@@ -193,7 +195,8 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         try:
-            with self._meter.timed("forward"), forward_context(self.config, self.device):
+            with self._meter.timed("forward"), self._flops.forward(self.global_steps), \
+                    forward_context(self.config, self.device):
                 out = self.module(*args, **kwargs)
         except RuntimeError as exc:
             explain_dtype_error(exc, self.compute_dtype, args, kwargs)
@@ -233,6 +236,8 @@ class DeepSpeedEngine(torch.nn.Module):
                                     self.loss_scaler.scale if self.loss_scaler is not None else None,
                                     self.skipped_steps, total_steps=self._train_steps, epoch_steps=epoch_steps or None)
         self.monitor.write_step(record)
+        self._flops.step_done(self.global_steps - 1, record, self.batch.micro_batch_per_gpu
+                              * self.batch.gradient_accumulation_steps, report.parallel_sizes(self))
 
     def _boundary_step(self, lr_kwargs: Dict[str, Any]) -> None:
         s = self.strategy
