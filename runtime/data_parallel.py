@@ -235,7 +235,11 @@ class DataParallelStrategy(GradientStrategy):
                         if name in masters:
                             p.copy_(masters[name].view_as(p))
             fp32 = None
-        out = {"optimizer": {"state": opt_state, "param_groups": saved["param_groups"]}}
+        groups = saved["param_groups"]
+        hyper = shards[0].get("param_groups") if shards else None  # the saved lr, betas, ... (ZeRO shards keep them)
+        if hyper is not None and len(hyper) == len(groups):
+            groups = [{**g, **h, "params": g["params"]} for g, h in zip(groups, hyper)]
+        out = {"optimizer": {"state": opt_state, "param_groups": groups}}
         if fp32 is not None:
             out["fp32_masters"] = fp32
         return out

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, comm
+from . import checkpoint, comm, model_export
 from .config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
 from .loss_scaler import make_loss_scaler
@@ -91,6 +91,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._last_grad_norm: Optional[float] = None
         self._step_applied = False
         self._train_steps: Optional[int] = None
+        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
+        self._compiled = False
         self._setup_reporting()
         # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
         checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
@@ -188,7 +190,15 @@ class DeepSpeedEngine(torch.nn.Module):
         return self._step_applied
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the next backward/step ends an accumulation window (Accelerate and the HF
+        Trainer call this before every backward and step only at the boundary); overrides the
+        micro-step count from then on."""
+        self._boundary_override = bool(is_boundary)
 
     # -- training ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -204,10 +214,12 @@ class DeepSpeedEngine(torch.nn.Module):
         self._memory("after forward")
         return out
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """scale_wrt_gas=False: the caller already divided the loss by the accumulation steps
+        (the HF Trainer does)."""
         boundary = self.is_gradient_accumulation_boundary()
         self._meter.add_loss(float(loss.detach()))
-        factor = self.loss_scale() / self.batch.gradient_accumulation_steps
+        factor = self.loss_scale() / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self._meter.timed("backward"):
             self.strategy.before_backward(boundary)
@@ -321,3 +333,38 @@ class DeepSpeedEngine(torch.nn.Module):
         self.strategy.close()
         self.monitor.close()
         self._gc.release()
+
+    # -- Hugging Face Trainer / Accelerate -----------------------------------------------------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """Collective: the full state_dict on rank 0 (CPU, compute dtype), None elsewhere."""
+        if self.config.zero.stage != 3:
+            raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage is "
+                             f"{self.config.zero.stage})")
+        return model_export.gathered_state_dict(self.module, exclude_frozen_parameters)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        return model_export.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
+
+    def compile(self, backend=None, compile_kwargs: Optional[Dict[str, Any]] = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the wrapped module in place (nn.Module.compile); a second call is a no-op."""
+        if schedule is not None:
+            raise ConfigError("compile: schedule= (DeepCompile passes) is not supported; use torch.compile's backend")
+        if compiled_autograd_enabled:
+            raise ConfigError("compile: compiled_autograd_enabled=True is not supported")
+        if self._compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        kwargs.pop("backend", None)  # the backend argument wins, as in DeepSpeed
+        self.module.compile(backend=backend or "inductor", **kwargs)
+        self._compiled = True

@@ -179,6 +179,8 @@ class OneCycle(_Schedule):
 
 SCHEDULES: Dict[str, Type[_Schedule]] = {
     "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle}
+# DeepSpeed's name for the list; Accelerate tests `type(scheduler).__name__ in VALID_LR_SCHEDULES`.
+VALID_LR_SCHEDULES = list(SCHEDULES)
 
 
 def build_scheduler(sched_cfg, optimizer):

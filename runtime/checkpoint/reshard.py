@@ -148,7 +148,8 @@ def shards_from_stage0(state: Dict[str, Any], group_names: Sequence[Sequence[str
                 else:
                     g["state"][k] = v
         groups.append(g)
-    return [{"format": "dslaunch-zero-shard/1", "stage": 0, "world_size": 1, "rank": 0, "groups": groups}]
+    return [{"format": "dslaunch-zero-shard/1", "stage": 0, "world_size": 1, "rank": 0, "groups": groups,
+             "param_groups": [{k: v for k, v in pg.items() if k != "params"} for pg in pgs]}]
 
 
 def whole_optimizer_state(shards: Sequence[Dict[str, Any]], numels: Dict[str, int]

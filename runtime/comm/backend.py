@@ -75,6 +75,10 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                             timeout=timeout)
 
 
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -76,7 +76,8 @@ class DeepSpeedConfig:
     allgather_size: Optional[int] = supported(None, "allgather_bucket_size of the legacy \"zero_optimization\": "
                                                     "true form")
     # -- logging and monitoring ----------------------------------------------------------
-    steps_per_print: int = supported(10, "rank 0 prints a progress line every this many steps")
+    steps_per_print: float = supported(10, "rank 0 prints a progress line every this many steps (a whole "
+                                           "number, or Infinity for never: Accelerate writes that)")
     wall_clock_breakdown: bool = supported(False, "forward/backward/step times in the progress line and monitors")
     memory_breakdown: bool = supported(False, "rank 0 prints memory in use after forward, backward and step")
     dump_state: bool = supported(False, "rank 0 prints the resolved config and engine state after initialize")
@@ -132,6 +133,9 @@ class DeepSpeedConfig:
             positive(path, key, getattr(self, key))
         positive(path, "gradient_clipping", self.gradient_clipping, allow_zero=True)
         positive(path, "steps_per_print", self.steps_per_print)
+        if self.steps_per_print != float("inf") and not float(self.steps_per_print).is_integer():
+            raise ConfigError(f"{path + '.' if path else ''}steps_per_print: must be a whole number of steps "
+                              f"(or Infinity for never), got {self.steps_per_print}")
         check_precision(self.fp16, self.bf16, self.torch_autocast)
         if self.allgather_size is not None:
             if not self.zero.legacy_bool:
@@ -171,6 +175,11 @@ class DeepSpeedConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def get(self, key: str, default=None):
+        """Dict-style read of a top-level section: DeepSpeed's `engine.config` is a dict, and
+        the HF Trainer reads it as one (`engine.config.get("zero_optimization", {})`)."""
+        return self.to_dict().get(key, default)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -90,8 +90,8 @@ class ZeroConfig:
     stage3_max_live_parameters: int = supported(1_000_000_000, "prefetching stops at this many gathered elements")
     stage3_max_reuse_distance: int = supported(1_000_000_000, "a module's parameters stay gathered from forward "
                                                               "to backward when reused within this many elements")
-    stage3_gather_16bit_weights_on_model_save: Any = refused(
-        "engine.save_16bit_model() is not available yet in this build; remove it", False)
+    stage3_gather_16bit_weights_on_model_save: bool = supported(
+        False, "engine.save_16bit_model() (the HF Trainer's save_model) gathers the full weights onto rank 0")
     stage3_module_granularity_threshold: Any = refused("fine-grained module grouping is not supported; remove it", 0)
     stage3_use_all_reduce_for_fetch_params: Any = refused(
         "all-reduce parameter fetching is not supported; parameters are all-gathered", False)

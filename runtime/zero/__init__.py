@@ -7,8 +7,9 @@ user-facing names live here too: `zero.Init()` builds a model directly partition
 from . import strategies  # noqa: F401  (registers stages 1, 2 and 3)
 from ..checkpoint import CheckpointError
 from ..checkpoint.reshard import consolidated_state_dict, tied_aliases
+from .hook_scope import register_external_parameter, unregister_external_parameter
 from .params import GatheredParameters, Init
 from .stage3 import RankDivergenceError
 
 __all__ = ["Init", "GatheredParameters", "RankDivergenceError", "CheckpointError", "consolidated_state_dict",
-           "tied_aliases"]
+           "tied_aliases", "register_external_parameter", "unregister_external_parameter"]

@@ -226,4 +226,7 @@ def _threshold_from(config) -> int:
         with open(config) as fh:
             config = json.load(fh)
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
-    return int(zero.get("stage3_param_persistence_threshold", default)) if isinstance(zero, dict) else default
+    value = zero.get("stage3_param_persistence_threshold", default) if isinstance(zero, dict) else default
+    # "auto": a Hugging Face placeholder that from_pretrained's zero.Init sees before the Trainer
+    # fills it from the model's hidden size (DeepSpeed reads it as unset too).
+    return default if value == "auto" else int(value)

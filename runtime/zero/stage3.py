@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .hook_scope import hooked_modules, module_params
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
@@ -143,10 +144,9 @@ class Stage3Engine:
     def wrap(self) -> None:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre))
         self._hooks.append(self.module.register_forward_hook(self._root_post))
-        for m in self.module.modules():
-            if any(True for _ in m.parameters(recurse=False)):
-                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-                self._hooks.append(m.register_forward_hook(self._post_forward))
+        for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
         for g in self.groups:
             for p in g["params"]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -160,7 +160,7 @@ class Stage3Engine:
             self._trace_ok = True
 
     def _own(self, m) -> List[torch.nn.Parameter]:
-        return list(m.parameters(recurse=False))
+        return module_params(m)
 
     def gather_module(self, m, phase: str) -> None:
         params = self._own(m)
@@ -319,7 +319,9 @@ class Stage3Engine:
                     p.data.copy_(src.view(z.shape))
                 self.shard_changed(p)
                 rest([p], dirty=True)
-        buffers = {n: v for n, v in state.items() if n not in params}
+        # a tied parameter's second name (HF's lm_head.weight = wte.weight) is a parameter too
+        names = {n for n, _ in self.module.named_parameters(remove_duplicate=False)}
+        buffers = {n: v for n, v in state.items() if n not in names}
         if buffers:
             self.module.load_state_dict(buffers, strict=False)
 

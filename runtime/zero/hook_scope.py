@@ -1,0 +1,105 @@
+"""Which parameters a ZeRO-3 module hook gathers: leaf modules and external parameters.
+
+By default each module's hooks gather the parameters it owns directly. Two DeepSpeed APIs
+widen that:
+
+`set_z3_leaf_modules(model, classes)` (deepspeed.utils): a leaf module's whole subtree is
+gathered in one collective when the leaf's forward starts and released when it ends; no hooks are placed on its descendants. Mixture-of-experts
+layers need this: a router calls a different subset of experts on each rank and step, and
+per-expert hooks would then issue a different number of collectives on each rank (a hang).
+Accelerate marks the classes named in `transformer_moe_cls_names` this way.
+
+`register_external_parameter(module, param)` (deepspeed.zero): `param` belongs to another
+module but `module`'s forward uses it (weight-norm convolutions in HF speech models), so
+`module`'s hooks gather it too.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Type, Union
+
+import torch
+
+_FLAG = "_z3_leaf"
+
+
+def _classes(leaf_module_classes: Iterable[Union[Type[torch.nn.Module], str]]) -> tuple:
+    if isinstance(leaf_module_classes, (str, type)):
+        return (leaf_module_classes,)
+    return tuple(leaf_module_classes)
+
+
+def _matches(module: torch.nn.Module, classes: tuple) -> bool:
+    names = {c for c in classes if isinstance(c, str)}
+    types = tuple(c for c in classes if isinstance(c, type))
+    return (bool(types) and isinstance(module, types)) or type(module).__name__ in names
+
+
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
+                        ) -> List[torch.nn.Module]:
+    """Mark every submodule of `model` whose class is one of `leaf_module_classes` (classes or
+    class names) as a ZeRO-3 leaf; returns the marked modules. Call before deepspeed.initialize."""
+    classes = _classes(leaf_module_classes)
+    found = [m for m in model.modules() if _matches(m, classes)]
+    if not found and raise_if_not_found:
+        names = ", ".join(c if isinstance(c, str) else c.__name__ for c in classes)
+        raise ValueError(f"set_z3_leaf_modules: no module of class {names} in {type(model).__name__}")
+    for m in found:
+        setattr(m, _FLAG, True)
+    return found
+
+
+def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
+                          ) -> List[torch.nn.Module]:
+    classes = _classes(leaf_module_classes)
+    found = [m for m in model.modules() if _matches(m, classes)]
+    if not found and raise_if_not_found:
+        raise ValueError(f"unset_z3_leaf_modules: no module of the given classes in {type(model).__name__}")
+    for m in found:
+        if hasattr(m, _FLAG):
+            delattr(m, _FLAG)
+    return found
+
+
+def z3_leaf_module(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, _FLAG, False))
+
+
+def get_z3_leaf_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+_EXTERNAL = "_zero_external_params"
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter: expected a torch.nn.Parameter, got {type(parameter).__name__}")
+    ext = module.__dict__.setdefault(_EXTERNAL, [])
+    if all(p is not parameter for p in ext):
+        ext.append(parameter)
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    ext = module.__dict__.get(_EXTERNAL, [])
+    if all(p is not parameter for p in ext):
+        raise ValueError("unregister_external_parameter: this parameter was not registered with the module")
+    ext[:] = [p for p in ext if p is not parameter]
+
+
+def module_params(m: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """What m's hooks gather: its own parameters (its whole subtree for a leaf) and external ones."""
+    own = list(m.parameters(recurse=z3_leaf_module(m)))
+    return own + [p for p in m.__dict__.get(_EXTERNAL, ()) if all(p is not q for q in own)]
+
+
+def hooked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules stage 3 hooks: leaves, and modules outside any leaf that have parameters to gather."""
+    out, inside = [], set()
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        if z3_leaf_module(m):
+            inside.update(id(c) for c in m.modules())
+        if module_params(m):
+            out.append(m)
+    return out
