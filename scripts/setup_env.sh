@@ -2,8 +2,9 @@
 # Prepare a virtual environment with dslaunch installed (editable) and its test tools.
 #
 # torch is installed first, pinned, because the dependency "torch>=2.1" resolved on a
-# machine with no torch would pull the newest CUDA build (gigabytes). Where a torch is
-# already importable in the venv it is kept, so a GPU box keeps its own build.
+# machine with no torch would pull the newest CUDA build (gigabytes): scripts/install_torch.sh
+# picks the build (CPU without a GPU; a wheel folder or an index by variable). Where a torch
+# is already importable in the venv it is kept, so a GPU box keeps its own build.
 # Usage: source-free; prints the venv's bin directory on its last line.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,8 +22,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-    echo "setup: installing torch==${DSLAUNCH_TORCH_VERSION:-2.13.0}" >&2
-    quiet_pip "torch==${DSLAUNCH_TORCH_VERSION:-2.13.0}"
+    # which build and from where: DSLAUNCH_TORCH_WHEELS / _INDEX_URL / _BUILD (see install_torch.sh)
+    bash "$ROOT/scripts/install_torch.sh" "$VENV"
 fi
 # Reinstall only when the package metadata changed: an editable install picks up code edits by itself.
 STAMP="$VENV/.dslaunch-installed"

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from cluster_fixture import ns_cluster, ssh_home  # noqa: F401  (the multi-host SSH test cluster, issue #3)
+from hf_fixture import deepspeed_compat, tiny_gpt2  # noqa: F401  (the deepspeed compatibility package, issue #14)
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -1,11 +1,13 @@
-"""The distribution installs the three code folders under one namespace, dslaunch.*."""
+"""The distribution installs the code folders under one namespace, dslaunch.* (compat/'s
+nested `deepspeed` distribution rides along as package data, never as a top-level module)."""
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE_FOLDERS = {"launcher": "dslaunch/launcher", "runtime": "dslaunch/runtime", "kernels": "dslaunch/kernels"}
+CODE_FOLDERS = {"launcher": "dslaunch/launcher", "runtime": "dslaunch/runtime", "kernels": "dslaunch/kernels",
+                "compat": "dslaunch/compat"}
 
 
 def test_wheel_holds_every_source_file_under_the_dslaunch_namespace(tmp_path):
@@ -19,7 +21,8 @@ def test_wheel_holds_every_source_file_under_the_dslaunch_namespace(tmp_path):
     assert top_level <= {"dslaunch", next(n.split("/")[0] for n in names if ".dist-info/" in n)}, top_level
     for folder, installed in CODE_FOLDERS.items():
         for src in (ROOT / folder).rglob("*"):
-            if src.is_file() and src.suffix in {".py", ".cpp", ".cu", ".cuh", ".h"} and "__pycache__" not in src.parts:
+            if src.is_file() and (src.suffix in {".py", ".cpp", ".cu", ".cuh", ".h"} or src.name == "pyproject.toml") \
+                    and "__pycache__" not in src.parts and "build" not in src.parts:
                 rel = src.relative_to(ROOT / folder).as_posix()
                 assert f"{installed}/{rel}" in names, f"{folder}/{rel} is missing from the wheel (add its package to pyproject.toml)"
 

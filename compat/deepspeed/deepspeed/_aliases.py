@@ -1,0 +1,85 @@
+"""`deepspeed.X.Y` is `dslaunch.runtime.X.Y`: the same module object under a second name.
+
+A finder placed first on sys.meta_path answers for names under `deepspeed.`:
+- a module this package ships as a file (deepspeed/utils, deepspeed/launcher, ...) is left
+  to the normal path finder;
+- anything else becomes an alias: `deepspeed.<rest>` of a package shipped here maps to
+  `<that package's dslaunch counterpart>.<rest>` (the top level's counterpart is
+  dslaunch.runtime, and deepspeed.runtime is dslaunch.runtime too), and a child of an alias
+  maps to the same child of the aliased module.
+Aliasing (instead of a file that star-imports) keeps one copy of every module, so class
+identity holds (`isinstance(engine, deepspeed.runtime.engine.DeepSpeedEngine)`) and module
+state (the registered ZeRO strategies, the process-group bookkeeping) is shared.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+PREFIX = "deepspeed"
+# Packages shipped here whose missing children map somewhere other than dslaunch.runtime.<same path>.
+COUNTERPARTS = {
+    "deepspeed": "dslaunch.runtime",
+    "deepspeed.runtime": "dslaunch.runtime",
+    "deepspeed.checkpoint": "dslaunch.runtime.checkpoint",
+    "deepspeed.launcher": "dslaunch.launcher",
+}
+
+
+def target_of(fullname: str) -> str | None:
+    """The dslaunch module `fullname` aliases, or None when a file here provides it."""
+    parent_name, _, leaf = fullname.rpartition(".")
+    if fullname == "deepspeed.runtime":
+        return "dslaunch.runtime"
+    parent = sys.modules.get(parent_name)
+    if parent is None:
+        return None
+    if parent.__name__ != parent_name:  # the parent is itself an alias: follow it
+        return f"{parent.__name__}.{leaf}"
+    for folder in getattr(parent, "__path__", ()):
+        if os.path.exists(os.path.join(folder, leaf + ".py")) or os.path.isdir(os.path.join(folder, leaf)):
+            return None  # shipped here
+    base = COUNTERPARTS.get(parent_name)
+    return f"{base}.{leaf}" if base else None
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str):
+        self.target = target
+        self.own_spec = None
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.target)
+        self.own_spec = module.__spec__
+        return module
+
+    def exec_module(self, module) -> None:
+        # The import system has just stamped the alias's spec on the module; give the module
+        # its own back (its __name__, __file__ and __path__ were never touched).
+        module.__spec__ = self.own_spec
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith(PREFIX + "."):
+            return None
+        dest = target_of(fullname)
+        try:
+            if dest is None or importlib.util.find_spec(dest) is None:
+                return None
+        except ImportError:  # dest's parent is a plain module, or missing
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(dest),
+                                              is_package=hasattr(importlib.import_module(dest), "__path__"))
+
+
+_FINDER = AliasFinder()
+
+
+def install() -> None:
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)

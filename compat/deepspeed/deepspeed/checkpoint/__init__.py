@@ -1,0 +1,6 @@
+"""deepspeed.checkpoint: dslaunch's checkpoint package (dslaunch.runtime.checkpoint) plus
+DeepSpeed's `deepspeed.checkpoint.utils` helpers that Accelerate calls."""
+from dslaunch.runtime.checkpoint import *  # noqa: F401,F403
+from dslaunch.runtime.checkpoint import CheckpointError  # noqa: F401
+
+from . import utils  # noqa: F401

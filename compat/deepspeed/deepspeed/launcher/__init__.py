@@ -1,0 +1,1 @@
+"""deepspeed.launcher: the `deepspeed` command is dslaunch (see runner.py)."""

@@ -1,0 +1,25 @@
+"""deepspeed.utils: DeepSpeed's grab-bag of helpers, each one dslaunch's own.
+
+`logger` is the "dslaunch.runtime" logger (the HF Trainer sets its level); the ZeRO-3
+leaf-module calls are dslaunch.runtime.zero.hook_scope's.
+"""
+import logging
+
+from dslaunch.runtime.comm import get_rank as _get_rank
+from dslaunch.runtime.comm import is_initialized
+from dslaunch.runtime.zero.hook_scope import (
+    get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
+)
+
+logger = logging.getLogger("dslaunch.runtime")
+
+
+def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
+    """Log `message` on the listed ranks only (all ranks for None or [-1]), as DeepSpeed does."""
+    rank = _get_rank()
+    if ranks is None or -1 in ranks or rank in ranks:
+        logger.log(level, f"[Rank {rank}] {message}")
+
+
+__all__ = ["logger", "log_dist", "is_initialized", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+           "get_z3_leaf_modules", "z3_leaf_module"]

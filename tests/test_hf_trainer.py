@@ -1,0 +1,89 @@
+"""The Hugging Face Trainer on dslaunch: `TrainingArguments(deepspeed=...)` under
+`dslaunch --num_gpus 2`, through the `deepspeed` compatibility package (built by pip).
+
+One set of jobs (tests/workers/hf_trainer_job.py, a tiny GPT-2 from save_pretrained, 4
+optimizer steps of micro batch 2 x accumulation 2 on 2 ranks, fp32) is shared by the tests:
+the Trainer's own DDP run, ZeRO-2, ZeRO-3 (model built inside zero.Init by from_pretrained),
+and ZeRO-3 resumed from the ZeRO-3 run's step-2 checkpoint.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "workers", "hf_trainer_job.py")
+TOL = 1e-5
+
+
+def _dslaunch(env, *args, timeout=240):
+    return subprocess.run(["dslaunch", "--num_gpus", "2", "--master_port", "0", *args], env=env, cwd=HERE,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(deepspeed_compat, tiny_gpt2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_trainer")
+    env = deepspeed_compat.env()
+    results = {}
+    for name, mode, resume in [("ddp", "ddp", None), ("zero2", "zero2", None), ("zero3", "zero3", None),
+                               ("zero3_resumed", "zero3", out / "zero3" / "checkpoint-2")]:
+        args = [JOB, "--mode", mode, "--model", str(tiny_gpt2), "--out", str(out / name)]
+        res = _dslaunch(env, *args, *(["--resume", str(resume)] if resume else []))
+        assert res.returncode == 0, f"{name}: {res.stderr[-4000:]}"
+        with open(out / name / "result.json") as fh:
+            results[name] = json.load(fh)
+        results[name]["dir"] = out / name
+        results[name]["weights"] = torch.load(out / name / "final_weights.pt")
+    return results
+
+
+def _max_diff(a, b):
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_trainer_losses_and_weights_equal_the_trainers_ddp_run(runs, mode):
+    ddp, run = runs["ddp"], runs[mode]
+    assert run["engine"] == "dslaunch.runtime.engine.DeepSpeedEngine"
+    assert sorted(run["losses"]) == ["1", "2", "3", "4"]
+    for step, loss in ddp["losses"].items():
+        assert abs(run["losses"][step] - loss) <= TOL, (step, run["losses"], ddp["losses"])
+    assert _max_diff(run["weights"], ddp["weights"]) <= TOL
+
+
+def test_zero3_from_pretrained_builds_the_model_sharded(runs):
+    # TrainingArguments(deepspeed=ZeRO-3 config) came first: from_pretrained ran inside
+    # deepspeed.zero.Init, so every weight above stage3_param_persistence_threshold (256
+    # elements) was a shard from the start; the 1-D biases and LayerNorms stayed whole.
+    sharded = runs["zero3"]["sharded_at_load"]
+    assert "transformer.wte.weight" in sharded and "transformer.h.0.attn.c_attn.weight" in sharded
+    assert "transformer.h.0.ln_1.weight" not in sharded
+
+
+def test_zero3_save_model_writes_a_full_model_that_from_pretrained_loads(runs):
+    from transformers import AutoModelForCausalLM
+
+    final = runs["zero3"]["dir"] / "final"
+    assert "model.safetensors" in runs["zero3"]["saved"]
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    loaded = model.state_dict()
+    assert _max_diff({k: loaded[k] for k in runs["ddp"]["weights"]}, runs["ddp"]["weights"]) <= TOL
+    ids = torch.arange(16)[None] % 64
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_trainer_checkpoint_resumes_with_the_uninterrupted_runs_losses(runs):
+    full, resumed = runs["zero3"], runs["zero3_resumed"]
+    assert full["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+    # Trainer's checkpoint folder holds the engine's checkpoint under DeepSpeed's tag name
+    assert (full["dir"] / "checkpoint-2" / "global_step2").is_dir()
+    assert sorted(resumed["losses"]) == ["3", "4"]
+    for step in ("3", "4"):
+        assert abs(resumed["losses"][step] - full["losses"][step]) <= TOL
+    assert _max_diff(resumed["weights"], full["weights"]) <= TOL
