@@ -41,3 +41,37 @@ def test_accelerate_launch_deepspeed_plugin_two_processes(deepspeed_compat, tmp_
     assert got["engine"] == "DeepSpeedEngine" and got["optimizer"] == "AdamW"
     assert len(got["diffs"]) == 4 and max(got["diffs"]) <= TOL, got
     assert got["lr"] == [0.0]  # WarmupDecayLR ran to its total_num_steps
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(420)
+def test_accelerate_multinode_deepspeed_launch_over_the_testbed(ns_cluster, ssh_home, deepspeed_compat, tmp_path):
+    """`accelerate launch --num_machines 2` with a DeepSpeed plugin runs `deepspeed --hostfile ...
+    --launcher pdsh` (the compat package's command: dslaunch) after writing the job's environment
+    to ./.deepspeed_env, which dslaunch exports to the workers on both hosts."""
+    env, home = ssh_home
+    env.update({k: deepspeed_compat.env()[k] for k in ("PYTHONPATH", "PATH", "OMP_NUM_THREADS")})
+    env["GLOO_SOCKET_IFNAME"] = "eth0"
+    # pdsh runs the system ssh, which reads the passwd home's ~/.ssh, not $HOME's
+    env["PDSH_SSH_ARGS_APPEND"] = f"-o UserKnownHostsFile={home}/.ssh/known_hosts -o LogLevel=ERROR"
+    env["DSLAUNCH_SSH_KEY"] = str(home / ".ssh" / "id_ed25519")  # options Accelerate does not pass, by variable
+    h1, h2 = ns_cluster.hosts
+    hosts = tmp_path / "hostfile"
+    hosts.write_text(f"{h1.ip} slots=1\n{h2.ip} slots=1\n")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(ds_config(2)))
+    out = tmp_path / "out.json"
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    res = subprocess.run([accelerate, "launch", "--use_deepspeed", "--deepspeed_config_file", str(cfg),
+                          "--num_machines", "2", "--num_processes", "2", "--machine_rank", "0",
+                          "--main_process_ip", h1.ip, "--main_process_port", "29541",
+                          "--deepspeed_hostfile", str(hosts), "--deepspeed_multinode_launcher", "pdsh",
+                          "--mixed_precision", "no", "--dynamo_backend", "no", JOB, str(out)],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=360)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "ACCELERATE_USE_DEEPSPEED=" in (tmp_path / ".deepspeed_env").read_text()
+    assert f"[{h1.ip}:0] rank 0 of 2 on {h1.name}" in res.stdout.splitlines(), res.stdout[-2000:]
+    assert f"[{h2.ip}:1] rank 1 of 2 on {h2.name}" in res.stdout.splitlines(), res.stdout[-2000:]
+    got = json.loads(out.read_text())
+    assert got["num_processes"] == 2 and got["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert len(got["diffs"]) == 4 and max(got["diffs"]) <= TOL, got

@@ -11,6 +11,7 @@ with torch's AdamW and dslaunch's WarmupDecayLR; the job records the largest dif
 between the engine's weights and the reference's after every optimizer step.
 """
 import json
+import socket
 import sys
 
 import torch
@@ -63,6 +64,7 @@ def main(out_path: str) -> None:
             losses.append(float(acc.gather(loss.detach()[None]).mean()))
             mine = acc.unwrap_model(engine).state_dict()
             diffs.append(max(float((mine[k] - v).abs().max()) for k, v in ref.state_dict().items()))
+    print(f"rank {acc.process_index} of {acc.num_processes} on {socket.gethostname()}", flush=True)
     if acc.is_main_process:
         with open(out_path, "w") as fh:
             json.dump({"losses": losses, "diffs": diffs, "num_processes": acc.num_processes,

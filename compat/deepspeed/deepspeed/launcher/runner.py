@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
+from dslaunch.launcher.envfile import DEEPSPEED_ENV_FILE_NAME as DEEPSPEED_ENVIRONMENT_NAME  # ".deepspeed_env"
+
 DLTS_HOSTFILE = "/job/hostfile"  # DeepSpeed's default hostfile path, for code that reads the constant
 
 
