@@ -46,12 +46,15 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
 
 
 def __getattr__(name):
-    """`deepspeed.ops`, `deepspeed.checkpoint`, ...: imported on first use (as in DeepSpeed, where
-    importing them pulls in optional pieces)."""
+    """Any other public name of dslaunch.runtime (init_inference, PipelineModule, ...), else a
+    submodule imported on first use (`deepspeed.ops`, `deepspeed.checkpoint`, as in DeepSpeed,
+    where importing them pulls in optional pieces)."""
     import importlib
 
     if name.startswith("_"):
         raise AttributeError(name)
+    if hasattr(_runtime, name):
+        return getattr(_runtime, name)
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as exc:
