@@ -132,6 +132,23 @@ def test_int8_rounding_error_is_at_most_half_a_step():
     assert group_size_for(256, 64, 4) == 64 and group_size_for(256, 64, 4, extra_grouping=True) == 32
 
 
+def test_int8_kernel_equals_the_torch_op(monkeypatch):
+    from dslaunch.runtime.inference import int8_kernel
+
+    assert int8_kernel.kernel_isa() in ("avx512", "avx2", "scalar")  # CI has a compiler: it must build
+    g = torch.Generator().manual_seed(0)
+    for rows, n, k, group in ((1, 96, 64, 64), (3, 40, 48, 16), (2, 7, 40, 40), (16, 33, 128, 32)):
+        q, scale = quantize_int8(torch.randn(n, k, generator=g), group)
+        x = torch.randn(rows, k, generator=g)
+        reference = torch.nn.functional.linear(x, dequantize_int8(q, scale, torch.float32))
+        kernel = int8_kernel._kernel(x, q, scale, group)
+        assert kernel is not None and torch.allclose(kernel, reference, rtol=1e-5, atol=1e-5)
+    x = torch.randn(17, 64, generator=g)  # more rows than a decode step: the torch op
+    assert int8_kernel._kernel(x, q, scale, 32) is None
+    monkeypatch.setenv("DSLAUNCH_INT8_KERNEL", "0")
+    assert int8_kernel._kernel(torch.randn(1, 128), q, scale, 32) is None
+
+
 def test_single_process_engine_runs_the_module_in_each_dtype():
     ids = prompt()
     ref = logits(build("gpt2"), ids)

@@ -47,13 +47,16 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _materialize_meta(model: nn.Module, device) -> List[Tuple[str, torch.Tensor]]:
-    """Give every meta parameter/buffer empty real storage; returns them (the checkpoint must fill them)."""
-    made = []
+    """Give every meta parameter/buffer empty real storage; returns them (the checkpoint must fill them).
+    A parameter shared by several modules (a tied LM head) stays shared."""
+    made, real = [], {}
     for mname, module in model.named_modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.device.type == "meta":
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
-                made.append((f"{mname}.{name}".lstrip("."), module._parameters[name]))
+                if id(p) not in real:
+                    real[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+                    made.append((f"{mname}.{name}".lstrip("."), real[id(p)]))
+                module._parameters[name] = real[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None and b.device.type == "meta":
                 module._buffers[name] = torch.empty_like(b, device=device)

@@ -16,6 +16,7 @@ from torch import nn
 
 from .collectives import all_gather_last_dim, all_reduce_sum_
 from .plan import LayerShard, Style, split_ranges, vocab_range
+from .int8_kernel import int8_matmul
 from .quantize import dequantize_int8, quantize_int8
 
 
@@ -72,6 +73,12 @@ class _ShardedWeight(nn.Module):
         else:
             self.weight = other.weight
 
+    def matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.quantized:
+            y = int8_matmul(x, self.qweight, self.scales, self.group_size, self.compute_dtype)
+            return y + bias if bias is not None else y
+        return F.linear(x, self.weight, bias)
+
     def dense_weight(self) -> torch.Tensor:
         if self.quantized:
             return dequantize_int8(self.qweight, self.scales, self.compute_dtype)
@@ -119,10 +126,10 @@ class ParallelLinear(_ShardedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         style = self.shard.style if self.shard is not None else None
         if style is Style.ROW:
-            y = F.linear(x, self.dense_weight())
+            y = self.matmul(x)
             all_reduce_sum_(y, self.group)
             return y + self.bias if self.bias is not None else y
-        y = F.linear(x, self.dense_weight(), self.bias)
+        y = self.matmul(x, self.bias)
         if style is Style.VOCAB_HEAD:
             y = all_gather_last_dim(y, self.group, self.tp)[..., :self.full_out]
         return y

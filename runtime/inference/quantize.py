@@ -6,9 +6,10 @@ are laid out in the unsharded weight's coordinates and never straddle a shard bo
 the group divides the shard width (the default 64 on real widths, or a q_groups that does),
 a tensor-parallel rank quantises exactly the groups the single-process model would.
 
-Dequantisation is a torch op (int8 -> compute dtype, times the broadcast scales) run on the
-local shard at every matmul; a fused int8 GEMM is not used. Its cost is measured by
-scripts/bench_inference.py (int8 rows).
+The matmul reads these through int8_kernel.py: our C++ kernel (int8_linear.cpp) for decode
+shapes with fp32 activations on the CPU, which widens each int8 weight in registers; otherwise
+`dequantize_int8` below, a torch op (int8 -> compute dtype, times the broadcast scales), makes
+the local shard's dense weight for torch's matmul. scripts/bench_inference.py times both.
 
 Error bound: per element |w - q*s| <= s/2 = max|w_group| / 254, i.e. at most 0.4% of the
 group's largest weight.
