@@ -163,3 +163,40 @@ def test_single_process_engine_runs_the_module_in_each_dtype():
     with pytest.raises(deepspeed.inference.MaxTokensError, match="exceed max_out_tokens=20"):
         deepspeed.init_inference(build("gpt2"), dtype=torch.float, max_out_tokens=20).generate(
             ids, max_new_tokens=15)
+
+
+def test_checkpoint_forms_load_into_a_meta_model(tmp_path):
+    """DeepSpeed's inference json, a training checkpoint folder (`latest`, `module` wrapper), a Hugging
+    Face save_pretrained folder (safetensors) and a plain state_dict all fill a meta-device model."""
+    import json
+
+    from dslaunch.runtime.checkpoint import CheckpointError
+
+    ref = build("gpt2")
+    sd = ref.state_dict()
+    keys = sorted(sd)
+    torch.save({k: sd[k] for k in keys[: len(keys) // 2]}, tmp_path / "part1.pt")
+    torch.save({k: sd[k] for k in keys[len(keys) // 2:]}, tmp_path / "part2.pt")
+    (tmp_path / "ds.json").write_text(json.dumps({"type": "ds_model", "checkpoints": ["part1.pt", "part2.pt"],
+                                                  "version": 1.0}))
+    (tmp_path / "train" / "step5").mkdir(parents=True)
+    (tmp_path / "train" / "latest").write_text("step5")
+    torch.save({"module": sd, "global_steps": 5}, tmp_path / "train" / "step5" / "mp_rank_00_model_states.pt")
+    ref.save_pretrained(tmp_path / "hf")
+    torch.save(sd, tmp_path / "plain.bin")
+    expected = logits(ref, prompt())
+    for form in ("ds.json", "train", "hf", "plain.bin"):
+        with deepspeed.OnDevice(dtype=torch.float, device="meta"):
+            skeleton = build("gpt2", seed=7)
+        engine = deepspeed.init_inference(skeleton, dtype=torch.float, checkpoint=str(tmp_path / form))
+        assert torch.allclose(logits(engine.module, prompt()), expected, atol=1e-6), form
+        assert engine.module.lm_head.weight is engine.module.transformer.wte.weight  # the tie survives
+    with deepspeed.OnDevice(dtype=torch.float, device="meta"):
+        skeleton = build("gpt2")
+    with pytest.raises(CheckpointError, match="the checkpoint lacks .* tensors of a meta-device model"):
+        deepspeed.init_inference(skeleton, dtype=torch.float, checkpoint=str(tmp_path / "part1.pt"))
+    (tmp_path / "mega.json").write_text(json.dumps({"type": "Megatron", "checkpoints": ["x"], "version": 1}))
+    with pytest.raises(CheckpointError, match="checkpoint type 'Megatron' is not supported"):
+        deepspeed.init_inference(build("gpt2"), dtype=torch.float, checkpoint=str(tmp_path / "mega.json"))
+    with pytest.raises(CheckpointError, match="missing.pt: checkpoint file not found"):
+        deepspeed.init_inference(build("gpt2"), dtype=torch.float, checkpoint=str(tmp_path / "missing.pt"))

@@ -27,7 +27,9 @@ class OnDevice:
         dtype, device = self.dtype, self.device
 
         def register_parameter(module, name, param):
-            if param is not None:
+            # A parameter already on the device is registered as it is: re-wrapping it would
+            # untie weights a model shares on purpose (an LM head tied to its embedding).
+            if param is not None and param.device != device:
                 data = param.data.to(device=device, dtype=dtype if dtype and param.is_floating_point() else None)
                 param = nn.Parameter(data, requires_grad=param.requires_grad)
             original(module, name, param)
