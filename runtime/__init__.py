@@ -22,12 +22,14 @@ from .strict import ConfigError
 from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 1-3
 from .inference import InferenceEngine, OnDevice, init_inference
 from .activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
+from . import elasticity  # deepspeed.elasticity.compute_elastic_config
 
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
            "ConfigError", "CheckpointError", "LossScaleStuck", "GradientStrategy", "StrategyContext",
-           "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice", "checkpointing"]
+           "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice", "checkpointing",
+           "elasticity"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, comm, model_export
+from .compiling import compile_module
 from .config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
 from .loss_scaler import make_loss_scaler
@@ -96,6 +97,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._setup_reporting()
         # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
         checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
+        self._compiled_with: Optional[Dict[str, Any]] = None
+        if self.config.compile.enabled:
+            self.compile()
 
     def _setup_reporting(self) -> None:
         # Rank 0 reports through one Monitor: the progress line plus the configured monitors.
@@ -119,6 +123,16 @@ class DeepSpeedEngine(torch.nn.Module):
     def _memory(self, label: str) -> None:
         if self.config.memory_breakdown and self.global_rank == 0:
             print(report.memory_line(label, self.device), flush=True)
+
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[Dict[str, Any]] = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the module in place (defaults from the config's `compile` section)."""
+        self._compiled_with = compile_module(self.module, self.config.compile, backend, compile_kwargs, schedule,
+                                             compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled_with is not None
 
     def set_train_steps(self, steps: int) -> None:
         """The run's total optimizer steps, for the progress line's step/total and ETA."""

@@ -199,8 +199,13 @@ def resolve_batch_sizes(cfg: DeepSpeedConfig, world_size: int, world_source: str
     """Any two of the three keys fix the third: train_batch = micro * accumulation * world.
 
     An inconsistent or under-determined set is a ConfigError that prints the numbers, the
-    rule and where the world size came from.
+    rule and where the world size came from. With `elasticity.enabled` the elastic batch
+    sizes for this world size are used instead (deepspeed.elasticity).
     """
+    if cfg.elasticity.enabled:
+        from ..elasticity.elasticity import engine_batch_sizes
+
+        return BatchSizes(*engine_batch_sizes(cfg, world_size))
     tb, mb, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     rule = "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"
     ws = f"world size {world_size} ({world_source})"
