@@ -93,7 +93,6 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_applied = False
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
-        self._compiled = False
         self._setup_reporting()
         # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
         checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
@@ -126,7 +125,10 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[Dict[str, Any]] = None, schedule=None,
                 compiled_autograd_enabled: bool = False) -> None:
-        """torch.compile the module in place (defaults from the config's `compile` section)."""
+        """torch.compile the module in place (defaults from the config's `compile` section); a second
+        call is a no-op."""
+        if self._compiled_with is not None:
+            return
         self._compiled_with = compile_module(self.module, self.config.compile, backend, compile_kwargs, schedule,
                                              compiled_autograd_enabled)
 
@@ -365,20 +367,3 @@ class DeepSpeedEngine(torch.nn.Module):
 
     save_fp16_model = save_16bit_model
 
-    @property
-    def is_compiled(self) -> bool:
-        return self._compiled
-
-    def compile(self, backend=None, compile_kwargs: Optional[Dict[str, Any]] = None, schedule=None,
-                compiled_autograd_enabled: bool = False) -> None:
-        """torch.compile the wrapped module in place (nn.Module.compile); a second call is a no-op."""
-        if schedule is not None:
-            raise ConfigError("compile: schedule= (DeepCompile passes) is not supported; use torch.compile's backend")
-        if compiled_autograd_enabled:
-            raise ConfigError("compile: compiled_autograd_enabled=True is not supported")
-        if self._compiled:
-            return
-        kwargs = dict(compile_kwargs or {})
-        kwargs.pop("backend", None)  # the backend argument wins, as in DeepSpeed
-        self.module.compile(backend=backend or "inductor", **kwargs)
-        self._compiled = True
