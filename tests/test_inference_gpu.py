@@ -12,15 +12,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-
-pytest.importorskip("transformers")
-
 import dslaunch.runtime as deepspeed  # noqa: E402
 from inference_models import build, greedy, logits, prompt  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "t5"])
