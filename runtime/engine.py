@@ -71,7 +71,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = model
 
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
-        check_optimizer(self.optimizer, self.config)
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, self.config)
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self.global_rank, world_size=self.world_size)
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
@@ -157,10 +158,14 @@ class DeepSpeedEngine(torch.nn.Module):
         if callable(optimizer):
             return optimizer(params)
         if self.config.optimizer is None:
+            if self.config.zero.stage == 3:
+                return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
             raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
         return build_optimizer(self.config.optimizer, params)
 
     def _make_scheduler(self, lr_scheduler):
+        if self.optimizer is None:  # forward only: nothing to schedule (DeepSpeed builds none either)
+            return None
         if lr_scheduler is not None and self.config.scheduler is not None:
             raise ConfigError("scheduler: given both as initialize(lr_scheduler=...) and in the config; pass one")
         if lr_scheduler is not None:
@@ -193,7 +198,7 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.config.gradient_clipping
 
     def get_lr(self):
-        return [g["lr"] for g in self.optimizer.param_groups]
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_global_grad_norm(self) -> Optional[float]:
         return self._last_grad_norm
@@ -233,6 +238,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """scale_wrt_gas=False: the caller already divided the loss by the accumulation steps
         (the HF Trainer does)."""
+        self._require_optimizer("backward")
         boundary = self.is_gradient_accumulation_boundary()
         self._meter.add_loss(float(loss.detach()))
         factor = self.loss_scale() / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
@@ -246,7 +252,13 @@ class DeepSpeedEngine(torch.nn.Module):
         self._memory("after backward")
         return loss
 
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise ConfigError(f"optimizer: none given (no \"optimizer\" section, no initialize(optimizer=)), so this "
+                              f"ZeRO-3 engine runs forward only; {what}() needs one")
+
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        self._require_optimizer("step")
         boundary = self.is_gradient_accumulation_boundary()
         with self._meter.timed("step"):
             if boundary:

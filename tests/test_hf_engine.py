@@ -11,6 +11,9 @@
   as one leaf, equal to stage 0; register_external_parameter: a module using another's weight.
 - A ZeRO checkpoint brings back the optimizer groups' lr for a scheduler the engine does not
   own (the Trainer's LambdaLR).
+- ZeRO-3 with no optimizer at all is a forward-only engine (the Trainer's evaluate/predict
+  without training); other stages still require one. A training engine built afterwards on
+  the same sharded module takes it over.
 """
 import os
 
@@ -128,6 +131,8 @@ def _job(out_dir):
     seen = {}
 
     ref = _engine(_config(0))
+    with torch.no_grad():
+        initial = float(ref(*data[0], times))
     _counted(ref, data, times)
     want = _full(ref)
     seen["grad_norm"] = ref.get_global_grad_norm()
@@ -159,6 +164,31 @@ def _job(out_dir):
         seen["stage2_consolidate_error"] = str(exc)
     seen["saved_z2"] = acc.save_16bit_model(out_dir, "z2.bin")
 
+    # no optimizer anywhere under ZeRO-3: a forward-only engine (the Trainer's evaluate/predict
+    # without training), the model sharded; backward is one clear error
+    inference = _config(3)
+    del inference["optimizer"]
+    fwd = _engine(inference, leaf=True)  # rep runs a rank-dependent number of times
+    with torch.no_grad():
+        seen["forward_only_vs_stage0"] = abs(float(fwd(*data[0], times)) - initial)
+    seen["forward_only_sharded"] = sorted(n for n, p in fwd.module.named_parameters() if p.numel() == 0)
+    try:
+        fwd.backward(fwd(*data[0], times))
+    except Exception as exc:
+        seen["forward_only_backward"] = f"{type(exc).__name__}: {exc}"
+    try:
+        _engine({k: v for k, v in _config(2).items() if k != "optimizer"})
+    except Exception as exc:
+        seen["stage2_without_optimizer"] = str(exc)
+    # a training engine built later on the same (already sharded) module takes it over
+    import dslaunch.runtime as deepspeed
+
+    taker, _, _, _ = deepspeed.initialize(model=fwd.module, model_parameters=fwd.module.parameters(),
+                                          config=_config(3))
+    seen["hooks_after_takeover"] = len(taker.module.emb._forward_pre_hooks)  # the forward-only engine's are gone
+    _counted(taker, data, times)
+    seen["takeover_vs_stage0"] = _max_diff(_full(taker), want)
+
     # compile: the same losses as the eager engine it was built like
     comp = _engine(_config(2))
     comp.compile(backend="eager")
@@ -181,7 +211,7 @@ def _job(out_dir):
     torch.optim.lr_scheduler.LambdaLR(back.optimizer, lambda s: 1.0 / (1 + s))  # sets lr to its step-0 value
     back.load_checkpoint(os.path.join(out_dir, "ckpt"))
     seen["lr_loaded"] = back.get_lr()
-    for e in (ref, acc, z3, z3_nogather, comp, lam, back):
+    for e in (ref, acc, z3, z3_nogather, fwd, taker, comp, lam, back):
         e.destroy()
     return seen
 
@@ -230,3 +260,15 @@ def test_zero_checkpoint_restores_the_groups_lr_for_an_outside_scheduler(seen):
     r0, r1 = seen[0]
     assert r0["lr_loaded"] == r0["lr_saved"] and r1["lr_loaded"] == r1["lr_saved"]
     assert r0["lr_saved"] != [0.02]  # the outside scheduler moved it
+
+
+def test_zero3_without_an_optimizer_is_a_forward_only_engine(seen):
+    r0, r1 = seen[0]
+    assert r0["forward_only_vs_stage0"] <= TOL and r1["forward_only_vs_stage0"] <= TOL
+    assert "emb.weight" in r0["forward_only_sharded"]  # 66 elements > the threshold of 6: a shard at rest
+    assert r0["forward_only_backward"].startswith("ConfigError: optimizer: none given")
+    assert "forward only; backward() needs one" in r0["forward_only_backward"]
+    assert r0["stage2_without_optimizer"].startswith("optimizer: none given")
+    assert r0["takeover_vs_stage0"] <= TOL and r1["takeover_vs_stage0"] <= TOL
+    assert r0["hooks_after_takeover"] == 1
+

@@ -4,7 +4,8 @@
 One set of jobs (tests/workers/hf_trainer_job.py, a tiny GPT-2 from save_pretrained, 4
 optimizer steps of micro batch 2 x accumulation 2 on 2 ranks, fp32) is shared by the tests:
 the Trainer's own DDP run, ZeRO-2, ZeRO-3 (model built inside zero.Init by from_pretrained),
-and ZeRO-3 resumed from the ZeRO-3 run's step-2 checkpoint.
+ZeRO-3 resumed from the ZeRO-3 run's step-2 checkpoint, and evaluate() without training under
+DDP and ZeRO-3.
 """
 import json
 import os
@@ -28,15 +29,16 @@ def runs(deepspeed_compat, tiny_gpt2, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_trainer")
     env = deepspeed_compat.env()
     results = {}
-    for name, mode, resume in [("ddp", "ddp", None), ("zero2", "zero2", None), ("zero3", "zero3", None),
-                               ("zero3_resumed", "zero3", out / "zero3" / "checkpoint-2")]:
-        args = [JOB, "--mode", mode, "--model", str(tiny_gpt2), "--out", str(out / name)]
-        res = _dslaunch(env, *args, *(["--resume", str(resume)] if resume else []))
+    for name, mode, extra in [("ddp", "ddp", []), ("zero2", "zero2", []), ("zero3", "zero3", []),
+                              ("zero3_resumed", "zero3", ["--resume", str(out / "zero3" / "checkpoint-2")]),
+                              ("ddp_eval", "ddp", ["--evaluate_only"]), ("zero3_eval", "zero3", ["--evaluate_only"])]:
+        res = _dslaunch(env, JOB, "--mode", mode, "--model", str(tiny_gpt2), "--out", str(out / name), *extra)
         assert res.returncode == 0, f"{name}: {res.stderr[-4000:]}"
         with open(out / name / "result.json") as fh:
             results[name] = json.load(fh)
         results[name]["dir"] = out / name
-        results[name]["weights"] = torch.load(out / name / "final_weights.pt")
+        if (out / name / "final_weights.pt").exists():
+            results[name]["weights"] = torch.load(out / name / "final_weights.pt")
     return results
 
 
@@ -54,6 +56,7 @@ def test_trainer_losses_and_weights_equal_the_trainers_ddp_run(runs, mode):
     for step, loss in ddp["losses"].items():
         assert abs(run["losses"][step] - loss) <= TOL, (step, run["losses"], ddp["losses"])
     assert _max_diff(run["weights"], ddp["weights"]) <= TOL
+    assert abs(run["evals"]["after"] - ddp["evals"]["after"]) <= TOL  # evaluate() on the trained engine
 
 
 def test_zero3_from_pretrained_builds_the_model_sharded(runs):
@@ -87,3 +90,11 @@ def test_trainer_checkpoint_resumes_with_the_uninterrupted_runs_losses(runs):
     for step in ("3", "4"):
         assert abs(resumed["losses"][step] - full["losses"][step]) <= TOL
     assert _max_diff(resumed["weights"], full["weights"]) <= TOL
+
+
+def test_zero3_evaluate_without_training_runs_a_forward_only_engine(runs):
+    # evaluate() with no train(): the Trainer builds the engine with no optimizer (ZeRO inference)
+    got = runs["zero3_eval"]
+    assert abs(got["evals"]["before"] - runs["ddp_eval"]["evals"]["before"]) <= TOL
+    assert "transformer.wte.weight" in got["sharded_at_load"]
+

@@ -37,9 +37,9 @@ def startup_line(engine) -> str:
         dtype += f" (torch.autocast {c.torch_autocast.dtype})"
     offload = f"offload optimizer {z.offload_optimizer_device}, params {z.offload_param_device}"
     sizes = parallel_sizes(engine)
-    opt = type(engine.optimizer).__name__
-    return (f"dslaunch: ZeRO stage {z.stage} | {dtype} | {offload} | optimizer {opt} stepped by "
-            f"{optimizer_kernel(engine.optimizer, engine.strategy)} | world {sizes['world']} = data {sizes['data']} "
+    opt = (f"optimizer {type(engine.optimizer).__name__} stepped by {optimizer_kernel(engine.optimizer, engine.strategy)}"
+           if engine.optimizer is not None else "no optimizer (forward only)")
+    return (f"dslaunch: ZeRO stage {z.stage} | {dtype} | {offload} | {opt} | world {sizes['world']} = data {sizes['data']} "
             f"x pipeline {sizes['pipeline']} x model {sizes['model']} | batch {b.train_batch_size} = micro "
             f"{b.micro_batch_per_gpu} x accumulation {b.gradient_accumulation_steps} x data {sizes['data']}")
 

@@ -91,6 +91,11 @@ class Stage3Engine:
         names = {}
         for n, p in module.named_parameters():
             names.setdefault(id(p), n)
+        # A module already driven by another stage-3 engine (the HF Trainer's forward-only engine
+        # for evaluate(), then train()'s own): this engine takes it over, the other's hooks go.
+        for old in {id(z.owner): z.owner for z in (getattr(p, "_zero", None) for p in module.parameters())
+                    if z is not None and z.owner is not None}.values():
+            old.remove_hooks()
         for n, p in module.named_parameters():
             if not is_partitioned(p):
                 partition_param(p, name=n, persistent=(not p.requires_grad) or p.numel() <= persistence_threshold,
@@ -102,9 +107,11 @@ class Stage3Engine:
             if offload_param is not None and offload_param.device == "cpu":
                 p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
         self.groups: List[Dict[str, Any]] = []
-        self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in optimizer.param_groups]
+        # optimizer None: forward only (ZeRO inference), no masters, gradients or optimizer host
+        param_groups = optimizer.param_groups if optimizer is not None else []
+        self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in param_groups]
         seen = set()
-        for gi, pg in enumerate(optimizer.param_groups):
+        for gi, pg in enumerate(param_groups):
             params = [p for p in pg["params"] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
             off, pieces = 0, []
@@ -125,14 +132,16 @@ class Stage3Engine:
             self.groups.append({"params": params, "master": master, "grad": pin_host(torch.zeros_like(master), pin),
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
-        optimizer.state.clear()
+        if optimizer is not None:
+            optimizer.state.clear()
         self.swapper = None
         if getattr(offload_param, "device", "none") == "nvme":  # shards rest in files between uses
             from .param_swap import ParamSwapper
 
             self.swapper = ParamSwapper(offload_param.nvme_path, self.rank)
             self.swapper.attach(p._zero for p in module.parameters() if not p._zero.persistent)
-        self.host: OptimizerHost = make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
+        self.host: Optional[OptimizerHost] = None if optimizer is None else \
+            make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
         self._hooks = []
         self._trace: List[torch.nn.Module] = []
         self._recording = True
@@ -365,11 +374,15 @@ class Stage3Engine:
                     comm.all_gather(full, z.shard.to(p.device), group=self.group)
                     p.data.copy_(full[:z.numel].view(z.shape))
 
-    def close(self) -> None:
+    def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self.host.close()
+
+    def close(self) -> None:
+        self.remove_hooks()
+        if self.host is not None:
+            self.host.close()
         if self.swapper is not None:
             self.swapper.close()
             self.swapper = None

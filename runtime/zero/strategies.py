@@ -66,14 +66,15 @@ class _ShardedStrategy(GradientStrategy):
         # The groups' hyperparameters (lr, betas, weight_decay, ...), as torch's state_dict keeps
         # them: a scheduler the engine does not own (the HF Trainer's LambdaLR) restores only its
         # own counters, and the lr it set last must come back with the optimizer.
-        state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        groups = self.optimizer.param_groups if self.optimizer is not None else []  # none: a forward-only engine
+        state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         return state
 
     def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
         shards = _as_shards(state, self.impl.listed_names, self._module_state)
         self.impl.load_shards(shards)
         saved = shards[0].get("param_groups") if shards else None
-        if saved is not None and len(saved) == len(self.optimizer.param_groups):
+        if saved is not None and self.optimizer is not None and len(saved) == len(self.optimizer.param_groups):
             for group, hyper in zip(self.optimizer.param_groups, saved):
                 group.update(hyper)
 

@@ -1,6 +1,6 @@
 """One HF Trainer job, run on 2 ranks under `dslaunch --num_gpus 2` by tests/test_hf_trainer.py.
 
-    hf_trainer_job.py --mode ddp|zero2|zero3 --model DIR --out DIR [--resume CKPT]
+    hf_trainer_job.py --mode ddp|zero2|zero3 --model DIR --out DIR [--resume CKPT | --evaluate_only]
 
 The tiny GPT-2 in --model was written by save_pretrained (no hub). Every mode trains it for
 STEPS optimizer steps with the Trainer's own AdamW and linear schedule, fp32, dropout off,
@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--resume", default=None)
+    p.add_argument("--evaluate_only", action="store_true", help="trainer.evaluate() without training")
     p.add_argument("--local_rank", type=int, default=-1)
     a = p.parse_args()
 
@@ -82,8 +83,19 @@ def main() -> None:
                 losses[state.global_step] = logs["loss"]
 
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, model.config.vocab_size),
-                      callbacks=[Record()])
+                      eval_dataset=Tokens(8, model.config.vocab_size), callbacks=[Record()])
+    evals, rank = {}, int(os.environ["RANK"])
+    # --evaluate_only under ZeRO-3: the Trainer builds a forward-only engine (no optimizer).
+    # (evaluate() then train() under DeepSpeed is broken in the Trainer itself: train() frees
+    # the evaluation engine and then reuses it.)
+    if a.evaluate_only:
+        evals["before"] = trainer.evaluate()["eval_loss"]
+        if rank == 0:
+            with open(os.path.join(a.out, "result.json"), "w") as fh:
+                json.dump({"evals": evals, "sharded_at_load": sharded_at_load}, fh)
+        return
     trainer.train(resume_from_checkpoint=a.resume)
+    evals["after"] = trainer.evaluate()["eval_loss"]
     engine = trainer.model_wrapped
     final_dir = os.path.join(a.out, "final")
     trainer.save_model(final_dir)  # ZeRO-3: gathered through _zero3_consolidated_16bit_state_dict
@@ -91,11 +103,10 @@ def main() -> None:
         state = engine._zero3_consolidated_16bit_state_dict()
     else:
         state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    rank = int(os.environ["RANK"])
     if rank == 0:
         torch.save(state, os.path.join(a.out, "final_weights.pt"))
         result = {
-            "losses": {str(k): v for k, v in sorted(losses.items())},
+            "losses": {str(k): v for k, v in sorted(losses.items())}, "evals": evals,
             "engine": f"{type(engine).__module__}.{type(engine).__name__}",
             "sharded_at_load": sharded_at_load, "parameters": len(list(model.parameters())),
             "saved": sorted(os.listdir(final_dir)),
