@@ -77,10 +77,15 @@ class _PreBackward(torch.autograd.Function):
 class Stage3Engine:
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, persistence_threshold: int,
                  prefetch_bucket_size: int, offload=None, offload_param=None, check: Optional[bool] = None,
-                 group=None, sub_group_size: int = 1_000_000_000, reduce_bucket_size: int = 500_000_000):
+                 group=None, sub_group_size: int = 1_000_000_000, reduce_bucket_size: int = 500_000_000,
+                 max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000):
         self.module, self.optimizer, self.group = module, optimizer, group
         self.world, self.rank = comm.world(), comm.rank()
         self.prefetch_numel = int(prefetch_bucket_size)
+        # DeepSpeed's stage3_max_live_parameters (prefetching stops there) and
+        # stage3_max_reuse_distance (a module reused within that many elements stays gathered)
+        self.max_live = int(max_live_parameters)
+        self.max_reuse = int(max_reuse_distance)
         self.reduce_numel = int(reduce_bucket_size)
         self._bucket: List = []
         self._bucket_numel = 0
@@ -176,7 +181,8 @@ class Stage3Engine:
         if phase == "forward" and self._trace_ok and self.prefetch_numel > 0:
             # prefetch: the next modules in last forward's order join this collective
             if self._pos < len(self._trace) and self._trace[self._pos] is m:
-                budget = self.prefetch_numel
+                own = sum(p._zero.numel for p in params if is_partitioned(p) and not is_present(p))
+                budget = min(self.prefetch_numel, self.max_live - self._live_numel() - own)
                 for nxt in self._trace[self._pos + 1:]:
                     extra = [p for p in self._own(nxt) if is_partitioned(p) and not is_present(p)]
                     size = sum(p._zero.numel for p in extra)
@@ -205,10 +211,34 @@ class Stage3Engine:
         keep = set()
         if self._trace_ok and self._pos < len(self._trace):
             keep = {id(p) for nxt in self._trace[self._pos:] for p in self._own(nxt)}  # prefetched, about to be used
+        if self._trace_ok and self._reused_soon(m):
+            keep |= {id(p) for p in self._own(m)}
         release([p for p in self._own(m) if id(p) not in keep])
         if torch.is_grad_enabled():
             return _wrap_outputs(self, m, out)
         return out
+
+    def _numel_of(self, m) -> int:
+        return sum(p._zero.numel for p in self._own(m) if is_partitioned(p) and not p._zero.persistent)
+
+    def _live_numel(self) -> int:
+        return sum(p._zero.numel for g in self.groups for p in g["params"]
+                   if not p._zero.persistent and is_present(p))
+
+    def _reused_soon(self, m) -> bool:
+        """Whether m's parameters are needed again within max_reuse elements of other
+        gathers: later in this forward, or in backward (after the rest of the forward and
+        the backward of the modules after m, about twice their size)."""
+        if self._live_numel() > self.max_live:
+            return False
+        ahead = 0
+        for nxt in self._trace[self._pos:]:
+            if nxt is m:
+                return ahead < self.max_reuse
+            ahead += self._numel_of(nxt)
+            if ahead >= self.max_reuse:
+                return False
+        return torch.is_grad_enabled() and 2 * ahead < self.max_reuse
 
     def _grad_ready(self, p) -> None:
         """Queue this parameter's full gradient (module dtype, padded) and release the parameter;

@@ -127,7 +127,9 @@ class ZeroStage3(_ShardedStrategy):
                                  z.stage3_prefetch_bucket_size, offload=_offload(ctx),
                                  offload_param=off_param if off_param is not None and off_param.device != "none" else None,
                                  group=ctx.group, sub_group_size=z.sub_group_size,
-                                 reduce_bucket_size=z.reduce_bucket_size, check=z.sanity_checks())
+                                 reduce_bucket_size=z.reduce_bucket_size, check=z.sanity_checks(),
+                                 max_live_parameters=z.stage3_max_live_parameters,
+                                 max_reuse_distance=z.stage3_max_reuse_distance)
 
     def wrap_module(self) -> None:
         self.impl.wrap()
