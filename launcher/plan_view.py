@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from typing import Any, Dict, List, Optional
 
+from dslaunch.launcher.hostfile import join_user
 from dslaunch.launcher.masking import MASK, masked
 from dslaunch.launcher.plan import LaunchPlan
 
@@ -69,7 +70,7 @@ def format_plan(plan: LaunchPlan, backend: Optional[Dict[str, Any]] = None) -> s
     out += [f"env file: {p}" for p in d["env_files"]]
     agents = (backend or {}).get("agents", {})
     for n in d["nodes"]:
-        who = f"{n['user']}@{n['host']}" if n["user"] else n["host"]
+        who = join_user(n["user"], n["host"])
         where = f"this machine, {n['accelerator']}" if n["local"] else "remote"
         out.append(f"node {n['node_rank']}: {who} ({where}) slots {_ranges(n['slots'])} "
                    f"ranks {n['ranks'][0]}-{n['ranks'][-1]}")
