@@ -184,6 +184,18 @@ def summary_line(reports: Sequence[HostReport]) -> Optional[str]:
     return "preflight failed on " + ", ".join(f"{r.host} ({'; '.join(r.problems)})" for r in bad)
 
 
+def before_launch(plan, output, connections=None) -> bool:
+    """The short check before a multi-node launch; False (and the table said) when a host fails it."""
+    slots = {n.target: n.node.local_world_size for n in plan.remote_nodes}
+    reports = run_preflight(list(slots.items()), plan.options.ssh, plan.remote_python, plan.master_addr,
+                            plan.master_port, need_torch=False, connections=connections)
+    problem = summary_line(reports)
+    if problem:
+        output.say(format_table(reports, f"{plan.master_addr}:{plan.master_port}"))
+        output.say(f"{problem} (--skip_check to launch anyway)")
+    return problem is None
+
+
 def local_probe(host: str, slots: int, python: str, master_addr: str, master_port: int, timeout: float,
                 need_torch: bool = True) -> HostReport:
     """The same probe for a host that is this machine: run here, no SSH to localhost:22."""

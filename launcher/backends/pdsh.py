@@ -226,6 +226,10 @@ class PdshBackend:
                                      plan.options.launcher_args)}
 
     def run(self, plan, output, err_fd) -> int:
+        from dslaunch.launcher import preflight
+
+        if not plan.options.skip_check and not preflight.before_launch(plan, output):
+            return 255
         attempt = [0]
 
         def open_links(nodes: Sequence) -> List[AgentLink]:

@@ -81,16 +81,8 @@ class SshBackend:
                     if host in conns.errors:
                         output.say(str(conns.errors[host]))
                 return 255
-            if not o.skip_check:
-                slots = {n.target: n.node.local_world_size for n in plan.remote_nodes}
-                reports = preflight.run_preflight([(h, slots[h]) for h in remote], o.ssh, plan.remote_python,
-                                                  plan.master_addr, plan.master_port, need_torch=False,
-                                                  connections=conns)
-                problem = preflight.summary_line(reports)
-                if problem:
-                    output.say(preflight.format_table(reports, f"{plan.master_addr}:{plan.master_port}"))
-                    output.say(f"{problem} (--skip_check to launch anyway)")
-                    return 255
+            if not o.skip_check and not preflight.before_launch(plan, output, conns):
+                return 255
 
             def open_links(nodes: Sequence) -> List[AgentLink]:
                 return [LocalLink(n.target, sys.executable, plan.workdir) if n.local
