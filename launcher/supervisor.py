@@ -322,7 +322,8 @@ class Supervisor:
             return Failure(w.spec.rank, w.spec.label, w.exit_code, signal=sig, stderr_tail=tuple(w.tail),
                            elapsed_s=time.monotonic() - w.started)
         self._observer.exited(w.spec.label)
-        w.state = WorkerState.SUCCEEDED if rc == 0 else WorkerState.STOPPED
+        # once the teardown began, whatever it exited with, we stopped it
+        w.state = WorkerState.SUCCEEDED if rc == 0 and not tearing_down else WorkerState.STOPPED
         return None
 
     # -- teardown -----------------------------------------------------------------------

@@ -13,7 +13,8 @@ ACTIONS
                              rank 1 exits 5) | ignore_wait (the same, nobody fails)
                              | exit:CODE (rank 1 exits CODE) | signal:N (rank 1 kills itself)
     flood OUT MODE           record SIGTERM/SIGINT arrival in OUT.stopped.<rank> and exit; rank 0
-                             floods stdout; MODE fail: rank 1 exits 3 after 1 s (time in OUT.failed)
+                             floods stdout (bytes so far in OUT.bytes); MODE fail: rank 1 exits 3
+                             once OUT.go exists (the time in OUT.failed)
     cascade OUT MODE         torch-style `[rankN]: ` tracebacks. MODE victim: rank 1 fails with a
                              config error, then rank 0 (deaf to SIGTERM) prints a follow-on
                              "Connection closed by peer" traceback and exits 1. MODE same: both
@@ -112,14 +113,21 @@ elif action == "flood":
     open(f"{out}.ready.{rank}", "w").close()
     if rank == 1:
         if mode == "fail":
-            time.sleep(1.0)
+            while not os.path.exists(f"{out}.go"):
+                time.sleep(0.01)
             with open(f"{out}.failed", "w") as f:
                 f.write(repr(time.time()))
             sys.exit(3)
         wait_forever()
     line = "x" * 200 + "\n"
+    written = 0
     while True:
-        sys.stdout.write(line)
+        for _ in range(1000):
+            sys.stdout.write(line)
+        written += 1000 * len(line)
+        with open(f"{out}.bytes.tmp", "w") as f:
+            f.write(str(written))
+        os.replace(f"{out}.bytes.tmp", f"{out}.bytes")
 elif action == "cascade":
     out, mode = argv[1], argv[2]
 
