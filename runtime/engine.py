@@ -73,6 +73,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
         if self.optimizer is not None:
             check_optimizer(self.optimizer, self.config)
+            # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow);
+            # Accelerate reads it so that a scheduler it steps skips that step too.
+            self.optimizer.overflow = False
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self.global_rank, world_size=self.world_size)
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
@@ -295,6 +298,7 @@ class DeepSpeedEngine(torch.nn.Module):
             if not overflow and clip > 0 and true_norm > clip:
                 coef *= clip / (true_norm + 1e-6)
         self._step_applied = not overflow
+        self.optimizer.overflow = overflow
         if overflow:
             self.skipped_steps += 1
         else:

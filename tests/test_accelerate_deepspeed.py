@@ -1,6 +1,8 @@
 """`accelerate launch` with a DeepSpeed plugin, on dslaunch.runtime through the `deepspeed`
 compatibility package: a small loop on 2 processes (tests/workers/accelerate_ds_job.py)
-whose weights equal a plain-torch reference on the global batch after every step."""
+whose weights (accelerator.get_state_dict) equal a plain-torch reference on the global batch
+after every step, and whose accelerator.save_state / load_state replays to the same weights;
+on one machine (ZeRO-3, every weight sharded) and on two hosts of the test bed (ZeRO-2)."""
 import json
 import os
 import subprocess
@@ -16,12 +18,25 @@ TOL = 1e-5
 def ds_config(stage: int) -> dict:
     # Accelerate fills the "auto" values: lr/weight decay from DummyOptim, the schedule from
     # DummyScheduler, the micro batch from the prepared DataLoader.
+    zero = {"stage": stage}
+    if stage == 3:  # every weight a shard at rest; accelerator.get_state_dict gathers them
+        zero.update({"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True})
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
             "scheduler": {"type": "WarmupDecayLR",
                           "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
                                      "total_num_steps": "auto"}},
-            "zero_optimization": {"stage": stage}}
+            "zero_optimization": zero}
+
+
+def _check(out_dir, sharded: bool):
+    got = json.loads((out_dir / "out.json").read_text())
+    assert got["num_processes"] == 2 and got["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert got["engine"] == "DeepSpeedEngine"
+    assert len(got["diffs"]) == 4 and max(got["diffs"]) <= TOL, got
+    assert got["replay_diff"] <= TOL  # save_state after step 2, load_state, steps 3-4 again: the same weights
+    assert bool(got["sharded"]) == sharded
+    return got
 
 
 @pytest.mark.timeout(300)
@@ -29,17 +44,14 @@ def ds_config(stage: int) -> dict:
 def test_accelerate_launch_deepspeed_plugin_two_processes(deepspeed_compat, tmp_path, stage):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ds_config(stage)))
-    out = tmp_path / "out.json"
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     res = subprocess.run([accelerate, "launch", "--use_deepspeed", "--deepspeed_config_file", str(cfg),
                           "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
-                          "--mixed_precision", "no", "--dynamo_backend", "no", JOB, str(out)],
+                          "--mixed_precision", "no", "--dynamo_backend", "no", JOB, str(tmp_path)],
                          env=deepspeed_compat.env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(out.read_text())
-    assert got["num_processes"] == 2 and got["distributed_type"] == "DistributedType.DEEPSPEED"
-    assert got["engine"] == "DeepSpeedEngine" and got["optimizer"] == "AdamW"
-    assert len(got["diffs"]) == 4 and max(got["diffs"]) <= TOL, got
+    got = _check(tmp_path, sharded=stage == 3)
+    assert got["optimizer"] == "AdamW"
     assert got["lr"] == [0.0]  # WarmupDecayLR ran to its total_num_steps
 
 
@@ -60,18 +72,15 @@ def test_accelerate_multinode_deepspeed_launch_over_the_testbed(ns_cluster, ssh_
     hosts.write_text(f"{h1.ip} slots=1\n{h2.ip} slots=1\n")
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ds_config(2)))
-    out = tmp_path / "out.json"
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     res = subprocess.run([accelerate, "launch", "--use_deepspeed", "--deepspeed_config_file", str(cfg),
                           "--num_machines", "2", "--num_processes", "2", "--machine_rank", "0",
                           "--main_process_ip", h1.ip, "--main_process_port", "29541",
                           "--deepspeed_hostfile", str(hosts), "--deepspeed_multinode_launcher", "pdsh",
-                          "--mixed_precision", "no", "--dynamo_backend", "no", JOB, str(out)],
+                          "--mixed_precision", "no", "--dynamo_backend", "no", JOB, str(tmp_path)],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=360)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "ACCELERATE_USE_DEEPSPEED=" in (tmp_path / ".deepspeed_env").read_text()
     assert f"[{h1.ip}:0] rank 0 of 2 on {h1.name}" in res.stdout.splitlines(), res.stdout[-2000:]
     assert f"[{h2.ip}:1] rank 1 of 2 on {h2.name}" in res.stdout.splitlines(), res.stdout[-2000:]
-    got = json.loads(out.read_text())
-    assert got["num_processes"] == 2 and got["distributed_type"] == "DistributedType.DEEPSPEED"
-    assert len(got["diffs"]) == 4 and max(got["diffs"]) <= TOL, got
+    _check(tmp_path, sharded=False)

@@ -5,7 +5,8 @@
   already divided by the accumulation steps (backward(scale_wrt_gas=False)), step() only at
   the boundary: the same weights as the engine's own counted loop.
 - _zero3_consolidated_16bit_state_dict / save_16bit_model (stage3_gather_16bit_weights_on_model_save).
-- compile(); get_global_grad_norm; config.get (the Trainer reads engine.config as a dict).
+- compile(); get_global_grad_norm; config.get (the Trainer reads engine.config as a dict);
+  optimizer.overflow after an fp16 step (Accelerate's step_was_skipped).
 - set_z3_leaf_modules: a module that calls its child a rank-dependent number of times
   (per-child hooks would issue a different number of gathers per rank) trains under ZeRO-3
   as one leaf, equal to stage 0; register_external_parameter: a module using another's weight.
@@ -189,6 +190,18 @@ def _job(out_dir):
     _counted(taker, data, times)
     seen["takeover_vs_stage0"] = _max_diff(_full(taker), want)
 
+    # fp16 overflow: the optimizer says the step was skipped (Accelerate's step_was_skipped)
+    half = _config(2)
+    half["fp16"] = {"enabled": True, "initial_scale_power": 4}
+    f16 = _engine(half)
+    flags = []
+    for scale in (float("inf"), 1.0):
+        for x, y in data[:2]:
+            f16.backward(f16(x, y, times) * scale)
+            f16.step()
+        flags.append(f16.optimizer.overflow)
+    seen["overflow_flags"] = flags
+
     # compile: the same losses as the eager engine it was built like
     comp = _engine(_config(2))
     comp.compile(backend="eager")
@@ -211,7 +224,7 @@ def _job(out_dir):
     torch.optim.lr_scheduler.LambdaLR(back.optimizer, lambda s: 1.0 / (1 + s))  # sets lr to its step-0 value
     back.load_checkpoint(os.path.join(out_dir, "ckpt"))
     seen["lr_loaded"] = back.get_lr()
-    for e in (ref, acc, z3, z3_nogather, fwd, taker, comp, lam, back):
+    for e in (ref, acc, z3, z3_nogather, fwd, taker, f16, comp, lam, back):
         e.destroy()
     return seen
 
@@ -249,8 +262,9 @@ def test_zero3_consolidated_state_dict_and_16bit_save(seen):
     assert r0["saved_z2"] and "emb.weight" in torch.load(out / "z2.bin")
 
 
-def test_compile_get_global_grad_norm_and_config_get(seen):
+def test_compile_get_global_grad_norm_config_get_and_overflow_flag(seen):
     r0, _ = seen[0]
+    assert r0["overflow_flags"] == [True, False]  # an inf loss: the step skipped; then a normal one
     assert r0["compiled"] and r0["compiled_loss_vs_eager"] <= TOL
     assert isinstance(r0["grad_norm"], float) and r0["grad_norm"] > 0
     assert r0["config_get"] == 0
