@@ -84,7 +84,8 @@ class ProgressLog(MetricsSink):
             where += f"/{record.total_steps}"
             eta = (record.total_steps - record.step) * per_step
         elif record.epoch_steps:
-            epoch, into = divmod(record.step, record.epoch_steps)
+            epoch = (record.step - 1) // record.epoch_steps  # the epoch this step belongs to
+            into = record.step - epoch * record.epoch_steps
             where += f" (epoch {epoch} {into}/{record.epoch_steps})"
             eta = (record.epoch_steps - into) * per_step
         loss = sum(w.losses) / len(w.losses) if w.losses else float("nan")

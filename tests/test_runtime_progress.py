@@ -29,6 +29,7 @@ def test_total_steps_give_step_over_total_and_eta():
     assert line.startswith("step 5/20 | loss 1.0000 (mean of 1 step) |") and " | ETA 0:00:0" in line
     line = log.write_step(_rec(7, 1.0, epoch_steps=4))
     assert line.startswith("step 7 (epoch 1 3/4) |") and "ETA" in line
+    assert log.write_step(_rec(8, 1.0, epoch_steps=4)).startswith("step 8 (epoch 1 4/4) |")
     assert clock(3725.2) == "1:02:05"
 
 
