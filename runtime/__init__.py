@@ -23,27 +23,33 @@ from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages
 from .inference import InferenceEngine, OnDevice, init_inference
 from .activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
 from . import elasticity  # deepspeed.elasticity.compute_elastic_config
+from . import pipe  # deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec
 
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
            "ConfigError", "CheckpointError", "LossScaleStuck", "GradientStrategy", "StrategyContext",
            "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice", "checkpointing",
-           "elasticity"]
+           "elasticity", "pipe", "zero"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                config_params=None):
-    """Build the engine; returns (engine, optimizer, training_dataloader, lr_scheduler) like DeepSpeed."""
-    if mpu is not None:
-        raise ConfigError("initialize: model parallelism (mpu=) is not supported; only data parallelism and ZeRO")
+    """Build the engine; returns (engine, optimizer, training_dataloader, lr_scheduler) like DeepSpeed.
+
+    `mpu` is a Megatron-style object (get_model_parallel_rank/world_size/group,
+    get_data_parallel_rank/world_size/group) whose groups the engine then uses; a
+    `deepspeed.pipe.PipelineModule` brings its own topology and gets a PipelineEngine."""
     if dist_init_required is not False and distributed_port is not None:
         init_distributed(distributed_port=distributed_port)
-    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler, config=config,
-                             config_params=config_params, collate_fn=collate_fn,
-                             dist_init_required=dist_init_required)
+    from .pipe.engine import PipelineEngine
+    from .pipe.module import PipelineModule
+
+    cls = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine
+    engine = cls(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                 training_data=training_data, lr_scheduler=lr_scheduler, config=config, config_params=config_params,
+                 collate_fn=collate_fn, dist_init_required=dist_init_required, mpu=mpu)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -155,13 +155,27 @@ class DataParallelStrategy(GradientStrategy):
     def _grad_flats(self) -> List[torch.Tensor]:
         return [b.master_flat if self.mixed else b.flat for b in self.buckets]
 
+    def _reduced_grad(self, b: _Bucket, i: int) -> torch.Tensor:
+        return b.masters[i].grad if self.mixed else b.views[i]
+
     def global_grad_norm(self) -> float:
         # Stage 0 gradients are identical on every rank after the all-reduce: no communication.
-        flats = self._grad_flats()
-        if not flats:
+        skip = self.ctx.norm_exclude
+        if skip:
+            parts = [self._reduced_grad(b, i) for b in self.buckets for i, p in enumerate(b.params)
+                     if id(p) not in skip]
+        else:
+            parts = self._grad_flats()
+        if not parts:
             return 0.0
-        norms = torch.stack([torch.linalg.vector_norm(f.float(), 2) for f in flats])
+        norms = torch.stack([torch.linalg.vector_norm(f.float(), 2) for f in parts])
         return float(torch.linalg.vector_norm(norms, 2))
+
+    def sum_param_grads_(self, params, group) -> None:
+        for p in params:
+            b = self.bucket_of[id(p)]
+            i = next(i for i, q in enumerate(b.params) if q is p)
+            dist.all_reduce(self._reduced_grad(b, i), group=group)
 
     def scale_gradients_(self, factor: float) -> None:
         for f in self._grad_flats():

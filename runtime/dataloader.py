@@ -50,3 +50,23 @@ def move_to(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: move_to(v, device) for k, v in batch.items()}
     return batch
+
+
+class RepeatingLoader:
+    """DeepSpeed's RepeatingLoader: iterate `loader` forever, starting it again (a new
+    epoch, when it is a DistributedDataLoader) each time it runs out. What
+    PipelineEngine.train_batch wants: a fixed number of micro-batches per call."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

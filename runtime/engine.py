@@ -4,6 +4,12 @@ The engine owns what all ZeRO stages share (config, batch sizes, precision casti
 scaling, accumulation counting, clipping arithmetic, LR schedule, logging, checkpoint
 files) and delegates gradient reduction, optimizer stepping and parameter sync to the
 GradientStrategy chosen by zero_optimization.stage (see strategy.py for the call order).
+
+Where each rank sits comes from `self.grid` (runtime/topology.py): a PipelineModule's grid,
+an `mpu=` object's groups, or one data axis over the world. Gradients, shards, the
+initial weight broadcast and the data sampler use its data-parallel group; the batch-size
+rule uses its data-parallel size; the gradient norm is summed over its model-parallel
+group (every stage and tensor slice of one replica).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ def _config_source(args, config, config_params):
 class DeepSpeedEngine(torch.nn.Module):
     def __init__(self, args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
                  training_data=None, lr_scheduler=None, config=None, config_params=None, collate_fn=None,
-                 dist_init_required: Optional[bool] = None):
+                 dist_init_required: Optional[bool] = None, mpu=None):
         super().__init__()
         if model is None:
             raise ValueError("initialize: model= is required")
@@ -55,7 +61,13 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = comm.local_rank()
-        self.batch = resolve_batch_sizes(self.config, self.world_size, comm.world_source())
+        self.grid = make_grid(model, mpu, self.global_rank)
+        self.mpu = mpu if mpu is not None else self.grid
+        self.dp_world_size = self.grid.get_data_parallel_world_size()
+        self.dp_rank = self.grid.get_data_parallel_rank()
+        self.dp_group = self.grid.get_data_parallel_group()
+        self.mp_world_size = self.grid.get_model_parallel_world_size()
+        self.batch = resolve_batch_sizes(self.config, self.dp_world_size, dp_size_source(self.grid, mpu))
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
 
         if self.config.fp16.enabled:
@@ -77,7 +89,8 @@ class DeepSpeedEngine(torch.nn.Module):
             # Accelerate reads it so that a scheduler it steps skips that step too.
             self.optimizer.overflow = False
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
-                              compute_dtype=self.compute_dtype, rank=self.global_rank, world_size=self.world_size)
+                              compute_dtype=self.compute_dtype, rank=self.dp_rank, world_size=self.dp_world_size,
+                              group=self.dp_group, norm_exclude=norm_exclude(model, self.grid, mpu))
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
@@ -86,7 +99,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.training_dataloader = None
         if training_data is not None:
             self.training_dataloader = DistributedDataLoader(
-                training_data, self.batch.micro_batch_per_gpu, self.global_rank, self.world_size,
+                training_data, self.batch.micro_batch_per_gpu, self.dp_rank, self.dp_world_size,
                 collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last)
 
         self.global_steps = 0
@@ -146,11 +159,14 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # -- set-up helpers ----------------------------------------------------------------------
     def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
-        # Ranks may have initialised differently (different seeds): rank 0's weights win.
-        if self.world_size > 1 and dist.is_initialized():
+        # Replicas may have initialised differently (different seeds): the first rank of
+        # each data-parallel group wins (other stages and tensor slices hold other weights).
+        if self.dp_world_size > 1 and dist.is_initialized():
+            src = self.grid.get_data_parallel_group_ranks()[0] if hasattr(
+                self.grid, "get_data_parallel_group_ranks") else dist.get_global_rank(self.dp_group, 0)
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
-                    dist.broadcast(t.data, src=0)
+                    dist.broadcast(t.data, src=src, group=self.dp_group)
 
     def _make_optimizer(self, optimizer, model_parameters, model):
         if optimizer is not None and self.config.optimizer is not None:
@@ -282,16 +298,18 @@ class DeepSpeedEngine(torch.nn.Module):
         self._flops.step_done(self.global_steps - 1, record, self.batch.micro_batch_per_gpu
                               * self.batch.gradient_accumulation_steps, report.parallel_sizes(self))
 
-    def _boundary_step(self, lr_kwargs: Dict[str, Any]) -> None:
+    def _boundary_step(self, lr_kwargs: Dict[str, Any], reduced: bool = False) -> None:
+        """Reduce (unless the caller already did), clip, step, zero; count the step."""
         s = self.strategy
         with self._meter.timed("backward_allreduce"):
-            s.reduce_gradients()
+            if not reduced:
+                s.reduce_gradients()
         clip = self.config.gradient_clipping
         scale = self.loss_scale()
         overflow = False
         coef = 1.0 / scale
         if self._needs_grad_norm():
-            norm = s.global_grad_norm()
+            norm = self._global_grad_norm()
             overflow = not (norm == norm and norm != float("inf"))  # nan or inf
             true_norm = norm / scale
             self._last_grad_norm = true_norm
@@ -320,8 +338,30 @@ class DeepSpeedEngine(torch.nn.Module):
                 or (c.bf16.enabled and c.bf16.check_grad_overflow)
                 or (c.zero.stage in (1, 2) and c.zero.compute_grad_norm))
 
+    def _global_grad_norm(self) -> float:
+        """The strategy's norm (this replica's share, complete over the data-parallel
+        group) summed over the model-parallel group: every stage and tensor slice."""
+        norm = self.strategy.global_grad_norm()
+        if self.mp_world_size > 1 and dist.is_initialized():
+            sq = torch.tensor([norm * norm], dtype=torch.float64)
+            dist.all_reduce(sq, group=self.grid.get_model_parallel_group())
+            norm = float(sq.sqrt())
+        return norm
+
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
+
+    def train_batch(self, data_iter=None):
+        from .pipe.module import PipelineError
+
+        raise PipelineError("train_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
+                            "PipelineModule); train with engine(batch), engine.backward(loss), engine.step()")
+
+    def eval_batch(self, data_iter=None, *args, **kwargs):
+        from .pipe.module import PipelineError
+
+        raise PipelineError("eval_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
+                            "PipelineModule); evaluate with engine(batch) under torch.no_grad()")
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -383,3 +423,47 @@ class DeepSpeedEngine(torch.nn.Module):
 
     save_fp16_model = save_16bit_model
 
+
+def make_grid(model, mpu, global_rank: int):
+    """The topology this engine runs on: a PipelineModule's own grid, the groups of a
+    Megatron-style `mpu`, or one data axis over the whole world."""
+    from .pipe.module import PipelineModule
+    from .topology import MpuGrid, TopologyError, data_parallel_grid
+
+    if isinstance(model, PipelineModule):
+        if mpu is not None:
+            raise ConfigError("initialize: pass either mpu= or a PipelineModule (whose topology is the mpu), not both")
+        return model.mpu()
+    if mpu is not None:
+        try:
+            return MpuGrid(mpu, global_rank)
+        except TopologyError as exc:
+            raise ConfigError(str(exc)) from None
+    if dist.is_available() and dist.is_initialized():
+        return data_parallel_grid()
+    return data_parallel_grid(rank=0, world_size=1, group_factory=lambda ranks: None)
+
+
+def dp_size_source(grid, mpu) -> str:
+    """Where the data-parallel size came from, for the batch-size error."""
+    if mpu is not None:
+        return f"from mpu.get_data_parallel_world_size(); {comm.world_source()}"
+    pp = grid.get_pipe_parallel_world_size()
+    if pp > 1:
+        return f"world size {comm.get_world_size()} ({comm.world_source()}) / {pp} pipeline stages"
+    return comm.world_source()
+
+
+def norm_exclude(model, grid, mpu) -> frozenset:
+    """Parameters whose gradient another rank already counts in the global norm: a weight
+    tied across pipeline stages counts on the tie's first rank only; with an mpu,
+    parameters not split by tensor parallelism (no `tensor_model_parallel`/`model_parallel`
+    attribute set) count on tensor-parallel rank 0 only, as in DeepSpeed and Megatron."""
+    out = set()
+    for c in getattr(model, "tied_comms", {}).values():
+        if grid.get_global_rank() != min(c["ranks"]):
+            out.update(id(p) for p in c["module"].parameters())
+    if mpu is not None and grid.get_slice_parallel_rank() > 0:
+        out.update(id(p) for p in model.parameters()
+                   if not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)))
+    return frozenset(out)

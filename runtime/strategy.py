@@ -8,7 +8,13 @@ module's parameters are refreshed after a step, and (stage 3) how parameters are
 around forward. `zero_optimization.stage` picks the strategy class from a registry:
 
     stage 0  dslaunch.runtime.data_parallel.DataParallelStrategy  (bucketed all-reduce)
-    stage 1-3  registered by dslaunch.runtime.zero (imported lazily on first use)
+    stage 1, 2  dslaunch.runtime.zero.stage12.ZeroStage1 / ZeroStage2
+    stage 3  dslaunch.runtime.zero.stage3.ZeroStage3  (imported lazily on first use)
+
+Every collective a strategy runs is on `ctx.group`, the data-parallel group (from the
+engine's topology: the world without pipeline or mpu, the ranks holding the same
+pipeline stage and tensor slice otherwise); `ctx.rank` and `ctx.world_size` are this
+rank's place in that group and its size, and all shard arithmetic uses them.
 
 A strategy registers itself with `@register_strategy(stage)`. Asking for a stage with no
 registered strategy is a single ConfigError.
@@ -29,12 +35,21 @@ Call order, per optimizer step of `gas` micro-batches (engine view):
     strategy.zero_grad()
 
 Contract details:
-- No collective may run on a non-boundary micro-step (gradient accumulation is local).
+- Communication off the boundary (`communicates_every_micro_step`): stages 0 and 1
+  accumulate gradients locally and run no collective on a non-boundary micro-step.
+  Stages 2 and 3 keep only a partition of the gradients, so, as in DeepSpeed, every
+  micro-step's backward reduces its gradients to their owners (stage 3 also gathers
+  parameters around every forward and backward); nothing else runs off the boundary.
 - `ctx.optimizer`'s param_groups initially hold the module's own parameters. A strategy
   may replace each group's "params" with its own tensors (fp32 masters, flat shards); it
   must keep the group dicts themselves, because LR schedulers write "lr" into them.
 - Gradients reported by `global_grad_norm` are still multiplied by the loss scale and
-  already averaged over data-parallel ranks (and divided by `gas` through the loss).
+  already averaged over data-parallel ranks (and divided by `gas` through the loss). The
+  norm covers this rank's model (every shard of it over ctx.group) minus the parameters
+  in `ctx.norm_exclude` (copies whose gradient is counted on another rank, e.g. a weight
+  tied across pipeline stages); the engine sums it over the model-parallel group.
+- `sum_param_grads_(params, group)` (after reduce_gradients) adds the reduced gradients
+  of `params` over another group: weights tied across pipeline stages.
 - Checkpoints: `module_state_dict()` is called on every rank (it may be collective) and
   must return the full, unsharded module state on rank 0. `optimizer_state_dict()` returns
   this rank's optimizer state; with `sharded_optimizer_state = True` every rank's dict is
@@ -48,7 +63,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Type
+from typing import Any, Callable, Dict, FrozenSet, Optional, Type
 
 import torch
 import torch.distributed as dist
@@ -66,9 +81,10 @@ class StrategyContext:
     config: DeepSpeedConfig
     device: torch.device
     compute_dtype: torch.dtype  # float32, float16 or bfloat16
-    rank: int
-    world_size: int
-    group: Optional[Any] = None  # the data-parallel process group; None = the default group
+    rank: int  # in the data-parallel group
+    world_size: int  # of the data-parallel group
+    group: Optional[Any] = None  # the data-parallel process group (None only when world_size is 1)
+    norm_exclude: FrozenSet[int] = frozenset()  # id(param)s left out of global_grad_norm
 
     @property
     def distributed(self) -> bool:
@@ -81,6 +97,7 @@ class GradientStrategy:
 
     stage: int = -1
     sharded_optimizer_state: bool = False
+    communicates_every_micro_step: bool = False  # see "Communication off the boundary" above
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -113,6 +130,10 @@ class GradientStrategy:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
+    def sum_param_grads_(self, params, group) -> None:
+        """Sum the reduced gradients of `params` (module parameters) over `group`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sum gradients of tied parameters")
+
     # -- checkpoints ---------------------------------------------------------------------
     def module_state_dict(self) -> Dict[str, Any]:
         return self.module.state_dict()
@@ -132,8 +153,8 @@ class GradientStrategy:
 
 _REGISTRY: Dict[int, Type[GradientStrategy]] = {}
 # Modules imported on demand so that their @register_strategy decorators run.
-_PROVIDERS = {0: "dslaunch.runtime.data_parallel", 1: "dslaunch.runtime.zero",
-              2: "dslaunch.runtime.zero", 3: "dslaunch.runtime.zero"}
+_PROVIDERS = {0: "dslaunch.runtime.data_parallel", 1: "dslaunch.runtime.zero.stage12",
+              2: "dslaunch.runtime.zero.stage12", 3: "dslaunch.runtime.zero.stage3"}
 
 
 def register_strategy(stage: int) -> Callable[[Type[GradientStrategy]], Type[GradientStrategy]]:

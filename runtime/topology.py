@@ -243,8 +243,13 @@ class PipelineParallelGrid:
         # an axis the topology lacks has size 1: every rank is its own group
         return self._topo.get_axis_comm_lists(axis) or [[r] for r in range(self.world_size)]
 
-    def _group(self, ranks: Sequence[int]):
-        key = tuple(sorted(ranks))
+    def new_group(self, ranks: Sequence[int]):
+        """The process group over `ranks`, made once per distinct set. Collective like
+        torch's new_group (every rank calls it in the same order), except that a one-rank
+        group is made only by its member (None elsewhere)."""
+        key = tuple(sorted(int(r) for r in ranks))
+        if len(key) == 1 and key[0] != self.global_rank:
+            return None
         if key not in self._groups:
             self._groups[key] = self._factory(list(key))
         return self._groups[key]
@@ -253,9 +258,7 @@ class PipelineParallelGrid:
         """Create every group of one axis (same order on every rank); return ours."""
         mine_group, mine = None, None
         for ranks in lists:
-            if len(ranks) == 1 and ranks[0] != self.global_rank:
-                continue  # a one-rank group is created by its member alone
-            g = self._group(ranks)
+            g = self.new_group(ranks)
             if self.global_rank in ranks:
                 mine_group, mine = g, list(ranks)
         return mine_group, mine

@@ -5,7 +5,7 @@
 
 `run_function` executes `fn(**kwargs)` in N fresh Python processes with RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set and a gloo process group already initialised
-(pass init_process_group=False to skip that); `fn` must be a module-level function of an
+(nccl, one GPU per rank, with DSLAUNCH_TEST_BACKEND=nccl; pass init_process_group=False to skip that); `fn` must be a module-level function of an
 importable file (a test module is fine: it is loaded by path). It returns the list of the
 per-rank return values (anything picklable), in rank order.
 
@@ -224,7 +224,13 @@ def _worker(job_path: str, result_path: str, stack_path: str) -> None:
     if job["init"]:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        # DSLAUNCH_TEST_BACKEND=nccl runs the same test on GPUs (one per rank), where there are some
+        backend = os.environ.get("DSLAUNCH_TEST_BACKEND", "gloo")
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     result = fn(**job["kwargs"])
     with open(result_path, "wb") as fh:
         pickle.dump(result, fh)

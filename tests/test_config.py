@@ -10,7 +10,7 @@ from dslaunch.runtime.optim import build_optimizer
 from dslaunch.runtime.strategy import strategy_for_stage
 from dslaunch.runtime.strict import ConfigError
 
-RULE = "; the rule is train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"
+RULE = "; the rule is train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size"
 
 BATCH_TABLE = [
     # (train_batch_size, micro, gas, world) -> BatchSizes or error message
@@ -21,12 +21,12 @@ BATCH_TABLE = [
     ((None, 4, 3, 2), BatchSizes(24, 4, 3)),
     ((32, 4, 4, 2), BatchSizes(32, 4, 4)),
     ((64, 8, 2, 2), "batch size: train_batch_size 64 != 8 x 2 x 2 = 32 (train_micro_batch_size_per_gpu 8, "
-                    "gradient_accumulation_steps 2, world size 2 (WORLD_SIZE from the launcher environment))" + RULE),
+                    "gradient_accumulation_steps 2, data-parallel size 2 (WORLD_SIZE from the launcher environment))" + RULE),
     ((10, 4, None, 2), "batch size: train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x "
-                       "world size 2 (WORLD_SIZE from the launcher environment)" + RULE),
+                       "data-parallel size 2 (WORLD_SIZE from the launcher environment)" + RULE),
     ((6, None, 4, 1), "batch size: train_batch_size 6 is not divisible by gradient_accumulation_steps 4 x "
-                      "world size 1 (WORLD_SIZE from the launcher environment)" + RULE),
-    ((3, None, None, 2), "batch size: train_batch_size 3 is not divisible by world size 2 "
+                      "data-parallel size 1 (WORLD_SIZE from the launcher environment)" + RULE),
+    ((3, None, None, 2), "batch size: train_batch_size 3 is not divisible by data-parallel size 2 "
                          "(WORLD_SIZE from the launcher environment)" + RULE),
     ((None, None, 2, 2), "batch size: set train_batch_size or train_micro_batch_size_per_gpu "
                          "(neither is in the config)" + RULE),

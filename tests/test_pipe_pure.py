@@ -125,6 +125,8 @@ def test_partition_methods_and_errors():
     assert partition_layers(layers, 2, "parameters", lambda l: 10 if isinstance(l, Block) else 0) == [0, 4, 7]
     with pytest.raises(PartitionError, match="no layer's type matches 'attn'"):
         partition_layers(layers, 2, "type:attn", None)
+    with pytest.raises(PartitionError, match="stage 1 is left with no 'other' layer \\(2 match, 3 stages\\)"):
+        partition_layers(layers, 3, "type:other", None)
     with pytest.raises(PartitionError, match="unknown"):
         partition_layers(layers, 2, "profile", None)
     with pytest.raises(PartitionError, match="3 stages but only 2 layers"):

@@ -109,7 +109,7 @@ def _engine_worker(ckpt, nvme):
             "losses": losses, "ref": rl[:len(losses)],
             "diff": max(float((params[n] - rp[n]).abs().max()) for n in rp)}
         if off == "nvme-param":
-            sw = e.strategy.impl.swapper
+            sw = e.strategy.swapper
             out["param_swap"] = (sw.bytes_read, sw.bytes_written, os.path.dirname(sw.dir) == nvme)
         e.destroy()
     out["full_losses"] = refs["float32"][0]

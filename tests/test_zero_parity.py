@@ -126,25 +126,34 @@ def train_reference(cfg, rank, world, steps):
     return losses, params
 
 
-def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_step=0):
-    from dslaunch.runtime.zero.stage12 import PartitionedOptimizer
+def zero_strategy(cfg, model, opt, nvme_dir=None, group=None):
+    """The stage's engine strategy itself, built from a config as the engine builds it, on
+    `group` (the default group when None)."""
+    import torch.distributed as dist
 
+    from dslaunch.runtime.config import DeepSpeedConfig
+    from dslaunch.runtime.strategy import StrategyContext, strategy_for_stage
+
+    # stage 3 reduce-scatters several parameters at once with a 4x bucket
+    zero = {"stage": cfg.stage, "reduce_bucket_size": cfg.bucket * (4 if cfg.stage == 3 else 1),
+            "allgather_bucket_size": cfg.bucket, "stage3_prefetch_bucket_size": cfg.bucket,
+            "stage3_param_persistence_threshold": cfg.persist, "sub_group_size": cfg.sub_group}
+    if cfg.offload != "none":
+        zero["offload_optimizer"] = {"device": cfg.offload, "nvme_path": nvme_dir}
+    group = group if group is not None else dist.group.WORLD
+    ctx = StrategyContext(module=model, optimizer=opt, config=DeepSpeedConfig.load({"zero_optimization": zero}),
+                          device=torch.device("cpu"), compute_dtype=getattr(torch, cfg.dtype),
+                          rank=dist.get_rank(group), world_size=dist.get_world_size(group), group=group)
+    z = strategy_for_stage(cfg.stage)(ctx)
+    z.wrap_module()
+    return z
+
+
+def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_step=0, group=None):
     dtype = getattr(torch, cfg.dtype)
     model = make_model().to(dtype)
     opt = _optimizer(model)
-    offload = None
-    if cfg.offload != "none":
-        offload = type("Off", (), {"device": cfg.offload, "nvme_path": nvme_dir})()
-    if cfg.stage == 3:
-        from dslaunch.runtime.zero.stage3 import Stage3Engine
-
-        z = Stage3Engine(model, opt, persistence_threshold=cfg.persist, prefetch_bucket_size=cfg.bucket,
-                         offload=offload, check=cfg.check, sub_group_size=cfg.sub_group,
-                         reduce_bucket_size=cfg.bucket * 4)  # several params per reduce-scatter
-        z.wrap()
-    else:
-        z = PartitionedOptimizer(model, opt, cfg.stage, reduce_bucket_size=cfg.bucket,
-                                 allgather_bucket_size=cfg.bucket, offload=offload, sub_group_size=cfg.sub_group)
+    z = zero_strategy(cfg, model, opt, nvme_dir, group)
     if load_from is not None:
         z.load_shards(load_from)
     losses = []
@@ -167,7 +176,7 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_ste
     if cfg.stage == 3:
         # at rest, everything above the persistence threshold holds only its shard
         assert all(p.data.numel() == 0 for p in model.parameters() if p.requires_grad and p.numel() > cfg.persist)
-        params = {n: v.float() for n, v in z.full_state_dict().items()}
+        params = {n: v.float() for n, v in z.module_state_dict().items()}
     else:
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     shard = z.shard_state()

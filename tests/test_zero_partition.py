@@ -106,16 +106,24 @@ def test_offloaded_masters_and_stage3_shards_are_pinned_on_gpu():
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from dslaunch.runtime.zero.stage12 import PartitionedOptimizer
-    from dslaunch.runtime.zero.stage3 import Stage3Engine
+    from dslaunch.runtime.config import DeepSpeedConfig
+    from dslaunch.runtime.strategy import StrategyContext, strategy_for_stage
 
-    off = type("Off", (), {"device": "cpu", "pin_memory": True, "nvme_path": None})()
-    model = torch.nn.Linear(16, 8).cuda()
-    opt = PartitionedOptimizer(model, torch.optim.Adam(model.parameters()), 2, 100, 100, offload=off)
+    def strategy(stage, model):
+        off = {"device": "cpu", "pin_memory": True}
+        cfg = DeepSpeedConfig.load({"zero_optimization": {"stage": stage, "offload_optimizer": off,
+                                                          "offload_param": off, "reduce_bucket_size": 100,
+                                                          "allgather_bucket_size": 100,
+                                                          "stage3_param_persistence_threshold": 0}})
+        ctx = StrategyContext(module=model, optimizer=torch.optim.Adam(model.parameters()), config=cfg,
+                              device=torch.device("cuda"), compute_dtype=torch.float32, rank=0, world_size=1)
+        return strategy_for_stage(stage)(ctx)
+
+    opt = strategy(2, torch.nn.Linear(16, 8).cuda())
     assert all(g.master.is_pinned() and g.grad.is_pinned() for g in opt.groups)
     opt.close()
     model = torch.nn.Linear(16, 8).cuda()
-    eng = Stage3Engine(model, torch.optim.Adam(model.parameters()), 0, 100, offload=off, offload_param=off)
+    eng = strategy(3, model)
     assert all(g["master"].is_pinned() for g in eng.groups)
     assert all(p._zero.shard.is_pinned() for p in model.parameters())
     eng.close()

@@ -195,20 +195,23 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
-def resolve_batch_sizes(cfg: DeepSpeedConfig, world_size: int, world_source: str = "world size") -> BatchSizes:
-    """Any two of the three keys fix the third: train_batch = micro * accumulation * world.
+def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "world size") -> BatchSizes:
+    """Any two of the three keys fix the third: train_batch = micro * accumulation * dp,
+    where dp is the data-parallel size (the world size unless pipeline or tensor
+    parallelism splits the model over several ranks).
 
     An inconsistent or under-determined set is a ConfigError that prints the numbers, the
-    rule and where the world size came from. With `elasticity.enabled` the elastic batch
-    sizes for this world size are used instead (deepspeed.elasticity).
+    rule and where the data-parallel size came from (`dp_source`). With `elasticity.enabled`
+    the elastic batch sizes for this data-parallel size are used instead (deepspeed.elasticity).
     """
     if cfg.elasticity.enabled:
         from ..elasticity.elasticity import engine_batch_sizes
 
-        return BatchSizes(*engine_batch_sizes(cfg, world_size))
+        return BatchSizes(*engine_batch_sizes(cfg, dp_size))
     tb, mb, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
-    rule = "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"
-    ws = f"world size {world_size} ({world_source})"
+    world_size = dp_size
+    rule = "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size"
+    ws = f"data-parallel size {dp_size} ({dp_source})"
 
     def bad(detail: str) -> ConfigError:
         return ConfigError(f"batch size: {detail}; the rule is {rule}")

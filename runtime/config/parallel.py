@@ -50,6 +50,10 @@ class PipelineConfig:
     stages: Any = refused("pipeline.stages " + PIPELINE_LATER, "auto")
     partition: Any = refused("pipeline.partition " + PIPELINE_LATER, "best")
     seed_layers: Any = refused("pipeline.seed_layers " + PIPELINE_LATER, False)
-    activation_checkpoint_interval: Any = refused("pipeline.activation_checkpoint_interval " + PIPELINE_LATER, 0)
+    activation_checkpoint_interval: int = supported(
+        0, "when > 0, replaces PipelineModule(activation_checkpoint_interval=): every N layers are recomputed in backward")
     pipe_partitioned: Any = refused("pipeline.pipe_partitioned " + PIPELINE_LATER, True)
     grad_partitioned: Any = refused("pipeline.grad_partitioned " + PIPELINE_LATER, True)
+
+    def validate(self, path: str) -> None:
+        positive(path, "activation_checkpoint_interval", self.activation_checkpoint_interval, allow_zero=True)

@@ -7,7 +7,8 @@ A partition is a list `parts` of num_stages + 1 boundaries: stage s owns layers
                    when it does not divide)
     "parameters"   balance the trainable parameter count of each stage
     "type:REGEX"   balance the number of layers whose class (or function) name matches
-                   REGEX (case-insensitive), e.g. "type:Block" for transformer blocks
+                   REGEX (case-insensitive), e.g. "type:Block" for transformer blocks; every
+                   stage must get at least one of them
 
 Balancing follows DeepSpeed's linear-partition rule (choose cuts that make the heaviest
 and the lightest stage as close as possible, later cuts winning ties), so a model is
@@ -96,7 +97,12 @@ def partition_layers(layers: Sequence, num_stages: int, method: str,
             names = sorted({layer_name(layer) for layer in layers})
             raise PartitionError(f"partition_method {method!r}: no layer's type matches {pattern!r} "
                                  f"(layer types: {', '.join(names)})")
-        return partition_balanced(hits, num_stages)
+        parts = partition_balanced(hits, num_stages)
+        for st in range(num_stages):
+            if not any(hits[parts[st]:parts[st + 1]]):
+                raise PartitionError(f"partition_method {method!r}: stage {st} is left with no {pattern!r} layer "
+                                     f"({sum(hits)} match, {num_stages} stages); use at most {sum(hits)} stages")
+        return parts
     raise PartitionError(f"partition_method {method!r}: unknown; use \"parameters\", \"uniform\" or \"type:REGEX\"")
 
 

@@ -1,15 +1,17 @@
 """ZeRO stages 1-3 for dslaunch.runtime, selected by `zero_optimization.stage`.
 
-Importing this package registers the stage strategies with the engine. DeepSpeed's
-user-facing names live here too: `zero.Init()` builds a model directly partitioned and
-`zero.GatheredParameters(params, modifier_rank=None)` gives temporary full access.
+Importing this package registers the stage strategies with the engine (ZeroStage1/2 in
+stage12.py, ZeroStage3 in stage3.py). DeepSpeed's user-facing names live here too:
+`zero.Init()` builds a model directly partitioned and `zero.GatheredParameters(params,
+modifier_rank=None)` gives temporary full access.
 """
-from . import strategies  # noqa: F401  (registers stages 1, 2 and 3)
 from ..checkpoint import CheckpointError
 from ..checkpoint.reshard import consolidated_state_dict, tied_aliases
 from .hook_scope import register_external_parameter, unregister_external_parameter
 from .params import GatheredParameters, Init
-from .stage3 import RankDivergenceError
+from .stage12 import ZeroStage1, ZeroStage2
+from .stage3 import RankDivergenceError, ZeroStage3
 
 __all__ = ["Init", "GatheredParameters", "RankDivergenceError", "CheckpointError", "consolidated_state_dict",
-           "tied_aliases", "register_external_parameter", "unregister_external_parameter"]
+           "tied_aliases", "register_external_parameter", "unregister_external_parameter",
+           "ZeroStage1", "ZeroStage2", "ZeroStage3"]

@@ -36,6 +36,9 @@ class ZeroParam:
     group_index: int = -1
     owner: Optional[object] = field(default=None, repr=False)  # the Stage3 engine, once attached
     swap: Optional[object] = field(default=None, repr=False)  # a ParamSwapper when the shard rests in a file
+    group: Optional[object] = field(default=None, repr=False)  # the data-parallel group it is cut over
+    world: int = 1  # that group's size and this rank's place in it
+    rank: int = 0
 
     @property
     def shard(self) -> torch.Tensor:
@@ -66,14 +69,15 @@ def is_present(p: torch.Tensor) -> bool:
 
 
 def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = False,
-                    device: Optional[torch.device] = None) -> ZeroParam:
-    world, rank = comm.world(), comm.rank()
+                    device: Optional[torch.device] = None, group=None) -> ZeroParam:
+    """Cut `p` over `group` (the default group when None): keep this rank's chunk."""
+    world, rank = comm.world(group), comm.rank(group)
     numel = p.numel()
     chunk = padded_size(numel, world) // world
     piece = param_shard(numel, world, rank)
     shard = torch.zeros(chunk, dtype=p.dtype, device=device or p.device)
     shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
-    z = ZeroParam(name, p.shape, numel, chunk, shard, persistent)
+    z = ZeroParam(name, p.shape, numel, chunk, shard, persistent, group=group, world=world, rank=rank)
     p._zero = z
     if not persistent:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -90,16 +94,19 @@ def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> 
     need = [p for p in params if is_partitioned(p) and not is_present(p)]
     if not need:
         return
+    group = need[0]._zero.group
+    if any(p._zero.group is not group for p in need):
+        raise RuntimeError("zero: one gather mixes parameters partitioned over different process groups")
     if check is not None:
         check(f"gather {what}")
-    world = comm.world()
+    world = need[0]._zero.world
     dtype = need[0]._zero.shard.dtype
     device = need[0].device  # the compute device, even when shards rest in CPU memory (offload_param)
     local = torch.cat([p._zero.shard.to(device, dtype) for p in need]) if len(need) > 1 \
         else need[0]._zero.shard.to(device)
     rest(need, dirty=False)  # `local` keeps a file-backed shard alive until the all-gather is done
     out = torch.empty(world * local.numel(), dtype=dtype, device=device)
-    comm.all_gather(out, local.contiguous())
+    comm.all_gather(out, local.contiguous(), group=group)
     rows = out.view(world, local.numel())
     off = 0
     for p in need:
@@ -119,7 +126,7 @@ def refresh_shard_from_full(p: torch.nn.Parameter) -> None:
     """After a full value was written (GatheredParameters modifier, checkpoint load):
     re-cut this rank's shard (and its fp32 master, when an engine owns it)."""
     z = p._zero
-    piece = param_shard(z.numel, comm.world(), comm.rank())
+    piece = param_shard(z.numel, z.world, z.rank)
     z.shard.zero_()
     z.shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
     if z.owner is not None:
@@ -130,7 +137,8 @@ def refresh_shard_from_full(p: torch.nn.Parameter) -> None:
 class GatheredParameters:
     """`with GatheredParameters(params, modifier_rank=None):` the parameters are whole
     inside the block. With modifier_rank=r, rank r's values when the block ends are
-    broadcast to all ranks and become the new shards (and fp32 masters)."""
+    broadcast to all ranks and become the new shards (and fp32 masters); r is a rank in
+    the parameters' data-parallel group (the global rank when that is the world)."""
 
     def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None, enabled: bool = True):
         if isinstance(params, torch.Tensor):
@@ -147,7 +155,7 @@ class GatheredParameters:
     def __exit__(self, *exc):
         if exc[0] is None and self.modifier_rank is not None:
             for p in self.params:
-                comm.broadcast(p.data, src=self.modifier_rank)
+                comm.broadcast(p.data, src=self.modifier_rank, group=p._zero.group)
                 refresh_shard_from_full(p)
         release([p for p, was in zip(self.params, self._was_present) if not was])
         return False
@@ -160,12 +168,17 @@ class Init:
     usual case); code that later rewrites a child's weights should use
     GatheredParameters(..., modifier_rank=0).
 
-    Parameters at most `param_persistence_threshold` elements are kept whole."""
+    Parameters at most `param_persistence_threshold` elements are kept whole. They are cut
+    over `data_parallel_group`, else `mpu.get_data_parallel_group()`, else the world: the
+    engine refuses a model cut over another group than its data-parallel one."""
 
     def __init__(self, module=None, data_parallel_group=None, enabled: bool = True, config_dict_or_path=None,
                  param_persistence_threshold: Optional[int] = None, remote_device=None, pin_memory=False,
-                 config=None, dtype=None, **_ignored):
+                 config=None, dtype=None, mpu=None, **_ignored):
         self.enabled = enabled
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        self.group = data_parallel_group
         self.threshold = param_persistence_threshold
         if self.threshold is None:
             self.threshold = _threshold_from(config_dict_or_path or config)
@@ -194,7 +207,7 @@ class Init:
                 if not is_partitioned(p):
                     if init.dtype is not None and p.is_floating_point():
                         p.data = p.data.to(init.dtype)
-                    partition_param(p, name=name, persistent=p.numel() <= init.threshold)
+                    partition_param(p, name=name, persistent=p.numel() <= init.threshold, group=init.group)
         __init__.__wrapped__ = orig
         return __init__
 

@@ -1,4 +1,5 @@
-"""ZeRO stages 1 and 2: fp32 master weights and optimizer state partitioned over ranks.
+"""ZeRO stages 1 and 2: fp32 master weights and optimizer state partitioned over the
+data-parallel group (`ZeroStage1`, `ZeroStage2`: the engine strategies themselves).
 
 Each param group's trainable parameters are laid out flat (partition.FlatLayout); rank r
 keeps only its contiguous partition of the fp32 masters, the optimizer state (the
@@ -14,7 +15,8 @@ Gradient flow:
            reverse registration order (about the order backward produces them), and
            param.grad is freed at once; a rank accumulates only its partition. Buckets
            are issued strictly in plan order so every rank issues the same collectives
-           in the same sequence whatever order its hooks fire in.
+           in the same sequence whatever order its hooks fire in. This happens on every
+           micro-step (the price of keeping only a partition), as in DeepSpeed.
 """
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from ..strategy import StrategyContext, register_strategy
 from . import comm
 from .offload import OptimizerHost, make_host, pin_host
 from .partition import FlatLayout, Piece, pieces_to_dict, plan_buckets
+from .sharded import ShardedStrategy, offload_optimizer
 
 
 @dataclass
@@ -46,19 +49,17 @@ def named_trainable(module: torch.nn.Module) -> Dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-class PartitionedOptimizer:
-    """The stage 1/2 machinery, independent of the engine so it is testable alone."""
+class _PartitionedStage(ShardedStrategy):
+    """Stages 1 and 2 (`stage` is set by @register_strategy on the subclasses)."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, stage: int,
-                 reduce_bucket_size: int, allgather_bucket_size: int, overlap_comm: bool = True,
-                 offload=None, group=None, sub_group_size: int = 1_000_000_000):
-        if stage not in (1, 2):
-            raise ValueError(f"PartitionedOptimizer handles stages 1 and 2, not {stage}")
-        self.stage, self.module, self.optimizer, self.group = stage, module, optimizer, group
-        self.world, self.rank = comm.world(), comm.rank()
-        self.reduce_bucket = int(reduce_bucket_size)
-        self.gather_bucket = int(allgather_bucket_size)
-        self.overlap_comm = overlap_comm
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        z = ctx.config.zero_optimization
+        module, optimizer = self.module, self.optimizer
+        offload, sub_group_size = offload_optimizer(ctx), z.sub_group_size
+        self.reduce_bucket = int(z.reduce_bucket_size)
+        self.gather_bucket = int(z.allgather_bucket_size)
+        self.overlap_comm = z.overlap_comm
         self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
         self.pin = bool(getattr(offload, "pin_memory", False))
         names = named_trainable(module)
@@ -80,7 +81,7 @@ class PartitionedOptimizer:
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
-        if stage == 2:
+        if self.stage == 2:
             self._install_stage2_hooks()
 
     # -- construction ---------------------------------------------------------------------
@@ -153,8 +154,7 @@ class PartitionedOptimizer:
             buf = torch.cat([gf[a:b] if gf is not None else torch.zeros(b - a, dtype=self.groups[gi].flat.dtype,
                                                                          device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
-            if self.world > 1:
-                dist.reduce(buf, dst=owner, group=self.group)
+            comm.reduce_sum(buf, dst=owner, group=self.group)
             if owner == self.rank:
                 pos = 0
                 for gi, _, a, b, off in parts:
@@ -196,11 +196,35 @@ class PartitionedOptimizer:
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].master.device if self.groups else "cpu")
+        skip = self._excluded_names()
         for g in self.groups:
-            if g.grad is not None:
+            if g.grad is None:
+                continue
+            if not skip:
                 sq += g.grad.float().pow(2).sum()
+                continue
+            for piece in g.pieces:  # padding is zero: the pieces hold every element that counts
+                if piece.name not in skip:
+                    sq += g.grad[piece.offset:piece.offset + piece.numel].float().pow(2).sum()
         comm.all_reduce_sum(sq, group=self.group)
         return float(sq.sqrt())
+
+    def sum_param_grads_(self, params, group) -> None:
+        """Each parameter's whole reduced gradient is rebuilt from every data-parallel
+        rank's pieces (one all-reduce of disjoint pieces), summed over `group`, and this
+        rank's pieces written back. Every rank of the group calls it with the same list."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        slots = {s.name: (g, s) for g in self.groups for s in g.layout.slots}
+        for p in params:
+            g, slot = slots[names[id(p)]]
+            full = torch.zeros(slot.numel, dtype=torch.float32, device=g.master.device)
+            mine = [piece for piece in g.pieces if piece.name == slot.name]
+            for piece in mine:
+                full[piece.start:piece.end] += g.grad[piece.offset:piece.offset + piece.numel]
+            comm.all_reduce_sum(full, group=self.group)
+            comm.all_reduce_sum(full, group=group)
+            for piece in mine:
+                g.grad[piece.offset:piece.offset + piece.numel].copy_(full[piece.start:piece.end])
 
     def scale_gradients_(self, factor: float) -> None:
         if factor != 1.0:
@@ -282,3 +306,24 @@ class PartitionedOptimizer:
         self._hooks.clear()
         self.host.close()
 
+    # -- module state ---------------------------------------------------------------------------
+    def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        self._module_state = state
+        # the module's params are views into flat buffers: copy in place to keep them so
+        with torch.no_grad():
+            self.module.load_state_dict(state, strict=strict)
+        for g in self.groups:
+            lo, hi = g.layout.partition_range(self.rank)
+            g.master.copy_(g.flat[lo:hi].float())
+
+
+@register_strategy(1)
+class ZeroStage1(_PartitionedStage):
+    """Optimizer state partitioned; full gradients until the boundary reduce-scatter."""
+
+
+@register_strategy(2)
+class ZeroStage2(_PartitionedStage):
+    """Optimizer state and gradients partitioned; gradients reduced during backward."""
+
+    communicates_every_micro_step = True

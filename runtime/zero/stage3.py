@@ -1,4 +1,5 @@
-"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned.
+"""ZeRO stage 3 (`ZeroStage3`, the engine strategy): parameters, gradients and optimizer
+state all partitioned over the data-parallel group.
 
 Around every module that owns parameters directly:
   pre-forward   gather its parameters (plus, once the forward order is known, the
@@ -12,23 +13,26 @@ Around every module that owns parameters directly:
                 runs a leaf's AccumulateGrad once per backward after every use of the
                 leaf has contributed, so tied and reused parameters are safe to drop.
 
+Every micro-step gathers parameters and reduce-scatters gradients (as in DeepSpeed); the
+boundary adds only the norm and the refresh of persistent parameters.
+
 Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
 whole. Optimizer partitions are the concatenation of this rank's chunks per param group.
 With offload_param.device "nvme" the other shards rest in files between uses (param_swap.py).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from ..strategy import StrategyContext, register_strategy
 from . import comm
 from .hook_scope import hooked_modules, module_params
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
+from .sharded import ShardedStrategy, offload_optimizer
 
 
 class RankDivergenceError(RuntimeError):
@@ -48,15 +52,16 @@ class DivergenceCheck:
         self.count = 0
 
     def __call__(self, what: str) -> None:
-        if comm.world() == 1:
+        n = comm.world(self.group)
+        if n == 1:
             return
         self.count += 1
         data = f"#{self.count} {what}".encode()[:self.WIDTH]
         mine = torch.zeros(self.WIDTH, dtype=torch.uint8)
         mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-        out = torch.empty(comm.world() * self.WIDTH, dtype=torch.uint8)
+        out = torch.empty(n * self.WIDTH, dtype=torch.uint8)
         comm.all_gather(out, mine, group=self.group)
-        seen = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out.view(comm.world(), -1)]
+        seen = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out.view(n, -1)]
         if len(set(seen)) > 1:
             lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
             raise RankDivergenceError(f"ZeRO-3 ranks diverged (modules called in a different order or number): {lines}")
@@ -74,24 +79,28 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-class Stage3Engine:
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, persistence_threshold: int,
-                 prefetch_bucket_size: int, offload=None, offload_param=None, check: Optional[bool] = None,
-                 group=None, sub_group_size: int = 1_000_000_000, reduce_bucket_size: int = 500_000_000,
-                 max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000):
-        self.module, self.optimizer, self.group = module, optimizer, group
-        self.world, self.rank = comm.world(), comm.rank()
-        self.prefetch_numel = int(prefetch_bucket_size)
+@register_strategy(3)
+class ZeroStage3(ShardedStrategy):
+    """Parameters partitioned at rest, gathered around each module's forward/backward."""
+
+    communicates_every_micro_step = True
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        z = ctx.config.zero_optimization
+        module, optimizer, group = self.module, self.optimizer, self.group
+        persistence_threshold = z.stage3_param_persistence_threshold
+        offload, sub_group_size = offload_optimizer(ctx), z.sub_group_size
+        offload_param = z.offload_param if z.offload_param is not None and z.offload_param.device != "none" else None
+        self.prefetch_numel = int(z.stage3_prefetch_bucket_size)
         # DeepSpeed's stage3_max_live_parameters (prefetching stops there) and
         # stage3_max_reuse_distance (a module reused within that many elements stays gathered)
-        self.max_live = int(max_live_parameters)
-        self.max_reuse = int(max_reuse_distance)
-        self.reduce_numel = int(reduce_bucket_size)
+        self.max_live = int(z.stage3_max_live_parameters)
+        self.max_reuse = int(z.stage3_max_reuse_distance)
+        self.reduce_numel = int(z.reduce_bucket_size)
         self._bucket: List = []
         self._bucket_numel = 0
-        if check is None:
-            check = os.environ.get("DSLAUNCH_ZERO3_CHECK", "") not in ("", "0")
-        self.check = DivergenceCheck(group) if check else None
+        self.check = DivergenceCheck(group) if z.sanity_checks() else None
         self.param_device = torch.device("cpu") if getattr(offload_param, "device", "none") in ("cpu", "nvme") else None
         names = {}
         for n, p in module.named_parameters():
@@ -104,7 +113,12 @@ class Stage3Engine:
         for n, p in module.named_parameters():
             if not is_partitioned(p):
                 partition_param(p, name=n, persistent=(not p.requires_grad) or p.numel() <= persistence_threshold,
-                                device=self.param_device)
+                                device=self.param_device, group=group)
+            elif (p._zero.world, p._zero.rank) != (self.world, self.rank):
+                raise ValueError(f"ZeRO-3: {n} was partitioned (zero.Init) over {p._zero.world} ranks, but the "
+                                 f"data-parallel group has {self.world}; pass zero.Init(data_parallel_group=...) "
+                                 "or mpu= so both use the same group")
+            p._zero.group = group
             p._zero.name = n
             p._zero.owner = self
             if p._zero.shard.dtype != p.dtype:  # built by zero.Init, then cast by the engine
@@ -155,7 +169,7 @@ class Stage3Engine:
         self._names = {id(m): (n or type(m).__name__) for n, m in module.named_modules()}
 
     # -- hooks ------------------------------------------------------------------------------
-    def wrap(self) -> None:
+    def wrap_module(self) -> None:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre))
         self._hooks.append(self.module.register_forward_hook(self._root_post))
         for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit
@@ -291,8 +305,15 @@ class Stage3Engine:
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32)
+        skip = self.ctx.norm_exclude
         for g in self.groups:
-            sq += g["grad"].pow(2).sum().cpu()
+            if not skip:
+                sq += g["grad"].pow(2).sum().cpu()
+                continue
+            for p in g["params"]:
+                if id(p) not in skip:
+                    z = p._zero
+                    sq += g["grad"][z.master_offset:z.master_offset + z.chunk].pow(2).sum().cpu()
         comm.all_reduce_sum(sq, group=self.group)
         return float(sq.sqrt())
 
@@ -332,7 +353,7 @@ class Stage3Engine:
             self.groups[z.group_index]["master"][z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
 
     # -- checkpoints --------------------------------------------------------------------------
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+    def module_state_dict(self) -> Dict[str, torch.Tensor]:
         """Collective: every parameter gathered, the module's state_dict cloned."""
         params = [p for p in self.module.parameters() if is_partitioned(p)]
         was = [is_present(p) for p in params]
@@ -342,7 +363,8 @@ class Stage3Engine:
         finally:
             release([p for p, w in zip(params, was) if not w])
 
-    def load_full_state_dict(self, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_module_state_dict(self, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
+        self._module_state = state
         params = dict(self.module.named_parameters())
         missing = [n for n in params if n not in state]
         if strict and missing:

@@ -7,6 +7,7 @@ import logging
 
 from dslaunch.runtime.comm import get_rank as _get_rank
 from dslaunch.runtime.comm import is_initialized
+from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.zero.hook_scope import (
     get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
 )
@@ -21,5 +22,5 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
         logger.log(level, f"[Rank {rank}] {message}")
 
 
-__all__ = ["logger", "log_dist", "is_initialized", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-           "get_z3_leaf_modules", "z3_leaf_module"]
+__all__ = ["logger", "log_dist", "is_initialized", "RepeatingLoader", "set_z3_leaf_modules",
+           "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module"]

@@ -1,0 +1,138 @@
+"""Activations and gradients between neighbouring stages: torch.distributed send/recv,
+which gloo and NCCL both provide.
+
+What travels is a tensor or a tuple of tensors. Before the first transfer of a batch the
+sender describes it (kind, and each tensor's dtype and shape) in one fixed-size int64
+header; the receiver allocates from that and reuses the description for the rest of the
+batch, so shapes may change from one batch to the next at the cost of one small message
+per stage boundary and batch. Inside a batch every micro-batch must have the shapes of
+the first unless the module was built with dynamic_shape=True (then every transfer
+carries its header). Gradients need no header: the receiver knows the shapes of the
+activations it sent.
+
+bool tensors travel as uint8 (NCCL has no bool type).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .module import PipelineError
+
+HEADER = 256  # int64 slots: [kind, count, then per tensor: dtype, ndim, *shape]
+KIND_TENSOR, KIND_TUPLE = 0, 2  # DeepSpeed's codes
+DTYPES = [torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.uint8,
+          torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
+
+Payload = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What one transfer holds: a lone tensor or a tuple, and each tensor's (dtype, shape)."""
+
+    is_tuple: bool
+    specs: Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
+
+    @staticmethod
+    def of(payload: Payload) -> "Meta":
+        tensors = payload if isinstance(payload, tuple) else (payload,)
+        for t in tensors:
+            if not torch.is_tensor(t):
+                raise PipelineError(f"pipeline: a stage's output must be a tensor or a tuple of tensors, "
+                                    f"got {type(t).__name__}")
+        return Meta(isinstance(payload, tuple), tuple((t.dtype, tuple(t.shape)) for t in tensors))
+
+    def encode(self, device) -> torch.Tensor:
+        row = [KIND_TUPLE if self.is_tuple else KIND_TENSOR, len(self.specs)]
+        for dtype, shape in self.specs:
+            row += [DTYPES.index(dtype), len(shape), *shape]
+        if len(row) > HEADER:
+            raise PipelineError(f"pipeline: {len(self.specs)} tensors with these shapes do not fit the "
+                                f"{HEADER}-slot transfer header")
+        out = torch.zeros(HEADER, dtype=torch.int64)
+        out[:len(row)] = torch.tensor(row, dtype=torch.int64)
+        return out.to(device)
+
+    @staticmethod
+    def decode(header: torch.Tensor) -> "Meta":
+        row = header.tolist()
+        kind, count, pos, specs = row[0], row[1], 2, []
+        for _ in range(count):
+            dtype, ndim = DTYPES[row[pos]], row[pos + 1]
+            specs.append((dtype, tuple(row[pos + 2:pos + 2 + ndim])))
+            pos += 2 + ndim
+        return Meta(kind == KIND_TUPLE, tuple(specs))
+
+    def describe(self) -> str:
+        return ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, s in self.specs)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+class StageLink:
+    """This stage's sends and receives to the previous and next stage of its pipeline."""
+
+    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device,
+                 dynamic_shape: bool = False):
+        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self.dynamic_shape = dynamic_shape
+        self._sent: Optional[Meta] = None  # described to the next stage in this batch
+        self._received: Optional[Meta] = None  # described by the previous stage in this batch
+
+    def new_batch(self) -> None:
+        """Forget the batch's shapes: the next activation transfer is described again."""
+        self._sent = self._received = None
+
+    # -- activations (forward) ------------------------------------------------------------
+    def send_activation(self, payload: Payload) -> None:
+        meta = Meta.of(payload)
+        if self._sent is None or self.dynamic_shape:
+            dist.send(meta.encode(self.device), self.next_rank)
+            self._sent = meta
+        elif meta != self._sent:
+            raise PipelineError(f"pipeline: this micro-batch's activations ({meta.describe()}) differ from the "
+                                f"batch's first ({self._sent.describe()}); shapes may change between batches, "
+                                "or build the PipelineModule with dynamic_shape=True")
+        for t in (payload if isinstance(payload, tuple) else (payload,)):
+            dist.send(_wire(t.detach().contiguous()), self.next_rank)
+
+    def recv_activation(self) -> Payload:
+        if self._received is None or self.dynamic_shape:
+            header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+            dist.recv(header, self.prev_rank)
+            self._received = Meta.decode(header.cpu())
+        out = []
+        for dtype, shape in self._received.specs:
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(_wire(t), self.prev_rank)
+            t.requires_grad_(t.is_floating_point())  # a leaf whose .grad goes back upstream
+            out.append(t)
+        return tuple(out) if self._received.is_tuple else out[0]
+
+    # -- gradients (backward) ---------------------------------------------------------------
+    def send_grads(self, inputs: Payload) -> None:
+        """The gradient of every floating-point tensor this stage received (zeros where
+        autograd produced none)."""
+        for t in (inputs if isinstance(inputs, tuple) else (inputs,)):
+            if t.is_floating_point():
+                g = t.grad if t.grad is not None else torch.zeros_like(t)
+                dist.send(g.contiguous(), self.prev_rank)
+
+    def recv_grads(self, outputs: Payload) -> List[torch.Tensor]:
+        grads = []
+        for t in (outputs if isinstance(outputs, tuple) else (outputs,)):
+            if t.is_floating_point():
+                g = torch.empty_like(t, memory_format=torch.contiguous_format)
+                dist.recv(g, self.next_rank)
+                grads.append(g)
+        return grads
+
+
+def floating(payload: Payload) -> Sequence[torch.Tensor]:
+    return [t for t in (payload if isinstance(payload, tuple) else (payload,)) if t.is_floating_point()]

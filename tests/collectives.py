@@ -1,0 +1,59 @@
+"""Count the collectives a process runs, per process group, by wrapping torch.distributed's
+public functions (each API call is one record: its name and the global ranks of its group).
+
+    rec = CollectiveRecorder().install()
+    ...                              # run something
+    rec.records                      # [("all_reduce", (0, 1), None), ("send", (0, 1, 2, 3), 2), ...]
+
+Point-to-point records carry the peer's global rank as their third field.
+
+Calls go through `torch.distributed.<name>` at call time everywhere in dslaunch, so
+wrapping the module attributes sees them all; torch's internal calls are not counted.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch.distributed as dist
+
+NAMES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+         "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+         "barrier", "all_gather_object", "broadcast_object_list", "gather", "scatter", "send", "recv", "isend",
+         "irecv", "batch_isend_irecv")
+
+
+class CollectiveRecorder:
+    def __init__(self):
+        self.records: List[Tuple[str, Tuple[int, ...], Optional[int]]] = []
+        self._saved = {}
+
+    def _wrap(self, name, fn):
+        def wrapper(*args, **kwargs):
+            group = kwargs.get("group")
+            if name == "batch_isend_irecv":
+                group = args[0][0].group if args and args[0] else None
+            peer = None
+            if name in ("send", "isend", "recv", "irecv"):
+                peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+            self.records.append((name, tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), peer))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def install(self) -> "CollectiveRecorder":
+        for name in NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def uninstall(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved.clear()
+
+    def mark(self) -> int:
+        return len(self.records)
+
+    def since(self, mark: int) -> List[Tuple[str, Tuple[int, ...], Optional[int]]]:
+        return self.records[mark:]
