@@ -16,14 +16,14 @@ from . import builder
 
 @click.command(name="build-ops", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--isa", type=click.Choice(["auto", *builder.ISA_LEVELS]), default="auto", show_default=True,
-              help="Instruction set of the CPU Adam build (auto: the best this CPU runs).")
+              help="Instruction set of the CPU builds (auto: the best this CPU runs).")
 @click.option("--cuda/--no-cuda", "cuda", default=None,
               help="Also build the CUDA fused Adam (default: when torch sees a GPU).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help=f"Build cache (default: ${builder.CACHE_ENV} or ~/.cache/dslaunch/ops).")
 @click.option("-v", "--verbose", is_flag=True, help="Show the compiler commands as they run.")
 def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
-    """Build the fused optimizer kernels (CPU Adam; CUDA fused Adam on GPU machines)."""
+    """Build the fused optimizer kernels (CPU Adam, Lion, Adagrad; CUDA fused Adam on GPU machines)."""
     try:
         level = builder.detect_isa() if isa == "auto" else isa
     except ValueError as e:
@@ -33,7 +33,7 @@ def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
         if missing:
             raise click.UsageError(f"--isa {level}: this CPU lacks {', '.join(sorted(missing))}")
     root = cache_dir or builder.cache_root()
-    specs = [builder.cpu_adam_spec(level)]
+    specs = [make(level) for make in builder.CPU_OP_SPECS]
     import torch
 
     if cuda is None:

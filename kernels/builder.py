@@ -51,8 +51,9 @@ CACHE_ENV = "DSLAUNCH_OPS_CACHE"
 ARCH_ENV = "TORCH_CUDA_ARCH_LIST"  # torch's own variable, so one setting serves both
 DEFAULT_CUDA_ARCHES = ("9.0",)
 
-__all__ = ["BuildError", "OpSpec", "BuiltOp", "build", "cache_root", "detect_isa", "cpu_flags",
-           "cpu_adam_spec", "fused_adam_spec", "compile_commands", "nvcc_compile_command"]
+__all__ = ["BuildError", "OpSpec", "BuiltOp", "build", "cache_root", "detect_isa", "cpu_flags", "entry_name",
+           "cpu_adam_spec", "cpu_lion_spec", "cpu_adagrad_spec", "CPU_OP_SPECS", "fused_adam_spec",
+           "compile_commands", "nvcc_compile_command"]
 
 
 @dataclass(frozen=True)
@@ -290,12 +291,15 @@ def _built(spec: OpSpec, key: str, found: Entry, cached: bool, t0: float) -> Bui
 
 
 def cpu_op_spec(name: str, source: str, symbols: Tuple[str, ...], isa: Optional[str] = None) -> OpSpec:
-    """A CPU SIMD op at an instruction-set level (default: the best this CPU runs)."""
+    """A CPU SIMD op at an instruction-set level (default: the best this CPU runs); `source`
+    is a file name in this package or a path (the benchmark's bandwidth probe)."""
     isa = isa or detect_isa()
     return OpSpec(
         name=f"{name}_{isa}",
-        sources=(str(HERE / source),),
-        cflags=("-O3", "-fopenmp", "-fvisibility=hidden", *ISA_CFLAGS[isa]),
+        sources=(str(HERE / source),),  # an absolute `source` stays as it is
+        # -ffp-contract=off: the compiler may not fuse a*b+c on its own, so every instruction
+        # set computes exactly the operations written (explicit fma()s) and gives the same bits.
+        cflags=("-O3", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", *ISA_CFLAGS[isa]),
         ldflags=("-fopenmp",),
         isa=isa,
         symbols=symbols,
@@ -305,6 +309,17 @@ def cpu_op_spec(name: str, source: str, symbols: Tuple[str, ...], isa: Optional[
 
 def cpu_adam_spec(isa: Optional[str] = None) -> OpSpec:
     return cpu_op_spec("ds_cpu_adam", "cpu_adam.cpp", ("ds_cpu_adam_step", "ds_cpu_adam_isa"), isa)
+
+
+def cpu_lion_spec(isa: Optional[str] = None) -> OpSpec:
+    return cpu_op_spec("ds_cpu_lion", "cpu_lion.cpp", ("ds_cpu_lion_step", "ds_cpu_lion_isa"), isa)
+
+
+def cpu_adagrad_spec(isa: Optional[str] = None) -> OpSpec:
+    return cpu_op_spec("ds_cpu_adagrad", "cpu_adagrad.cpp", ("ds_cpu_adagrad_step", "ds_cpu_adagrad_isa"), isa)
+
+
+CPU_OP_SPECS = (cpu_adam_spec, cpu_lion_spec, cpu_adagrad_spec)  # what `dslaunch build-ops` builds
 
 
 def _arch_list() -> List[str]:

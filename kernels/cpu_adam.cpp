@@ -59,16 +59,10 @@ inline void adam_scalar(const AdamHyper& h, int64_t i, float* p, const void* g, 
   store_out_scalar<OD>(out, i, param);
 }
 
-// Software prefetch distance in elements (2 KiB of fp32 ahead on each stream): with
-// four read streams per thread the hardware prefetcher alone left ~10% of bandwidth unused
-// at 100M parameters (A/B measured on the 2-core dev VM).
-#ifndef DS_PREFETCH
-#define DS_PREFETCH 512
-#endif
-
 template <int GD, int OD>
-void adam_span(const AdamHyper& h, int64_t begin, int64_t end, float* p, const void* g, float* m,
-               float* v, float* vmax, void* out) {
+struct AdamSpan {
+static void run(const AdamHyper& h, int64_t begin, int64_t end, float* p, const void* g, float* m, float* v,
+                float* vmax, void* out) {
   int64_t i = begin;
 #if defined(__AVX512F__) || defined(__AVX2__)
   using S = Simd;
@@ -76,12 +70,10 @@ void adam_span(const AdamHyper& h, int64_t begin, int64_t end, float* p, const v
   const auto eps = S::set1(h.eps_scaled), step = S::set1(h.step_scaled);
   const auto wd = S::set1(h.weight_decay), decay = S::set1(h.decay_factor);
   for (; i + S::kWidth <= end; i += S::kWidth) {
-#if DS_PREFETCH > 0
-    _mm_prefetch(reinterpret_cast<const char*>(p + i + DS_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(m + i + DS_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(v + i + DS_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(static_cast<const char*>(g) + (i + DS_PREFETCH) * (GD == kF32 ? 4 : 2), _MM_HINT_T0);
-#endif
+    DS_PREFETCH_AT(p, i, 4);
+    DS_PREFETCH_AT(m, i, 4);
+    DS_PREFETCH_AT(v, i, 4);
+    DS_PREFETCH_AT(g, i, GD == kF32 ? 4 : 2);
     auto param = S::load(p + i);
     auto grad = S::template load_grad<GD>(g, i);
     if (h.maximize) grad = S::neg(grad);
@@ -108,27 +100,7 @@ void adam_span(const AdamHyper& h, int64_t begin, int64_t end, float* p, const v
 #endif
   for (; i < end; ++i) adam_scalar<GD, OD>(h, i, p, g, m, v, vmax, out);
 }
-
-using SpanFn = void (*)(const AdamHyper&, int64_t, int64_t, float*, const void*, float*, float*, float*, void*);
-
-template <int GD>
-SpanFn pick_out(int32_t out_dtype) {
-  switch (out_dtype) {
-    case kNone: return adam_span<GD, kNone>;
-    case kBF16: return adam_span<GD, kBF16>;
-    case kF16: return adam_span<GD, kF16>;
-    default: return nullptr;
-  }
-}
-
-SpanFn pick(int32_t grad_dtype, int32_t out_dtype) {
-  switch (grad_dtype) {
-    case kF32: return pick_out<kF32>(out_dtype);
-    case kBF16: return pick_out<kBF16>(out_dtype);
-    case kF16: return pick_out<kF16>(out_dtype);
-    default: return nullptr;
-  }
-}
+};
 
 }  // namespace ds
 
@@ -140,7 +112,7 @@ DS_EXPORT int ds_cpu_adam_step(int64_t n, const int64_t* numels, float* const* p
                                float* const* exp_avgs, float* const* exp_avg_sqs, float* const* max_exp_avg_sqs,
                                void* const* outs, int32_t grad_dtype, int32_t out_dtype, const ds::AdamHyper* hyper,
                                int32_t num_threads) {
-  const ds::SpanFn fn = ds::pick(grad_dtype, out_dtype);
+  const auto fn = ds::pick_span<ds::AdamSpan>(grad_dtype, out_dtype);
   if (fn == nullptr) return -1;
   const ds::AdamHyper h = *hyper;
   ds::for_each_span(n, numels, num_threads, [&](int64_t t, int64_t b, int64_t e) {

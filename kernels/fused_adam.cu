@@ -36,7 +36,7 @@ struct Entry {
 // Mirrors FusedHyper in fused_adam.py.
 struct Hyper {
   float lr, beta1, beta2, eps, weight_decay;
-  int32_t decoupled, amsgrad, maximize;
+  int32_t decoupled, amsgrad, maximize, bias_correction;
 };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -88,8 +88,9 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const Entry* __restrict_
   if (!skipped) {
     const Entry e = table[tensor];
     const double step = static_cast<double>(*reinterpret_cast<const float*>(e.step)) + 1.0;
-    const float bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), step));
-    const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(static_cast<double>(h.beta2), step)));
+    const float bc1 = h.bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), step)) : 1.0f;
+    const float bc2_sqrt =
+        h.bias_correction ? static_cast<float>(sqrt(1.0 - pow(static_cast<double>(h.beta2), step))) : 1.0f;
     const float step_size = h.lr / bc1;
     const float decay = h.decoupled ? 1.0f - h.lr * h.weight_decay : 1.0f;
     const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;

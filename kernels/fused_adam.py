@@ -43,6 +43,7 @@ class FusedHyper(ctypes.Structure):
         ("decoupled", ctypes.c_int32),
         ("amsgrad", ctypes.c_int32),
         ("maximize", ctypes.c_int32),
+        ("bias_correction", ctypes.c_int32),
     ]
 
 
@@ -95,7 +96,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 decoupled_weight_decay: bool = True, skip_nonfinite: bool = False):
+                 decoupled_weight_decay: bool = True, bias_correction: bool = True, skip_nonfinite: bool = False):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"FusedAdam: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -103,6 +104,8 @@ class FusedAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=None, capturable=False, differentiable=False, fused=None,
                         decoupled_weight_decay=decoupled_weight_decay)
+        if not bias_correction:  # DeepSpeed's option; the key stays out of torch-compatible groups otherwise
+            defaults["bias_correction"] = False
         super().__init__(params, defaults)
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
@@ -112,6 +115,12 @@ class FusedAdam(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self._tables: Dict[tuple, torch.Tensor] = {}
         self._aux: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def describe(self) -> str:
+        """What steps the parameters (the engine's start-up line shows it)."""
+        if _OP.load():
+            return f"dslaunch FusedAdam (CUDA, {_OP.built.isa})"
+        return "torch's Adam kernels (the dslaunch FusedAdam op is unavailable)"
 
     def _state_for(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
@@ -231,7 +240,7 @@ class FusedAdam(torch.optim.Optimizer):
         b1, b2 = group["betas"]
         hyper = FusedHyper(float(group["lr"]), b1, b2, group["eps"], group["weight_decay"],
                            int(group.get("decoupled_weight_decay", True)), int(group["amsgrad"]),
-                           int(group.get("maximize", False)))
+                           int(group.get("maximize", False)), int(group.get("bias_correction", True)))
         scale_ptr = self._device_scalar(grad_scale, device)
         inf_ptr = self._device_scalar(found_inf, device)
         rc = _OP.lib.ds_fused_adam_step(table.data_ptr(), n, bucket.blocks, CHUNK, _DTYPES[p_dtype], _DTYPES[g_dtype],
@@ -253,6 +262,8 @@ class FusedAdam(torch.optim.Optimizer):
         the flag costs a host sync here, which the kernel path avoids."""
         from torch.optim.adam import adam
 
+        if not group.get("bias_correction", True):
+            raise RuntimeError(f"FusedAdam: bias_correction=False needs the CUDA op, which is unavailable: {_OP.error}")
         if found_inf is not None and bool(found_inf.item()):
             return
         for p in bucket.params:

@@ -24,7 +24,7 @@ from .config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_scheduler
-from .optim import build_optimizer
+from .optim import OptimizerTarget, build_optimizer
 from .optimizer_policy import check_optimizer
 from .precision import cast_floating, explain_dtype_error, forward_context
 from .profiling.step import StepProfiler
@@ -180,7 +180,7 @@ class DeepSpeedEngine(torch.nn.Module):
             if self.config.zero.stage == 3:
                 return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
             raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
-        return build_optimizer(self.config.optimizer, params)
+        return build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device))
 
     def _make_scheduler(self, lr_scheduler):
         if self.optimizer is None:  # forward only: nothing to schedule (DeepSpeed builds none either)

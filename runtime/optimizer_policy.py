@@ -12,10 +12,9 @@ import torch
 
 from .strict import ConfigError
 
-# Classes the ZeRO parity tests run (tests/test_zero_*.py); other packages may add theirs.
-ZERO_TESTED_OPTIMIZERS = {"Adam", "AdamW", "CPUAdam", "FusedAdam"}
-# Classes the offload steps with dslaunch.kernels' fused CPU op (see runtime/zero/offload.py).
-FUSED_CPU_OPTIMIZERS = {"Adam", "AdamW", "CPUAdam"}
+# Classes the ZeRO tests run (tests/test_zero_*.py, test_optimizer_types.py); others may add theirs.
+ZERO_TESTED_OPTIMIZERS = {"Adam", "AdamW", "CPUAdam", "FusedAdam", "DeepSpeedCPUAdam", "CPULion", "DeepSpeedCPULion",
+                          "Lion", "CPUAdagrad", "DeepSpeedCPUAdagrad", "Adagrad"}
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, config) -> None:
@@ -26,8 +25,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config) -> None:
                           f"(tested: {', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); add "
                           f"\"zero_allow_untested_optimizer\": true to use it")
     if zero.offload_optimizer_device != "none" and config.zero_force_ds_cpu_optimizer:
-        fused = name in FUSED_CPU_OPTIMIZERS and not any(g.get("amsgrad") for g in optimizer.param_groups)
-        if not fused:
+        from dslaunch.kernels.fused_step import FusedStepUnavailable, KernelUnavailable, fused_cpu_step
+
+        try:
+            fused_cpu_step(optimizer)  # the offload asks the same question (runtime/zero/offload.py)
+        except KernelUnavailable:
+            pass  # it has a kernel, not built on this machine: the offload falls back and says why
+        except FusedStepUnavailable as e:
             raise ConfigError(f"zero_force_ds_cpu_optimizer: offload_optimizer would step {name} with torch's generic "
-                              f"CPU loop (no fused CPU kernel for it); use Adam/AdamW, or set "
-                              f"\"zero_force_ds_cpu_optimizer\": false to accept the slower step")
+                              f"CPU loop ({e}); use Adam/AdamW/Lion/Adagrad, or set "
+                              f"\"zero_force_ds_cpu_optimizer\": false to accept the slower step") from None

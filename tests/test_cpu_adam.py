@@ -264,5 +264,8 @@ def test_bad_tensors_are_rejected_with_a_named_argument(ops_cache):
         cpu_adam_step(p, g, m, v, step=0, lr=1e-3)
     with pytest.raises(ValueError, match="2 params but 1 grads"):
         cpu_adam_step([p, p], [g], [m, m], [v, v], step=1, lr=1e-3)
-    with pytest.raises(TypeError, match="parameter 0 is torch.bfloat16"):
-        CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))])
+    bf16 = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    bf16.grad = torch.zeros_like(bf16)
+    opt = CPUAdam([bf16])  # built over the model's parameters, stepped on fp32 masters (as DeepSpeed's)
+    with pytest.raises(TypeError, match="parameter 0 is torch.bfloat16 on cpu; it steps fp32 CPU master"):
+        opt.step()

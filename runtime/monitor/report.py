@@ -21,7 +21,7 @@ def optimizer_kernel(optimizer, strategy) -> str:
         return str(describe())
     host = getattr(getattr(strategy, "impl", None), "host", None)
     if host is not None and getattr(host, "kernel", None) is not None:
-        return "dslaunch fused CPU Adam (dslaunch.kernels)"
+        return host.kernel.kernel  # the offload's FusedCPUStep (dslaunch.kernels.fused_step)
     cls = type(optimizer)
     where = "torch" if cls.__module__.startswith("torch.") else cls.__module__
     return f"{where} {cls.__name__}"

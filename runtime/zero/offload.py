@@ -2,8 +2,9 @@
 
 `InPlaceHost`: the user's optimizer steps the partitions where they are (no offload).
 `CPUHost`: offload_optimizer.device == "cpu": partitions and state live in host memory;
-   the fused CPU Adam from dslaunch.kernels runs the update when it is available and
-   the optimizer is Adam/AdamW, otherwise the user's torch optimizer does (warned once).
+   the optimizer's fused CPU step (dslaunch.kernels.fused_step: CPUAdam/CPULion/CPUAdagrad,
+   and torch's own Adam/AdamW/Adagrad) runs the update when it has one, otherwise the
+   optimizer's own step() does (warned once, with the reason).
 `NVMeHost`: offload_optimizer.device == "nvme": optimizer state tensors live in files
    under nvme_path between steps; a background thread reads group i+1's state while
    group i is updated, and another writes group i back while i+1 is updated.
@@ -71,7 +72,7 @@ class CPUHost(OptimizerHost):
 
     def __init__(self, optimizer, masters):
         super().__init__(optimizer, masters)
-        self.kernel = _cpu_adam_kernel(optimizer)
+        self.kernel = _fused_cpu_step(optimizer)
 
     def step(self) -> None:
         if self.kernel is None:
@@ -81,42 +82,25 @@ class CPUHost(OptimizerHost):
             st = self.optimizer.state.setdefault(m, {})
             if not st:
                 st["step"] = torch.zeros((), dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(m)
-                st["exp_avg_sq"] = torch.zeros_like(m)
+                st.update(self.kernel.init_state(m, pg))
             st["step"] += 1
-            self.kernel(m, m.grad, st["exp_avg"], st["exp_avg_sq"], int(st["step"]), pg)
+            self.kernel.step(m, m.grad, st, int(st["step"]), pg)
 
 
-def _cpu_adam_kernel(optimizer):
-    """A callable (param, grad, m, v, step, group) running the fused CPU Adam in place,
-    or None (with a one-time warning) when the kernel or a matching optimizer is missing."""
+def _fused_cpu_step(optimizer):
+    """The optimizer's fused CPU step (dslaunch.kernels.fused_step), or None with a one-time
+    warning saying why the optimizer's own step() runs instead."""
     global _warned
-    reason = None
-    if type(optimizer).__name__ not in ("Adam", "AdamW"):
-        reason = f"optimizer {type(optimizer).__name__} is not Adam/AdamW"
-    elif any(g.get("amsgrad") for g in optimizer.param_groups):
-        reason = "amsgrad is on"
-    else:
-        try:
-            from dslaunch.kernels.cpu_adam import cpu_adam_available, cpu_adam_step as fn
-            if not cpu_adam_available():
-                reason = "the dslaunch.kernels CPU Adam op could not be built on this machine"
-        except ImportError as exc:
-            reason = f"dslaunch.kernels.cpu_adam cannot be imported ({exc})"
-    if reason:
+    from dslaunch.kernels.fused_step import FusedStepUnavailable, fused_cpu_step
+
+    try:
+        return fused_cpu_step(optimizer)
+    except FusedStepUnavailable as exc:
         if not _warned:
-            warnings.warn(f"offload_optimizer: using torch's {type(optimizer).__name__} on the CPU because {reason}",
-                          stacklevel=3)
+            warnings.warn(f"offload_optimizer: {type(optimizer).__name__}.step() runs on the CPU without a fused "
+                          f"kernel: {exc}", stacklevel=3)
             _warned = True
         return None
-    decoupled = type(optimizer).__name__ == "AdamW"
-
-    def run(p, g, m, v, step, group):
-        b1, b2 = group["betas"]
-        fn(p, g, m, v, step=step, lr=group["lr"], betas=(b1, b2), eps=group["eps"],
-           weight_decay=group["weight_decay"], decoupled_weight_decay=decoupled,
-           amsgrad=False, maximize=group.get("maximize", False))
-    return run
 
 
 class NVMeHost(OptimizerHost):
@@ -130,7 +114,7 @@ class NVMeHost(OptimizerHost):
 
     def __init__(self, optimizer, masters, nvme_path: str, sub_group_size: int = 1_000_000_000):
         super().__init__(optimizer, masters)
-        self.kernel = _cpu_adam_kernel(optimizer)
+        self.kernel = _fused_cpu_step(optimizer)
         chunk = max(1, int(sub_group_size)) if self.kernel is not None else None
         self.units = [(gi, a, min(a + chunk, m.numel()) if chunk else m.numel())
                       for gi, m in enumerate(masters) for a in (range(0, m.numel(), chunk) if chunk else [0])]
@@ -180,8 +164,8 @@ class NVMeHost(OptimizerHost):
             m = self.masters[gi]
             if self.kernel is not None:
                 if not state:
-                    state = {"exp_avg": torch.zeros(b - a), "exp_avg_sq": torch.zeros(b - a)}
-                self.kernel(m[a:b], grads[gi][a:b], state["exp_avg"], state["exp_avg_sq"], self.steps[gi], groups[gi])
+                    state = self.kernel.init_state(m[a:b], groups[gi])
+                self.kernel.step(m[a:b], grads[gi][a:b], state, self.steps[gi], groups[gi])
                 out = state
             else:
                 if state:
@@ -207,12 +191,12 @@ class NVMeHost(OptimizerHost):
         if not any(self.on_disk[ui] for ui, _, _ in mine):
             return {}
         m = self.masters[gi]
-        out = {"step": torch.tensor(float(self.steps[gi])), "exp_avg": torch.zeros_like(m),
-               "exp_avg_sq": torch.zeros_like(m)}
+        out = {"step": torch.tensor(float(self.steps[gi])),
+               **self.kernel.init_state(m, self.optimizer.param_groups[gi])}
         for ui, a, b in mine:
             st = self._read(ui)
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in st:
+            for k in out:
+                if k != "step" and k in st:
                     out[k][a:b] = st[k]
         return out
 
@@ -224,8 +208,9 @@ class NVMeHost(OptimizerHost):
                 self._write(ui, {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()})
             return
         self.steps[gi] = int(float(state.get("step", 0)))
+        m = self.masters[gi]
         for ui, a, b in mine:
-            self._write(ui, {k: state[k][a:b].clone() for k in ("exp_avg", "exp_avg_sq") if k in state})
+            self._write(ui, {k: v[a:b].clone() for k, v in state.items() if _is_partitioned(k, v, m)})
 
     def close(self) -> None:
         self.flush()
