@@ -1,23 +1,36 @@
 #!/usr/bin/env python
-"""CPU Adam step: dslaunch's op vs torch.optim.AdamW(fused=True) vs the default AdamW,
-side by side in one run, against the memory-bandwidth bound measured in the same run.
+"""CPU optimizer steps: dslaunch's ops against torch's, side by side in one run, against the
+memory bound measured in the same run.
 
     .venv/bin/python scripts/bench_adam.py [--threads 2] [--sizes 10M,100M] [--tensors 1,200]
+                                           [--optimizers adam,lion,adagrad] [--cuda]
 
-The bound: bytes an Adam step must move per parameter (fp32: read p, g, m, v and write
-p, m, v = 28 B; with a bf16 copy-out 2 B more) divided by the in-place read-write
-bandwidth of this machine, measured as x.mul_(s) over a buffer as large as the Adam
-state. Also reports the op's cold build time (in a temporary cache) and cached load time.
-Configurations run one at a time: 100M parameters with their states take ~1.6 GB each.
+Adam: dslaunch CPU Adam vs torch.optim.AdamW(fused=True) (and the default AdamW), also
+with a bf16 copy of the new parameters. Lion: dslaunch CPU Lion vs the same maths in torch
+foreach ops (torch has no Lion). Adagrad: dslaunch CPU Adagrad vs torch.optim.Adagrad
+(fused=True and the default). The contenders take turns within every round (best of N),
+so load from other processes on a shared machine hits all of them alike; each row gives
+the wall time and the process CPU time per thread, and the load average is printed with
+every configuration.
+
+The bound: scripts/stream_probe.cpp, built like the kernels, streams the very same arrays
+with the kernels' access pattern, thread split and prefetch but no arithmetic (Adam: read
+p, g, m, v and write p, m, v; Lion/Adagrad: read 3, write 2). A step cannot beat it; "of
+bound" is probe time / step time (the copy-out rows scale the probe by 30/28 bytes).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
+import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+HERE = Path(__file__).resolve().parent
 
 
 def parse_count(text: str) -> int:
@@ -37,40 +50,70 @@ def split(total: int, pieces: int):
     return sizes
 
 
-def interleaved(fns, iters: int, warmup: int = 2):
-    """Best time of each fn over `iters` rounds, the fns taking turns within a round, so
-    that load from other processes on a shared machine hits all of them alike."""
+def interleaved(fns, iters: int, threads: int, warmup: int = 2):
+    """Best wall and CPU-per-thread time of each fn over `iters` rounds, taking turns."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    best = {name: float("inf") for name in fns}
+    wall = {name: float("inf") for name in fns}
+    cpu = dict(wall)
     for _ in range(iters):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            wall[name] = min(wall[name], time.perf_counter() - t0)
+            cpu[name] = min(cpu[name], (time.process_time() - c0) / threads)
+    return wall, cpu
 
 
-def make_params(sizes, grad_dtype=torch.float32):
+class Probe:
+    """The memory-bound probe (scripts/stream_probe.cpp), built through the ops builder."""
+
+    def __init__(self, root: str):
+        from dslaunch.kernels import builder
+
+        spec = builder.cpu_op_spec("ds_stream_probe", str(HERE / "stream_probe.cpp"), ("ds_stream_probe",))
+        self.lib = ctypes.CDLL(str(builder.build(spec, root).path))
+        self.lib.ds_stream_probe.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                             ctypes.c_float, ctypes.c_int32]
+
+    def runner(self, arrays, writes: int, threads: int):
+        ptrs = (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays])
+        n = arrays[0].numel()
+        return lambda: self.lib.ds_stream_probe(n, ptrs, len(arrays), writes, 0.0, threads)
+
+
+def flat_params(total: int, sizes, grad_scale=1e-2):
+    """Flat fp32 buffers with per-tensor parameters as views of them, so the probe streams
+    exactly the memory the contenders step."""
     gen = torch.Generator().manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen).to(grad_dtype) * 1e-2
-    return params
+    flat_p, flat_g = torch.randn(total, generator=gen), torch.randn(total, generator=gen) * grad_scale
+    params, offset = [], 0
+    for n in sizes:
+        p = torch.nn.Parameter(flat_p[offset:offset + n])
+        p.grad = flat_g[offset:offset + n]
+        params.append(p)
+        offset += n
+    return flat_p, flat_g, params
 
 
-def bench_config(total: int, pieces: int, iters: int, do_default: bool):
-    """ms/step of every contender and of the bandwidth probe, on the same parameters."""
+def views(flat, sizes):
+    out, offset = [], 0
+    for n in sizes:
+        out.append(flat[offset:offset + n])
+        offset += n
+    return out
+
+
+def bench_adam(probe, total, pieces, iters, threads, do_default):
     from dslaunch.kernels.cpu_adam import cpu_adam_step
 
     sizes = split(total, pieces)
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    params = make_params(sizes)
-    data = [p.detach() for p in params]
-    grads = [p.grad for p in params]
-    m = [torch.zeros_like(p) for p in params]
-    v = [torch.zeros_like(p) for p in params]
+    flat_p, flat_g, params = flat_params(total, sizes)
+    flat_m, flat_v = torch.zeros(total), torch.zeros(total)
+    data, grads = [p.detach() for p in params], [p.grad for p in params]
+    m, v = views(flat_m, sizes), views(flat_v, sizes)
     outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     counter = [0]
 
@@ -84,26 +127,52 @@ def bench_config(total: int, pieces: int, iters: int, do_default: bool):
         fused.step()
         torch._foreach_copy_(outs, data)
 
-    # The probe buffer is as large as p, g, m, v together, so it meets the same caches.
-    probe = torch.ones(4 * total)
-    fns = {
-        "bandwidth probe (x.mul_)": lambda: probe.mul_(1.0000001),
-        "dslaunch CPU Adam": ours,
-        "torch AdamW(fused=True)": fused.step,
-        "dslaunch CPU Adam + bf16 copy-out": lambda: ours(outs),
-        "torch fused + separate bf16 copy": fused_then_copy,
-    }
+    fns = {"bound": probe.runner([flat_p, flat_m, flat_v, flat_g], 3, threads),
+           "dslaunch CPU Adam": ours,
+           "torch AdamW(fused=True)": fused.step,
+           "dslaunch CPU Adam + bf16 copy-out": lambda: ours(outs),
+           "torch fused + separate bf16 copy": fused_then_copy}
     if do_default:
-        default = torch.optim.AdamW([torch.nn.Parameter(d) for d in data], **hp)
-        for q, p in zip(default.param_groups[0]["params"], params):
-            q.grad = p.grad
-        fns["torch AdamW() default"] = default.step
-    best = interleaved(fns, iters)
-    bw = 2 * probe.nbytes / best.pop("bandwidth probe (x.mul_)")
-    del probe, fused, params, data, grads, m, v, outs, fns
-    gc.collect()
-    bound = {k: (30 if "copy" in k else 28) * total / bw for k in best}
-    return best, bound, bw
+        default = torch.optim.AdamW(params, **hp)
+        fns["torch AdamW() default (foreach)"] = default.step
+    wall, cpu = interleaved(fns, iters, threads)
+    ratios = {"ours vs torch fused": ("torch AdamW(fused=True)", "dslaunch CPU Adam"),
+              "ours+copy vs fused then copy": ("torch fused + separate bf16 copy",
+                                               "dslaunch CPU Adam + bf16 copy-out")}
+    if do_default:
+        ratios["ours vs torch default"] = ("torch AdamW() default (foreach)", "dslaunch CPU Adam")
+    return wall, cpu, ratios
+
+
+def bench_lion_adagrad(probe, total, pieces, iters, threads):
+    from dslaunch.kernels.cpu_adagrad import cpu_adagrad_step
+    from dslaunch.kernels.cpu_lion import cpu_lion_step
+    from dslaunch.kernels.lion import lion_update
+
+    sizes = split(total, pieces)
+    flat_p, flat_g, params = flat_params(total, sizes)
+    flat_s, flat_m = torch.zeros(total), torch.zeros(total)  # Adagrad's sum, Lion's exp_avg
+    data, grads = [p.detach() for p in params], [p.grad for p in params]
+    state, momentum = views(flat_s, sizes), views(flat_m, sizes)
+    counter = [0]
+
+    def ours_adagrad():
+        counter[0] += 1
+        cpu_adagrad_step(data, grads, state, step=counter[0], lr=1e-3, weight_decay=0.01)
+
+    fused = torch.optim.Adagrad(params, lr=1e-3, weight_decay=0.01, fused=True)
+    default = torch.optim.Adagrad(params, lr=1e-3, weight_decay=0.01)
+    fns = {"bound": probe.runner([flat_p, flat_s, flat_g], 2, threads),
+           "dslaunch CPU Lion": lambda: cpu_lion_step(data, grads, momentum, lr=1e-4, weight_decay=0.01),
+           "torch Lion maths (foreach ops)": lambda: lion_update(data, grads, momentum, 1e-4, 0.9, 0.99, 0.01),
+           "dslaunch CPU Adagrad": ours_adagrad,
+           "torch Adagrad(fused=True)": fused.step,
+           "torch Adagrad() default (foreach)": default.step}
+    wall, cpu = interleaved(fns, iters, threads)
+    ratios = {"Lion: ours vs torch foreach": ("torch Lion maths (foreach ops)", "dslaunch CPU Lion"),
+              "Adagrad: ours vs torch fused": ("torch Adagrad(fused=True)", "dslaunch CPU Adagrad"),
+              "Adagrad: ours vs torch default": ("torch Adagrad() default (foreach)", "dslaunch CPU Adagrad")}
+    return wall, cpu, ratios
 
 
 def bench_cuda(total: int, pieces: int, iters: int):
@@ -126,10 +195,10 @@ def bench_cuda(total: int, pieces: int, iters: int):
             torch.cuda.synchronize()
         return run
 
-    best = interleaved({"probe": timed(lambda: probe.mul_(1.0000001)), "dslaunch FusedAdam": timed(ours.step),
-                        "torch AdamW(fused=True)": timed(theirs.step)}, iters)
-    bw = 2 * probe.nbytes / best.pop("probe")
-    return best, {k: 28 * total / bw for k in best}, bw
+    wall, _ = interleaved({"probe": timed(lambda: probe.mul_(1.0000001)), "dslaunch FusedAdam": timed(ours.step),
+                           "torch AdamW(fused=True)": timed(theirs.step)}, iters, 1)
+    bw = 2 * probe.nbytes / wall.pop("probe")
+    return wall, {k: 28 * total / bw for k in wall}, bw
 
 
 def build_times():
@@ -139,11 +208,22 @@ def build_times():
         cold = builder.build(builder.cpu_adam_spec(), root)
         t0 = time.perf_counter()
         cached = builder.build(builder.cpu_adam_spec(), root)
-        import ctypes
-
         ctypes.CDLL(str(cached.path))
         warm = time.perf_counter() - t0
     return cold.isa, cold.extra["build_seconds"], cold.seconds, warm
+
+
+def report(title, wall, cpu, ratios):
+    bound_wall, bound_cpu = wall.pop("bound"), cpu.pop("bound")
+    print(f"\n== {title}; load average {os.getloadavg()[0]:.1f}")
+    print(f"   {'':38s} {'wall ms':>8s} {'of bound':>9s} {'cpu ms/thread':>14s} {'of bound':>9s}")
+    print(f"   {'memory bound (stream probe)':38s} {bound_wall * 1e3:8.1f} {'':9s} {bound_cpu * 1e3:14.1f}")
+    for name in wall:
+        scale = 30 / 28 if "copy" in name else 1.0
+        print(f"   {name:38s} {wall[name] * 1e3:8.1f} {100 * scale * bound_wall / wall[name]:8.0f}% "
+              f"{cpu[name] * 1e3:14.1f} {100 * scale * bound_cpu / cpu[name]:8.0f}%")
+    for label, (theirs, ours) in ratios.items():
+        print(f"   {label + ':':38s} {wall[theirs] / wall[ours]:.2f}x wall, {cpu[theirs] / cpu[ours]:.2f}x cpu")
 
 
 def main() -> None:
@@ -151,38 +231,37 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="10M,100M")
     ap.add_argument("--tensors", default="1,200")
+    ap.add_argument("--optimizers", default="adam,lion,adagrad")
     ap.add_argument("--iters", type=int, default=0, help="timed steps per measurement (default: by size)")
     ap.add_argument("--cuda", action="store_true", help="also benchmark FusedAdam on the GPU")
     ap.add_argument("--no-default", action="store_true", help="skip torch's slow default AdamW")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    which = set(args.optimizers.split(","))
 
     isa, build_s, cold_s, warm_s = build_times()
     print(f"CPU Adam op: instruction set {isa}; cold build {build_s:.2f} s (compile+link; {cold_s:.2f} s with "
           f"cache bookkeeping); cached load {warm_s * 1000:.0f} ms")
-    print(f"threads={args.threads}  torch {torch.__version__}")
-    for size in [parse_count(s) for s in args.sizes.split(",")]:
-        iters = args.iters or (10 if size <= 20 * 10**6 else 5)
-        for pieces in [int(x) for x in args.tensors.split(",")]:
-            rows, bound, bw = bench_config(size, pieces, iters, not args.no_default)
-            print(f"\n== {size / 1e6:.0f}M parameters in {pieces} tensor(s); in-place read-write bandwidth "
-                  f"{bw / 1e9:.1f} GB/s; bound 28 B/param (30 B with a bf16 copy-out); best of {iters}")
-            print(f"   {'':36s} {'ms/step':>9s} {'of bound':>9s}")
-            for name, t in rows.items():
-                print(f"   {name:36s} {t * 1000:9.1f} {100 * bound[name] / t:8.0f}%")
-            fused = rows["torch AdamW(fused=True)"]
-            print(f"   ours vs torch fused:                 {fused / rows['dslaunch CPU Adam']:.2f}x")
-            print(f"   ours+copy vs torch fused then copy:  "
-                  f"{rows['torch fused + separate bf16 copy'] / rows['dslaunch CPU Adam + bf16 copy-out']:.2f}x")
-            if "torch AdamW() default" in rows:
-                print(f"   ours vs torch default:               {rows['torch AdamW() default'] / rows['dslaunch CPU Adam']:.2f}x")
-
-            if args.cuda and torch.cuda.is_available():
-                rows, bound, bw = bench_cuda(size, pieces, 20)
-                print(f"   GPU ({torch.cuda.get_device_name()}), HBM read-write {bw / 1e9:.0f} GB/s:")
-                for name, t in rows.items():
-                    print(f"   {name:36s} {t * 1000:9.2f} {100 * bound[name] / t:8.0f}%")
-                print(f"   ours vs torch fused:                 {rows['torch AdamW(fused=True)'] / rows['dslaunch FusedAdam']:.2f}x")
+    print(f"threads={args.threads}  torch {torch.__version__}  load average {os.getloadavg()}")
+    with tempfile.TemporaryDirectory() as root:
+        probe = Probe(root)
+        for size in [parse_count(s) for s in args.sizes.split(",")]:
+            iters = args.iters or (10 if size <= 20 * 10**6 else 5)
+            for pieces in [int(x) for x in args.tensors.split(",")]:
+                what = f"{size / 1e6:.0f}M parameters in {pieces} tensor(s), best of {iters}"
+                if "adam" in which:
+                    report(f"Adam, {what}", *bench_adam(probe, size, pieces, iters, args.threads,
+                                                        not args.no_default))
+                    gc.collect()
+                if which & {"lion", "adagrad"}:
+                    report(f"Lion and Adagrad, {what}", *bench_lion_adagrad(probe, size, pieces, iters, args.threads))
+                    gc.collect()
+                if args.cuda and torch.cuda.is_available():
+                    rows, bound, bw = bench_cuda(size, pieces, 20)
+                    print(f"   GPU ({torch.cuda.get_device_name()}), HBM read-write {bw / 1e9:.0f} GB/s:")
+                    for name, t in rows.items():
+                        print(f"   {name:38s} {t * 1000:8.2f} {100 * bound[name] / t:8.0f}%")
+                    print(f"   ours vs torch fused: {rows['torch AdamW(fused=True)'] / rows['dslaunch FusedAdam']:.2f}x")
 
 
 if __name__ == "__main__":
