@@ -105,8 +105,9 @@ class ZeroConfig:
     ignore_unused_parameters: Any = refused(
         "false (stop on unused parameters) is not supported: unused parameters get zero gradients", True)
     legacy_stage1: Any = refused("the legacy stage 1 implementation is not supported; remove it", False)
-    round_robin_gradients: Any = refused(
-        "round-robin gradient copying for CPU offload is not supported; remove it", False)
+    round_robin_gradients: bool = supported(
+        False, "no effect needed: with offload each rank copies only its own gradient partition to the host, all "
+               "ranks at once (what DeepSpeed's round robin achieves)")
     parameter_alignment: Any = refused("16-byte parameter alignment in flat buffers is not supported; remove it",
                                        False)
     zero_hpz_partition_size: Any = refused("hierarchical partitioning (ZeRO++ hpZ) is not supported; remove it", 1)
