@@ -137,7 +137,7 @@ def launch(n, mode, args, checkpoint):
         cmd.append("--cuda")
     env = dict(os.environ)
     if not args.cuda:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+        env["OMP_NUM_THREADS"] = str(args.threads or max(1, (os.cpu_count() or 1) // n))
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if run.returncode != 0:
         sys.exit(f"bench_inference: tp={n} {mode} failed:\n{run.stderr[-3000:]}")
@@ -150,6 +150,9 @@ def main():
     parser.add_argument("--cuda", action="store_true", help="one process per GPU, NCCL, fp16")
     parser.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes (default 1,2,4; capped at the GPUs)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for the plain model and for each rank (default: all cores for the plain "
+                             "model, cores/tp per rank); 1 keeps a loaded machine's figures comparable")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("dense", "int8"), help=argparse.SUPPRESS)
@@ -159,6 +162,8 @@ def main():
         return worker(args)
 
     device = torch.device("cuda") if args.cuda else torch.device("cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.tp.split(",")]
     if args.cuda:
         sizes = [s for s in sizes if s <= torch.cuda.device_count()]
