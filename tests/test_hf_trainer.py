@@ -93,7 +93,8 @@ def test_trainer_checkpoint_resumes_with_the_uninterrupted_runs_losses(runs):
 
 
 def test_zero3_evaluate_without_training_runs_a_forward_only_engine(runs):
-    # evaluate() with no train(): the Trainer builds the engine with no optimizer (ZeRO inference)
+    # evaluate() with no train(): the Trainer builds the engine with no optimizer (ZeRO inference);
+    # this job runs the HF DeepSpeed guide's ZeRO-3 config as users copy it (CPU offload included)
     got = runs["zero3_eval"]
     assert abs(got["evals"]["before"] - runs["ddp_eval"]["evals"]["before"]) <= TOL
     assert "transformer.wte.weight" in got["sharded_at_load"]

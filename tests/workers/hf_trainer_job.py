@@ -33,6 +33,28 @@ def ds_config(stage: int) -> dict:
             "steps_per_print": 1000}
 
 
+def hf_docs_zero3() -> dict:
+    """The ZeRO-3 config of the Hugging Face DeepSpeed guide, as users copy it (optimizer,
+    scheduler, fp16 with "auto", CPU offload of both, every stage-3 knob)."""
+    return {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+            "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": 256,  # the guide says "auto": 256 so the tiny model shards
+            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": True},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+
+
 class Tokens(torch.utils.data.Dataset):
     def __init__(self, n: int, vocab: int):
         g = torch.Generator().manual_seed(1234)
@@ -68,7 +90,8 @@ def main() -> None:
         output_dir=a.out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=5e-3, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_steps=2,
         save_strategy="steps", report_to=[], seed=7, data_seed=7, dataloader_num_workers=0,
-        deepspeed=None if a.mode == "ddp" else ds_config(int(a.mode[-1])), disable_tqdm=True,
+        deepspeed=None if a.mode == "ddp" else hf_docs_zero3() if a.evaluate_only else ds_config(int(a.mode[-1])),
+        disable_tqdm=True,
         use_cpu=a.mode == "ddp" and not torch.cuda.is_available(),  # the Trainer's gloo DDP
         accelerator_config={"use_configured_state": cpu_ds})
     # TrainingArguments(deepspeed=...) came first, so from_pretrained sees ZeRO-3 and builds the
@@ -85,7 +108,8 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, model.config.vocab_size),
                       eval_dataset=Tokens(8, model.config.vocab_size), callbacks=[Record()])
     evals, rank = {}, int(os.environ["RANK"])
-    # --evaluate_only under ZeRO-3: the Trainer builds a forward-only engine (no optimizer).
+    # --evaluate_only under ZeRO-3 (the HF guide's config): the Trainer drops the optimizer section
+    # and builds a forward-only engine.
     # (evaluate() then train() under DeepSpeed is broken in the Trainer itself: train() frees
     # the evaluation engine and then reuses it.)
     if a.evaluate_only:
