@@ -2,7 +2,9 @@
 compatibility package: a small loop on 2 processes (tests/workers/accelerate_ds_job.py)
 whose weights (accelerator.get_state_dict) equal a plain-torch reference on the global batch
 after every step, and whose accelerator.save_state / load_state replays to the same weights;
-on one machine (ZeRO-3, every weight sharded) and on two hosts of the test bed (ZeRO-2)."""
+on one machine (ZeRO-3, every weight sharded; optimizer and schedule from the config) and on
+two hosts of the test bed (ZeRO-2 with CPU offload; the script's torch AdamW, which Accelerate
+turns into deepspeed.ops.adam.DeepSpeedCPUAdam)."""
 import json
 import os
 import subprocess
@@ -71,7 +73,11 @@ def test_accelerate_multinode_deepspeed_launch_over_the_testbed(ns_cluster, ssh_
     hosts = tmp_path / "hostfile"
     hosts.write_text(f"{h1.ip} slots=1\n{h2.ip} slots=1\n")
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps(ds_config(2)))
+    # No optimizer in the config and CPU offload: the script's torch AdamW becomes
+    # deepspeed.ops.adam.DeepSpeedCPUAdam (Accelerate's map_pytorch_optim_to_deepspeed)
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
+                               "gradient_clipping": 1.0,
+                               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     res = subprocess.run([accelerate, "launch", "--use_deepspeed", "--deepspeed_config_file", str(cfg),
                           "--num_machines", "2", "--num_processes", "2", "--machine_rank", "0",
@@ -83,4 +89,4 @@ def test_accelerate_multinode_deepspeed_launch_over_the_testbed(ns_cluster, ssh_
     assert "ACCELERATE_USE_DEEPSPEED=" in (tmp_path / ".deepspeed_env").read_text()
     assert f"[{h1.ip}:0] rank 0 of 2 on {h1.name}" in res.stdout.splitlines(), res.stdout[-2000:]
     assert f"[{h2.ip}:1] rank 1 of 2 on {h2.name}" in res.stdout.splitlines(), res.stdout[-2000:]
-    _check(tmp_path, sharded=False)
+    assert _check(tmp_path, sharded=False)["optimizer"] == "DeepSpeedCPUAdam"

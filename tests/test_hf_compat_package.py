@@ -34,6 +34,11 @@ PROBE = textwrap.dedent('''
                    deepspeed.runtime.engine.__spec__.name == "dslaunch.runtime.engine",
                    deepspeed.zero.Init is rt.zero.Init,
                    deepspeed.zero.GatheredParameters is rt.zero.GatheredParameters]
+    import deepspeed.ops.adam, deepspeed.ops.lion, deepspeed.ops.adagrad, dslaunch.runtime.ops as ops
+    out["ops"] = [deepspeed.ops.adam.DeepSpeedCPUAdam is ops.adam.DeepSpeedCPUAdam,
+                  deepspeed.ops.adam.FusedAdam is ops.adam.FusedAdam,
+                  deepspeed.ops.lion.DeepSpeedCPULion is ops.lion.DeepSpeedCPULion,
+                  deepspeed.ops.adagrad.DeepSpeedCPUAdagrad is ops.adagrad.DeepSpeedCPUAdagrad]
     out["schedules"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
     out["env_name"] = deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME
     out["init_distributed"] = sorted(inspect.signature(deepspeed.comm.init_distributed).parameters)
@@ -74,6 +79,7 @@ def test_version_is_honest_and_passes_the_libraries_gates(probe):
 
 def test_module_tree_maps_onto_dslaunch_runtime(probe):
     assert all(probe["same"]), probe["same"]
+    assert all(probe["ops"]), probe["ops"]  # deepspeed.ops.{adam,lion,adagrad}: dslaunch.runtime.ops's classes
     assert probe["schedules"] == ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
     assert probe["env_name"] == ".deepspeed_env"
     assert {"dist_backend", "auto_mpi_discovery", "timeout"} <= set(probe["init_distributed"])
