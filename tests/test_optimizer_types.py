@@ -155,13 +155,17 @@ def _types_worker():
                     engine.step()
                     losses.append(global_mean(float(loss)))
             params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-            host = getattr(getattr(engine.strategy, "impl", None), "host", None)
+            host = getattr(engine.strategy, "host", None)  # the ZeRO stage's optimizer host
+            from dslaunch.runtime.monitor.report import startup_line
+
             runs[where] = {"losses": losses, "params": params, "class": type(optimizer).__name__,
+                           "startup": startup_line(engine),
                            "describe": describe(optimizer), "fused": getattr(host, "kernel", None) is not None,
                            "warnings": [str(w.message) for w in caught if "fused" in str(w.message)]}
             engine.destroy() if hasattr(engine, "destroy") else None
         ref, off = runs["reference"], runs["offload"]
         out[opt_type] = {"ref_class": ref["class"], "class": off["class"], "describe": off["describe"],
+                         "startup": off["startup"],
                          "fused": off["fused"], "warnings": off["warnings"], "losses": (ref["losses"], off["losses"]),
                          "max_param_diff": max(float((off["params"][n] - ref["params"][n]).abs().max())
                                                for n in ref["params"])}
@@ -178,6 +182,7 @@ def test_offloaded_lion_adagrad_and_adam_run_their_cpu_kernels_and_match_stage0(
             r = result[opt_type]
             assert (r["ref_class"], r["class"]) == (ref_class, cls), (opt_type, r)
             assert r["fused"] and kernel in r["describe"] and r["warnings"] == [], (opt_type, r)
+            assert f"optimizer {cls} stepped by {kernel}" in r["startup"], r["startup"]
             ref_losses, losses = r["losses"]
             assert losses == pytest.approx(ref_losses, rel=FP32_TOL, abs=FP32_TOL), opt_type
             assert r["max_param_diff"] <= 1e-4, (opt_type, r["max_param_diff"])

@@ -14,14 +14,14 @@ _DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def optimizer_kernel(optimizer, strategy) -> str:
-    """Which code steps the optimizer: its own answer when it gives one (`describe()`),
-    else what the offload host reports, else the optimizer's class."""
+    """Which code steps the optimizer: the offload's fused CPU step when the offload host
+    runs one, else the optimizer's own answer (`describe()`), else its class."""
+    host = getattr(strategy, "host", None)
+    if host is not None and getattr(host, "kernel", None) is not None:
+        return host.kernel.kernel  # the offload's FusedCPUStep (dslaunch.kernels.fused_step)
     describe = getattr(optimizer, "describe", None)
     if callable(describe):
         return str(describe())
-    host = getattr(getattr(strategy, "impl", None), "host", None)
-    if host is not None and getattr(host, "kernel", None) is not None:
-        return host.kernel.kernel  # the offload's FusedCPUStep (dslaunch.kernels.fused_step)
     cls = type(optimizer)
     where = "torch" if cls.__module__.startswith("torch.") else cls.__module__
     return f"{where} {cls.__name__}"
