@@ -241,3 +241,27 @@ def test_the_kernel_is_used_and_the_fallback_honours_skip_nonfinite(tmp_path):
     assert kernel["available"] and kernel["warnings"] == [] and kernel["skipped"] and kernel["stepped"], kernel
     assert not fallback["available"] and fallback["skipped"] and fallback["stepped"], fallback
     assert len(fallback["warnings"]) == 1 and "world-writable" in fallback["warnings"][0], fallback
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bias_correction_off_and_deepspeeds_fusedadam_signature():
+    """DeepSpeed's FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay)
+    without bias correction equals CPUAdam without it (the same update on the CPU op)."""
+    from dslaunch.kernels import CPUAdam
+    from dslaunch.runtime.ops.adam import FusedAdam
+
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(70001, generator=gen)
+    grads = [torch.randn(70001, generator=gen) for _ in range(4)]
+    gpu, cpu = torch.nn.Parameter(p0.cuda()), torch.nn.Parameter(p0.clone())
+    ours = FusedAdam([gpu], 1e-2, False, (0.9, 0.99), 1e-8, False, 0.05)
+    ref = CPUAdam([cpu], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, decoupled_weight_decay=False,
+                  bias_correction=False)
+    for g in grads:
+        gpu.grad, cpu.grad = g.cuda(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(gpu.detach().cpu(), cpu.detach(), rtol=1e-5, atol=1e-6)
+    ours.zero_grad()
+    assert gpu.grad is None  # set_grad_none=True, DeepSpeed's default
