@@ -127,7 +127,7 @@ def suggest(key: str, valid) -> str:
 
 
 def _fail(path: str, value, tp) -> ConfigError:
-    return ConfigError(f"{path}: expected {_type_name(tp)}, got {json.dumps(value) if _jsonable(value) else repr(value)}")
+    return ConfigError(f"{path}: expected {_type_name(tp)}, got {_shown(value)}")
 
 
 def _jsonable(value) -> bool:
@@ -259,8 +259,8 @@ def parse_dataclass(cls, data: Dict[str, Any], path: str = ""):
 
 @dataclass(frozen=True)
 class KeyRow:
-    """One line of the key table: dotted key, "supported"/"refused"/"alias", and the note
-    (what it does here, or why it is refused)."""
+    """One line of the key table: dotted key, "supported" / "refused[ unless X]" / "section"
+    (a group of keys, listed below it), and the note (what it does here, or why refused)."""
 
     key: str
     status: str
@@ -294,11 +294,15 @@ def key_rows(cls, prefix: str = "") -> Iterator[KeyRow]:
         if info.refused is not None:
             yield KeyRow(key, "refused" + _accepted_text(info.accepted), info.refused)
             continue
-        yield KeyRow(key, "supported", info.note)
-        for section in _sections(hints[f.name]):
+        sections = _sections(hints[f.name])
+        yield KeyRow(key, "section" if sections and not info.note else "supported", info.note)
+        for section in sections:
             yield from key_rows(section, key + ".")
+    by_name = {f.name: key_info(f) for f in dataclasses.fields(cls)}
     for alias, target in getattr(cls, "ALIASES", {}).items():
-        yield KeyRow(f"{prefix}{alias}", "supported", f"older spelling of {prefix}{target}")
+        info = by_name[target]
+        status = "supported" if info.refused is None else "refused" + _accepted_text(info.accepted)
+        yield KeyRow(f"{prefix}{alias}", status, f"another spelling of {prefix}{target}")
 
 
 def _line_col(text: str, pos: int) -> Tuple[int, int]:

@@ -100,7 +100,8 @@ def keep(tensors: List[Optional[torch.Tensor]], settings, slots: Optional[Contig
     return out
 
 
-def restore(saved: List[Optional[Saved]], originals_requires_grad: List[bool], settings) -> List[Optional[torch.Tensor]]:
+def restore(saved: List[Optional[Saved]], originals_requires_grad: List[bool],
+            settings) -> List[Optional[torch.Tensor]]:
     """Rebuild the inputs for the recompute: gather the slices, bring them back to their device."""
     out: List[Optional[torch.Tensor]] = []
     for s, needs_grad in zip(saved, originals_requires_grad):

@@ -8,8 +8,6 @@ from typing import Any, List, Optional
 from ..strict import ConfigError, refused, supported
 from .checks import positive
 
-PIPELINE_LATER = "is not supported yet; remove it"
-
 
 @dataclass
 class ElasticityConfig:
@@ -47,13 +45,14 @@ class ElasticityConfig:
 class PipelineConfig:
     """DeepSpeed's `pipeline` section (read by the pipeline engine)."""
 
-    stages: Any = refused("pipeline.stages " + PIPELINE_LATER, "auto")
-    partition: Any = refused("pipeline.partition " + PIPELINE_LATER, "best")
-    seed_layers: Any = refused("pipeline.seed_layers " + PIPELINE_LATER, False)
+    stages: Any = refused("not read from the config; give PipelineModule(num_stages=...)", "auto")
+    partition: Any = refused("not read from the config; give PipelineModule(partition_method=...)", "best")
+    seed_layers: Any = refused("not read from the config; give PipelineModule(seed_layers=...)", False)
     activation_checkpoint_interval: int = supported(
         0, "when > 0, replaces PipelineModule(activation_checkpoint_interval=): every N layers are recomputed in backward")
-    pipe_partitioned: Any = refused("pipeline.pipe_partitioned " + PIPELINE_LATER, True)
-    grad_partitioned: Any = refused("pipeline.grad_partitioned " + PIPELINE_LATER, True)
+    pipe_partitioned: bool = supported(True, "no effect needed: training has no tensor-parallel group to split "
+                                             "activations over, so they go between stages whole")
+    grad_partitioned: bool = supported(True, "no effect needed: as pipe_partitioned, for the gradients sent back")
 
     def validate(self, path: str) -> None:
         positive(path, "activation_checkpoint_interval", self.activation_checkpoint_interval, allow_zero=True)

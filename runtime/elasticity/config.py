@@ -22,7 +22,8 @@ def read_section(ds_config):
     from ..strict import parse_dataclass
 
     if not isinstance(ds_config, dict):
-        raise ValueError(f"compute_elastic_config: expected the DeepSpeed config as a dict, got {type(ds_config).__name__}")
+        raise ValueError(f"compute_elastic_config: expected the DeepSpeed config as a dict, got "
+                         f"{type(ds_config).__name__}")
     if "elasticity" not in ds_config:
         raise ElasticityConfigError("elasticity: missing from the config; add it to run an elastic job")
     raw = ds_config["elasticity"]

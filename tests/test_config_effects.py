@@ -1,0 +1,336 @@
+"""Every supported key loads in one config and has a test that shows its effect.
+
+`ALL` sets every supported key at once (it must load); `EFFECTS` names, for each supported
+key of the sections this module covers, the test that shows what it does (those tests
+must exist); the tests below show the effects no other test file covers: the data
+loader's drop_last, the two ZeRO optimizer guards, bf16's overflow check, torch_autocast,
+compute_grad_norm, the legacy allgather_size, memory_breakdown, dump_state, log_level,
+disable_python_gc, vocabulary_size, the throughput timer and the compile arguments.
+"""
+import gc
+import pathlib
+import re
+
+import pytest
+import torch
+
+from dist_harness import run_function
+
+from dslaunch.runtime.config import DeepSpeedConfig
+from dslaunch.runtime.strict import ConfigError, key_rows
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+ZERO = {
+    "stage": 3, "overlap_comm": True, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000,
+    "compute_grad_norm": True,
+    "offload_optimizer": {"device": "cpu", "nvme_path": None, "pin_memory": True, "fast_init": True,
+                          "pipeline_read": True, "pipeline_write": True, "pipeline": True},
+    "offload_param": {"device": "cpu", "nvme_path": None, "pin_memory": True},
+    "sub_group_size": 1000, "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": True,
+    "stage3_prefetch_bucket_size": 100, "prefetch_bucket_size": 100, "stage3_param_persistence_threshold": 10,
+    "param_persistence_threshold": 10, "stage3_max_live_parameters": 10_000, "max_live_parameters": 10_000,
+    "stage3_max_reuse_distance": 10_000, "max_reuse_distance": 10_000,
+    "stage3_gather_16bit_weights_on_model_save": True, "gather_16bit_weights_on_model_save": True,
+    "stage3_gather_fp16_weights_on_model_save": True, "elastic_checkpoint": True, "round_robin_gradients": True,
+    "enable_sanity_checks": True, "all_reduce_bucket_size": 1000, "allreduce_bucket_size": 1000,
+}
+ALL = {
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+    "dataloader_drop_last": True,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
+    "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "gradient_clipping": 1.0,
+    "fp16": {"enabled": False, "auto_cast": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 10,
+             "hysteresis": 2, "consecutive_hysteresis": True, "min_loss_scale": 1},
+    "bf16": {"enabled": True, "check_grad_overflow": True}, "bfloat16": {"enabled": True},
+    "torch_autocast": {"enabled": False, "dtype": "bfloat16"}, "data_types": {},
+    "zero_optimization": ZERO,
+    "steps_per_print": 5, "wall_clock_breakdown": True, "memory_breakdown": True, "dump_state": True,
+    "log_level": "info", "disable_python_gc": True, "vocabulary_size": 50257,
+    "timers": {"throughput": {"enabled": True, "synchronized": True}},
+    "tensorboard": {"enabled": False, "output_path": "out", "job_name": "j"},
+    "wandb": {"enabled": False, "group": "g", "team": "t", "project": "p"},
+    "csv_monitor": {"enabled": False, "output_path": "out", "job_name": "j"},
+    "comet": {"enabled": False, "samples_log_interval": 10, "project": "p", "workspace": "w", "api_key": "k",
+              "experiment_name": "e", "experiment_key": "x" * 32, "online": False, "mode": "get_or_create"},
+    "comms_logger": {},
+    "flops_profiler": {"enabled": False, "recompute_fwd_factor": 1.0, "profile_step": 2, "module_depth": 2,
+                       "top_modules": 3, "detailed": False, "output_file": "flops.txt"},
+    "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
+                                 "contiguous_memory_optimization": True, "number_checkpoints": 4,
+                                 "synchronize_checkpoint_boundary": True, "profile": True},
+    "compile": {"enabled": False, "backend": "aot_eager", "kwargs": {}, "fullgraph": False, "dynamic": False,
+                "mode": None, "options": None, "disable": False},
+    "elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2, 4], "min_gpus": 1,
+                   "max_gpus": 8, "min_time": 0, "version": 0.1, "ignore_non_elastic_batch_info": True,
+                   "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
+    "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True},
+    "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False},
+}
+# Keys that cannot sit in ALL next to the others (each is tested below on its own).
+ALONE = {"allgather_size"}
+# Sections whose keys other parts of the runtime own, with their own tests.
+ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+             "zero_optimization.gather_16bit", "zero_optimization.stage3_gather_fp16")
+
+T = "tests/test_config_effects.py::"
+EFFECTS = {
+    "train_batch_size": "tests/test_config.py::test_batch_size_table",
+    "train_micro_batch_size_per_gpu": "tests/test_config.py::test_batch_size_table",
+    "gradient_accumulation_steps": "tests/test_engine_parity.py::test_two_ranks_match_one_rank_and_resume_exactly",
+    "dataloader_drop_last": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "optimizer": "tests/test_config.py::test_optimizers_by_deepspeed_name",
+    "optimizer.type": "tests/test_config.py::test_optimizers_by_deepspeed_name",
+    "optimizer.params": "tests/test_config.py::test_optimizers_by_deepspeed_name",
+    "scheduler": "tests/test_config.py::test_schedules_follow_deepspeed_formulas",
+    "scheduler.type": "tests/test_config.py::test_schedules_follow_deepspeed_formulas",
+    "scheduler.params": "tests/test_config.py::test_schedules_follow_deepspeed_formulas",
+    "zero_allow_untested_optimizer": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "zero_force_ds_cpu_optimizer": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "gradient_clipping": "tests/test_engine_parity.py::test_two_ranks_match_one_rank_and_resume_exactly",
+    "fp16.enabled": "tests/test_monitor.py::test_engine_writes_deepspeed_events_to_tensorboard_and_csv",
+    "fp16.auto_cast": "tests/test_monitor.py::test_engine_writes_deepspeed_events_to_tensorboard_and_csv",
+    "fp16.loss_scale": "tests/test_loss_scaler.py::test_static_scale_and_factory_and_state_round_trip",
+    "fp16.initial_scale_power": "tests/test_loss_scaler.py::test_static_scale_and_factory_and_state_round_trip",
+    "fp16.loss_scale_window": "tests/test_loss_scaler.py::test_growth_after_window_of_clean_steps_and_refill",
+    "fp16.hysteresis": "tests/test_loss_scaler.py::test_hysteresis_delays_backoff_then_halves",
+    "fp16.consecutive_hysteresis": "tests/test_loss_scaler.py::test_consecutive_hysteresis_refills_on_every_clean_step",
+    "fp16.min_loss_scale": "tests/test_loss_scaler.py::test_stuck_at_min_scale_is_a_clear_error",
+    "bf16.enabled": "tests/test_readme_runtime.py::test_readme_runtime_example_runs_as_written",
+    "bfloat16": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "bf16.check_grad_overflow": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "torch_autocast.enabled": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "torch_autocast.dtype": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "zero_optimization": "tests/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
+    "zero_optimization.stage": "tests/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
+    "zero_optimization.overlap_comm": "tests/test_engine_parity.py::test_two_ranks_match_one_rank_and_resume_exactly",
+    "zero_optimization.reduce_bucket_size": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.allgather_bucket_size": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.compute_grad_norm": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "zero_optimization.sub_group_size": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.cpu_offload": "tests/test_config_keys.py::test_deprecated_cpu_offload_maps_like_deepspeed",
+    "zero_optimization.cpu_offload_param": "tests/test_config_keys.py::test_deprecated_cpu_offload_maps_like_deepspeed",
+    "zero_optimization.cpu_offload_use_pin_memory": "tests/test_config_keys.py::test_deprecated_cpu_offload_maps_like_deepspeed",
+    "zero_optimization.stage3_prefetch_bucket_size": "tests/test_zero3_knobs.py::test_reuse_distance_and_live_cap",
+    "zero_optimization.stage3_param_persistence_threshold": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.stage3_max_live_parameters": "tests/test_zero3_knobs.py::test_reuse_distance_and_live_cap",
+    "zero_optimization.stage3_max_reuse_distance": "tests/test_zero3_knobs.py::test_reuse_distance_and_live_cap",
+    # "no effect needed" keys: the test shows the behaviour they ask for is always there
+    "zero_optimization.elastic_checkpoint": "tests/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
+    "zero_optimization.round_robin_gradients": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.offload_optimizer.fast_init": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.offload_optimizer.pipeline_read": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.offload_optimizer.pipeline_write": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.offload_optimizer.pipeline": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.enable_sanity_checks": "tests/test_zero_engine.py::test_rank_calling_an_extra_module_gets_an_error_naming_it_not_a_hang",
+    "zero_optimization.offload_optimizer": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.offload_optimizer.device": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.offload_optimizer.nvme_path": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
+    "zero_optimization.offload_optimizer.pin_memory": "tests/test_zero_partition.py::test_pin_memory_is_a_no_op_without_cuda_and_pins_with_it",
+    "zero_optimization.offload_param": "tests/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
+    "zero_optimization.offload_param.device": "tests/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
+    "zero_optimization.offload_param.nvme_path": "tests/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
+    "zero_optimization.offload_param.pin_memory": "tests/test_zero_partition.py::test_pin_memory_is_a_no_op_without_cuda_and_pins_with_it",
+    "zero_optimization.prefetch_bucket_size": "tests/test_config_keys.py::test_deepspeed_spellings_without_stage3_prefix",
+    "zero_optimization.param_persistence_threshold": "tests/test_config_keys.py::test_deepspeed_spellings_without_stage3_prefix",
+    "zero_optimization.max_live_parameters": "tests/test_config_keys.py::test_deepspeed_spellings_without_stage3_prefix",
+    "zero_optimization.max_reuse_distance": "tests/test_config_keys.py::test_deepspeed_spellings_without_stage3_prefix",
+    "zero_optimization.all_reduce_bucket_size": "tests/test_config.py::test_seed_configs_load_unchanged",
+    "zero_optimization.allreduce_bucket_size": "tests/test_config.py::test_seed_configs_load_unchanged",
+    "allgather_size": T + "test_legacy_allgather_size",
+    "steps_per_print": "tests/test_runtime_progress.py::test_progress_line_every_n_steps_plain_when_piped",
+    "wall_clock_breakdown": "tests/test_monitor.py::test_engine_writes_deepspeed_events_to_tensorboard_and_csv",
+    "memory_breakdown": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "dump_state": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "log_level": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "disable_python_gc": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "vocabulary_size": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "timers.throughput": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "timers.throughput.enabled": T + "test_engine_effects_of_reporting_and_guard_keys",
+    "timers.throughput.synchronized": T + "test_synchronize_flags_wait_for_the_gpu",
+    **{f"tensorboard.{k}": "tests/test_monitor.py::test_engine_writes_deepspeed_events_to_tensorboard_and_csv"
+       for k in ("enabled", "output_path", "job_name")},
+    **{f"csv_monitor.{k}": "tests/test_monitor.py::test_engine_writes_deepspeed_events_to_tensorboard_and_csv"
+       for k in ("enabled", "output_path", "job_name")},
+    **{f"wandb.{k}": "tests/test_monitor.py::test_wandb_and_comet_get_the_events"
+       for k in ("enabled", "group", "team", "project")},
+    **{f"comet.{k}": "tests/test_monitor.py::test_wandb_and_comet_get_the_events"
+       for k in ("enabled", "samples_log_interval", "project", "workspace", "api_key", "experiment_name",
+                 "experiment_key", "online", "mode")},
+    **{f"flops_profiler.{k}": "tests/test_flops_profiler.py::test_engine_profiles_the_configured_step"
+       for k in ("enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
+                 "output_file")},
+    **{f"activation_checkpointing.{k}":
+       "tests/test_activation_checkpointing.py::test_config_section_partition_and_contiguous_on_two_ranks"
+       for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
+                 "profile")},
+    "activation_checkpointing.synchronize_checkpoint_boundary": T + "test_synchronize_flags_wait_for_the_gpu",
+    "activation_checkpointing": "tests/test_activation_checkpointing.py::test_config_section_partition_and_contiguous_on_two_ranks",
+    "compile.enabled": "tests/test_compile.py::test_compiled_engine_matches_eager",
+    **{f"compile.{k}": T + "test_compile_section_reaches_torch_compile"
+       for k in ("backend", "kwargs", "fullgraph", "dynamic", "mode", "options", "disable")},
+    **{f"elasticity.{k}": "tests/test_elasticity.py::test_engine_batch_sizes_come_from_the_section"
+       for k in ("enabled", "max_train_batch_size", "micro_batch_sizes", "min_gpus", "max_gpus", "version",
+                 "ignore_non_elastic_batch_info")},
+    "elasticity.min_time": "tests/test_elasticity.py::test_basic_10k",  # read and validated; the scheduler's value
+    "elasticity.prefer_larger_batch": "tests/test_elasticity.py::test_proper_micro_batch_and_cap",
+    "elasticity.num_gpus_per_node": "tests/test_elasticity.py::test_version_02_micro_batch_is_per_data_parallel_rank",
+    "elasticity.model_parallel_size": "tests/test_elasticity.py::test_version_02_micro_batch_is_per_data_parallel_rank",
+}
+
+
+def _supported():
+    return [r.key for r in key_rows(DeepSpeedConfig) if r.status == "supported"]
+
+
+def _leaves(d, prefix=""):
+    for k, v in d.items():
+        yield prefix + k
+        if isinstance(v, dict) and k not in ("params", "kwargs", "options"):
+            yield from _leaves(v, prefix + k + ".")
+
+
+def test_one_config_with_every_supported_key_loads():
+    cfg = DeepSpeedConfig.load(ALL)
+    missing = sorted(set(_supported()) - set(_leaves(ALL)) - ALONE)
+    assert missing == [], f"add these supported keys to ALL: {missing}"
+    assert cfg.zero.stage == 3 and cfg.bf16.enabled and cfg.zero.offload_optimizer.pin_memory
+
+
+def test_every_supported_key_names_a_test_that_shows_its_effect():
+    mine = [k for k in _supported() if not k.startswith(ELSEWHERE)]
+    missing = sorted(set(mine) - set(EFFECTS))
+    assert missing == [], f"name the test showing the effect of: {missing}"
+    for key, ref in EFFECTS.items():
+        path, name = ref.split("::")
+        assert re.search(rf"^(async )?def {name}\(", (ROOT / path).read_text(), re.M), f"{key}: no {ref}"
+
+
+def test_legacy_allgather_size():
+    cfg = DeepSpeedConfig.load({"zero_optimization": True, "allgather_size": 1234})
+    assert cfg.zero.stage == 1 and cfg.zero.allgather_bucket_size == 1234
+    with pytest.raises(ConfigError, match=r"allgather_size: only read with the legacy \"zero_optimization\": true"):
+        DeepSpeedConfig.load({"zero_optimization": {"stage": 1}, "allgather_size": 1234})
+
+
+def test_compile_section_reaches_torch_compile(monkeypatch):
+    from dslaunch.runtime.compiling import compile_module
+
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(kw) or fn)
+    section = DeepSpeedConfig.load({"compile": {"backend": "aot_eager", "fullgraph": True, "dynamic": False,
+                                                "mode": "reduce-overhead", "options": {"x": 1}, "disable": True,
+                                                "kwargs": {"extra": 2}}}).compile
+    compile_module(torch.nn.Linear(2, 2), section)
+    assert seen == {"backend": "aot_eager", "fullgraph": True, "dynamic": False, "mode": "reduce-overhead",
+                    "options": {"x": 1}, "disable": True, "extra": 2}
+    compile_module(torch.nn.Linear(2, 2), section, backend="inductor", compile_kwargs={"fullgraph": False})
+    assert seen["backend"] == "inductor" and seen["fullgraph"] is False
+
+
+def test_synchronize_flags_wait_for_the_gpu(monkeypatch):
+    from dslaunch.runtime.activation_checkpointing import checkpointing
+    from dslaunch.runtime.monitor import StepMeter
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    for synchronized, expected in ((True, 2), (False, 0)):
+        calls.clear()
+        meter = StepMeter(breakdown=False, synchronize=synchronized)
+        meter._sync()
+        meter._sync()
+        assert len(calls) == expected
+    for flag, expected in ((True, 1), (False, 0)):
+        calls.clear()
+        checkpointing.configure(None, synchronize=flag)
+        checkpointing._sync()
+        assert len(calls) == expected
+    checkpointing.configure(None)
+
+
+def _effects():
+    import contextlib
+    import io
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.strict import ConfigError as Err
+
+    def engine(cfg, model=None, optimizer=None, data=None):
+        model = model or torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        kw = {"optimizer": optimizer} if optimizer is not None else {"model_parameters": model.parameters()}
+        return deepspeed.initialize(model=model, config=cfg, training_data=data, **kw)[0]
+
+    base = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    out = {}
+    # dataloader_drop_last: 10 samples in micro batches of 4
+    data = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randn(10, 1))
+    out["batches"] = [len(engine({**base, "dataloader_drop_last": drop}, data=data).training_dataloader)
+                      for drop in (False, True)]
+    # the ZeRO guards
+    sgd_model = torch.nn.Linear(8, 1)
+    for name, cfg in (("untested", {"zero_optimization": {"stage": 1}}),
+                      ("untested_allowed", {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}),
+                      ("forced", {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+                                  "zero_allow_untested_optimizer": True}),
+                      ("not_forced", {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+                                      "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False})):
+        try:
+            engine({"train_micro_batch_size_per_gpu": 4, **cfg}, model=sgd_model,
+                   optimizer=torch.optim.SGD(sgd_model.parameters(), lr=0.1))
+            out[name] = "ok"
+        except Err as exc:
+            out[name] = str(exc)
+    # bf16.check_grad_overflow (and the old "bfloat16" spelling): an inf loss skips the step, or poisons the weights
+    for check in (True, False):
+        e = engine({**base, "bfloat16": {"enabled": True, "check_grad_overflow": check}})
+        loss = e(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum() * float("inf")
+        e.backward(loss)
+        e.step()
+        out[f"overflow_{check}"] = (e.skipped_steps, bool(torch.isfinite(e.module[0].weight).all()))
+    # torch_autocast: fp32 parameters, the forward's matmuls in bf16
+    e = engine({**base, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
+    out["autocast"] = (str(e.module[0].weight.dtype), str(e(torch.randn(4, 8)).dtype))
+    # compute_grad_norm under stage 1, without clipping
+    for flag in (True, False):
+        e = engine({**base, "zero_optimization": {"stage": 1, "compute_grad_norm": flag}})
+        e.backward(e(torch.randn(4, 8)).pow(2).mean())
+        e.step()
+        out[f"norm_{flag}"] = e.get_global_grad_norm()
+    # the reporting keys
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        gc_before = gc.isenabled()
+        e = engine({**base, "memory_breakdown": True, "dump_state": True, "disable_python_gc": True,
+                    "vocabulary_size": 50257, "steps_per_print": 1, "timers": {"throughput": {"enabled": False}}})
+        out["gc_during"] = gc.isenabled()
+        e.backward(e(torch.randn(4, 8)).pow(2).mean())
+        e.step()
+        e.destroy()
+        out["gc_after"] = gc.isenabled() == gc_before
+        quiet = engine({**base, "log_level": "warning", "steps_per_print": 1})
+        quiet.backward(quiet(torch.randn(4, 8)).pow(2).mean())
+        quiet.step()
+    out["stdout"] = buf.getvalue()
+    return out
+
+
+def test_engine_effects_of_reporting_and_guard_keys():
+    out = run_function(_effects, nprocs=1, timeout=240)[0]
+    assert out["batches"] == [3, 2]
+    assert out["untested"].startswith("zero_allow_untested_optimizer: ZeRO stage 1 is not tested with SGD")
+    assert out["untested_allowed"] == "ok" and out["not_forced"] == "ok"
+    assert out["forced"].startswith("zero_force_ds_cpu_optimizer: offload_optimizer would step SGD with torch's")
+    assert out["overflow_True"] == (1, True) and out["overflow_False"] == (0, False)
+    assert out["autocast"] == ("torch.float32", "torch.bfloat16")
+    assert out["norm_True"] is not None and out["norm_True"] > 0 and out["norm_False"] is None
+    text = out["stdout"]
+    assert out["gc_during"] is False and out["gc_after"] is True
+    for label in ("after forward", "after backward", "after step"):
+        assert re.search(rf"^memory {label}: process RSS [\d.]+ GB, host used", text, re.M), text
+    assert "dslaunch engine state:" in text and '"dump_state": true' in text
+    assert "warning: vocabulary_size 50257 is not a multiple of 8" in text and "(pad it to 50264)" in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("step 1 |")]
+    assert len(lines) == 1 and "samples/s" not in lines[0]  # the quiet engine printed no step line
+    assert text.count("dslaunch: ZeRO stage 0") == 1  # nor a start-up line
