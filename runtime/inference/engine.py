@@ -153,11 +153,12 @@ class InferenceEngine(nn.Module):
         """Sampling must draw the same tokens on every rank of the group, or they diverge and hang."""
         if self.tp.size == 1:
             return
-        state = torch.get_rng_state()
+        device = _device()  # NCCL moves only device tensors
+        state = torch.get_rng_state().to(device)
         dist.broadcast(state, group=self.tp.group, group_src=0)
-        torch.set_rng_state(state)
+        torch.set_rng_state(state.cpu())
         if torch.cuda.is_available():
-            cuda_state = torch.cuda.get_rng_state().to(_device())
+            cuda_state = torch.cuda.get_rng_state().to(device)
             dist.broadcast(cuda_state, group=self.tp.group, group_src=0)
             torch.cuda.set_rng_state(cuda_state.cpu())
 
