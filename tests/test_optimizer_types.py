@@ -113,11 +113,19 @@ def test_deepspeed_import_paths_take_deepspeeds_signatures():
 
 # -- the 2-rank ZeRO job --------------------------------------------------------------
 
-CASES = [  # (type, params, stage, offload): each against the same type at stage 0 without offload
-    ("Lion", {"lr": 0.003, "weight_decay": 0.1}, 2, "cpu"),
-    ("Adagrad", {"lr": 0.05, "weight_decay": 0.01, "initial_accumulator_value": 0.1}, 1, "nvme"),
-    ("Adam", {"lr": 0.03, "weight_decay": 0.1}, 2, "cpu"),
-]
+# type -> (params, the ZeRO runs: (stage, offload, class built, kernel named by describe() or None)).
+# Each run is compared with the same type at stage 0 without offload.
+CASES = {
+    "Lion": ({"lr": 0.003, "weight_decay": 0.1},
+             [(2, "cpu", "CPULion", "dslaunch CPU Lion"), (2, "none", "Lion", None)]),
+    "Adagrad": ({"lr": 0.05, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
+                [(1, "nvme", "CPUAdagrad", "dslaunch CPU Adagrad"), (3, "none", "Adagrad", None)]),
+    "Adam": ({"lr": 0.03, "weight_decay": 0.1}, [(2, "cpu", "CPUAdam", "dslaunch CPU Adam")]),
+    "DeepSpeedCPUAdam": ({"lr": 0.03, "adamw_mode": False},
+                         [(3, "cpu", "DeepSpeedCPUAdam", "dslaunch CPU Adam")]),
+    "DeepSpeedCPULion": ({"lr": 0.003}, [(1, "cpu", "DeepSpeedCPULion", "dslaunch CPU Lion")]),
+    "DeepSpeedCPUAdagrad": ({"lr": 0.05}, [(2, "nvme", "DeepSpeedCPUAdagrad", "dslaunch CPU Adagrad")]),
+}
 
 
 def _engine(opt_type, opt_params, stage, offload, nvme):
@@ -133,56 +141,60 @@ def _engine(opt_type, opt_params, stage, offload, nvme):
     return engine, optimizer
 
 
-def _types_worker():
+def _run(opt_type, opt_params, stage, offload, nvme, rank, world):
     import warnings
 
     from dslaunch.kernels import describe
+    from dslaunch.runtime.monitor.report import startup_line
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, optimizer = _engine(opt_type, opt_params, stage, offload, nvme)
+        losses = []
+        for x, y in batches(rank, world, 4, 1):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(global_mean(float(loss)))
+    host = getattr(engine.strategy, "host", None)  # the ZeRO stage's optimizer host
+    run = {"losses": losses, "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+           "class": type(optimizer).__name__, "describe": describe(optimizer), "startup": startup_line(engine),
+           "fused": getattr(host, "kernel", None) is not None,
+           "warnings": [str(w.message) for w in caught if "fused" in str(w.message)]}
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    return run
+
+
+def _types_worker():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = {}
     nvme = tempfile.mkdtemp(prefix="opt-types-nvme-")
-    for opt_type, opt_params, stage, offload in CASES:
-        runs = {}
-        for where in ("reference", "offload"):
-            args = (opt_type, opt_params, 0, "none") if where == "reference" else (opt_type, opt_params, stage, offload)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                engine, optimizer = _engine(*args, nvme)
-                losses = []
-                for step, (x, y) in enumerate(batches(rank, world, 4, 1)):
-                    loss = engine(x, y)
-                    engine.backward(loss)
-                    engine.step()
-                    losses.append(global_mean(float(loss)))
-            params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-            host = getattr(engine.strategy, "host", None)  # the ZeRO stage's optimizer host
-            from dslaunch.runtime.monitor.report import startup_line
-
-            runs[where] = {"losses": losses, "params": params, "class": type(optimizer).__name__,
-                           "startup": startup_line(engine),
-                           "describe": describe(optimizer), "fused": getattr(host, "kernel", None) is not None,
-                           "warnings": [str(w.message) for w in caught if "fused" in str(w.message)]}
-            engine.destroy() if hasattr(engine, "destroy") else None
-        ref, off = runs["reference"], runs["offload"]
-        out[opt_type] = {"ref_class": ref["class"], "class": off["class"], "describe": off["describe"],
-                         "startup": off["startup"],
-                         "fused": off["fused"], "warnings": off["warnings"], "losses": (ref["losses"], off["losses"]),
-                         "max_param_diff": max(float((off["params"][n] - ref["params"][n]).abs().max())
-                                               for n in ref["params"])}
+    out = {}
+    for opt_type, (opt_params, runs) in CASES.items():
+        ref = _run(opt_type, opt_params, 0, "none", nvme, rank, world)
+        for stage, offload, _, _ in runs:
+            r = _run(opt_type, opt_params, stage, offload, nvme, rank, world)
+            r["max_param_diff"] = max(float((r["params"][n] - ref["params"][n]).abs().max()) for n in ref["params"])
+            r["ref_losses"] = ref["losses"]
+            del r["params"]
+            out[f"{opt_type}-s{stage}-{offload}"] = r
     return out
 
 
 @pytest.mark.timeout(300)
-def test_offloaded_lion_adagrad_and_adam_run_their_cpu_kernels_and_match_stage0():
-    expected = {"Lion": ("Lion", "CPULion", "dslaunch CPU Lion"),
-                "Adagrad": ("Adagrad", "CPUAdagrad", "dslaunch CPU Adagrad"),
-                "Adam": ("AdamW", "CPUAdam", "dslaunch CPU Adam")}
+def test_each_type_under_zero_with_and_without_offload_matches_stage0():
+    """Lion, Adagrad and Adam (and the DeepSpeed-named classes) under ZeRO stages 1-3: with
+    offload the optimizer's CPU kernel steps the host partitions (CPU and NVMe), without it
+    the optimizer itself; either way the result equals the same type at stage 0."""
     for result in run_function(_types_worker, nprocs=2, timeout=280):
-        for opt_type, (ref_class, cls, kernel) in expected.items():
-            r = result[opt_type]
-            assert (r["ref_class"], r["class"]) == (ref_class, cls), (opt_type, r)
-            assert r["fused"] and kernel in r["describe"] and r["warnings"] == [], (opt_type, r)
-            assert f"optimizer {cls} stepped by {kernel}" in r["startup"], r["startup"]
-            ref_losses, losses = r["losses"]
-            assert losses == pytest.approx(ref_losses, rel=FP32_TOL, abs=FP32_TOL), opt_type
-            assert r["max_param_diff"] <= 1e-4, (opt_type, r["max_param_diff"])
+        for opt_type, (_, runs) in CASES.items():
+            for stage, offload, cls, kernel in runs:
+                key = f"{opt_type}-s{stage}-{offload}"
+                r = result[key]
+                assert r["class"] == cls and r["warnings"] == [], (key, r["class"], r["warnings"])
+                assert r["fused"] == (kernel is not None), key
+                if kernel:
+                    assert kernel in r["describe"], (key, r["describe"])
+                    assert f"optimizer {cls} stepped by {kernel}" in r["startup"], (key, r["startup"])
+                assert r["losses"] == pytest.approx(r["ref_losses"], rel=FP32_TOL, abs=FP32_TOL), key
+                assert r["max_param_diff"] <= 1e-4, (key, r["max_param_diff"])
