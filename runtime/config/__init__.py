@@ -21,7 +21,7 @@ from .compute import ActivationCheckpointingConfig, CompileConfig
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
                       WandbConfig)
 from .parallel import ElasticityConfig, PipelineConfig
-from .precision import (REDUCTION_LATER, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig,
+from .precision import (LATER, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig,
                         check_precision)
 from .zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -68,9 +68,9 @@ class DeepSpeedConfig:
     amp: Any = refused("NVIDIA Apex amp is not supported (DeepSpeed removed it too); use \"fp16\" or \"bf16\"",
                        disabled)
     # -- gradient reduction --------------------------------------------------------------
-    prescale_gradients: Any = refused("prescaling gradients " + REDUCTION_LATER, False)
-    gradient_predivide_factor: Any = refused("a gradient predivide factor " + REDUCTION_LATER, 1.0, 1)
-    communication_data_type: Any = refused("a communication dtype " + REDUCTION_LATER, None)
+    prescale_gradients: Any = refused("scaling gradients before the all-reduce " + LATER, False)
+    gradient_predivide_factor: Any = refused("a predivide factor for the gradient all-reduce " + LATER, 1.0, 1)
+    communication_data_type: Any = refused("a reduction dtype other than the gradients' own " + LATER, None)
     gradient_allreduce_op: Any = refused("only \"mean\" gradient averaging is supported", "mean")
     disable_allgather: Any = refused("broadcast-based parameter sync is not supported; remove it", False)
     # -- ZeRO ----------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from typing import Any, Literal
 from ..strict import ConfigError, refused, supported
 from .checks import positive
 
-# Reduction numerics wait for the ZeRO refactor (every stage reducing on one group).
-REDUCTION_LATER = "is not supported yet (the reduction dtype is the gradients' dtype); remove it"
+# Reduction numerics come with the ZeRO work that puts every stage's reductions on one path.
+LATER = "is not supported yet; remove it"
 
 
 @dataclass
@@ -60,7 +60,7 @@ class TorchAutocastConfig:
 
 @dataclass
 class DataTypesConfig:
-    grad_accum_dtype: Any = refused("gradient accumulation dtype " + REDUCTION_LATER, None)
+    grad_accum_dtype: Any = refused("choosing the gradient accumulation dtype " + LATER, None)
     param_dtype: Any = refused("a separate parameter dtype is not supported; use fp16/bf16", None)
     buffer_dtype: Any = refused("a separate buffer dtype is not supported; buffers follow the model dtype", None)
     keep_in_fp32_modules: Any = refused("keeping chosen modules in fp32 is not supported; remove it", "auto", None)
