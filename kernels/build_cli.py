@@ -39,7 +39,10 @@ def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
     if cuda is None:
         cuda = torch.cuda.is_available()
     if cuda:
-        specs.append(builder.fused_adam_spec())
+        try:
+            specs.append(builder.fused_adam_spec())
+        except ValueError as e:  # e.g. a TORCH_CUDA_ARCH_LIST entry that is not an architecture
+            raise click.UsageError(str(e))
     failed = False
     for spec in specs:
         try:

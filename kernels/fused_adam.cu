@@ -166,8 +166,7 @@ int dispatch_grad(int grad_dtype, const Entry* table, int n, int64_t blocks, int
 
 }  // namespace ds_fused
 
-using ds_fused::Entry;
-using ds_fused::Hyper;
+using namespace ds_fused;  // the C entry points below dispatch into it
 
 // table: device array of n Entry rows; blocks: total chunks over all tensors. Returns 0,
 // -1 for an unknown dtype, or the cudaError_t of the launch.
@@ -179,9 +178,9 @@ DS_EXPORT int ds_fused_adam_step(const void* table, int n, int64_t blocks, int64
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   int rc;
   switch (param_dtype) {
-    case ds_fused::kF32: rc = ds_fused::dispatch_grad<float>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
-    case ds_fused::kBF16: rc = ds_fused::dispatch_grad<__nv_bfloat16>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
-    case ds_fused::kF16: rc = ds_fused::dispatch_grad<__half>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
+    case kF32: rc = dispatch_grad<float>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
+    case kBF16: rc = dispatch_grad<__nv_bfloat16>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
+    case kF16: rc = dispatch_grad<__half>(grad_dtype, t, n, blocks, chunk, *hyper, grad_scale, found_inf, done, s); break;
     default: return -1;
   }
   if (rc != 0) return rc;
@@ -195,9 +194,9 @@ DS_EXPORT int ds_fused_nonfinite(const void* table, int n, int64_t blocks, int64
   const unsigned int grid = static_cast<unsigned int>(blocks);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (grad_dtype) {
-    case ds_fused::kF32: ds_fused::nonfinite_kernel<float><<<grid, ds_fused::kThreads, 0, s>>>(t, n, chunk, found_inf); break;
-    case ds_fused::kBF16: ds_fused::nonfinite_kernel<__nv_bfloat16><<<grid, ds_fused::kThreads, 0, s>>>(t, n, chunk, found_inf); break;
-    case ds_fused::kF16: ds_fused::nonfinite_kernel<__half><<<grid, ds_fused::kThreads, 0, s>>>(t, n, chunk, found_inf); break;
+    case kF32: nonfinite_kernel<float><<<grid, kThreads, 0, s>>>(t, n, chunk, found_inf); break;
+    case kBF16: nonfinite_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(t, n, chunk, found_inf); break;
+    case kF16: nonfinite_kernel<__half><<<grid, kThreads, 0, s>>>(t, n, chunk, found_inf); break;
     default: return -1;
   }
   return static_cast<int>(cudaGetLastError());

@@ -40,6 +40,8 @@ def test_build_ops_usage_errors_exit_2():
     assert result.exit_code == 2 and "sse9" in result.output
     result = CliRunner().invoke(build_ops, ["--no-cuda"], env={builder.ISA_ENV: "avx1024"})
     assert result.exit_code == 2 and "DSLAUNCH_CPU_ISA='avx1024'" in result.output
+    result = CliRunner().invoke(build_ops, ["--cuda"], env={builder.ARCH_ENV: "Hopper"})
+    assert result.exit_code == 2 and "TORCH_CUDA_ARCH_LIST='Hopper'" in result.output
 
 
 def test_unusable_cache_dir_is_one_line_not_a_traceback(tmp_path):
