@@ -39,6 +39,8 @@ PROBE = textwrap.dedent('''
                   deepspeed.ops.adam.FusedAdam is ops.adam.FusedAdam,
                   deepspeed.ops.lion.DeepSpeedCPULion is ops.lion.DeepSpeedCPULion,
                   deepspeed.ops.adagrad.DeepSpeedCPUAdagrad is ops.adagrad.DeepSpeedCPUAdagrad]
+    import deepspeed.checkpointing, dslaunch.runtime.activation_checkpointing as ac
+    out["ops"].append(deepspeed.checkpointing.checkpoint is ac.checkpointing.checkpoint)
     out["schedules"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
     out["env_name"] = deepspeed.launcher.runner.DEEPSPEED_ENVIRONMENT_NAME
     out["init_distributed"] = sorted(inspect.signature(deepspeed.comm.init_distributed).parameters)
@@ -79,7 +81,8 @@ def test_version_is_honest_and_passes_the_libraries_gates(probe):
 
 def test_module_tree_maps_onto_dslaunch_runtime(probe):
     assert all(probe["same"]), probe["same"]
-    assert all(probe["ops"]), probe["ops"]  # deepspeed.ops.{adam,lion,adagrad}: dslaunch.runtime.ops's classes
+    # deepspeed.ops.{adam,lion,adagrad}: dslaunch.runtime.ops's classes; deepspeed.checkpointing
+    assert all(probe["ops"]), probe["ops"]
     assert probe["schedules"] == ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
     assert probe["env_name"] == ".deepspeed_env"
     assert {"dist_backend", "auto_mpi_discovery", "timeout"} <= set(probe["init_distributed"])

@@ -66,7 +66,8 @@ def _fake_real_deepspeed(site: Path) -> None:
 def test_pip_install_keeps_the_environments_torch_and_the_compat_package_installs_and_uninstalls(tmp_path):
     venv = tmp_path / "env"
     site = _venv(venv, see_suite=True)
-    probe = "import torch; print(torch.__version__, torch.__file__)"
+    # which torch, from where, without paying for importing it each time
+    probe = "import importlib.metadata as m, importlib.util as u; print(m.version('torch'), u.find_spec('torch').origin)"
     torch_before = _py(venv, probe).stdout
     assert torch_before.startswith("2."), torch_before
 

@@ -3,10 +3,11 @@
 A finder placed first on sys.meta_path answers for names under `deepspeed.`:
 - a module this package ships as a file (deepspeed/utils, deepspeed/launcher, ...) is left
   to the normal path finder;
+- a few names map explicitly (EXPLICIT: deepspeed.runtime is dslaunch.runtime,
+  deepspeed.checkpointing is dslaunch's activation-checkpointing module);
 - anything else becomes an alias: `deepspeed.<rest>` of a package shipped here maps to
   `<that package's dslaunch counterpart>.<rest>` (the top level's counterpart is
-  dslaunch.runtime, and deepspeed.runtime is dslaunch.runtime too), and a child of an alias
-  maps to the same child of the aliased module.
+  dslaunch.runtime), and a child of an alias maps to the same child of the aliased module.
 Aliasing (instead of a file that star-imports) keeps one copy of every module, so class
 identity holds (`isinstance(engine, deepspeed.runtime.engine.DeepSpeedEngine)`) and module
 state (the registered ZeRO strategies, the process-group bookkeeping) is shared.
@@ -24,17 +25,23 @@ PREFIX = "deepspeed"
 # Packages shipped here whose missing children map somewhere other than dslaunch.runtime.<same path>.
 COUNTERPARTS = {
     "deepspeed": "dslaunch.runtime",
-    "deepspeed.runtime": "dslaunch.runtime",
     "deepspeed.checkpoint": "dslaunch.runtime.checkpoint",
     "deepspeed.launcher": "dslaunch.launcher",
+}
+
+
+# DeepSpeed names whose dslaunch module sits elsewhere than the same path.
+EXPLICIT = {
+    "deepspeed.runtime": "dslaunch.runtime",
+    "deepspeed.checkpointing": "dslaunch.runtime.activation_checkpointing.checkpointing",
 }
 
 
 def target_of(fullname: str) -> str | None:
     """The dslaunch module `fullname` aliases, or None when a file here provides it."""
     parent_name, _, leaf = fullname.rpartition(".")
-    if fullname == "deepspeed.runtime":
-        return "dslaunch.runtime"
+    if fullname in EXPLICIT:
+        return EXPLICIT[fullname]
     parent = sys.modules.get(parent_name)
     if parent is None:
         return None
