@@ -207,9 +207,12 @@ class DataParallelStrategy(GradientStrategy):
                         m.copy_(p.detach().to(torch.float32))
 
     def optimizer_state_dict(self):
-        state = {"optimizer": self.optimizer.state_dict()}
+        # parameter names (each group's, and the masters' order) let another topology or
+        # stage re-cut this state by name (checkpoint/parallel.py, reshard.shards_from_stage0)
+        state = {"optimizer": self.optimizer.state_dict(), "param_names": self._group_names}
         if self.mixed:
             state["fp32_masters"] = [m.detach().clone() for m in self.masters]
+            state["master_names"] = [self._first_name[id(p)] for b in self.buckets for p in b.params]
         return state
 
     def load_optimizer_state_dict(self, state) -> None:

@@ -3,7 +3,8 @@
     dslaunch consolidate CKPT_DIR OUT [--tag TAG]
     python -m dslaunch.runtime.consolidate CKPT_DIR OUT [--tag TAG]
 
-Works for every stage: ZeRO shards (any world size) are re-assembled by parameter name;
+Works for every stage and topology: ZeRO shards (any world size, every pipeline stage) are
+re-assembled by parameter name, a pipeline's layer files merged under its parameter names;
 frozen parameters and buffers come from the module state saved beside them; tied
 parameters appear under every name the model's state_dict uses. Every file is checked
 against the manifest's checksum and read with weights_only=True: consolidating a
@@ -21,10 +22,11 @@ import click
 import torch
 
 from .errors import CheckpointError
-from .files import load_torch, write_torch
-from .layout import MANIFEST, model_states_name, optim_states_name, read_latest, validate_tag
+from .files import write_torch
+from .layout import MANIFEST, read_latest, validate_tag
 from .manifest import Manifest
 from .reshard import consolidated_state_dict
+from . import parallel
 
 
 def _aliases(module_state: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -62,14 +64,12 @@ def consolidate_checkpoint(ckpt_dir: str, tag: Optional[str] = None) -> Dict[str
     """The full fp32 state_dict of the checkpoint `ckpt_dir/tag` (tag from `latest`)."""
     path = resolve_tag(ckpt_dir, tag)
     manifest = Manifest.read(path)
-    model = load_torch(manifest.verify(path, model_states_name()))
-    module_state = model.get("module") if isinstance(model, dict) else None
-    if not isinstance(module_state, dict):
-        raise CheckpointError(f"{path}: {model_states_name()} holds no module state")
-    if not manifest.sharded_optimizer_state:
+    # a pipeline's layer files merged under the pipeline's parameter names, or the saved module
+    module_state = parallel.full_saved_module_state(manifest, path)
+    if not manifest.sharded_optimizer_state and not manifest.layers:
         return consolidated_state_dict([], module_state, _aliases(module_state))
-    shards = [load_torch(manifest.verify(path, optim_states_name(r)), mmap=True) for r in range(manifest.world_size)]
-    return consolidated_state_dict(shards, module_state, _aliases(module_state))
+    # fp32 weights from every saved optimizer state (ZeRO shards, or each stage's own state)
+    return consolidated_state_dict(parallel.all_shards(manifest, path), module_state, _aliases(module_state))
 
 
 def write_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:

@@ -20,10 +20,11 @@ import torch
 from .agree import agree
 from .errors import CheckpointError
 from .files import load_torch
-from .layout import model_states_name, optim_states_name, read_latest, rng_states_name, validate_tag
+from .layout import read_latest, rng_states_name, validate_tag
 from .manifest import Manifest
 from .rng import set_rng_state
 from .saving import CLIENT_STATE_FILE
+from . import parallel
 
 
 @dataclass
@@ -69,9 +70,14 @@ def _field(d: Any, key: str, path: str) -> Any:
 def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
           trust_pickle: bool) -> _Loaded:
     manifest = Manifest.read(path)
-    rank, world, strategy = engine.global_rank, engine.world_size, engine.strategy
-    model = load_torch(manifest.verify(path, model_states_name()), trust_pickle=trust_pickle)
-    check_module_state(engine.module, _field(model, "module", path), path, strict)
+    rank, strategy = engine.global_rank, engine.strategy
+    model = load_torch(manifest.verify(path, parallel.own_model_states(manifest, path, engine)),
+                       trust_pickle=trust_pickle)
+    _field(model, "module", path)
+    # the module state under this module's names: its own, or rebuilt from a pipeline's layer files
+    module = parallel.module_state(manifest, path, engine, model)
+    check_module_state(engine.module, module, path, strict)
+    model = dict(model, module=module)
     client_state = _field(model, "client_state", path)
     if manifest.pickled_client_state:
         if not trust_pickle:
@@ -82,25 +88,24 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
     optim = None
     if load_optimizer_states and not load_module_only:
         sharded = manifest.sharded_optimizer_state
-        # Strategies with loads_any_world_size (stage 0 and ZeRO) re-cut shards saved at
-        # any world size or stage (reshard.py): they get every saved rank's file,
-        # memory-mapped so only the overlapping pieces are read.
-        reshard = (sharded and getattr(strategy, "loads_any_world_size", False)
-                   and (manifest.world_size != world or manifest.zero_stage != strategy.stage))
-        if sharded and manifest.world_size != world and not reshard:
-            raise CheckpointError(f"checkpoint {path} holds optimizer state sharded over {manifest.world_size} "
-                                  f"ranks; this job has {world} (consolidate it or load with "
-                                  "load_optimizer_states=False)")
-        if reshard:
-            names = [optim_states_name(r) for r in range(manifest.world_size)]
-            absent = [n for n in names if n not in manifest.files]
-            if manifest.node_local and absent:
-                raise CheckpointError(f"checkpoint {path} was saved with checkpoint.use_node_local_storage: this "
-                                      f"node holds {len(names) - len(absent)} of the {len(names)} optimizer shards "
-                                      "needed to re-shard it; resume on the nodes and world size that saved it")
-            optim = [load_torch(manifest.verify(path, n), mmap=True) for n in names]
+        same = parallel.same_layout(manifest, engine)
+        # Strategies with loads_any_world_size (stage 0 and ZeRO) re-cut what was saved at
+        # another topology or stage (reshard.py, parallel.py): they get every saved rank's
+        # state keyed by parameter name, ZeRO files memory-mapped so only the overlapping
+        # pieces are read.
+        anywhere = getattr(strategy, "loads_any_world_size", False)
+        if not same and not anywhere:
+            raise CheckpointError(f"checkpoint {path} was saved at topology {manifest.topology or manifest.world_size} "
+                                  f"and this job runs {parallel.placement(engine).topology()}; its optimizer state "
+                                  "cannot be re-cut here (consolidate it or load with load_optimizer_states=False)")
+        if not same or (sharded and anywhere and manifest.zero_stage != strategy.stage):
+            if manifest.node_local:
+                raise CheckpointError(f"checkpoint {path} was saved with checkpoint.use_node_local_storage: a node "
+                                      "holds only its own ranks' optimizer shards, not all those needed to re-shard "
+                                      "it; resume on the nodes and world size that saved it")
+            optim = parallel.all_shards(manifest, path, engine)
         elif sharded:
-            optim = load_torch(manifest.verify(path, optim_states_name(rank)))
+            optim = load_torch(manifest.verify(path, parallel.optim_states_file(engine)))
         else:
             optim = _field(model, "optimizer", path)
     rng = None

@@ -29,6 +29,8 @@ class Manifest:
     files: Dict[str, FileRecord] = field(default_factory=dict)
     pickled_client_state: bool = False  # client_state.pt was saved with allow_pickle=True
     node_local: bool = False  # checkpoint.use_node_local_storage: only this node's ranks' files are here
+    topology: Dict[str, int] = field(default_factory=dict)  # {"pipe", "data", "model"} sizes (parallel.py)
+    layers: Dict[str, str] = field(default_factory=dict)  # pipelines: layer file -> its state_dict prefix
     checksum: str = CHECKSUM
     format: str = FORMAT
 

@@ -129,7 +129,7 @@ def shards_from_stage0(state: Dict[str, Any], group_names: Sequence[Sequence[str
         raise CheckpointError(f"stage-0 optimizer state has param groups of sizes {[len(pg['params']) for pg in pgs]}, "
                               f"this model's are {[len(n) for n in group_names]}")
     masters = state.get("fp32_masters")
-    flat_names = [n for names in group_names for n in names]
+    flat_names = state.get("master_names") or [n for names in group_names for n in names]  # the masters' own order
     if masters is not None and len(masters) != len(flat_names):
         masters = None
     by_name = dict(zip(flat_names, masters)) if masters is not None else {}

@@ -40,10 +40,10 @@ from .agree import agree
 from .errors import CheckpointError
 from .files import FileRecord, ensure_writable_dir, fsync_dir, plain_value_problem, remove_tree, write_bytes, \
     write_torch
-from .layout import LATEST, PREVIOUS, STAGING, TRASH, model_states_name, optim_states_name, read_latest, \
-    rng_states_name, validate_tag
+from .layout import LATEST, PREVIOUS, STAGING, TRASH, read_latest, rng_states_name, validate_tag
 from .manifest import Manifest
 from .rng import rng_state
+from . import parallel
 
 CLIENT_STATE_FILE = "client_state.pt"  # only with allow_pickle=True and objects that need pickle
 
@@ -140,14 +140,14 @@ def _commit(save_dir: str, staging: str, tag: str, save_latest: bool) -> None:
 def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any]) -> Dict[str, Any]:
     strategy = engine.strategy
     return {
-        "module": module_state,
+        "module": None if parallel.is_pipeline(engine) else module_state,  # pipelines: one file per layer
         "optimizer": None if strategy.sharded_optimizer_state else optim_state,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "counters": engine.counters_state(),
         "client_state": client_state,
         "ds_config": engine.config.to_dict(),
-        "dp_world_size": engine.world_size,
+        "dp_world_size": parallel.placement(engine).dp_size,
         "zero_stage": strategy.stage,
     }
 
@@ -204,13 +204,16 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
     try:
         records[rng_states_name(rank)] = write_torch(os.path.join(staging, rng_states_name(rank)), rng_state())
         if strategy.sharded_optimizer_state:
-            name = optim_states_name(rank)
+            name = parallel.optim_states_file(engine)
             records[name] = write_torch(os.path.join(staging, name), optim_state)
-        if writes_shared:
+        if parallel.writes_model_states(engine, writes_shared):  # one writer per (pipe, model) slice
             saved_client = {} if pickled else client_state
-            records[model_states_name()] = write_torch(
-                os.path.join(staging, model_states_name()),
-                _model_states(engine, module_state, optim_state, saved_client))
+            name = parallel.model_states_file(engine)
+            records[name] = write_torch(os.path.join(staging, name),
+                                        _model_states(engine, module_state, optim_state, saved_client))
+            for name, layer in parallel.layer_files(engine, module_state).items():
+                records[name] = write_torch(os.path.join(staging, name), layer)
+        if writes_shared:
             if pickled:
                 records[CLIENT_STATE_FILE] = write_torch(os.path.join(staging, CLIENT_STATE_FILE), client_state)
         _step("files-written")
@@ -230,7 +233,8 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
             manifest = Manifest(tag=tag, world_size=engine.world_size, zero_stage=strategy.stage,
                                 sharded_optimizer_state=strategy.sharded_optimizer_state, files=files,
                                 pickled_client_state=pickled, node_local=leader != 0 or any(
-                                    r_leader != 0 for r_leader, _ in all_records))
+                                    r_leader != 0 for r_leader, _ in all_records),
+                                **parallel.manifest_fields(engine))
             write_bytes(os.path.join(staging, "manifest.json"), manifest.to_json().encode())
             fsync_dir(staging)
             _step("manifest-written")

@@ -8,8 +8,9 @@
 layers, `schedule` is the instruction stream of each stage.
 """
 from ..topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
-from .module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec
+from .module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, from_pipeline_state
 from .schedule import InferenceSchedule, TrainSchedule
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineError", "ProcessTopology",
-           "PipeDataParallelTopology", "PipeModelDataParallelTopology", "TrainSchedule", "InferenceSchedule"]
+           "PipeDataParallelTopology", "PipeModelDataParallelTopology", "TrainSchedule", "InferenceSchedule",
+           "from_pipeline_state"]

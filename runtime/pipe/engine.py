@@ -31,7 +31,7 @@ from ..engine import DeepSpeedEngine
 from ..strict import ConfigError
 from . import schedule as S
 from .module import PipelineError, PipelineModule
-from .p2p import StageLink, floating
+from .p2p import AbortNotice, StageLink, floating
 
 
 class PipelineEngine(DeepSpeedEngine):
@@ -182,9 +182,9 @@ class PipelineEngine(DeepSpeedEngine):
         n = sched.num_pipe_buffers()
         self._buf: Dict[str, List[Any]] = {k: [None] * n for k in ("inputs", "labels", "outputs", "loss")}
         self._results: List[torch.Tensor] = []
-        self._loaded = self._backwards = 0
-        self._micro_batches_now = sched.micro_batches
+        self._backwards = 0
         self.link.new_batch()
+        self._batch_data = self._prefetch(sched.micro_batches) if self._reads_data() else []
         handlers = {S.LoadMicroBatch: self._load, S.ForwardPass: self._forward, S.BackwardPass: self._backward,
                     S.SendActivation: self._send_act, S.RecvActivation: self._recv_act, S.SendGrad: self._send_grad,
                     S.RecvGrad: self._recv_grad, S.ReduceTiedGrads: self._reduce_tied, S.ReduceGrads: self._reduce,
@@ -203,17 +203,29 @@ class PipelineEngine(DeepSpeedEngine):
         self._buf = {}
         return self._results
 
-    def _next_batch(self):
+    def _prefetch(self, m: int) -> List[Any]:
+        """The batch's m micro-batches, read before any transfer: a data problem then stops
+        every stage of the pipeline with the same error instead of leaving some waiting.
+        The first stage tells the stages downstream through the activation header they are
+        about to receive; the last stage takes that notice before it raises."""
+        batches, problem = [], None
         if self.data_iterator is None:
-            raise PipelineError("train_batch: no data; pass train_batch(data_iter=...), call set_dataiterator(), "
-                                "or give initialize(training_data=...)")
-        try:
-            batch = next(self.data_iterator)
-        except StopIteration:
-            raise PipelineError(f"pipeline: the data iterator ran out after {self._loaded} of the "
-                                f"{self._micro_batches_now} micro-batches of this batch; give it at least "
-                                f"{self._micro_batches_now} more (e.g. deepspeed.utils.RepeatingLoader(loader))"
-                                ) from None
+            problem = AbortNotice(AbortNotice.NO_DATA, 0, m)
+        else:
+            try:
+                for _ in range(m):
+                    batches.append(self._checked(next(self.data_iterator)))
+            except StopIteration:
+                problem = AbortNotice(AbortNotice.RAN_OUT, len(batches), m)
+        if problem is None:
+            return batches
+        if self.num_stages > 1 and self.is_first_stage():
+            self.link.send_abort(problem)
+        elif self.num_stages > 1:
+            self.link.take_abort()
+        raise PipelineError(problem.message())
+
+    def _checked(self, batch):
         if self.batch_fn is not None:
             batch = self.batch_fn(batch)
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -222,8 +234,7 @@ class PipelineEngine(DeepSpeedEngine):
         return batch
 
     def _load(self, cmd) -> None:
-        batch = self._next_batch()
-        self._loaded += 1
+        batch = self._batch_data.pop(0)
         if self.is_first_stage():
             x = batch[0]
             self._buf["inputs"][cmd.buffer_id] = (move_to(tuple(x), self.device) if isinstance(x, (tuple, list))

@@ -310,6 +310,22 @@ class PipelineModule(nn.Module):
         """[(global layer index, forward function)] of this stage, in order."""
         return [(self._local_start + i, f) for i, f in enumerate(self.forward_funcs)]
 
+    def layer_state_prefixes(self, own: bool = False) -> Dict[int, str]:
+        """Global layer index -> the state_dict prefix its weights have in this module ("3",
+        or "tied_modules.<key>" for a tied layer run by the module itself), for every layer
+        that has weights of its own (functions and tied layers with a forward_fn have none);
+        `own`: only this stage's layers."""
+        out = {}
+        lo, hi = (self._local_start, self._local_stop) if own else (0, self._num_layers)
+        for idx in range(lo, hi):
+            spec = self._layer_specs[idx]
+            if isinstance(spec, TiedLayerSpec):
+                if spec.forward_fn is None:
+                    out[idx] = f"tied_modules.{spec.key}"
+            elif isinstance(spec, (nn.Module, LayerSpec)):
+                out[idx] = str(idx)
+        return out
+
     def stage_param_counts(self) -> List[int]:
         """Trainable parameters each stage owns (the same answer on every rank; a tied
         module counts once per stage that holds it)."""
@@ -331,3 +347,29 @@ class PipelineModule(nn.Module):
 
     def get_additional_losses(self):
         return None
+
+
+def to_layers_prefixes(model: nn.Module) -> Dict[int, str]:
+    """Layer index in `model.to_layers()` -> that layer module's name inside `model` (the
+    prefix its weights have in model.state_dict()); functions are left out."""
+    to_layers = getattr(model, "to_layers", None)
+    if not callable(to_layers):
+        raise PipelineError(f"{type(model).__name__} has no to_layers(): its layers cannot be matched to a pipeline's")
+    names = {id(m): n for n, m in model.named_modules()}
+    return {idx: names[id(layer)] for idx, layer in enumerate(to_layers())
+            if isinstance(layer, nn.Module) and id(layer) in names}
+
+
+def from_pipeline_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """A state_dict under PipelineModule names ("3.weight", e.g. from `dslaunch consolidate`
+    of a pipeline checkpoint) re-keyed for `model`, the same layers without a pipeline,
+    through its to_layers(): model.load_state_dict(from_pipeline_state(model, state))."""
+    prefixes = to_layers_prefixes(model)
+    out = {}
+    for key, value in state.items():
+        idx, _, rest = key.partition(".")
+        if not idx.isdigit() or int(idx) not in prefixes:
+            raise PipelineError(f"{key}: not the weight of a module layer of {type(model).__name__}.to_layers()")
+        prefix = prefixes[int(idx)]
+        out[f"{prefix}.{rest}" if prefix else rest] = value
+    return out

@@ -11,6 +11,10 @@ carries its header). Gradients need no header: the receiver knows the shapes of 
 activations it sent.
 
 bool tensors travel as uint8 (NCCL has no bool type).
+
+When the first stage cannot read its batch, the header it sends instead says so
+(KIND_ABORT); each stage passes it on and raises the same error, so no stage is left
+waiting for an activation that will never come.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from .module import PipelineError
 
 HEADER = 256  # int64 slots: [kind, count, then per tensor: dtype, ndim, *shape]
 KIND_TENSOR, KIND_TUPLE = 0, 2  # DeepSpeed's codes
+KIND_ABORT = 99  # [99, reason, micro-batches read, micro-batches wanted]: the batch is called off
 DTYPES = [torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.uint8,
           torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
 
@@ -71,6 +76,32 @@ class Meta:
         return ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, s in self.specs)
 
 
+@dataclass(frozen=True)
+class AbortNotice:
+    """Why a batch is called off before it started: no data iterator, or one that ran out."""
+
+    NO_DATA, RAN_OUT = 1, 2
+    reason: int
+    loaded: int
+    wanted: int
+
+    def encode(self, device) -> torch.Tensor:
+        out = torch.zeros(HEADER, dtype=torch.int64)
+        out[:4] = torch.tensor([KIND_ABORT, self.reason, self.loaded, self.wanted], dtype=torch.int64)
+        return out.to(device)
+
+    def message(self) -> str:
+        if self.reason == self.NO_DATA:
+            return ("pipeline: the first and last stages have no data: pass train_batch(data_iter=...), call "
+                    "set_dataiterator(), or give initialize(training_data=...)")
+        return (f"pipeline: the data iterator ran out after {self.loaded} of the {self.wanted} micro-batches of "
+                f"this batch; give it at least {self.wanted} more (e.g. deepspeed.utils.RepeatingLoader(loader))")
+
+
+class PipelineAborted(PipelineError):
+    pass
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
@@ -102,11 +133,31 @@ class StageLink:
         for t in (payload if isinstance(payload, tuple) else (payload,)):
             dist.send(_wire(t.detach().contiguous()), self.next_rank)
 
+    def send_abort(self, notice: AbortNotice) -> None:
+        dist.send(notice.encode(self.device), self.next_rank)
+
+    def _recv_header(self) -> torch.Tensor:
+        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(header, self.prev_rank)
+        header = header.cpu()
+        if int(header[0]) == KIND_ABORT:
+            notice = AbortNotice(*[int(v) for v in header[1:4]])
+            if self.next_rank is not None:
+                self.send_abort(notice)  # pass it on before stopping
+            raise PipelineAborted(notice.message())
+        return header
+
+    def take_abort(self) -> None:
+        """The last stage, which found the same data problem, takes the first stage's notice
+        (so that no stage upstream stays blocked sending it)."""
+        try:
+            self._recv_header()
+        except PipelineAborted:
+            pass
+
     def recv_activation(self) -> Payload:
         if self._received is None or self.dynamic_shape:
-            header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(header, self.prev_rank)
-            self._received = Meta.decode(header.cpu())
+            self._received = Meta.decode(self._recv_header())
         out = []
         for dtype, shape in self._received.specs:
             t = torch.empty(shape, dtype=dtype, device=self.device)
