@@ -173,13 +173,24 @@ def new_group(ranks: Sequence[int]):
     member creates. The whole world is the existing default group, not a copy."""
     import torch.distributed as dist
 
+    from .comm import shutdown
+
     ranks = sorted(int(r) for r in ranks)
     if ranks == list(range(dist.get_world_size())):
+        # tracked too: if the script destroys the default group itself, the exit handler
+        # still knows this object and drops the references the engine holds to it
+        shutdown.track_group(dist.group.WORLD)
         return dist.group.WORLD
     if len(ranks) == 1:
         # a group of one needs no rendezvous with the others
-        return dist.new_group(ranks, use_local_synchronization=True) if ranks[0] == dist.get_rank() else None
-    return dist.new_group(ranks)
+        if ranks[0] != dist.get_rank():
+            return None
+        group = dist.new_group(ranks, use_local_synchronization=True)
+    else:
+        group = dist.new_group(ranks)
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        shutdown.track_group(group)  # destroyed at exit, before the interpreter finalises
+    return group
 
 
 def _current_rank_and_world() -> Tuple[int, int]:
@@ -212,6 +223,12 @@ class PipelineParallelGrid:
                                 f"{self.world_size}")
         self._factory = group_factory or new_group
         self._groups: Dict[Tuple[int, ...], Any] = {}
+        if group_factory is None:
+            from .comm import shutdown
+
+            # This dict holds only pybind objects, so the garbage collector does not track
+            # it and the exit handler cannot find the groups in it: drop them explicitly.
+            shutdown.register_owner(self._release_groups)
         self.data_parallel_size = max(self._topo.get_dim("data"), 1)
         self.pipe_parallel_size = max(self._topo.get_dim("pipe"), 1)
         self.model_parallel_size = max(self._topo.get_dim("model"), 1)
@@ -242,6 +259,9 @@ class PipelineParallelGrid:
     def _axis_lists(self, axis: str) -> List[List[int]]:
         # an axis the topology lacks has size 1: every rank is its own group
         return self._topo.get_axis_comm_lists(axis) or [[r] for r in range(self.world_size)]
+
+    def _release_groups(self) -> None:
+        self._groups.clear()
 
     def new_group(self, ranks: Sequence[int]):
         """The process group over `ranks`, made once per distinct set. Collective like

@@ -141,13 +141,58 @@ def _destroy_groups() -> None:
 
     groups, _groups[:] = list(reversed(_groups)), []
     if not (dist.is_available() and dist.is_initialized()):
+        _dead_groups.extend(groups)
         return  # the script destroyed them (and with the default group, every other)
+    # every group torch knows of, the script's own new_group()s included
+    known = list(getattr(dist.distributed_c10d._world, "pg_map", {}).keys())
+    world = dist.group.WORLD
     for g in groups:
+        if g is world:
+            continue  # destroyed last, with every other group
         try:
             dist.destroy_process_group(g)
         except ValueError:
             pass  # already destroyed by the script
     dist.destroy_process_group()
+    _dead_groups.extend(groups + known)
+
+
+_dead_groups: list = []  # destroyed groups whose remaining references are dropped next
+
+
+def _drop_references_to_destroyed_groups() -> None:
+    """A destroyed gloo group keeps its threads until the Python object is freed, and the
+    engine, a pipeline grid or a ZeRO parameter still holds it (a module-level `engine`
+    lives until finalisation). The groups are dead: every attribute, dict value, list item
+    or closure cell that still refers to one becomes None, so the last reference goes now
+    and the backend joins its threads while the interpreter is whole."""
+    dead = {id(g): g for g in _dead_groups}
+    _dead_groups.clear()
+    for g in dead.values():
+        for holder in gc.get_referrers(g):
+            if holder is dead or isinstance(holder, (tuple, type(sys._getframe()))):
+                continue
+            _unlink(holder, g)
+    dead.clear()
+
+
+def _unlink(holder, g) -> None:
+    if isinstance(holder, dict):
+        for key in [k for k, v in holder.items() if v is g]:
+            holder[key] = None
+    elif isinstance(holder, list):
+        holder[:] = [None if v is g else v for v in holder]
+    elif type(holder).__name__ == "cell":
+        holder.cell_contents = None
+    else:  # an object whose attributes gc reports without their dict (inline values, slots)
+        names = list(getattr(holder, "__dict__", {}))
+        names += [n for c in type(holder).__mro__ for n in getattr(c, "__slots__", ())]
+        for name in names:
+            try:
+                if getattr(holder, name, None) is g:
+                    object.__setattr__(holder, name, None)
+            except (AttributeError, TypeError):
+                pass  # a read-only attribute: nothing we may change
 
 
 def _release_captured_groups() -> None:
@@ -197,6 +242,7 @@ def orderly_shutdown(budget_s: float | None = None) -> None:
                 _run("printing the end-of-run report", fn)
         _run("destroying process groups", _destroy_groups)
         _run("releasing destroyed groups", _release_captured_groups)
+        _run("dropping references to destroyed groups", _drop_references_to_destroyed_groups)
         gc.collect()  # groups held only by garbage cycles: join their threads now
     finally:
         faulthandler.cancel_dump_traceback_later()
