@@ -343,7 +343,7 @@ class DeepSpeedEngine(torch.nn.Module):
         group) summed over the model-parallel group: every stage and tensor slice."""
         norm = self.strategy.global_grad_norm()
         if self.mp_world_size > 1 and dist.is_initialized():
-            sq = torch.tensor([norm * norm], dtype=torch.float64)
+            sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)  # NCCL moves no CPU tensors
             dist.all_reduce(sq, group=self.grid.get_model_parallel_group())
             norm = float(sq.sqrt())
         return norm

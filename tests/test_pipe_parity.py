@@ -6,7 +6,8 @@ same WarmupLR, global-norm clipping), so nothing of the engine is on both sides.
 
 One 2-rank job (pp=2) and one 4-rank job (pp=2 x dp=2) each run several configurations:
 stage 0, ZeRO-1, ZeRO-2, a TiedLayerSpec embedding/head, activation_checkpoint_interval=1,
-eval_batch, bf16 and fp16 (loss scaler), a data iterator that runs out mid-batch; the 4-rank
+eval_batch, bf16 and fp16 (loss scaler), a sequence length that changes between batches, global-norm
+clipping (the threshold binds) under WarmupLR, a data iterator that runs out mid-batch; the 4-rank
 job also counts every collective per process group. Runs on NCCL too: set
 DSLAUNCH_TEST_BACKEND=nccl on a machine with 2 (4) GPUs (see tests/dist_harness.py).
 """
@@ -101,12 +102,14 @@ def config(gas, zero=0, clip=0.05, dtype="fp32", **extra):
 
 
 def global_batches(steps, dp, gas, seq=8, seed=7):
-    """steps x (dp * gas) micro-batches of (tokens, next tokens)."""
+    """steps x (dp * gas) micro-batches of (tokens, next tokens); `seq` is the sequence length
+    of every step, or a list of one per step."""
     g = torch.Generator().manual_seed(seed)
+    seqs = seq if isinstance(seq, list) else [seq] * steps
     out = []
-    for _ in range(steps):
-        out.append([(torch.randint(0, VOCAB, (MICRO, seq), generator=g), torch.randint(0, VOCAB, (MICRO, seq),
-                                                                                           generator=g))
+    for n in seqs:
+        out.append([(torch.randint(0, VOCAB, (MICRO, n), generator=g), torch.randint(0, VOCAB, (MICRO, n),
+                                                                                         generator=g))
                     for _ in range(dp * gas)])
     return out
 
@@ -116,8 +119,9 @@ def replica_iter(batches, dp_rank, gas):
     return iter([mb for step in batches for mb in step[dp_rank * gas:(dp_rank + 1) * gas]])
 
 
-def train_reference(params, forward, batches, cfg):
-    """Plain torch: mean loss over a global batch's micro-batches, clip, AdamW, WarmupLR."""
+def train_reference(params, forward, batches, cfg, norms=None):
+    """Plain torch: mean loss over a global batch's micro-batches, clip, AdamW, WarmupLR;
+    `norms` collects each step's gradient norm before clipping."""
     from dslaunch.runtime.config import DeepSpeedConfig
     from dslaunch.runtime.lr_schedules import build_scheduler
 
@@ -131,7 +135,9 @@ def train_reference(params, forward, batches, cfg):
             loss = torch.nn.functional.cross_entropy(forward(x), y) / len(mbs)
             loss.backward()
             total += float(loss)
-        torch.nn.utils.clip_grad_norm_(params.parameters(), cfg["gradient_clipping"])
+        norm = torch.nn.utils.clip_grad_norm_(params.parameters(), cfg["gradient_clipping"])
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -158,25 +164,35 @@ def pipeline_engine(layers, pp, cfg, **module_kwargs):
     return engine
 
 
-def run_gptlite(pp, dp, gas, cfg, steps=STEPS, **module_kwargs):
+def run_gptlite(pp, dp, gas, cfg, steps=STEPS, seq=8, norms=None, **module_kwargs):
     """(pipeline losses, reference losses) for GPT-lite over the same global batches."""
     mod = gptlite()
     model, ref = gptlite_pair(mod)
     engine = pipeline_engine(model.to_layers(), pp, cfg, **module_kwargs)
-    batches = global_batches(steps, dp, gas)
+    batches = global_batches(steps, dp, gas, seq=seq)
     it = replica_iter(batches, engine.grid.get_data_parallel_rank(), gas)
     losses = [float(engine.train_batch(it)) for _ in range(steps)]
     engine.destroy()
-    return losses, train_reference(ref, ref, batches, cfg)
+    return losses, train_reference(ref, ref, batches, cfg, norms)
 
 
 # -- 2 ranks: pp=2 ------------------------------------------------------------------------------
 def _pp2_worker():
     from dslaunch.runtime.pipe import PipelineError
 
+    from collectives import CollectiveRecorder
+
     out = {}
     gas = 4
-    out["fp32"] = run_gptlite(2, 1, gas, config(gas))
+    norms = []
+    out["fp32"] = run_gptlite(2, 1, gas, config(gas), norms=norms)
+    out["norms"] = norms  # the clipping threshold binds: a per-stage norm would change the losses
+    # the sequence length changes between batches (8, 6, 6, 8): the shapes are described once
+    # per batch and stage boundary (one header), then the batch's activations follow
+    rec = CollectiveRecorder().install()
+    out["shapes"] = run_gptlite(2, 1, gas, config(gas), steps=4, seq=[8, 6, 6, 8])
+    rec.uninstall()
+    out["sends"] = sum(1 for name, _, _ in rec.records if name == "send")
     out["zero1"] = run_gptlite(2, 1, gas, config(gas, zero=1))
     out["ckpt_interval"] = run_gptlite(2, 1, gas, config(gas), activation_checkpoint_interval=1)
 
@@ -223,19 +239,21 @@ def _pp2_worker():
     return out
 
 
-@pytest.mark.timeout(400)
-def test_pipeline_2_stages_matches_unpipelined_training():
-    results = run_function(_pp2_worker, nprocs=2, timeout=380)
+def check_pp2(results, tol):
+    """The 2-stage job's results (shared with the NCCL run of test_pipe_gpu.py)."""
     for r in results:
-        for key in ("fp32", "zero1", "ckpt_interval", "tied"):
+        for key in ("fp32", "zero1", "ckpt_interval", "tied", "shapes"):
             got, ref = r[key]
-            assert got == pytest.approx(ref, rel=TOL, abs=TOL), key
+            assert got == pytest.approx(ref, rel=tol, abs=tol), key
         loss, ref_eval, logits = r["eval"]
-        assert loss == pytest.approx(ref_eval, rel=TOL, abs=TOL)
+        assert loss == pytest.approx(ref_eval, rel=tol, abs=tol)
         assert r["ran_out"].startswith("pipeline: the data iterator ran out after 2 of the 4 micro-batches")
         assert r["tied_equal"]
         got, ref = r["bf16"]
         assert got == pytest.approx(ref, rel=3e-2, abs=3e-2)
+    assert min(results[0]["norms"]) > config(4)["gradient_clipping"]
+    # stage 0 sends 4 batches x (1 header + 4 activations), stage 1 the 4 x 4 gradients back
+    assert [r["sends"] for r in results] == [4 * (1 + 4), 4 * 4]
     assert results[0]["eval"][2] is None and results[1]["eval"][2] == [MICRO, VOCAB, 8]  # logits: last stage
     # every rank returns the same loss; fp16 overflowed (scale 2^30) and skipped on both stages alike
     assert results[0]["fp32"][0] == results[1]["fp32"][0]
@@ -243,6 +261,11 @@ def test_pipeline_2_stages_matches_unpipelined_training():
     assert f0[:3] == f1[:3] and f0[1] >= 1 and f0[2] < 2.0 ** 30
     assert all(loss == loss and loss < 10 for loss in f0[0])
     assert f0[3:] == (True, False) and f1[3:] == (False, True)
+
+
+@pytest.mark.timeout(400)
+def test_pipeline_2_stages_matches_unpipelined_training():
+    check_pp2(run_function(_pp2_worker, nprocs=2, timeout=380), TOL)
 
 
 # -- 4 ranks: pp=2 x dp=2 -------------------------------------------------------------------------
@@ -290,6 +313,8 @@ def test_pipeline_2_stages_x_2_replicas_matches_and_keeps_collectives_in_their_g
         for name, ranks, p in r["calls"]:
             if name in ("send", "recv", "isend", "irecv"):
                 assert p == peer, (rank, name, p)  # activations and gradients only to the neighbour stage
+            elif name == "barrier":  # PipelineModule's, once every rank has made its groups
+                assert ranks == (0, 1, 2, 3), (rank, name, ranks)
             else:
                 assert ranks in (dp_pair, pipeline), (rank, name, ranks)
         names_by_group = {}

@@ -49,8 +49,12 @@ def parallel_sizes(engine) -> dict:
     mpu = getattr(engine, "mpu", None)
     sizes = {"world": world, "data": world, "pipeline": 1, "model": 1}
     if mpu is not None:
+        # "model" is the tensor-parallel size: a pipeline grid's get_model_parallel_world_size
+        # is DeepSpeed's pipe x model (every rank of one replica), its slice size the model axis
+        model = "get_slice_parallel_world_size" if hasattr(mpu, "get_slice_parallel_world_size") else \
+            "get_model_parallel_world_size"
         for key, name in (("data", "get_data_parallel_world_size"), ("pipeline", "get_pipe_parallel_world_size"),
-                          ("model", "get_model_parallel_world_size")):
+                          ("model", model)):
             fn = getattr(mpu, name, None)
             if callable(fn):
                 sizes[key] = int(fn())

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..dataloader import DistributedDataLoader, RepeatingLoader, move_to
-from ..engine import DeepSpeedEngine
+from ..config import DeepSpeedConfig
+from ..engine import DeepSpeedEngine, _config_source
 from ..strict import ConfigError
 from . import schedule as S
 from .module import PipelineError, PipelineModule
@@ -46,13 +47,15 @@ class PipelineEngine(DeepSpeedEngine):
             raise PipelineError(f"pipeline: stage {s} (layers {parts[s]}-{parts[s + 1] - 1}: "
                                 f"{', '.join(names[parts[s]:parts[s + 1]])}) has no trainable parameters for its "
                                 "optimizer; use fewer stages or partition_method=\"parameters\"")
-        super().__init__(*args, **kwargs)
-        if self.config.pipeline.activation_checkpoint_interval > 0:
-            model.set_checkpoint_interval(self.config.pipeline.activation_checkpoint_interval)
-        if self.config.zero.stage == 3:
+        # refused before the engine builds anything (every rank reads the same config)
+        source = _config_source(kwargs.get("args"), kwargs.get("config"), kwargs.get("config_params"))
+        if DeepSpeedConfig.load(source).zero.stage == 3:
             raise ConfigError("zero_optimization.stage: ZeRO stage 3 cannot run under pipeline parallelism "
                               "(each stage already holds only its layers, and stage 3's gather-around-forward "
                               "does not follow 1F1B's interleaved micro-batches); use stage 1 or 2")
+        super().__init__(*args, **kwargs)
+        if self.config.pipeline.activation_checkpoint_interval > 0:
+            model.set_checkpoint_interval(self.config.pipeline.activation_checkpoint_interval)
         self.num_stages = self.grid.get_pipe_parallel_world_size()
         self.stage_id = self.grid.get_stage_id()
         self.micro_batches = self.batch.gradient_accumulation_steps
@@ -77,7 +80,11 @@ class PipelineEngine(DeepSpeedEngine):
         self.eval_return_logits = False
         self.outputs = None
         self._grads: Optional[List[torch.Tensor]] = None
-        self.step_timings: Dict[str, float] = {}  # seconds of the last batch: compute, comm, total
+        # seconds of the last batch: forward+backward (compute), sends and receives including
+        # the wait for the neighbour (p2p), reductions and optimizer step (step), all (total);
+        # and time.perf_counter() at the schedule's start and at the end of its last forward or
+        # backward pass (start, compute_end: one clock for every process of a host)
+        self.step_timings: Dict[str, float] = {}
         if self.global_rank == 0:
             self._print_layout(model)
 
@@ -189,7 +196,8 @@ class PipelineEngine(DeepSpeedEngine):
                     S.SendActivation: self._send_act, S.RecvActivation: self._recv_act, S.SendGrad: self._send_grad,
                     S.RecvGrad: self._recv_grad, S.ReduceTiedGrads: self._reduce_tied, S.ReduceGrads: self._reduce,
                     S.OptimizerStep: self._optimizer_step}
-        comm_time = compute_time = 0.0
+        comm_time = compute_time = step_time = 0.0
+        self.step_timings["start"] = time.perf_counter()
         for step in sched:
             for cmd in step:
                 t0 = time.perf_counter()
@@ -197,9 +205,12 @@ class PipelineEngine(DeepSpeedEngine):
                 dt = time.perf_counter() - t0
                 if isinstance(cmd, (S.ForwardPass, S.BackwardPass)):
                     compute_time += dt
+                    self.step_timings["compute_end"] = t0 + dt
                 elif isinstance(cmd, (S.SendActivation, S.RecvActivation, S.SendGrad, S.RecvGrad)):
                     comm_time += dt
-        self.step_timings.update(compute=compute_time, p2p=comm_time)
+                elif isinstance(cmd, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
+                    step_time += dt
+        self.step_timings.update(compute=compute_time, p2p=comm_time, step=step_time)
         self._buf = {}
         return self._results
 

@@ -120,11 +120,6 @@ class PipelineModule(nn.Module):
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._topo = self._make_topology(num_stages, topology)
         self.num_stages = self._topo.get_dim("pipe")
-        try:
-            self._grid = PipelineParallelGrid(self._topo)
-        except TopologyError as exc:
-            raise PipelineError(f"PipelineModule: {exc}") from None
-        self.stage_id = self._grid.get_stage_id()
 
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
@@ -141,6 +136,14 @@ class PipelineModule(nn.Module):
             check_parts(self.parts, self._num_layers)
         except PartitionError as exc:
             raise PipelineError(str(exc)) from None
+        # the grid's groups are made only now: every check above runs on each rank alike
+        # without communicating, so a bad pipeline stops all ranks at the same point (a
+        # rank that leaves while the others make groups takes their rendezvous store along)
+        try:
+            self._grid = PipelineParallelGrid(self._topo)
+        except TopologyError as exc:
+            raise PipelineError(f"PipelineModule: {exc}") from None
+        self.stage_id = self._grid.get_stage_id()
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
 
         self.forward_funcs: List[Callable] = []
@@ -153,6 +156,10 @@ class PipelineModule(nn.Module):
         self.to(get_accelerator().device_name(self.local_rank))
         self.tied_comms = self._index_tied_modules()
         self._synchronize_tied_weights()
+        # One-rank groups are made by their member alone, through the rendezvous store that
+        # rank 0 holds: wait until every rank has made its groups, so that an error found
+        # next (the same on every rank) cannot take the store away from a rank still at it.
+        dist.barrier()
 
     # -- construction ---------------------------------------------------------------------------
     def _make_topology(self, num_stages, topology) -> ProcessTopology:

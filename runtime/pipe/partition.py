@@ -106,13 +106,17 @@ def partition_layers(layers: Sequence, num_stages: int, method: str,
     raise PartitionError(f"partition_method {method!r}: unknown; use \"parameters\", \"uniform\" or \"type:REGEX\"")
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def check_parts(parts: Sequence[int], num_layers: int, describe: Callable[[int], str] = str) -> None:
     """Refuse a partition that leaves a stage without layers (it would have nothing to run
     and nothing to train)."""
     stages = len(parts) - 1
     if num_layers < stages:
-        raise PartitionError(f"pipeline: {stages} stages but only {num_layers} layers; "
-                             f"use at most {num_layers} stages")
+        raise PartitionError(f"pipeline: {stages} stages but only {_count(num_layers, 'layer')}; "
+                             f"use at most {_count(num_layers, 'stage')}")
     empty = [s for s in range(stages) if parts[s + 1] <= parts[s]]
     if empty:
         raise PartitionError(f"pipeline: stage {empty[0]} gets no layers with boundaries {list(parts)}; "

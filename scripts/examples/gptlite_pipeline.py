@@ -7,8 +7,8 @@ stages, and `engine.train_batch()` runs each global batch.
         --deepspeed_config scripts/examples/gptlite_pipeline.json          # 2 stages
     dslaunch --num_gpus 4 scripts/examples/gptlite_pipeline.py --pipeline_stages 2 ...  # 2 stages x 2 replicas
 
-Under DeepSpeed the same file runs with its one import line changed to `import deepspeed`
-(scripts/compare_pipeline_deepspeed.py does exactly that and prints both loss curves).
+For DeepSpeed the file differs only in its import line (`import deepspeed`).
+tests/test_pipe_script.py runs it on 2 ranks.
 The corpus is this Python's own standard-library source, so nothing is downloaded.
 """
 import argparse
