@@ -142,8 +142,9 @@ def test_pipeline_checkpoint_resumes_at_other_topologies_and_consolidates(tmp_pa
             assert r[f"plain_{zero}"] == pytest.approx(ref, rel=TOL, abs=TOL), zero
 
         out = tmp_path / f"zero{zero}.pt"
-        proc = subprocess.run([sys.executable, "-m", "dslaunch.runtime.consolidate", os.path.join(root, f"zero{zero}"),
-                               str(out)], capture_output=True, text=True)
+        dslaunch = os.path.join(os.path.dirname(sys.executable), "dslaunch")
+        proc = subprocess.run([dslaunch, "consolidate", os.path.join(root, f"zero{zero}"), str(out)],
+                              capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         consolidated = torch.load(out)
         from dslaunch.runtime.pipe import from_pipeline_state

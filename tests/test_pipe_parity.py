@@ -225,6 +225,7 @@ def _pp2_worker():
         out["ran_out"] = "no error"
     except PipelineError as exc:
         out["ran_out"] = str(exc)
+    out["after"] = float(engine.eval_batch(iter(evals)))  # the engine goes on after the error
     engine.destroy()
 
     # bf16 trains close to the fp32 reference; fp16 skips its overflowing first steps on every rank alike
@@ -248,6 +249,7 @@ def check_pp2(results, tol):
         loss, ref_eval, logits = r["eval"]
         assert loss == pytest.approx(ref_eval, rel=tol, abs=tol)
         assert r["ran_out"].startswith("pipeline: the data iterator ran out after 2 of the 4 micro-batches")
+        assert r["after"] == loss
         assert r["tied_equal"]
         got, ref = r["bf16"]
         assert got == pytest.approx(ref, rel=3e-2, abs=3e-2)
