@@ -17,6 +17,7 @@ from .comm import init_distributed
 from .config import DeepSpeedConfig
 from .engine import DeepSpeedEngine
 from .loss_scaler import LossScaleStuck
+from .nonfinite import NonFiniteError
 from .strategy import GradientStrategy, StrategyContext, register_strategy
 from .strict import ConfigError
 from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 1-3
@@ -28,9 +29,9 @@ from . import pipe  # deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
-           "ConfigError", "CheckpointError", "LossScaleStuck", "GradientStrategy", "StrategyContext",
-           "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice", "checkpointing",
-           "elasticity", "pipe", "zero"]
+           "ConfigError", "CheckpointError", "LossScaleStuck", "NonFiniteError", "GradientStrategy",
+           "StrategyContext", "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice",
+           "checkpointing", "elasticity", "pipe", "zero"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -66,7 +67,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _one_line_errors(previous):
     def hook(exc_type, exc, tb):
-        if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck)):
+        if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError)):
             import os
 
             # sys.__stderr__: torch.distributed's own excepthook swaps sys.stderr for a buffer.

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from . import comm
 from .strategy import GradientStrategy, StrategyContext, register_strategy
 
 
@@ -35,6 +35,7 @@ class _Bucket:
     views: List[torch.Tensor]
     ready: int = 0
     work: Optional[object] = None
+    index: int = 0  # position in the strategy's bucket list (named in comm records)
     master_flat: Optional[torch.Tensor] = None  # fp32 gradients (mixed precision only)
     masters: List[torch.Tensor] = field(default_factory=list)
 
@@ -91,7 +92,7 @@ class DataParallelStrategy(GradientStrategy):
             for p in group:
                 views.append(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
-            out.append(_Bucket(params=group, flat=flat, views=views))
+            out.append(_Bucket(params=group, flat=flat, views=views, index=len(out)))
         return out
 
     def _make_masters(self) -> None:
@@ -122,7 +123,8 @@ class DataParallelStrategy(GradientStrategy):
         b = self.bucket_of[id(p)]
         b.ready += 1
         if b.ready == len(b.params):
-            b.work = dist.all_reduce(b.flat, group=self.ctx.group, async_op=True)
+            b.work = comm.all_reduce(b.flat, group=self.ctx.group, async_op=True,
+                                     label=f"stage0 grads bucket {b.index}")
 
     def before_backward(self, is_boundary: bool) -> None:
         self._boundary = is_boundary
@@ -138,7 +140,7 @@ class DataParallelStrategy(GradientStrategy):
                 for p in b.params:
                     self._relink(p)
                 if self.ctx.distributed:
-                    dist.all_reduce(b.flat, group=self.ctx.group)
+                    comm.all_reduce(b.flat, group=self.ctx.group, label=f"stage0 grads bucket {b.index}")
             else:
                 b.work.wait()
                 b.work = None
@@ -175,7 +177,7 @@ class DataParallelStrategy(GradientStrategy):
         for p in params:
             b = self.bucket_of[id(p)]
             i = next(i for i, q in enumerate(b.params) if q is p)
-            dist.all_reduce(self._reduced_grad(b, i), group=group)
+            comm.all_reduce(self._reduced_grad(b, i), group=group, label="tied grad")
 
     def scale_gradients_(self, factor: float) -> None:
         for f in self._grad_flats():

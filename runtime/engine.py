@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint, comm, model_export
 from .compiling import compile_module
@@ -31,6 +30,8 @@ from .profiling.step import StepProfiler
 from .activation_checkpointing import checkpointing
 from .monitor import StepMeter, build_monitor
 from .monitor import report
+from .monitor.sink import TRAIN_LOSS
+from .nonfinite import NonFiniteGuard
 from .progress import ProgressLog
 from .strategy import StrategyContext, strategy_for_stage
 from .strict import ConfigError
@@ -58,6 +59,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.config = DeepSpeedConfig.load(_config_source(args, config, config_params))
         if dist_init_required is not False:
             comm.init_distributed()
+        comm.configure(deepspeed_config=self.config)  # comms_logger and comms_timeout
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = comm.local_rank()
@@ -107,6 +109,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._last_grad_norm: Optional[float] = None
+        self._step_norm: Optional[float] = None  # this step's global gradient norm, when it was taken
+        # fp32/bf16 non-finite steps (fp16 has its loss scaler): skipped, reported, stop after N in a row
+        nf = self.config.nonfinite_check
+        self._nonfinite = NonFiniteGuard(nf.max_consecutive_steps) if nf.enabled and not self.config.fp16.enabled \
+            else None
         self._step_applied = False
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
@@ -161,12 +168,12 @@ class DeepSpeedEngine(torch.nn.Module):
     def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
         # Replicas may have initialised differently (different seeds): the first rank of
         # each data-parallel group wins (other stages and tensor slices hold other weights).
-        if self.dp_world_size > 1 and dist.is_initialized():
+        if self.dp_world_size > 1 and comm.is_initialized():
             src = self.grid.get_data_parallel_group_ranks()[0] if hasattr(
-                self.grid, "get_data_parallel_group_ranks") else dist.get_global_rank(self.dp_group, 0)
+                self.grid, "get_data_parallel_group_ranks") else comm.get_global_rank(self.dp_group, 0)
             with torch.no_grad():
-                for t in list(model.parameters()) + list(model.buffers()):
-                    dist.broadcast(t.data, src=src, group=self.dp_group)
+                for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                    comm.broadcast(t.data, src=src, group=self.dp_group, label=f"initial {name}")
 
     def _make_optimizer(self, optimizer, model_parameters, model):
         if optimizer is not None and self.config.optimizer is not None:
@@ -259,7 +266,7 @@ class DeepSpeedEngine(torch.nn.Module):
         (the HF Trainer does)."""
         self._require_optimizer("backward")
         boundary = self.is_gradient_accumulation_boundary()
-        self._meter.add_loss(float(loss.detach()))
+        self._meter.add_loss(loss.detach().float())  # read at the boundary: no sync per micro-step
         factor = self.loss_scale() / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self._meter.timed("backward"):
@@ -294,9 +301,13 @@ class DeepSpeedEngine(torch.nn.Module):
         record = self._meter.record(self.global_steps, self.global_samples, lr,
                                     self.loss_scaler.scale if self.loss_scaler is not None else None,
                                     self.skipped_steps, total_steps=self._train_steps, epoch_steps=epoch_steps or None)
+        if self._nonfinite is not None:
+            record.alert = self._nonfinite.observe(self.global_steps, self._step_norm, record.values.get(TRAIN_LOSS))
         self.monitor.write_step(record)
         self._flops.step_done(self.global_steps - 1, record, self.batch.micro_batch_per_gpu
                               * self.batch.gradient_accumulation_steps, report.parallel_sizes(self))
+        if self._nonfinite is not None:
+            self._nonfinite.check(self.global_steps)  # the same decision on every rank: the norm is global
 
     def _boundary_step(self, lr_kwargs: Dict[str, Any], reduced: bool = False) -> None:
         """Reduce (unless the caller already did), clip, step, zero; count the step."""
@@ -308,8 +319,9 @@ class DeepSpeedEngine(torch.nn.Module):
         scale = self.loss_scale()
         overflow = False
         coef = 1.0 / scale
+        self._step_norm = None
         if self._needs_grad_norm():
-            norm = self._global_grad_norm()
+            norm = self._step_norm = self._global_grad_norm()
             overflow = not (norm == norm and norm != float("inf"))  # nan or inf
             true_norm = norm / scale
             self._last_grad_norm = true_norm
@@ -332,19 +344,20 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_samples += self.batch.train_batch_size
 
     def _needs_grad_norm(self) -> bool:
-        # fp16 overflow, clipping, bf16's check_grad_overflow, and stage 1-2's compute_grad_norm all need it.
+        # fp16 overflow, clipping, bf16's check_grad_overflow, stage 1-2's compute_grad_norm and the
+        # non-finite check all need it.
         c = self.config
         return (self.loss_scaler is not None or c.gradient_clipping > 0
                 or (c.bf16.enabled and c.bf16.check_grad_overflow)
-                or (c.zero.stage in (1, 2) and c.zero.compute_grad_norm))
+                or (c.zero.stage in (1, 2) and c.zero.compute_grad_norm) or self._nonfinite is not None)
 
     def _global_grad_norm(self) -> float:
         """The strategy's norm (this replica's share, complete over the data-parallel
         group) summed over the model-parallel group: every stage and tensor slice."""
         norm = self.strategy.global_grad_norm()
-        if self.mp_world_size > 1 and dist.is_initialized():
+        if self.mp_world_size > 1 and comm.is_initialized():
             sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)  # NCCL moves no CPU tensors
-            dist.all_reduce(sq, group=self.grid.get_model_parallel_group())
+            comm.all_reduce(sq, group=self.grid.get_model_parallel_group(), label="grad norm over model parallel")
             norm = float(sq.sqrt())
         return norm
 
@@ -439,7 +452,7 @@ def make_grid(model, mpu, global_rank: int):
             return MpuGrid(mpu, global_rank)
         except TopologyError as exc:
             raise ConfigError(str(exc)) from None
-    if dist.is_available() and dist.is_initialized():
+    if comm.is_initialized():
         return data_parallel_grid()
     return data_parallel_grid(rank=0, world_size=1, group_factory=lambda ranks: None)
 

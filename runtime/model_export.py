@@ -17,6 +17,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .zero.params import GatheredParameters
 
 log = logging.getLogger("dslaunch.runtime")
@@ -76,6 +77,6 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
         os.makedirs(str(save_dir), exist_ok=True)
         torch.save(state, path + ".part")
         os.replace(path + ".part", path)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=None)  # the world: every rank of the job called save (a collective)
+    # the world: every rank of the job called save (a collective)
+    comm.barrier(group=comm.get_world_group(), label="save_16bit_model")
     return True

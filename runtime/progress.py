@@ -63,6 +63,8 @@ class ProgressLog(MetricsSink):
             key = TIMER_EVENT.format(name)
             if key in record.values:
                 w.timers[name] = w.timers.get(name, 0.0) + record.values[key]
+        if record.alert and self.enabled:  # said at once, whatever steps_per_print is
+            print(f"step {record.step} | {record.alert}", file=self.stream, flush=True)
         if record.step % self.every:
             return None
         line, styled = self._line(record)

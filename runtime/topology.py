@@ -167,12 +167,15 @@ def default_topology(world_size: int) -> PipeDataParallelTopology:
 
 
 # -- process groups --------------------------------------------------------------------------
-def new_group(ranks: Sequence[int]):
-    """A process group over `ranks` (global ranks). Every rank of the job must call this
-    with the same lists in the same order, except for one-rank groups, which only their
-    member creates. The whole world is the existing default group, not a copy."""
+def new_group(ranks: Sequence[int], name: Optional[str] = None):
+    """A process group over `ranks` (global ranks), named `name` in flight records and comms
+    logs. Every rank of the job must call this with the same lists in the same order, except
+    for one-rank groups, which only their member creates. The whole world is the existing
+    default group, not a copy. Groups are made by dslaunch.runtime.comm, which destroys them
+    at exit."""
     import torch.distributed as dist
 
+    from . import comm
     from .comm import shutdown
 
     ranks = sorted(int(r) for r in ranks)
@@ -185,12 +188,8 @@ def new_group(ranks: Sequence[int]):
         # a group of one needs no rendezvous with the others
         if ranks[0] != dist.get_rank():
             return None
-        group = dist.new_group(ranks, use_local_synchronization=True)
-    else:
-        group = dist.new_group(ranks)
-    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-        shutdown.track_group(group)  # destroyed at exit, before the interpreter finalises
-    return group
+        return comm.new_group(ranks, use_local_synchronization=True, name=name)
+    return comm.new_group(ranks, name=name)
 
 
 def _current_rank_and_world() -> Tuple[int, int]:
@@ -221,7 +220,7 @@ class PipelineParallelGrid:
         if self._topo.world_size() != self.world_size:
             raise TopologyError(f"topology {self._topo} has {self._topo.world_size()} ranks but the job has "
                                 f"{self.world_size}")
-        self._factory = group_factory or new_group
+        self._factory = group_factory  # None: new_group above (named, destroyed at exit)
         self._groups: Dict[Tuple[int, ...], Any] = {}
         if group_factory is None:
             from .comm import shutdown
@@ -241,15 +240,15 @@ class PipelineParallelGrid:
 
         # DeepSpeed's "model parallel" group: every rank of one data replica (pipe x model)
         self.ds_model_groups = [sorted(self._axis_free_ranks("data", dp)) for dp in range(self.data_parallel_size)]
-        self.ds_model_proc_group, self.ds_model_ranks = self._make_groups(self.ds_model_groups)
+        self.ds_model_proc_group, self.ds_model_ranks = self._make_groups(self.ds_model_groups, "replica")
         self.ds_model_rank = self.ds_model_ranks.index(self.global_rank)
         self.ds_model_world_size = len(self.ds_model_ranks)
         self.dp_groups = self._axis_lists("data")
-        self.dp_proc_group, self.dp_group = self._make_groups(self.dp_groups)
+        self.dp_proc_group, self.dp_group = self._make_groups(self.dp_groups, "data")
         self.pipe_groups = self._axis_lists("pipe")
-        self.pp_proc_group, self.pp_group = self._make_groups(self.pipe_groups)
+        self.pp_proc_group, self.pp_group = self._make_groups(self.pipe_groups, "pipe")
         self.model_groups = self._axis_lists("model")
-        self.slice_proc_group, self.slice_group = self._make_groups(self.model_groups)
+        self.slice_proc_group, self.slice_group = self._make_groups(self.model_groups, "model")
         self.p2p_groups = self._p2p_pairs()
 
     # -- construction -----------------------------------------------------------------------
@@ -263,22 +262,24 @@ class PipelineParallelGrid:
     def _release_groups(self) -> None:
         self._groups.clear()
 
-    def new_group(self, ranks: Sequence[int]):
-        """The process group over `ranks`, made once per distinct set. Collective like
-        torch's new_group (every rank calls it in the same order), except that a one-rank
-        group is made only by its member (None elsewhere)."""
+    def new_group(self, ranks: Sequence[int], name: Optional[str] = None):
+        """The process group over `ranks`, made once per distinct set (named `name`, for
+        flight records and logs, by the first caller). Collective like torch's new_group
+        (every rank calls it in the same order), except that a one-rank group is made only
+        by its member (None elsewhere)."""
         key = tuple(sorted(int(r) for r in ranks))
         if len(key) == 1 and key[0] != self.global_rank:
             return None
         if key not in self._groups:
-            self._groups[key] = self._factory(list(key))
+            self._groups[key] = (self._factory(list(key)) if self._factory is not None
+                                 else new_group(key, name=name))
         return self._groups[key]
 
-    def _make_groups(self, lists: List[List[int]]):
+    def _make_groups(self, lists: List[List[int]], axis: str):
         """Create every group of one axis (same order on every rank); return ours."""
         mine_group, mine = None, None
         for ranks in lists:
-            g = self.new_group(ranks)
+            g = self.new_group(ranks, name=f"{axis} " + ",".join(map(str, sorted(ranks))))
             if self.global_rank in ranks:
                 mine_group, mine = g, list(ranks)
         return mine_group, mine

@@ -58,17 +58,18 @@ def test_intersect_and_gaps():
 def _collectives_both_paths():
     import torch
 
-    from dslaunch.runtime.zero import comm
+    from dslaunch.runtime import comm
 
-    rank, world = comm.rank(), comm.world()
+    world_group = comm.get_world_group()
+    rank, world = comm.get_rank(world_group), comm.get_world_size(world_group)
     flat = torch.arange(12, dtype=torch.float32) * (rank + 1)
     out = {}
     for fallback in (False, True):
         comm.force_fallback(fallback)
         part = torch.empty(12 // world)
-        comm.reduce_scatter(part, flat)
+        comm.reduce_scatter_tensor(part, flat, group=world_group)
         full = torch.empty(12)
-        comm.all_gather(full, part)
+        comm.all_gather_into_tensor(full, part, group=world_group)
         out[fallback] = (part.tolist(), full.tolist())
     return out
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from ..strict import ConfigError
 
 
@@ -111,7 +111,8 @@ def restore(saved: List[Optional[Saved]], originals_requires_grad: List[bool],
         data = s.data.to(s.device) if s.data.device != s.device else s.data
         if s.partitioned:
             full = torch.empty(data.numel() * settings.mp_size, dtype=data.dtype, device=data.device)
-            dist.all_gather_into_tensor(full, data.contiguous(), group=settings.mp_group)
+            comm.all_gather_into_tensor(full, data.contiguous(), group=settings.mp_group,
+                                        label="activation checkpoint partitions")
             n = 1
             for d in s.shape:
                 n *= d

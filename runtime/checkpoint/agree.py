@@ -12,6 +12,7 @@ from typing import Any, List, Optional
 
 import torch.distributed as dist
 
+from .. import comm
 from .errors import CheckpointError
 
 
@@ -33,7 +34,7 @@ def agree(error: Optional[str], payload: Any = None, on_failure=None) -> List[An
     else:
         group = checkpoint_group()
         results = [None] * dist.get_world_size(group)
-        dist.all_gather_object(results, (error, payload), group=group)
+        comm.all_gather_object(results, (error, payload), group=group, label="checkpoint agree")
     failures = [(r, e) for r, (e, _) in enumerate(results) if e is not None]
     if failures:
         if on_failure is not None:
@@ -45,4 +46,4 @@ def agree(error: Optional[str], payload: Any = None, on_failure=None) -> List[An
 
 def barrier() -> None:
     if _distributed():
-        dist.barrier(group=checkpoint_group())
+        comm.barrier(group=checkpoint_group(), label="checkpoint barrier")

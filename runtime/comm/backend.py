@@ -4,16 +4,23 @@ dslaunch, torchrun and DeepSpeed's launcher all export RANK, WORLD_SIZE, LOCAL_R
 MASTER_ADDR and MASTER_PORT; mpirun exports OMPI_COMM_WORLD_*. With none of these (plain
 `python train.py`) this becomes a one-process group on a free loopback port, so the same
 script runs everywhere.
+
+`timeout` is the collective watchdog's (watchdog.py): a collective unfinished after it is
+reported on every rank and ends the job. The default group itself gets a minute more, so
+the backend's own timeout never fires first.
 """
 from __future__ import annotations
 
 import os
 import socket
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from . import watchdog
+from .collectives import recorder
 
 _WORLD_SOURCE = "single process (no launcher environment)"
 
@@ -44,13 +51,28 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def _seconds(timeout: Union[timedelta, float, int]) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: Optional[int] = None, verbose: bool = True,
-                     timeout: timedelta = timedelta(minutes=30), init_method: Optional[str] = None,
-                     rank: int = -1, world_size: int = -1) -> None:
-    """Initialise torch.distributed once (a second call is a no-op), like deepspeed.init_distributed."""
+                     timeout: Union[timedelta, float, None] = None, init_method: Optional[str] = None,
+                     dist_init_required: Optional[bool] = None, config=None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Initialise torch.distributed once (a later call only applies `timeout` and `config`),
+    like deepspeed.init_distributed. `timeout` (a timedelta or seconds; default 30 minutes)
+    is the collective watchdog's; `config` (a DeepSpeed config dict, path or object)
+    applies its comms_logger and comms_timeout."""
     global _WORLD_SOURCE
-    if dist.is_initialized():
+    if config is not None:
+        from . import configure
+
+        configure(deepspeed_config=config)
+    if timeout is not None:
+        watchdog.set_timeout(_seconds(timeout))
+    if dist.is_initialized() or dist_init_required is False:
+        watchdog.ensure(recorder)
         return
     if auto_mpi_discovery:
         _adopt_mpi_env()
@@ -72,16 +94,9 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timeout)
+                            timeout=watchdog.backend_timeout(watchdog.timeout_s()))
+    watchdog.ensure(recorder)
 
 
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def get_world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def get_local_rank() -> int:
+    return local_rank()

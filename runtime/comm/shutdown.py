@@ -45,7 +45,7 @@ BUDGET_S = 60.0
 BUDGET_AFTER_FAILURE_S = 10.0
 
 _owners: List[weakref.WeakMethod] = []  # bound `close`-like methods of objects that own threads
-_first_steps: List[Callable[[], None]] = []  # e.g. stop the watchdog; run before anything else
+_first_steps: List[Callable[[bool], None]] = []  # e.g. stop the watchdog; run before anything else
 _reports: List[Callable[[], None]] = []  # end-of-run summaries, printed before groups go away
 _works: list = []  # async Work handles issued through dslaunch.runtime.comm
 _groups: list = []  # process groups made by dslaunch.runtime.comm.new_group
@@ -59,8 +59,8 @@ def register_owner(method: Callable[[], None]) -> None:
     _owners.append(weakref.WeakMethod(method))
 
 
-def register_first(fn: Callable[[], None]) -> None:
-    """Run `fn` first at exit (the comm package stops its watchdog this way)."""
+def register_first(fn: Callable[[bool], None]) -> None:
+    """Run `fn(failed)` first at exit (the comm package stops its watchdog this way)."""
     _first_steps.append(fn)
 
 
@@ -229,7 +229,7 @@ def orderly_shutdown(budget_s: float | None = None) -> None:
     faulthandler.dump_traceback_later(budget_s, exit=True, file=sys.__stderr__)
     try:
         for fn in _first_steps:
-            _run("stopping the watchdog", fn)
+            _run("stopping the watchdog", lambda: fn(_state["failed"]))
         for ref in list(_owners):
             method = ref()
             if method is not None:

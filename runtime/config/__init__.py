@@ -16,12 +16,12 @@ from typing import Any, Dict, List, Optional, Union
 from ..strict import ConfigError, disabled, load_file, parse_dataclass, refused, supported
 from .checkpoint import CheckpointConfig
 from .checks import positive
-from .comm import CommsLoggerConfig
+from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
 from .compute import ActivationCheckpointingConfig, CompileConfig
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
                       WandbConfig)
 from .parallel import ElasticityConfig, PipelineConfig
-from .precision import (LATER, BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig,
+from .precision import (LATER, BF16Config, DataTypesConfig, FP16Config, NonFiniteCheckConfig, TorchAutocastConfig,
                         check_precision)
 from .zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -65,6 +65,7 @@ class DeepSpeedConfig:
     bf16: BF16Config = supported(factory=BF16Config, note="")
     torch_autocast: TorchAutocastConfig = supported(factory=TorchAutocastConfig, note="")
     data_types: DataTypesConfig = supported(factory=DataTypesConfig, note="")
+    nonfinite_check: NonFiniteCheckConfig = supported(factory=NonFiniteCheckConfig, note="")
     amp: Any = refused("NVIDIA Apex amp is not supported (DeepSpeed removed it too); use \"fp16\" or \"bf16\"",
                        disabled)
     # -- gradient reduction --------------------------------------------------------------
@@ -93,6 +94,7 @@ class DeepSpeedConfig:
     csv_monitor: CSVConfig = supported(factory=CSVConfig, note="")
     comet: CometConfig = supported(factory=CometConfig, note="")
     comms_logger: CommsLoggerConfig = supported(factory=CommsLoggerConfig, note="")
+    comms_timeout: Optional[float] = supported(None, COMMS_TIMEOUT_NOTE)
     flops_profiler: FlopsProfilerConfig = supported(factory=FlopsProfilerConfig, note="")
     # -- memory and compute --------------------------------------------------------------
     activation_checkpointing: ActivationCheckpointingConfig = supported(factory=ActivationCheckpointingConfig,
@@ -138,6 +140,7 @@ class DeepSpeedConfig:
         if self.steps_per_print != float("inf") and not float(self.steps_per_print).is_integer():
             raise ConfigError(f"{path + '.' if path else ''}steps_per_print: must be a whole number of steps "
                               f"(or Infinity for never), got {self.steps_per_print}")
+        positive(path, "comms_timeout", self.comms_timeout)
         check_precision(self.fp16, self.bf16, self.torch_autocast)
         if self.allgather_size is not None:
             if not self.zero.legacy_bool:

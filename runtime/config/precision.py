@@ -43,6 +43,19 @@ class BF16Config:
 
 
 @dataclass
+class NonFiniteCheckConfig:
+    """dslaunch's own (DeepSpeed applies NaN updates in fp32/bf16): see runtime/nonfinite.py."""
+
+    enabled: bool = supported(True, "fp32/bf16: a NaN/inf global gradient norm skips the step and the progress "
+                                    "line says so at once (false: DeepSpeed's behaviour)")
+    max_consecutive_steps: int = supported(3, "training stops with one line naming the steps after this many "
+                                              "non-finite steps in a row")
+
+    def validate(self, path: str) -> None:
+        positive(path, "max_consecutive_steps", self.max_consecutive_steps)
+
+
+@dataclass
 class TorchAutocastConfig:
     enabled: bool = supported(False, "the forward runs under torch.autocast (parameters stay fp32)")
     dtype: Literal["bfloat16", "bf16", "float16", "fp16", "half"] = supported(

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import comm
 from .config import InferenceConfig, InferenceConfigError
 from .groups import TPGroup, resolve_tp_group
 from .layers import _ShardedWeight
@@ -155,11 +156,11 @@ class InferenceEngine(nn.Module):
             return
         device = _device()  # NCCL moves only device tensors
         state = torch.get_rng_state().to(device)
-        dist.broadcast(state, group=self.tp.group, group_src=0)
+        comm.broadcast(state, group=self.tp.group, group_src=0, label="tp rng state")
         torch.set_rng_state(state.cpu())
         if torch.cuda.is_available():
             cuda_state = torch.cuda.get_rng_state().to(device)
-            dist.broadcast(cuda_state, group=self.tp.group, group_src=0)
+            comm.broadcast(cuda_state, group=self.tp.group, group_src=0, label="tp cuda rng state")
             torch.cuda.set_rng_state(cuda_state.cpu())
 
     def __getattr__(self, name: str):

@@ -26,8 +26,10 @@ class StepMeter:
         self._loss_count = 0
         self._times: Dict[str, float] = {}
 
-    def add_loss(self, value: float) -> None:
-        self._loss_sum += value
+    def add_loss(self, value) -> None:
+        """A float, or a detached 0-d tensor: summed on its device and read once in
+        record(), so micro-steps add no device synchronisation."""
+        self._loss_sum = self._loss_sum + value
         self._loss_count += 1
 
     @contextlib.contextmanager
@@ -51,7 +53,7 @@ class StepMeter:
                total_steps: Optional[int] = None, epoch_steps: Optional[int] = None) -> StepRecord:
         values: Dict[str, float] = {}
         if self._loss_count:
-            values[TRAIN_LOSS] = self._loss_sum / self._loss_count
+            values[TRAIN_LOSS] = float(self._loss_sum) / self._loss_count
         values[LR] = lr
         if loss_scale is not None:
             values[LOSS_SCALE] = loss_scale

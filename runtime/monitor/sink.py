@@ -28,6 +28,7 @@ class StepRecord:
     skipped: int = 0  # optimizer steps skipped so far (fp16 overflow, bf16 inf/nan)
     total_steps: Optional[int] = None  # when known: engine.set_train_steps(n) or the data loader's length
     epoch_steps: Optional[int] = None  # optimizer steps per epoch of initialize()'s data loader
+    alert: Optional[str] = None  # something the progress line must say now (a non-finite step)
 
     def events(self) -> List[Event]:
         return [(name, float(value), self.samples) for name, value in self.values.items()]

@@ -24,8 +24,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from ..dataloader import DistributedDataLoader, RepeatingLoader, move_to
 from ..config import DeepSpeedConfig
 from ..engine import DeepSpeedEngine, _config_source
@@ -329,7 +329,7 @@ class PipelineEngine(DeepSpeedEngine):
     def _mean_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().float().clone()
         if self.dp_world_size > 1:
-            dist.all_reduce(value, group=self.dp_group)
+            comm.all_reduce(value, group=self.dp_group, label="pipeline loss over replicas")
             value /= self.dp_world_size
         return value
 
@@ -340,6 +340,6 @@ class PipelineEngine(DeepSpeedEngine):
         else:
             value = torch.zeros(1, dtype=torch.float32, device=self.device)
         if self.num_stages > 1:
-            dist.broadcast(value, src=self.grid.stage_to_global(self.num_stages - 1),
-                           group=self.grid.get_pipe_parallel_group())
+            comm.broadcast(value, src=self.grid.stage_to_global(self.num_stages - 1),
+                           group=self.grid.get_pipe_parallel_group(), label="pipeline loss")
         return value[0]

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .. import comm
 from ..strict import ConfigError
 from ..topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology, TopologyError
 from .partition import PartitionError, check_parts, layer_name, partition_layers
@@ -231,12 +232,11 @@ class PipelineModule(nn.Module):
         return comms
 
     def _synchronize_tied_weights(self) -> None:
-        import torch.distributed as dist
-
         for key, c in self.tied_comms.items():
             if len(c["ranks"]) > 1:
                 for attr in c["weight_attr"]:
-                    dist.broadcast(_get_attr(c["module"], attr).data, src=min(c["ranks"]), group=c["group"])
+                    comm.broadcast(_get_attr(c["module"], attr).data, src=min(c["ranks"]), group=c["group"],
+                                   label=f"tied weight {key}.{attr}")
 
     # -- tied weights ------------------------------------------------------------------------------
     def get_tied_weights_and_groups(self):
@@ -245,11 +245,9 @@ class PipelineModule(nn.Module):
                 if len(c["ranks"]) > 1 for attr in c["weight_attr"]]
 
     def allreduce_tied_weight_gradients(self) -> None:
-        import torch.distributed as dist
-
         for weight, group in self.get_tied_weights_and_groups():
             if weight.grad is not None:
-                dist.all_reduce(weight.grad, group=group)
+                comm.all_reduce(weight.grad, group=group, label="tied weight grad")
 
     # -- forward -----------------------------------------------------------------------------------
     def _run(self, start: int, end: int, offset: int):

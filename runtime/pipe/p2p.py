@@ -1,5 +1,5 @@
-"""Activations and gradients between neighbouring stages: torch.distributed send/recv,
-which gloo and NCCL both provide.
+"""Activations and gradients between neighbouring stages: send/recv through runtime.comm
+(torch.distributed point-to-point, which gloo and NCCL both provide) on the world group.
 
 What travels is a tensor or a tuple of tensors. Before the first transfer of a batch the
 sender describes it (kind, and each tensor's dtype and shape) in one fixed-size int64
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from .module import PipelineError
 
 HEADER = 256  # int64 slots: [kind, count, then per tensor: dtype, ndim, *shape]
@@ -112,6 +112,7 @@ class StageLink:
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device,
                  dynamic_shape: bool = False):
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self.group = comm.get_world_group()  # peers are named by global rank
         self.dynamic_shape = dynamic_shape
         self._sent: Optional[Meta] = None  # described to the next stage in this batch
         self._received: Optional[Meta] = None  # described by the previous stage in this batch
@@ -124,21 +125,21 @@ class StageLink:
     def send_activation(self, payload: Payload) -> None:
         meta = Meta.of(payload)
         if self._sent is None or self.dynamic_shape:
-            dist.send(meta.encode(self.device), self.next_rank)
+            comm.send(meta.encode(self.device), self.next_rank, group=self.group, label="activation shapes")
             self._sent = meta
         elif meta != self._sent:
             raise PipelineError(f"pipeline: this micro-batch's activations ({meta.describe()}) differ from the "
                                 f"batch's first ({self._sent.describe()}); shapes may change between batches, "
                                 "or build the PipelineModule with dynamic_shape=True")
         for t in (payload if isinstance(payload, tuple) else (payload,)):
-            dist.send(_wire(t.detach().contiguous()), self.next_rank)
+            comm.send(_wire(t.detach().contiguous()), self.next_rank, group=self.group, label="activation")
 
     def send_abort(self, notice: AbortNotice) -> None:
-        dist.send(notice.encode(self.device), self.next_rank)
+        comm.send(notice.encode(self.device), self.next_rank, group=self.group, label="batch aborted")
 
     def _recv_header(self) -> torch.Tensor:
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, self.prev_rank)
+        comm.recv(header, self.prev_rank, group=self.group, label="activation shapes")
         header = header.cpu()
         if int(header[0]) == KIND_ABORT:
             notice = AbortNotice(*[int(v) for v in header[1:4]])
@@ -161,7 +162,7 @@ class StageLink:
         out = []
         for dtype, shape in self._received.specs:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(_wire(t), self.prev_rank)
+            comm.recv(_wire(t), self.prev_rank, group=self.group, label="activation")
             t.requires_grad_(t.is_floating_point())  # a leaf whose .grad goes back upstream
             out.append(t)
         return tuple(out) if self._received.is_tuple else out[0]
@@ -173,14 +174,14 @@ class StageLink:
         for t in (inputs if isinstance(inputs, tuple) else (inputs,)):
             if t.is_floating_point():
                 g = t.grad if t.grad is not None else torch.zeros_like(t)
-                dist.send(g.contiguous(), self.prev_rank)
+                comm.send(g.contiguous(), self.prev_rank, group=self.group, label="activation grad")
 
     def recv_grads(self, outputs: Payload) -> List[torch.Tensor]:
         grads = []
         for t in (outputs if isinstance(outputs, tuple) else (outputs,)):
             if t.is_floating_point():
                 g = torch.empty_like(t, memory_format=torch.contiguous_format)
-                dist.recv(g, self.next_rank)
+                comm.recv(g, self.next_rank, group=self.group, label="activation grad")
                 grads.append(g)
         return grads
 

@@ -19,7 +19,7 @@ from typing import Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .. import comm
 from .partition import padded_size, param_shard
 
 
@@ -71,7 +71,7 @@ def is_present(p: torch.Tensor) -> bool:
 def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = False,
                     device: Optional[torch.device] = None, group=None) -> ZeroParam:
     """Cut `p` over `group` (the default group when None): keep this rank's chunk."""
-    world, rank = comm.world(group), comm.rank(group)
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
     numel = p.numel()
     chunk = padded_size(numel, world) // world
     piece = param_shard(numel, world, rank)
@@ -106,7 +106,7 @@ def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> 
         else need[0]._zero.shard.to(device)
     rest(need, dirty=False)  # `local` keeps a file-backed shard alive until the all-gather is done
     out = torch.empty(world * local.numel(), dtype=dtype, device=device)
-    comm.all_gather(out, local.contiguous(), group=group)
+    comm.all_gather_into_tensor(out, local.contiguous(), group=group, label=f"stage3 gather {what}")
     rows = out.view(world, local.numel())
     off = 0
     for p in need:
@@ -155,7 +155,8 @@ class GatheredParameters:
     def __exit__(self, *exc):
         if exc[0] is None and self.modifier_rank is not None:
             for p in self.params:
-                comm.broadcast(p.data, src=self.modifier_rank, group=p._zero.group)
+                comm.broadcast(p.data, group_src=self.modifier_rank, group=p._zero.group,
+                               label=f"GatheredParameters {p._zero.name}")
                 refresh_shard_from_full(p)
         release([p for p, was in zip(self.params, self._was_present) if not was])
         return False

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Union
 
 
 from ..strategy import GradientStrategy, StrategyContext
-from . import comm
+from .. import comm
 
 
 def _as_shards(state, group_names, module_state) -> List[Dict[str, Any]]:
@@ -47,9 +47,10 @@ class ShardedStrategy(GradientStrategy):
         super().__init__(ctx)
         self.group = ctx.group
         self.world, self.rank = ctx.world_size, ctx.rank
-        if ctx.distributed and (comm.world(self.group), comm.rank(self.group)) != (self.world, self.rank):
-            raise ValueError(f"ZeRO: the data-parallel group has {comm.world(self.group)} ranks (this one is "
-                             f"{comm.rank(self.group)}) but the engine says {self.world} (rank {self.rank})")
+        size, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
+        if ctx.distributed and (size, rank) != (self.world, self.rank):
+            raise ValueError(f"ZeRO: the data-parallel group has {size} ranks (this one is "
+                             f"{rank}) but the engine says {self.world} (rank {self.rank})")
         self.listed_names: List[List[str]] = []
 
     def optimizer_state_dict(self) -> Dict[str, Any]:

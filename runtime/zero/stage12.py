@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..strategy import StrategyContext, register_strategy
-from . import comm
+from .. import comm
 from .offload import OptimizerHost, make_host, pin_host
 from .partition import FlatLayout, Piece, pieces_to_dict, plan_buckets
 from .sharded import ShardedStrategy, offload_optimizer
@@ -154,7 +154,7 @@ class _PartitionedStage(ShardedStrategy):
             buf = torch.cat([gf[a:b] if gf is not None else torch.zeros(b - a, dtype=self.groups[gi].flat.dtype,
                                                                          device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
-            comm.reduce_sum(buf, dst=owner, group=self.group)
+            comm.reduce(buf, group_dst=owner, group=self.group, label=f"stage2 grads bucket {bi} to {owner}")
             if owner == self.rank:
                 pos = 0
                 for gi, _, a, b, off in parts:
@@ -191,7 +191,8 @@ class _PartitionedStage(ShardedStrategy):
             rows = full.view(self.world, P)
             for c in range(0, P, cols):
                 chunk = rows[:, c:c + cols].contiguous()
-                comm.reduce_scatter(grad[c:c + cols], chunk.view(-1), group=self.group)
+                comm.reduce_scatter_tensor(grad[c:c + cols], chunk.view(-1), group=self.group,
+                                           label=f"stage1 grads cols {c}")
             g.grad = grad.to(g.master.device, torch.float32).div_(self.world)
 
     def global_grad_norm(self) -> float:
@@ -206,7 +207,7 @@ class _PartitionedStage(ShardedStrategy):
             for piece in g.pieces:  # padding is zero: the pieces hold every element that counts
                 if piece.name not in skip:
                     sq += g.grad[piece.offset:piece.offset + piece.numel].float().pow(2).sum()
-        comm.all_reduce_sum(sq, group=self.group)
+        comm.all_reduce(sq, group=self.group, label=f"stage{self.stage} grad norm")
         return float(sq.sqrt())
 
     def sum_param_grads_(self, params, group) -> None:
@@ -221,8 +222,8 @@ class _PartitionedStage(ShardedStrategy):
             mine = [piece for piece in g.pieces if piece.name == slot.name]
             for piece in mine:
                 full[piece.start:piece.end] += g.grad[piece.offset:piece.offset + piece.numel]
-            comm.all_reduce_sum(full, group=self.group)
-            comm.all_reduce_sum(full, group=group)
+            comm.all_reduce(full, group=self.group, label=f"tied grad {slot.name} (data parallel)")
+            comm.all_reduce(full, group=group, label=f"tied grad {slot.name}")
             for piece in mine:
                 g.grad[piece.offset:piece.offset + piece.numel].copy_(full[piece.start:piece.end])
 
@@ -250,7 +251,8 @@ class _PartitionedStage(ShardedStrategy):
             for c in range(0, P, cols):
                 shard = g.master[c:c + cols].to(g.flat.device, g.flat.dtype)
                 out = torch.empty(self.world * shard.numel(), dtype=g.flat.dtype, device=g.flat.device)
-                comm.all_gather(out, shard, group=self.group)
+                comm.all_gather_into_tensor(out, shard, group=self.group,
+                                            label=f"stage{self.stage} params cols {c}")
                 rows[:, c:c + shard.numel()].copy_(out.view(self.world, -1))
 
     def zero_grad(self) -> None:

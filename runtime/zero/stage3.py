@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..strategy import StrategyContext, register_strategy
-from . import comm
+from .. import comm
 from .hook_scope import hooked_modules, module_params
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
@@ -52,7 +52,7 @@ class DivergenceCheck:
         self.count = 0
 
     def __call__(self, what: str) -> None:
-        n = comm.world(self.group)
+        n = comm.get_world_size(self.group)
         if n == 1:
             return
         self.count += 1
@@ -60,7 +60,7 @@ class DivergenceCheck:
         mine = torch.zeros(self.WIDTH, dtype=torch.uint8)
         mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         out = torch.empty(n * self.WIDTH, dtype=torch.uint8)
-        comm.all_gather(out, mine, group=self.group)
+        comm.all_gather_into_tensor(out, mine, group=self.group, label=f"stage3 divergence check #{self.count}")
         seen = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in out.view(n, -1)]
         if len(set(seen)) > 1:
             lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
@@ -280,7 +280,8 @@ class ZeroStage3(ShardedStrategy):
         mat = torch.cat([full.view(self.world, -1) for _, full in bucket], dim=1) if len(bucket) > 1 \
             else bucket[0][1].view(self.world, -1)
         part = torch.empty(width, dtype=bucket[0][1].dtype, device=device)
-        comm.reduce_scatter(part, mat.contiguous().view(-1), group=self.group)
+        comm.reduce_scatter_tensor(part, mat.contiguous().view(-1), group=self.group,
+                                   label=f"stage3 reduce grads {bucket[0][0]._zero.name}..{bucket[-1][0]._zero.name}")
         off = 0
         for p, _ in bucket:
             z = p._zero
@@ -314,7 +315,7 @@ class ZeroStage3(ShardedStrategy):
                 if id(p) not in skip:
                     z = p._zero
                     sq += g["grad"][z.master_offset:z.master_offset + z.chunk].pow(2).sum().cpu()
-        comm.all_reduce_sum(sq, group=self.group)
+        comm.all_reduce(sq, group=self.group, label="stage3 grad norm")
         return float(sq.sqrt())
 
     def scale_gradients_(self, factor: float) -> None:
@@ -338,7 +339,8 @@ class ZeroStage3(ShardedStrategy):
                 z.shard.copy_(new)
                 if z.persistent:  # whole on every rank: refresh from all shards
                     full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
-                    comm.all_gather(full, z.shard.to(p.device), group=self.group)
+                    comm.all_gather_into_tensor(full, z.shard.to(p.device), group=self.group,
+                                                 label=f"stage3 refresh persistent {z.name}")
                     p.data.copy_(full[:z.numel].view(z.shape))
 
     def zero_grad(self) -> None:
@@ -423,7 +425,8 @@ class ZeroStage3(ShardedStrategy):
                 rest([p], dirty=True)
                 if z.persistent:
                     full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
-                    comm.all_gather(full, z.shard.to(p.device), group=self.group)
+                    comm.all_gather_into_tensor(full, z.shard.to(p.device), group=self.group,
+                                                 label=f"stage3 refresh persistent {z.name}")
                     p.data.copy_(full[:z.numel].view(z.shape))
 
     def remove_hooks(self) -> None:
