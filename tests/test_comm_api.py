@@ -173,7 +173,7 @@ import dslaunch.runtime as deepspeed
 
 cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
-       "comms_logger": {"enabled": True, "verbose": True, "prof_all": False,
+       "comms_logger": {"enabled": True, "verbose": True, "prof_all": False, "debug": True,
                         "prof_ops": ["reduce_scatter_tensor", "all_gather_into_tensor"]}}
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -190,7 +190,8 @@ print("SUMMARY-DONE", flush=True)
 @pytest.mark.timeout(120)
 def test_comms_logger_from_the_config(tmp_path):
     """comms_logger through the config: only prof_ops are recorded, verbose prints each op,
-    log_summary() and the end-of-run summary print the table on rank 0."""
+    debug names the calling function, log_summary() and the end-of-run summary print the
+    table on rank 0."""
     from dist_harness import run_script
 
     script = tmp_path / "logged.py"
@@ -204,9 +205,11 @@ def test_comms_logger_from_the_config(tmp_path):
     assert rows == {"all_gather_into_tensor", "reduce_scatter_tensor"}  # not the broadcasts or the norm's all_reduce
     # 90 fp32 parameters, 45 per rank: each of 3 steps one reduce-scatter (360 B in) and one all-gather (360 B out)
     for op in ("reduce_scatter_tensor", "all_gather_into_tensor"):
-        row = next(ln for ln in table if ln.startswith(op)).split()
-        assert row[1:4] == ["360", "B", "3"], table
-    assert "comm op: all_gather_into_tensor | group: world" in runs[0].stderr  # verbose
+        row = next(ln for ln in table if ln.startswith(op)).split("]", 1)[1].split()
+        assert row[:3] == ["360", "B", "3"], table
+    assert "reduce_scatter_tensor | [Caller Func: reduce_gradients]" in out0  # debug
+    assert "all_gather_into_tensor | [Caller Func: sync_params]" in out0
+    assert "comm op: all_gather_into_tensor | [Caller Func: sync_params] | group: world" in runs[0].stderr  # verbose
     tail = out0.split("SUMMARY-DONE", 1)[1]
     assert "comms_logger: communication summary of rank 0 at exit" in tail and "reduce_scatter_tensor" in tail
     assert "SUMMARY-DONE" in runs[1].stdout and "Comm. Op" not in runs[1].stdout  # rank 0 prints, rank 1 does not

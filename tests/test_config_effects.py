@@ -54,7 +54,8 @@ ALL = {
     "csv_monitor": {"enabled": False, "output_path": "out", "job_name": "j"},
     "comet": {"enabled": False, "samples_log_interval": 10, "project": "p", "workspace": "w", "api_key": "k",
               "experiment_name": "e", "experiment_key": "x" * 32, "online": False, "mode": "get_or_create"},
-    "comms_logger": {},
+    "comms_logger": {"enabled": False, "verbose": False, "prof_all": True, "prof_ops": [], "debug": False},
+    "comms_timeout": 600, "nonfinite_check": {"enabled": True, "max_consecutive_steps": 3},
     "flops_profiler": {"enabled": False, "recompute_fwd_factor": 1.0, "profile_step": 2, "module_depth": 2,
                        "top_modules": 3, "detailed": False, "output_file": "flops.txt"},
     "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
@@ -173,6 +174,12 @@ EFFECTS = {
     **{f"elasticity.{k}": "tests/test_elasticity.py::test_engine_batch_sizes_come_from_the_section"
        for k in ("enabled", "max_train_batch_size", "micro_batch_sizes", "min_gpus", "max_gpus", "version",
                  "ignore_non_elastic_batch_info")},
+    "comms_timeout": "tests/test_comm_watchdog.py::test_a_rank_asleep_in_a_step_ends_the_job_with_both_stacks",
+    **{f"comms_logger.{k}": "tests/test_comm_api.py::test_comms_logger_from_the_config"
+       for k in ("enabled", "verbose", "prof_all", "prof_ops", "debug")},
+    "nonfinite_check.enabled": "tests/test_nonfinite.py::test_nonfinite_steps_are_skipped_reported_and_stop_the_job",
+    "nonfinite_check.max_consecutive_steps":
+        "tests/test_nonfinite.py::test_nonfinite_steps_are_skipped_reported_and_stop_the_job",
     "elasticity.min_time": "tests/test_elasticity.py::test_basic_10k",  # read and validated; the scheduler's value
     "elasticity.prefer_larger_batch": "tests/test_elasticity.py::test_proper_micro_batch_and_cap",
     "elasticity.num_gpus_per_node": "tests/test_elasticity.py::test_version_02_micro_batch_is_per_data_parallel_rank",
