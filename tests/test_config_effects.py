@@ -289,9 +289,11 @@ def _effects():
             out[name] = "ok"
         except Err as exc:
             out[name] = str(exc)
-    # bf16.check_grad_overflow (and the old "bfloat16" spelling): an inf loss skips the step, or poisons the weights
+    # bf16.check_grad_overflow (and the old "bfloat16" spelling): an inf loss skips the step, or poisons the
+    # weights (DeepSpeed's behaviour; dslaunch's own nonfinite_check, on by default, is off here to show it)
     for check in (True, False):
-        e = engine({**base, "bfloat16": {"enabled": True, "check_grad_overflow": check}})
+        e = engine({**base, "bfloat16": {"enabled": True, "check_grad_overflow": check},
+                    "nonfinite_check": {"enabled": check}})
         loss = e(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum() * float("inf")
         e.backward(loss)
         e.step()
@@ -299,9 +301,10 @@ def _effects():
     # torch_autocast: fp32 parameters, the forward's matmuls in bf16
     e = engine({**base, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}})
     out["autocast"] = (str(e.module[0].weight.dtype), str(e(torch.randn(4, 8)).dtype))
-    # compute_grad_norm under stage 1, without clipping
+    # compute_grad_norm under stage 1, without clipping (nor nonfinite_check, which takes the norm too)
     for flag in (True, False):
-        e = engine({**base, "zero_optimization": {"stage": 1, "compute_grad_norm": flag}})
+        e = engine({**base, "zero_optimization": {"stage": 1, "compute_grad_norm": flag},
+                    "nonfinite_check": {"enabled": flag}})
         e.backward(e(torch.randn(4, 8)).pow(2).mean())
         e.step()
         out[f"norm_{flag}"] = e.get_global_grad_norm()

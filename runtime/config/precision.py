@@ -47,7 +47,8 @@ class NonFiniteCheckConfig:
     """dslaunch's own (DeepSpeed applies NaN updates in fp32/bf16): see runtime/nonfinite.py."""
 
     enabled: bool = supported(True, "fp32/bf16: a NaN/inf global gradient norm skips the step and the progress "
-                                    "line says so at once (false: DeepSpeed's behaviour)")
+                                    "line says so at once; it takes the norm at every step, whatever compute_grad_norm says "
+                                    "(false: DeepSpeed's behaviour)")
     max_consecutive_steps: int = supported(3, "training stops with one line naming the steps after this many "
                                               "non-finite steps in a row")
 
