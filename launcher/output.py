@@ -175,7 +175,7 @@ class JobOutput:
         self._put(("line", line, time.monotonic()), size=len(line.data))
 
     def failed(self, failure: Failure) -> None:
-        self._put(("failed", failure), force=True)
+        self._put(("failed", failure, time.monotonic()), force=True)
 
     def exited(self, label: str) -> None:
         self._put(("exited", label), force=True)
@@ -258,9 +258,12 @@ class JobOutput:
         else:
             self._show(held)
 
-    def _on_failed(self, failure: Failure) -> None:
+    def _on_failed(self, failure: Failure, at: float) -> None:
         if self._failure is not None:
             return
+        # lines held longer than delay_s when the failure happened were due before it (the
+        # console thread may just not have run since): they are shown, not follow-ons
+        self._release_due(at)
         self._failure = failure
         # what the others wrote in the last instant is a follow-on of this failure: hidden
         keep = collections.deque()

@@ -1,9 +1,10 @@
 """The collective watchdog (issue #9 item 8), through dslaunch and the public API.
 
-Two 2-rank jobs under `dslaunch` with a 4 s timeout: one where rank 1 sleeps inside a
+Three 2-rank jobs under `dslaunch` with a 4 s timeout: one where rank 1 sleeps inside a
 training step while rank 0 waits in the engine's gradient all_reduce (timeout from the
 config's comms_timeout), one where the ranks call different collectives (timeout from
-init_distributed(timeout=)). Each must end (exit 124, named by dslaunch as the failure) within timeout +
+init_distributed(timeout=)), and a two-stage pipeline whose first stage stalls in a layer's
+forward while the second waits in recv for its activations. Each must end (exit 124, named by dslaunch as the failure) within timeout +
 10 s of the hang, with both ranks' Python stacks and flight records printed and the
 mismatch named. The pure parts (sequence numbers, the mismatch line) are tested directly.
 """
@@ -33,6 +34,24 @@ if case == "sleep":  # the engine, with the timeout from the config
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     rank = engine.global_rank
+elif case == "pipe":  # two pipeline stages; stage 0 stalls in a layer, stage 1 waits in recv
+    stall = {"on": False}
+
+    class Stall(torch.nn.Module):
+        def forward(self, x):
+            if stall["on"]:
+                time.sleep(600)  # stuck in user code, inside stage 0's forward
+            return x
+
+    torch.manual_seed(0)
+    net = deepspeed.pipe.PipelineModule(layers=[Stall(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)],
+                                        num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "comms_timeout": timeout,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = deepspeed.initialize(model=net, config=cfg)
+    rank = engine.global_rank
+    batches = iter([(torch.ones(2, 4), torch.zeros(2, 4))] * 4)
+    engine.train_batch(batches)  # one whole batch through both stages first
 else:
     deepspeed.init_distributed(timeout=timeout)
     rank = comm.get_rank()
@@ -47,6 +66,9 @@ def step():
             time.sleep(600)  # stuck in user code, inside a training step
         engine.backward(loss)
         engine.step()
+    elif case == "pipe":
+        stall["on"] = rank == 0
+        engine.train_batch(batches)
     elif rank == 0:
         comm.reduce_scatter_tensor(torch.empty(2), torch.ones(4), group=None, label="stage2 grads")
     else:
@@ -105,6 +127,20 @@ def test_ranks_in_different_collectives_are_named(tmp_path):
             r"rank 1 (is )?in all_gather_into_tensor #4 on world \(stage3 gather blocks.2\)"}
     lines = [ln for ln in out.splitlines() if "ranks disagree" in ln]
     assert lines and all(re.search(p, lines[0]) for p in pair), out[-3000:]
+    assert "not reached" not in out
+
+
+@pytest.mark.timeout(180)
+def test_a_pipeline_stage_waiting_in_recv_is_reported(tmp_path):
+    rc, out, after = _run(tmp_path, "pipe")
+    assert rc == 124, out[-4000:]
+    assert after < TIMEOUT_S + 10, f"the job ended {after:.1f} s after the hang began\n{out[-3000:]}"
+    r0, r1 = _rank_lines(out, 0), _rank_lines(out, 1)
+    assert "--- rank 0: Python stacks ---" in r0 and "--- rank 1: Python stacks ---" in r1
+    assert "time.sleep(600)" in r0 and "recv_activation" in r1  # where each stage is
+    assert re.search(r"rank 1: recv #\d+ on world \(activation shapes\).* did not finish within", r1), r1[-3000:]
+    assert re.search(r"ranks disagree: rank 0 is not in a collective \(last .*main thread at hang.py:\d+ in "
+                     r"forward\), rank 1 in recv #\d+ on world \(activation shapes\)", out), out[-3000:]
     assert "not reached" not in out
 
 

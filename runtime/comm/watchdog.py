@@ -81,6 +81,40 @@ def flight_text(rec: FlightRecorder) -> str:
     return "\n".join(lines) or "  (no collectives yet)"
 
 
+# A launcher that prefixes worker lines (dslaunch) holds a worker's stderr lines for 0.25 s and
+# hides what the other workers wrote in the instant before the first failure: it is usually
+# a follow-on error. A responding rank's report must not be mistaken for one.
+SHOWN_AFTER_S = 0.75
+
+
+def _wait_read(seconds: float) -> None:
+    """Wait (at most `seconds`) until whoever reads this process's stdout and stderr pipes
+    has taken everything written to them, then SHOWN_AFTER_S more, so that the launcher
+    has these lines before the rank that timed out exits and is reported as the failure."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+
+    fds = []
+    for fd in (1, 2):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                fds.append(fd)
+        except OSError:
+            pass
+    deadline = time.monotonic() + seconds
+    while fds and time.monotonic() < deadline:
+        try:  # FIONREAD on either end of a pipe: the bytes not yet read
+            unread = sum(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] for fd in fds)
+        except OSError:
+            break
+        if unread == 0:
+            break
+        time.sleep(0.02)
+    time.sleep(SHOWN_AFTER_S if fds else 0.0)
+
+
 def _wait_keys(store, keys, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while True:
@@ -178,7 +212,7 @@ class Watchdog:
         reports = {mine.rank: mine}
         if store is None:
             return reports
-        deadline = time.monotonic() + 2 * poll_interval(self.timeout_s) + 3.0
+        deadline = time.monotonic() + 2 * poll_interval(self.timeout_s) + 5.0
         while time.monotonic() < deadline and len(reports) < self.world:
             for r in range(self.world):
                 if r in reports:
@@ -220,7 +254,9 @@ class Watchdog:
             reason = store.get(PREFIX + "trigger").decode(errors="replace")
         except Exception:
             reason = "another rank's collective timed out"
-        self._post(store, self._dump(f"{reason}; rank {self.rank} reports"))
+        report = self._dump(f"{reason}; rank {self.rank} reports")
+        _wait_read(2.0)  # the rank that timed out waits for this report before it exits
+        self._post(store, report)
         try:
             _wait_keys(store, [PREFIX + "done"], 2 * poll_interval(self.timeout_s) + 5.0)
             store.set(f"{PREFIX}bye/{self.rank}", "1")
