@@ -160,7 +160,7 @@ class PipelineModule(nn.Module):
         # One-rank groups are made by their member alone, through the rendezvous store that
         # rank 0 holds: wait until every rank has made its groups, so that an error found
         # next (the same on every rank) cannot take the store away from a rank still at it.
-        dist.barrier()
+        comm.barrier(group=comm.get_world_group(), label="pipeline groups made")
 
     # -- construction ---------------------------------------------------------------------------
     def _make_topology(self, num_stages, topology) -> ProcessTopology:
