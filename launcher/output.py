@@ -261,9 +261,11 @@ class JobOutput:
     def _on_failed(self, failure: Failure, at: float) -> None:
         if self._failure is not None:
             return
-        # lines held longer than delay_s when the failure happened were due before it (the
-        # console thread may just not have run since): they are shown, not follow-ons
-        self._release_due(at)
+        # stderr lines held longer than delay_s when the failure happened were due before it
+        # (the console thread may just not have run since): shown, not follow-ons. A pending
+        # traceback block of another worker stays a follow-on, as before.
+        while self._held and self._held[0].due <= at:
+            self._show(self._held.popleft())
         self._failure = failure
         # what the others wrote in the last instant is a follow-on of this failure: hidden
         keep = collections.deque()
