@@ -239,4 +239,4 @@ def test_latest_always_names_a_loadable_checkpoint_when_a_save_is_killed_at_any_
         assert killed, step
         assert latest == expected_latest.get(step, "T"), step
         assert which == ("new" if i >= SAVE_STEPS.index("latest-updated") else "old"), step
-    assert result["after"] == ["T", "latest"]
+    assert result["after"] == ["T", "latest", "zero_to_fp32.py"]

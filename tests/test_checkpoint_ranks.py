@@ -87,4 +87,4 @@ def test_node_local_storage_and_tag_validation_on_two_nodes_of_two(tmp_path):
     assert outs[0]["warn_stderr"] == ("dslaunch: warning: checkpoint tag differs across ranks: rank 0 'step-r0', "
                                       "rank 2 'step-r1', rank 3 'step-r1'; saving under rank 0's tag\n")
     assert all(o["warn_stderr"] == "" for o in outs[1:])
-    assert outs[0]["shared_tags"] == ["latest", "step-r0"]
+    assert outs[0]["shared_tags"] == ["latest", "step-r0", "zero_to_fp32.py"]

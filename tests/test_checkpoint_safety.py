@@ -133,7 +133,7 @@ def test_crafted_pickle_runs_nothing_and_damage_is_one_line(tmp_path, capsys):
     assert out["refused"] == ("save_checkpoint: client_state['args']: argparse.Namespace is not a tensor, number, "
                               "string or container of those; store tensors and JSON-like values (they load with "
                               "weights_only=True), or pass allow_pickle=True")
-    assert out["refused_left"] == ["evil", "good", "latest"]
+    assert out["refused_left"] == ["evil", "good", "latest", "zero_to_fp32.py"]
     assert out["ns_untrusted"] == (f"checkpoint {save}/ns: its client_state was saved with allow_pickle=True and "
                                    "needs pickle to load; pass trust_pickle=True if you trust its source")
     assert out["ns_trusted"] == {"lr": 1}
@@ -252,7 +252,8 @@ def test_full_disk_and_unwritable_directory_are_one_line(tmp_path):
     finally:
         subprocess.run(["umount", str(full)])
     assert out["full"] == f"cannot write {full}/ckpt/.tmp.b/mp_rank_00_model_states.pt: No space left on device"
-    assert out["full_left"] == ["a", "latest", "manifest.json", "mp_rank_00_model_states.pt", "rng_state_rank_0.pt"]
+    assert out["full_left"] == ["a", "latest", "zero_to_fp32.py", "manifest.json", "mp_rank_00_model_states.pt",
+                                "rng_state_rank_0.pt"]
     assert out["previous_intact"]
     assert out["readonly"] == f"cannot create checkpoint directory {readonly}/ckpt: Read-only file system"
     assert out["not_dir"] == f"cannot create checkpoint directory {tmp_path}/file/ckpt: Not a directory"

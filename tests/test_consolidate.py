@@ -34,7 +34,8 @@ def _fake_stage0_checkpoint(root):
     tag.mkdir(parents=True)
     lin = torch.nn.Linear(3, 5).to(torch.bfloat16)
     name = "mp_rank_00_model_states.pt"
-    rec = write_torch(str(tag / name), {"module": lin.state_dict()})
+    rec = write_torch(str(tag / name), {"module": lin.state_dict(), "optimizer": None, "dp_world_size": 2,
+                                        "dslaunch": {}})
     manifest = Manifest(tag="global_step3", world_size=2, zero_stage=0, sharded_optimizer_state=False,
                         files={name: rec})
     (tag / "manifest.json").write_text(manifest.to_json())

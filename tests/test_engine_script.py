@@ -123,7 +123,7 @@ def test_getting_started_script_on_two_ranks(tmp_path, script):
                                 "micro 8 x accumulation 2 x data 2") == 1
     assert "dslaunch: ZeRO" not in runs[1].stdout
     assert (save / "latest").read_text() == "global_step24"
-    assert sorted(os.listdir(save)) == ["global_step16", "global_step24", "global_step8", "latest"]
+    assert sorted(os.listdir(save)) == ["global_step16", "global_step24", "global_step8", "latest", "zero_to_fp32.py"]
 
 
 @pytest.mark.timeout(120)

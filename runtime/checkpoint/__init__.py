@@ -9,7 +9,11 @@
     saving.py       engine.save_checkpoint: write, then commit the tag atomically
     loading.py      engine.load_checkpoint: read and check everything, then apply
     reshard.py      ZeRO shards re-cut for any world size and stage; consolidation maths
+    dsformat.py     DeepSpeed's file contents <-> our shards and states (we write and read its format)
+    foreign.py      DeepSpeed's pickled classes as inert stand-ins, read and written without it
+    reader.py       one Checkpoint view of a directory, dslaunch's or DeepSpeed's
     consolidate.py  `dslaunch consolidate`: one fp32 state_dict from any checkpoint
+    zero_to_fp32.py the script save_checkpoint ships beside the tags, as DeepSpeed does
 """
 from .errors import CheckpointError
 from .loading import load

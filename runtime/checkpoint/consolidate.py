@@ -6,9 +6,10 @@
 Works for every stage and topology: ZeRO shards (any world size, every pipeline stage) are
 re-assembled by parameter name, a pipeline's layer files merged under its parameter names;
 frozen parameters and buffers come from the module state saved beside them; tied
-parameters appear under every name the model's state_dict uses. Every file is checked
-against the manifest's checksum and read with weights_only=True: consolidating a
-checkpoint someone sent you runs none of its code. OUT ending in .safetensors is written
+parameters appear under every name the model's state_dict uses. Checkpoints written by
+DeepSpeed are read the same way. Every file is checked against the manifest's checksum
+(dslaunch's checkpoints) and read with weights_only=True: consolidating a checkpoint
+someone sent you runs none of its code. OUT ending in .safetensors is written
 with the safetensors package when it is installed (tied tensors are stored as separate
 copies there, as that format requires); anything else is written with torch.save.
 """
@@ -16,15 +17,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 import click
 import torch
 
 from .errors import CheckpointError
 from .files import write_torch
-from .layout import MANIFEST, read_latest, validate_tag
-from .manifest import Manifest
+from .layout import MANIFEST, model_states_name, read_latest, validate_tag, zero_model_states_name
+from .reader import open_checkpoint
 from .reshard import consolidated_state_dict
 from . import parallel
 
@@ -49,7 +50,8 @@ def resolve_tag(ckpt_dir: str, tag: Optional[str]) -> str:
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: not a directory")
     if tag is None:
-        if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):
+        if any(os.path.exists(os.path.join(ckpt_dir, n))
+               for n in (MANIFEST, model_states_name(), zero_model_states_name(0))):
             return ckpt_dir  # pointed at the tag directory itself
         tag = read_latest(ckpt_dir)
         if tag is None:
@@ -61,15 +63,27 @@ def resolve_tag(ckpt_dir: str, tag: Optional[str]) -> str:
 
 
 def consolidate_checkpoint(ckpt_dir: str, tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """The full fp32 state_dict of the checkpoint `ckpt_dir/tag` (tag from `latest`)."""
-    path = resolve_tag(ckpt_dir, tag)
-    manifest = Manifest.read(path)
+    """The full fp32 state_dict of the checkpoint `ckpt_dir/tag` (tag from `latest`), written
+    by dslaunch or by DeepSpeed, any stage and world size."""
+    ck = open_checkpoint(resolve_tag(ckpt_dir, tag))
     # a pipeline's layer files merged under the pipeline's parameter names, or the saved module
-    module_state = parallel.full_saved_module_state(manifest, path)
-    if not manifest.sharded_optimizer_state and not manifest.layers:
-        return consolidated_state_dict([], module_state, _aliases(module_state))
+    module_state = parallel.full_saved_module_state(ck)
+    aliases = dict(ck.model.get("shared_params") or {}) or _aliases(module_state)
+    if not ck.sharded and not ck.layers:
+        return consolidated_state_dict([], module_state, aliases)
     # fp32 weights from every saved optimizer state (ZeRO shards, or each stage's own state)
-    return consolidated_state_dict(parallel.all_shards(manifest, path), module_state, _aliases(module_state))
+    return consolidated_state_dict(parallel.all_shards(ck), module_state, aliases)
+
+
+def frozen_parameter_names(ckpt_dir: str, tag: Optional[str] = None) -> Set[str]:
+    """The parameters saved as frozen (requires_grad=False), from frozen_param_shapes: both
+    tools record them under ZeRO 2 and 3 only, so at stages 0 and 1 this is empty (DeepSpeed's
+    exclude_frozen_parameters has nothing to go on there either)."""
+    ck = open_checkpoint(resolve_tag(ckpt_dir, tag))
+    out: Set[str] = set()
+    for s in range(ck.slices):
+        out.update(ck.model_of(s).get("frozen_param_shapes") or {})
+    return out
 
 
 def write_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
@@ -78,7 +92,7 @@ def write_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
     except OSError as exc:
         raise CheckpointError(f"cannot create the folder of {out}: {exc.strerror}") from None
     if not out.endswith(".safetensors"):
-        write_torch(out, state)
+        write_torch(out, state, checksum=False)  # no manifest lists it
         return
     try:
         from safetensors.torch import save_file

@@ -8,9 +8,10 @@ a load's time (scripts/bench_checkpoint.py measures both; see the README). Any O
 a CheckpointError naming the file and the OS error, and the .part file is removed.
 
 Reading: torch.load(weights_only=True) always: tensors, containers, numbers and strings
-are rebuilt and nothing else is (no pickled object can run code while loading).
-`trust_pickle=True` is the documented escape hatch for a checkpoint whose
-client_state was saved with allow_pickle=True, and only for sources the user trusts.
+are rebuilt and nothing else is (no pickled object can run code while loading); the few
+classes DeepSpeed pickles are rebuilt as inert stand-ins (foreign.py). `trust_pickle=True`
+is the documented escape hatch for a checkpoint whose client_state was saved with
+allow_pickle=True (or holds a script's own objects), and only for sources the user trusts.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import xxhash
 
 from .errors import CheckpointError
 
@@ -38,6 +38,18 @@ class FileRecord:
     digest: str  # hex digest of CHECKSUM
 
 
+def new_checksum():
+    """An XXH3-64 hasher. xxhash is imported here, not with the package, so that
+    `import dslaunch.runtime` works where it is missing (a bare image): only writing or
+    verifying a dslaunch checkpoint needs it, and then the error says so in one line."""
+    try:
+        import xxhash
+    except ImportError:
+        raise CheckpointError(f"checkpoint checksums ({CHECKSUM}) need the xxhash package, which is not installed "
+                              "here: pip install 'xxhash>=3.0' (a declared dependency of dslaunch)") from None
+    return xxhash.xxh3_64()
+
+
 def os_error(path: str, exc: OSError, doing: str = "cannot write") -> CheckpointError:
     reason = exc.strerror or str(exc)
     return CheckpointError(f"{doing} {path}: {reason}")
@@ -47,8 +59,8 @@ class _ChecksumWriter:
     """The file object torch.save writes to: counts and checksums every chunk and keeps
     the OSError a failed write raised (torch reports it as an opaque 'unexpected pos')."""
 
-    def __init__(self, fh):
-        self.fh, self.size, self.hash, self.error = fh, 0, xxhash.xxh3_64(), None
+    def __init__(self, fh, hasher):
+        self.fh, self.size, self.hash, self.error = fh, 0, hasher, None
 
     def write(self, data) -> int:
         try:
@@ -56,7 +68,8 @@ class _ChecksumWriter:
         except OSError as exc:
             self.error = exc
             raise
-        self.hash.update(data)
+        if self.hash is not None:
+            self.hash.update(data)
         self.size += len(data)
         return n
 
@@ -64,12 +77,13 @@ class _ChecksumWriter:
         self.fh.flush()
 
 
-def _write_atomic(path: str, emit: Callable[[_ChecksumWriter], None]) -> FileRecord:
+def _write_atomic(path: str, emit: Callable[[_ChecksumWriter], None], checksum: bool = True) -> FileRecord:
+    """checksum=False: a file no manifest lists (a consolidated state_dict); digest left empty."""
     part = path + ".part"
-    writer = None
+    writer, hasher = None, new_checksum() if checksum else None
     try:
         with open(part, "wb") as fh:
-            writer = _ChecksumWriter(fh)
+            writer = _ChecksumWriter(fh, hasher)
             emit(writer)
             fh.flush()
             os.fsync(fh.fileno())
@@ -84,11 +98,16 @@ def _write_atomic(path: str, emit: Callable[[_ChecksumWriter], None]) -> FileRec
         if isinstance(exc, RuntimeError) and not isinstance(exc, CheckpointError):
             raise CheckpointError(f"cannot write {path}: {str(exc).splitlines()[0]}") from None
         raise
-    return FileRecord(writer.size, writer.hash.hexdigest())
+    return FileRecord(writer.size, hasher.hexdigest() if hasher is not None else "")
 
 
-def write_torch(path: str, obj: Any) -> FileRecord:
-    return _write_atomic(path, lambda w: torch.save(obj, w))
+def write_torch(path: str, obj: Any, deepspeed_objects: bool = False, checksum: bool = True) -> FileRecord:
+    """deepspeed_objects: obj holds foreign.py stand-ins to be pickled as DeepSpeed's classes."""
+    if deepspeed_objects:
+        from .foreign import save_with_deepspeed_globals
+
+        return _write_atomic(path, lambda w: save_with_deepspeed_globals(obj, w), checksum)
+    return _write_atomic(path, lambda w: torch.save(obj, w), checksum)
 
 
 def write_bytes(path: str, data: bytes) -> FileRecord:
@@ -98,7 +117,7 @@ def write_bytes(path: str, data: bytes) -> FileRecord:
 def file_record(path: str) -> FileRecord:
     """Size and checksum of a file as it is on disk: hashed straight from a read-only
     memory map, so the bytes are not copied through Python buffers first."""
-    h = xxhash.xxh3_64()
+    h = new_checksum()
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -154,8 +173,12 @@ def ensure_writable_dir(path: str) -> None:
 
 
 def _unsafe_globals(path: str) -> str:
+    """The pickled callables that made weights_only refuse the file (not the allowed stand-ins)."""
+    from .foreign import read_globals
+
+    allowed = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}" for g in read_globals()}
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n not in allowed]
     except Exception:
         names = []
     return ", ".join(sorted(names)[:3]) or "an object"
@@ -164,12 +187,15 @@ def _unsafe_globals(path: str) -> str:
 def load_torch(path: str, *, mmap: bool = False, trust_pickle: bool = False) -> Any:
     """torch.load with weights_only=True (or the explicit trust_pickle opt-in); every
     failure is one CheckpointError line naming the file."""
+    from .foreign import deepspeed_globals, load_trusting
+
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     try:
         if trust_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return load_trusting(path, mmap=mmap)
+        with deepspeed_globals():
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except OSError as exc:
         raise os_error(path, exc, "cannot read checkpoint file") from None
     except Exception as exc:

@@ -1,12 +1,18 @@
 """engine.load_checkpoint: read and check everything first, then apply.
 
-Reading (every rank, its own files): the manifest (sizes of all files), then each file
+Reading (every rank, its own files, through reader.py: dslaunch's checkpoints and
+DeepSpeed's alike): the manifest (sizes of all files) when there is one, then each file
 this rank needs after its checksum is verified, through torch.load(weights_only=True);
 the module state is checked against the model (names and full shapes, ZeRO-3 included:
 a partitioned parameter's full shape is taken from its ZeRO record, not from the empty
 tensor the module holds at rest). All ranks then agree; only if every rank has read
 everything is any state changed, so a missing, damaged, foreign or mismatched
 checkpoint is one CheckpointError line on every rank and loads nothing.
+
+Any saved world size, stage and topology loads into any current one: ZeRO shards are
+re-cut by parameter name (reshard.py); a stage-0 checkpoint's torch optimizer state is cut
+into shards for ZeRO, and shards are made whole for stage 0; a pipeline's layer files and
+per-stage states are matched by layer index and parameter name (parallel.py).
 """
 from __future__ import annotations
 
@@ -20,9 +26,8 @@ import torch
 from .agree import agree
 from .errors import CheckpointError
 from .files import load_torch
-from .layout import read_latest, rng_states_name, validate_tag
-from .manifest import Manifest
-from .rng import set_rng_state
+from .layout import model_states_name, read_latest, rng_states_name, validate_tag
+from .reader import Checkpoint, open_checkpoint
 from .saving import CLIENT_STATE_FILE
 from . import parallel
 
@@ -30,10 +35,13 @@ from . import parallel
 @dataclass
 class _Loaded:
     path: str
-    model: Dict[str, Any]
-    optim: Any  # this rank's state, every saved rank's shard (re-sharding), or None
+    module: Dict[str, torch.Tensor]
+    optim: Any  # this rank's shard, every saved rank's shard (re-sharding), a stage-0 state, or None
     rng: Optional[Dict[str, Any]]
     client_state: Dict[str, Any]
+    counters: Dict[str, int]
+    lr_scheduler: Optional[Dict[str, Any]]
+    loss_scaler: Optional[Dict[str, Any]]
 
 
 def full_shapes(module: torch.nn.Module) -> Dict[str, Tuple[int, ...]]:
@@ -45,88 +53,109 @@ def full_shapes(module: torch.nn.Module) -> Dict[str, Tuple[int, ...]]:
     return out
 
 
-def check_module_state(module: torch.nn.Module, state: Any, path: str, strict: bool = True) -> None:
-    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        raise CheckpointError(f"checkpoint {path} is damaged: its module state is not a dict of tensors")
+def _more(items) -> str:
+    return f"{items[:5]}{' (+%d more)' % (len(items) - 5) if len(items) > 5 else ''}"
+
+
+def check_module_shapes(module: torch.nn.Module, saved: Dict[str, Tuple[int, ...]], path: str,
+                        strict: bool = True) -> None:
     own = full_shapes(module)
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
     if strict and (missing or unexpected):
-        raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}"
-                              f"{' (+%d more)' % (len(missing) - 5) if len(missing) > 5 else ''}, "
-                              f"unexpected {unexpected[:5]}"
-                              f"{' (+%d more)' % (len(unexpected) - 5) if len(unexpected) > 5 else ''}")
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {_more(missing)}, "
+                              f"unexpected {_more(unexpected)}")
     for k, shape in own.items():
-        if k in state and tuple(state[k].shape) != shape:
-            raise CheckpointError(f"checkpoint {path}: {k} has shape {tuple(state[k].shape)}, the model has {shape}")
+        if k in saved and tuple(saved[k]) != shape:
+            raise CheckpointError(f"checkpoint {path}: {k} has shape {tuple(saved[k])}, the model has {shape}")
 
 
-def _field(d: Any, key: str, path: str) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise CheckpointError(f"checkpoint {path} is damaged: its model states lack {key!r}")
-    return d[key]
+def _optimizer_state(engine, ck: Checkpoint) -> Any:
+    strategy = engine.strategy
+    place = parallel.placement(engine)
+    if not ck.sharded and ck.slices == 1 and not ck.layers and not parallel.is_pipeline(engine):
+        return ck.stage0_state()  # one whole state, whatever the data-parallel size
+    same = parallel.same_layout(ck, engine)
+    # Strategies with loads_any_world_size (stage 0 and ZeRO) re-cut what was saved at
+    # another topology or stage (reshard.py, parallel.py): they get every saved rank's
+    # state keyed by parameter name, ZeRO files memory-mapped so only the overlapping
+    # pieces are read.
+    anywhere = getattr(strategy, "loads_any_world_size", False)
+    if not same and not anywhere:
+        raise CheckpointError(f"checkpoint {ck.path} was saved at topology {ck.topology} and this job runs "
+                              f"{place.topology()}; its optimizer state cannot be re-cut here (consolidate it or "
+                              "load with load_optimizer_states=False)")
+    if not same or (ck.sharded and anywhere and ck.zero_stage != strategy.stage):
+        if ck.manifest is not None and ck.manifest.node_local:
+            needed = ([ck.optim_name(d, s) for s in range(ck.slices) for d in range(ck.world_size)] if ck.sharded
+                      else [model_states_name(s) for s in range(ck.slices)]) + sorted(ck.layers)
+            held = [n for n in needed if n in ck.manifest.files]
+            if len(held) < len(needed):
+                raise CheckpointError(f"checkpoint {ck.path} was saved with checkpoint.use_node_local_storage: this "
+                                      f"node holds {len(held)} of the {len(needed)} files needed to re-shard it; "
+                                      "resume on the nodes and world size that saved it")
+        return parallel.all_shards(ck, engine)
+    if ck.sharded:
+        return ck.shard(place.dp_rank, place.slice)
+    return ck.stage0_state()
 
 
 def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
           trust_pickle: bool) -> _Loaded:
-    manifest = Manifest.read(path)
-    rank, strategy = engine.global_rank, engine.strategy
-    model = load_torch(manifest.verify(path, parallel.own_model_states(manifest, path, engine)),
-                       trust_pickle=trust_pickle)
-    _field(model, "module", path)
+    rank = engine.global_rank
+    ck = open_checkpoint(path, trust_pickle=trust_pickle, placement=parallel.placement(engine))
     # the module state under this module's names: its own, or rebuilt from a pipeline's layer files
-    module = parallel.module_state(manifest, path, engine, model)
-    check_module_state(engine.module, module, path, strict)
-    model = dict(model, module=module)
-    client_state = _field(model, "client_state", path)
-    if manifest.pickled_client_state:
+    module = parallel.module_state(ck, engine)
+    check_module_shapes(engine.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
+    client_state = ck.client_state()
+    if ck.manifest is not None and ck.manifest.pickled_client_state:
         if not trust_pickle:
             raise CheckpointError(f"checkpoint {path}: its client_state was saved with allow_pickle=True and needs "
                                   "pickle to load; pass trust_pickle=True if you trust its source")
-        client_state = load_torch(manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True)
-
-    optim = None
-    if load_optimizer_states and not load_module_only:
-        sharded = manifest.sharded_optimizer_state
-        same = parallel.same_layout(manifest, engine)
-        # Strategies with loads_any_world_size (stage 0 and ZeRO) re-cut what was saved at
-        # another topology or stage (reshard.py, parallel.py): they get every saved rank's
-        # state keyed by parameter name, ZeRO files memory-mapped so only the overlapping
-        # pieces are read.
-        anywhere = getattr(strategy, "loads_any_world_size", False)
-        if not same and not anywhere:
-            raise CheckpointError(f"checkpoint {path} was saved at topology {manifest.topology or manifest.world_size} "
-                                  f"and this job runs {parallel.placement(engine).topology()}; its optimizer state "
-                                  "cannot be re-cut here (consolidate it or load with load_optimizer_states=False)")
-        if not same or (sharded and anywhere and manifest.zero_stage != strategy.stage):
-            if manifest.node_local:
-                raise CheckpointError(f"checkpoint {path} was saved with checkpoint.use_node_local_storage: a node "
-                                      "holds only its own ranks' optimizer shards, not all those needed to re-shard "
-                                      "it; resume on the nodes and world size that saved it")
-            optim = parallel.all_shards(manifest, path, engine)
-        elif sharded:
-            optim = load_torch(manifest.verify(path, parallel.optim_states_file(engine)))
-        else:
-            optim = _field(model, "optimizer", path)
+        client_state = load_torch(ck.manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True)
+    optim = _optimizer_state(engine, ck) if load_optimizer_states and not load_module_only else None
     rng = None
-    if not load_module_only and rng_states_name(rank) in manifest.files:
-        rng = load_torch(manifest.verify(path, rng_states_name(rank)))
-    return _Loaded(path, model, optim, rng, client_state)
+    if not load_module_only and ck.manifest is not None and rng_states_name(rank) in ck.manifest.files:
+        rng = ck.read(rng_states_name(rank))
+    return _Loaded(path, module, optim, rng, client_state,
+                   ck.counters(engine.gradient_accumulation_steps()), ck.lr_scheduler,
+                   ck.loss_scaler_state() if engine.loss_scaler is not None and not load_module_only else None)
+
+
+def _load_stage0_into_stage0(engine, state: Dict[str, Any]) -> None:
+    """A stage-0 state into stage 0: the torch state_dict, then the fp32 copies (DeepSpeed's
+    fp32_groups order: param group by param group) into the tensors the optimizer steps."""
+    engine.strategy.load_optimizer_state_dict({"optimizer": state["optimizer"]})
+    masters = state.get("fp32_masters")
+    if masters:
+        targets = [p for g in engine.optimizer.param_groups for p in g["params"]]
+        if len(targets) != len(masters) or any(t.shape != m.shape for t, m in zip(targets, masters)):
+            raise CheckpointError("the checkpoint's fp32 weights do not match this optimizer's parameters")
+        with torch.no_grad():
+            for t, m in zip(targets, masters):
+                if t.dtype == torch.float32:
+                    t.copy_(m)
 
 
 def _apply(engine, got: _Loaded, strict: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
-    strategy, model = engine.strategy, got.model
-    strategy.load_module_state_dict(model["module"], strict=strict)
+    strategy = engine.strategy
+    strategy.load_module_state_dict(got.module, strict=strict)
     if load_module_only:
         return
-    if got.optim is not None:
+    if isinstance(got.optim, dict) and "optimizer" in got.optim and strategy.stage == 0:
+        _load_stage0_into_stage0(engine, got.optim)
+    elif got.optim is not None:
         strategy.load_optimizer_state_dict(got.optim)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and model.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(model["lr_scheduler"])
-    if engine.loss_scaler is not None and model.get("loss_scaler") is not None:
-        engine.loss_scaler.load_state_dict(model["loss_scaler"])
-    engine.load_counters_state(_field(model, "counters", got.path))
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and got.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(got.lr_scheduler)
+    if engine.loss_scaler is not None and got.loss_scaler is not None:
+        state = engine.loss_scaler.state_dict()
+        state.update({k: v for k, v in got.loss_scaler.items() if k in state})
+        engine.loss_scaler.load_state_dict(state)
+    engine.load_counters_state(got.counters)
     if got.rng is not None:
+        from .rng import set_rng_state
+
         set_rng_state(got.rng)
 
 
@@ -177,5 +206,6 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
     except CheckpointError as exc:
         error = str(exc)
     agree(error)
-    _apply(engine, got, load_module_strict, load_lr_scheduler_states, load_module_only)
+    with torch.no_grad():  # restoring state is not part of any graph
+        _apply(engine, got, load_module_strict, load_lr_scheduler_states, load_module_only)
     return got.path, got.client_state

@@ -11,7 +11,8 @@ Saving (DeepSpeed's layout, layout.py names):
   - the manifest records the topology and, for pipelines, which state_dict prefix each
     layer file fills ("3" for layer 3, "tied_modules.embed" for a tied layer).
 
-Loading at the same topology reads this rank's own files. At another one (pp=2 x dp=2 saved,
+Files are DeepSpeed's (dsformat.py); reading goes through reader.Checkpoint. Loading at
+the same topology reads this rank's own files. At another one (pp=2 x dp=2 saved,
 pp=1 x dp=2 or pp=4 x dp=1 resumed, or a model without a pipeline), the module state is
 rebuilt from the layer files by global layer index, and the optimizer state from every
 saved shard (or every stage's unsharded state, re-cut by parameter name), which each
@@ -22,13 +23,12 @@ through its `to_layers()` (each layer module's name in the model).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
 from .errors import CheckpointError
-from .files import load_torch
-from .layout import layer_states_name, model_states_name, optim_states_name, slice_rank
+from .layout import layer_states_name, model_states_name, optim_states_name, slice_rank, zero_model_states_name
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,15 @@ def model_states_file(engine) -> str:
 
 
 def optim_states_file(engine) -> str:
+    """DeepSpeed's name, bf16_ prefix included under bf16."""
     p = placement(engine)
-    return optim_states_name(p.dp_rank, p.slice)
+    return optim_states_name(p.dp_rank, p.slice, bf16=engine.compute_dtype == torch.bfloat16)
+
+
+def zero_model_states_file(engine) -> str:
+    """ZeRO-3: every rank writes its own model-states file."""
+    p = placement(engine)
+    return zero_model_states_name(p.dp_rank, p.slice)
 
 
 def writes_model_states(engine, writes_shared: bool) -> bool:
@@ -114,28 +121,17 @@ def layer_files(engine, module_state: Dict[str, torch.Tensor]) -> Dict[str, Dict
     return out
 
 
-# -- loading ---------------------------------------------------------------------------------------
-def _saved_topology(manifest) -> Dict[str, int]:
-    return manifest.topology or {"pipe": 1, "data": manifest.world_size, "model": 1}
-
-
-def same_layout(manifest, engine) -> bool:
+# -- loading (reader.Checkpoint, dslaunch's or DeepSpeed's) -----------------------------------------
+def same_layout(ck, engine) -> bool:
     """Saved and resumed at the same topology, with the same kind of model."""
-    return (_saved_topology(manifest) == placement(engine).topology()
-            and bool(manifest.layers) == (_pipeline_module(engine) is not None))
-
-
-def _read(manifest, path: str, name: str, mmap: bool = False):
-    if name not in manifest.files:
-        raise CheckpointError(f"checkpoint {path} has no {name}")
-    return load_torch(manifest.verify(path, name), mmap=mmap)
+    return ck.topology == placement(engine).topology() and bool(ck.layers) == (_pipeline_module(engine) is not None)
 
 
 def _layer_index(name: str) -> int:
     return int(name.split("_", 1)[1].split("-", 1)[0])
 
 
-def target_prefixes(engine, manifest, path: str) -> Dict[int, str]:
+def target_prefixes(engine, ck) -> Dict[int, str]:
     """Global layer index -> the prefix its state takes in this engine's module."""
     pipe = _pipeline_module(engine)
     if pipe is not None:
@@ -145,27 +141,23 @@ def target_prefixes(engine, manifest, path: str) -> Dict[int, str]:
     try:
         return to_layers_prefixes(engine.module)
     except PipelineError:
-        raise CheckpointError(f"checkpoint {path} was saved by a pipeline (one file per layer); to load it into a "
+        raise CheckpointError(f"checkpoint {ck.path} was saved by a pipeline (one file per layer); to load it into a "
                               "model without a pipeline, the model needs to_layers() (its layers in pipeline "
                               "order)") from None
 
 
-def module_state(manifest, path: str, engine, model_states: Dict[str, Any], everything: bool = False
-                 ) -> Dict[str, torch.Tensor]:
+def module_state(ck, engine, everything: bool = False) -> Dict[str, torch.Tensor]:
     """The module state this engine loads: the saved module (no pipeline), or the state
     rebuilt from layer files under this module's names (`everything`: every saved layer,
     under the saved pipeline names, e.g. to re-cut optimizer state by name)."""
-    if not manifest.layers:
-        if _pipeline_module(engine) is not None and not everything:
-            raise CheckpointError(f"checkpoint {path} was saved without a pipeline; a PipelineModule loads only "
+    if not ck.layers:
+        if engine is not None and _pipeline_module(engine) is not None and not everything:
+            raise CheckpointError(f"checkpoint {ck.path} was saved without a pipeline; a PipelineModule loads only "
                                   "pipeline checkpoints (load it into the model it was saved from)")
-        state = model_states.get("module") if isinstance(model_states, dict) else None
-        if not isinstance(state, dict):
-            raise CheckpointError(f"checkpoint {path} is damaged: its model states hold no module")
-        return state
-    prefixes = None if everything else target_prefixes(engine, manifest, path)
+        return ck.module_state()
+    prefixes = None if everything or engine is None else target_prefixes(engine, ck)
     out = {}
-    for name, saved_prefix in sorted(manifest.layers.items()):
+    for name, saved_prefix in sorted(ck.layers.items()):
         idx = _layer_index(name)
         if prefixes is None:
             prefix = saved_prefix
@@ -174,20 +166,19 @@ def module_state(manifest, path: str, engine, model_states: Dict[str, Any], ever
         elif _pipeline_module(engine) is not None:
             continue  # another stage's layer
         else:
-            raise CheckpointError(f"checkpoint {path}: layer {idx} has weights ({name}) but layer {idx} of this "
+            raise CheckpointError(f"checkpoint {ck.path}: layer {idx} has weights ({name}) but layer {idx} of this "
                                   f"model's to_layers() is not one of its modules")
-        layer = _read(manifest, path, name)
-        out.update({f"{prefix}.{k}" if prefix else k: v for k, v in layer.items()})
+        out.update({f"{prefix}.{k}" if prefix else k: v for k, v in ck.read(name).items()})
     return out
 
 
-def _stage0_as_shard(state: Dict[str, Any], module: Dict[str, torch.Tensor], path: str) -> List[Dict[str, Any]]:
+def _stage0_as_shard(ck, state: Dict[str, Any], module: Dict[str, torch.Tensor]) -> List[Dict[str, Any]]:
     from .reshard import shards_from_stage0
 
-    names = state.get("param_names") if isinstance(state, dict) else None
+    names = state.get("param_names")
     if names is None:
-        raise CheckpointError(f"checkpoint {path}: its optimizer state has no parameter names, so it cannot be "
-                              "re-cut for another topology (saved by an older dslaunch); resume at the topology "
+        raise CheckpointError(f"checkpoint {ck.path}: its optimizer state has no parameter names, so it cannot be "
+                              "re-cut for another topology (not saved by dslaunch); resume at the topology "
                               "that saved it")
     return shards_from_stage0(state, names, module)
 
@@ -211,63 +202,41 @@ def _rename(shards: List[Dict[str, Any]], rename: Dict[str, str]) -> List[Dict[s
     return out
 
 
-def saved_name_map(manifest, path: str, engine) -> Dict[str, str]:
+def saved_name_map(ck, engine) -> Dict[str, str]:
     """Saved parameter name -> this engine's name (identity within pipelines)."""
-    if not manifest.layers or _pipeline_module(engine) is not None:
+    if not ck.layers or _pipeline_module(engine) is not None:
         return {}
-    prefixes = target_prefixes(engine, manifest, path)
+    prefixes = target_prefixes(engine, ck)
     out = {}
-    for name, saved_prefix in manifest.layers.items():
+    for name, saved_prefix in ck.layers.items():
         idx = _layer_index(name)
         if idx in prefixes:
-            for k in _read(manifest, path, name):
+            for k in ck.read(name):
                 out[f"{saved_prefix}.{k}"] = f"{prefixes[idx]}.{k}" if prefixes[idx] else k
     return out
 
 
-def all_shards(manifest, path: str, engine=None) -> List[Dict[str, Any]]:
-    """Every saved rank's optimizer state as name-keyed shards (ZeRO files as they are,
-    each slice's unsharded state re-cut by name), renamed for `engine`'s module."""
-    topo = _saved_topology(manifest)
-    slices = topo["pipe"] * topo["model"]
-    if manifest.sharded_optimizer_state:
-        shards = [_read(manifest, path, optim_states_name(d, s), mmap=True)
-                  for s in range(slices) for d in range(topo["data"])]
+def all_shards(ck, engine=None) -> List[Dict[str, Any]]:
+    """Every saved rank's optimizer state as name-keyed shards (ZeRO files converted from
+    DeepSpeed's flat partitions, each slice's unsharded state re-cut by name), renamed for
+    `engine`'s module."""
+    if ck.sharded:
+        shards = [ck.shard(d, s, mmap=True) for s in range(ck.slices) for d in range(ck.world_size)]
     else:
         full = None
         shards = []
-        for s in range(slices):
-            model = _read(manifest, path, model_states_name(s))
-            state = model.get("optimizer") if isinstance(model, dict) else None
-            if state is None:
-                raise CheckpointError(f"checkpoint {path}: {model_states_name(s)} holds no optimizer state")
+        for s in range(ck.slices):
+            state = ck.stage0_state(ck.model_of(s))
             if full is None:
-                full = module_state(manifest, path, engine, model, everything=True) if engine is not None else \
-                    full_saved_module_state(manifest, path)
-            shards += _stage0_as_shard(state, full, path)
+                full = module_state(ck, engine, everything=True)
+            shards += _stage0_as_shard(ck, state, full)
     if engine is not None:
-        rename = saved_name_map(manifest, path, engine)
+        rename = saved_name_map(ck, engine)
         if rename:
             shards = _rename(shards, rename)
     return shards
 
 
-def full_saved_module_state(manifest, path: str) -> Dict[str, torch.Tensor]:
+def full_saved_module_state(ck) -> Dict[str, torch.Tensor]:
     """Every saved weight under its saved name (a pipeline's layers merged), for consolidation."""
-    if not manifest.layers:
-        model = _read(manifest, path, model_states_name(0))
-        state = model.get("module") if isinstance(model, dict) else None
-        if not isinstance(state, dict):
-            raise CheckpointError(f"checkpoint {path}: {model_states_name(0)} holds no module state")
-        return state
-    out = {}
-    for name, prefix in sorted(manifest.layers.items()):
-        out.update({f"{prefix}.{k}": v for k, v in _read(manifest, path, name).items()})
-    return out
-
-
-def own_model_states(manifest, path: str, engine) -> Optional[str]:
-    """The model-states file this rank takes its scheduler, scaler and counters from: its
-    own slice's when the checkpoint has one, else the first slice's."""
-    own = model_states_file(engine)
-    return own if own in manifest.files and same_layout(manifest, engine) else model_states_name(0)
+    return module_state(ck, None, everything=True)

@@ -13,10 +13,22 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 
-from ..zero.partition import coverage_gaps, pieces_from_dict
 from .errors import CheckpointError
 
 Key = Union[str, Tuple[str, str]]
+
+
+def _pieces(rows):
+    # imported here: dslaunch.runtime.zero imports this module while it initialises
+    from ..zero.partition import pieces_from_dict
+
+    return pieces_from_dict(rows)
+
+
+def _gaps(spans, numel):
+    from ..zero.partition import coverage_gaps
+
+    return coverage_gaps(spans, numel)
 
 
 def _tensors(group: Dict[str, Any], key: Key) -> Dict[str, torch.Tensor]:
@@ -32,7 +44,7 @@ def _index(shards: Sequence[Dict[str, Any]], key: Key) -> Dict[str, List[Tuple[i
             tens = _tensors(g, key)
             if not isinstance(tens, dict):
                 continue
-            for p in pieces_from_dict(g["pieces"]):
+            for p in _pieces(g["pieces"]):
                 if p.name in tens:
                     idx.setdefault(p.name, []).append((p.start, p.end, tens[p.name]))
     return idx
@@ -55,7 +67,7 @@ def assemble(shards: Sequence[Dict[str, Any]], gi: int, key: Key,
             if lo < hi:
                 out[offset + lo - start:offset + hi - start].copy_(t[lo - a:hi - a])
                 spans.append((lo - start, hi - start))
-        gaps = coverage_gaps(spans, end - start)
+        gaps = _gaps(spans, end - start)
         if gaps:
             s, e = gaps[0]
             raise CheckpointError(f"checkpoint is missing elements [{start + s}, {start + e}) of {_keyname(key)} "
@@ -163,7 +175,7 @@ def whole_optimizer_state(shards: Sequence[Dict[str, Any]], numels: Dict[str, in
     scalars: Dict[str, Dict[str, Any]] = {}
     for sh in shards:
         for g in sh["groups"]:
-            names = {p.name for p in pieces_from_dict(g["pieces"])}
+            names = {p.name for p in _pieces(g["pieces"])}
             for k, v in g["state"].items():
                 for n in names:
                     if isinstance(v, dict):

@@ -34,14 +34,20 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Any, Callable, Dict, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 from .agree import agree
 from .errors import CheckpointError
 from .files import FileRecord, ensure_writable_dir, fsync_dir, plain_value_problem, remove_tree, write_bytes, \
     write_torch
-from .layout import LATEST, PREVIOUS, STAGING, TRASH, read_latest, rng_states_name, validate_tag
+from . import dsformat
+from .foreign import loss_scaler_record
+from .layout import LATEST, PREVIOUS, RECOVERY_SCRIPT, STAGING, TRASH, read_latest, rng_states_name, validate_tag
 from .manifest import Manifest
+from .reshard import tied_aliases
 from .rng import rng_state
 from . import parallel
 
@@ -54,18 +60,23 @@ def _step(name: str) -> None:
     _crash_hook(name)
 
 
-def _client_state_problem(client_state: Dict[str, Any]) -> Optional[str]:
+def _client_keys_problem(client_state: Dict[str, Any]) -> Optional[str]:
     if not isinstance(client_state, dict):
         return f"client_state must be a dict, not {type(client_state).__name__}"
     for k in client_state:
         if not isinstance(k, str):
             return f"client_state key {k!r} is not a string"
-    return plain_value_problem(client_state, "client_state")
+        if k in dsformat.DS_KEYS:  # DeepSpeed stores client_state beside its own keys
+            return f"client_state key {k!r} is reserved for the checkpoint's own {k!r} entry"
+    return None
 
 
 def _prepare(save_dir: str, staging: str, client_state: Dict[str, Any], allow_pickle: bool) -> bool:
     """Rank 0, phase 1. Returns whether client_state needs its own pickled file."""
-    problem = _client_state_problem(client_state)
+    keys = _client_keys_problem(client_state)
+    if keys:
+        raise CheckpointError(f"save_checkpoint: {keys}")
+    problem = plain_value_problem(client_state, "client_state")
     if problem and not allow_pickle:
         raise CheckpointError(f"save_checkpoint: {problem}; store tensors and JSON-like values "
                               "(they load with weights_only=True), or pass allow_pickle=True")
@@ -98,6 +109,16 @@ def _write_latest(save_dir: str, tag: str) -> None:
     fsync_dir(save_dir)
 
 
+def _write_recovery_script(save_dir: str) -> None:
+    """zero_to_fp32.py beside the tags, as DeepSpeed ships its own: consolidation without
+    writing any code (it needs dslaunch installed, as DeepSpeed's needs DeepSpeed)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), RECOVERY_SCRIPT), "rb") as fh:
+        script = fh.read()
+    path = os.path.join(save_dir, RECOVERY_SCRIPT)
+    write_bytes(path, script)
+    os.chmod(path, 0o755)
+
+
 def _remove_leftovers(save_dir: str) -> None:
     keep = read_latest(save_dir)
     for entry in os.scandir(save_dir):
@@ -128,6 +149,7 @@ def _commit(save_dir: str, staging: str, tag: str, save_latest: bool) -> None:
         os.rename(staging, final)
         fsync_dir(save_dir)
         _step("new-in-place")
+        _write_recovery_script(save_dir)
         if save_latest or points_here:
             _write_latest(save_dir, tag)
             _step("latest-updated")
@@ -137,19 +159,114 @@ def _commit(save_dir: str, staging: str, tag: str, save_latest: bool) -> None:
         raise CheckpointError(f"cannot commit checkpoint {final}: {exc.strerror or exc}") from None
 
 
+def _buffer_names(module: torch.nn.Module) -> List[str]:
+    """Persistent buffers, as DeepSpeed lists them (zero_to_fp32 takes buffers by these names)."""
+    out = []
+    for prefix, m in module.named_modules():
+        for name, buf in m.named_buffers(recurse=False):
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                out.append(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def _frozen(module: torch.nn.Module) -> List[str]:
+    seen, out = set(), []
+    for name, p in module.named_parameters():
+        if not p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(name)
+    return out
+
+
+def _dynamic_settings(scaler) -> Optional[Dict[str, Any]]:
+    if scaler is None or not getattr(scaler, "dynamic", False):
+        return None
+    return {"factor": scaler.factor, "window": scaler.window, "min_scale": scaler.min_scale,
+            "hysteresis": scaler.hysteresis, "consecutive_hysteresis": scaler.consecutive_hysteresis}
+
+
+def _fragment(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's ZeRO-3 chunk of a whole tensor (padded), as DeepSpeed keeps frozen parameters."""
+    flat = full.detach().reshape(-1)
+    chunk = -(-flat.numel() // world)
+    padded = torch.zeros(chunk * world, dtype=flat.dtype)
+    padded[:flat.numel()] = flat
+    return padded[rank * chunk:(rank + 1) * chunk].clone()
+
+
 def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any]) -> Dict[str, Any]:
-    strategy = engine.strategy
-    return {
+    """DeepSpeed's model-states dict (engine._common_checkpoint_state plus client_state at the
+    top level), with dslaunch's extras under "dslaunch"."""
+    module, stage = engine.module, engine.strategy.stage
+    place = parallel.placement(engine)
+    world, rank = place.dp_size, place.dp_rank  # ZeRO shards over the data-parallel group
+    scaler = engine.loss_scaler
+    scaler_state = scaler.state_dict() if scaler is not None else None
+    frozen = {n: module_state[n] for n in _frozen(module)} if stage >= 2 else {}
+    if stage == 3:  # parameters live in the fp32 shards; DeepSpeed keeps empty placeholders
+        params = dict(module.named_parameters(remove_duplicate=False))
+        module_state = {k: (torch.empty(0, dtype=v.dtype) if k in params else v) for k, v in module_state.items()}
+    sub_group = engine.config.zero_optimization.sub_group_size
+    state = {
         "module": None if parallel.is_pipeline(engine) else module_state,  # pipelines: one file per layer
-        "optimizer": None if strategy.sharded_optimizer_state else optim_state,
+        "buffer_names": _buffer_names(module),
+        "optimizer": (dsformat.stage0_optimizer(optim_state, engine.optimizer.param_groups,
+                                                engine.compute_dtype != torch.float32, scaler_state,
+                                                _dynamic_settings(scaler), engine.global_steps)
+                      if stage == 0 else None),
+        "param_shapes": (None if stage == 0 else dsformat.stage3_param_shapes(optim_state, sub_group) if stage == 3
+                         else dsformat.stage12_param_shapes(optim_state)),
+        "frozen_param_shapes": OrderedDict((n, v.shape) for n, v in frozen.items()) if stage >= 2 else None,
+        "shared_params": tied_aliases(module) if stage > 0 else None,
+        "frozen_param_fragments": (OrderedDict((n, v if stage == 2 else _fragment(v, world, rank))
+                                               for n, v in frozen.items()) if stage >= 2 else None),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-        "counters": engine.counters_state(),
-        "client_state": client_state,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "dp_world_size": world,
+        "mp_world_size": place.slices,  # DeepSpeed's grid: the (pipe, model) slice size
+        "checkpoint_parallel_dimensions": {"pp_degree": place.pp_size, "tp_degree": place.mp_size},
         "ds_config": engine.config.to_dict(),
-        "dp_world_size": parallel.placement(engine).dp_size,
-        "zero_stage": strategy.stage,
+        "ds_version": dsformat.DS_VERSION,
     }
+    state.update(client_state)
+    state["dslaunch"] = {"counters": engine.counters_state(), "loss_scaler": scaler_state,
+                         "client_keys": sorted(client_state)}
+    if stage == 0 and optim_state is not None and "param_names" in optim_state:
+        # every group's parameter names: another topology or stage re-cuts this state by name
+        state["dslaunch"]["param_names"] = optim_state["param_names"]
+    return state
+
+
+def _write_rank_files(engine, staging: str, module_state, optim_state, client_state: Dict[str, Any],
+                      writes_shared: bool) -> Dict[str, FileRecord]:
+    """This rank's files: RNG states, its ZeRO optimizer states, and the model states (ZeRO-3:
+    every rank its own; otherwise one writer per (pipe, model) slice, parallel.py), with a
+    pipeline stage's layer files."""
+    rank, stage = engine.global_rank, engine.strategy.stage
+    records = {rng_states_name(rank): write_torch(os.path.join(staging, rng_states_name(rank)), rng_state())}
+    if stage > 0:
+        scaler = engine.loss_scaler
+        scaler_state = scaler.state_dict() if scaler is not None else None
+        dynamic = _dynamic_settings(scaler)
+        optim = dsformat.zero_optim_states(
+            optim_state, engine.optimizer.param_groups, clip_grad=float(engine.config.gradient_clipping),
+            loss_scaler=loss_scaler_record(scaler_state, dynamic), dynamic_loss_scale=dynamic is not None,
+            sub_group_size=engine.config.zero_optimization.sub_group_size)
+        name = parallel.optim_states_file(engine)
+        records[name] = write_torch(os.path.join(staging, name), {
+            "optimizer_state_dict": optim, "ds_config": engine.config.to_dict(), "ds_version": dsformat.DS_VERSION},
+            deepspeed_objects=True)
+    if stage == 3 or parallel.writes_model_states(engine, writes_shared):
+        name = parallel.zero_model_states_file(engine) if stage == 3 else parallel.model_states_file(engine)
+        records[name] = write_torch(os.path.join(staging, name),
+                                    _model_states(engine, module_state, optim_state, client_state))
+        for name, layer in parallel.layer_files(engine, module_state).items():
+            records[name] = write_torch(os.path.join(staging, name), layer)
+    return records
 
 
 def _agreed_tag(engine, tag) -> str:
@@ -202,20 +319,10 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
     records: Dict[str, FileRecord] = {}
     error = None
     try:
-        records[rng_states_name(rank)] = write_torch(os.path.join(staging, rng_states_name(rank)), rng_state())
-        if strategy.sharded_optimizer_state:
-            name = parallel.optim_states_file(engine)
-            records[name] = write_torch(os.path.join(staging, name), optim_state)
-        if parallel.writes_model_states(engine, writes_shared):  # one writer per (pipe, model) slice
-            saved_client = {} if pickled else client_state
-            name = parallel.model_states_file(engine)
-            records[name] = write_torch(os.path.join(staging, name),
-                                        _model_states(engine, module_state, optim_state, saved_client))
-            for name, layer in parallel.layer_files(engine, module_state).items():
-                records[name] = write_torch(os.path.join(staging, name), layer)
-        if writes_shared:
-            if pickled:
-                records[CLIENT_STATE_FILE] = write_torch(os.path.join(staging, CLIENT_STATE_FILE), client_state)
+        records.update(_write_rank_files(engine, staging, module_state, optim_state,
+                                         {} if pickled else client_state, writes_shared))
+        if writes_shared and pickled:
+            records[CLIENT_STATE_FILE] = write_torch(os.path.join(staging, CLIENT_STATE_FILE), client_state)
         _step("files-written")
     except CheckpointError as exc:
         error = str(exc)

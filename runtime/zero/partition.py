@@ -3,7 +3,7 @@
 Two layouts are used:
 
 * Flat layout (stages 1 and 2): every trainable parameter of a group is laid end to end
-  in one virtual 1-D buffer, padded so it divides by the world size; rank r owns the
+  in one virtual 1-D buffer, padded to a multiple of twice the world size (DeepSpeed's); rank r owns the
   contiguous range [r*P, (r+1)*P). A parameter may straddle two ranks.
 * Per-parameter layout (stage 3): each parameter is padded to a multiple of the world
   size on its own and rank r keeps the r-th equal chunk, so a module's parameters can be
@@ -75,8 +75,11 @@ class FlatLayout:
 
     @property
     def padded_total(self) -> int:
+        # DeepSpeed's stage 1/2 alignment (2 x world size), so rank r's partition is exactly
+        # DeepSpeed's partition r and checkpoint shards are interchangeable with its files;
         # never zero, so every rank has a (possibly all-padding) partition to step
-        return max(padded_size(self.total, self.world_size), self.world_size)
+        align = 2 * self.world_size
+        return max(padded_size(self.total, align), align)
 
     @property
     def partition_size(self) -> int:

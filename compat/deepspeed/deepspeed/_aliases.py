@@ -4,7 +4,8 @@ A finder placed first on sys.meta_path answers for names under `deepspeed.`:
 - a module this package ships as a file (deepspeed/utils, deepspeed/launcher, ...) is left
   to the normal path finder;
 - a few names map explicitly (EXPLICIT: deepspeed.runtime is dslaunch.runtime,
-  deepspeed.checkpointing is dslaunch's activation-checkpointing module);
+  deepspeed.checkpointing is dslaunch's activation-checkpointing module,
+  deepspeed.utils.zero_to_fp32 is the consolidation script save_checkpoint ships);
 - anything else becomes an alias: `deepspeed.<rest>` of a package shipped here maps to
   `<that package's dslaunch counterpart>.<rest>` (the top level's counterpart is
   dslaunch.runtime), and a child of an alias maps to the same child of the aliased module.
@@ -34,6 +35,7 @@ COUNTERPARTS = {
 EXPLICIT = {
     "deepspeed.runtime": "dslaunch.runtime",
     "deepspeed.checkpointing": "dslaunch.runtime.activation_checkpointing.checkpointing",
+    "deepspeed.utils.zero_to_fp32": "dslaunch.runtime.checkpoint.zero_to_fp32",
 }
 
 

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Consolidate this checkpoint folder into fp32 weights (dslaunch's zero_to_fp32.py).
+
+save_checkpoint copies this script next to the tags, as DeepSpeed does with its own, and
+it takes DeepSpeed's arguments:
+
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+                           [--max_shard_size 5GB] [--exclude_frozen_parameters]
+
+OUTPUT_DIR receives pytorch_model.bin (model.safetensors with --safe_serialization), or
+numbered shards plus an index (pytorch_model.bin.index.json) when the weights exceed
+--max_shard_size, as DeepSpeed's script writes them; an OUTPUT ending in .bin/.pt/
+.safetensors is written as that one file. It reads dslaunch and DeepSpeed checkpoints
+alike, any ZeRO stage, world size and pipeline topology, with weights_only=True. It needs
+dslaunch installed (`dslaunch consolidate` is the same tool).
+
+The same module is `deepspeed.utils.zero_to_fp32` under the compatibility package, with
+DeepSpeed's functions: get_fp32_state_dict_from_zero_checkpoint,
+convert_zero_checkpoint_to_fp32_state_dict and load_state_dict_from_zero_checkpoint.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _checkpoint_error(message: str):
+    from dslaunch.runtime.checkpoint import CheckpointError
+
+    return CheckpointError(message)
+
+
+def parse_size(size) -> int:
+    """"5GB" -> 5e9 bytes, "500MiB" -> 500 * 2**20 (Hugging Face's convention); ints are bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+    if m is None or m.group(2) not in _UNITS:
+        raise _checkpoint_error(f"max_shard_size {size!r} is not a size such as 5GB or 500MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False,
+                                             lazy_mode=False):
+    """The full fp32 state_dict of the checkpoint `checkpoint_dir/tag` (tag from `latest`),
+    as DeepSpeed's function of that name returns it. lazy_mode is accepted for DeepSpeed's
+    signature; the tensors are always materialised (ZeRO shards are memory-mapped while read)."""
+    from dslaunch.runtime.checkpoint.consolidate import consolidate_checkpoint, frozen_parameter_names
+
+    state = consolidate_checkpoint(str(checkpoint_dir), tag)
+    if exclude_frozen_parameters:
+        frozen = frozen_parameter_names(str(checkpoint_dir), tag)
+        state = {k: v for k, v in state.items() if k not in frozen}
+    return state
+
+
+def _shards(state, limit: int):
+    """Hugging Face's greedy split: tensors in order, a new shard when the next would overflow."""
+    shards, current, size = [], {}, 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
+                                               safe_serialization=False, tag=None, exclude_frozen_parameters=False):
+    """Write the checkpoint's fp32 weights into `output_dir` as DeepSpeed's function does:
+    one pytorch_model.bin / model.safetensors, or shards and an index over max_shard_size
+    (None: never shard). Returns the paths written."""
+    from dslaunch.runtime.checkpoint.consolidate import write_state_dict
+
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    output_dir = str(output_dir)
+    weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    shards = _shards(state, parse_size(max_shard_size)) if max_shard_size is not None else [state]
+    if len(shards) == 1:
+        path = os.path.join(output_dir, weights)
+        write_state_dict(state, path)
+        return [path]
+    stem, ext = os.path.splitext(weights)
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"{stem}-{i:05d}-of-{len(shards):05d}{ext}"
+        path = os.path.join(output_dir, name)
+        write_state_dict(shard, path)
+        paths.append(path)
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+             "weight_map": weight_map}
+    index_path = os.path.join(output_dir, weights + ".index.json")
+    with open(index_path, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return paths + [index_path]
+
+
+def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
+    """The checkpoint's fp32 weights loaded into `model` (moved to the CPU, strict=False), as
+    DeepSpeed's function does; returns the model."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint_dir", help="the folder holding `latest` and the tags (or one tag folder)")
+    ap.add_argument("output_dir", help="output folder, or one .bin/.pt/.safetensors file")
+    ap.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
+    ap.add_argument("--safe_serialization", action="store_true", help="write model.safetensors")
+    ap.add_argument("--max_shard_size", default="5GB", help="largest output file before sharding (default 5GB)")
+    ap.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out")
+    ap.add_argument("-d", "--debug", action="store_true", help="accepted for DeepSpeed's command line")
+    args = ap.parse_args(argv)
+    try:
+        from dslaunch.runtime.checkpoint import CheckpointError
+        from dslaunch.runtime.checkpoint.consolidate import write_state_dict
+    except ImportError:
+        print("zero_to_fp32.py: dslaunch is not installed here (pip install dslaunch)", file=sys.stderr)
+        return 2
+    try:
+        out = args.output_dir
+        if os.path.splitext(out)[1] in (".bin", ".pt", ".pth", ".safetensors") and not os.path.isdir(out):
+            write_state_dict(get_fp32_state_dict_from_zero_checkpoint(
+                args.checkpoint_dir, args.tag, args.exclude_frozen_parameters), out)
+            written = [out]
+        else:
+            written = convert_zero_checkpoint_to_fp32_state_dict(
+                args.checkpoint_dir, out, args.max_shard_size, args.safe_serialization, args.tag,
+                args.exclude_frozen_parameters)
+    except CheckpointError as exc:
+        print(f"zero_to_fp32.py: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {', '.join(written)} (fp32)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""dslaunch.runtime.utils: where a DeepSpeed script's `deepspeed.utils` imports land after
+its import line becomes `dslaunch.runtime`. `zero_to_fp32` is the checkpoint package's
+consolidation module (the script save_checkpoint ships), registered under this name too so
+`from dslaunch.runtime.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint`
+finds the same module object.
+"""
+import sys
+
+from ..checkpoint import zero_to_fp32
+
+sys.modules[__name__ + ".zero_to_fp32"] = zero_to_fp32
+
+__all__ = ["zero_to_fp32"]

@@ -1,0 +1,192 @@
+"""Make the DeepSpeed interop fixtures in tests/data/ds_interop/ with real DeepSpeed.
+
+    .venv/bin/python scripts/make_ds_fixtures.py --ds-python /work/ds-venv/bin/python
+
+DeepSpeed (0.19.8, CPU, gloo) and dslaunch run the same training script (`worker` below:
+the same calls, `import deepspeed` or `import dslaunch.runtime as deepspeed`): a small MLP
+with a buffer, AdamW, WarmupLR, gradient clipping, on 2 ranks, 6 steps of fixed global
+batches (8 rows split over the ranks, so the losses do not depend on the world size),
+saving at step 3. For each case (ZeRO stage x dtype) it writes:
+
+  ds/CASE/            DeepSpeed's checkpoint (latest + global_step3/), saved at step 3
+  dslaunch/CASE/      dslaunch's checkpoint of the same run
+  fp32/CASE-ds.pt     DeepSpeed's zero_to_fp32 of ds/CASE (ZeRO cases)
+  fp32/CASE-dslaunch.pt   DeepSpeed's zero_to_fp32 of dslaunch/CASE: it reads our format
+  expected.json       per case: DeepSpeed's 6 losses, dslaunch's 6 losses, and the losses of
+                      DeepSpeed resuming dslaunch/CASE for steps 4-6 (DeepSpeed's
+                      load_checkpoint accepts our checkpoint)
+
+tests/test_checkpoint_deepspeed.py uses them without DeepSpeed: dslaunch resumes ds/CASE at
+1 and 2 ranks into other stages with DeepSpeed's losses, rewrites dslaunch/CASE identically,
+and consolidates both like DeepSpeed's zero_to_fp32. DeepSpeed's own recovery scripts are
+not copied into the fixtures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUT = os.path.join(ROOT, "tests", "data", "ds_interop")
+CASES = {"s0_fp32": (0, "fp32"), "s0_bf16": (0, "bf16"), "s1_fp32": (1, "fp32"), "s2_fp32": (2, "fp32"),
+         "s2_bf16": (2, "bf16"), "s3_fp32": (3, "fp32"), "s3_bf16": (3, "bf16")}
+STEPS, SAVE_AT, WORLD, ROWS = 6, 3, 2, 8
+TAG = f"global_step{SAVE_AT}"
+
+
+# -- the training script both engines run ----------------------------------------------------------
+def make_model():
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(5, 9)
+            self.out = torch.nn.Linear(9, 3)
+            self.register_buffer("shift", torch.linspace(-0.5, 0.5, 3))
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.inp(x))) + self.shift.to(x.dtype)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def config(stage: int, dtype: str, world: int) -> dict:
+    cfg = {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": ROWS // world,
+           "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01, "torch_adam": True}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.02}},
+           "zero_optimization": {"stage": stage}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def batch(step: int, rank: int, world: int, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(ROWS, 5, generator=g)
+    y = torch.randn(ROWS, 3, generator=g)
+    n = ROWS // world
+    return x[rank * n:(rank + 1) * n].to(dtype), y[rank * n:(rank + 1) * n]
+
+
+def worker(rank: int, job: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    if job["engine"] == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        import dslaunch.runtime as deepspeed
+    stage, dtype = job["stage"], job["dtype"]
+    model = make_model()
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                  config=config(stage, dtype, job["world"]))[0]
+    start = 0
+    if job.get("load"):
+        path, client = engine.load_checkpoint(job["load"])
+        assert path is not None, job["load"]
+        start = engine.global_steps
+    losses = []
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for step in range(start, STEPS):
+        x, y = batch(step, rank, job["world"], tdtype)
+        loss = (engine(x).float() - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / job["world"])
+        if job.get("save") and step + 1 == SAVE_AT:
+            engine.save_checkpoint(job["save"], tag=TAG, client_state={"epoch": 1, "source": job["engine"]})
+    if rank == 0:
+        with open(job["result"], "w") as fh:
+            json.dump(losses, fh)
+    dist.barrier()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(python: str, job: dict) -> list:
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(job, port=_port(), result=os.path.join(tmp, "losses.json"))
+        procs = [subprocess.Popen([python, __file__, "--worker", str(r), json.dumps(job)], cwd=ROOT)
+                 for r in range(job["world"])]
+        codes = [p.wait(timeout=600) for p in procs]
+        if any(codes):
+            raise SystemExit(f"{job['engine']} {job}: exit codes {codes}")
+        with open(job["result"]) as fh:
+            return json.load(fh)
+
+
+def zero_to_fp32(ds_python: str, ckpt: str, out: str) -> None:
+    code = ("import sys, torch\nfrom deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+            "sd = get_fp32_state_dict_from_zero_checkpoint(sys.argv[1])\n"
+            "torch.save({k: v.contiguous() for k, v in sd.items()}, sys.argv[2])\n")
+    subprocess.run([ds_python, "-c", code, ckpt, out], check=True, stdout=subprocess.DEVNULL)
+
+
+def _tidy(save_dir: str) -> None:
+    for name in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's and our recovery scripts
+        path = os.path.join(save_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ds-python", default="/work/ds-venv/bin/python", help="a python with deepspeed==0.19.8")
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    expected = {}
+    for name in args.cases.split(","):
+        stage, dtype = CASES[name]
+        base = {"stage": stage, "dtype": dtype, "world": WORLD}
+        ds_dir, our_dir = os.path.join(OUT, "ds", name), os.path.join(OUT, "dslaunch", name)
+        for d in (ds_dir, our_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        ds_losses = run(args.ds_python, dict(base, engine="deepspeed", save=ds_dir))
+        our_losses = run(sys.executable, dict(base, engine="dslaunch", save=our_dir))
+        ds_resumed = run(args.ds_python, dict(base, engine="deepspeed", load=our_dir))
+        expected[name] = {"deepspeed": ds_losses, "dslaunch": our_losses, "deepspeed_resumed_dslaunch": ds_resumed}
+        if stage > 0:
+            os.makedirs(os.path.join(OUT, "fp32"), exist_ok=True)
+            zero_to_fp32(args.ds_python, ds_dir, os.path.join(OUT, "fp32", f"{name}-ds.pt"))
+            zero_to_fp32(args.ds_python, our_dir, os.path.join(OUT, "fp32", f"{name}-dslaunch.pt"))
+        _tidy(ds_dir)
+        _tidy(our_dir)
+        print(f"{name}: deepspeed {ds_losses}\n{' ' * len(name)}  dslaunch  {our_losses}\n"
+              f"{' ' * len(name)}  deepspeed resuming dslaunch {ds_resumed}", flush=True)
+    path = os.path.join(OUT, "expected.json")
+    old = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)
+    old.update(expected)
+    with open(path, "w") as fh:
+        json.dump(old, fh, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        main()

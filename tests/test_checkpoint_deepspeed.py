@@ -1,0 +1,219 @@
+"""DeepSpeed checkpoints both ways (issue #14 section 2), against fixtures that real
+DeepSpeed 0.19.8 wrote (scripts/make_ds_fixtures.py; DeepSpeed is not needed here).
+
+- DeepSpeed -> dslaunch: every DeepSpeed checkpoint (stages 0-3, fp32/bf16, saved on 2 ranks
+  at step 3) resumes under dslaunch on 1 and on 2 ranks, into its own stage and another one,
+  with the losses of DeepSpeed's uninterrupted run for steps 4-6; client_state and
+  global_steps come back.
+- dslaunch -> DeepSpeed: DeepSpeed's load_checkpoint resumed each committed dslaunch
+  checkpoint with dslaunch's own uninterrupted losses (recorded by the fixture script), and
+  dslaunch still writes those checkpoints identically today (so DeepSpeed still reads them).
+- Consolidation both ways: `dslaunch consolidate` of DeepSpeed's checkpoints equals
+  DeepSpeed's zero_to_fp32, and DeepSpeed's zero_to_fp32 of ours equals ours.
+- DeepSpeed's pickled classes load through inert stand-ins; anything else is still refused.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_harness import run_function
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data", "ds_interop")
+_spec = importlib.util.spec_from_file_location("make_ds_fixtures", os.path.join(ROOT, "scripts", "make_ds_fixtures.py"))
+fx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fx)
+
+with open(os.path.join(DATA, "expected.json")) as _fh:
+    EXPECTED = json.load(_fh)
+CASES = sorted(fx.CASES)
+OTHER_STAGE = {0: 2, 1: 3, 2: 0, 3: 1}
+TOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def _train(engine, rank, world, dtype, start):
+    import torch.distributed as dist
+
+    losses = []
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for step in range(start, fx.STEPS):
+        x, y = fx.batch(step, rank, world, tdtype)
+        loss = (engine(x).float() - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        if dist.is_initialized() and world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _engine(stage, dtype, world):
+    import dslaunch.runtime as deepspeed
+
+    model = fx.make_model()
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                config=fx.config(stage, dtype, world))[0]
+
+
+def interop_body(data, cases, rewrite_root=None):
+    """Resume each DeepSpeed checkpoint here in its own stage and another; with
+    rewrite_root, also redo dslaunch's fixture run and save it there."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = {}
+    for case in cases:
+        stage, dtype = fx.CASES[case]
+        for target in (stage, OTHER_STAGE[stage]):
+            engine = _engine(target, dtype, world)
+            path, client = engine.load_checkpoint(os.path.join(data, "ds", case))
+            out[f"{case}->{target}"] = {"losses": _train(engine, rank, world, dtype, engine.global_steps),
+                                        "client": client, "path": os.path.basename(path)}
+            engine.destroy()
+        if rewrite_root is not None:
+            engine = _engine(stage, dtype, world)
+            _train_and_save(engine, rank, world, dtype, os.path.join(rewrite_root, case))
+            engine.destroy()
+    return out
+
+
+def _train_and_save(engine, rank, world, dtype, save_dir):
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for step in range(fx.SAVE_AT):
+        x, y = fx.batch(step, rank, world, tdtype)
+        engine.backward((engine(x).float() - y).pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(save_dir, tag=fx.TAG, client_state={"epoch": 1, "source": "dslaunch"})
+
+
+def _check_resumed(outs, world):
+    for key, got in outs[0].items():
+        case = key.split("->")[0]
+        dtype = fx.CASES[case][1]
+        want = EXPECTED[case]["deepspeed"][fx.SAVE_AT:]
+        assert got["losses"] == pytest.approx(want, rel=TOL[dtype]), (key, world, got["losses"], want)
+        assert got["client"] == {"epoch": 1, "source": "deepspeed"}, key
+        assert got["path"] == fx.TAG
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_checkpoints_resume_on_one_rank_into_any_stage():
+    outs = run_function(interop_body, nprocs=1, kwargs={"data": DATA, "cases": CASES}, timeout=500)
+    _check_resumed(outs, 1)
+
+
+def _comparable(obj, path=""):
+    """A checkpoint file's content without what legitimately varies between runs."""
+    if isinstance(obj, dict):
+        return {k: _comparable(v, f"{path}.{k}") for k, v in obj.items() if k not in ("ds_config",)}
+    if isinstance(obj, (list, tuple)):
+        return [_comparable(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if torch.is_tensor(obj):
+        return ("tensor", obj.dtype, tuple(obj.shape), obj.detach().float().flatten().tolist())
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return (type(obj).__name__, _comparable(vars(obj)))
+    return obj
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_checkpoints_resume_on_two_ranks_and_dslaunch_writes_what_deepspeed_resumed(tmp_path):
+    from dslaunch.runtime.checkpoint.files import load_torch
+
+    outs = run_function(interop_body, nprocs=2, timeout=500,
+                        kwargs={"data": DATA, "cases": CASES, "rewrite_root": str(tmp_path)})
+    _check_resumed(outs, 2)
+    for case in CASES:
+        dtype = fx.CASES[case][1]
+        exp = EXPECTED[case]
+        # DeepSpeed's load_checkpoint resumed our checkpoint and reproduced our run (fixture script) ...
+        assert exp["deepspeed_resumed_dslaunch"] == pytest.approx(exp["dslaunch"][fx.SAVE_AT:], rel=TOL[dtype]), case
+        # ... and what dslaunch writes today is that checkpoint, file for file.
+        committed = os.path.join(DATA, "dslaunch", case, fx.TAG)
+        fresh = tmp_path / case / fx.TAG
+        names = sorted(n for n in os.listdir(committed) if not n.startswith("rng_state") and n != "manifest.json")
+        assert names == sorted(n for n in os.listdir(fresh) if not n.startswith("rng_state") and n != "manifest.json")
+        for name in names:
+            a = _comparable(load_torch(os.path.join(committed, name)))
+            b = _comparable(load_torch(str(fresh / name)))
+            assert a == b, (case, name)
+        if fx.CASES[case][0] > 0:
+            # the zero_to_fp32.py the save put in the folder, run as DeepSpeed's is, gives what
+            # DeepSpeed's zero_to_fp32 made of the same checkpoint
+            out = tmp_path / "fp32" / case
+            proc = subprocess.run([sys.executable, str(tmp_path / case / "zero_to_fp32.py"), str(tmp_path / case),
+                                   str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path / case)
+            assert proc.returncode == 0, proc.stderr
+            _equal_state(torch.load(out / "pytorch_model.bin", weights_only=True),
+                         torch.load(os.path.join(DATA, "fp32", f"{case}-dslaunch.pt"), weights_only=True))
+
+
+def _equal_state(a, b, rel=0.0):
+    assert list(a) == list(b) or set(a) == set(b), (sorted(a), sorted(b))
+    for k in a:
+        assert a[k].shape == b[k].shape, k
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=rel, atol=0), k
+
+
+def test_consolidation_matches_deepspeeds_zero_to_fp32_both_ways():
+    from dslaunch.runtime.checkpoint.consolidate import consolidate_checkpoint
+
+    for case in CASES:
+        stage = fx.CASES[case][0]
+        for who in ("ds", "dslaunch"):
+            ours = consolidate_checkpoint(os.path.join(DATA, who, case))
+            assert all(v.dtype == torch.float32 for v in ours.values()), (case, who)
+            ref_path = os.path.join(DATA, "fp32", f"{case}-{who}.pt")
+            if stage > 0:  # DeepSpeed's zero_to_fp32 reads ZeRO checkpoints only
+                _equal_state(ours, torch.load(ref_path, weights_only=True))
+            else:
+                model = fx.make_model()
+                assert set(ours) == set(model.state_dict()), case
+
+
+def test_shipped_zero_to_fp32_script_reads_a_deepspeed_checkpoint(tmp_path):
+    script = os.path.join(ROOT, "runtime", "checkpoint", "zero_to_fp32.py")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(DATA, "ds", "s3_bf16"), ckpt)
+    proc = subprocess.run([sys.executable, script, str(ckpt), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    sd = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    _equal_state(sd, torch.load(os.path.join(DATA, "fp32", "s3_bf16-ds.pt"), weights_only=True))
+
+
+class _RunsACommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_deepspeed_classes_load_as_stand_ins_but_nothing_else_runs(tmp_path):
+    from dslaunch.runtime.checkpoint import CheckpointError
+    from dslaunch.runtime.checkpoint.consolidate import consolidate_checkpoint
+    from dslaunch.runtime.checkpoint.files import load_torch
+    from dslaunch.runtime.checkpoint.foreign import LossScaler, save_with_deepspeed_globals
+
+    optim = os.path.join(DATA, "ds", "s2_fp32", fx.TAG, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    state = load_torch(optim)
+    assert isinstance(state["optimizer_state_dict"]["loss_scaler"], LossScaler)
+    assert state["optimizer_state_dict"]["zero_stage"] == 2
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(DATA, "ds", "s2_fp32"), ckpt)
+    marker = tmp_path / "pwned"
+    victim = ckpt / fx.TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    state = load_torch(str(victim))
+    state["optimizer_state_dict"]["loss_scaler"] = _RunsACommand(str(marker))
+    save_with_deepspeed_globals(state, str(victim))  # every other object as DeepSpeed pickles it
+    with pytest.raises(CheckpointError) as info:
+        consolidate_checkpoint(str(ckpt))
+    assert str(info.value) == (f"checkpoint file {victim} holds pickled Python objects (posix.system) that could run "
+                               "code when loaded; refused. If you trust its source, pass trust_pickle=True")
+    assert not marker.exists()

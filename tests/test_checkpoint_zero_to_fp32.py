@@ -1,0 +1,126 @@
+"""DeepSpeed's zero_to_fp32 API on dslaunch (issue #14 section 2): the functions a script
+imports from `deepspeed.utils.zero_to_fp32` exist under that name (compat package) and as
+`dslaunch.runtime.utils.zero_to_fp32`, and give what DeepSpeed's give on the fixtures
+DeepSpeed 0.19.8 wrote (scripts/make_ds_fixtures.py); the checkpoint code imports without
+xxhash and says in one line when a checksum needs it."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "data", "ds_interop")
+
+
+def _fp32(case, who):
+    return torch.load(os.path.join(DATA, "fp32", f"{case}-{who}.pt"), weights_only=True)
+
+
+def _equal(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == torch.float32 and torch.equal(a[k], b[k].float()), k
+
+
+@pytest.mark.parametrize("case", ["s2_bf16", "s3_fp32"])
+def test_functions_give_what_deepspeeds_give(tmp_path, case):
+    from dslaunch.runtime.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    for who in ("ds", "dslaunch"):
+        ckpt = os.path.join(DATA, who, case)
+        ref = _fp32(case, who)  # DeepSpeed's get_fp32_state_dict_from_zero_checkpoint of it
+        _equal(get_fp32_state_dict_from_zero_checkpoint(ckpt), ref)
+        _equal(get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="global_step3", exclude_frozen_parameters=True,
+                                                        lazy_mode=True), ref)
+
+        out = tmp_path / who / "whole"
+        assert convert_zero_checkpoint_to_fp32_state_dict(ckpt, str(out)) == [str(out / "pytorch_model.bin")]
+        _equal(torch.load(out / "pytorch_model.bin", weights_only=True), ref)
+
+        # over max_shard_size: numbered shards and Hugging Face's index, as DeepSpeed writes them
+        out = tmp_path / who / "sharded"
+        written = convert_zero_checkpoint_to_fp32_state_dict(ckpt, str(out), max_shard_size="200B")
+        index = json.loads((out / "pytorch_model.bin.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) > 1 and files[0] == f"pytorch_model-00001-of-{len(files):05d}.bin"
+        assert sorted(os.path.basename(p) for p in written) == files + ["pytorch_model.bin.index.json"]
+        merged = {}
+        for name in files:
+            merged.update(torch.load(out / name, weights_only=True))
+        _equal(merged, ref)
+        assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in ref.values())
+
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("fx", os.path.join(ROOT, "scripts", "make_ds_fixtures.py"))
+        fx = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(fx)
+        model = load_state_dict_from_zero_checkpoint(fx.make_model(), ckpt)
+        _equal({k: v.detach() for k, v in model.state_dict().items()}, ref)
+
+
+def test_shipped_script_takes_deepspeeds_arguments_and_bad_input_is_one_line(tmp_path):
+    script = os.path.join(ROOT, "runtime", "checkpoint", "zero_to_fp32.py")
+    ckpt = os.path.join(DATA, "dslaunch", "s2_fp32")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, script, ckpt, str(out), "-t", "global_step3", "--max_shard_size", "1GB",
+                           "--exclude_frozen_parameters", "-d"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    _equal(torch.load(out / "pytorch_model.bin", weights_only=True), _fp32("s2_fp32", "dslaunch"))
+    proc = subprocess.run([sys.executable, script, ckpt, str(out), "-t", "global_step9"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"zero_to_fp32.py: {ckpt}/global_step9: no such checkpoint tag"]
+
+
+PROBE = textwrap.dedent('''
+    import json, sys
+    import deepspeed.utils.zero_to_fp32 as ds_z
+    from deepspeed.utils.zero_to_fp32 import (get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint, convert_zero_checkpoint_to_fp32_state_dict)
+    import dslaunch.runtime.checkpoint.zero_to_fp32 as ours
+    sd = get_fp32_state_dict_from_zero_checkpoint(sys.argv[1])
+    print(json.dumps({"same": [ds_z is ours, get_fp32_state_dict_from_zero_checkpoint is
+                               ours.get_fp32_state_dict_from_zero_checkpoint,
+                               load_state_dict_from_zero_checkpoint is ours.load_state_dict_from_zero_checkpoint,
+                               convert_zero_checkpoint_to_fp32_state_dict is
+                               ours.convert_zero_checkpoint_to_fp32_state_dict],
+                      "keys": sorted(sd)}))
+''')
+
+
+def test_deepspeed_utils_zero_to_fp32_is_ours_under_the_compat_package(deepspeed_compat):
+    res = subprocess.run([sys.executable, "-c", PROBE, os.path.join(DATA, "ds", "s3_bf16")],
+                         env=deepspeed_compat.env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert out["same"] == [True, True, True, True]
+    assert out["keys"] == sorted(_fp32("s3_bf16", "ds"))
+
+
+NO_XXHASH = textwrap.dedent('''
+    import sys
+    sys.modules["xxhash"] = None  # as on an image without the package: `import xxhash` fails
+    import dslaunch.runtime
+    from dslaunch.runtime.checkpoint.zero_to_fp32 import main
+    print("rc", main([sys.argv[1], sys.argv[3]]), main([sys.argv[2], sys.argv[3]]))
+''')
+
+
+def test_runtime_imports_without_xxhash_and_a_checksum_says_it_needs_it(tmp_path):
+    ds, ours = os.path.join(DATA, "ds", "s2_fp32"), os.path.join(DATA, "dslaunch", "s2_fp32")
+    res = subprocess.run([sys.executable, "-c", NO_XXHASH, ds, ours, str(tmp_path / "out")], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # DeepSpeed's checkpoint has no manifest, so nothing to verify; ours needs the checksum
+    assert res.stdout.splitlines()[-1] == "rc 0 2"
+    assert res.stderr.strip().splitlines() == [
+        "zero_to_fp32.py: checkpoint checksums (xxh3_64) need the xxhash package, which is not installed here: "
+        "pip install 'xxhash>=3.0' (a declared dependency of dslaunch)"]
