@@ -226,9 +226,11 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
     """One rank's DeepSpeed optimizer states (the file's "optimizer_state_dict") as our shard."""
     try:
         stage = int(optim["zero_stage"])
-        groups = []
+        groups, hyper = [], None
         if stage in (1, 2):
             base = optim["base_optimizer_state"]
+            if isinstance(base, dict):
+                hyper = _hyperparameters(base.get("param_groups"))
             paddings_all = optim.get("param_alignment_paddings")
             world = max(int(w) for w in optim["partition_count"])
             for gi, fp32 in enumerate(optim["single_partition_of_fp32_groups"]):
@@ -243,6 +245,7 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
                                "master": _cut(fp32, pieces), "state": state})
         elif stage == 3:
             world = int(optim["partition_count"])
+            hyper = _hyperparameters(optim["optimizer_state_dict"].get("param_groups"))
             base = optim["optimizer_state_dict"]["state"]
             for i, flat in enumerate(optim["fp32_flat_groups"]):
                 shapes = OrderedDict(param_shapes[i])
@@ -260,7 +263,17 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
     except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"is not a ZeRO optimizer state DeepSpeed or dslaunch wrote ({type(exc).__name__}: "
                               f"{exc})") from None
-    return {"format": SHARD_FORMAT, "stage": stage, "world_size": world, "rank": rank, "groups": groups}
+    out = {"format": SHARD_FORMAT, "stage": stage, "world_size": world, "rank": rank, "groups": groups}
+    if hyper is not None:
+        out["param_groups"] = hyper  # lr, betas, ...: restored with the state, as torch's load_state_dict does
+    return out
+
+
+def _hyperparameters(param_groups: Any) -> Optional[List[Dict[str, Any]]]:
+    """Each param group's hyperparameters, without its parameter indices."""
+    if not isinstance(param_groups, list) or not all(isinstance(g, dict) for g in param_groups):
+        return None
+    return [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
 
 
 def stage0_from_ds(optimizer: Any, mixed_hint: bool = False) -> Dict[str, Any]:
