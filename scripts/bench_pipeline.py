@@ -1,20 +1,24 @@
 """Pipeline parallelism: step time, bubble fraction against the 1F1B theory, memory per
-rank against the same model without a pipeline, in one run.
+rank against the same model without a pipeline, and DeepSpeed's pipeline beside ours.
 
-    python scripts/bench_pipeline.py [--stages 2] [--micro 4 8 16] [--layers 8] [--dim 256]
-                                     [--rows 32] [--batches 5] [--cuda]
+    python scripts/bench_pipeline.py [--stages 2 4] [--micro 4 8 16] [--layers 8] [--dim 256]
+        [--rows 32] [--batches 5] [--rounds 2] [--peer-python /work/ds-venv/bin/python|none] [--cuda]
 
 The model is a stack of `--layers` residual MLP blocks (width `--dim`, 4x hidden), cut into
-p equal stages (partition_method="uniform"); a micro-batch is `--rows` rows. For each p and
-each m micro-batches per batch, p ranks train `--batches` timed batches (after one warm-up)
-with engine.train_batch(), and one rank trains the same model without a pipeline on the same
-global batch (m micro-batches, gradient accumulation) for the reference. Printed per (p, m):
+p equal stages (partition_method="uniform"), trained with torch's AdamW on every side; a
+micro-batch is `--rows` rows. For each p and each m micro-batches per batch, p fresh ranks
+train `--batches` timed batches (after one warm-up) with engine.train_batch(); the same p
+ranks under DeepSpeed (the same file run by `--peer-python`, importing deepspeed) run in
+turn with ours, `--rounds` times each, so that load from elsewhere falls on both; one rank
+trains the same model without a pipeline (m micro-batches of gradient accumulation) for the
+reference. Printed per (p, m):
 
-* step time: the median over batches of the slowest stage's train_batch() time, beside the
-  unpipelined step time and the ratio;
-* bubble: per stage, the part of train_batch() not spent in its own forward and backward
-  passes (waiting for a neighbour, transfers, the optimizer step), from the engine's
-  step_timings, averaged over stages; beside it the 1F1B theory (p-1)/(m+p-1), which
+* step time: the median over batches of the slowest rank's train_batch() wall time, beside
+  the unpipelined step time, DeepSpeed's, and the ratios;
+* bubble (ours): per batch, the span from the earliest stage's start to the last forward
+  or backward pass to end on any stage, and each stage's share of it not spent in its own
+  forward and backward passes (the engine's step_timings clocks: waiting for a neighbour
+  and transfers), averaged over stages; beside it the 1F1B theory (p-1)/(m+p-1), which
   assumes equal stages and free transfers;
 * memory per rank: bytes of model state (parameters, gradients, optimizer state) held by
   each stage's rank, counted from the tensors; and on the CPU the peak bytes of activations
@@ -50,7 +54,7 @@ class Block(torch.nn.Module):
 
 def config(m: int, rows: int) -> dict:
     return {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": m, "steps_per_print": 10 ** 6,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "wall_clock_breakdown": False}
+            "wall_clock_breakdown": False}
 
 
 def batch_data(m: int, rows: int, dim: int, device):
@@ -113,77 +117,88 @@ def state_bytes(engine) -> int:
     return sum(seen.values())
 
 
-def run_pipeline(args, p: int, m: int, device) -> dict:
-    import dslaunch.runtime as deepspeed
+def train_timed(engine, run_batch, args, device, saved_for) -> tuple:
+    """(seconds of each timed batch, engine clocks of each, activation peak)."""
+    import time
 
+    totals, spans = [], []
+    with SavedActivations(saved_for) as saved:
+        for i in range(args.batches + 1):
+            start = time.perf_counter()
+            run_batch()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first batch warms up (allocations)
+                totals.append(time.perf_counter() - start)
+                t = getattr(engine, "step_timings", None)  # dslaunch's; DeepSpeed has none
+                if t:
+                    spans.append((t["start"], t["compute_end"], t["compute"]))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.peak
+    return totals, spans, peak
+
+
+def build(rt, args, m: int, device, p: int = 0):
+    """An engine over the blocks: a p-stage PipelineModule, or (p = 0) the plain stack.
+    The optimizer is torch's AdamW on both sides (no kernel build on either)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
-    net = deepspeed.pipe.PipelineModule(layers=[Block(args.dim) for _ in range(args.layers)], num_stages=p,
-                                        loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-    engine, *_ = deepspeed.initialize(model=net, config=config(m, args.rows))
+    blocks = [Block(args.dim) for _ in range(args.layers)]
+    if p:
+        model = rt.pipe.PipelineModule(layers=blocks, num_stages=p, loss_fn=torch.nn.MSELoss(),
+                                       partition_method="uniform")
+    else:
+        model = torch.nn.Sequential(*blocks)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, *_ = rt.initialize(model=model, optimizer=opt, config=config(m, args.rows))
+    return engine
+
+
+def run_pipeline(rt, args, p: int, m: int, device) -> dict:
+    engine = build(rt, args, m, device, p)
     data = batch_data(m, args.rows, args.dim, device)
-    totals, spans = [], []
-    with SavedActivations(engine.module) as saved:
-        for i in range(args.batches + 1):
-            engine.train_batch(iter(data))
-            t = engine.step_timings
-            if i:  # the first batch warms up (allocations)
-                totals.append(t["total"])
-                spans.append((t["start"], t["compute_end"], t["compute"]))
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.peak
-    out = {"stage": engine.stage_id, "totals": totals, "spans": spans, "state": state_bytes(engine), "peak": peak}
-    engine.destroy()
+    totals, spans, peak = train_timed(engine, lambda: engine.train_batch(iter(data)), args, device, engine.module)
+    out = {"totals": totals, "spans": spans, "state": state_bytes(engine), "peak": peak}
+    getattr(engine, "destroy", lambda: None)()
     return out
 
 
-def run_plain(args, m: int, device) -> dict:
+def run_plain(rt, args, m: int, device) -> dict:
     """The same blocks on one rank, no pipeline: m micro-batches accumulated per step."""
-    import time
-
-    import dslaunch.runtime as deepspeed
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(args.dim) for _ in range(args.layers)])
-    engine, *_ = deepspeed.initialize(model=model, config=config(m, args.rows))
+    engine = build(rt, args, m, device)
     data = batch_data(m, args.rows, args.dim, device)
-    totals = []
-    with SavedActivations(engine.module) as saved:
-        for i in range(args.batches + 1):
-            start = time.perf_counter()
-            for x, y in data:
-                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-                engine.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                totals.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.peak
+
+    def batch():
+        for x, y in data:
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+
+    totals, _, peak = train_timed(engine, batch, args, device, engine.module)
     out = {"totals": totals, "state": state_bytes(engine), "peak": peak}
-    engine.destroy()
+    getattr(engine, "destroy", lambda: None)()
     return out
 
 
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
+    import importlib
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import dslaunch.runtime as deepspeed
-
+    rt = importlib.import_module("deepspeed" if args.as_peer else "dslaunch.runtime")
     device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)
-    deepspeed.init_distributed("nccl" if args.cuda else "gloo")
-    rows = []
-    for m in args.micro:
-        rows.append(run_plain(args, m, device) if world == 1 and args.plain else run_pipeline(args, world, m, device))
+    rt.init_distributed("nccl" if args.cuda else "gloo")
+    rows = [run_plain(rt, args, m, device) if args.plain else run_pipeline(rt, args, world, m, device)
+            for m in args.micro]
     with open(f"{result_path}.{rank}", "w") as fh:
         json.dump(rows, fh)
 
 
 def spawn(world: int, args, plain: bool = False):
+    """[rank][micro index] -> result, from `world` fresh processes."""
     import tempfile
 
     with socket.socket() as s:
@@ -194,6 +209,25 @@ def spawn(world: int, args, plain: bool = False):
         path = os.path.join(tmp, "result")
         mp.spawn(worker, args=(world, port, args, path), nprocs=world, join=True)
         return [json.load(open(f"{path}.{r}")) for r in range(world)]
+
+
+def spawn_peer(world: int, args):
+    """spawn() run by DeepSpeed's Python (`--peer-python`), importing deepspeed instead."""
+    import subprocess
+    import tempfile
+
+    env = dict(os.environ)
+    # a private extension cache: DeepSpeed builds its CPU comm op at start-up, and a build
+    # killed in the shared default cache leaves a lock every later start waits on forever
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "bench-pipeline-peer-ext"))
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        argv = [args.peer_python, os.path.abspath(__file__), "--as-peer", out.name, "--stages", str(world),
+                "--micro", *map(str, args.micro), "--layers", str(args.layers), "--dim", str(args.dim),
+                "--rows", str(args.rows), "--batches", str(args.batches)] + (["--cuda"] if args.cuda else [])
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"error: the DeepSpeed run failed ({args.peer_python}):\n{proc.stderr[-3000:]}")
+        return json.load(open(out.name))
 
 
 def mib(n: float) -> str:
@@ -208,35 +242,64 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--batches", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each side per p, alternating")
+    ap.add_argument("--peer-python", default="/work/ds-venv/bin/python",
+                    help="a Python with DeepSpeed installed; 'none' to run dslaunch alone")
     ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--as-peer", default=None, help=argparse.SUPPRESS)  # the DeepSpeed side writes JSON here
     args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.as_peer:
+        with open(args.as_peer, "w") as fh:
+            json.dump(spawn(args.stages[0], args), fh)
+        return
     if args.cuda and torch.cuda.device_count() < max(args.stages):
         sys.exit(f"error: --cuda needs {max(args.stages)} CUDA devices, found {torch.cuda.device_count()}")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}, "
-          f"{os.cpu_count()} cores; {args.layers} blocks of width {args.dim}, micro-batch {args.rows} rows, "
-          f"{'CUDA' if args.cuda else 'CPU'}", flush=True)
+    peer = args.peer_python != "none"
+    if peer and not os.path.exists(args.peer_python):
+        sys.exit(f"error: --peer-python {args.peer_python}: no such file; give DeepSpeed's Python or 'none'")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average {load}, {os.cpu_count()} cores; {args.layers} blocks of width {args.dim}, micro-batch "
+          f"{args.rows} rows, {'CUDA' if args.cuda else 'CPU'}", flush=True)
     plain = spawn(1, args, plain=True)[0]
     peak = "peak allocated" if args.cuda else "activations"
-    print(f"p   m   step ms  unpiped ms  ratio  bubble  theory  state MiB/rank (unpiped)  {peak} MiB/rank (unpiped)")
+    print(f"p   m   step ms  unpiped ms  ratio  bubble  theory  {'DeepSpeed ms  ours/DS  ' if peer else ''}"
+          f"state MiB/rank (unpiped)  {peak} MiB/rank (unpiped; DeepSpeed)", flush=True)
     for p in args.stages:
-        ranks = spawn(p, args)
+        ours, theirs = [], []
+        for _ in range(args.rounds):  # alternating, so that a change of load falls on both sides
+            ours.append(spawn(p, args))
+            if peer:
+                theirs.append(spawn_peer(p, args))
         for i, m in enumerate(args.micro):
-            rows = [r[i] for r in ranks]
-            step = statistics.median(max(vals) for vals in zip(*(r["totals"] for r in rows)))
+            rows = [r[i] for r in ours[0]]
+            step = median_step(ours, i)
             base = statistics.median(plain[i]["totals"])
             # per batch: the pipeline's span (first stage start to the last forward/backward
             # to end, on any stage), and each stage's idle share of it
             idle = []
-            for batch in zip(*(r["spans"] for r in rows)):
-                span = max(end for _, end, _ in batch) - min(start for start, _, _ in batch)
-                idle.append(statistics.mean(1.0 - compute / span for _, _, compute in batch))
+            for run in ours:
+                for batch in zip(*(r[i]["spans"] for r in run)):
+                    span = max(end for _, end, _ in batch) - min(start for start, _, _ in batch)
+                    idle.append(statistics.mean(1.0 - compute / span for _, _, compute in batch))
             bubble = statistics.median(idle)
             theory = (p - 1) / (m + p - 1)
             state = "/".join(mib(r["state"]) for r in rows)
-            peak = "/".join(mib(r["peak"]) for r in rows)
+            acts = "/".join(mib(r["peak"]) for r in rows)
+            ds = ""
+            if peer:
+                ds_step = median_step(theirs, i)
+                ds = f"{ds_step * 1e3:12.1f}  {step / ds_step:7.2f}  "
+                acts += "; " + "/".join(mib(r[i]["peak"]) for r in theirs[0])
             print(f"{p:<3d} {m:<3d} {step * 1e3:7.1f}  {base * 1e3:10.1f}  {step / base:5.2f}  {bubble:6.3f}  "
-                  f"{theory:6.3f}  {state} ({mib(plain[i]['state'])})  {peak} ({mib(plain[i]['peak'])})", flush=True)
+                  f"{theory:6.3f}  {ds}{state} ({mib(plain[i]['state'])})  {acts} ({mib(plain[i]['peak'])})",
+                  flush=True)
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end", flush=True)
+
+
+def median_step(runs, i: int) -> float:
+    """Median over every timed batch of every run of the slowest rank's batch time."""
+    return statistics.median(max(vals) for run in runs for vals in zip(*(r[i]["totals"] for r in run)))
 
 
 if __name__ == "__main__":
