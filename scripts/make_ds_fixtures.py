@@ -39,6 +39,10 @@ CASES = {"s0_fp32": (0, "fp32"), "s0_bf16": (0, "bf16"), "s1_fp32": (1, "fp32"),
          "s2_bf16": (2, "bf16"), "s3_fp32": (3, "fp32"), "s3_bf16": (3, "bf16")}
 STEPS, SAVE_AT, WORLD, ROWS = 6, 3, 2, 8
 TAG = f"global_step{SAVE_AT}"
+# Pipelines (DeepSpeed runs ZeRO 0-1 under a pipeline): 2 stages x 1 data-parallel rank,
+# 4 micro-batches of 2 rows per step; layer files and one mp_rank_XX file per stage.
+PIPE_CASES = {"pipe_s1_fp32": (1, "fp32")}
+PIPE_STAGES, PIPE_MICRO, PIPE_ACCUM = 2, 2, 4
 
 
 # -- the training script both engines run ----------------------------------------------------------
@@ -70,6 +74,36 @@ def config(stage: int, dtype: str, world: int) -> dict:
     return cfg
 
 
+def make_pipe(deepspeed, stages: int):
+    """The same 4 layers as a PipelineModule of `stages` stages (one layer without weights)."""
+    import importlib
+
+    import torch
+
+    pipe = importlib.import_module(deepspeed.__name__ + ".pipe")
+    torch.manual_seed(0)
+    layers = [pipe.LayerSpec(torch.nn.Linear, 5, 9), pipe.LayerSpec(torch.nn.Tanh),
+              pipe.LayerSpec(torch.nn.Linear, 9, 9), pipe.LayerSpec(torch.nn.Linear, 9, 3)]
+    return pipe.PipelineModule(layers=layers, num_stages=stages, loss_fn=torch.nn.MSELoss(),
+                               partition_method="uniform")
+
+
+def pipe_config(stage: int, dtype: str) -> dict:
+    cfg = config(stage, dtype, 1)
+    cfg.update(train_batch_size=PIPE_MICRO * PIPE_ACCUM, train_micro_batch_size_per_gpu=PIPE_MICRO,
+               gradient_accumulation_steps=PIPE_ACCUM)
+    return cfg
+
+
+def pipe_batches(step: int, dtype) -> list:
+    """One step's micro-batches, (x, y) each; the same whatever the pipeline depth."""
+    import torch
+
+    g = torch.Generator().manual_seed(200 + step)
+    return [(torch.randn(PIPE_MICRO, 5, generator=g).to(dtype), torch.randn(PIPE_MICRO, 3, generator=g).to(dtype))
+            for _ in range(PIPE_ACCUM)]
+
+
 def batch(step: int, rank: int, world: int, dtype):
     import torch
 
@@ -93,9 +127,13 @@ def worker(rank: int, job: dict) -> None:
     else:
         import dslaunch.runtime as deepspeed
     stage, dtype = job["stage"], job["dtype"]
-    model = make_model()
-    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                  config=config(stage, dtype, job["world"]))[0]
+    if job.get("pipe"):
+        model = make_pipe(deepspeed, job["world"])
+        cfg = pipe_config(stage, dtype)
+    else:
+        model = make_model()
+        cfg = config(stage, dtype, job["world"])
+    engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=cfg)[0]
     start = 0
     if job.get("load"):
         path, client = engine.load_checkpoint(job["load"])
@@ -104,13 +142,16 @@ def worker(rank: int, job: dict) -> None:
     losses = []
     tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     for step in range(start, STEPS):
-        x, y = batch(step, rank, job["world"], tdtype)
-        loss = (engine(x).float() - y).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().float().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / job["world"])
+        if job.get("pipe"):  # train_batch's loss is the same on every stage
+            losses.append(float(engine.train_batch(iter(pipe_batches(step, tdtype)))))
+        else:
+            x, y = batch(step, rank, job["world"], tdtype)
+            loss = (engine(x).float() - y).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach().float().clone()
+            dist.all_reduce(total)
+            losses.append(float(total) / job["world"])
         if job.get("save") and step + 1 == SAVE_AT:
             engine.save_checkpoint(job["save"], tag=TAG, client_state={"epoch": 1, "source": job["engine"]})
     if rank == 0:
@@ -154,12 +195,16 @@ def _tidy(save_dir: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ds-python", default="/work/ds-venv/bin/python", help="a python with deepspeed==0.19.8")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(list(CASES) + list(PIPE_CASES)))
     args = ap.parse_args()
     expected = {}
     for name in args.cases.split(","):
-        stage, dtype = CASES[name]
-        base = {"stage": stage, "dtype": dtype, "world": WORLD}
+        if name in PIPE_CASES:
+            stage, dtype = PIPE_CASES[name]
+            base = {"stage": stage, "dtype": dtype, "world": PIPE_STAGES, "pipe": True}
+        else:
+            stage, dtype = CASES[name]
+            base = {"stage": stage, "dtype": dtype, "world": WORLD}
         ds_dir, our_dir = os.path.join(OUT, "ds", name), os.path.join(OUT, "dslaunch", name)
         for d in (ds_dir, our_dir):
             shutil.rmtree(d, ignore_errors=True)
@@ -167,7 +212,7 @@ def main() -> None:
         our_losses = run(sys.executable, dict(base, engine="dslaunch", save=our_dir))
         ds_resumed = run(args.ds_python, dict(base, engine="deepspeed", load=our_dir))
         expected[name] = {"deepspeed": ds_losses, "dslaunch": our_losses, "deepspeed_resumed_dslaunch": ds_resumed}
-        if stage > 0:
+        if stage > 0 and name not in PIPE_CASES:  # DeepSpeed's zero_to_fp32 refuses pipeline checkpoints
             os.makedirs(os.path.join(OUT, "fp32"), exist_ok=True)
             zero_to_fp32(args.ds_python, ds_dir, os.path.join(OUT, "fp32", f"{name}-ds.pt"))
             zero_to_fp32(args.ds_python, our_dir, os.path.join(OUT, "fp32", f"{name}-dslaunch.pt"))

@@ -8,6 +8,8 @@ DeepSpeed 0.19.8 wrote (scripts/make_ds_fixtures.py; DeepSpeed is not needed her
 - dslaunch -> DeepSpeed: DeepSpeed's load_checkpoint resumed each committed dslaunch
   checkpoint with dslaunch's own uninterrupted losses (recorded by the fixture script), and
   dslaunch still writes those checkpoints identically today (so DeepSpeed still reads them).
+- Pipelines (2 stages, ZeRO-1): DeepSpeed's pipeline checkpoint resumes here at 2 stages and
+  at 1 with DeepSpeed's losses; DeepSpeed's PipelineEngine resumed ours (fixture script).
 - Consolidation both ways: `dslaunch consolidate` of DeepSpeed's checkpoints equals
   DeepSpeed's zero_to_fp32, and DeepSpeed's zero_to_fp32 of ours equals ours.
 - DeepSpeed's pickled classes load through inert stand-ins; anything else is still refused.
@@ -152,6 +154,69 @@ def test_deepspeed_checkpoints_resume_on_two_ranks_and_dslaunch_writes_what_deep
                          torch.load(os.path.join(DATA, "fp32", f"{case}-dslaunch.pt"), weights_only=True))
 
 
+def pipe_body(data, rewrite_root=None):
+    """Resume DeepSpeed's pipeline checkpoints (2 stages) with this job's pipeline depth (one
+    stage per rank); with rewrite_root, also redo dslaunch's fixture run and save it there."""
+    import dslaunch.runtime as deepspeed
+
+    world = int(os.environ["WORLD_SIZE"])
+    out = {}
+    for case, (stage, dtype) in fx.PIPE_CASES.items():
+        tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+
+        def engine_():
+            net = fx.make_pipe(deepspeed, world)
+            return deepspeed.initialize(model=net, model_parameters=list(net.parameters()),
+                                        config=fx.pipe_config(stage, dtype))[0]
+
+        engine = engine_()
+        path, client = engine.load_checkpoint(os.path.join(data, "ds", case))
+        out[case] = {"losses": [float(engine.train_batch(iter(fx.pipe_batches(s, tdtype))))
+                                for s in range(engine.global_steps, fx.STEPS)],
+                     "client": client, "path": os.path.basename(path)}
+        engine.destroy()
+        if rewrite_root is not None:
+            engine = engine_()
+            for s in range(fx.SAVE_AT):
+                engine.train_batch(iter(fx.pipe_batches(s, tdtype)))
+            engine.save_checkpoint(os.path.join(rewrite_root, case), tag=fx.TAG,
+                                   client_state={"epoch": 1, "source": "dslaunch"})
+            engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stages", [2, 1])
+def test_deepspeed_pipeline_checkpoints_resume_at_its_depth_and_another(tmp_path, stages):
+    """2 stages: the same topology, rewritten file for file; 1 stage: layer files and both
+    stages' ZeRO-1 shards re-cut for one rank."""
+    from dslaunch.runtime.checkpoint.consolidate import consolidate_checkpoint
+    from dslaunch.runtime.checkpoint.files import load_torch
+
+    rewrite = str(tmp_path) if stages == fx.PIPE_STAGES else None
+    outs = run_function(pipe_body, nprocs=stages, timeout=500, kwargs={"data": DATA, "rewrite_root": rewrite})
+    for case, (stage, dtype) in fx.PIPE_CASES.items():
+        exp = EXPECTED[case]
+        for got in outs:  # every stage reports the pipeline's loss
+            assert got[case]["losses"] == pytest.approx(exp["deepspeed"][fx.SAVE_AT:], rel=TOL[dtype]), (case, stages)
+            assert got[case]["client"] == {"epoch": 1, "source": "deepspeed"} and got[case]["path"] == fx.TAG
+        # DeepSpeed's PipelineEngine resumed our pipeline checkpoint with our own losses (fixture script)
+        assert exp["deepspeed_resumed_dslaunch"] == pytest.approx(exp["dslaunch"][fx.SAVE_AT:], rel=TOL[dtype])
+        # consolidation of both tools' pipeline checkpoints (DeepSpeed's zero_to_fp32 fails on its own:
+        # a pipeline's model states hold module None)
+        ours, theirs = (consolidate_checkpoint(os.path.join(DATA, who, case)) for who in ("dslaunch", "ds"))
+        assert sorted(ours) == sorted(theirs) == ["0.bias", "0.weight", "2.bias", "2.weight", "3.bias", "3.weight"]
+        if rewrite is not None:
+            committed = os.path.join(DATA, "dslaunch", case, fx.TAG)
+            fresh = tmp_path / case / fx.TAG
+            names = sorted(n for n in os.listdir(committed) if not n.startswith("rng_state") and n != "manifest.json")
+            assert names == sorted(n for n in os.listdir(fresh) if not n.startswith("rng_state")
+                                   and n != "manifest.json")
+            for name in names:
+                assert _comparable(load_torch(os.path.join(committed, name))) == \
+                    _comparable(load_torch(str(fresh / name))), (case, name)
+
+
 def _equal_state(a, b, rel=0.0):
     assert list(a) == list(b) or set(a) == set(b), (sorted(a), sorted(b))
     for k in a:
@@ -217,3 +282,22 @@ def test_deepspeed_classes_load_as_stand_ins_but_nothing_else_runs(tmp_path):
     assert str(info.value) == (f"checkpoint file {victim} holds pickled Python objects (posix.system) that could run "
                                "code when loaded; refused. If you trust its source, pass trust_pickle=True")
     assert not marker.exists()
+
+
+def test_deepspeed_tensor_parallel_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    from dslaunch.runtime.checkpoint.consolidate import consolidate
+    from dslaunch.runtime.checkpoint.files import load_torch
+    from dslaunch.runtime.checkpoint.foreign import save_with_deepspeed_globals
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(DATA, "ds", "s0_fp32"), ckpt)
+    states = ckpt / fx.TAG / "mp_rank_00_model_states.pt"
+    model = load_torch(str(states))
+    model.update(mp_world_size=2, checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 2})
+    save_with_deepspeed_globals(model, str(states))
+    with pytest.raises(SystemExit) as info:
+        consolidate.main([str(ckpt), str(tmp_path / "out.pt")], prog_name="dslaunch consolidate")
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"dslaunch consolidate: checkpoint {ckpt}/{fx.TAG}: DeepSpeed checkpoints with tensor (model) parallelism "
+        "(mp_world_size 2) are not read yet"]

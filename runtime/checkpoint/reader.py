@@ -18,6 +18,7 @@ What the loader and `dslaunch consolidate` get, whoever wrote the checkpoint:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -192,8 +193,32 @@ def open_checkpoint(path: str, trust_pickle: bool = False, placement=None) -> Ch
     return _open_deepspeed(path, trust_pickle, placement)
 
 
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")
+_TP_LAYER_FILE = re.compile(r"layer_\d+-model_\d+-model_states\.pt")
+
+
+def _ds_layer_prefixes(ck: Checkpoint, names: List[str]) -> Dict[str, str]:
+    """DeepSpeed's layer files -> the state prefix each fills (it records none): "<idx>" as
+    DeepSpeed's PipelineModule names a layer, or "tied_modules.<key>" when param_shapes
+    lists the file's weights only under one tied module's name."""
+    params = [n for s in range(ck.slices) for group in (ck.model_of(s).get("param_shapes") or [])
+              for n in group]
+    tied = sorted({".".join(n.split(".")[:2]) for n in params if n.startswith("tied_modules.")})
+    out = {}
+    for name in names:
+        idx = _LAYER_FILE.fullmatch(name).group(1).lstrip("0") or "0"
+        out[name] = idx
+        if tied and not any(n.startswith(idx + ".") for n in params):
+            keys = list(ck.read(name))
+            match = [t for t in tied if keys and all(f"{t}.{k}" in params for k in keys)]
+            if len(match) == 1:
+                out[name] = match[0]
+    return out
+
+
 def _open_deepspeed(path: str, trust_pickle: bool, placement) -> Checkpoint:
-    """A directory without a manifest: DeepSpeed's checkpoint (no pipeline, no tensor parallelism)."""
+    """A directory without a manifest: DeepSpeed's checkpoint (with or without a pipeline;
+    not tensor-parallel)."""
     name = next((n for n in (model_states_name(), zero_model_states_name(0))
                  if os.path.exists(os.path.join(path, n))), None)
     if name is None:
@@ -202,16 +227,24 @@ def _open_deepspeed(path: str, trust_pickle: bool, placement) -> Checkpoint:
     ck.model = ck.read(name)
     if not isinstance(ck.model, dict) or "dslaunch" in ck.model:
         raise CheckpointError(f"checkpoint {path} is incomplete or damaged: {MANIFEST} is missing or unreadable")
+    layers = sorted(n for n in os.listdir(path) if _LAYER_FILE.fullmatch(n))
     try:
         ck.topology["data"] = int(ck.model["dp_world_size"])
-        mp = int(ck.model.get("mp_world_size") or 1)
-    except (KeyError, TypeError, ValueError):
+        mp = int(ck.model.get("mp_world_size") or 1)  # DeepSpeed's grid: the (pipe, model) slice size
+        dims = ck.model.get("checkpoint_parallel_dimensions") or {}
+        tp = int(dims.get("tp_degree") or (1 if layers else mp))
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise CheckpointError(f"checkpoint {path}: {name} is neither dslaunch's nor DeepSpeed's "
                               "(no dp_world_size)") from None
-    if mp != 1 or os.path.exists(os.path.join(path, "layer_00-model_states.pt")):
-        raise CheckpointError(f"checkpoint {path}: DeepSpeed checkpoints with model or pipeline parallelism "
-                              f"(mp_world_size {mp}) are not read yet; consolidate it with DeepSpeed's zero_to_fp32")
+    if tp != 1 or mp % tp or (mp > 1 and not layers) or any(_TP_LAYER_FILE.fullmatch(n) for n in os.listdir(path)):
+        raise CheckpointError(f"checkpoint {path}: DeepSpeed checkpoints with tensor (model) parallelism "
+                              f"(mp_world_size {mp}) are not read yet")
+    ck.topology["pipe"] = mp
     ck._bf16 = os.path.exists(os.path.join(path, optim_states_name(0, bf16=True)))
+    if layers:
+        ck.layers = _ds_layer_prefixes(ck, layers)
+        if placement is not None and placement.topology() == ck.topology:
+            ck.model = ck.model_of(placement.slice)  # this stage's scheduler, counters, stage-0 optimizer
     if name == zero_model_states_name(0):
         ck.zero_stage = 3
         rank = placement.dp_rank if placement is not None else 0
