@@ -124,3 +124,30 @@ def test_runtime_imports_without_xxhash_and_a_checksum_says_it_needs_it(tmp_path
     assert res.stderr.strip().splitlines() == [
         "zero_to_fp32.py: checkpoint checksums (xxh3_64) need the xxhash package, which is not installed here: "
         "pip install 'xxhash>=3.0' (a declared dependency of dslaunch)"]
+
+
+def frozen_body(save_dir):
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    model[0].weight.requires_grad_(False)
+    engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                  config={"train_batch_size": 2, "zero_optimization": {"stage": 2},
+                                          "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})[0]
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(save_dir)
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(300)
+def test_exclude_frozen_parameters_leaves_out_what_was_frozen(tmp_path):
+    from dist_harness import run_function
+    from dslaunch.runtime.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    saved = run_function(frozen_body, nprocs=1, timeout=240, kwargs={"save_dir": str(tmp_path)})[0]
+    whole = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    assert sorted(whole) == sorted(saved) and whole["0.weight"].tolist() == saved["0.weight"]
+    trainable = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), exclude_frozen_parameters=True)
+    assert sorted(trainable) == ["0.bias", "1.bias", "1.weight"]
