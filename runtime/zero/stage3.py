@@ -142,12 +142,17 @@ class ZeroStage3(ShardedStrategy):
                     pieces.append(Piece(z.name, sh.start, sh.end, off))
                 off += z.chunk
             host = getattr(offload, "device", "none") in ("cpu", "nvme")
+            to_files = getattr(offload_param, "device", "none") == "nvme"  # shards then rest in files, apart
             pin = host and bool(getattr(offload, "pin_memory", False))
             master = pin_host(torch.zeros(max(off, 1), dtype=torch.float32,
                                           device=torch.device("cpu") if host else _device(params)), pin)
             for p in params:
                 z = p._zero
-                master[z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
+                view = master[z.master_offset:z.master_offset + z.chunk]
+                view.copy_(z.shard.float())
+                if not to_files and z.shard.dtype == torch.float32 and z.shard.device == master.device:
+                    # fp32 parameters: the shard is the master (one copy, updated in place by the step)
+                    z.shard = view
             self.groups.append({"params": params, "master": master, "grad": pin_host(torch.zeros_like(master), pin),
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
@@ -336,7 +341,8 @@ class ZeroStage3(ShardedStrategy):
                     z.shard = new.to(device="cpu", dtype=p.dtype, copy=True)
                     rest([p], dirty=True)
                     continue
-                z.shard.copy_(new)
+                if z.shard.data_ptr() != new.data_ptr():  # not when the shard is the master itself
+                    z.shard.copy_(new)
                 if z.persistent:  # whole on every rank: refresh from all shards
                     full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
                     comm.all_gather_into_tensor(full, z.shard.to(p.device), group=self.group,
