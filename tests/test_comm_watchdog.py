@@ -1,6 +1,6 @@
 """The collective watchdog (issue #9 item 8), through dslaunch and the public API.
 
-Three 2-rank jobs under `dslaunch` with a 4 s timeout: one where rank 1 sleeps inside a
+Three 2-rank jobs under `dslaunch` with a 5 s timeout: one where rank 1 sleeps inside a
 training step while rank 0 waits in the engine's gradient all_reduce (timeout from the
 config's comms_timeout), one where the ranks call different collectives (timeout from
 init_distributed(timeout=)), and a two-stage pipeline whose first stage stalls in a layer's
@@ -17,11 +17,13 @@ import time
 import pytest
 
 DSLAUNCH = os.path.join(os.path.dirname(sys.executable), "dslaunch")
-TIMEOUT_S = 4.0
+TIMEOUT_S = 5.0
 
 SCRIPT = r'''
 import os, sys, time
 import torch
+import torch._dynamo  # the first optimizer imports it: seconds on a loaded machine, done here, before any
+                      # collective, so that no rank waits for another one's import longer than the timeout
 import dslaunch.runtime as deepspeed
 
 case = os.environ["HANG_CASE"]
