@@ -11,7 +11,8 @@ micro-steps only accumulate locally: no communication at all.
 
 With fp16/bf16 the module holds 16-bit weights and this strategy keeps fp32 master copies,
 rewiring the optimizer's param groups to them; reduced 16-bit gradients are converted to
-fp32 once per step, and updated masters are copied back into the module.
+fp32 once per step, bucket by bucket, each 16-bit bucket freed once converted (param.grad
+is None from then until zero_grad), and updated masters are copied back into the module.
 
 Gradient hooks fire in autograd order, which is the same on every rank for the same
 graph; a parameter that gets no gradient leaves its bucket to be reduced at the step,
@@ -25,6 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import comm
+from .reduction import GradReduction
 from .strategy import GradientStrategy, StrategyContext, register_strategy
 
 
@@ -35,6 +37,7 @@ class _Bucket:
     views: List[torch.Tensor]
     ready: int = 0
     work: Optional[object] = None
+    wire: Optional[torch.Tensor] = None  # what the collective sums: `flat`, or its copy in communication_data_type
     index: int = 0  # position in the strategy's bucket list (named in comm records)
     master_flat: Optional[torch.Tensor] = None  # fp32 gradients (mixed precision only)
     masters: List[torch.Tensor] = field(default_factory=list)
@@ -62,6 +65,7 @@ class DataParallelStrategy(GradientStrategy):
         self.overlap = ctx.config.zero.overlap_comm and ctx.distributed
         self._boundary = False
         self._hooks = []
+        self.reduction = GradReduction.from_config(ctx.config, ctx.world_size)
         self.buckets = self._make_buckets(params, max(1, ctx.config.zero.reduce_bucket_size))
         self.bucket_of: Dict[int, _Bucket] = {}
         self.view_of: Dict[int, torch.Tensor] = {}
@@ -123,7 +127,8 @@ class DataParallelStrategy(GradientStrategy):
         b = self.bucket_of[id(p)]
         b.ready += 1
         if b.ready == len(b.params):
-            b.work = comm.all_reduce(b.flat, group=self.ctx.group, async_op=True,
+            b.wire = self.reduction.outgoing(b.flat)
+            b.work = comm.all_reduce(b.wire, group=self.ctx.group, async_op=True,
                                      label=f"stage0 grads bucket {b.index}")
 
     def before_backward(self, is_boundary: bool) -> None:
@@ -134,24 +139,32 @@ class DataParallelStrategy(GradientStrategy):
 
     # -- boundary --------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        ws = self.ctx.world_size
         for b in self.buckets:
             if b.work is None:
                 for p in b.params:
                     self._relink(p)
                 if self.ctx.distributed:
-                    comm.all_reduce(b.flat, group=self.ctx.group, label=f"stage0 grads bucket {b.index}")
+                    b.wire = self.reduction.outgoing(b.flat)
+                    comm.all_reduce(b.wire, group=self.ctx.group, label=f"stage0 grads bucket {b.index}")
             else:
                 b.work.wait()
                 b.work = None
-            if ws > 1:
-                b.flat.div_(ws)
+            if self.ctx.distributed:
+                self.reduction.finish_(b.wire)
+                if b.wire is not b.flat:  # summed in another dtype: back where the gradients live
+                    b.flat.copy_(b.wire)
+                b.wire = None
             if self.mixed:
                 b.master_flat = b.flat.to(torch.float32)
                 off = 0
                 for m in b.masters:
                     m.grad = b.master_flat[off:off + m.numel()].view_as(m)
                     off += m.numel()
+                # the 16-bit bucket is spent: free it until zero_grad, so a full 16-bit copy never
+                # sits beside the full fp32 one (at most one bucket of both at a time)
+                for p in b.params:
+                    p.grad = None
+                b.flat.untyped_storage().resize_(0)
         self._boundary = False
 
     def _grad_flats(self) -> List[torch.Tensor]:
@@ -192,6 +205,9 @@ class DataParallelStrategy(GradientStrategy):
 
     def zero_grad(self) -> None:
         for b in self.buckets:
+            nbytes = b.flat.numel() * b.flat.element_size()
+            if b.flat.untyped_storage().nbytes() != nbytes:  # freed by reduce_gradients (mixed precision)
+                b.flat.untyped_storage().resize_(nbytes)
             b.flat.zero_()
             b.master_flat = None
             for p, v in zip(b.params, b.views):

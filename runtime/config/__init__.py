@@ -21,8 +21,8 @@ from .compute import ActivationCheckpointingConfig, CompileConfig
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
                       WandbConfig)
 from .parallel import ElasticityConfig, PipelineConfig
-from .precision import (LATER, BF16Config, DataTypesConfig, FP16Config, NonFiniteCheckConfig, TorchAutocastConfig,
-                        check_precision)
+from .precision import (BF16Config, DataTypesConfig, FP16Config, NonFiniteCheckConfig, TorchAutocastConfig,
+                        check_precision, dtype_named)
 from .zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 REMOVED = "{what} is not supported (DeepSpeed removed it too); remove it"
@@ -69,9 +69,12 @@ class DeepSpeedConfig:
     amp: Any = refused("NVIDIA Apex amp is not supported (DeepSpeed removed it too); use \"fp16\" or \"bf16\"",
                        disabled)
     # -- gradient reduction --------------------------------------------------------------
-    prescale_gradients: Any = refused("scaling gradients before the all-reduce " + LATER, False)
-    gradient_predivide_factor: Any = refused("a predivide factor for the gradient all-reduce " + LATER, 1.0, 1)
-    communication_data_type: Any = refused("a reduction dtype other than the gradients' own " + LATER, None)
+    prescale_gradients: bool = supported(False, "gradients are divided by the data-parallel size before they are "
+                                                "summed over it (default: after)")
+    gradient_predivide_factor: float = supported(1.0, "gradients are divided by this before they are summed and by "
+                                                      "(data-parallel size / this) after, at every stage")
+    communication_data_type: Optional[str] = supported(None, "dtype gradients are summed in (fp32, fp16, bf16); "
+                                                             "default the model dtype, as DeepSpeed")
     gradient_allreduce_op: Any = refused("only \"mean\" gradient averaging is supported", "mean")
     disable_allgather: Any = refused("broadcast-based parameter sync is not supported; remove it", False)
     # -- ZeRO ----------------------------------------------------------------------------
@@ -142,6 +145,7 @@ class DeepSpeedConfig:
                               f"(or Infinity for never), got {self.steps_per_print}")
         positive(path, "comms_timeout", self.comms_timeout)
         check_precision(self.fp16, self.bf16, self.torch_autocast)
+        self._check_reduction()
         if self.allgather_size is not None:
             if not self.zero.legacy_bool:
                 raise ConfigError("allgather_size: only read with the legacy \"zero_optimization\": true form; "
@@ -149,6 +153,46 @@ class DeepSpeedConfig:
             self.zero.allgather_bucket_size = self.allgather_size
         if self.log_level is not None and self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    def _check_reduction(self) -> None:
+        if not self.gradient_predivide_factor > 0:
+            raise ConfigError(f"gradient_predivide_factor: must be > 0, got {self.gradient_predivide_factor}")
+        if self.prescale_gradients and self.gradient_predivide_factor != 1.0:
+            # DeepSpeed reads the factor only without prescaling: accepting both would ignore one
+            raise ConfigError("gradient_predivide_factor: has no effect with prescale_gradients true (gradients are "
+                              "then divided by the data-parallel size before the sum); set one of the two")
+        if self.communication_data_type is not None:
+            dtype_named("communication_data_type", self.communication_data_type, COMM_DTYPES)
+        accum = self.grad_accum_dtype
+        if accum is None:
+            return
+        import torch
+
+        model = torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16.enabled else torch.float32
+        name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+        if self.zero.stage <= 1 and accum != model:
+            # stages 0-1 accumulate the full gradients in param.grad, in the model dtype (DeepSpeed
+            # refuses other mixes at stage 0 too)
+            raise ConfigError(f"data_types.grad_accum_dtype: stage {self.zero.stage} accumulates gradients in the "
+                              f"model dtype ({name[model]}); {name[accum]} accumulation needs zero_optimization "
+                              "stage 2 or 3, or remove the key")
+        if accum not in (model, torch.float32):
+            raise ConfigError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model; use fp32 or "
+                              f"{name[model]}")
+
+    @property
+    def communication_dtype(self):
+        """The torch dtype of communication_data_type, or None (the model dtype)."""
+        if self.communication_data_type is None:
+            return None
+        return dtype_named("communication_data_type", self.communication_data_type, COMM_DTYPES)
+
+    @property
+    def grad_accum_dtype(self):
+        """The torch dtype of data_types.grad_accum_dtype, or None (the stage's default)."""
+        if self.data_types.grad_accum_dtype is None:
+            return None
+        return dtype_named("data_types.grad_accum_dtype", self.data_types.grad_accum_dtype)
 
     @property
     def zero(self) -> ZeroConfig:
@@ -187,6 +231,8 @@ class DeepSpeedConfig:
         return self.to_dict().get(key, default)
 
 
+# DeepSpeed accepts exactly these spellings for communication_data_type (any case).
+COMM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 __all__ = ["DeepSpeedConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
            "OffloadOptimizerConfig", "OffloadParamConfig", "OffloadDevice", "BatchSizes", "resolve_batch_sizes",

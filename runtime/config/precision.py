@@ -2,13 +2,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from ..strict import ConfigError, refused, supported
 from .checks import positive
 
-# Reduction numerics come with the ZeRO work that puts every stage's reductions on one path.
-LATER = "is not supported yet; remove it"
+# DeepSpeed's spellings (its DtypeEnum) of the dtypes a gradient may be accumulated in.
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "float": "float32", "torch.float32": "float32",
+               "fp16": "float16", "float16": "float16", "half": "float16", "torch.float16": "float16",
+               "bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16"}
+
+
+def dtype_named(path: str, value: str, names=DTYPE_NAMES):
+    """The torch dtype a config spells `value`; a ConfigError naming the key otherwise."""
+    import torch
+
+    key = str(value).lower()
+    if key not in names:
+        raise ConfigError(f"{path}: unknown dtype {value!r}; use one of {', '.join(sorted(set(names)))}")
+    return getattr(torch, names[key])
 
 
 @dataclass
@@ -74,10 +86,16 @@ class TorchAutocastConfig:
 
 @dataclass
 class DataTypesConfig:
-    grad_accum_dtype: Any = refused("choosing the gradient accumulation dtype " + LATER, None)
+    grad_accum_dtype: Optional[str] = supported(
+        None, "dtype gradients are accumulated in (fp32, bf16, fp16): stage 0/1 full gradients, stage 2/3 "
+              "partitions; unset: the model dtype for stages 0-1 (as DeepSpeed), fp32 for stage 2/3 partitions")
     param_dtype: Any = refused("a separate parameter dtype is not supported; use fp16/bf16", None)
     buffer_dtype: Any = refused("a separate buffer dtype is not supported; buffers follow the model dtype", None)
     keep_in_fp32_modules: Any = refused("keeping chosen modules in fp32 is not supported; remove it", "auto", None)
+
+    def validate(self, path: str) -> None:
+        if self.grad_accum_dtype is not None:
+            dtype_named(f"{path}.grad_accum_dtype" if path else "grad_accum_dtype", self.grad_accum_dtype)
 
 
 def check_precision(fp16: FP16Config, bf16: BF16Config, autocast: TorchAutocastConfig) -> None:

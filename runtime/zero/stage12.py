@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..reduction import GradReduction
 from ..strategy import StrategyContext, register_strategy
 from .. import comm
 from .offload import OptimizerHost, make_host, pin_host
@@ -62,6 +63,9 @@ class _PartitionedStage(ShardedStrategy):
         self.overlap_comm = z.overlap_comm
         self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
         self.pin = bool(getattr(offload, "pin_memory", False))
+        self.reduction = GradReduction.from_config(ctx.config, self.world)
+        # stage 2's gradient partition (data_types.grad_accum_dtype; default fp32, as the masters)
+        self.accum_dtype = ctx.config.grad_accum_dtype or torch.float32
         names = named_trainable(module)
         seen = set()
         self.groups: List[_Group] = []
@@ -97,7 +101,7 @@ class _PartitionedStage(ShardedStrategy):
         # offloaded: masters, optimizer state and (stage 2) the gradient partition in host memory
         host = torch.device("cpu") if self.offload_device in ("cpu", "nvme") else device
         master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
-        grad = pin_host(torch.zeros_like(master), self.pin) if self.stage == 2 else None
+        grad = pin_host(torch.zeros_like(master, dtype=self.accum_dtype), self.pin) if self.stage == 2 else None
         return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(self.rank))
 
     # -- stage 2: reduce to owner during backward ----------------------------------------
@@ -154,12 +158,13 @@ class _PartitionedStage(ShardedStrategy):
             buf = torch.cat([gf[a:b] if gf is not None else torch.zeros(b - a, dtype=self.groups[gi].flat.dtype,
                                                                          device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
+            buf = self.reduction.outgoing(buf)
             comm.reduce(buf, group_dst=owner, group=self.group, label=f"stage2 grads bucket {bi} to {owner}")
             if owner == self.rank:
                 pos = 0
                 for gi, _, a, b, off in parts:
-                    self.groups[gi].grad[off:off + b - a] += buf[pos:pos + b - a].to(self.groups[gi].grad.device,
-                                                                                      torch.float32)
+                    grad = self.groups[gi].grad
+                    grad[off:off + b - a] += buf[pos:pos + b - a].to(grad.device, grad.dtype)
                     pos += b - a
 
     # -- boundary -------------------------------------------------------------------------
@@ -177,7 +182,7 @@ class _PartitionedStage(ShardedStrategy):
     def reduce_gradients(self) -> None:
         if self.stage == 2:
             for g in self.groups:
-                g.grad.div_(self.world)
+                self.reduction.finish_(g.grad)
             return
         for g in self.groups:
             L, P = g.layout, g.layout.partition_size
@@ -187,13 +192,14 @@ class _PartitionedStage(ShardedStrategy):
                     full[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
             cols = max(1, self.reduce_bucket // self.world)
-            grad = torch.empty(P, dtype=g.flat.dtype, device=g.flat.device)
+            red = self.reduction
+            grad = torch.empty(P, dtype=red.dtype or g.flat.dtype, device=g.flat.device)
             rows = full.view(self.world, P)
             for c in range(0, P, cols):
-                chunk = rows[:, c:c + cols].contiguous()
+                chunk = red.outgoing(rows[:, c:c + cols].contiguous())
                 comm.reduce_scatter_tensor(grad[c:c + cols], chunk.view(-1), group=self.group,
                                            label=f"stage1 grads cols {c}")
-            g.grad = grad.to(g.master.device, torch.float32).div_(self.world)
+            g.grad = red.finish_(grad.to(g.master.device, torch.float32))
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].master.device if self.groups else "cpu")
@@ -235,7 +241,9 @@ class _PartitionedStage(ShardedStrategy):
 
     def optimizer_step(self) -> None:
         for g in self.groups:
-            g.master.grad = g.grad if g.grad is not None else torch.zeros_like(g.master)
+            # a 16-bit partition (grad_accum_dtype) is widened for the step only
+            g.master.grad = (g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)) \
+                if g.grad is not None else torch.zeros_like(g.master)
         self.host.step()
         for g in self.groups:
             g.master.grad = None

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..reduction import GradReduction
 from ..strategy import StrategyContext, register_strategy
 from .. import comm
 from .hook_scope import hooked_modules, module_params
@@ -126,6 +127,8 @@ class ZeroStage3(ShardedStrategy):
             if offload_param is not None and offload_param.device == "cpu":
                 p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
         self.groups: List[Dict[str, Any]] = []
+        self.reduction = GradReduction.from_config(ctx.config, self.world)
+        accum = ctx.config.grad_accum_dtype or torch.float32  # the gradient partitions' dtype
         # optimizer None: forward only (ZeRO inference), no masters, gradients or optimizer host
         param_groups = optimizer.param_groups if optimizer is not None else []
         self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in param_groups]
@@ -153,7 +156,7 @@ class ZeroStage3(ShardedStrategy):
                 if not to_files and z.shard.dtype == torch.float32 and z.shard.device == master.device:
                     # fp32 parameters: the shard is the master (one copy, updated in place by the step)
                     z.shard = view
-            self.groups.append({"params": params, "master": master, "grad": pin_host(torch.zeros_like(master), pin),
+            self.groups.append({"params": params, "master": master, "grad": pin_host(torch.zeros_like(master, dtype=accum), pin),
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
         if optimizer is not None:
@@ -284,14 +287,15 @@ class ZeroStage3(ShardedStrategy):
         device = bucket[0][1].device
         mat = torch.cat([full.view(self.world, -1) for _, full in bucket], dim=1) if len(bucket) > 1 \
             else bucket[0][1].view(self.world, -1)
-        part = torch.empty(width, dtype=bucket[0][1].dtype, device=device)
-        comm.reduce_scatter_tensor(part, mat.contiguous().view(-1), group=self.group,
+        flat = self.reduction.outgoing(mat.contiguous().view(-1))
+        part = torch.empty(width, dtype=flat.dtype, device=device)
+        comm.reduce_scatter_tensor(part, flat, group=self.group,
                                    label=f"stage3 reduce grads {bucket[0][0]._zero.name}..{bucket[-1][0]._zero.name}")
         off = 0
         for p, _ in bucket:
             z = p._zero
             g = self.groups[z.group_index]["grad"]
-            g[z.master_offset:z.master_offset + z.chunk] += part[off:off + z.chunk].to(g.device, torch.float32)
+            g[z.master_offset:z.master_offset + z.chunk] += part[off:off + z.chunk].to(g.device, g.dtype)
             off += z.chunk
 
     def before_backward(self, is_boundary: bool = True) -> None:
@@ -307,19 +311,19 @@ class ZeroStage3(ShardedStrategy):
     # -- boundary -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         for g in self.groups:
-            g["grad"].div_(self.world)
+            self.reduction.finish_(g["grad"])
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32)
         skip = self.ctx.norm_exclude
         for g in self.groups:
             if not skip:
-                sq += g["grad"].pow(2).sum().cpu()
+                sq += g["grad"].float().pow(2).sum().cpu()
                 continue
             for p in g["params"]:
                 if id(p) not in skip:
                     z = p._zero
-                    sq += g["grad"][z.master_offset:z.master_offset + z.chunk].pow(2).sum().cpu()
+                    sq += g["grad"][z.master_offset:z.master_offset + z.chunk].float().pow(2).sum().cpu()
         comm.all_reduce(sq, group=self.group, label="stage3 grad norm")
         return float(sq.sqrt())
 
@@ -330,7 +334,8 @@ class ZeroStage3(ShardedStrategy):
 
     def optimizer_step(self) -> None:
         for g in self.groups:
-            g["master"].grad = g["grad"]
+            # a 16-bit partition (grad_accum_dtype) is widened for the step only
+            g["master"].grad = g["grad"] if g["grad"].dtype == g["master"].dtype else g["grad"].to(g["master"].dtype)
         self.host.step()
         for g in self.groups:
             g["master"].grad = None
