@@ -142,7 +142,13 @@ elif action == "cascade":
     config_error = "ValueError: ds_config: unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"
     print(f"rank {rank} starting", flush=True)
     if mode == "victim":
+        if rank == 0:
+            open(f"{out}.starting", "w").close()
         if rank == 1:
+            # rank 0's "starting" line comes before this failure: once it is printed, a moment
+            # for the launcher to read it (under load rank 1 could otherwise fail first)
+            wait_for("starting")
+            time.sleep(0.5)
             sys.stderr.write(traceback_lines(1, config_error))
             sys.stderr.flush()
             open(f"{out}.failing", "w").close()
