@@ -8,9 +8,9 @@ schedulers keep working) and, in stage 2, the gradients. The module's parameters
 views into one flat buffer per group so the post-step all-gather writes them in place.
 
 Gradient flow:
-  stage 1  grads accumulate in param.grad as usual; at the boundary the flat gradient is
-           reduce-scattered column-bucket by column-bucket (bucket b = elements
-           [b*B, (b+1)*B) of every rank's partition), so the temporary is world*B.
+  stage 1  grads accumulate in param.grad as usual; the boundary micro-step's backward
+           reduces them as stage 2 does (below), overlapped with backward, into an fp32
+           partition that lives until the step; no communication off the boundary.
   stage 2  grads are reduced to their owner during backward, bucket by bucket in
            reverse registration order (about the order backward produces them), and
            param.grad is freed at once; a rank accumulates only its partition. Buckets
@@ -85,8 +85,8 @@ class _PartitionedStage(ShardedStrategy):
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
-        if self.stage == 2:
-            self._install_stage2_hooks()
+        self._reduced = self.stage == 2  # stage 1: set once the boundary backward has reduced
+        self._install_hooks()
 
     # -- construction ---------------------------------------------------------------------
     def _build_group(self, params, names) -> _Group:
@@ -105,7 +105,7 @@ class _PartitionedStage(ShardedStrategy):
         return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(self.rank))
 
     # -- stage 2: reduce to owner during backward ----------------------------------------
-    def _install_stage2_hooks(self) -> None:
+    def _install_hooks(self) -> None:
         items = []  # (group index, param index), reverse registration order
         for gi, g in enumerate(self.groups):
             for pi in range(len(g.params)):
@@ -128,7 +128,7 @@ class _PartitionedStage(ShardedStrategy):
 
     def _make_hook(self, gi, pi):
         def hook(param):
-            if not self.overlap_comm:
+            if not self.overlap_comm or (self.stage == 1 and not self._boundary):
                 return
             bi = self._bucket_of[(gi, pi)]
             self._pending[bi] -= 1
@@ -144,6 +144,8 @@ class _PartitionedStage(ShardedStrategy):
         by_owner: Dict[int, List[tuple]] = {}
         for gi, pi in self._bucket_plan[bi]:
             g = self.groups[gi]
+            if g.grad is None:  # stage 1: the fp32 partition exists from the boundary backward to the step
+                g.grad = torch.zeros_like(g.master)
             s = g.layout.slots[pi]
             p = g.params[pi]
             gflat = p.grad.reshape(-1) if p.grad is not None else None
@@ -151,7 +153,7 @@ class _PartitionedStage(ShardedStrategy):
             for r in g.layout.owner_ranks(s.name) if s.numel else []:
                 a, b = max(r * P, s.offset), min((r + 1) * P, s.offset + s.numel)
                 by_owner.setdefault(r, []).append((gi, gflat, a - s.offset, b - s.offset, a - r * P))
-            p.grad = None  # the point of stage 2: no full gradient survives the bucket
+            p.grad = None  # no full gradient survives the bucket (stage 1: from the boundary backward on)
         for owner in sorted(by_owner):
             parts = by_owner[owner]
             # reduced in the module's dtype like stage 0 (half the bytes in bf16), summed into fp32
@@ -172,34 +174,24 @@ class _PartitionedStage(ShardedStrategy):
         self._boundary = is_boundary
 
     def after_backward(self, is_boundary: bool) -> None:
-        if self.stage == 2:
-            # buckets not yet complete (unused params, or overlap_comm off): flush in plan order
-            while self._next_bucket < len(self._bucket_plan):
-                self._reduce_bucket(self._next_bucket)
-                self._next_bucket += 1
-            self._reset_buckets()
+        if self.stage == 2 or is_boundary:
+            self._flush_buckets()
+            self._reduced = True
+
+    def _flush_buckets(self) -> None:
+        """Reduce the buckets not yet complete (unused params, or overlap_comm off), in plan order."""
+        while self._next_bucket < len(self._bucket_plan):
+            self._reduce_bucket(self._next_bucket)
+            self._next_bucket += 1
+        self._reset_buckets()
 
     def reduce_gradients(self) -> None:
-        if self.stage == 2:
-            for g in self.groups:
-                self.reduction.finish_(g.grad)
-            return
+        if not self._reduced:  # stage 1 with no boundary backward seen: reduce what param.grad holds now
+            self._flush_buckets()
         for g in self.groups:
-            L, P = g.layout, g.layout.partition_size
-            full = torch.zeros(L.padded_total, dtype=g.flat.dtype, device=g.flat.device)  # module dtype, as stage 0
-            for p, s in zip(g.params, L.slots):
-                if p.grad is not None:
-                    full[s.offset:s.offset + s.numel].copy_(p.grad.reshape(-1))
-                p.grad = None
-            cols = max(1, self.reduce_bucket // self.world)
-            red = self.reduction
-            grad = torch.empty(P, dtype=red.dtype or g.flat.dtype, device=g.flat.device)
-            rows = full.view(self.world, P)
-            for c in range(0, P, cols):
-                chunk = red.outgoing(rows[:, c:c + cols].contiguous())
-                comm.reduce_scatter_tensor(grad[c:c + cols], chunk.view(-1), group=self.group,
-                                           label=f"stage1 grads cols {c}")
-            g.grad = red.finish_(grad.to(g.master.device, torch.float32))
+            if g.grad is not None:
+                self.reduction.finish_(g.grad)
+        self._reduced = self.stage == 2
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].master.device if self.groups else "cpu")
@@ -271,6 +263,7 @@ class _PartitionedStage(ShardedStrategy):
                 g.grad.zero_()
             else:
                 g.grad = None
+        self._reduced = self.stage == 2
 
     # -- checkpoints ------------------------------------------------------------------------
     def shard_state(self) -> Dict[str, Any]:
