@@ -100,7 +100,10 @@ class _PartitionedStage(ShardedStrategy):
         lo, hi = layout.partition_range(self.rank)
         # offloaded: masters, optimizer state and (stage 2) the gradient partition in host memory
         host = torch.device("cpu") if self.offload_device in ("cpu", "nvme") else device
-        master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
+        if host == device and dtype == torch.float32:
+            master = flat[lo:hi]  # fp32 parameters: this rank's slice of them is the master (one copy)
+        else:
+            master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
         grad = pin_host(torch.zeros_like(master, dtype=self.accum_dtype), self.pin) if self.stage == 2 else None
         return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(self.rank))
 
