@@ -174,7 +174,7 @@ import dslaunch.runtime as deepspeed
 cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
        "comms_logger": {"enabled": True, "verbose": True, "prof_all": False, "debug": True,
-                        "prof_ops": ["reduce_scatter_tensor", "all_gather_into_tensor"]}}
+                        "prof_ops": ["reduce", "all_gather_into_tensor"]}}
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -202,15 +202,17 @@ def test_comms_logger_from_the_config(tmp_path):
     table = out0.split("SUMMARY-CALL", 1)[1].split("SUMMARY-DONE", 1)[0].strip().splitlines()
     assert table[0].split()[:2] == ["Comm.", "Op"]
     rows = {ln.split()[0] for ln in table[2:] if ln and not ln[0].isspace()}
-    assert rows == {"all_gather_into_tensor", "reduce_scatter_tensor"}  # not the broadcasts or the norm's all_reduce
-    # 90 fp32 parameters padded to 92 (DeepSpeed's alignment, 2 x world), 46 per rank: each of 3 steps
-    # one reduce-scatter (368 B in) and one all-gather (368 B out)
-    for op in ("reduce_scatter_tensor", "all_gather_into_tensor"):
-        row = next(ln for ln in table if ln.startswith(op)).split("]", 1)[1].split()
-        assert row[:3] == ["368", "B", "3"], table
-    assert "reduce_scatter_tensor | [Caller Func: reduce_gradients]" in out0  # debug
+    assert rows == {"all_gather_into_tensor", "reduce"}  # not the broadcasts or the norm's all_reduce
+    # 90 fp32 parameters padded to 92 (DeepSpeed's alignment, 2 x world), 46 per rank. Each of 3 steps:
+    # one all-gather (368 B out) and a reduce of each owner's gradients in backward (46 and 44 floats)
+    row = next(ln for ln in table if ln.startswith("all_gather_into_tensor")).split("]", 1)[1].split()
+    assert row[:3] == ["368", "B", "3"], table
+    i = next(i for i, ln in enumerate(table) if ln.startswith("reduce "))
+    sizes = sorted(tuple((ln.split("]", 1)[1] if "]" in ln else ln).split()[:3]) for ln in table[i:i + 2])
+    assert sizes == [("176", "B", "3"), ("184", "B", "3")], table
+    assert "reduce | [Caller Func: _reduce_bucket]" in out0  # debug
     assert "all_gather_into_tensor | [Caller Func: sync_params]" in out0
     assert "comm op: all_gather_into_tensor | [Caller Func: sync_params] | group: world" in runs[0].stderr  # verbose
     tail = out0.split("SUMMARY-DONE", 1)[1]
-    assert "comms_logger: communication summary of rank 0 at exit" in tail and "reduce_scatter_tensor" in tail
+    assert "comms_logger: communication summary of rank 0 at exit" in tail and "all_gather_into_tensor" in tail
     assert "SUMMARY-DONE" in runs[1].stdout and "Comm. Op" not in runs[1].stdout  # rank 0 prints, rank 1 does not
