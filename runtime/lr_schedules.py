@@ -4,6 +4,12 @@ Each schedule is a pure function of the step count (`lr_at(step)`), wrapped in a
 stateful object with the torch scheduler surface the engine and users touch: step(),
 get_lr(), get_last_lr(), state_dict(), load_state_dict(). The engine steps the schedule
 once per optimizer step (and not on a skipped fp16 step).
+
+Counting follows DeepSpeed's: a new schedule stands at `last_batch_iteration == -1`
+(the lr before any step: warmup_min_lr, or ratio 0 for WarmupCosineLR), and the first
+optimizer step is taken with that lr; the engine's first scheduler step then moves it to
+iteration 0. So a DeepSpeed script sees the same lr at every step, and a scheduler state
+saved by DeepSpeed resumes here at the same point.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
 class _Schedule:
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.last_batch_iteration = 0
+        self.last_batch_iteration = -1
         self._apply()
 
     def lr_at(self, step: int, group_index: int) -> float:
@@ -78,6 +84,8 @@ class WarmupLR(_Schedule):
         return _warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
 
     def lr_at(self, step: int, group_index: int) -> float:
+        if step < 0:
+            return self.min_lr  # before the first step
         return self.min_lr + (self.max_lr - self.min_lr) * self.gamma(step)
 
 
@@ -116,11 +124,13 @@ class WarmupCosineLR(_Schedule):
             self.step(last_batch_iteration)
 
     def ratio(self, step: int) -> float:
+        if step < 0:
+            return 0.0  # before the first step, as DeepSpeed's WarmupCosineLR
         if step < self.warmup_num_steps:
             g = _warmup_gamma(step, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * g
         span = max(1, self.total_num_steps - self.warmup_num_steps)
-        progress = min(1.0, (step - self.warmup_num_steps) / span)
+        progress = min(1.0, (step - self.warmup_num_steps + 1) / span)  # DeepSpeed counts the decay from 1
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def lr_at(self, step: int, group_index: int) -> float:
@@ -128,7 +138,10 @@ class WarmupCosineLR(_Schedule):
 
 
 class OneCycle(_Schedule):
-    """Linear rise cycle_min_lr -> cycle_max_lr, fall back, then decay; momentum cycles inversely."""
+    """Linear rise cycle_min_lr -> cycle_max_lr, fall back, then decay; momentum cycles inversely.
+    Unlike DeepSpeed's, cycling the momentum keeps each group's second beta (DeepSpeed's
+    OneCycle sets it to 0.99) and starts from cycle_max_mom (DeepSpeed's from cycle_min_mom
+    for the first step only)."""
 
     def __init__(self, optimizer, cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
                  cycle_first_step_size: int = 2000, cycle_second_step_size=None, decay_step_size: int = 0,
@@ -145,7 +158,9 @@ class OneCycle(_Schedule):
             self.step(last_batch_iteration)
 
     def _phase(self, step: int):
-        """(fraction of the way from min to max lr, decay intervals after the cycle)."""
+        """(fraction of the way from min to max lr, decay intervals after the cycle).
+        DeepSpeed's OneCycle places iteration k at point k + 1 of the cycle."""
+        step += 1
         if step < self.first:
             return step / self.first, 0.0
         if step < self.first + self.second:

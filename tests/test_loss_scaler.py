@@ -86,11 +86,12 @@ def engine_overflow_body():
 
 def test_engine_skips_poisoned_steps_and_backs_off():
     trace = run_function(engine_overflow_body, nprocs=1, timeout=60)[0]
-    # (scale, skipped, scheduler steps, weights changed)
+    # (scale, skipped, scheduler's last_batch_iteration (-1 before its first step, as
+    # DeepSpeed's), weights changed)
     assert trace == [
-        (16.0, 0, 1, True),
-        (8.0, 1, 1, False),    # inf: skipped, scheduler not stepped, scale halved
-        (4.0, 2, 1, False),    # nan: same
-        (4.0, 2, 2, True),
-        (8.0, 2, 3, True),     # two clean steps since the overflow: grow
+        (16.0, 0, 0, True),
+        (8.0, 1, 0, False),    # inf: skipped, scheduler not stepped, scale halved
+        (4.0, 2, 0, False),    # nan: same
+        (4.0, 2, 1, True),
+        (8.0, 2, 2, True),     # two clean steps since the overflow: grow
     ]
