@@ -195,3 +195,4 @@ def test_schedules_follow_deepspeed_formulas():
         build_scheduler(SchedulerConfig("WarmupDecayLR", {}), _opt())
     with pytest.raises(ConfigError, match=r"scheduler.type: unknown scheduler 'WarmupLr'; did you mean 'WarmupLR'\?"):
         build_scheduler(SchedulerConfig("WarmupLr", {}), _opt())
+

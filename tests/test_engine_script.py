@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dist_harness import run_script
+from dist_harness import run_function, run_script
 
 SCRIPT = r'''
 import argparse
@@ -150,3 +150,23 @@ def test_plain_python_single_process_and_one_line_config_error(tmp_path, script)
     errors = [l for l in bad.stderr.splitlines() if l.startswith("error:")]
     assert errors == [f"error: {cfg}: zero_optimization.overlap_com: unknown key; did you mean 'overlap_comm'?"]
     assert "Traceback" not in bad.stderr
+
+
+def _batch_error_under_a_script_initialised_group():
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    model = torch.nn.Linear(2, 2)
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                             config={"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2})
+    except deepspeed.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_batch_error_names_a_process_group_the_script_made():
+    # the harness calls torch's init_process_group itself, as a torchrun script would
+    msg = run_function(_batch_error_under_a_script_initialised_group, nprocs=2, timeout=120)[0]
+    assert msg is not None and "data-parallel size 2 (the default process group the script initialised itself)" in msg, msg

@@ -22,12 +22,16 @@ import torch.distributed as dist
 from . import watchdog
 from .collectives import recorder
 
-_WORLD_SOURCE = "single process (no launcher environment)"
+_WORLD_SOURCE = None  # set when init_distributed creates the default group
 
 
 def world_source() -> str:
     """Where the world size came from, for error messages."""
-    return _WORLD_SOURCE
+    if _WORLD_SOURCE is not None:
+        return _WORLD_SOURCE
+    if dist.is_available() and dist.is_initialized():
+        return "the default process group the script initialised itself"
+    return "single process (no launcher environment)"
 
 
 def _free_port() -> int:
