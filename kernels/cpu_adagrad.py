@@ -20,7 +20,7 @@ from . import builder
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views, pointers
+from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views
 
 
 class AdagradHyper(ctypes.Structure):
@@ -77,14 +77,8 @@ def cpu_adagrad_step(params: TensorOrList, grads: TensorOrList, sums: TensorOrLi
                 lr_decay=lr_decay, eps=eps, maximize=maximize)
         copy_out_after_fallback(args)
         return
-    grad_code, out_code = args.c_codes()
     hyper = AdagradHyper(clr, eps, weight_decay, int(maximize))
-    rc = op.lib.ds_cpu_adagrad_step(args.n, args.c_numels(), pointers(args.params), pointers(args.grads),
-                                    pointers(args.states["sums"]), pointers(args.outs), grad_code, out_code,
-                                    ctypes.byref(hyper), num_threads or torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"cpu_adagrad_step: the op rejected grad dtype {args.grad_dtype} / "
-                           f"copy-out {args.out_dtype}")
+    args.call("cpu_adagrad_step", op.lib.ds_cpu_adagrad_step, [args.states["sums"]], hyper, num_threads)
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from . import builder
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views, pointers
+from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views
 
 
 class AdamHyper(ctypes.Structure):
@@ -162,14 +162,8 @@ def cpu_adam_step(
                     bias_correction)
         return
     st = args.states
-    grad_code, out_code = args.c_codes()
-    rc = op.lib.ds_cpu_adam_step(
-        args.n, args.c_numels(), pointers(args.params), pointers(args.grads), pointers(st["exp_avgs"]),
-        pointers(st["exp_avg_sqs"]), pointers(st.get("max_exp_avg_sqs")), pointers(args.outs), grad_code, out_code,
-        ctypes.byref(hyper), num_threads or torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise RuntimeError(f"cpu_adam_step: the op rejected grad dtype {args.grad_dtype} / copy-out {args.out_dtype}")
+    args.call("cpu_adam_step", op.lib.ds_cpu_adam_step,
+              [st["exp_avgs"], st["exp_avg_sqs"], st.get("max_exp_avg_sqs")], hyper, num_threads)
 
 
 def _torch_step(args, step, lr, betas, eps, weight_decay, decoupled, amsgrad, maximize, bias_correction) -> None:

@@ -20,7 +20,7 @@ import torch
 from . import builder
 from .cpu_optimizer import CPUOptimizer
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views, pointers
+from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views
 
 
 class LionHyper(ctypes.Structure):
@@ -76,12 +76,7 @@ def cpu_lion_step(params: TensorOrList, grads: TensorOrList, exp_avgs: TensorOrL
         lion_update(args.params, grads32, st["exp_avgs"], lr, beta1, beta2, weight_decay)
         copy_out_after_fallback(args)
         return
-    grad_code, out_code = args.c_codes()
-    rc = op.lib.ds_cpu_lion_step(args.n, args.c_numels(), pointers(args.params), pointers(args.grads),
-                                 pointers(args.states["exp_avgs"]), pointers(args.outs), grad_code, out_code,
-                                 ctypes.byref(hyper), num_threads or torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"cpu_lion_step: the op rejected grad dtype {args.grad_dtype} / copy-out {args.out_dtype}")
+    args.call("cpu_lion_step", op.lib.ds_cpu_lion_step, [args.states["exp_avgs"]], hyper, num_threads)
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:

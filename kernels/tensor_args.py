@@ -59,6 +59,16 @@ class FlatArgs:
     def c_codes(self):
         return GRAD_CODES[self.grad_dtype], OUT_CODES[self.out_dtype]
 
+    def call(self, op: str, fn, states: Sequence[Optional[List[torch.Tensor]]], hyper,
+             num_threads: Optional[int]) -> None:
+        """Run the C step `fn` over these tensors with the ops' common signature: (n, numels,
+        params, grads, *states, copy-outs, grad dtype code, copy-out code, &hyper, threads)."""
+        grad_code, out_code = self.c_codes()
+        rc = fn(self.n, self.c_numels(), pointers(self.params), pointers(self.grads), *map(pointers, states),
+                pointers(self.outs), grad_code, out_code, ctypes.byref(hyper), num_threads or torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"{op}: the op rejected grad dtype {self.grad_dtype} / copy-out {self.out_dtype}")
+
 
 def _check(op: str, name: str, ts: List[torch.Tensor], numels: List[int], dtypes) -> None:
     """One fast pass over a list; the slow path only runs to word the error."""
