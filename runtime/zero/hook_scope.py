@@ -69,21 +69,28 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
 
 
 _EXTERNAL = "_zero_external_params"
+# bumped on every (un)registration: stage 3 caches module_params per module and rebuilds the
+# cache when this moves, so a registration made after deepspeed.initialize still counts
+registrations = 0
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     if not isinstance(parameter, torch.nn.Parameter):
         raise TypeError(f"register_external_parameter: expected a torch.nn.Parameter, got {type(parameter).__name__}")
+    global registrations
     ext = module.__dict__.setdefault(_EXTERNAL, [])
     if all(p is not parameter for p in ext):
         ext.append(parameter)
+        registrations += 1
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     ext = module.__dict__.get(_EXTERNAL, [])
     if all(p is not parameter for p in ext):
         raise ValueError("unregister_external_parameter: this parameter was not registered with the module")
+    global registrations
     ext[:] = [p for p in ext if p is not parameter]
+    registrations += 1
 
 
 def module_params(m: torch.nn.Module) -> List[torch.nn.Parameter]:

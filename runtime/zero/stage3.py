@@ -29,6 +29,7 @@ import torch
 from ..reduction import GradReduction
 from ..strategy import StrategyContext, register_strategy
 from .. import comm
+from . import hook_scope
 from .hook_scope import hooked_modules, module_params
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
@@ -175,6 +176,10 @@ class ZeroStage3(ShardedStrategy):
         self._pos = 0
         self._trace_ok = False
         self._names = {id(m): (n or type(m).__name__) for n, m in module.named_modules()}
+        # what each hooked module's hooks gather, computed once: the hooks run for every module
+        # on every forward and backward, and walking named_parameters there dominated small steps
+        self._own_cache: Dict[int, List[torch.nn.Parameter]] = {}
+        self._own_version = -1
 
     # -- hooks ------------------------------------------------------------------------------
     def wrap_module(self) -> None:
@@ -196,10 +201,17 @@ class ZeroStage3(ShardedStrategy):
             self._trace_ok = True
 
     def _own(self, m) -> List[torch.nn.Parameter]:
-        return module_params(m)
+        """The parameters m's hooks gather (do not modify the list)."""
+        if self._own_version != hook_scope.registrations:
+            self._own_cache.clear()
+            self._own_version = hook_scope.registrations
+        own = self._own_cache.get(id(m))
+        if own is None:
+            own = self._own_cache[id(m)] = module_params(m)
+        return own
 
     def gather_module(self, m, phase: str) -> None:
-        params = self._own(m)
+        params = list(self._own(m))
         if phase == "forward" and self._trace_ok and self.prefetch_numel > 0:
             # prefetch: the next modules in last forward's order join this collective
             if self._pos < len(self._trace) and self._trace[self._pos] is m:
@@ -348,11 +360,25 @@ class ZeroStage3(ShardedStrategy):
                     continue
                 if z.shard.data_ptr() != new.data_ptr():  # not when the shard is the master itself
                     z.shard.copy_(new)
-                if z.persistent:  # whole on every rank: refresh from all shards
-                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
-                    comm.all_gather_into_tensor(full, z.shard.to(p.device), group=self.group,
-                                                 label=f"stage3 refresh persistent {z.name}")
-                    p.data.copy_(full[:z.numel].view(z.shape))
+            self._refresh_persistent(g["params"])
+
+    def _refresh_persistent(self, params) -> None:
+        """Parameters kept whole on every rank take their new value from every rank's shard:
+        one all-gather for all of them (a model has many small ones: biases, norms)."""
+        keep = [p for p in params if p._zero.persistent]
+        by_kind: Dict[tuple, List[torch.nn.Parameter]] = {}
+        for p in keep:
+            by_kind.setdefault((p._zero.shard.dtype, p.device), []).append(p)
+        for (dtype, device), ps in by_kind.items():
+            local = torch.cat([p._zero.shard.to(device) for p in ps])
+            out = torch.empty(self.world * local.numel(), dtype=dtype, device=device)
+            comm.all_gather_into_tensor(out, local, group=self.group,
+                                        label=f"stage3 refresh {len(ps)} persistent {ps[0]._zero.name}..")
+            rows, off = out.view(self.world, -1), 0
+            for p in ps:
+                z = p._zero
+                p.data.copy_(rows[:, off:off + z.chunk].reshape(-1)[:z.numel].view(z.shape))
+                off += z.chunk
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -434,11 +460,7 @@ class ZeroStage3(ShardedStrategy):
                 z = p._zero
                 z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
                 rest([p], dirty=True)
-                if z.persistent:
-                    full = torch.empty(z.chunk * self.world, dtype=z.shard.dtype, device=p.device)
-                    comm.all_gather_into_tensor(full, z.shard.to(p.device), group=self.group,
-                                                 label=f"stage3 refresh persistent {z.name}")
-                    p.data.copy_(full[:z.numel].view(z.shape))
+            self._refresh_persistent(g["params"])
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
