@@ -118,7 +118,7 @@ EFFECTS = {
     "zero_optimization.cpu_offload": "tests/test_config_keys.py::test_deprecated_cpu_offload_maps_like_deepspeed",
     "zero_optimization.cpu_offload_param": "tests/test_config_keys.py::test_deprecated_cpu_offload_maps_like_deepspeed",
     "zero_optimization.cpu_offload_use_pin_memory": "tests/test_config_keys.py::test_deprecated_cpu_offload_maps_like_deepspeed",
-    "zero_optimization.stage3_prefetch_bucket_size": "tests/test_zero3_knobs.py::test_reuse_distance_and_live_cap",
+    "zero_optimization.stage3_prefetch_bucket_size": "tests/test_zero3_prefetch.py::test_prefetch_is_async_bounded_and_changes_no_arithmetic",
     "zero_optimization.stage3_param_persistence_threshold": "tests/test_zero_parity.py::test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks",
     "zero_optimization.stage3_max_live_parameters": "tests/test_zero3_knobs.py::test_reuse_distance_and_live_cap",
     "zero_optimization.stage3_max_reuse_distance": "tests/test_zero3_knobs.py::test_reuse_distance_and_live_cap",

@@ -157,9 +157,11 @@ class ZeroConfig:
     def validate(self, path: str) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ConfigError(f"{path}.stage: must be 0, 1, 2 or 3, got {self.stage}")
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "sub_group_size"):
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
             positive(path, key, getattr(self, key))
-        for key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        # 0 prefetch: every module waits for its own gather (DeepSpeed accepts 0 too)
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                    "stage3_max_reuse_distance"):
             positive(path, key, getattr(self, key), allow_zero=True)
         self._apply_deprecated(path)
 

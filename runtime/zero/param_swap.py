@@ -39,6 +39,11 @@ class ParamSwapper:
         self._lock = threading.Lock()  # _writing is also emptied from the I/O thread
         self.bytes_read = 0
         self.bytes_written = 0
+        # how each `read` was served: from a read queued ahead (`prefetch`), from a write still
+        # queued, or from the file while the caller waited (a read the engine did not foresee)
+        self.reads_ahead = 0
+        self.reads_pending_write = 0
+        self.reads_on_demand = 0
         shutdown.register_owner(self.stop)
 
     def attach(self, zs: Iterable) -> None:
@@ -70,9 +75,12 @@ class ParamSwapper:
         if entry is not None:
             if fut is not None:
                 fut.cancel()
+            self.reads_pending_write += 1
             return entry[1]
         if fut is not None:
+            self.reads_ahead += 1
             return fut.result()
+        self.reads_on_demand += 1
         return self._read(self._paths[key])
 
     def prefetch(self, zs: Iterable) -> None:

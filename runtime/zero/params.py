@@ -88,12 +88,46 @@ def _empty_like(p: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> None:
-    """Make every listed partitioned parameter whole, with one all-gather for all the
-    ones that are not (shards concatenated per rank, then re-interleaved)."""
+@dataclass
+class PendingGather:
+    """One all-gather of several parameters' shards, possibly still running (async_op):
+    `finish` waits for it and points each parameter's .data at its full value; `discard`
+    waits and leaves the parameters at rest (a prefetch that was not needed after all)."""
+
+    params: List[torch.nn.Parameter]
+    local: torch.Tensor  # kept alive until the collective is done: it may be the shard itself
+    out: torch.Tensor
+    work: Optional[object] = None
+
+    @property
+    def numel(self) -> int:
+        return sum(p._zero.numel for p in self.params)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def finish(self) -> None:
+        self.wait()
+        rows, off, many = self.out.view(self.params[0]._zero.world, self.local.numel()), 0, len(self.params) > 1
+        for p in self.params:
+            z = p._zero
+            full = rows[:, off:off + z.chunk].reshape(-1)[:z.numel]
+            p.data = full.view(z.shape).to(p.dtype).clone() if many else full.view(z.shape)
+            off += z.chunk
+
+    def discard(self) -> None:
+        self.wait()
+
+
+def start_gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "",
+                 async_op: bool = False) -> Optional[PendingGather]:
+    """Issue one all-gather for every listed partitioned parameter that is not whole yet
+    (shards concatenated per rank); None when there is nothing to gather."""
     need = [p for p in params if is_partitioned(p) and not is_present(p)]
     if not need:
-        return
+        return None
     group = need[0]._zero.group
     if any(p._zero.group is not group for p in need):
         raise RuntimeError("zero: one gather mixes parameters partitioned over different process groups")
@@ -105,15 +139,18 @@ def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> 
     local = torch.cat([p._zero.shard.to(device, dtype) for p in need]) if len(need) > 1 \
         else need[0]._zero.shard.to(device)
     rest(need, dirty=False)  # `local` keeps a file-backed shard alive until the all-gather is done
+    local = local.contiguous()
     out = torch.empty(world * local.numel(), dtype=dtype, device=device)
-    comm.all_gather_into_tensor(out, local.contiguous(), group=group, label=f"stage3 gather {what}")
-    rows = out.view(world, local.numel())
-    off = 0
-    for p in need:
-        z = p._zero
-        full = rows[:, off:off + z.chunk].reshape(-1)[:z.numel]
-        p.data = full.view(z.shape).to(p.dtype).clone() if len(need) > 1 else full.view(z.shape)
-        off += z.chunk
+    work = comm.all_gather_into_tensor(out, local, group=group, label=f"stage3 gather {what}", async_op=async_op)
+    return PendingGather(need, local, out, work if async_op else None)
+
+
+def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> None:
+    """Make every listed partitioned parameter whole, with one all-gather for all the
+    ones that are not."""
+    pending = start_gather(params, check, what)
+    if pending is not None:
+        pending.finish()
 
 
 def release(params: Iterable[torch.nn.Parameter]) -> None:

@@ -34,6 +34,7 @@ from .hook_scope import hooked_modules, module_params
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
+from .prefetch import ModuleTrace, Prefetcher
 from .sharded import ShardedStrategy, offload_optimizer
 
 
@@ -180,6 +181,10 @@ class ZeroStage3(ShardedStrategy):
         # on every forward and backward, and walking named_parameters there dominated small steps
         self._own_cache: Dict[int, List[torch.nn.Parameter]] = {}
         self._own_version = -1
+        self._index: Optional[ModuleTrace] = None
+        self._stack: List[int] = []  # trace entry of each module whose forward is running (-1: none)
+        self._prefetch = Prefetcher(self._own, self._name, self.check)
+        self._total_numel = sum(p._zero.numel for p in module.parameters() if not p._zero.persistent)
 
     # -- hooks ------------------------------------------------------------------------------
     def wrap_module(self) -> None:
@@ -193,12 +198,21 @@ class ZeroStage3(ShardedStrategy):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     def _root_pre(self, module, args):
+        self._prefetch.start_forward()  # a forward-only pass may have left prefetches behind
         self._pos = 0
+        self._stack.clear()
 
     def _root_post(self, module, args, out):
         if self._recording and self._trace:
             self._recording = False
+            self._index = ModuleTrace(self._trace, self._own, self._numel_of)
             self._trace_ok = True
+        if torch.is_grad_enabled():
+            self._prefetch.start_backward(len(self._trace))
+            if self.swapper is not None and self._trace_ok:  # the first modules of backward
+                self._swap_ahead(range(len(self._trace) - 1, -1, -1))
+        else:
+            self._prefetch.drop_all()
 
     def _own(self, m) -> List[torch.nn.Parameter]:
         """The parameters m's hooks gather (do not modify the list)."""
@@ -210,44 +224,67 @@ class ZeroStage3(ShardedStrategy):
             own = self._own_cache[id(m)] = module_params(m)
         return own
 
-    def gather_module(self, m, phase: str) -> None:
-        params = list(self._own(m))
-        if phase == "forward" and self._trace_ok and self.prefetch_numel > 0:
-            # prefetch: the next modules in last forward's order join this collective
-            if self._pos < len(self._trace) and self._trace[self._pos] is m:
-                own = sum(p._zero.numel for p in params if is_partitioned(p) and not is_present(p))
-                budget = min(self.prefetch_numel, self.max_live - self._live_numel() - own)
-                for nxt in self._trace[self._pos + 1:]:
-                    extra = [p for p in self._own(nxt) if is_partitioned(p) and not is_present(p)]
-                    size = sum(p._zero.numel for p in extra)
-                    if size > budget:
-                        break
-                    budget -= size
-                    params += [p for p in extra if all(p is not q for q in params)]
-                self._pos += 1
-            else:
-                self._trace_ok = False  # this forward differs from the recorded one
-        gather(params, check=self.check, what=f"{self._names.get(id(m), type(m).__name__)} ({phase})")
+    def _name(self, m) -> str:
+        return self._names.get(id(m), type(m).__name__)
+
+    def gather_module(self, m, phase: str, at: int = -1) -> None:
+        """Make m's parameters whole (landing the prefetches that carry them), then start the
+        gathers of the modules expected next. `at`: m's entry in the recorded forward."""
+        params = self._own(m)
+        self._prefetch.land(params)
+        gather(params, check=self.check, what=f"{self._name(m)} ({phase})")
+        if not (self._trace_ok and self.prefetch_numel > 0):
+            return
+        room = self.prefetch_numel
+        if self._total_numel > self.max_live:  # only then can the live limit bind
+            room = min(room, self.max_live - self._live_numel() - self._prefetch.inflight_numel())
+        if phase == "forward" and at >= 0:
+            self._prefetch.run(self._index, room, forward=True, start=at)
+        elif phase == "backward":
+            self._prefetch.done_backward.add(id(m))
+            self._prefetch.run(self._index, room, forward=False, start=len(self._trace))
+            if self.swapper is not None:  # file reads for the module expected next in backward
+                self._swap_ahead(range(self._prefetch.behind, -1, -1), skip=self._prefetch.done_backward)
+
+    def _swap_ahead(self, positions, skip=()) -> None:
+        """Start reading from their files the shards of the trace entries in `positions` (not in
+        `skip`) that are still there: the first such entry, and more while they fit in the
+        prefetch bucket, the window the next prefetch gathers will take."""
+        budget = self.prefetch_numel
+        for i in positions:
+            nxt = self._trace[i]
+            if id(nxt) in skip:
+                continue
+            waiting = [p._zero for p in self._own(nxt) if is_partitioned(p) and not is_present(p)
+                       and p._zero.resident is None]
+            if not waiting:
+                continue
+            self.swapper.prefetch(waiting)
+            budget -= sum(z.numel for z in waiting)
+            if budget <= 0:
+                return
 
     def _pre_forward(self, m, args):
+        at = -1
         if self._recording:
             self._trace.append(m)
-        self.gather_module(m, "forward")
-        if self.swapper is not None and self._trace_ok:
-            # read the next module's file-backed shards while this one computes
-            for nxt in self._trace[self._pos:]:
-                waiting = [p._zero for p in self._own(nxt) if is_partitioned(p) and not is_present(p)]
-                if waiting:
-                    self.swapper.prefetch(waiting)
-                    break
+        elif self._trace_ok and self._pos < len(self._trace) and self._trace[self._pos] is m:
+            at, self._pos = self._pos, self._pos + 1
+        else:
+            self._trace_ok = False  # this forward differs from the recorded one: no more prefetching
+        self._stack.append(at)
+        self.gather_module(m, "forward", at)
+        if self.swapper is not None and self._trace_ok:  # read while this module computes, beyond
+            # the modules whose gathers are already started (those read their shards when issued)
+            self._swap_ahead(range(max(self._pos, self._prefetch.ahead), len(self._trace)))
 
     def _post_forward(self, m, args, out):
-        keep = set()
-        if self._trace_ok and self._pos < len(self._trace):
-            keep = {id(p) for nxt in self._trace[self._pos:] for p in self._own(nxt)}  # prefetched, about to be used
-        if self._trace_ok and self._reused_soon(m):
-            keep |= {id(p) for p in self._own(m)}
-        release([p for p in self._own(m) if id(p) not in keep])
+        at = self._stack.pop() if self._stack else -1
+        params = self._own(m)
+        if not (self._trace_ok and at >= 0):
+            release(params)
+        elif not self._reused_soon(at):
+            release([p for p in params if not self._index.used_after(p, at)])
         if torch.is_grad_enabled():
             return _wrap_outputs(self, m, out)
         return out
@@ -259,20 +296,12 @@ class ZeroStage3(ShardedStrategy):
         return sum(p._zero.numel for g in self.groups for p in g["params"]
                    if not p._zero.persistent and is_present(p))
 
-    def _reused_soon(self, m) -> bool:
-        """Whether m's parameters are needed again within max_reuse elements of other
-        gathers: later in this forward, or in backward (after the rest of the forward and
-        the backward of the modules after m, about twice their size)."""
-        if self._live_numel() > self.max_live:
+    def _reused_soon(self, at: int) -> bool:
+        """Whether the parameters of trace entry `at` stay gathered after its forward
+        (stage3_max_reuse_distance), unless stage3_max_live_parameters are already live."""
+        if self._total_numel > self.max_live and self._live_numel() > self.max_live:
             return False
-        ahead = 0
-        for nxt in self._trace[self._pos:]:
-            if nxt is m:
-                return ahead < self.max_reuse
-            ahead += self._numel_of(nxt)
-            if ahead >= self.max_reuse:
-                return False
-        return torch.is_grad_enabled() and 2 * ahead < self.max_reuse
+        return self._index.reused_within(at, self.max_reuse, torch.is_grad_enabled())
 
     def _grad_ready(self, p) -> None:
         """Queue this parameter's full gradient (module dtype, padded) and release the parameter;
@@ -314,6 +343,7 @@ class ZeroStage3(ShardedStrategy):
         pass
 
     def after_backward(self, is_boundary: bool = True) -> None:
+        self._prefetch.drop_all()  # gathered for a module that took no part in this backward
         self._flush_grads()
         if self.check is not None:
             self.check("end of backward")
@@ -345,6 +375,7 @@ class ZeroStage3(ShardedStrategy):
                 g["grad"].mul_(factor)
 
     def optimizer_step(self) -> None:
+        self._prefetch.drop_all()  # no gather may still be reading a shard the step rewrites
         for g in self.groups:
             # a 16-bit partition (grad_accum_dtype) is widened for the step only
             g["master"].grad = g["grad"] if g["grad"].dtype == g["master"].dtype else g["grad"].to(g["master"].dtype)
