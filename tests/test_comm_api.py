@@ -216,3 +216,27 @@ def test_comms_logger_from_the_config(tmp_path):
     tail = out0.split("SUMMARY-DONE", 1)[1]
     assert "comms_logger: communication summary of rank 0 at exit" in tail and "all_gather_into_tensor" in tail
     assert "SUMMARY-DONE" in runs[1].stdout and "Comm. Op" not in runs[1].stdout  # rank 0 prints, rank 1 does not
+
+
+def _handles_worker():
+    import weakref
+
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    comm = deepspeed.comm
+    out = torch.empty(2 * 1000)
+    work = comm.all_gather_into_tensor(out, torch.ones(1000), async_op=True, label="async ag")
+    work.wait()
+    gone = weakref.ref(out)
+    del out, work
+    comm.all_reduce(torch.ones(1), label="next")  # a later collective: completed handles are let go
+    return gone() is None, [e["state"] for e in comm.flight_record() if e["label"] == "async ag"]
+
+
+def test_completed_async_handles_do_not_keep_their_tensors():
+    # a torch Work keeps the collective's tensors alive: ZeRO-3's async prefetch would otherwise hold
+    # gathered parameters (up to the flight record's depth of them) after releasing them
+    for freed, states in run_function(_handles_worker, nprocs=2, timeout=60):
+        assert freed and states == ["done"]

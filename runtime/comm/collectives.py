@@ -72,6 +72,7 @@ def _run(op: str, group, nbytes: int, call: Callable[[], Any], async_op: bool, l
          device_tensor: Optional[torch.Tensor] = None):
     """Record, run, time and track one collective (see the module docstring)."""
     watchdog.ensure(recorder)
+    shutdown.prune_works()
     gname = group_name(group)
     if group_key is None:
         group_key = None if gname == "world" else id(group)  # None and group.WORLD count together

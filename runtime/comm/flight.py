@@ -66,8 +66,13 @@ class FlightRecorder:
         self._entries: Deque[Entry] = deque(maxlen=depth)
         self._seq: Dict[Any, int] = {}
         self._lock = threading.Lock()
+        # entries holding an async handle: a torch Work keeps the collective's tensors alive, so
+        # each new collective lets go of the handles that have completed since
+        self._holding: List[Entry] = []
 
     def begin(self, op: str, group_key: Any, group: str, nbytes: int, label: str = "") -> Entry:
+        if self._holding:
+            self._holding = [e for e in self._holding if not e.finished()]
         with self._lock:
             seq = self._seq.get(group_key, 0) + 1
             self._seq[group_key] = seq
@@ -75,11 +80,11 @@ class FlightRecorder:
             self._entries.append(e)
         return e
 
-    @staticmethod
-    def end(e: Entry, work: Any = None) -> None:
+    def end(self, e: Entry, work: Any = None) -> None:
         """Done now, or (async) once `work` completes."""
         if work is not None:
             e.work = work
+            self._holding.append(e)
         else:
             e.ended = time.monotonic()
 
@@ -112,6 +117,7 @@ class FlightRecorder:
 
     def clear(self) -> None:
         with self._lock:
+            self._holding.clear()
             self._entries.clear()
             self._seq.clear()
 

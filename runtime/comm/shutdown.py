@@ -71,8 +71,14 @@ def register_report(fn: Callable[[], None]) -> None:
 
 def track_work(work) -> None:
     """An async collective's handle; waited for at exit if it is still pending."""
-    _works[:] = [w for w in _works if not _completed(w)]
+    prune_works()
     _works.append(work)
+
+
+def prune_works() -> None:
+    """Let go of the handles that have completed (a Work keeps its tensors alive)."""
+    if _works:
+        _works[:] = [w for w in _works if not _completed(w)]
 
 
 def track_group(group) -> None:
