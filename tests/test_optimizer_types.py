@@ -24,7 +24,7 @@ def _build(name, params=None, target=CPU):
 
 
 @pytest.mark.parametrize("name,target,cls", [
-    ("Adam", CPU, "AdamW"), ("adam", OFFLOAD, "CPUAdam"), ("AdamW", OFFLOAD, "CPUAdam"),
+    ("Adam", CPU, "CPUAdam"), ("adam", OFFLOAD, "CPUAdam"), ("AdamW", OFFLOAD, "CPUAdam"),
     ("Lion", CPU, "Lion"), ("Lion", OFFLOAD, "CPULion"), ("Adagrad", CPU, "Adagrad"), ("Adagrad", OFFLOAD, "CPUAdagrad"),
     ("Lamb", CPU, "Lamb"), ("FusedLamb", OFFLOAD, "FusedLamb"), ("CPUAdam", CPU, "DeepSpeedCPUAdam"),
     ("DeepSpeedCPUAdam", OFFLOAD, "DeepSpeedCPUAdam"), ("CPULion", OFFLOAD, "DeepSpeedCPULion"),
@@ -36,8 +36,9 @@ def test_each_type_builds_the_implementation_for_where_the_step_runs(name, targe
 
 
 def test_adam_modes_and_deepspeed_defaults():
-    adam = _build("Adam", {"adam_w_mode": False})
-    assert type(adam) is torch.optim.Adam
+    adam = _build("Adam", {"adam_w_mode": False})  # CPU parameters: the SIMD kernel in Adam's L2 form
+    assert type(adam).__name__ == "CPUAdam" and adam.param_groups[0]["decoupled_weight_decay"] is False
+    assert type(_build("Adam", {"torch_adam": True})) is torch.optim.AdamW  # torch's own, when asked
     cpu = _build("Adam", {"adam_w_mode": False, "lr": 0.5}, OFFLOAD)
     assert cpu.param_groups[0]["decoupled_weight_decay"] is False and cpu.param_groups[0]["lr"] == 0.5
     # DeepSpeed's defaults: weight_decay 0 for Adam and AdamW alike, Lion lr 1e-3 and betas (0.9, 0.999).
