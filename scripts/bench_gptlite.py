@@ -5,6 +5,8 @@ contender of scripts/bench_vs_deepspeed.py runs.
     --impl dslaunch    `import dslaunch.runtime as deepspeed` (the only line that differs)
     --impl ddp         torch DistributedDataParallel + torch.optim.AdamW: the numerics reference
     --impl fsdp2       torch fully_shard per block + AdamW
+    --impl floor       forward + backward alone on each rank, no communication, no optimizer:
+                       the compute that every stage 0-2 step repeats (a lower bound on its time)
 
 It needs only torch (and the impl's package), so it runs unchanged in another environment.
 Rank, world and rendezvous come from RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
@@ -162,6 +164,25 @@ class EngineRun:
         self.engine.step()
 
 
+class ComputeFloor:
+    """The model in the config's dtype, forward and backward only; the step drops the gradients.
+    Every data-parallel rank at stages 0-2 runs exactly this compute with the same torch kernels,
+    so no engine's step time can go below it (communication and the optimizer come on top)."""
+
+    def __init__(self, model, cfg, device):
+        model = model.to(device)
+        self.module = model.to(torch.bfloat16) if cfg.get("bf16", {}).get("enabled", False) else model
+
+    def forward_backward(self, x, y, criterion):
+        loss = criterion(self.module(x).float(), y)
+        loss.backward()
+        return loss
+
+    def step(self):
+        for p in self.module.parameters():
+            p.grad = None
+
+
 class TorchRun:
     """DDP (or FSDP2) with torch.optim.AdamW and the config's clipping."""
 
@@ -221,7 +242,7 @@ def main(argv=None):
     spawned = float(os.environ.get("BENCH_SPAWNED", time.time()))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for stacks before it gives up
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--impl", choices=("deepspeed", "dslaunch", "ddp", "fsdp2"), required=True)
+    ap.add_argument("--impl", choices=("deepspeed", "dslaunch", "ddp", "fsdp2", "floor"), required=True)
     ap.add_argument("--deepspeed_config", required=True)
     ap.add_argument("--corpus", required=True, help="a file of bytes to train on")
     ap.add_argument("--local_rank", type=int, default=-1)
@@ -253,8 +274,12 @@ def main(argv=None):
     model = GPTlite(256, args.block, args.n_embd, args.n_head, args.n_layer)
     numels = [p.numel() for p in model.parameters()]
     n_params = sum(numels)
-    run = EngineRun(args.impl, model, args.deepspeed_config, device) if args.impl in ("deepspeed", "dslaunch") \
-        else TorchRun(args.impl, model, cfg, device)
+    if args.impl in ("deepspeed", "dslaunch"):
+        run = EngineRun(args.impl, model, args.deepspeed_config, device)
+    elif args.impl == "floor":
+        run = ComputeFloor(model, cfg, device)
+    else:
+        run = TorchRun(args.impl, model, cfg, device)
     criterion = torch.nn.CrossEntropyLoss()
     del model
 

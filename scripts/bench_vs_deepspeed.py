@@ -15,11 +15,14 @@ compiles its CPU ops on first use), then all are stepped round-robin, one step e
 order rotating every step, while the others wait on a pipe: load from the rest of the
 machine falls on all of them alike. Contenders: ours; DeepSpeed; our stage 0 (stage 1-3
 rows: the "vs st0" ratio); torch DDP + AdamW (stage-0 rows: the numerics reference and the
-"vs DDP" ratio); torch FSDP2 (stage-3 rows when DeepSpeed is missing).
+"vs DDP" ratio); torch FSDP2 (stage-3 rows when DeepSpeed is missing); the compute floor
+(stage-0 rows: forward + backward alone on every rank, no communication, no optimizer).
 
 Printed per config:
   step time: median seconds per step after warm-up, ours / DeepSpeed, ours / our stage 0,
-             stage 0 / DDP (or stage 3 / FSDP2);
+             stage 0 / DDP (or stage 3 / FSDP2); for stages 0-2, the compute floor of that
+             dtype / DeepSpeed: the part of DeepSpeed's step that every engine repeats with
+             the same torch kernels (a ratio over 0.9 there makes "0.9x DeepSpeed" out of reach);
   memory:    bytes per rank held after backward (live tensor storages, see bench_gptlite.py;
              with --cuda torch.cuda.memory_allocated), ours / DeepSpeed, and each over the
              ZeRO formula for that side's gradient-accumulation dtype, plus one
@@ -150,7 +153,7 @@ def formula_bytes(row: Row, P: int, N: int, grad_bytes: int, device_only: bool =
 @dataclass
 class Contender:
     label: str
-    impl: str  # dslaunch | deepspeed | ddp | fsdp2
+    impl: str  # dslaunch | deepspeed | ddp | fsdp2 | floor
     python: str
     cfg_path: str
     procs: List[subprocess.Popen] = field(default_factory=list)
@@ -453,9 +456,13 @@ def main(argv=None) -> int:
             ref = Contender("torch FSDP2", "fsdp2", sys.executable, ours.cfg_path)
         if ref:
             group.append(ref)
+        floor = Contender("compute floor", "floor", sys.executable, ours.cfg_path) \
+            if row.stage == 0 and row.offload == "none" else None
+        if floor:
+            group.append(floor)
         run_group(group, args, corpus, workdir, first=i % len(group))
-        results.append((row, ours, ds, st0, ref))
-        report_row(row, ours, ds, st0, ref, args, have_ds)
+        results.append((row, ours, ds, st0, ref, floor))
+        report_row(row, ours, ds, st0, ref, args, have_ds, floor)
         shutil.rmtree(nvme, ignore_errors=True)
     recs = summary(results, args, have_ds)
     if args.json:
@@ -467,11 +474,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def report_row(row, ours, ds, st0, ref, args, have_ds) -> None:
+def report_row(row, ours, ds, st0, ref, args, have_ds, floor=None) -> None:
     """One line per config as it finishes (the run is long; a partial run still says something)."""
     t = median_time(ours, args.warmup)
     parts = [f"{row.name:12} ours {fmt(t)} s"]
-    for c in (ds, st0, ref):
+    for c in (ds, st0, ref, floor):
         if c is not None:
             parts.append(f"{c.label} {fmt(median_time(c, args.warmup))} s" + (f" [{c.failed}]" if c.failed else ""))
     if ours.failed:
@@ -483,7 +490,7 @@ def first_step(c: Optional[Contender]) -> Optional[float]:
     return c.steps[0].get("first_step_done_s") if c is not None and c.steps and not c.failed else None
 
 
-def record(row: Row, ours, ds, st0, ref, ddp, args) -> dict:
+def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
     """One config's figures (None where a contender is missing or failed)."""
     N, cuda = args.nprocs, args.cuda
     P = ours.steps[0]["params"] if ours.steps else None
@@ -498,6 +505,8 @@ def record(row: Row, ours, ds, st0, ref, ddp, args) -> dict:
         "ours_s": t, "ds_s": median_time(ds, args.warmup) if ds else None,
         "st0_s": median_time(st0, args.warmup) if st0 else None,
         "torch_s": median_time(ref, args.warmup) if ref else None, "torch": ref.impl if ref else None,
+        # the same dtype's floor (measured in its stage-0 row): stages 1-2 compute what stage 0 does
+        "floor_s": median_time(floor, args.warmup) if floor is not None and row.stage <= 2 else None,
         "ours_first_s": first_step(ours), "ds_first_s": first_step(ds),
         "ours_bytes": mem_of(ours, cuda), "ds_bytes": mem_of(ds, cuda),
         "formula_bytes": formula_bytes(row, P, N, g_ours, cuda, whole) if P else None, "grad_bytes": g_ours,
@@ -513,18 +522,23 @@ def div(a, b):
 
 
 def summary(results, args, have_ds) -> List[dict]:
-    ddp = {r.dtype: ref for r, _, _, _, ref in results if ref is not None and ref.impl == "ddp"}
-    recs = [record(row, ours, ds, st0, ref, ddp.get(row.dtype), args) for row, ours, ds, st0, ref in results]
+    ddp = {r.dtype: ref for r, _, _, _, ref, _ in results if ref is not None and ref.impl == "ddp"}
+    floors = {r.dtype: fl for r, _, _, _, _, fl in results if fl is not None}
+    recs = [record(row, ours, ds, st0, ref, ddp.get(row.dtype), floors.get(row.dtype), args)
+            for row, ours, ds, st0, ref, _ in results]
     mib = lambda x: fmt(x * MB if x else None, ".2f")  # noqa: E731
     print()
     print("step time (median s/step) and ratios; < 1 means ours is faster")
     print(f"{'config':14} {'ours':>7} {'DeepSpeed':>9} {'ours/DS':>7} {'vs st0':>7} {'vs torch':>10} "
-          f"{'1st step ours':>13} {'1st step DS':>11}")
+          f"{'floor':>7} {'floor/DS':>8} {'1st step ours':>13} {'1st step DS':>11}")
     for r in recs:
         vs_torch = ratio(r["ours_s"], r["torch_s"]) + (f" {r['torch']}" if r["torch"] else "")
         print(f"{r['config']:14} {fmt(r['ours_s']):>7} {fmt(r['ds_s']):>9} {ratio(r['ours_s'], r['ds_s']):>7} "
-              f"{ratio(r['ours_s'], r['st0_s']):>7} {vs_torch:>10} {fmt(r['ours_first_s'], '.1f'):>13} "
+              f"{ratio(r['ours_s'], r['st0_s']):>7} {vs_torch:>10} {fmt(r['floor_s']):>7} "
+              f"{ratio(r['floor_s'], r['ds_s']):>8} {fmt(r['ours_first_s'], '.1f'):>13} "
               f"{fmt(r['ds_first_s'], '.1f'):>11}")
+    print("floor = forward + backward alone (no communication, no optimizer) with the row's dtype, measured in "
+          "that dtype's stage-0 row: every stage 0-2 engine repeats it, so ours/DS cannot go below floor/DS")
     print()
     print(f"bytes per rank after backward (MiB){' on the GPU' if args.cuda else ''}; f = ZeRO's bytes for Adam with "
           f"the gradient-accumulation dtype each side uses (g: bytes per gradient element), bkt = one bucket of "

@@ -1,5 +1,6 @@
 """scripts/bench_vs_deepspeed.py in its no-DeepSpeed mode (the test environment has no
-deepspeed): a tiny GPT-lite under our stage 3, our stage 0 and torch FSDP2 on 2 gloo ranks.
+deepspeed): a tiny GPT-lite under our stages 0 and 3, torch DDP, torch FSDP2 and the compute
+floor on 2 gloo ranks.
 The figures themselves are measurements (README); this checks that the benchmark runs
 every contender and that its memory figure is a real count near the ZeRO formula."""
 import json
@@ -14,7 +15,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "bench_vs_deepspeed.py")
 def test_bench_vs_deepspeed_without_deepspeed(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--deepspeed-python", sys.executable, "--only", "3-fp32",
+        [sys.executable, SCRIPT, "--deepspeed-python", sys.executable, "--only", "0-fp32,3-fp32",
          "--steps", "3", "--warmup", "1", "--micro", "2", "--block", "16", "--n-embd", "32", "--n-layer", "1",
          "--n-head", "2", "--persistence", "0", "--json", str(out)],
         capture_output=True, text=True, timeout=600)
@@ -26,6 +27,12 @@ def test_bench_vs_deepspeed_without_deepspeed(tmp_path):
     assert r["torch"] == "fsdp2" and r["torch_s"] > 0
     # counted bytes: at least the formula, at most the formula plus one bucket (here the whole model)
     assert r["formula_bytes"] * 0.95 <= r["ours_bytes"] <= r["formula_bytes"] + r["bucket_bytes"], r
+    # stage 0: torch DDP as the reference and the compute floor (forward + backward alone) beside it;
+    # stage 3 has no floor (its step must gather parameters)
+    r0 = rows["0-fp32"]
+    assert r0["torch"] == "ddp" and r0["torch_s"] > 0 and r0["floor_s"] > 0 and r0["dloss_ddp"] < 1e-3, r0
+    assert r["floor_s"] is None
+    assert "compute floor" in proc.stdout
 
 
 def test_cuda_mode_without_a_gpu_is_one_line(tmp_path):
