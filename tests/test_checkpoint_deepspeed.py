@@ -109,23 +109,37 @@ def test_deepspeed_checkpoints_resume_on_one_rank_into_any_stage():
     _check_resumed(outs, 1)
 
 
-def _comparable(obj, path=""):
-    """A checkpoint file's content without what legitimately varies between runs."""
+def _comparable(obj, tensors):
+    """A checkpoint file's structure without what legitimately varies between runs: every
+    key, type, dtype and shape, with each tensor's values appended to `tensors` in order."""
     if isinstance(obj, dict):
-        return {k: _comparable(v, f"{path}.{k}") for k, v in obj.items() if k not in ("ds_config",)}
+        return {k: _comparable(v, tensors) for k, v in obj.items() if k not in ("ds_config",)}
     if isinstance(obj, (list, tuple)):
-        return [_comparable(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [_comparable(v, tensors) for v in obj]
     if torch.is_tensor(obj):
-        return ("tensor", obj.dtype, tuple(obj.shape), obj.detach().float().flatten().tolist())
+        tensors.append(obj.detach().float())
+        return ("tensor", obj.dtype, tuple(obj.shape))
     if hasattr(obj, "__dict__") and not isinstance(obj, type):
-        return (type(obj).__name__, _comparable(vars(obj)))
+        return (type(obj).__name__, _comparable(vars(obj), tensors))
     return obj
+
+
+def _same_file(committed, fresh, rel, where):
+    """The committed fixture file and today's, structure for structure; values equal up to
+    `rel` of each tensor's scale: the fixture machine's CPU kernels (AVX-512 or AVX2 matmuls)
+    round differently from this one's in the last bits, and bf16 tensors may then round one
+    bf16 step apart."""
+    from dslaunch.runtime.checkpoint.files import load_torch
+
+    ta, tb = [], []
+    assert _comparable(load_torch(committed), ta) == _comparable(load_torch(fresh), tb), where
+    for i, (a, b) in enumerate(zip(ta, tb)):
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        assert torch.allclose(b, a, rtol=rel, atol=rel * scale), (where, i, float((a - b).abs().max()), scale)
 
 
 @pytest.mark.timeout(600)
 def test_deepspeed_checkpoints_resume_on_two_ranks_and_dslaunch_writes_what_deepspeed_resumed(tmp_path):
-    from dslaunch.runtime.checkpoint.files import load_torch
-
     outs = run_function(interop_body, nprocs=2, timeout=500,
                         kwargs={"data": DATA, "cases": CASES, "rewrite_root": str(tmp_path)})
     _check_resumed(outs, 2)
@@ -140,9 +154,7 @@ def test_deepspeed_checkpoints_resume_on_two_ranks_and_dslaunch_writes_what_deep
         names = sorted(n for n in os.listdir(committed) if not n.startswith("rng_state") and n != "manifest.json")
         assert names == sorted(n for n in os.listdir(fresh) if not n.startswith("rng_state") and n != "manifest.json")
         for name in names:
-            a = _comparable(load_torch(os.path.join(committed, name)))
-            b = _comparable(load_torch(str(fresh / name)))
-            assert a == b, (case, name)
+            _same_file(os.path.join(committed, name), str(fresh / name), max(TOL[dtype], 1e-5), (case, name))
         if fx.CASES[case][0] > 0:
             # the zero_to_fp32.py the save put in the folder, run as DeepSpeed's is, gives what
             # DeepSpeed's zero_to_fp32 made of the same checkpoint
@@ -151,7 +163,8 @@ def test_deepspeed_checkpoints_resume_on_two_ranks_and_dslaunch_writes_what_deep
                                    str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path / case)
             assert proc.returncode == 0, proc.stderr
             _equal_state(torch.load(out / "pytorch_model.bin", weights_only=True),
-                         torch.load(os.path.join(DATA, "fp32", f"{case}-dslaunch.pt"), weights_only=True))
+                         torch.load(os.path.join(DATA, "fp32", f"{case}-dslaunch.pt"), weights_only=True),
+                         rel=TOL[dtype])
 
 
 def pipe_body(data, rewrite_root=None):
@@ -191,7 +204,6 @@ def test_deepspeed_pipeline_checkpoints_resume_at_its_depth_and_another(tmp_path
     """2 stages: the same topology, rewritten file for file; 1 stage: layer files and both
     stages' ZeRO-1 shards re-cut for one rank."""
     from dslaunch.runtime.checkpoint.consolidate import consolidate_checkpoint
-    from dslaunch.runtime.checkpoint.files import load_torch
 
     rewrite = str(tmp_path) if stages == fx.PIPE_STAGES else None
     outs = run_function(pipe_body, nprocs=stages, timeout=500, kwargs={"data": DATA, "rewrite_root": rewrite})
@@ -213,15 +225,15 @@ def test_deepspeed_pipeline_checkpoints_resume_at_its_depth_and_another(tmp_path
             assert names == sorted(n for n in os.listdir(fresh) if not n.startswith("rng_state")
                                    and n != "manifest.json")
             for name in names:
-                assert _comparable(load_torch(os.path.join(committed, name))) == \
-                    _comparable(load_torch(str(fresh / name))), (case, name)
+                _same_file(os.path.join(committed, name), str(fresh / name), TOL[dtype], (case, name))
 
 
 def _equal_state(a, b, rel=0.0):
     assert list(a) == list(b) or set(a) == set(b), (sorted(a), sorted(b))
     for k in a:
         assert a[k].shape == b[k].shape, k
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=rel, atol=0), k
+        scale = float(b[k].detach().float().abs().max()) if b[k].numel() else 0.0
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=rel, atol=rel * scale), k
 
 
 def test_consolidation_matches_deepspeeds_zero_to_fp32_both_ways():
