@@ -6,7 +6,7 @@ Every gradient collective's input is recorded (dslaunch.runtime.comm wrapped), s
 effect is seen where it happens: with predivide factor f each rank hands the sum g / f
 (with prescaling g / N) where the default hands g, and the mean comes out the same (the
 factors here are powers of two, so exactly the same losses); communication_data_type
-is the dtype on the wire; grad_accum_dtype is the dtype of the stage-2/3 partitions.
+is the dtype on the wire; grad_accum_dtype is the dtype of the stage-1/2/3 partitions.
 """
 import pytest
 import torch
@@ -50,15 +50,17 @@ def _train(stage, extra, bf16=False, steps=2):
         rank = comm.get_rank()
         g = torch.Generator().manual_seed(7 + rank)
         losses = []
+        s = engine.strategy
         for _ in range(steps):
             x = torch.randn(4, 6, generator=g).to(engine.compute_dtype if bf16 else torch.float32)
             y = torch.randint(0, 3, (4,), generator=g)
             loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
             engine.backward(loss)
+            # the reduced partitions as the step will read them (stage 1's live only until then)
+            parts = [g.grad for g in s.groups] if stage in (1, 2) else [g["grad"] for g in s.groups] \
+                if stage == 3 else []
             engine.step()
             losses.append(float(loss))
-        s = engine.strategy
-        parts = [g.grad for g in s.groups] if stage == 2 else [g["grad"] for g in s.groups] if stage == 3 else []
         return {"losses": losses, "wire": seen, "partition_dtypes": sorted({str(t.dtype) for t in parts})}
     finally:
         for name, fn in originals.items():
@@ -74,7 +76,7 @@ def _matrix():
         out[(stage, "comm bf16")] = _train(stage, {"communication_data_type": "bf16"})
         out[(stage, "bf16 model")] = _train(stage, {}, bf16=True)
         out[(stage, "bf16 model, comm fp32")] = _train(stage, {"communication_data_type": "fp32"}, bf16=True)
-        if stage >= 2:
+        if stage >= 1:
             out[(stage, "bf16 model, accum bf16")] = _train(stage, {"data_types": {"grad_accum_dtype": "bf16"}},
                                                             bf16=True)
     return out
@@ -98,7 +100,7 @@ def test_reduction_keys_at_every_stage():
             assert res[(stage, "comm bf16")]["losses"] == pytest.approx(base["losses"], abs=2e-2)
             assert {t.dtype for t in res[(stage, "bf16 model")]["wire"]} == {torch.bfloat16}
             assert {t.dtype for t in res[(stage, "bf16 model, comm fp32")]["wire"]} == {torch.float32}
-            if stage >= 2:
+            if stage >= 1:  # stage 1's partition too, from the boundary backward to the step
                 assert res[(stage, "bf16 model")]["partition_dtypes"] == ["torch.float32"]
                 accum = res[(stage, "bf16 model, accum bf16")]
                 assert accum["partition_dtypes"] == ["torch.bfloat16"]

@@ -64,7 +64,8 @@ class _PartitionedStage(ShardedStrategy):
         self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
         self.pin = bool(getattr(offload, "pin_memory", False))
         self.reduction = GradReduction.from_config(ctx.config, self.world)
-        # stage 2's gradient partition (data_types.grad_accum_dtype; default fp32, as the masters)
+        # the reduced gradient partition (stage 2: always; stage 1: from the boundary backward to
+        # the step) in data_types.grad_accum_dtype; default fp32, as the masters
         self.accum_dtype = ctx.config.grad_accum_dtype or torch.float32
         names = named_trainable(module)
         seen = set()
@@ -147,8 +148,8 @@ class _PartitionedStage(ShardedStrategy):
         by_owner: Dict[int, List[tuple]] = {}
         for gi, pi in self._bucket_plan[bi]:
             g = self.groups[gi]
-            if g.grad is None:  # stage 1: the fp32 partition exists from the boundary backward to the step
-                g.grad = torch.zeros_like(g.master)
+            if g.grad is None:  # stage 1: the partition exists from the boundary backward to the step
+                g.grad = torch.zeros_like(g.master, dtype=self.accum_dtype)
             s = g.layout.slots[pi]
             p = g.params[pi]
             gflat = p.grad.reshape(-1) if p.grad is not None else None
