@@ -164,25 +164,6 @@ class EngineRun:
         self.engine.step()
 
 
-class ComputeFloor:
-    """The model in the config's dtype, forward and backward only; the step drops the gradients.
-    Every data-parallel rank at stages 0-2 runs exactly this compute with the same torch kernels,
-    so no engine's step time can go below it (communication and the optimizer come on top)."""
-
-    def __init__(self, model, cfg, device):
-        model = model.to(device)
-        self.module = model.to(torch.bfloat16) if cfg.get("bf16", {}).get("enabled", False) else model
-
-    def forward_backward(self, x, y, criterion):
-        loss = criterion(self.module(x).float(), y)
-        loss.backward()
-        return loss
-
-    def step(self):
-        for p in self.module.parameters():
-            p.grad = None
-
-
 class TorchRun:
     """DDP (or FSDP2) with torch.optim.AdamW and the config's clipping."""
 
@@ -220,6 +201,22 @@ class TorchRun:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+class ComputeFloor:
+    """The model in the config's dtype, forward and backward only; the step drops the gradients.
+    Every data-parallel rank at stages 0-2 runs exactly this compute with the same torch kernels,
+    so no engine's step time can go below it (communication and the optimizer come on top)."""
+
+    def __init__(self, model, cfg, device):
+        model = model.to(device)
+        self.module = model.to(torch.bfloat16) if cfg.get("bf16", {}).get("enabled", False) else model
+
+    forward_backward = TorchRun.forward_backward
+
+    def step(self):
+        for p in self.module.parameters():
+            p.grad = None
 
 
 def init_distributed(impl, device):

@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def report_row(row, ours, ds, st0, ref, args, have_ds, floor=None) -> None:
+def report_row(row, ours, ds, st0, ref, args, have_ds, floor) -> None:
     """One line per config as it finishes (the run is long; a partial run still says something)."""
     t = median_time(ours, args.warmup)
     parts = [f"{row.name:12} ours {fmt(t)} s"]

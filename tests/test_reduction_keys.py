@@ -57,7 +57,7 @@ def _train(stage, extra, bf16=False, steps=2):
             loss = torch.nn.functional.cross_entropy(engine(x).float(), y)
             engine.backward(loss)
             # the reduced partitions as the step will read them (stage 1's live only until then)
-            parts = [g.grad for g in s.groups] if stage in (1, 2) else [g["grad"] for g in s.groups] \
+            parts = [grp.grad for grp in s.groups] if stage in (1, 2) else [grp["grad"] for grp in s.groups] \
                 if stage == 3 else []
             engine.step()
             losses.append(float(loss))
