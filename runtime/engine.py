@@ -5,11 +5,12 @@ scaling, accumulation counting, clipping arithmetic, LR schedule, logging, check
 files) and delegates gradient reduction, optimizer stepping and parameter sync to the
 GradientStrategy chosen by zero_optimization.stage (see strategy.py for the call order).
 
-Where each rank sits comes from `self.grid` (runtime/topology.py): a PipelineModule's grid,
-an `mpu=` object's groups, or one data axis over the world. Gradients, shards, the
-initial weight broadcast and the data sampler use its data-parallel group; the batch-size
-rule uses its data-parallel size; the gradient norm is summed over its model-parallel
-group (every stage and tensor slice of one replica).
+Where each rank sits comes from `self.mesh` (runtime/parallel/): a PipelineModule's mesh,
+an `mpu=` object's groups, or a mesh over the world from the config's degrees. Gradients,
+shards, the initial weight broadcast and the data sampler use its `data` axis; the
+batch-size rule uses the data-parallel size; the gradient norm is summed over its `replica`
+axis (every stage and tensor slice of one replica). `self.grid` is the same object, under
+the name DeepSpeed's engine gives it.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import checkpoint, comm, model_export
+from .parallel import select as mesh_select
 from .compiling import compile_module
 from .config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
@@ -63,13 +65,14 @@ class DeepSpeedEngine(torch.nn.Module):
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = comm.local_rank()
-        self.grid = make_grid(model, mpu, self.global_rank)
-        self.mpu = mpu if mpu is not None else self.grid
-        self.dp_world_size = self.grid.get_data_parallel_world_size()
-        self.dp_rank = self.grid.get_data_parallel_rank()
-        self.dp_group = self.grid.get_data_parallel_group()
-        self.mp_world_size = self.grid.get_model_parallel_world_size()
-        self.batch = resolve_batch_sizes(self.config, self.dp_world_size, dp_size_source(self.grid, mpu))
+        self.mesh = self.grid = self._make_mesh(model, mpu)
+        self.mpu = mpu if mpu is not None else self.mesh
+        self.dp_world_size = self.mesh.size("data")
+        self.dp_rank = self.mesh.rank("data")
+        self.dp_group = self.mesh.group("data")
+        self.mp_world_size = self.mesh.size("replica")
+        self.batch = resolve_batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
+            self.mesh, mpu, comm.world_source(), self.world_size))
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
 
         if self.config.fp16.enabled:
@@ -92,7 +95,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self.optimizer.overflow = False
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self.dp_rank, world_size=self.dp_world_size,
-                              group=self.dp_group, norm_exclude=norm_exclude(model, self.grid, mpu))
+                              group=self.dp_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu))
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
@@ -123,6 +126,12 @@ class DeepSpeedEngine(torch.nn.Module):
         self._compiled_with: Optional[Dict[str, Any]] = None
         if self.config.compile.enabled:
             self.compile()
+
+    def _make_mesh(self, model, mpu):
+        try:
+            return mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized())
+        except mesh_select.MeshError as exc:
+            raise ConfigError(str(exc)) from None
 
     def _setup_reporting(self) -> None:
         # Rank 0 reports through one Monitor: the progress line plus the configured monitors.
@@ -169,8 +178,7 @@ class DeepSpeedEngine(torch.nn.Module):
         # Replicas may have initialised differently (different seeds): the first rank of
         # each data-parallel group wins (other stages and tensor slices hold other weights).
         if self.dp_world_size > 1 and comm.is_initialized():
-            src = self.grid.get_data_parallel_group_ranks()[0] if hasattr(
-                self.grid, "get_data_parallel_group_ranks") else comm.get_global_rank(self.dp_group, 0)
+            src = mesh_select.first_data_rank(self.mesh)
             with torch.no_grad():
                 for name, t in list(model.named_parameters()) + list(model.named_buffers()):
                     comm.broadcast(t.data, src=src, group=self.dp_group, label=f"initial {name}")
@@ -357,7 +365,7 @@ class DeepSpeedEngine(torch.nn.Module):
         norm = self.strategy.global_grad_norm()
         if self.mp_world_size > 1 and comm.is_initialized():
             sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)  # NCCL moves no CPU tensors
-            comm.all_reduce(sq, group=self.grid.get_model_parallel_group(), label="grad norm over model parallel")
+            comm.all_reduce(sq, group=self.mesh.group("replica"), label="grad norm over model parallel")
             norm = float(sq.sqrt())
         return norm
 
@@ -435,48 +443,3 @@ class DeepSpeedEngine(torch.nn.Module):
         return model_export.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model
-
-
-def make_grid(model, mpu, global_rank: int):
-    """The topology this engine runs on: a PipelineModule's own grid, the groups of a
-    Megatron-style `mpu`, or one data axis over the whole world."""
-    from .pipe.module import PipelineModule
-    from .topology import MpuGrid, TopologyError, data_parallel_grid
-
-    if isinstance(model, PipelineModule):
-        if mpu is not None:
-            raise ConfigError("initialize: pass either mpu= or a PipelineModule (whose topology is the mpu), not both")
-        return model.mpu()
-    if mpu is not None:
-        try:
-            return MpuGrid(mpu, global_rank)
-        except TopologyError as exc:
-            raise ConfigError(str(exc)) from None
-    if comm.is_initialized():
-        return data_parallel_grid()
-    return data_parallel_grid(rank=0, world_size=1, group_factory=lambda ranks: None)
-
-
-def dp_size_source(grid, mpu) -> str:
-    """Where the data-parallel size came from, for the batch-size error."""
-    if mpu is not None:
-        return f"from mpu.get_data_parallel_world_size(); {comm.world_source()}"
-    pp = grid.get_pipe_parallel_world_size()
-    if pp > 1:
-        return f"world size {comm.get_world_size()} ({comm.world_source()}) / {pp} pipeline stages"
-    return comm.world_source()
-
-
-def norm_exclude(model, grid, mpu) -> frozenset:
-    """Parameters whose gradient another rank already counts in the global norm: a weight
-    tied across pipeline stages counts on the tie's first rank only; with an mpu,
-    parameters not split by tensor parallelism (no `tensor_model_parallel`/`model_parallel`
-    attribute set) count on tensor-parallel rank 0 only, as in DeepSpeed and Megatron."""
-    out = set()
-    for c in getattr(model, "tied_comms", {}).values():
-        if grid.get_global_rank() != min(c["ranks"]):
-            out.update(id(p) for p in c["module"].parameters())
-    if mpu is not None and grid.get_slice_parallel_rank() > 0:
-        out.update(id(p) for p in model.parameters()
-                   if not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)))
-    return frozenset(out)

@@ -56,10 +56,9 @@ class Placement:
 
 
 def placement(engine) -> Placement:
-    g = engine.grid
-    return Placement(engine.global_rank, g.get_data_parallel_rank(), g.get_data_parallel_world_size(),
-                     g.get_pipe_parallel_rank(), g.get_pipe_parallel_world_size(), g.get_slice_parallel_rank(),
-                     g.get_slice_parallel_world_size())
+    m = engine.mesh
+    return Placement(engine.global_rank, m.rank("data"), m.size("data"), m.rank("pipe"), m.size("pipe"),
+                     m.rank("tensor"), m.size("tensor"))
 
 
 def _pipeline_module(engine):

@@ -55,7 +55,7 @@ def resolve_tp_group(cfg: InferenceConfig) -> TPGroup:
     world = dist.get_world_size()
     if world % wanted:
         raise InferenceConfigError(f"init_inference: tp_size={wanted} does not divide the world size {world}")
-    from ..topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from ..parallel import PipeModelDataParallelTopology, PipelineParallelGrid
 
     grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=wanted, num_dp=world // wanted))
     source = "all ranks" if wanted == world else f"topology model axis, {world // wanted} replicas of {wanted} ranks"

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from .. import comm
 from ..strict import ConfigError
-from ..topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology, TopologyError
+from ..parallel import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology, TopologyError
 from .partition import PartitionError, check_parts, layer_name, partition_layers
 
 
@@ -306,6 +306,11 @@ class PipelineModule(nn.Module):
         return self._topo
 
     def mpu(self) -> PipelineParallelGrid:
+        return self._grid
+
+    @property
+    def parallel_mesh(self) -> PipelineParallelGrid:
+        """The process mesh this module was cut for: the engine runs on it (runtime/parallel/select.py)."""
         return self._grid
 
     def num_pipeline_stages(self) -> int:

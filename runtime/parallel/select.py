@@ -1,0 +1,72 @@
+"""Which mesh an engine runs on, and the facts about it the engine needs.
+
+A model that brings its own mesh (a PipelineModule, through its `parallel_mesh`), a user's
+Megatron-style `mpu`, or a mesh built over the world from the config's degrees (tensor
+parallelism). Duck-typed on `parallel_mesh`, so this module never imports the pipeline.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .dims import MeshDims, MeshError
+from .layout import topology_for
+from .mesh import PipelineParallelGrid, data_parallel_grid
+from .mpu import MpuMesh
+
+
+def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *, tensor: int = 1):
+    """The mesh of an engine. `tensor` > 1: the config asked for tensor parallelism
+    (`tensor_parallel.autotp_size`) on a model without its own mesh. Raises MeshError."""
+    own = getattr(model, "parallel_mesh", None)
+    if own is not None:
+        if mpu is not None:
+            raise MeshError("initialize: pass either mpu= or a PipelineModule (whose topology is the mpu), not both")
+        if tensor > 1 and own.size("tensor") != tensor:
+            raise MeshError(f"tensor_parallel.autotp_size {tensor} differs from the model's topology "
+                            f"(tensor {own.size('tensor')}); give the PipelineModule a topology with "
+                            f"num_mp={tensor}")
+        return own
+    if mpu is not None:
+        mesh = MpuMesh(mpu, global_rank)
+        if tensor > 1 and mesh.size("tensor") != tensor:
+            raise MeshError(f"tensor_parallel.autotp_size {tensor} differs from the mpu's tensor-parallel size "
+                            f"{mesh.size('tensor')}")
+        return mesh
+    if not distributed:
+        if tensor > 1:
+            raise MeshError(f"tensor {tensor} does not divide world 1")
+        return data_parallel_grid(rank=0, world_size=1, group_factory=lambda ranks: None)
+    if tensor > 1:
+        return PipelineParallelGrid(topology_for(MeshDims.for_world(world_size, tensor=tensor)))
+    return data_parallel_grid()
+
+
+def dp_size_source(mesh, mpu, world_source: str, world_size: int) -> str:
+    """Where the data-parallel size came from, for the batch-size error."""
+    if mpu is not None:
+        return f"from mpu.get_data_parallel_world_size(); {world_source}"
+    parts = [f"{mesh.size(a)} {label}" for a, label in (("pipe", "pipeline stages"), ("sequence", "sequence slices"),
+                                                        ("tensor", "tensor slices")) if mesh.size(a) > 1]
+    if parts:
+        return f"world size {world_size} ({world_source}) / " + " / ".join(parts)
+    return world_source
+
+
+def norm_exclude(model, mesh, mpu) -> frozenset:
+    """Parameters whose gradient another rank already counts in the global norm: a weight
+    tied across pipeline stages counts on the tie's first rank only; parameters not split
+    by tensor parallelism (no `tensor_model_parallel`/`model_parallel` attribute set) count
+    on tensor-parallel rank 0 only, as in DeepSpeed and Megatron."""
+    out = set()
+    for c in getattr(model, "tied_comms", {}).values():
+        if mesh.get_global_rank() != min(c["ranks"]):
+            out.update(id(p) for p in c["module"].parameters())
+    if mesh.size("tensor") > 1 and mesh.rank("tensor") > 0:
+        out.update(id(p) for p in model.parameters()
+                   if not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)))
+    return frozenset(out)
+
+
+def first_data_rank(mesh) -> Optional[int]:
+    """The global rank whose weights the other replicas take at start-up."""
+    return mesh.ranks("data")[0]
