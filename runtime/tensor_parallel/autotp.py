@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from .. import comm
-from .layers import (ColumnParallelLinear, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding,
+from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding,
                      VocabParallelLMHead)
-from .shard import TensorParallelError, even_range, linear_shape
+from .shard import TensorParallelError, linear_shape
 
 PARTITION_TYPES = ("column", "row", "skip")
 HF_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "replicated_with_grad_allreduce",
@@ -395,14 +395,8 @@ def _build(model_module: nn.Module, d: Decision, group, tp: int, rank: int) -> n
         return VocabParallelEmbedding.from_embedding(model_module, group, tp, rank, label=d.name)
     if d.kind == "vocab-head":
         return VocabParallelLMHead.from_linear(model_module, group, tp, rank, gather_output=True, label=d.name)
-    # head-embedding: an embedding with one column per attention head (T5's relative position
-    # bias) keeps its rank's heads; a plain trainable nn.Embedding
-    emb: nn.Embedding = model_module
-    lo, hi = even_range(emb.embedding_dim, tp, rank)
-    new = nn.Embedding(emb.num_embeddings, hi - lo, device=emb.weight.device, dtype=emb.weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(emb.weight[:, lo:hi])
-    return new
+    # head-embedding: one column per attention head (T5's relative position bias)
+    return HeadParallelEmbedding.from_embedding(model_module, group, tp, rank, label=d.name)
 
 
 def _grad_allreduce_hook(group, name: str):
@@ -412,6 +406,27 @@ def _grad_allreduce_hook(group, name: str):
         return grad
 
     return hook
+
+
+def _follow_ties(model: nn.Module, modules: Dict[str, nn.Module], plan: TrainingShardPlan,
+                 leaders: Dict[int, TensorParallelLayer], names: Dict[int, List[str]]) -> None:
+    """Modules left holding a weight that was split (T5's encoder.embed_tokens is a module of
+    its own sharing `shared.weight`): an embedding becomes the split embedding itself, so the
+    tie and its gradients stay whole; anything else cannot follow and is refused."""
+    replaced = {id(modules[d.name]) for d in plan.decisions}
+    for name, m in modules.items():
+        if id(m) in replaced or isinstance(m, TensorParallelLayer):
+            continue
+        leader = leaders.get(id(getattr(m, "weight", None)))
+        if leader is None:
+            continue
+        if isinstance(m, nn.Embedding) and isinstance(leader, VocabParallelEmbedding):
+            for path in names[id(m)]:
+                parent_path, _, leaf = path.rpartition(".")
+                setattr(model.get_submodule(parent_path) if parent_path else model, leaf, leader)
+            continue
+        raise _fail(f"{name} shares its weight with {leader.label}, which is split ({type(leader).__name__}); "
+                    f"a {type(m).__name__} cannot follow it")
 
 
 def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank: int,
@@ -449,6 +464,7 @@ def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank
         for path in names[id(orig)]:
             parent_path, _, leaf = path.rpartition(".")
             setattr(model.get_submodule(parent_path) if parent_path else model, leaf, new)
+    _follow_ties(model, modules, plan, leaders, names)
     for mname, attr, local in plan.attrs:
         setattr(modules[mname], attr, local)
     params = dict(model.named_parameters())

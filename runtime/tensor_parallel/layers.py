@@ -279,6 +279,36 @@ class VocabParallelEmbedding(TensorParallelLayer):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.stop}), tp={self.tp_size}"
 
 
+class HeadParallelEmbedding(TensorParallelLayer):
+    """An embedding with one column per attention head (T5's relative position bias), its
+    columns split with the heads: each rank looks up its own heads' values, no collective."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Any, tp_size: int, tp_rank: int,
+                 device=None, dtype=None, label: Optional[str] = None):
+        super().__init__()
+        self._setup(group, tp_size, tp_rank, label)
+        _check_even(embedding_dim, tp_size, f"the heads of {self.label}")
+        self.num_embeddings, self.full_embedding_dim = num_embeddings, embedding_dim
+        self.embedding_dim = embedding_dim // tp_size
+        self._check_group()
+        self.weight = _new((num_embeddings, self.embedding_dim), device, dtype)
+        self.shards["weight"] = ParamShard(1, embedding_dim)
+
+    @classmethod
+    def from_embedding(cls, module: nn.Embedding, group: Any, tp_size: int, tp_rank: int,
+                       label: Optional[str] = None) -> "HeadParallelEmbedding":
+        new = cls(module.num_embeddings, module.embedding_dim, group, tp_size, tp_rank, device=module.weight.device,
+                  dtype=module.weight.dtype, label=label)
+        new.load_full_("weight", module.weight.detach())
+        return new
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim} of {self.full_embedding_dim} heads, tp={self.tp_size}"
+
+
 class VocabParallelLMHead(TensorParallelLayer):
     """The output projection over the vocabulary, rows split as VocabParallelEmbedding's (so
     a tied head shares the embedding's local weight). gather_output=True returns the full
@@ -362,17 +392,24 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     parameter all-gathered over its layer's group and reassembled (Conv1D weights back in
     their [in, out] layout); everything else as it is. Collective over every layer's group."""
     out = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
-    for mname, module in model.named_modules():
+    done: Dict[int, torch.Tensor] = {}  # id(local parameter) -> full (tied and shared modules: once)
+    for mname, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, TensorParallelLayer):
             continue
         for pname, spec in module.param_shards().items():
-            local = getattr(module, pname).detach().contiguous()
+            param = getattr(module, pname)
             key = f"{mname}.{pname}" if mname else pname
-            if spec.dim is None or module.tp_size == 1:
-                out[key] = spec.assemble([local])
+            if key not in out:
                 continue
-            gathered = torch.empty((module.tp_size,) + tuple(local.shape), dtype=local.dtype, device=local.device)
-            comm.all_gather_into_tensor(gathered, local.unsqueeze(0), group=module.group,
-                                        label=f"tp full_state_dict {key}")
-            out[key] = spec.assemble(list(gathered.unbind(0)))
+            if id(param) not in done:
+                local = param.detach().contiguous()
+                if spec.dim is None or module.tp_size == 1:
+                    done[id(param)] = spec.assemble([local])
+                else:
+                    gathered = torch.empty((module.tp_size,) + tuple(local.shape), dtype=local.dtype,
+                                           device=local.device)
+                    comm.all_gather_into_tensor(gathered, local.unsqueeze(0), group=module.group,
+                                                label=f"tp full_state_dict {key}")
+                    done[id(param)] = spec.assemble(list(gathered.unbind(0)))
+            out[key] = done[id(param)]
     return out
