@@ -25,13 +25,15 @@ from .inference import InferenceEngine, OnDevice, init_inference
 from .activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
 from . import elasticity  # deepspeed.elasticity.compute_elastic_config
 from . import pipe  # deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec
+from . import tensor_parallel  # deepspeed.runtime.tensor_parallel
+from .tensor_parallel import set_autotp_mode, tp_model_init  # deepspeed.tp_model_init / set_autotp_mode
 
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
            "ConfigError", "CheckpointError", "LossScaleStuck", "NonFiniteError", "GradientStrategy",
            "StrategyContext", "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice",
-           "checkpointing", "elasticity", "pipe", "zero"]
+           "checkpointing", "elasticity", "pipe", "zero", "tensor_parallel", "tp_model_init", "set_autotp_mode"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,

@@ -51,10 +51,20 @@ PROBE = textwrap.dedent('''
     c = deepspeed.checkpoint.utils.clone_tensors_for_torch_save({"a": [t[2:4]], "b": 3})
     out["clone"] = [c["a"][0].tolist(), c["a"][0].untyped_storage().size() == 8, c["b"]]
     logger.setLevel("WARNING")
+    # AutoTP's entry points, where DeepSpeed 0.19 has them: tp_model_init records (shards nothing)
+    import deepspeed.runtime.tensor_parallel as ds_tp
+    from deepspeed.module_inject import set_autotp_mode
+    lin = torch.nn.Linear(2, 2)
+    out["tp"] = [deepspeed.tp_model_init(lin, tp_size=2, dtype=torch.float32) is lin,
+                 ds_tp.recorded_tp_model_init().tp_size, ds_tp.is_autotp_training_mode(),
+                 set_autotp_mode is rt.set_autotp_mode, ds_tp.AUTOTP_MODE.TRAINING.value,
+                 ds_tp.merge_tp_model_init_into_config({})["tensor_parallel"]["autotp_size"],
+                 callable(deepspeed.checkpointing.model_parallel_cuda_manual_seed),
+                 callable(deepspeed.checkpointing.get_cuda_rng_tracker)]
     try:
-        deepspeed.tp_model_init(torch.nn.Linear(2, 2), tp_size=2, dtype=torch.float32)
+        deepspeed.tp_model_init(lin, tp_size=4, dtype=torch.float32)
     except deepspeed.DeepSpeedConfigError as exc:
-        out["tp"] = str(exc)
+        out["tp"].append(str(exc))
     try:
         import deepspeed.no_such_module
     except ModuleNotFoundError as exc:
@@ -89,7 +99,8 @@ def test_module_tree_maps_onto_dslaunch_runtime(probe):
     assert probe["init_kwargs"] and probe["register_external_parameter"]
     assert {"model", "config_params", "optimizer", "lr_scheduler", "mpu", "model_parameters"} <= set(probe["initialize"])
     assert probe["clone"] == [[2.0, 3.0], True, 3]
-    assert "tensor_parallel.autotp_size" in probe["tp"]
+    assert probe["tp"][:8] == [True, 2, True, True, "TRAINING", 2, True, True]
+    assert "tp_model_init: called again with tp_size=4" in probe["tp"][8]
     assert "deepspeed.no_such_module" in probe["missing"]
 
 

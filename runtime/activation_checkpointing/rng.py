@@ -84,29 +84,40 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed: int, mpu=None) -> None:
-    """DeepSpeed's seeding for model parallelism: the default generator gets `seed` (the
-    same on every model-parallel rank: dropout outside model-parallel regions agrees), and
-    the tracker's model-parallel state gets seed + 2718 + the tensor-parallel rank (dropout
-    inside model-parallel regions differs per rank)."""
-    tp_rank = _tp_rank(mpu)
+def model_parallel_cuda_manual_seed(seed: int, mpu=None, tp_group=None) -> None:
+    """DeepSpeed's (Megatron's) seeding for model parallelism: the default generator gets
+    `seed` (the same on every tensor-parallel rank: dropout in replicated regions agrees),
+    and the tracker's model-parallel state gets seed + 2718 + the tensor-parallel rank
+    (dropout inside sharded regions, under `get_cuda_rng_tracker().fork()`, differs per
+    rank). The rank comes from `tp_group`, else `mpu`, else the mpu given to
+    deepspeed.checkpointing.configure, else the current group of
+    dslaunch.runtime.tensor_parallel (tp_model_init / the engine), else 0. On CPU the
+    states are the CPU generator's."""
+    tp_rank = _tp_rank(mpu, tp_group)
     _TRACKER.reset()
     _device_seed(seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
 
 
-def model_parallel_reconfigure_tp_seed(seed: int, mpu=None) -> None:
+def model_parallel_reconfigure_tp_seed(seed: int, mpu=None, tp_group=None) -> None:
     with _TRACKER.fork():
-        _device_seed(seed + 2718 + _tp_rank(mpu))
+        _device_seed(seed + 2718 + _tp_rank(mpu, tp_group))
 
 
-def _tp_rank(mpu) -> int:
+def _tp_rank(mpu, tp_group=None) -> int:
+    if tp_group is not None:
+        from .. import comm
+
+        return comm.get_rank(tp_group)
     if mpu is None:
         from . import checkpointing
 
         mpu = checkpointing.state.mpu
     if mpu is None:
-        return 0
+        from ..tensor_parallel.groups import current_group
+
+        current = current_group()
+        return current.rank if current is not None else 0
     getter = getattr(mpu, "get_tensor_model_parallel_rank", None) or getattr(mpu, "get_model_parallel_rank")
     return int(getter())
 

@@ -9,8 +9,8 @@ Modules, in the order the data flows:
     groups.py         the tensor-parallel process group (caller's, a topology grid's, or made)
     structure.py      read-only inspection of the module tree (blocks, projections, norms)
     plan.py           the sharding plan and its maths (pure; refuses uneven splits)
-    layers.py         the parallel Linear/Embedding layers, dense or int8
-    collectives.py    their all-reduce / all-gather, each on the group it is given
+    layers.py         the parallel Linear/Embedding layers, dense or int8 (forwards and
+                      collectives: runtime/tensor_parallel)
     surgery.py        plan -> layers swapped into the model, attributes divided, int8 applied
     loader.py         checkpoint= files -> each layer's slice, memory-mapped
     quantize.py       per-group symmetric int8 and its dequantisation

@@ -2,9 +2,11 @@
 
 Each holds only its rank's slice (cut by `local_part` from a full tensor, which may be a
 memory-mapped checkpoint tensor, so only the slice is read) as a dense weight or, after
-`quantize_`, as int8 values plus per-group scales. Forward does the layer's one collective
-on its group: row-parallel sums partial products, the vocab-parallel embedding sums the rows
-each rank found, the vocab-parallel LM head gathers the logits.
+`quantize_`, as int8 values plus per-group scales. Forward is the training layers' own
+(runtime/tensor_parallel/layers.py: column_linear, row_linear, vocab_lookup) with this
+layer's matmul, dense or int8: row-parallel sums partial products, the vocab-parallel
+embedding sums the rows each rank found, the vocab-parallel LM head gathers the logits, each
+collective on the layer's group with the autograd-correct boundaries of training.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import all_gather_last_dim, all_reduce_sum_
+from ..tensor_parallel.layers import column_linear, row_linear, vocab_lookup
+from ..tensor_parallel.shard import pad_rows, take
 from .plan import LayerShard, Style, split_ranges, vocab_range
 from .int8_kernel import int8_matmul
 from .quantize import dequantize_int8, quantize_int8
@@ -33,13 +36,10 @@ def local_part(full: torch.Tensor, shard: Optional[LayerShard], tp: int, rank: i
         dim = 1
     else:
         dim = 1 if shard.style is Style.HEAD_EMBEDDING else 0
-    pieces = [full.narrow(dim, a, b - a) for a, b in split_ranges(shard, tp, rank)]
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    out = take(full, dim, split_ranges(shard, tp, rank))
     if shard.style in (Style.VOCAB_EMBEDDING, Style.VOCAB_HEAD):
-        rows = vocab_range(full.shape[0], tp, rank)[2]
-        if out.shape[0] < rows:  # the last rank's padding rows: never selected, logits trimmed
-            pad = out.new_zeros((rows - out.shape[0],) + tuple(out.shape[1:]))
-            out = torch.cat([out, pad], 0)
+        # the last rank's padding rows: never selected, logits trimmed
+        out = pad_rows(out, vocab_range(full.shape[0], tp, rank)[2])
     return out
 
 
@@ -125,14 +125,14 @@ class ParallelLinear(_ShardedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         style = self.shard.style if self.shard is not None else None
+        label = self.shard.name if self.shard is not None else "replicated"
+        if style is None:
+            return self.matmul(x, self.bias)
         if style is Style.ROW:
-            y = self.matmul(x)
-            all_reduce_sum_(y, self.group)
-            return y + self.bias if self.bias is not None else y
-        y = self.matmul(x, self.bias)
-        if style is Style.VOCAB_HEAD:
-            y = all_gather_last_dim(y, self.group, self.tp)[..., :self.full_out]
-        return y
+            return row_linear(x, None, self.bias, self.group, label=label, matmul=self.matmul)
+        y = column_linear(x, None, self.bias, self.group, gather_output=style is Style.VOCAB_HEAD, label=label,
+                          matmul=self.matmul)
+        return y[..., :self.full_out] if style is Style.VOCAB_HEAD else y
 
     def extra_repr(self) -> str:
         style = self.shard.style.value if self.shard is not None else "replicated"
@@ -169,11 +169,7 @@ class ParallelEmbedding(_ShardedWeight):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard is None:
             return self._rows(ids)
-        mine = (ids >= self.start) & (ids < self.stop)
-        out = self._rows(torch.where(mine, ids - self.start, torch.zeros_like(ids)))
-        out = out * mine.unsqueeze(-1).to(out.dtype)
-        all_reduce_sum_(out, self.group)
-        return out
+        return vocab_lookup(ids, self.start, self.stop, self._rows, self.group, self.shard.name)
 
     def extra_repr(self) -> str:
         style = "vocab-parallel" if self.shard is not None else "replicated"

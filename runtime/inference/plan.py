@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..tensor_parallel.shard import even_range, vocab_range
 from .config import InferenceConfigError
 from .structure import (Block, LinearInfo, block_items, block_linears, find_blocks, lm_head, norm_width,
                         parent_name, token_embedding)
@@ -89,21 +90,7 @@ class ShardPlan:
         return f"tensor parallel x{self.tp_size} ({self.source}): {parts}; all-reduce after [{rows}]"
 
 
-# ---------------------------------------------------------------- shard maths
-
-def even_range(size: int, tp: int, rank: int) -> Tuple[int, int]:
-    if size % tp:
-        raise ValueError(f"{size} is not divisible by {tp}")
-    per = size // tp
-    return rank * per, (rank + 1) * per
-
-
-def vocab_range(vocab: int, tp: int, rank: int) -> Tuple[int, int, int]:
-    """(start, stop, rows): rank's rows [start, stop) of a table padded to tp * rows."""
-    rows = -(-vocab // tp)
-    start = min(rank * rows, vocab)
-    return start, min(start + rows, vocab), rows
-
+# ---------------------------------------------------------------- shard maths (tensor_parallel/shard.py)
 
 def split_ranges(shard: LayerShard, tp: int, rank: int) -> List[Tuple[int, int]]:
     """The ranges of the split dimension (output rows, or input columns for ROW) this rank keeps."""

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..tensor_parallel.shard import linear_shape  # noqa: F401  (re-exported: surgery, plan)
+
 
 @dataclass(frozen=True)
 class LinearInfo:
@@ -32,17 +34,6 @@ class Block:
     name: str
     cls: type
     module: nn.Module
-
-
-def linear_shape(module: nn.Module) -> Optional[Tuple[int, int, bool]]:
-    """(in_features, out_features, conv1d) for nn.Linear and HF Conv1D, else None."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, False
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
-            and getattr(module, "nf", None) == weight.shape[1]:
-        return weight.shape[0], weight.shape[1], True
-    return None
 
 
 def norm_width(module: nn.Module) -> Optional[int]:

@@ -24,7 +24,7 @@ _aliases.install()
 
 from dslaunch.runtime import (  # noqa: E402
     CheckpointError, ConfigError, DeepSpeedConfig, DeepSpeedEngine, add_config_arguments, init_distributed,
-    initialize,
+    initialize, set_autotp_mode, tp_model_init,
 )
 
 from . import accelerator, comm, runtime, utils, zero  # noqa: E402,F401  (aliases of dslaunch.runtime.*)
@@ -37,12 +37,6 @@ __git_branch__ = None
 
 # DeepSpeed's error for a bad config; dslaunch raises ConfigError, which callers catch as this.
 DeepSpeedConfigError = ConfigError
-
-
-def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
-    """DeepSpeed's AutoTP for training (`tensor_parallel.autotp_size` > 1): not provided by dslaunch."""
-    raise ConfigError(f"tensor_parallel.autotp_size: {tp_size}: tensor-parallel training (AutoTP) is not "
-                      f"supported by dslaunch; remove the tensor_parallel section (ZeRO-3 shards the model instead)")
 
 
 def __getattr__(name):
@@ -64,5 +58,5 @@ def __getattr__(name):
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
-           "DeepSpeedConfigError", "CheckpointError", "ConfigError", "tp_model_init", "zero", "comm", "ops",
-           "accelerator", "runtime", "utils", "__version__"]
+           "DeepSpeedConfigError", "CheckpointError", "ConfigError", "tp_model_init", "set_autotp_mode", "zero",
+           "comm", "ops", "accelerator", "runtime", "utils", "__version__"]

@@ -4,7 +4,8 @@ A finder placed first on sys.meta_path answers for names under `deepspeed.`:
 - a module this package ships as a file (deepspeed/utils, deepspeed/launcher, ...) is left
   to the normal path finder;
 - a few names map explicitly (EXPLICIT: deepspeed.runtime is dslaunch.runtime,
-  deepspeed.checkpointing is dslaunch's activation-checkpointing module,
+  deepspeed.checkpointing is dslaunch's activation-checkpointing module, deepspeed.module_inject
+  is the AutoTP mode switch (set_autotp_mode),
   deepspeed.utils.zero_to_fp32 is the consolidation script save_checkpoint ships);
 - anything else becomes an alias: `deepspeed.<rest>` of a package shipped here maps to
   `<that package's dslaunch counterpart>.<rest>` (the top level's counterpart is
@@ -36,6 +37,9 @@ EXPLICIT = {
     "deepspeed.runtime": "dslaunch.runtime",
     "deepspeed.checkpointing": "dslaunch.runtime.activation_checkpointing.checkpointing",
     "deepspeed.utils.zero_to_fp32": "dslaunch.runtime.checkpoint.zero_to_fp32",
+    # DeepSpeed keeps set_autotp_mode in deepspeed.module_inject; only that module's AutoTP mode
+    # switch is served (a plain module: deepspeed.module_inject.<anything> is not found)
+    "deepspeed.module_inject": "dslaunch.runtime.tensor_parallel.mode",
 }
 
 

@@ -1,0 +1,474 @@
+"""Automatic tensor parallelism for training: shard a Hugging Face model in place.
+
+`shard_model_for_training(model, group, tp_size, tp_rank, partition_config=None)` replaces the
+model's projections and embeddings with the trainable layers of layers.py, holding this rank's
+slices, and divides the attention modules' head counts and widths so that their reshapes see
+the local heads. Which layer is split how comes from, in DeepSpeed 0.19's order of priority:
+
+1. `partition_config` (DeepSpeed's AutoTP training key, `tensor_parallel.partition_config`):
+   `layer_specs` of regex `patterns` matched (re.match, as DeepSpeed) against parameter names
+   such as `model.layers.0.self_attn.q_proj.weight`, with `partition_type` column / row /
+   skip, `gather_output`, `grad_allreduce` (skip: sum the replicated parameter's gradient over
+   the group), `shape` + `partition_dim` for fused outputs ((3, -1): three equal parts;
+   ((q, k, v), -1): unequal grouped-query parts), `model_types`; `lm_head_patterns`;
+   `strict_mode` (every projection must match a spec). Unlike DeepSpeed, a pattern that
+   matches nothing is an error, and an embedding a spec names is split by vocabulary.
+2. the model's own Hugging Face tensor-parallel plan (`config.base_model_tp_plan` and the
+   class's `_tp_plan`): colwise, rowwise, colwise_gather_output (colwise_rep),
+   embedding_rowwise (kept whole), replicated_with_grad_allreduce;
+3. otherwise the structural plan inference uses (runtime/inference/plan.py): GPT-2's Conv1D,
+   GPT-Neo/J, BERT, T5, Llama/Mistral, with vocabulary-parallel embeddings and LM heads.
+
+A tied LM head and token embedding stay tied: both become vocabulary-parallel with one shared
+local weight. Everything is planned and checked before the first module changes, and what
+cannot be split (tp not dividing heads, key/value heads or a width, a pattern matching
+nothing, an unknown style) is one TensorParallelError line.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .. import comm
+from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding,
+                     VocabParallelLMHead)
+from .shard import TensorParallelError, linear_shape
+
+PARTITION_TYPES = ("column", "row", "skip")
+HF_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "replicated_with_grad_allreduce",
+             "embedding_rowwise")
+SPEC_KEYS = ("patterns", "partition_type", "gather_output", "grad_allreduce", "shape", "partition_dim",
+             "model_types")
+CONFIG_KEYS = ("layer_specs", "use_default_specs", "strict_mode", "lm_head_patterns", "tp_size",
+               "embedding_partition_dim")
+
+
+def _fail(msg: str) -> TensorParallelError:
+    return TensorParallelError(f"tensor parallel: {msg}")
+
+
+# ---------------------------------------------------------------- partition_config
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One entry of partition_config.layer_specs (DeepSpeed's TPLayerSpec)."""
+
+    patterns: Tuple[str, ...]
+    partition_type: str = "column"
+    gather_output: bool = False
+    grad_allreduce: bool = False
+    parts: Optional[Tuple[int, ...]] = None  # from `shape`: equal parts are (-k,) until the width is known
+    model_types: Optional[Tuple[str, ...]] = None
+    where: str = ""  # "partition_config.layer_specs[1]", for errors
+
+    def matches(self, param_name: str, model_type: Optional[str]) -> bool:
+        if self.model_types and (model_type is None or model_type.lower() not in self.model_types):
+            return False
+        return any(re.match(p, param_name) for p in self.patterns)
+
+    def part_widths(self, out_features: int, name: str) -> Optional[Tuple[int, ...]]:
+        if self.parts is None:
+            return None
+        if len(self.parts) == 1 and self.parts[0] < 0:  # k equal parts
+            k = -self.parts[0]
+            if out_features % k:
+                raise _fail(f"{self.where}: shape splits {name} into {k} parts but its {out_features} output "
+                            "features do not divide")
+            return (out_features // k,) * k
+        if sum(self.parts) != out_features:
+            raise _fail(f"{self.where}: shape's parts {list(self.parts)} do not add up to the {out_features} "
+                        f"output features of {name}")
+        return self.parts
+
+
+@dataclass
+class PartitionConfig:
+    layer_specs: List[LayerSpec] = field(default_factory=list)
+    strict_mode: bool = False
+    lm_head_patterns: Tuple[str, ...] = ("lm_head", "embed_out")
+    source: str = "partition_config"
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(f"{where} must be true or false, got {value!r}")
+    return value
+
+
+def _parse_shape(shape: Any, partition_dim: Any, ptype: str, where: str) -> Optional[Tuple[int, ...]]:
+    if partition_dim is not None and partition_dim != (0 if ptype == "column" else 1):
+        raise _fail(f"{where}.partition_dim: {partition_dim} is not supported for a {ptype} layer (dslaunch "
+                    f"splits {ptype} layers along dimension {0 if ptype == 'column' else 1})")
+    if shape is None:
+        return None
+    if ptype != "column" or not isinstance(shape, (list, tuple)) or len(shape) != 2 or shape[1] != -1:
+        raise _fail(f"{where}.shape: {shape!r} is not supported; dslaunch takes a fused column output as "
+                    "[k, -1] (k equal parts) or [[q, k, v], -1] (unequal parts)")
+    first = shape[0]
+    if isinstance(first, int) and not isinstance(first, bool) and first > 0:
+        return (-first,)
+    if isinstance(first, (list, tuple)) and first and all(isinstance(v, int) and v > 0 for v in first):
+        return tuple(first)
+    raise _fail(f"{where}.shape: {shape!r}: the first entry must be a part count or a list of part widths")
+
+
+def parse_partition_config(config: Any) -> PartitionConfig:
+    """DeepSpeed's `tensor_parallel.partition_config` dict -> PartitionConfig, strictly."""
+    if isinstance(config, PartitionConfig):
+        return config
+    if not isinstance(config, dict):
+        raise _fail(f"partition_config must be a dict, got {type(config).__name__}")
+    from ..strict import suggest
+
+    for key in config:
+        if key not in CONFIG_KEYS:
+            raise _fail(f"partition_config: unknown key {key!r}{suggest(str(key), list(CONFIG_KEYS))}")
+    if config.get("embedding_partition_dim", 1) != 1:
+        raise _fail("partition_config.embedding_partition_dim: only 1 (DeepSpeed's default) is accepted; dslaunch "
+                    "splits an embedding a spec names by vocabulary")
+    _bool(config.get("use_default_specs", True), "partition_config.use_default_specs")  # no preset here: no effect
+    specs = []
+    raw = config.get("layer_specs", [])
+    if not isinstance(raw, list) or not raw:
+        raise _fail("partition_config.layer_specs must be a non-empty list of specs")
+    for i, spec in enumerate(raw):
+        where = f"partition_config.layer_specs[{i}]"
+        if not isinstance(spec, dict):
+            raise _fail(f"{where} must be a dict, got {type(spec).__name__}")
+        for key in spec:
+            if key not in SPEC_KEYS:
+                raise _fail(f"{where}: unknown key {key!r}{suggest(str(key), list(SPEC_KEYS))}")
+        patterns = spec.get("patterns")
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
+            raise _fail(f"{where}.patterns must be a non-empty list of regular expressions")
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as exc:
+                raise _fail(f"{where}.patterns: {p!r} is not a regular expression ({exc})") from None
+        ptype = str(spec.get("partition_type", "column")).lower()
+        if ptype not in PARTITION_TYPES:
+            raise _fail(f"{where}.partition_type: {spec.get('partition_type')!r} is not one of "
+                        f"{', '.join(PARTITION_TYPES)}")
+        gather = _bool(spec.get("gather_output", False), f"{where}.gather_output")
+        grad = _bool(spec.get("grad_allreduce", False), f"{where}.grad_allreduce")
+        if gather and ptype != "column":
+            raise _fail(f"{where}.gather_output applies to column layers only")
+        if grad and ptype != "skip":
+            raise _fail(f"{where}.grad_allreduce applies to skip (replicated) layers only")
+        parts = _parse_shape(spec.get("shape"), spec.get("partition_dim"), ptype, where)
+        if parts is not None and gather:
+            raise _fail(f"{where}: gather_output cannot be combined with a fused shape")
+        types = spec.get("model_types")
+        if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
+            raise _fail(f"{where}.model_types must be a list of model type names")
+        specs.append(LayerSpec(tuple(patterns), ptype, gather, grad, parts,
+                               tuple(t.lower() for t in types) if types else None, where))
+    heads = config.get("lm_head_patterns", ["lm_head", "embed_out"])
+    if not isinstance(heads, list) or not all(isinstance(h, str) for h in heads):
+        raise _fail("partition_config.lm_head_patterns must be a list of module names")
+    return PartitionConfig(specs, _bool(config.get("strict_mode", False), "partition_config.strict_mode"),
+                           tuple(heads))
+
+
+def hf_tp_plan(model: nn.Module) -> Optional[Dict[str, str]]:
+    """The model's Hugging Face tensor-parallel plan: config.base_model_tp_plan, the class's
+    _tp_plan and the instance's, merged (an entry also present without the `model.` prefix once)."""
+    config = getattr(model, "config", None)
+    merged: Dict[str, str] = {}
+    seen = set()
+    for plan in (getattr(config, "base_model_tp_plan", None), getattr(type(model), "_tp_plan", None),
+                 getattr(model, "__dict__", {}).get("_tp_plan")):
+        if not isinstance(plan, dict):
+            continue
+        for pattern, style in plan.items():
+            canonical = pattern[len("model."):] if pattern.startswith("model.") else pattern
+            if pattern.startswith("model.") and canonical in seen:
+                continue
+            merged[pattern] = style
+            seen.add(canonical)
+    return merged or None
+
+
+def partition_config_from_hf_plan(plan: Dict[str, str]) -> PartitionConfig:
+    """A Hugging Face tp plan ({'layers.*.self_attn.q_proj': 'colwise', ...}) as layer specs."""
+    specs = []
+    for pattern, style in plan.items():
+        s = str(style).lower()
+        if s not in HF_STYLES:
+            raise _fail(f"the model's Hugging Face tp plan has style {style!r} for {pattern!r}, which dslaunch does "
+                        "not support; give tensor_parallel.partition_config instead")
+        regex = ".*" + pattern.replace(".", r"\.").replace("*", ".*")
+        regex += "$" if regex.endswith(r"\.weight") else r"\.weight$"
+        ptype = "column" if s.startswith("colwise") else "row" if s == "rowwise" else "skip"
+        specs.append(LayerSpec((regex,), ptype, gather_output=s in ("colwise_rep", "colwise_gather_output"),
+                               grad_allreduce=s == "replicated_with_grad_allreduce",
+                               where=f"the Hugging Face tp plan entry {pattern!r}"))
+    return PartitionConfig(specs, source="the model's Hugging Face tp plan")
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Decision:
+    name: str
+    kind: str  # column | row | vocab-embedding | vocab-head | head-embedding
+    parts: Optional[Tuple[int, ...]] = None
+    gather_output: bool = False
+
+
+@dataclass
+class TrainingShardPlan:
+    tp_size: int
+    source: str
+    decisions: List[Decision] = field(default_factory=list)
+    attrs: List[Tuple[str, str, int]] = field(default_factory=list)  # (module, attr, local value)
+    grad_allreduce: List[str] = field(default_factory=list)  # replicated parameters whose grads are summed
+
+    def summary(self) -> str:
+        counts: Dict[str, int] = {}
+        for d in self.decisions:
+            counts[d.kind] = counts.get(d.kind, 0) + 1
+        parts = ", ".join(f"{n} {k}" for k, n in counts.items())
+        extra = f", {len(self.grad_allreduce)} replicated with gradient all-reduce" if self.grad_allreduce else ""
+        return f"tensor parallel x{self.tp_size} for training ({self.source}): {parts}{extra}"
+
+
+def _model_type(model: nn.Module) -> Optional[str]:
+    t = getattr(getattr(model, "config", None), "model_type", None)
+    return str(t).lower() if t else None
+
+
+def _tied_partner(model: nn.Module, module: nn.Module) -> Optional[str]:
+    for name, m in model.named_modules():
+        if m is not module and getattr(m, "weight", None) is getattr(module, "weight", object()):
+            return name
+    return None
+
+
+def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> TrainingShardPlan:
+    from ..inference.plan import HEAD_DIM_ATTRS, ShardPlan, _divide_attrs
+
+    plan = TrainingShardPlan(tp, cfg.source)
+    mtype = _model_type(model)
+    modules = dict(model.named_modules())
+    used = set()
+    decided: Dict[str, Decision] = {}
+    for name, m in modules.items():
+        w = getattr(m, "weight", None)
+        if not name or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            continue
+        pname = f"{name}.weight"
+        spec = next((s for s in cfg.layer_specs if s.matches(pname, mtype)), None)
+        if spec is None:
+            if cfg.strict_mode and linear_shape(m):
+                raise _fail(f"{cfg.source}: strict_mode and no spec matches {pname}")
+            continue
+        used.add(id(spec))
+        if spec.partition_type == "skip":
+            if spec.grad_allreduce:
+                plan.grad_allreduce += [f"{name}.{p}" for p, _ in m.named_parameters(recurse=False)]
+            continue
+        is_head = name.rsplit(".", 1)[-1] in cfg.lm_head_patterns
+        if isinstance(m, nn.Embedding):
+            decided[name] = Decision(name, "vocab-embedding")
+            continue
+        shape = linear_shape(m)
+        if shape is None:
+            raise _fail(f"{spec.where} matches {pname}, a {type(m).__name__}, which is neither a Linear, a Conv1D "
+                        "nor an Embedding")
+        fin, fout, conv1d = shape
+        if spec.partition_type == "row":
+            if is_head:
+                raise _fail(f"{spec.where}: a row-parallel LM head ({name}) is not supported; make it column")
+            if fin % tp:
+                raise _fail(f"tp size {tp} does not divide the {fin} input features of {name}")
+            decided[name] = Decision(name, "row")
+        elif is_head and not conv1d:
+            decided[name] = Decision(name, "vocab-head", gather_output=True)
+        else:
+            parts = spec.part_widths(fout, name)
+            for width in parts or (fout,):
+                if width % tp:
+                    raise _fail(f"tp size {tp} does not divide the {width} output features of {name}")
+            decided[name] = Decision(name, "column", parts, spec.gather_output)
+    for spec in cfg.layer_specs:
+        if id(spec) not in used:
+            some = next((f"{n}.weight" for n, m in modules.items()
+                         if n and isinstance(getattr(m, "weight", None), torch.Tensor)), "?")
+            raise _fail(f"{spec.where}: pattern{'s' if len(spec.patterns) > 1 else ''} "
+                        f"{', '.join(repr(p) for p in spec.patterns)} match no parameter of "
+                        f"{type(model).__name__} (names look like {some!r})")
+    # a tied LM head and token embedding are split together, by vocabulary
+    for name in list(decided):
+        d = decided[name]
+        if d.kind in ("vocab-head", "vocab-embedding"):
+            partner = _tied_partner(model, modules[name])
+            if partner is not None and partner not in decided:
+                kind = "vocab-embedding" if isinstance(modules[partner], nn.Embedding) else "vocab-head"
+                if kind == "vocab-head" and linear_shape(modules[partner])[2]:
+                    raise _fail(f"{partner} (a Conv1D) is tied to {name}; it cannot be split by vocabulary")
+                decided[partner] = Decision(partner, kind, gather_output=kind == "vocab-head")
+    plan.decisions = list(decided.values())
+    # the attention modules' head counts: divide those of every module owning a split projection
+    scratch = ShardPlan(tp, "specs")
+    owners: Dict[str, List[Decision]] = {}
+    for d in plan.decisions:
+        if d.kind in ("column", "row") and "." in d.name and not d.gather_output:
+            owners.setdefault(d.name.rsplit(".", 1)[0], []).append(d)
+    for owner, ds in owners.items():
+        rows = [d for d in ds if d.kind == "row"]
+        cols = [d for d in ds if d.kind == "column"]
+        if not cols:
+            continue
+        width = linear_shape(modules[rows[0].name])[0] if rows else \
+            min(linear_shape(modules[d.name])[1] // len(d.parts or (1,)) for d in cols)
+        module = modules[owner]
+        head_dim = next((getattr(module, a) for a in HEAD_DIM_ATTRS if isinstance(getattr(module, a, None), int)),
+                        None)
+        if head_dim:
+            for d in cols:
+                for width_part in d.parts or (linear_shape(modules[d.name])[1],):
+                    if width_part % head_dim == 0 and (width_part // head_dim) % tp:
+                        raise _fail(f"tp size {tp} does not divide the {width_part // head_dim} heads that {d.name} "
+                                    f"projects to ({type(module).__name__})")
+        _divide_attrs_checked(module, owner, tp, width, scratch, _divide_attrs)
+    plan.attrs = [(a.module, a.attr, a.local) for a in scratch.attrs]
+    return plan
+
+
+def _divide_attrs_checked(module, owner, tp, width, scratch, divide) -> None:
+    from ..inference.config import InferenceConfigError
+
+    try:
+        divide(module, owner, tp, width, scratch)
+    except InferenceConfigError as exc:
+        raise TensorParallelError(str(exc)) from None
+
+
+def _plan_structural(model: nn.Module, tp: int) -> TrainingShardPlan:
+    from ..inference.config import InferenceConfigError
+    from ..inference.plan import Style, plan_tensor_parallel
+
+    try:
+        inf = plan_tensor_parallel(model, tp)
+    except InferenceConfigError as exc:
+        raise TensorParallelError(str(exc)) from None
+    kinds = {Style.COLUMN: "column", Style.ROW: "row", Style.VOCAB_EMBEDDING: "vocab-embedding",
+             Style.VOCAB_HEAD: "vocab-head", Style.HEAD_EMBEDDING: "head-embedding"}
+    plan = TrainingShardPlan(tp, "automatic")
+    for s in inf.layers:
+        parts = (s.out_features // s.parts,) * s.parts if s.style is Style.COLUMN and s.parts > 1 else None
+        plan.decisions.append(Decision(s.name, kinds[s.style], parts, s.style is Style.VOCAB_HEAD))
+    plan.attrs = [(a.module, a.attr, a.local) for a in inf.attrs]
+    return plan
+
+
+def plan_training_shards(model: nn.Module, tp_size: int, partition_config: Any = None) -> TrainingShardPlan:
+    """Which layer of `model` is split how at `tp_size` (pure: reads the model, changes nothing;
+    raises TensorParallelError for what cannot be split)."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise _fail(f"tp size must be a positive integer, got {tp_size!r}")
+    if partition_config is not None:
+        return _plan_from_specs(model, tp_size, parse_partition_config(partition_config))
+    hf = hf_tp_plan(model)
+    if hf:
+        return _plan_from_specs(model, tp_size, partition_config_from_hf_plan(hf))
+    return _plan_structural(model, tp_size)
+
+
+# ---------------------------------------------------------------- surgery
+
+def _build(model_module: nn.Module, d: Decision, group, tp: int, rank: int) -> nn.Module:
+    if d.kind == "column":
+        return ColumnParallelLinear.from_linear(model_module, group, tp, rank, gather_output=d.gather_output,
+                                                parts=d.parts, label=d.name)
+    if d.kind == "row":
+        return RowParallelLinear.from_linear(model_module, group, tp, rank, label=d.name)
+    if d.kind == "vocab-embedding":
+        return VocabParallelEmbedding.from_embedding(model_module, group, tp, rank, label=d.name)
+    if d.kind == "vocab-head":
+        return VocabParallelLMHead.from_linear(model_module, group, tp, rank, gather_output=True, label=d.name)
+    # head-embedding: one column per attention head (T5's relative position bias)
+    return HeadParallelEmbedding.from_embedding(model_module, group, tp, rank, label=d.name)
+
+
+def _grad_allreduce_hook(group, name: str):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, op=comm.ReduceOp.SUM, group=group, label=f"tp grad all-reduce {name}")
+        return grad
+
+    return hook
+
+
+def _follow_ties(model: nn.Module, modules: Dict[str, nn.Module], plan: TrainingShardPlan,
+                 leaders: Dict[int, TensorParallelLayer], names: Dict[int, List[str]]) -> None:
+    """Modules left holding a weight that was split (T5's encoder.embed_tokens is a module of
+    its own sharing `shared.weight`): an embedding becomes the split embedding itself, so the
+    tie and its gradients stay whole; anything else cannot follow and is refused."""
+    replaced = {id(modules[d.name]) for d in plan.decisions}
+    for name, m in modules.items():
+        if id(m) in replaced or isinstance(m, TensorParallelLayer):
+            continue
+        leader = leaders.get(id(getattr(m, "weight", None)))
+        if leader is None:
+            continue
+        if isinstance(m, nn.Embedding) and isinstance(leader, VocabParallelEmbedding):
+            for path in names[id(m)]:
+                parent_path, _, leaf = path.rpartition(".")
+                setattr(model.get_submodule(parent_path) if parent_path else model, leaf, leader)
+            continue
+        raise _fail(f"{name} shares its weight with {leader.label}, which is split ({type(leader).__name__}); "
+                    f"a {type(m).__name__} cannot follow it")
+
+
+def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank: int,
+                             partition_config: Any = None) -> TrainingShardPlan:
+    """Replace `model`'s layers in place with trainable tensor-parallel ones holding rank
+    `tp_rank`'s slices of a `tp_size`-rank `group` (None when tp_size is 1); returns the plan
+    applied. Every rank of the group must call it with the same model (same initial weights)."""
+    plan = plan_training_shards(model, tp_size, partition_config)
+    if getattr(model, "ds_autotp_parsed", False):
+        raise _fail(f"{type(model).__name__} is already sharded for tensor parallelism")
+    if tp_size > 1:
+        size = comm.get_world_size(group) if group is not None and comm.is_initialized() else 1
+        if size != tp_size:
+            raise _fail(f"tp size {tp_size} but the group given has {size} rank{'s' if size != 1 else ''}")
+    if tp_size == 1:
+        setattr(model, "ds_autotp_parsed", True)
+        return plan
+    names: Dict[int, List[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    modules = dict(model.named_modules())
+    leaders: Dict[int, TensorParallelLayer] = {}  # id(original weight) -> the layer built first from it
+    for d in plan.decisions:
+        orig = modules[d.name]
+        new = _build(orig, d, group, tp_size, tp_rank)
+        for p_new, p_old in ((getattr(new, "weight", None), orig.weight), (getattr(new, "bias", None),
+                                                                          getattr(orig, "bias", None))):
+            if isinstance(p_new, nn.Parameter) and isinstance(p_old, torch.Tensor):
+                p_new.requires_grad_(p_old.requires_grad)
+        leader = leaders.get(id(orig.weight))
+        if leader is not None and leader.weight.shape == new.weight.shape:
+            new.weight = leader.weight  # a tied LM head and token embedding share one local weight
+        elif isinstance(new, TensorParallelLayer):
+            leaders[id(orig.weight)] = new
+        for path in names[id(orig)]:
+            parent_path, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent_path) if parent_path else model, leaf, new)
+    _follow_ties(model, modules, plan, leaders, names)
+    for mname, attr, local in plan.attrs:
+        setattr(modules[mname], attr, local)
+    params = dict(model.named_parameters())
+    for pname in plan.grad_allreduce:
+        params[pname].register_hook(_grad_allreduce_hook(group, pname))
+    setattr(model, "ds_autotp_parsed", True)
+    return plan
