@@ -29,8 +29,8 @@ fi
 STAMP="$VENV/.dslaunch-installed"
 SUM="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" | cksum)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$SUM" ] || ! "$VENV/bin/python" -c "import dslaunch.launcher" >/dev/null 2>&1; then
-    echo "setup: installing dslaunch (editable) with the test and hf extras" >&2
-    quiet_pip -e "$ROOT[test,hf]"
+    echo "setup: installing dslaunch (editable) with the test, hf and docs extras" >&2
+    quiet_pip -e "$ROOT[test,hf,docs]"
     echo "$SUM" > "$STAMP"
 fi
 echo "$VENV/bin"

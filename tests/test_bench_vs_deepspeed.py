@@ -1,7 +1,7 @@
 """scripts/bench_vs_deepspeed.py in its no-DeepSpeed mode (the test environment has no
 deepspeed): a tiny GPT-lite under our stages 0 and 3, torch DDP, torch FSDP2 and the compute
 floor on 2 gloo ranks.
-The figures themselves are measurements (README); this checks that the benchmark runs
+The figures themselves are measurements (docs/benchmarks.md); this checks that the benchmark runs
 every contender and that its memory figure is a real count near the ZeRO formula."""
 import json
 import os

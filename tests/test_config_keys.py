@@ -1,7 +1,7 @@
 """The whole DeepSpeed config surface: every key DeepSpeed reads is declared (supported or
 refused), every refused key is refused with its one-line reason and accepted at its off
-value, "auto" names its key, typos still get "did you mean", and README's key table is
-the generated one. Pure logic, no processes."""
+value, "auto" names its key, typos still get "did you mean", and the key table in
+docs/configuration.md is the generated one. Pure logic, no processes."""
 import pathlib
 
 import pytest
@@ -139,10 +139,10 @@ def test_deprecated_cpu_offload_maps_like_deepspeed():
     assert z.offload_optimizer.pin_memory and z.offload_param.pin_memory
 
 
-def test_readme_table_is_generated():
-    text = (ROOT / "README.md").read_text()
-    assert table.readme_block(text) == table.markdown(), \
-        "README's key table is stale: run python -m dslaunch.runtime.config.table --write README.md"
+def test_docs_table_is_generated():
+    text = (ROOT / table.DOC).read_text()
+    assert table.doc_block(text) == table.markdown(), \
+        f"the key table in {table.DOC} is stale: run python -m dslaunch.runtime.config.table --write"
 
 
 def test_zero3_check_key_and_env_override(monkeypatch):

@@ -1,4 +1,4 @@
-"""Installing dslaunch into an environment of one's own (README "Install").
+"""Installing dslaunch into an environment of one's own (docs/install.md).
 
 - `pip install` into a fresh environment that already has torch keeps that torch, and
   `dslaunch install-deepspeed-compat` / `--uninstall` work there; over a real DeepSpeed both

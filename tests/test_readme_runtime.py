@@ -1,4 +1,4 @@
-"""README's runtime example runs as written, bf16 on: with plain python (one process) and
+"""The runtime example of docs/runtime.md runs as written, bf16 on: with plain python (one process) and
 under dslaunch with 2 workers; and float32 inputs to the bf16 model are one line, exit 2."""
 import os
 import pathlib
@@ -12,9 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _snippet() -> str:
-    text = (ROOT / "README.md").read_text()
-    runtime = text[text.index("\n## Runtime\n"):]
-    return re.search(r"```python\n(.*?)```", runtime, re.S).group(1)
+    text = (ROOT / "docs" / "runtime.md").read_text()
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
 def _run(cmd, cwd, timeout=240):
