@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from .. import comm
-from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding,
-                     VocabParallelLMHead)
+from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer,
+                     VocabParallelEmbedding, VocabParallelLMHead)
 from .shard import TensorParallelError, linear_shape
 
 PARTITION_TYPES = ("column", "row", "skip")
@@ -272,8 +272,6 @@ def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> Trainin
             continue
         used.add(id(spec))
         if spec.partition_type == "skip":
-            if spec.grad_allreduce:
-                plan.grad_allreduce += [f"{name}.{p}" for p, _ in m.named_parameters(recurse=False)]
             continue
         is_head = name.rsplit(".", 1)[-1] in cfg.lm_head_patterns
         if isinstance(m, nn.Embedding):
@@ -298,6 +296,13 @@ def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> Trainin
                 if width % tp:
                     raise _fail(f"tp size {tp} does not divide the {width} output features of {name}")
             decided[name] = Decision(name, "column", parts, spec.gather_output)
+    # a replicated parameter whose gradient is summed over the group may be any parameter (a norm's)
+    for pname, _ in model.named_parameters():
+        spec = next((s for s in cfg.layer_specs if s.matches(pname, mtype)), None)
+        if spec is not None and spec.grad_allreduce:
+            used.add(id(spec))
+            if pname not in plan.grad_allreduce:
+                plan.grad_allreduce.append(pname)
     for spec in cfg.layer_specs:
         if id(spec) not in used:
             some = next((f"{n}.weight" for n, m in modules.items()
@@ -409,24 +414,29 @@ def _grad_allreduce_hook(group, name: str):
 
 
 def _follow_ties(model: nn.Module, modules: Dict[str, nn.Module], plan: TrainingShardPlan,
-                 leaders: Dict[int, TensorParallelLayer], names: Dict[int, List[str]]) -> None:
-    """Modules left holding a weight that was split (T5's encoder.embed_tokens is a module of
-    its own sharing `shared.weight`): an embedding becomes the split embedding itself, so the
-    tie and its gradients stay whole; anything else cannot follow and is refused."""
+                 built: Dict[int, Tuple[TensorParallelLayer, str]], names: Dict[int, List[str]]) -> None:
+    """Other holders of a parameter that was split. An embedding sharing a split embedding's
+    weight (T5's encoder.embed_tokens, a module of its own sharing `shared.weight`) becomes
+    that split module, so the tie and its gradients stay whole; a module that only holds the
+    parameter (BERT's prediction head keeps `bias`, tied to its decoder's) holds the local
+    shard instead; a projection that would compute with it cannot follow and is refused."""
     replaced = {id(modules[d.name]) for d in plan.decisions}
     for name, m in modules.items():
         if id(m) in replaced or isinstance(m, TensorParallelLayer):
             continue
-        leader = leaders.get(id(getattr(m, "weight", None)))
-        if leader is None:
-            continue
-        if isinstance(m, nn.Embedding) and isinstance(leader, VocabParallelEmbedding):
-            for path in names[id(m)]:
-                parent_path, _, leaf = path.rpartition(".")
-                setattr(model.get_submodule(parent_path) if parent_path else model, leaf, leader)
-            continue
-        raise _fail(f"{name} shares its weight with {leader.label}, which is split ({type(leader).__name__}); "
-                    f"a {type(m).__name__} cannot follow it")
+        for pname, param in list(m._parameters.items()):
+            if param is None or id(param) not in built:
+                continue
+            layer, new_name = built[id(param)]
+            if isinstance(m, nn.Embedding) and isinstance(layer, VocabParallelEmbedding) and pname == "weight":
+                for path in names[id(m)]:
+                    parent_path, _, leaf = path.rpartition(".")
+                    setattr(model.get_submodule(parent_path) if parent_path else model, leaf, layer)
+                break
+            if isinstance(m, (nn.Embedding, nn.Linear)) or linear_shape(m):
+                raise _fail(f"{name} shares its {pname} with {layer.label}, which is split "
+                            f"({type(layer).__name__}); a {type(m).__name__} cannot follow it")
+            setattr(m, pname, getattr(layer, new_name))
 
 
 def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank: int,
@@ -449,6 +459,7 @@ def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank
         names.setdefault(id(m), []).append(name)
     modules = dict(model.named_modules())
     leaders: Dict[int, TensorParallelLayer] = {}  # id(original weight) -> the layer built first from it
+    built: Dict[int, Tuple[TensorParallelLayer, str]] = {}  # id(original parameter) -> (layer, its name there)
     for d in plan.decisions:
         orig = modules[d.name]
         new = _build(orig, d, group, tp_size, tp_rank)
@@ -461,10 +472,14 @@ def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank
             new.weight = leader.weight  # a tied LM head and token embedding share one local weight
         elif isinstance(new, TensorParallelLayer):
             leaders[id(orig.weight)] = new
+        for pname in ("weight", "bias"):
+            if isinstance(getattr(orig, pname, None), torch.Tensor) and isinstance(getattr(new, pname, None),
+                                                                                  nn.Parameter):
+                built.setdefault(id(getattr(orig, pname)), (new, pname))
         for path in names[id(orig)]:
             parent_path, _, leaf = path.rpartition(".")
             setattr(model.get_submodule(parent_path) if parent_path else model, leaf, new)
-    _follow_ties(model, modules, plan, leaders, names)
+    _follow_ties(model, modules, plan, built, names)
     for mname, attr, local in plan.attrs:
         setattr(modules[mname], attr, local)
     params = dict(model.named_parameters())
