@@ -117,6 +117,12 @@ def _autotp_job():
                           for n, p in model.named_parameters()),
         }
 
+    # ranks that built the model with different seeds shard rank 0's model (broadcast first)
+    ref = build("llama", seed=1).train()  # what the group's rank 0 builds
+    model = build("llama", seed=1 + tpg.rank).train()
+    shard_model_for_training(model, tpg.group, tpg.size, tpg.rank)
+    out["different seeds"] = abs(forward(model, "llama").loss.item() - forward(ref, "llama").loss.item())
+
     # partition_config's grad_allreduce: a replicated parameter's gradient summed over the group
     # (here a norm whose every rank already has the full gradient, so the sum is twice it)
     ref = build("llama").train()
@@ -188,6 +194,10 @@ def test_every_collective_runs_on_the_tensor_group(two_ranks):
     # Llama via its tp plan, 2 layers: forward 2 row sums per layer + the LM head's gather;
     # backward one all-reduce per column layer's input (q, k, v, gate, up) + the LM head's
     assert two_ranks[0]["llama/hf-plan"]["collective count"] == 2 * 2 + 1 + 2 * 5 + 1
+
+
+def test_ranks_built_with_different_seeds_shard_rank_zeros_model(two_ranks):
+    assert two_ranks[0]["different seeds"] < TOL and two_ranks[1]["different seeds"] < TOL
 
 
 def test_grad_allreduce_sums_a_replicated_gradient_over_the_group(two_ranks):

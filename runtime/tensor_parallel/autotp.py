@@ -413,6 +413,22 @@ def _grad_allreduce_hook(group, name: str):
     return hook
 
 
+def _broadcast_model(model: nn.Module, group: Any) -> None:
+    """Every parameter and buffer from the group's first rank, before anything is cut: ranks
+    that built the model with different seeds (the default generator differs per rank) would
+    otherwise hold shards of different models and replicated copies that disagree."""
+    seen = set()
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if id(t) in seen or t.device.type == "meta":
+                continue
+            seen.add(id(t))
+            data = t.data if t.is_contiguous() else t.data.contiguous()
+            comm.broadcast(data, group=group, group_src=0, label=f"tp initial weights {name}")
+            if data is not t.data:
+                t.data.copy_(data)
+
+
 def _follow_ties(model: nn.Module, modules: Dict[str, nn.Module], plan: TrainingShardPlan,
                  built: Dict[int, Tuple[TensorParallelLayer, str]], names: Dict[int, List[str]]) -> None:
     """Other holders of a parameter that was split. An embedding sharing a split embedding's
@@ -443,7 +459,9 @@ def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank
                              partition_config: Any = None) -> TrainingShardPlan:
     """Replace `model`'s layers in place with trainable tensor-parallel ones holding rank
     `tp_rank`'s slices of a `tp_size`-rank `group` (None when tp_size is 1); returns the plan
-    applied. Every rank of the group must call it with the same model (same initial weights)."""
+    applied. Every rank of the group must call it with the same architecture; the weights are
+    first broadcast from the group's rank 0 (one collective per parameter and buffer), so all
+    ranks cut their slices out of the same model."""
     plan = plan_training_shards(model, tp_size, partition_config)
     if getattr(model, "ds_autotp_parsed", False):
         raise _fail(f"{type(model).__name__} is already sharded for tensor parallelism")
@@ -454,6 +472,7 @@ def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank
     if tp_size == 1:
         setattr(model, "ds_autotp_parsed", True)
         return plan
+    _broadcast_model(model, group)
     names: Dict[int, List[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), []).append(name)
