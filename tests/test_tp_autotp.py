@@ -250,6 +250,8 @@ def test_llama_plan_divides_attention_attributes_and_splits_grouped_query_heads(
      "tensor parallel: partition_config.layer_specs[0].partition_type: 'diagonal' is not one of column, row, skip"),
     ("llama", 2, {"layer_specs": [{"patterns": [r".*down_proj\.weight$"], "partition_type": "row"}],
                   "strict_mode": True}, {}, "tensor parallel: partition_config: strict_mode and no spec matches"),
+    ("llama", 2, {"layer_specs": LLAMA_SPECS["layer_specs"], "tp_size": 4}, {},
+     "tensor parallel: partition_config.tp_size is 4 but the tensor-parallel size is 2"),
 ])
 def test_what_cannot_be_split_is_one_line(kind, tp, spec, overrides, message):
     from dslaunch.runtime.tensor_parallel import TensorParallelError

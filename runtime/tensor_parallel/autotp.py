@@ -91,6 +91,7 @@ class PartitionConfig:
     strict_mode: bool = False
     lm_head_patterns: Tuple[str, ...] = ("lm_head", "embed_out")
     source: str = "partition_config"
+    tp_size: Optional[int] = None  # DeepSpeed overwrites it with autotp_size; here it must agree
 
 
 def _bool(value: Any, where: str) -> bool:
@@ -173,8 +174,11 @@ def parse_partition_config(config: Any) -> PartitionConfig:
     heads = config.get("lm_head_patterns", ["lm_head", "embed_out"])
     if not isinstance(heads, list) or not all(isinstance(h, str) for h in heads):
         raise _fail("partition_config.lm_head_patterns must be a list of module names")
+    tp = config.get("tp_size")
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+        raise _fail(f"partition_config.tp_size must be a positive integer, got {tp!r}")
     return PartitionConfig(specs, _bool(config.get("strict_mode", False), "partition_config.strict_mode"),
-                           tuple(heads))
+                           tuple(heads), tp_size=tp)
 
 
 def hf_tp_plan(model: nn.Module) -> Optional[Dict[str, str]]:
@@ -255,6 +259,8 @@ def _tied_partner(model: nn.Module, module: nn.Module) -> Optional[str]:
 def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> TrainingShardPlan:
     from ..inference.plan import HEAD_DIM_ATTRS, ShardPlan, _divide_attrs
 
+    if cfg.tp_size is not None and cfg.tp_size != tp:
+        raise _fail(f"partition_config.tp_size is {cfg.tp_size} but the tensor-parallel size is {tp}")
     plan = TrainingShardPlan(tp, cfg.source)
     mtype = _model_type(model)
     modules = dict(model.named_modules())
