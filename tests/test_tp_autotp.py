@@ -242,7 +242,7 @@ def test_llama_plan_divides_attention_attributes_and_splits_grouped_query_heads(
      "tensor parallel: tp size 2 does not divide the 3 heads that transformer.h.0.attn.c_attn projects to "
      "(GPT2Attention)"),
     ("llama", 2, {"layer_specs": [{"patterns": [r".*\.attn\.c_proj\.weight$"], "partition_type": "row"}]}, {},
-     "tensor parallel: partition_config.layer_specs[0]: pattern '.*\\\\.attn\\\\.c_proj\\\\.weight$' match no "
+     "tensor parallel: partition_config.layer_specs[0]: pattern '.*\\\\.attn\\\\.c_proj\\\\.weight$' matches no "
      "parameter of LlamaForCausalLM (names look like 'model.embed_tokens.weight')"),
     ("llama", 2, {"layer_specs": [{"patterns": ["x"], "partition": "row"}]}, {},
      "tensor parallel: partition_config.layer_specs[0]: unknown key 'partition'"),

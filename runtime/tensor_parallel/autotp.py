@@ -12,7 +12,9 @@ the local heads. Which layer is split how comes from, in DeepSpeed 0.19's order 
    the group), `shape` + `partition_dim` for fused outputs ((3, -1): three equal parts;
    ((q, k, v), -1): unequal grouped-query parts), `model_types`; `lm_head_patterns`;
    `strict_mode` (every projection must match a spec). Unlike DeepSpeed, a pattern that
-   matches nothing is an error, and an embedding a spec names is split by vocabulary.
+   matches nothing is an error, an embedding a spec names is split by vocabulary, and an LM
+   head a column spec names is split by vocabulary with its logits gathered (the model's loss
+   needs them whole).
 2. the model's own Hugging Face tensor-parallel plan (`config.base_model_tp_plan` and the
    class's `_tp_plan`): colwise, rowwise, colwise_gather_output (colwise_rep),
    embedding_rowwise (kept whole), replicated_with_grad_allreduce;
@@ -313,8 +315,9 @@ def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> Trainin
         if id(spec) not in used:
             some = next((f"{n}.weight" for n, m in modules.items()
                          if n and isinstance(getattr(m, "weight", None), torch.Tensor)), "?")
-            raise _fail(f"{spec.where}: pattern{'s' if len(spec.patterns) > 1 else ''} "
-                        f"{', '.join(repr(p) for p in spec.patterns)} match no parameter of "
+            many = len(spec.patterns) > 1
+            raise _fail(f"{spec.where}: pattern{'s' if many else ''} {', '.join(repr(p) for p in spec.patterns)} "
+                        f"match{'' if many else 'es'} no parameter of "
                         f"{type(model).__name__} (names look like {some!r})")
     # a tied LM head and token embedding are split together, by vocabulary
     for name in list(decided):
