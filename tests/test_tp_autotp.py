@@ -8,8 +8,10 @@ embeddings shared by three modules), GPT-Neo, GPT-J and BERT through the structu
 after one SGD step taken by each rank on its own shards, the weights reassembled by
 full_state_dict equal the one-process ones (1e-5). (Not Adam: its first step is lr * g/|g|,
 which turns fp32 rounding in the gradients of near-zero entries into visible differences.) The flight record of Llama's forward and backward shows every
-collective on the tensor group. It also checks the RNG convention (model_parallel_cuda_manual_seed)
-and that tensor_parallel_group refuses a size that does not divide the world.
+collective on the tensor group. It also checks that ranks seeded differently shard rank 0's
+model, that a full state dict loads into a sharded model (load_full_state_dict), the RNG
+convention (model_parallel_cuda_manual_seed), and that tensor_parallel_group refuses a size
+that does not divide the world.
 
 Single-process tests: the plans (which layer is split how) and the one-line errors, also
 as a script's exit status 2.
@@ -69,7 +71,8 @@ def _autotp_job():
     from dslaunch.runtime.activation_checkpointing.checkpointing import (get_cuda_rng_tracker,
                                                                          model_parallel_cuda_manual_seed)
     from dslaunch.runtime.tensor_parallel import (TensorParallelError, full_state_dict, is_tensor_parallel_shard,
-                                                  shard_model_for_training, tensor_parallel_group)
+                                                  load_full_state_dict, shard_model_for_training,
+                                                  tensor_parallel_group)
     from inference_models import build, prompt
 
     tpg = tensor_parallel_group(2)
@@ -122,6 +125,18 @@ def _autotp_job():
     model = build("llama", seed=1 + tpg.rank).train()
     shard_model_for_training(model, tpg.group, tpg.size, tpg.rank)
     out["different seeds"] = abs(forward(model, "llama").loss.item() - forward(ref, "llama").loss.item())
+
+    # a full state dict loaded into a sharded model (resuming at another tp size): each rank cuts its slices
+    for kind in ("gpt2", "t5"):
+        ref = build(kind, seed=7, **NO_DROPOUT[kind]).train()
+        model = build(kind, seed=8, **NO_DROPOUT[kind]).train()
+        shard_model_for_training(model, tpg.group, tpg.size, tpg.rank)
+        load_full_state_dict(model, ref.state_dict())
+        out[f"load full {kind}"] = abs(forward(model, kind).loss.item() - forward(ref, kind).loss.item())
+    try:
+        load_full_state_dict(model, {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"})
+    except TensorParallelError as exc:
+        out["load error"] = str(exc)
 
     # partition_config's grad_allreduce: a replicated parameter's gradient summed over the group
     # (here a norm whose every rank already has the full gradient, so the sum is twice it)
@@ -198,6 +213,13 @@ def test_every_collective_runs_on_the_tensor_group(two_ranks):
 
 def test_ranks_built_with_different_seeds_shard_rank_zeros_model(two_ranks):
     assert two_ranks[0]["different seeds"] < TOL and two_ranks[1]["different seeds"] < TOL
+
+
+def test_a_full_state_dict_loads_into_a_sharded_model(two_ranks):
+    for r in two_ranks:
+        assert r["load full gpt2"] < TOL and r["load full t5"] < TOL, r
+    assert two_ranks[0]["load error"] == ("tensor parallel: the state dict lacks lm_head.weight (1 missing, "
+                                          "0 unexpected)")
 
 
 def test_grad_allreduce_sums_a_replicated_gradient_over_the_group(two_ranks):

@@ -33,7 +33,7 @@ from torch import nn
 
 from .. import comm
 from .collectives import all_reduce_max_, copy_to_region, gather_last_dim, reduce_from_region, split_last_dim
-from .shard import TensorParallelError, even_range, linear_shape, pad_rows, part_ranges, take, vocab_range
+from .shard import TensorParallelError, linear_shape, pad_rows, part_ranges, take, vocab_range
 
 
 # ---------------------------------------------------------------- functional forms
@@ -435,3 +435,29 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
                 done[id(value)] = spec.assemble(list(gathered.unbind(0)))
         out[key] = done[id(value)]
     return out
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict (full_state_dict's, or a one-process model's) into a model
+    holding tensor-parallel layers: each split parameter takes this rank's slice, everything
+    else is copied whole. Keys must match exactly (a missing or unexpected key is one line).
+    No collective: every rank reads the full tensors it is given (resuming at another tp size)."""
+    split: Dict[int, Tuple[TensorParallelLayer, str]] = {}
+    for module in model.modules():
+        if isinstance(module, TensorParallelLayer):
+            for pname in module.param_shards():
+                split.setdefault(id(getattr(module, pname)), (module, pname))
+    mine = model.state_dict(keep_vars=True)
+    missing = sorted(set(mine) - set(state_dict))
+    extra = sorted(set(state_dict) - set(mine))
+    if missing or extra:
+        what = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the model does not"
+        raise TensorParallelError(f"tensor parallel: the state dict {what} ({len(missing)} missing, "
+                                  f"{len(extra)} unexpected)")
+    with torch.no_grad():
+        for key, target in mine.items():
+            if id(target) in split:
+                layer, pname = split[id(target)]
+                layer.load_full_(pname, state_dict[key])
+            else:
+                target.copy_(state_dict[key])
