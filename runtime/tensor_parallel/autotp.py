@@ -12,7 +12,9 @@ the local heads. Which layer is split how comes from, in DeepSpeed 0.19's order 
    the group), `shape` + `partition_dim` for fused outputs ((3, -1): three equal parts;
    ((q, k, v), -1): unequal grouped-query parts), `model_types`; `lm_head_patterns`;
    `strict_mode` (every projection must match a spec). Unlike DeepSpeed, a pattern that
-   matches nothing is an error, and an embedding a spec names is split by vocabulary.
+   matches nothing is an error, an embedding a spec names is split by vocabulary, and an LM
+   head a column spec names is split by vocabulary with its logits gathered (the model's loss
+   needs them whole).
 2. the model's own Hugging Face tensor-parallel plan (`config.base_model_tp_plan` and the
    class's `_tp_plan`): colwise, rowwise, colwise_gather_output (colwise_rep),
    embedding_rowwise (kept whole), replicated_with_grad_allreduce;
@@ -28,14 +30,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import comm
-from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer, VocabParallelEmbedding,
-                     VocabParallelLMHead)
+from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer,
+                     VocabParallelEmbedding, VocabParallelLMHead)
 from .shard import TensorParallelError, linear_shape
 
 PARTITION_TYPES = ("column", "row", "skip")
@@ -91,6 +93,7 @@ class PartitionConfig:
     strict_mode: bool = False
     lm_head_patterns: Tuple[str, ...] = ("lm_head", "embed_out")
     source: str = "partition_config"
+    tp_size: Optional[int] = None  # DeepSpeed overwrites it with autotp_size; here it must agree
 
 
 def _bool(value: Any, where: str) -> bool:
@@ -173,8 +176,11 @@ def parse_partition_config(config: Any) -> PartitionConfig:
     heads = config.get("lm_head_patterns", ["lm_head", "embed_out"])
     if not isinstance(heads, list) or not all(isinstance(h, str) for h in heads):
         raise _fail("partition_config.lm_head_patterns must be a list of module names")
+    tp = config.get("tp_size")
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+        raise _fail(f"partition_config.tp_size must be a positive integer, got {tp!r}")
     return PartitionConfig(specs, _bool(config.get("strict_mode", False), "partition_config.strict_mode"),
-                           tuple(heads))
+                           tuple(heads), tp_size=tp)
 
 
 def hf_tp_plan(model: nn.Module) -> Optional[Dict[str, str]]:
@@ -255,6 +261,8 @@ def _tied_partner(model: nn.Module, module: nn.Module) -> Optional[str]:
 def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> TrainingShardPlan:
     from ..inference.plan import HEAD_DIM_ATTRS, ShardPlan, _divide_attrs
 
+    if cfg.tp_size is not None and cfg.tp_size != tp:
+        raise _fail(f"partition_config.tp_size is {cfg.tp_size} but the tensor-parallel size is {tp}")
     plan = TrainingShardPlan(tp, cfg.source)
     mtype = _model_type(model)
     modules = dict(model.named_modules())
@@ -272,8 +280,6 @@ def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> Trainin
             continue
         used.add(id(spec))
         if spec.partition_type == "skip":
-            if spec.grad_allreduce:
-                plan.grad_allreduce += [f"{name}.{p}" for p, _ in m.named_parameters(recurse=False)]
             continue
         is_head = name.rsplit(".", 1)[-1] in cfg.lm_head_patterns
         if isinstance(m, nn.Embedding):
@@ -298,12 +304,20 @@ def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> Trainin
                 if width % tp:
                     raise _fail(f"tp size {tp} does not divide the {width} output features of {name}")
             decided[name] = Decision(name, "column", parts, spec.gather_output)
+    # a replicated parameter whose gradient is summed over the group may be any parameter (a norm's)
+    for pname, _ in model.named_parameters():
+        spec = next((s for s in cfg.layer_specs if s.matches(pname, mtype)), None)
+        if spec is not None and spec.grad_allreduce:
+            used.add(id(spec))
+            if pname not in plan.grad_allreduce:
+                plan.grad_allreduce.append(pname)
     for spec in cfg.layer_specs:
         if id(spec) not in used:
             some = next((f"{n}.weight" for n, m in modules.items()
                          if n and isinstance(getattr(m, "weight", None), torch.Tensor)), "?")
-            raise _fail(f"{spec.where}: pattern{'s' if len(spec.patterns) > 1 else ''} "
-                        f"{', '.join(repr(p) for p in spec.patterns)} match no parameter of "
+            many = len(spec.patterns) > 1
+            raise _fail(f"{spec.where}: pattern{'s' if many else ''} {', '.join(repr(p) for p in spec.patterns)} "
+                        f"match{'' if many else 'es'} no parameter of "
                         f"{type(model).__name__} (names look like {some!r})")
     # a tied LM head and token embedding are split together, by vocabulary
     for name in list(decided):
@@ -408,32 +422,55 @@ def _grad_allreduce_hook(group, name: str):
     return hook
 
 
+def _broadcast_model(model: nn.Module, group: Any) -> None:
+    """Every parameter and buffer from the group's first rank, before anything is cut: ranks
+    that built the model with different seeds (the default generator differs per rank) would
+    otherwise hold shards of different models and replicated copies that disagree."""
+    seen = set()
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if id(t) in seen or t.device.type == "meta":
+                continue
+            seen.add(id(t))
+            data = t.data if t.is_contiguous() else t.data.contiguous()
+            comm.broadcast(data, group=group, group_src=0, label=f"tp initial weights {name}")
+            if data is not t.data:
+                t.data.copy_(data)
+
+
 def _follow_ties(model: nn.Module, modules: Dict[str, nn.Module], plan: TrainingShardPlan,
-                 leaders: Dict[int, TensorParallelLayer], names: Dict[int, List[str]]) -> None:
-    """Modules left holding a weight that was split (T5's encoder.embed_tokens is a module of
-    its own sharing `shared.weight`): an embedding becomes the split embedding itself, so the
-    tie and its gradients stay whole; anything else cannot follow and is refused."""
+                 built: Dict[int, Tuple[TensorParallelLayer, str]], names: Dict[int, List[str]]) -> None:
+    """Other holders of a parameter that was split. An embedding sharing a split embedding's
+    weight (T5's encoder.embed_tokens, a module of its own sharing `shared.weight`) becomes
+    that split module, so the tie and its gradients stay whole; a module that only holds the
+    parameter (BERT's prediction head keeps `bias`, tied to its decoder's) holds the local
+    shard instead; a projection that would compute with it cannot follow and is refused."""
     replaced = {id(modules[d.name]) for d in plan.decisions}
     for name, m in modules.items():
         if id(m) in replaced or isinstance(m, TensorParallelLayer):
             continue
-        leader = leaders.get(id(getattr(m, "weight", None)))
-        if leader is None:
-            continue
-        if isinstance(m, nn.Embedding) and isinstance(leader, VocabParallelEmbedding):
-            for path in names[id(m)]:
-                parent_path, _, leaf = path.rpartition(".")
-                setattr(model.get_submodule(parent_path) if parent_path else model, leaf, leader)
-            continue
-        raise _fail(f"{name} shares its weight with {leader.label}, which is split ({type(leader).__name__}); "
-                    f"a {type(m).__name__} cannot follow it")
+        for pname, param in list(m._parameters.items()):
+            if param is None or id(param) not in built:
+                continue
+            layer, new_name = built[id(param)]
+            if isinstance(m, nn.Embedding) and isinstance(layer, VocabParallelEmbedding) and pname == "weight":
+                for path in names[id(m)]:
+                    parent_path, _, leaf = path.rpartition(".")
+                    setattr(model.get_submodule(parent_path) if parent_path else model, leaf, layer)
+                break
+            if isinstance(m, (nn.Embedding, nn.Linear)) or linear_shape(m):
+                raise _fail(f"{name} shares its {pname} with {layer.label}, which is split "
+                            f"({type(layer).__name__}); a {type(m).__name__} cannot follow it")
+            setattr(m, pname, getattr(layer, new_name))
 
 
 def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank: int,
                              partition_config: Any = None) -> TrainingShardPlan:
     """Replace `model`'s layers in place with trainable tensor-parallel ones holding rank
     `tp_rank`'s slices of a `tp_size`-rank `group` (None when tp_size is 1); returns the plan
-    applied. Every rank of the group must call it with the same model (same initial weights)."""
+    applied. Every rank of the group must call it with the same architecture; the weights are
+    first broadcast from the group's rank 0 (one collective per parameter and buffer), so all
+    ranks cut their slices out of the same model."""
     plan = plan_training_shards(model, tp_size, partition_config)
     if getattr(model, "ds_autotp_parsed", False):
         raise _fail(f"{type(model).__name__} is already sharded for tensor parallelism")
@@ -444,11 +481,13 @@ def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank
     if tp_size == 1:
         setattr(model, "ds_autotp_parsed", True)
         return plan
+    _broadcast_model(model, group)
     names: Dict[int, List[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), []).append(name)
     modules = dict(model.named_modules())
     leaders: Dict[int, TensorParallelLayer] = {}  # id(original weight) -> the layer built first from it
+    built: Dict[int, Tuple[TensorParallelLayer, str]] = {}  # id(original parameter) -> (layer, its name there)
     for d in plan.decisions:
         orig = modules[d.name]
         new = _build(orig, d, group, tp_size, tp_rank)
@@ -461,10 +500,14 @@ def shard_model_for_training(model: nn.Module, group: Any, tp_size: int, tp_rank
             new.weight = leader.weight  # a tied LM head and token embedding share one local weight
         elif isinstance(new, TensorParallelLayer):
             leaders[id(orig.weight)] = new
+        for pname in ("weight", "bias"):
+            if isinstance(getattr(orig, pname, None), torch.Tensor) and isinstance(getattr(new, pname, None),
+                                                                                  nn.Parameter):
+                built.setdefault(id(getattr(orig, pname)), (new, pname))
         for path in names[id(orig)]:
             parent_path, _, leaf = path.rpartition(".")
             setattr(model.get_submodule(parent_path) if parent_path else model, leaf, new)
-    _follow_ties(model, modules, plan, leaders, names)
+    _follow_ties(model, modules, plan, built, names)
     for mname, attr, local in plan.attrs:
         setattr(modules[mname], attr, local)
     params = dict(model.named_parameters())

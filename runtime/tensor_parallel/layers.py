@@ -33,7 +33,7 @@ from torch import nn
 
 from .. import comm
 from .collectives import all_reduce_max_, copy_to_region, gather_last_dim, reduce_from_region, split_last_dim
-from .shard import TensorParallelError, even_range, linear_shape, pad_rows, part_ranges, take, vocab_range
+from .shard import TensorParallelError, linear_shape, pad_rows, part_ranges, take, vocab_range
 
 
 # ---------------------------------------------------------------- functional forms
@@ -137,6 +137,15 @@ class TensorParallelLayer(nn.Module):
                 raise TensorParallelError(f"tensor parallel: tp_size {self.tp_size} but the group given has {size} "
                                           f"rank{'s' if size != 1 else ''}")
 
+    def _mark_shards(self) -> None:
+        """Tag every split parameter as DeepSpeed/Megatron do (`tensor_model_parallel`, and its
+        `partition_dim`), so gradient norms sum shards over the group and count replicated
+        parameters (a row layer's bias) once."""
+        for name, spec in self.shards.items():
+            param = getattr(self, name)
+            param.tensor_model_parallel = spec.dim is not None and self.tp_size > 1
+            param.partition_dim = spec.dim
+
     def param_shards(self) -> Dict[str, ParamShard]:
         return dict(self.shards)
 
@@ -144,6 +153,12 @@ class TensorParallelLayer(nn.Module):
         """Copy this rank's slice of the full parameter `name` in."""
         with torch.no_grad():
             getattr(self, name).copy_(self.shards[name].cut(full, self.tp_size, self.tp_rank))
+
+
+def is_tensor_parallel_shard(param: torch.Tensor) -> bool:
+    """True for a parameter a tensor-parallel layer split over its group (its gradient norm is
+    summed over the group); False for a replicated one (counted once)."""
+    return bool(getattr(param, "tensor_model_parallel", False))
 
 
 def _new(shape, device, dtype) -> nn.Parameter:
@@ -184,6 +199,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         self.shards["weight"] = ParamShard(0, out_features, parts if len(parts) > 1 else (), conv1d=conv1d)
         if bias:
             self.shards["bias"] = ParamShard(0, out_features, parts if len(parts) > 1 else ())
+        self._mark_shards()
 
     @classmethod
     def from_linear(cls, module: nn.Module, group: Any, tp_size: int, tp_rank: int, gather_output: bool = False,
@@ -224,6 +240,7 @@ class RowParallelLinear(TensorParallelLayer):
         self.shards["weight"] = ParamShard(1, in_features, conv1d=conv1d)
         if bias:
             self.shards["bias"] = ParamShard(None)
+        self._mark_shards()
 
     @classmethod
     def from_linear(cls, module: nn.Module, group: Any, tp_size: int, tp_rank: int, input_is_parallel: bool = True,
@@ -258,6 +275,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
         self._check_group()
         self.weight = _new((rows, embedding_dim), device, dtype)
         self.shards["weight"] = ParamShard(0, num_embeddings, vocab=True)
+        self._mark_shards()
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding, group: Any, tp_size: int, tp_rank: int,
@@ -293,6 +311,7 @@ class HeadParallelEmbedding(TensorParallelLayer):
         self._check_group()
         self.weight = _new((num_embeddings, self.embedding_dim), device, dtype)
         self.shards["weight"] = ParamShard(1, embedding_dim)
+        self._mark_shards()
 
     @classmethod
     def from_embedding(cls, module: nn.Embedding, group: Any, tp_size: int, tp_rank: int,
@@ -327,6 +346,7 @@ class VocabParallelLMHead(TensorParallelLayer):
         self.shards["weight"] = ParamShard(0, vocab_size, vocab=True)
         if bias:
             self.shards["bias"] = ParamShard(0, vocab_size, vocab=True)
+        self._mark_shards()
 
     @classmethod
     def from_linear(cls, module: nn.Linear, group: Any, tp_size: int, tp_rank: int, gather_output: bool = True,
@@ -388,28 +408,56 @@ def _copy_from(new: TensorParallelLayer, module: nn.Module) -> None:
 
 
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The unsharded state dict of a model holding tensor-parallel layers: each sharded
-    parameter all-gathered over its layer's group and reassembled (Conv1D weights back in
-    their [in, out] layout); everything else as it is. Collective over every layer's group."""
-    out = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
-    done: Dict[int, torch.Tensor] = {}  # id(local parameter) -> full (tied and shared modules: once)
-    for mname, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, TensorParallelLayer):
+    """The unsharded state dict of a model holding tensor-parallel layers: each split
+    parameter, under every key it has (tied weights, shared modules), all-gathered once over
+    its layer's group and reassembled (Conv1D weights back in their [in, out] layout);
+    everything else as it is. Collective over every layer's group."""
+    split: Dict[int, Tuple[TensorParallelLayer, ParamShard]] = {}
+    for module in model.modules():
+        if isinstance(module, TensorParallelLayer):
+            for pname, spec in module.param_shards().items():
+                split.setdefault(id(getattr(module, pname)), (module, spec))
+    out: Dict[str, torch.Tensor] = {}
+    done: Dict[int, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in split:
+            out[key] = value.detach()
             continue
-        for pname, spec in module.param_shards().items():
-            param = getattr(module, pname)
-            key = f"{mname}.{pname}" if mname else pname
-            if key not in out:
-                continue
-            if id(param) not in done:
-                local = param.detach().contiguous()
-                if spec.dim is None or module.tp_size == 1:
-                    done[id(param)] = spec.assemble([local])
-                else:
-                    gathered = torch.empty((module.tp_size,) + tuple(local.shape), dtype=local.dtype,
-                                           device=local.device)
-                    comm.all_gather_into_tensor(gathered, local.unsqueeze(0), group=module.group,
-                                                label=f"tp full_state_dict {key}")
-                    done[id(param)] = spec.assemble(list(gathered.unbind(0)))
-            out[key] = done[id(param)]
+        if id(value) not in done:
+            layer, spec = split[id(value)]
+            local = value.detach().contiguous()
+            if spec.dim is None or layer.tp_size == 1:
+                done[id(value)] = spec.assemble([local])
+            else:
+                gathered = torch.empty((layer.tp_size,) + tuple(local.shape), dtype=local.dtype, device=local.device)
+                comm.all_gather_into_tensor(gathered, local.unsqueeze(0), group=layer.group,
+                                            label=f"tp full_state_dict {key}")
+                done[id(value)] = spec.assemble(list(gathered.unbind(0)))
+        out[key] = done[id(value)]
     return out
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> None:
+    """Load an unsharded state dict (full_state_dict's, or a one-process model's) into a model
+    holding tensor-parallel layers: each split parameter takes this rank's slice, everything
+    else is copied whole. Keys must match exactly (a missing or unexpected key is one line).
+    No collective: every rank reads the full tensors it is given (resuming at another tp size)."""
+    split: Dict[int, Tuple[TensorParallelLayer, str]] = {}
+    for module in model.modules():
+        if isinstance(module, TensorParallelLayer):
+            for pname in module.param_shards():
+                split.setdefault(id(getattr(module, pname)), (module, pname))
+    mine = model.state_dict(keep_vars=True)
+    missing = sorted(set(mine) - set(state_dict))
+    extra = sorted(set(state_dict) - set(mine))
+    if missing or extra:
+        what = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the model does not"
+        raise TensorParallelError(f"tensor parallel: the state dict {what} ({len(missing)} missing, "
+                                  f"{len(extra)} unexpected)")
+    with torch.no_grad():
+        for key, target in mine.items():
+            if id(target) in split:
+                layer, pname = split[id(target)]
+                layer.load_full_(pname, state_dict[key])
+            else:
+                target.copy_(state_dict[key])

@@ -58,7 +58,9 @@ def _group_size(group: Any) -> Optional[int]:
 def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype, config: Any = None,
                   **kwargs: Any) -> torch.nn.Module:
     """deepspeed.tp_model_init: record (tp_size, dtype, tp_group) for deepspeed.initialize, set
-    AutoTP's training mode, and return `model` unchanged (DeepSpeed 0.19's contract)."""
+    AutoTP's training mode, and return `model` unchanged (DeepSpeed 0.19's contract). `config`
+    is taken and not read, as in DeepSpeed (the Hugging Face Trainer passes it; the config that
+    counts is the one deepspeed.initialize gets)."""
     global _recorded
     unknown = sorted(set(kwargs) - {"tp_group"})
     if unknown:
