@@ -176,7 +176,7 @@ class _LaunchCommand(click.Command):
 @option("--json", "json", is_flag=True, default=False, help="With --dry_run: print the plan as JSON.")
 # -- other hosts
 @option("--launcher", type=click.Choice(backends.names()),
-        default="ssh", show_default=True, help="How to start work on other hosts (see README: Multi-node).")
+        default="ssh", show_default=True, help="How to start work on other hosts (see docs/launching.md).")
 @option("--launcher_args", default="", help="Extra arguments for pdsh/mpirun/srun, split like a shell would.")
 @option("--force_multi", is_flag=True, default=False,
         help="Start even this machine's hosts through --launcher (e.g. ssh to localhost), as DeepSpeed does.")

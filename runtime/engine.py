@@ -14,6 +14,7 @@ the name DeepSpeed's engine gives it.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Optional
 
 import torch
@@ -51,6 +52,26 @@ def _config_source(args, config, config_params):
     return source
 
 
+def _with_tp_model_init(source, mpu):
+    """The config with what deepspeed.tp_model_init recorded merged in (DeepSpeed 0.19's
+    contract: the config's values win, a disagreement is one line), and the tp_group it was
+    given, if any (kept out of the config: a process group is no config value)."""
+    from . import tensor_parallel
+    from .strict import load_file
+
+    if tensor_parallel.recorded_tp_model_init() is None:
+        return source, None
+    if isinstance(source, DeepSpeedConfig):
+        source = source.to_dict()
+    raw = copy.deepcopy(source) if isinstance(source, dict) else load_file(str(source))
+    try:
+        raw = tensor_parallel.merge_tp_model_init_into_config(raw, mpu)
+    except tensor_parallel.TensorParallelError as exc:
+        raise ConfigError(str(exc)) from None
+    group = raw["tensor_parallel"].get("tp", {}).pop("tp_group", None)
+    return raw, group
+
+
 class DeepSpeedEngine(torch.nn.Module):
     def __init__(self, args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
                  training_data=None, lr_scheduler=None, config=None, config_params=None, collate_fn=None,
@@ -58,7 +79,8 @@ class DeepSpeedEngine(torch.nn.Module):
         super().__init__()
         if model is None:
             raise ValueError("initialize: model= is required")
-        self.config = DeepSpeedConfig.load(_config_source(args, config, config_params))
+        source, self._given_tp_group = _with_tp_model_init(_config_source(args, config, config_params), mpu)
+        self.config = DeepSpeedConfig.load(source)
         if dist_init_required is not False:
             comm.init_distributed()
         comm.configure(deepspeed_config=self.config)  # comms_logger and comms_timeout
@@ -74,6 +96,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.batch = resolve_batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
             self.mesh, mpu, comm.world_source(), self.world_size))
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.mesh.size("tensor") > 1:
+            optimizer, model_parameters = self._apply_tensor_parallel(model, optimizer, model_parameters)
 
         if self.config.fp16.enabled:
             self.compute_dtype = torch.float16
@@ -127,9 +151,68 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.config.compile.enabled:
             self.compile()
 
+    def _apply_tensor_parallel(self, model, optimizer, model_parameters):
+        """AutoTP training: shard the model's layers over the mesh's tensor axis (unless the
+        script already did, with tp_model_init), and point a client optimizer or parameter
+        list at the sharded parameters that replace the full ones."""
+        from . import tensor_parallel
+
+        tp = self.config.tensor_parallel
+        if self.config.zero.stage == 3:
+            raise ConfigError(f"tensor_parallel.autotp_size {tp.size} with zero_optimization.stage 3 is not "
+                              "supported; use ZeRO stage 0, 1 or 2 with tensor parallelism")
+        if tp.dtype is not None:
+            from .config.precision import dtype_named
+
+            want = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+            given = dtype_named("tensor_parallel.dtype", tp.dtype)
+            engine_dtype = (torch.float16 if self.config.fp16.enabled else
+                            torch.bfloat16 if self.config.bf16.enabled else torch.float32)
+            if given != engine_dtype:
+                raise ConfigError(f"tensor_parallel.dtype: {tp.dtype} differs from the engine's precision "
+                                  f"({want[engine_dtype]}, from the fp16/bf16 sections)")
+        group, size, rank = self.mesh.group("tensor"), self.mesh.size("tensor"), self.mesh.rank("tensor")
+        if self._given_tp_group is not None:
+            given = comm.get_all_ranks_from_group(self._given_tp_group)
+            if list(given) != self.mesh.ranks("tensor"):
+                raise ConfigError(f"tp_model_init(tp_group=...): its ranks {list(given)} are not this rank's tensor "
+                                  f"group in DeepSpeed's layout {self.mesh.ranks('tensor')} (tensor ranks adjacent)")
+        names = {id(p): n for n, p in model.named_parameters()}
+        try:
+            # every tensor rank slices the same full weights (tensor rank 0's, broadcast first);
+            # what cannot be split is one line before anything is sent or changed
+            tensor_parallel.shard_model_for_training(model, group, size, rank, tp.partition_config)
+        except tensor_parallel.TensorParallelError as exc:
+            raise ConfigError(str(exc)) from None
+        tensor_parallel.use_group(group, size)  # model_parallel_cuda_manual_seed and tp_model_init find it
+        after = dict(model.named_parameters())
+
+        def remap(params):
+            out = []
+            for p in params:
+                name = names.get(id(p))
+                out.append(after.get(name, p) if name is not None else p)
+            return out
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for g in optimizer.param_groups:
+                g["params"] = remap(g["params"])
+            if any(len(v) for v in optimizer.state.values()):
+                raise ConfigError("initialize(optimizer=...): the optimizer already holds state; with tensor "
+                                  "parallelism create it before any step (its parameters are replaced by shards)")
+            optimizer.state.clear()
+        if model_parameters is not None:
+            items = list(model_parameters)
+            if items and isinstance(items[0], dict):
+                model_parameters = [dict(g, params=remap(g["params"])) for g in items]
+            else:
+                model_parameters = remap(items)
+        return optimizer, model_parameters
+
     def _make_mesh(self, model, mpu):
         try:
-            return mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized())
+            return mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
+                                        tensor=self.config.tensor_parallel.size)
         except mesh_select.MeshError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -208,7 +208,7 @@ REFUSED: Dict[str, str] = {
     "sparseadam": "SparseAdam needs sparse gradients, which the engine's gradient reduction does not produce",
 }
 
-KNOWN = "Adam, AdamW, Lion, Adagrad, Lamb, CPUAdam, FusedAdam, SGD, RMSprop, ... (see the README)"
+KNOWN = "Adam, AdamW, Lion, Adagrad, Lamb, CPUAdam, FusedAdam, SGD, RMSprop, ... (see docs/optimizers.md)"
 
 
 def build_optimizer(opt_cfg, params, target: OptimizerTarget = OptimizerTarget()) -> torch.optim.Optimizer:

@@ -15,7 +15,7 @@ Every key DeepSpeed documents is declared, once, as a field of its section's dat
 *accepted)` when it does not. A refused key is accepted only at the values in `accepted`
 (DeepSpeed's "off" value, which asks for nothing); any other value is an error whose text
 is the reason. So nothing is silently ignored, and a documented key is never reported as
-a typo. `key_rows(cls)` walks the declarations for the README table. The value "auto"
+a typo. `key_rows(cls)` walks the declarations for the key table (docs/configuration.md). The value "auto"
 (Hugging Face's placeholder) is refused everywhere with a line naming the key.
 """
 from __future__ import annotations
@@ -40,13 +40,13 @@ META = "dslaunch.key"
 class KeyInfo:
     """What a declared key does here; attached to its dataclass field."""
 
-    note: str = ""  # supported: one line on what it does (README table)
+    note: str = ""  # supported: one line on what it does (the key table)
     refused: Optional[str] = None  # why it is not supported here; the error line after "key: "
     accepted: Tuple[Any, ...] = ()  # values of a refused key that ask for nothing (or predicates)
 
 
 def supported(default: Any = MISSING, note: str = "", *, factory: Any = MISSING):
-    """A key that does what DeepSpeed documents. `note` says how, for the README table."""
+    """A key that does what DeepSpeed documents. `note` says how, for the key table."""
     meta = {META: KeyInfo(note=note)}
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)

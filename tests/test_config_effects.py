@@ -69,6 +69,9 @@ ALL = {
                    "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
     "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True},
     "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False},
+    "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tp": {"tp_size": 1},
+                        "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
+                                                              "partition_type": "row"}]}},
 }
 # Keys that cannot sit in ALL next to the others (each is tested below on its own).
 ALONE = {"allgather_size"}
@@ -77,7 +80,14 @@ ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "zero_optimization.sta
              "zero_optimization.gather_16bit", "zero_optimization.stage3_gather_fp16")
 
 T = "tests/test_config_effects.py::"
+TP = "tests/test_tp_training.py::"
 EFFECTS = {
+    "tensor_parallel": TP + "test_tp2_equals_one_process",
+    "tensor_parallel.autotp_size": TP + "test_tp2_equals_one_process",
+    "tensor_parallel.partition_config": TP + "test_partition_config_layer_specs_decide_the_split",
+    "tensor_parallel.dtype": TP + "test_bad_tensor_parallel_input_is_one_line",
+    "tensor_parallel.tensor_parallel": TP + "test_bad_tensor_parallel_input_is_one_line",
+    "tensor_parallel.tensor_parallel.tp_size": TP + "test_bad_tensor_parallel_input_is_one_line",
     "train_batch_size": "tests/test_config.py::test_batch_size_table",
     "train_micro_batch_size_per_gpu": "tests/test_config.py::test_batch_size_table",
     "gradient_accumulation_steps": "tests/test_engine_parity.py::test_two_ranks_match_one_rank_and_resume_exactly",

@@ -4,7 +4,7 @@ Writing: every file goes to NAME.part through a writer that feeds each chunk to 
 as torch.save emits it, so the checksum costs no second pass over the data; then fsync
 and os.replace. XXH3 (the xxhash package) rather than zlib's CRC-32: on this project's
 machine it hashes about 11 GB/s against CRC-32's 2 GB/s, which made verification most of
-a load's time (scripts/bench_checkpoint.py measures both; see the README). Any OSError (a full disk, a read-only or vanished directory) becomes
+a load's time (scripts/bench_checkpoint.py measures both; see docs/benchmarks.md). Any OSError (a full disk, a read-only or vanished directory) becomes
 a CheckpointError naming the file and the OS error, and the .part file is removed.
 
 Reading: torch.load(weights_only=True) always: tensors, containers, numbers and strings

@@ -29,7 +29,7 @@ from .files import load_torch
 from .layout import model_states_name, read_latest, rng_states_name, validate_tag
 from .reader import Checkpoint, open_checkpoint
 from .saving import CLIENT_STATE_FILE
-from . import parallel
+from . import parallel, tensor_slices
 
 
 @dataclass
@@ -73,6 +73,13 @@ def check_module_shapes(module: torch.nn.Module, saved: Dict[str, Tuple[int, ...
 def _optimizer_state(engine, ck: Checkpoint) -> Any:
     strategy = engine.strategy
     place = parallel.placement(engine)
+    if tensor_slices.applies(ck, place, parallel.is_pipeline(engine)):
+        if not getattr(strategy, "loads_any_world_size", False):
+            raise CheckpointError(f"checkpoint {ck.path} was saved at topology {ck.topology} and this job runs "
+                                  f"{place.topology()}; ZeRO stage {strategy.stage} cannot re-cut its optimizer "
+                                  "state (load with load_optimizer_states=False)")
+        return tensor_slices.optimizer_shard(ck, engine.module, place.mp_size, place.mp_rank,
+                                             lambda s: parallel.slice_shards(ck, s))
     if not ck.sharded and ck.slices == 1 and not ck.layers and not parallel.is_pipeline(engine):
         return ck.stage0_state()  # one whole state, whatever the data-parallel size
     same = parallel.same_layout(ck, engine)

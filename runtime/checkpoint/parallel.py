@@ -28,6 +28,7 @@ from typing import Any, Dict, List
 import torch
 
 from .errors import CheckpointError
+from . import tensor_slices
 from .layout import layer_states_name, model_states_name, optim_states_name, slice_rank, zero_model_states_name
 
 
@@ -149,6 +150,10 @@ def module_state(ck, engine, everything: bool = False) -> Dict[str, torch.Tensor
     """The module state this engine loads: the saved module (no pipeline), or the state
     rebuilt from layer files under this module's names (`everything`: every saved layer,
     under the saved pipeline names, e.g. to re-cut optimizer state by name)."""
+    if engine is not None and not everything:
+        place = placement(engine)
+        if tensor_slices.applies(ck, place, _pipeline_module(engine) is not None):
+            return tensor_slices.module_state(ck, engine.module, place.mp_size, place.mp_rank)
     if not ck.layers:
         if engine is not None and _pipeline_module(engine) is not None and not everything:
             raise CheckpointError(f"checkpoint {ck.path} was saved without a pipeline; a PipelineModule loads only "
@@ -213,6 +218,14 @@ def saved_name_map(ck, engine) -> Dict[str, str]:
             for k in ck.read(name):
                 out[f"{saved_prefix}.{k}"] = f"{prefixes[idx]}.{k}" if prefixes[idx] else k
     return out
+
+
+def slice_shards(ck, slice_: int) -> List[Dict[str, Any]]:
+    """One (pipe, model) slice's optimizer state as name-keyed shards (every data rank's)."""
+    if ck.sharded:
+        return [ck.shard(d, slice_, mmap=True) for d in range(ck.world_size)]
+    model = ck.model_of(slice_)
+    return _stage0_as_shard(ck, ck.stage0_state(model), model["module"])
 
 
 def all_shards(ck, engine=None) -> List[Dict[str, Any]]:

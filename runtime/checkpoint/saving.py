@@ -43,6 +43,7 @@ from .agree import agree
 from .errors import CheckpointError
 from .files import FileRecord, ensure_writable_dir, fsync_dir, plain_value_problem, remove_tree, write_bytes, \
     write_torch
+from . import tensor_slices
 from . import dsformat
 from .foreign import loss_scaler_record
 from .layout import LATEST, PREVIOUS, RECOVERY_SCRIPT, STAGING, TRASH, read_latest, rng_states_name, validate_tag
@@ -238,6 +239,9 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
     if stage == 0 and optim_state is not None and "param_names" in optim_state:
         # every group's parameter names: another topology or stage re-cuts this state by name
         state["dslaunch"]["param_names"] = optim_state["param_names"]
+    if place.mp_size > 1:
+        # how each tensor-parallel shard sits in its full parameter: another tensor size re-cuts by it
+        state["dslaunch"]["tensor_parallel_shards"] = tensor_slices.shard_specs(module)
     return state
 
 

@@ -5,7 +5,7 @@ DeepSpeed documents is declared once, in its section's dataclass (this package, 
 per concern), either `supported(...)` with a note on what it does here or `refused(...)`
 with the reason (see strict.py); unknown keys are refused with the nearest valid key.
 `DeepSpeedConfig.load(source)` accepts a dict, a JSON/YAML path, or an already parsed
-config. `python -m dslaunch.runtime.config.table` prints the README's key table.
+config. `python -m dslaunch.runtime.config.table` prints the key table of docs/configuration.md.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
 from .compute import ActivationCheckpointingConfig, CompileConfig
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
                       WandbConfig)
-from .parallel import ElasticityConfig, PipelineConfig
+from .parallel import ElasticityConfig, PipelineConfig, TensorParallelConfig
 from .precision import (BF16Config, DataTypesConfig, FP16Config, NonFiniteCheckConfig, TorchAutocastConfig,
                         check_precision, dtype_named)
 from .zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
@@ -108,8 +108,7 @@ class DeepSpeedConfig:
     pipeline: PipelineConfig = supported(factory=PipelineConfig, note="")
     sequence_parallel_size: Any = refused("sequence parallelism is not supported; remove it", 1)
     seq_parallel_communication_data_type: Any = refused("sequence parallelism is not supported; remove it", "fp32")
-    tensor_parallel: Any = refused("AutoTP training is not supported (init_inference shards for inference)",
-                                   disabled, lambda v: isinstance(v, dict) and v.get("autotp_size", 0) == 0)
+    tensor_parallel: TensorParallelConfig = supported(factory=TensorParallelConfig, note="")
     expert_parallel: Any = refused("AutoEP expert parallelism is not supported; remove it", disabled)
     use_data_before_expert_parallelism: Any = refused("expert parallelism is not supported; remove it", False)
     hybrid_engine: Any = refused("the RLHF hybrid engine is not supported; remove it", disabled)

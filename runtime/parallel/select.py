@@ -56,14 +56,21 @@ def norm_exclude(model, mesh, mpu) -> frozenset:
     """Parameters whose gradient another rank already counts in the global norm: a weight
     tied across pipeline stages counts on the tie's first rank only; parameters not split
     by tensor parallelism (no `tensor_model_parallel`/`model_parallel` attribute set) count
-    on tensor-parallel rank 0 only, as in DeepSpeed and Megatron."""
+    on tensor-parallel rank 0 only, as in DeepSpeed and Megatron. A split parameter is one a
+    tensor-parallel layer lists in `param_shards()` with a split dim, or one carrying
+    Megatron's attribute."""
     out = set()
     for c in getattr(model, "tied_comms", {}).values():
         if mesh.get_global_rank() != min(c["ranks"]):
             out.update(id(p) for p in c["module"].parameters())
     if mesh.size("tensor") > 1 and mesh.rank("tensor") > 0:
-        out.update(id(p) for p in model.parameters()
-                   if not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)))
+        sharded = set()
+        for module in model.modules():
+            shards = getattr(module, "param_shards", None)  # tensor_parallel layers say which are split
+            if callable(shards):
+                sharded.update(id(getattr(module, n)) for n, spec in shards().items() if spec.dim is not None)
+        out.update(id(p) for p in model.parameters() if id(p) not in sharded
+                   and not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)))
     return frozenset(out)
 
 
