@@ -230,13 +230,15 @@ def test_slurm_remote_failure_is_the_job_exit_code(ns_cluster, ssh_home, slurm, 
 
 
 @pytest.mark.timeout(90)
-def test_slurm_sigkill_of_dslaunch_leaves_nothing(ns_cluster, ssh_home, slurm, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_slurm_signal_to_dslaunch_leaves_nothing(ns_cluster, ssh_home, slurm, tmp_path, sig):
     env = slurm.env(ssh_home[0])
     code, pids = _pids_then_kill(DSLAUNCH + ["--launcher", "slurm", "--hostfile", _hostfile(tmp_path, ns_cluster),
                                              "--no_local_rank", _script(tmp_path, "sleep.py", SLEEP)],
-                                 env, tmp_path, 4, signal.SIGKILL)
-    assert code == -9
-    # srun got SIGTERM from the kernel (parent-death signal) and cancelled the step
+                                 env, tmp_path, 4, sig)
+    # SIGINT: dslaunch stops srun with SIGTERM (srun takes a first SIGINT as "print the tasks' states")
+    # SIGKILL: srun got SIGTERM from the kernel (parent-death signal); either way it cancels the step
+    assert code == (130 if sig == signal.SIGINT else -9)
     assert not _job_processes(ns_cluster, keep=slurm.daemon_pids(), timeout=20)
     assert not _live_tool("srun", tmp_path)
     queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=10)

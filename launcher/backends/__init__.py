@@ -241,6 +241,14 @@ class ToolBackend:
         return require_tool(self.exe, self.package, self.name)
 
     def check(self, plan) -> None:
+        o = plan.options
+        # the tool supervises and writes the ranks' output itself: these would be silently ignored
+        if o.max_restarts:
+            raise LaunchConfigError(f"--max_restarts is not supported with --launcher {self.name} "
+                                    f"({self.exe} stops the job at the first failure)")
+        if o.log_dir:
+            raise LaunchConfigError(f"--log_dir is not supported with --launcher {self.name}; "
+                                    f"pass {self.exe}'s own output options through --launcher_args")
         self.command(plan)
         self.require()
 
