@@ -196,3 +196,16 @@ def test_shim_inserts_local_rank_where_asked(tmp_path):
     argv, _ = slurm.command(plan(tmp_path))
     i = argv.index("dslaunch.launcher.cluster_env")
     assert argv[i + 1:i + 4] == ["--local_rank_at", "3", "--"]
+
+
+def test_check_through_a_tool_needs_hosts_and_the_tool(tmp_path):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    run = lambda args, env: subprocess.run([sys.executable, "-m", "dslaunch.launcher", "check", *args], env=env,
+                                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    res = run(["--launcher", "slurm"], base)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "dslaunch check: --hostfile is required (or --launcher slurm inside a Slurm allocation)")
+    res = run(["--launcher", "slurm"], {**base, "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)",
+                                        "PATH": "/nonexistent"})
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "dslaunch check: --launcher slurm needs `srun`, which is not on PATH (Debian/Ubuntu: apt-get install slurm-client)")

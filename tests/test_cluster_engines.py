@@ -141,12 +141,11 @@ def test_openmpi_allreduce_and_check(ns_cluster, ssh_home, tmp_path):
     env, _ = ssh_home
     env["GLOO_SOCKET_IFNAME"] = "eth0"
     hf = _hostfile(tmp_path, ns_cluster)
-    # mpirun reaches the hosts with the system ssh, the preflight with paramiko: both see $HOME's ~/.ssh
-    for how in (["--launcher", "ssh"], ["--launcher", "openmpi"]):
-        check = subprocess.run(DSLAUNCH + ["check", "--hostfile", hf, *how], env=env, cwd=tmp_path,
-                               capture_output=True, text=True, timeout=60)
-        assert check.returncode == 0, check.stdout + check.stderr
-        assert all(f"{h.name}  yes" in check.stdout for h in ns_cluster.hosts), check.stdout
+    # the probe started by mpirun, whose ssh sees $HOME's ~/.ssh as dslaunch's paramiko does
+    check = subprocess.run(DSLAUNCH + ["check", "--hostfile", hf, "--launcher", "openmpi"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert all(f"{h.name}  yes" in check.stdout for h in ns_cluster.hosts), check.stdout
     script = _script(tmp_path, "allreduce.py", ALLREDUCE)
     res = subprocess.run(DSLAUNCH + ["--launcher", "openmpi", "--hostfile", hf, "--no_local_rank", script],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
@@ -211,6 +210,11 @@ def test_slurm_inside_salloc_needs_no_hostfile_and_check_runs_through_srun(ns_cl
                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
     assert all(f"{n}  yes" in check.stdout for n in names), check.stdout
+    bad = subprocess.run(["salloc", "-N", "2", "--ntasks-per-node=2", *DSLAUNCH, "check", "--launcher", "slurm",
+                          "--remote_python", "/nonexistent/python"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert all(f"{n} (no answer through srun" in bad.stderr for n in names), bad.stderr
     assert not _job_processes(ns_cluster, keep=slurm.daemon_pids())
 
 
