@@ -34,7 +34,8 @@ from dslaunch.launcher.cli import option, ssh_options
 from dslaunch.launcher.options import DEFAULT_MASTER_PORT, SshOptions
 from dslaunch.launcher.ssh import SshError, connect, load_config, resolve
 
-# Runs on the remote host under the workers' interpreter; reads its parameters from stdin.
+# Runs on the remote host under the workers' interpreter; reads its parameters from stdin, or
+# from DSLAUNCH_PROBE_ARGS where mpirun/srun start it (they give stdin to one task only).
 _PROBE = r"""
 import json, os, socket, sys, errno
 args = json.loads(os.environ.get("DSLAUNCH_PROBE_ARGS") or sys.stdin.readline())
@@ -239,7 +240,10 @@ def tool_probe(launcher: str, hosts: Sequence[tuple], opts, python: str, master_
     found = {}
     for line in res.stdout.splitlines():
         if line.startswith("DSLAUNCH_PROBE "):
-            info = json.loads(line.split(" ", 1)[1])
+            try:
+                info = json.loads(line.split(" ", 1)[1])
+            except ValueError:
+                continue  # a line the tool cut or mixed with another task's: that host counts as silent
             found[backend.probe_host_index(info, [h for h, _ in hosts])] = line
     last = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
     for i, rep in enumerate(reports):
@@ -269,10 +273,8 @@ def check(hostfile, launcher, master_addr, master_port, **kw):
     DSLAUNCH_* variables are the launch's own.
     """
     from dslaunch.launcher.errors import LaunchConfigError
-    from dslaunch.launcher.hostfile import parse_hostfile
     from dslaunch.launcher.machine import gather_facts, is_local
     from dslaunch.launcher.options import LaunchOptions
-
     from dslaunch.launcher.plan import resolve_hosts, uses_allocation
 
     try:

@@ -7,7 +7,6 @@ here, one slurmd per host namespace (tests/slurm_cluster.py), started once for t
 and stopped by PID after it. Every test ends with no job process left on any host: the
 hosts share our PID namespace, so /proc shows theirs.
 """
-import os
 import signal
 import subprocess
 import sys
