@@ -65,11 +65,11 @@ def saved_pid(enabled: bool, err) -> Iterator[None]:
 def launch(opts: LaunchOptions) -> int:
     from dslaunch.launcher import backends
     from dslaunch.launcher.machine import gather_facts
-    from dslaunch.launcher.plan import build_plan
+    from dslaunch.launcher.plan import build_plan, uses_allocation
     from dslaunch.launcher.plan_view import format_plan, plan_to_dict
 
     environ = dict(os.environ)
-    facts = gather_facts(environ, need_addresses=opts.hostfile is not None)
+    facts = gather_facts(environ, need_addresses=opts.hostfile is not None or uses_allocation(opts, environ))
     plan = build_plan(opts, facts, environ, pick_port=_pick_port(facts),
                       master_addr_of=_master_addr_of(opts) if opts.hostfile else None)
     backend = backends.get(opts.launcher) if plan.remote_nodes else None

@@ -104,10 +104,23 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def resolve_hosts(opts: LaunchOptions, facts: MachineFacts) -> List[HostSpec]:
-    """The host pool: the hostfile's, or this machine with its GPUs (or worker processes)."""
+def uses_allocation(opts: LaunchOptions, environ: Mapping[str, str]) -> bool:
+    """`--launcher slurm` without --hostfile inside a Slurm allocation: its nodes are the hosts."""
+    from dslaunch.launcher.allocation import in_allocation
+
+    return opts.launcher == "slurm" and not opts.hostfile and in_allocation(environ)
+
+
+def resolve_hosts(opts: LaunchOptions, facts: MachineFacts,
+                  environ: Optional[Mapping[str, str]] = None) -> List[HostSpec]:
+    """The host pool: the hostfile's, the Slurm allocation's, or this machine with its GPUs
+    (or worker processes)."""
     if opts.hostfile:
         return parse_hostfile(opts.hostfile)
+    if environ is not None and uses_allocation(opts, environ):
+        from dslaunch.launcher.allocation import allocation_hosts
+
+        return allocation_hosts(environ)
     if opts.num_nodes not in (None, 1):
         raise LaunchConfigError(f"--num_nodes {opts.num_nodes} needs a --hostfile listing the nodes")
     if opts.num_gpus is not None:
@@ -181,11 +194,12 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
     the first host's address as the transport resolves it (~/.ssh/config HostName)."""
     # before --num_gpus sizes this machine's pool, so the rule holds with or without a hostfile
     check_selection(opts.include, opts.exclude, opts.num_nodes, opts.num_gpus)
-    hosts = resolve_hosts(opts, facts)
-    # Without a hostfile --num_gpus already sized the pool; with one it picks slots per host.
+    hosts = resolve_hosts(opts, facts, environ)
+    # Without a host list --num_gpus already sized the pool; with one it picks slots per host.
+    listed = bool(opts.hostfile) or uses_allocation(opts, environ)
     world = layout_world(hosts, include=opts.include, exclude=opts.exclude,
-                         num_nodes=opts.num_nodes if opts.hostfile else None,
-                         num_gpus=opts.num_gpus if opts.hostfile else None)
+                         num_nodes=opts.num_nodes if listed else None,
+                         num_gpus=opts.num_gpus if listed else None)
     env_files = load_env_files(opts.env_file, Path(facts.cwd), Path(facts.home), environ)
     local = [is_local(n.host, facts.hostnames) and not opts.force_multi for n in world.nodes]
     notes: List[str] = []

@@ -11,6 +11,10 @@ routes to a live machine. A timeout or "no route" means the workers would hang i
 rendezvous, which is what this check exists to catch.
 
 The same check runs, briefly, before every multi-node launch unless --skip_check.
+
+With `--launcher openmpi` or `--launcher slurm` the probe is started the way the job will
+be, by mpirun or srun (one task per host), so it also proves that the tool reaches every
+host; inside a Slurm allocation the hosts are the allocation's when no hostfile is given.
 """
 from __future__ import annotations
 
@@ -30,11 +34,13 @@ from dslaunch.launcher.cli import option, ssh_options
 from dslaunch.launcher.options import DEFAULT_MASTER_PORT, SshOptions
 from dslaunch.launcher.ssh import SshError, connect, load_config, resolve
 
-# Runs on the remote host under the workers' interpreter; reads its parameters from stdin.
+# Runs on the remote host under the workers' interpreter; reads its parameters from stdin, or
+# from DSLAUNCH_PROBE_ARGS where mpirun/srun start it (they give stdin to one task only).
 _PROBE = r"""
 import json, os, socket, sys, errno
-args = json.loads(sys.stdin.readline())
-out = {"python": sys.version.split()[0], "executable": sys.executable}
+args = json.loads(os.environ.get("DSLAUNCH_PROBE_ARGS") or sys.stdin.readline())
+out = {"python": sys.version.split()[0], "executable": sys.executable, "host": socket.gethostname(),
+       "task": os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("SLURM_PROCID"))}
 try:
     from importlib.metadata import version
     out["torch"] = version("torch")
@@ -212,28 +218,72 @@ def local_probe(host: str, slots: int, python: str, master_addr: str, master_por
     return _read_probe(rep, python, res.returncode, res.stdout, res.stderr, need_torch, master_addr, master_port)
 
 
+def tool_probe(launcher: str, hosts: Sequence[tuple], opts, python: str, master_addr: str,
+               master_port: int) -> List[HostReport]:
+    """Run the probe on every host through mpirun or srun, one task per host, in one go."""
+    import subprocess
+
+    from dslaunch.launcher import backends
+
+    backend = backends.get(launcher)
+    argv, env = backend.probe_command([h for h, _ in hosts], opts, os.environ)
+    env["DSLAUNCH_PROBE_ARGS"] = json.dumps({"master_addr": master_addr, "master_port": master_port,
+                                             "timeout": min(3.0, opts.ssh_timeout)})
+    reports = [HostReport(host=h, slots=n) for h, n in hosts]
+    try:
+        res = subprocess.run([*argv, python, "-c", _PROBE], env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=opts.ssh_timeout + 60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        for rep in reports:
+            rep.problems.append(f"{argv[0]} did not finish: {exc}")
+        return reports
+    found = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("DSLAUNCH_PROBE "):
+            try:
+                info = json.loads(line.split(" ", 1)[1])
+            except ValueError:
+                continue  # a line the tool cut or mixed with another task's: that host counts as silent
+            found[backend.probe_host_index(info, [h for h, _ in hosts])] = line
+    last = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+    for i, rep in enumerate(reports):
+        if i not in found:
+            rep.problems.append(f"no answer through {argv[0]} ({last})")
+            continue
+        rep.reachable = True
+        _read_probe(rep, python, 0, found[i], "", True, master_addr, master_port)
+    return reports
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "DSLAUNCH",
                                  "max_content_width": 100})
-@option("-H", "--hostfile", required=True, help="MPI-style hostfile: `[user@]host slots=N` per line.")
+@option("-H", "--hostfile", default=None,
+        help="MPI-style hostfile: `[user@]host slots=N` per line (with --launcher slurm inside an allocation: "
+             "default its nodes).")
+@option("--launcher", type=click.Choice(["ssh", "openmpi", "slurm"]), default="ssh", show_default=True,
+        help="Probe over SSH, or start the probe the way the job starts: through mpirun or srun.")
 @option("--master_addr", default=None, help="Rendezvous address (default: 127.0.0.1 on one machine, else the first host).")
 @option("--master_port", type=int, default=DEFAULT_MASTER_PORT, show_default=True)
 @ssh_options
-def check(hostfile, master_addr, master_port, **kw):
+def check(hostfile, launcher, master_addr, master_port, **kw):
     """Check every host of HOSTFILE: SSH, Python, torch, GPUs vs slots, master reachability.
 
-    Hosts that are this machine are probed here, without SSH. The SSH options and their
+    Hosts that are this machine are probed here, without SSH (with --launcher openmpi or
+    slurm, every host is probed through mpirun or srun). The SSH options and their
     DSLAUNCH_* variables are the launch's own.
     """
     from dslaunch.launcher.errors import LaunchConfigError
-    from dslaunch.launcher.hostfile import parse_hostfile
     from dslaunch.launcher.machine import gather_facts, is_local
     from dslaunch.launcher.options import LaunchOptions
+    from dslaunch.launcher.plan import resolve_hosts, uses_allocation
 
     try:
-        hosts = parse_hostfile(hostfile)
-        opts = LaunchOptions(script="-", hostfile=hostfile, master_port=master_port, **kw)
+        opts = LaunchOptions(script="-", hostfile=hostfile, master_port=master_port, launcher=launcher, **kw)
+        if not hostfile and not uses_allocation(opts, os.environ):
+            raise LaunchConfigError("--hostfile is required (or --launcher slurm inside a Slurm allocation)")
         facts = gather_facts(os.environ, need_addresses=True)
-        local = {h.ssh_target for h in hosts if is_local(h.host, facts.hostnames)}
+        hosts = resolve_hosts(opts, facts, os.environ)
+        local = set() if launcher != "ssh" else {h.ssh_target for h in hosts if is_local(h.host, facts.hostnames)}
         first = hosts[0].ssh_target
         master = master_addr or ("127.0.0.1" if len(local) == len(hosts) else
                                  first.rpartition("@")[2] if first in local else resolve(first, opts.ssh).hostname)
@@ -242,7 +292,14 @@ def check(hostfile, master_addr, master_port, **kw):
         sys.exit(2)
     python = opts.remote_python or sys.executable
     remote = [(h.ssh_target, h.slots) for h in hosts if h.ssh_target not in local]
-    by_host = {r.host: r for r in run_preflight(remote, opts.ssh, python, master, master_port)}
+    if launcher != "ssh":
+        try:
+            by_host = {r.host: r for r in tool_probe(launcher, remote, opts, python, master, master_port)}
+        except LaunchConfigError as exc:
+            click.echo(f"dslaunch check: {exc}", err=True)
+            sys.exit(2)
+    else:
+        by_host = {r.host: r for r in run_preflight(remote, opts.ssh, python, master, master_port)}
     for h in hosts:
         if h.ssh_target in local:
             by_host[h.ssh_target] = local_probe(h.ssh_target, h.slots, sys.executable, master, master_port,

@@ -17,10 +17,13 @@ lists them on every launch): paramiko and friends are imported inside their func
 from __future__ import annotations
 
 import importlib
+import math
+import os
 import pkgutil
 import shlex
 import shutil
-from typing import Any, Callable, Dict, List, Protocol
+import signal
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from dslaunch.launcher.errors import LaunchConfigError
 
@@ -72,13 +75,14 @@ def agent_command(python: str, workdir: str) -> str:
     return f"cd {shlex.quote(workdir)} && exec {shlex.quote(python)} -u -m dslaunch.launcher.agent"
 
 
-def rank_shim(plan) -> "tuple[List[str], Dict[str, str]]":
+def rank_shim(plan, node_sizes: Optional[List[int]] = None) -> "tuple[List[str], Dict[str, str]]":
     """For tools that start every rank themselves (mpirun, srun): the one command all ranks
     run and the environment they share, both taken from the plan.
 
     Each rank runs `python -m dslaunch.launcher.cluster_env [--local_rank_at I] -- ARGV`,
     which maps the tool's rank variables to the contract (RANK, LOCAL_RANK, ...) and, where
-    the plan had `--local_rank=N`, inserts this rank's value at the same place. The shared
+    the plan had `--local_rank=N`, inserts this rank's value at the same place; with
+    `node_sizes` (ranks per node, in rank order) it derives NODE_RANK from the rank. The shared
     environment is every variable the plan gives all workers alike; the per-rank ones come
     from the shim.
     """
@@ -86,6 +90,8 @@ def rank_shim(plan) -> "tuple[List[str], Dict[str, str]]":
     first = workers[0]
     argv = list(first.argv)
     shim = [plan.remote_python, "-m", "dslaunch.launcher.cluster_env"]
+    if node_sizes is not None:
+        shim += ["--node_sizes", ",".join(str(n) for n in node_sizes)]
     marker = f"--local_rank={first.local_rank}"
     if not plan.options.no_local_rank and marker in argv:
         at = argv.index(marker)
@@ -102,16 +108,124 @@ def shown_command(argv: List[str], env: Dict[str, str], plan) -> Dict[str, Any]:
     return {"command": list(argv), "env": masked(env, plan.hidden, plan.options.show_env)}
 
 
-def run_tool(argv: List[str], env: Dict[str, str], plan, output) -> int:
-    """Run mpirun/srun in the foreground with the shared env; its exit code is the job's."""
-    import os
+def system_ssh_args(opts, environ: Mapping[str, str], passwd_home: Optional[str] = None) -> List[str]:
+    """Arguments for the system `ssh` a tool runs (mpirun's rsh agent), so that it reaches the
+    hosts as dslaunch's own SSH (paramiko) does: the --ssh_* options, batch mode, and, where
+    $HOME is not the passwd entry's home (OpenSSH reads only the latter), $HOME's
+    ~/.ssh/config and known_hosts, which are the ones dslaunch and `dslaunch check` read.
+    """
+    args: List[str] = []
+    home = environ.get("HOME")
+    if passwd_home is None:
+        import pwd
+
+        try:
+            passwd_home = pwd.getpwuid(os.getuid()).pw_dir
+        except KeyError:
+            passwd_home = home
+    if home and os.path.realpath(home) != os.path.realpath(passwd_home or home):
+        config = opts.config_path or os.path.join(home, ".ssh", "config")
+        if os.path.isfile(config):
+            args += ["-F", config]
+        args += ["-o", f"UserKnownHostsFile={os.path.join(home, '.ssh', 'known_hosts')}"]
+    elif opts.config_path:
+        args += ["-F", opts.config_path]
+    if opts.key:
+        args += ["-i", opts.key]
+    if opts.port:
+        args += ["-p", str(opts.port)]
+    if opts.user:
+        args += ["-l", opts.user]
+    args += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(max(1, math.ceil(opts.timeout)))}"]
+    if opts.accept_new_host_keys:
+        args += ["-o", "StrictHostKeyChecking=accept-new"]
+    return args
+
+
+# A signal to dslaunch stops the tool with SIGTERM: srun takes only that as "cancel the step"
+# (its first SIGINT merely prints the tasks' states), and mpirun ends the job on it as well.
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def run_tool(argv: List[str], env: Dict[str, str], plan, output,
+             first_failure: Optional[Callable[[str], Optional[Tuple[str, int]]]] = None, err_fd=None) -> int:
+    """Run mpirun/srun in the foreground with the shared env; the job's exit code.
+
+    The tool runs in its own session, so a Ctrl-C reaches dslaunch alone, which stops the
+    tool with SIGTERM and waits for it to take its ranks down; the tool also gets SIGTERM from
+    the kernel when dslaunch dies, even by SIGKILL (PR_SET_PDEATHSIG). `first_failure`, given
+    one line of the tool's stderr, returns ("host:rank", exit code) when the line reports a
+    rank's failure: the first such line decides the job's exit code, since the tool's own
+    code can be the signal it used on the other ranks.
+    """
     import subprocess
+    import threading
+
+    from dslaunch.launcher.reaper import make_child_setup
 
     shown = shown_command(argv, env, plan)
     output.say("running " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(shown["env"].items()))
                + " " + shlex.join(argv))
-    proc = subprocess.run(argv, env={**os.environ, **env})
-    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE if first_failure else None, start_new_session=True,
+                            preexec_fn=make_child_setup(signal.SIGTERM))
+    failures: List[Tuple[str, int]] = []
+    reader = None
+    if first_failure is not None:
+        def relay() -> None:
+            for raw in proc.stderr:
+                _write(err_fd, raw)
+                found = first_failure(raw.decode("utf-8", "replace").rstrip("\n"))
+                if found is not None:
+                    failures.append(found)
+        reader = threading.Thread(target=relay, daemon=True, name="dslaunch-tool-stderr")
+        reader.start()
+    got: List[int] = []
+
+    def forward(signum, frame) -> None:
+        got.append(signum)
+        try:
+            proc.send_signal(signal.SIGTERM if len(got) == 1 else signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if reader is not None:
+        reader.join()
+    if got:
+        output.say(f"stopped {shlex.quote(argv[0])} on {signal.Signals(got[0]).name}")
+        return 128 + got[0]
+    if code != 0 and failures:
+        where, first = failures[0]
+        output.say(f"{where} failed first: exited with code {first}" if first < 128 else
+                   f"{where} failed first: killed by {_signal_name(first - 128)}")
+        return first
+    return code if code >= 0 else 128 - code
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _write(fd, data: bytes) -> None:
+    import sys
+
+    try:
+        if fd is None:
+            sys.stderr.buffer.write(data)
+            sys.stderr.buffer.flush()
+        else:
+            os.write(fd, data)
+    except OSError:
+        pass
 
 
 class ToolBackend:
@@ -123,9 +237,20 @@ class ToolBackend:
     def command(self, plan) -> "tuple[List[str], Dict[str, str]]":
         raise NotImplementedError
 
+    def require(self) -> str:
+        return require_tool(self.exe, self.package, self.name)
+
     def check(self, plan) -> None:
+        o = plan.options
+        # the tool supervises and writes the ranks' output itself: these would be silently ignored
+        if o.max_restarts:
+            raise LaunchConfigError(f"--max_restarts is not supported with --launcher {self.name} "
+                                    f"({self.exe} stops the job at the first failure)")
+        if o.log_dir:
+            raise LaunchConfigError(f"--log_dir is not supported with --launcher {self.name}; "
+                                    f"pass {self.exe}'s own output options through --launcher_args")
         self.command(plan)
-        require_tool(self.exe, self.package, self.name)
+        self.require()
 
     def describe(self, plan) -> Dict[str, Any]:
         return shown_command(*self.command(plan), plan)
