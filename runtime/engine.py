@@ -96,7 +96,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.batch = resolve_batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
             self.mesh, mpu, comm.world_source(), self.world_size))
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
-        if self.mesh.size("tensor") > 1:
+        if self.config.tensor_parallel.size > 1:  # AutoTP; a model with its own mesh may be split already
             optimizer, model_parameters = self._apply_tensor_parallel(model, optimizer, model_parameters)
 
         if self.config.fp16.enabled:

@@ -48,7 +48,7 @@ def run_3d(pp, tp, zero, count=False):
     groups = None
     if rec is not None:
         rec.uninstall()
-        groups = sorted({(name, label) for name, label, _ in rec.records})
+        groups = sorted({(name, ranks if peer is None else (peer,)) for name, ranks, peer in rec.records})
     layout = {a: engine.mesh.ranks(a) for a in ("tensor", "data", "pipe")}
     engine.destroy()
     return losses, train_reference(ref, ref, batches, cfg), layout, groups
@@ -66,6 +66,13 @@ def test_pp2_by_tp2_on_four_ranks_matches_unparallelised_training():
     # DeepSpeed's order: tensor ranks adjacent, stages furthest apart
     assert [r[2]["tensor"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[2]["pipe"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # every collective on its axis's group: all-reduces on the tensor group (the blocks) or the
+    # replica (the global norm; data is 1 here), activations only to the other stage
+    for rank, (_, _, layout, ops) in enumerate(results):
+        reduces = {ranks for name, ranks in ops if name == "all_reduce"}
+        assert tuple(layout["tensor"]) in reduces and reduces <= {tuple(layout["tensor"]), (0, 1, 2, 3)}, ops
+        peers = {ranks for name, ranks in ops if name in ("send", "recv", "isend", "irecv", "batch_isend_irecv")}
+        assert peers and all(set(p) <= set(layout["pipe"]) or p == (0, 1, 2, 3) for p in peers), ops
 
 
 def test_pp2_by_tp2_by_dp2_zero1_on_eight_ranks_matches_unparallelised_training():

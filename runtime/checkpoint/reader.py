@@ -217,8 +217,8 @@ def _ds_layer_prefixes(ck: Checkpoint, names: List[str]) -> Dict[str, str]:
 
 
 def _open_deepspeed(path: str, trust_pickle: bool, placement) -> Checkpoint:
-    """A directory without a manifest: DeepSpeed's checkpoint (with or without a pipeline;
-    not tensor-parallel)."""
+    """A directory without a manifest: DeepSpeed's checkpoint (a pipeline's, or one with
+    tensor-parallel slices such as AutoTP training's mp_rank_XX files; not both)."""
     name = next((n for n in (model_states_name(), zero_model_states_name(0))
                  if os.path.exists(os.path.join(path, n))), None)
     if name is None:
@@ -236,10 +236,16 @@ def _open_deepspeed(path: str, trust_pickle: bool, placement) -> Checkpoint:
     except (KeyError, TypeError, ValueError, AttributeError):
         raise CheckpointError(f"checkpoint {path}: {name} is neither dslaunch's nor DeepSpeed's "
                               "(no dp_world_size)") from None
-    if tp != 1 or mp % tp or (mp > 1 and not layers) or any(_TP_LAYER_FILE.fullmatch(n) for n in os.listdir(path)):
-        raise CheckpointError(f"checkpoint {path}: DeepSpeed checkpoints with tensor (model) parallelism "
-                              f"(mp_world_size {mp}) are not read yet")
-    ck.topology["pipe"] = mp
+    if layers and (tp != 1 or any(_TP_LAYER_FILE.fullmatch(n) for n in os.listdir(path))):
+        raise CheckpointError(f"checkpoint {path}: DeepSpeed pipeline checkpoints with tensor (model) parallelism "
+                              f"(mp_world_size {mp}) are not read")
+    if not layers and tp != mp:
+        raise CheckpointError(f"checkpoint {path}: mp_world_size {mp} but tp_degree {tp}: not a layout dslaunch "
+                              "reads")
+    # a pipeline's slices are its stages; without one they are tensor ranks (AutoTP, Megatron)
+    ck.topology["pipe"], ck.topology["model"] = (mp, 1) if layers else (1, mp)
+    if not layers and mp > 1 and placement is not None and placement.topology() == ck.topology:
+        ck.model = ck.model_of(placement.slice)  # this tensor rank's own module state
     ck._bf16 = os.path.exists(os.path.join(path, optim_states_name(0, bf16=True)))
     if layers:
         ck.layers = _ds_layer_prefixes(ck, layers)
