@@ -96,10 +96,34 @@ def _retile(per_slice: List[Dict[str, torch.Tensor]], specs, tp: int, rank: int,
     return out
 
 
+def _infer_specs(per_slice: List[Dict[str, torch.Tensor]], module: Optional[torch.nn.Module], specs) -> None:
+    """Splits neither recorded nor known from the model (a checkpoint DeepSpeed wrote, resumed
+    into a model that is not split): a saved slice whose shape differs from the model's full
+    one along a single dim was cut evenly along it, in rank order (DeepSpeed's AutoTP and
+    Megatron cut so), its rows padded only by a vocabulary split."""
+    if module is None or len(per_slice) == 1:
+        return
+    ParamShard = _shard_type()
+    full = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    tp = len(per_slice)
+    for name, local in per_slice[0].items():
+        if name in specs or name not in full or tuple(local.shape) == full[name]:
+            continue
+        dims = [d for d, (a, b) in enumerate(zip(local.shape, full[name])) if a != b]
+        if len(local.shape) != len(full[name]) or len(dims) != 1:
+            continue  # left to the shape check, which names it
+        d = dims[0]
+        if local.shape[d] * tp == full[name][d]:
+            specs[name] = ParamShard(dim=d, full=full[name][d])
+        elif d == 0 and local.shape[0] == -(-full[name][0] // tp):
+            specs[name] = ParamShard(dim=0, full=full[name][0], vocab=True)
+
+
 def module_state(ck, module: Optional[torch.nn.Module], tp: int, rank: int) -> Dict[str, torch.Tensor]:
     """The module state for tensor rank `rank` of `tp` (tp=1: the full model)."""
     specs = _specs(_saved_specs(ck), module)
     per_slice = [ck.model_of(s)["module"] for s in range(saved_size(ck))]
+    _infer_specs(per_slice, module, specs)
     return _retile(per_slice, specs, tp, rank, ck.path)
 
 
@@ -123,6 +147,7 @@ def optimizer_shard(ck, module: Optional[torch.nn.Module], tp: int, rank: int,
         masters.append({n: t.view(shapes[n]) for n, t in m.items()})
         states.append({n: {k: (v.view(shapes[n]) if torch.is_tensor(v) and v.numel() == m[n].numel() else v)
                            for k, v in kv.items()} for n, kv in st.items()})
+    _infer_specs(masters, module, specs)
     new_masters = _retile(masters, specs, tp, rank, ck.path)
     group: Dict[str, Any] = {"pieces": [], "shapes": {}, "master": {}, "state": {}}
     for name, t in new_masters.items():
