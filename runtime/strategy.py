@@ -22,7 +22,9 @@ here, once, from the engine's mesh (`group_axis_name`): a group marked `"moe": T
 DeepSpeed's split_params_into_different_moe_groups_for_optimizer marks expert
 parameters) uses the mesh's "expert_data" axis, every other group "data". Without moe
 groups every axis is the data axis itself and strategies behave as if it did not exist.
-Stages 0-2 honour other axes; stage 3 and the offload paths refuse them in one line.
+Stages 0-2 honour other axes; stage 3, optimizer offload (cpu, nvme) and checkpoints
+(save and load, at any world size: rank 0's module state and name-keyed shard re-cutting
+cannot tell experts apart) refuse them in one line.
 
 A strategy registers itself with `@register_strategy(stage)`. Asking for a stage with no
 registered strategy is a single ConfigError.
@@ -53,7 +55,8 @@ Contract details:
   must keep the group dicts themselves, because LR schedulers write "lr" into them.
 - Gradients reported by `global_grad_norm` are still multiplied by the loss scale and
   already averaged over data-parallel ranks (and divided by `gas` through the loss). The
-  norm covers this rank's model (every shard of it over ctx.group) minus the parameters
+  norm covers this rank's model (every shard of it over ctx.group, every expert of a
+  "moe" group once) minus the parameters
   in `ctx.norm_exclude` (copies whose gradient is counted on another rank, e.g. a weight
   tied across pipeline stages); the engine sums it over the model-parallel group.
 - `sum_param_grads_(params, group)` (after reduce_gradients) adds the reduced gradients
