@@ -14,6 +14,11 @@ rewiring the optimizer's param groups to them; reduced 16-bit gradients are conv
 fp32 once per step, bucket by bucket, each 16-bit bucket freed once converted (param.grad
 is None from then until zero_grad), and updated masters are copied back into the module.
 
+Each optimizer param group reduces over its own axis (ctx.axes: the data axis, or
+expert_data for "moe" groups): a bucket never mixes axes, and is all-reduced on its axis's
+group and averaged by its axis's size. Expert parameters differ across the expert axis, so
+the global norm sums their squares over it.
+
 Gradient hooks fire in autograd order, which is the same on every rank for the same
 graph; a parameter that gets no gradient leaves its bucket to be reduced at the step,
 also in the same order everywhere.
@@ -27,7 +32,7 @@ import torch
 
 from . import comm
 from .reduction import GradReduction
-from .strategy import GradientStrategy, StrategyContext, register_strategy
+from .strategy import DATA_AXIS, GradientStrategy, ReduceAxis, StrategyContext, register_strategy
 
 
 @dataclass
@@ -41,6 +46,7 @@ class _Bucket:
     index: int = 0  # position in the strategy's bucket list (named in comm records)
     master_flat: Optional[torch.Tensor] = None  # fp32 gradients (mixed precision only)
     masters: List[torch.Tensor] = field(default_factory=list)
+    axis: Optional[ReduceAxis] = None  # the axis every parameter of the bucket reduces over
 
 
 @register_strategy(0)
@@ -66,6 +72,10 @@ class DataParallelStrategy(GradientStrategy):
         self._boundary = False
         self._hooks = []
         self.reduction = GradReduction.from_config(ctx.config, ctx.world_size)
+        self._axis_of = ctx.axis_for_params()  # id(param) -> its param group's axis
+        self._reductions = {DATA_AXIS: self.reduction}
+        for axis in ctx.axes:
+            self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.size))
         self.buckets = self._make_buckets(params, max(1, ctx.config.zero.reduce_bucket_size))
         self.bucket_of: Dict[int, _Bucket] = {}
         self.view_of: Dict[int, torch.Tensor] = {}
@@ -79,10 +89,14 @@ class DataParallelStrategy(GradientStrategy):
             self._make_masters()
 
     # -- set-up ----------------------------------------------------------------------------
+    def _axis(self, p) -> ReduceAxis:
+        return self._axis_of.get(id(p)) or self.ctx.data_axis
+
     def _make_buckets(self, params, limit: int) -> List[_Bucket]:
         buckets, current, size = [], [], 0
         for p in reversed(params):
-            if current and (size + p.numel() > limit or p.dtype != current[0].dtype or p.device != current[0].device):
+            if current and (size + p.numel() > limit or p.dtype != current[0].dtype or p.device != current[0].device
+                            or self._axis(p).name != self._axis(current[0]).name):
                 buckets.append(current)
                 current, size = [], 0
             current.append(p)
@@ -96,7 +110,7 @@ class DataParallelStrategy(GradientStrategy):
             for p in group:
                 views.append(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
-            out.append(_Bucket(params=group, flat=flat, views=views, index=len(out)))
+            out.append(_Bucket(params=group, flat=flat, views=views, index=len(out), axis=self._axis(group[0])))
         return out
 
     def _make_masters(self) -> None:
@@ -126,9 +140,9 @@ class DataParallelStrategy(GradientStrategy):
         self._relink(p)
         b = self.bucket_of[id(p)]
         b.ready += 1
-        if b.ready == len(b.params):
-            b.wire = self.reduction.outgoing(b.flat)
-            b.work = comm.all_reduce(b.wire, group=self.ctx.group, async_op=True,
+        if b.ready == len(b.params) and self.ctx.communicates(b.axis):
+            b.wire = self._reductions[b.axis.name].outgoing(b.flat)
+            b.work = comm.all_reduce(b.wire, group=b.axis.group, async_op=True,
                                      label=f"stage0 grads bucket {b.index}")
 
     def before_backward(self, is_boundary: bool) -> None:
@@ -143,14 +157,14 @@ class DataParallelStrategy(GradientStrategy):
             if b.work is None:
                 for p in b.params:
                     self._relink(p)
-                if self.ctx.distributed:
-                    b.wire = self.reduction.outgoing(b.flat)
-                    comm.all_reduce(b.wire, group=self.ctx.group, label=f"stage0 grads bucket {b.index}")
+                if self.ctx.communicates(b.axis):
+                    b.wire = self._reductions[b.axis.name].outgoing(b.flat)
+                    comm.all_reduce(b.wire, group=b.axis.group, label=f"stage0 grads bucket {b.index}")
             else:
                 b.work.wait()
                 b.work = None
-            if self.ctx.distributed:
-                self.reduction.finish_(b.wire)
+            if self.ctx.communicates(b.axis):
+                self._reductions[b.axis.name].finish_(b.wire)
                 if b.wire is not b.flat:  # summed in another dtype: back where the gradients live
                     b.flat.copy_(b.wire)
                 b.wire = None
@@ -174,7 +188,11 @@ class DataParallelStrategy(GradientStrategy):
         return b.masters[i].grad if self.mixed else b.views[i]
 
     def global_grad_norm(self) -> float:
-        # Stage 0 gradients are identical on every rank after the all-reduce: no communication.
+        # Stage 0 gradients are identical on every rank after the all-reduce: no communication,
+        # except for parameters that differ across the expert axis (experts): their squares sum there.
+        experts = self.ctx.expert_axis()
+        if experts is not None and any(b.axis.name != DATA_AXIS for b in self.buckets):
+            return self._norm_with_experts(experts)
         skip = self.ctx.norm_exclude
         if skip:
             parts = [self._reduced_grad(b, i) for b in self.buckets for i, p in enumerate(b.params)
@@ -185,6 +203,17 @@ class DataParallelStrategy(GradientStrategy):
             return 0.0
         norms = torch.stack([torch.linalg.vector_norm(f.float(), 2) for f in parts])
         return float(torch.linalg.vector_norm(norms, 2))
+
+    def _norm_with_experts(self, experts: ReduceAxis) -> float:
+        skip = self.ctx.norm_exclude
+        sq = {True: torch.zeros((), dtype=torch.float32), False: torch.zeros((), dtype=torch.float32)}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if id(p) not in skip:
+                    sq[b.axis.name == DATA_AXIS] += self._reduced_grad(b, i).float().pow(2).sum().cpu()
+        other = sq[False].to(self.ctx.device)
+        comm.all_reduce(other, group=experts.group, label="stage0 grad norm over experts")
+        return float((sq[True] + other.cpu()).sqrt())
 
     def sum_param_grads_(self, params, group) -> None:
         for p in params:
@@ -217,6 +246,7 @@ class DataParallelStrategy(GradientStrategy):
 
     # -- checkpoints -----------------------------------------------------------------------
     def load_module_state_dict(self, state, strict: bool = True) -> None:
+        self.refuse_axes_in_checkpoint()
         self.module.load_state_dict(state, strict=strict)
         if self.mixed:
             with torch.no_grad():
@@ -227,6 +257,7 @@ class DataParallelStrategy(GradientStrategy):
     def optimizer_state_dict(self):
         # parameter names (each group's, and the masters' order) let another topology or
         # stage re-cut this state by name (checkpoint/parallel.py, reshard.shards_from_stage0)
+        self.refuse_axes_in_checkpoint()
         state = {"optimizer": self.optimizer.state_dict(), "param_names": self._group_names}
         if self.mixed:
             state["fp32_masters"] = [m.detach().clone() for m in self.masters]
@@ -234,6 +265,7 @@ class DataParallelStrategy(GradientStrategy):
         return state
 
     def load_optimizer_state_dict(self, state) -> None:
+        self.refuse_axes_in_checkpoint()
         if isinstance(state, list):
             state = self._state_from_zero_shards(state)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -119,7 +119,8 @@ class DeepSpeedEngine(torch.nn.Module):
             self.optimizer.overflow = False
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self.dp_rank, world_size=self.dp_world_size,
-                              group=self.dp_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu))
+                              group=self.dp_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
+                              mesh=self.mesh)
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None

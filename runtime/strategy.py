@@ -16,6 +16,16 @@ engine's topology: the world without pipeline or mpu, the ranks holding the same
 pipeline stage and tensor slice otherwise); `ctx.rank` and `ctx.world_size` are this
 rank's place in that group and its size, and all shard arithmetic uses them.
 
+Except per optimizer param group: `ctx.axes[i]` (a `ReduceAxis`) is the axis whose group
+param group i's gradients are averaged over and its state sharded over. It is decided
+here, once, from the engine's mesh (`group_axis_name`): a group marked `"moe": True` (as
+DeepSpeed's split_params_into_different_moe_groups_for_optimizer marks expert
+parameters) uses the mesh's "expert_data" axis, every other group "data". Without moe
+groups every axis is the data axis itself and strategies behave as if it did not exist.
+Stages 0-2 honour other axes; stage 3, optimizer offload (cpu, nvme) and checkpoints
+(save and load, at any world size: rank 0's module state and name-keyed shard re-cutting
+cannot tell experts apart) refuse them in one line.
+
 A strategy registers itself with `@register_strategy(stage)`. Asking for a stage with no
 registered strategy is a single ConfigError.
 
@@ -45,7 +55,8 @@ Contract details:
   must keep the group dicts themselves, because LR schedulers write "lr" into them.
 - Gradients reported by `global_grad_norm` are still multiplied by the loss scale and
   already averaged over data-parallel ranks (and divided by `gas` through the loss). The
-  norm covers this rank's model (every shard of it over ctx.group) minus the parameters
+  norm covers this rank's model (every shard of it over ctx.group, every expert of a
+  "moe" group once) minus the parameters
   in `ctx.norm_exclude` (copies whose gradient is counted on another rank, e.g. a weight
   tied across pipeline stages); the engine sums it over the model-parallel group.
 - `sum_param_grads_(params, group)` (after reduce_gradients) adds the reduced gradients
@@ -62,14 +73,35 @@ Contract details:
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, Optional, Type
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
 
 import torch
 import torch.distributed as dist
 
 from .config import DeepSpeedConfig
 from .strict import ConfigError
+
+
+DATA_AXIS = "data"
+EXPERT_DATA_AXIS = "expert_data"
+
+
+@dataclass(frozen=True)
+class ReduceAxis:
+    """The mesh axis one optimizer param group's gradients are averaged over and its ZeRO
+    state sharded over: its name, this rank's group on it, and this rank's place in it."""
+
+    name: str
+    group: Optional[Any]
+    rank: int
+    size: int
+
+
+def group_axis_name(param_group: Dict[str, Any]) -> str:
+    """The mesh axis a param group reduces over: expert parameters (DeepSpeed's `"moe": True`
+    groups) over their expert-data-parallel group, everything else over the data axis."""
+    return EXPERT_DATA_AXIS if param_group.get("moe", False) else DATA_AXIS
 
 
 @dataclass
@@ -85,6 +117,70 @@ class StrategyContext:
     world_size: int  # of the data-parallel group
     group: Optional[Any] = None  # the data-parallel process group (None only when world_size is 1)
     norm_exclude: FrozenSet[int] = frozenset()  # id(param)s left out of global_grad_norm
+    mesh: Optional[Any] = None  # the engine's ProcessMesh (or mpu adapter): where non-data axes come from
+    axes: List[ReduceAxis] = field(init=False)  # one per optimizer param group (see the module docstring)
+
+    def __post_init__(self):
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        self.axes = [self.axis(group_axis_name(g)) for g in groups]
+
+    @property
+    def data_axis(self) -> ReduceAxis:
+        return ReduceAxis(DATA_AXIS, self.group, self.rank, self.world_size)
+
+    def axis(self, name: str) -> ReduceAxis:
+        """The mesh axis `name` as a ReduceAxis ("data": the context's own group)."""
+        if name == DATA_AXIS or self.mesh is None:
+            return self.data_axis
+        from .parallel.dims import MeshError
+
+        try:
+            size = self.mesh.size(name)
+        except MeshError:  # an mpu object describes no experts: expert-parallel size 1, experts on the data axis
+            return self.data_axis
+        return ReduceAxis(name, self.mesh.group(name), self.mesh.rank(name), size)
+
+    def expert_axis(self) -> Optional[ReduceAxis]:
+        """The "expert" axis (ranks holding different experts), when the mesh has one over
+        more than one rank: a norm over expert parameters sums their squares over it."""
+        if self.mesh is None:
+            return None
+        from .parallel.dims import MeshError
+
+        try:
+            size = self.mesh.size("expert")
+        except MeshError:
+            return None
+        return ReduceAxis("expert", self.mesh.group("expert"), self.mesh.rank("expert"), size) if size > 1 else None
+
+    def axis_for_params(self) -> Dict[int, ReduceAxis]:
+        """id(param) -> its group's axis, for the optimizer's current param groups."""
+        out: Dict[int, ReduceAxis] = {}
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        for g, axis in zip(groups, self.axes):
+            for p in g["params"]:
+                out.setdefault(id(p), axis)
+        return out
+
+    def foreign_axes(self) -> List[ReduceAxis]:
+        """The param groups' axes that are not the data-parallel group itself."""
+        out = []
+        for a in self.axes:
+            if a.name != DATA_AXIS and (a.group is not self.group or a.size != self.world_size) and a not in out:
+                out.append(a)
+        return out
+
+    def refuse_foreign_axes(self, what: str, hint: str = "\"moe\" param groups need ZeRO stage 0, 1 or 2 "
+                                                                 "without offload") -> None:
+        """One ConfigError when a param group asks for an axis `what` cannot handle."""
+        foreign = self.foreign_axes()
+        if foreign:
+            raise ConfigError(f"{what}: a param group reduces over the {foreign[0].name!r} axis "
+                              f"({foreign[0].size} ranks, not the data-parallel group), which this "
+                              f"cannot do: {hint}")
+
+    def communicates(self, axis: ReduceAxis) -> bool:
+        return axis.size > 1 and dist.is_available() and dist.is_initialized()
 
     @property
     def distributed(self) -> bool:
@@ -146,6 +242,13 @@ class GradientStrategy:
 
     def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+    def refuse_axes_in_checkpoint(self) -> None:
+        """Checkpoints hold one module state (rank 0's) and re-cut optimizer shards by
+        parameter name; expert parameters differ per expert rank under the same names, so
+        a strategy with such param groups refuses to save or load (MoE checkpoints are
+        issue 21's layout)."""
+        self.ctx.refuse_foreign_axes("checkpoint", "saving or loading \"moe\" param groups is not supported yet")
 
     def close(self) -> None:
         """Remove hooks; the engine calls this when it is destroyed or replaced."""

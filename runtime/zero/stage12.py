@@ -17,6 +17,13 @@ Gradient flow:
            are issued strictly in plan order so every rank issues the same collectives
            in the same sequence whatever order its hooks fire in. This happens on every
            micro-step (the price of keeping only a partition), as in DeepSpeed.
+
+Each param group is partitioned over its own axis (ctx.axes: the data axis, or
+expert_data for "moe" groups): its layout, its reduce-to-owner buckets (a bucket never
+spans two axes) and its post-step all-gather use that axis's size, rank and group. The
+global norm is still one all-reduce over the data group: expert_data x expert is the data
+group, so it sums each expert's partitions over its replicas and then over the experts,
+counting every parameter once.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..reduction import GradReduction
-from ..strategy import StrategyContext, register_strategy
+from ..strategy import DATA_AXIS, ReduceAxis, StrategyContext, register_strategy
 from .. import comm
 from .offload import OptimizerHost, make_host, pin_host
 from .partition import FlatLayout, Piece, pieces_to_dict, plan_buckets
@@ -42,6 +49,7 @@ class _Group:
     master: torch.Tensor  # fp32 partition (this rank's slice of the flat layout)
     grad: Optional[torch.Tensor]  # fp32 partition gradient (stage 2, and stage 1 after reduce)
     pieces: List[Piece]
+    axis: ReduceAxis  # what the group is partitioned over and its gradients reduced on
 
 
 def named_trainable(module: torch.nn.Module) -> Dict[int, str]:
@@ -58,12 +66,17 @@ class _PartitionedStage(ShardedStrategy):
         z = ctx.config.zero_optimization
         module, optimizer = self.module, self.optimizer
         offload, sub_group_size = offload_optimizer(ctx), z.sub_group_size
+        if offload is not None:
+            ctx.refuse_foreign_axes(f"zero_optimization.offload_optimizer ({offload.device})")
         self.reduce_bucket = int(z.reduce_bucket_size)
         self.gather_bucket = int(z.allgather_bucket_size)
         self.overlap_comm = z.overlap_comm
         self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
         self.pin = bool(getattr(offload, "pin_memory", False))
         self.reduction = GradReduction.from_config(ctx.config, self.world)
+        self._reductions = {DATA_AXIS: self.reduction}
+        for axis in ctx.axes:
+            self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.size))
         # the reduced gradient partition (stage 2: always; stage 1: from the boundary backward to
         # the step) in data_types.grad_accum_dtype; default fp32, as the masters
         self.accum_dtype = ctx.config.grad_accum_dtype or torch.float32
@@ -73,10 +86,11 @@ class _PartitionedStage(ShardedStrategy):
         # every group's parameters as the user's optimizer listed them (frozen ones too):
         # how a stage-0 checkpoint's optimizer state is matched to names
         self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in optimizer.param_groups]
-        for pg in optimizer.param_groups:
+        for pg, axis in zip(optimizer.param_groups, ctx.axes):
             params = [p for p in pg["params"] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
-            self.groups.append(self._build_group(params, [names.get(id(p), f"<unnamed{id(p)}>") for p in params]))
+            self.groups.append(self._build_group(params, [names.get(id(p), f"<unnamed{id(p)}>") for p in params],
+                                                 axis))
         for pg, g in zip(optimizer.param_groups, self.groups):
             pg["params"] = [g.master]
         optimizer.state.clear()
@@ -90,15 +104,15 @@ class _PartitionedStage(ShardedStrategy):
         self._install_hooks()
 
     # -- construction ---------------------------------------------------------------------
-    def _build_group(self, params, names) -> _Group:
-        layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in zip(names, params)], self.world)
+    def _build_group(self, params, names, axis: ReduceAxis) -> _Group:
+        layout = FlatLayout.build([(n, tuple(p.shape)) for n, p in zip(names, params)], axis.size)
         dtype = params[0].dtype if params else torch.float32
         device = params[0].device if params else torch.device("cpu")
         flat = torch.zeros(layout.padded_total, dtype=dtype, device=device)
         for p, s in zip(params, layout.slots):
             flat[s.offset:s.offset + s.numel].copy_(p.data.reshape(-1))
             p.data = flat[s.offset:s.offset + s.numel].view(s.shape)
-        lo, hi = layout.partition_range(self.rank)
+        lo, hi = layout.partition_range(axis.rank)
         # offloaded: masters, optimizer state and (stage 2) the gradient partition in host memory
         host = torch.device("cpu") if self.offload_device in ("cpu", "nvme") else device
         if host == device and dtype == torch.float32:
@@ -106,7 +120,7 @@ class _PartitionedStage(ShardedStrategy):
         else:
             master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
         grad = pin_host(torch.zeros_like(master, dtype=self.accum_dtype), self.pin) if self.stage == 2 else None
-        return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(self.rank))
+        return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(axis.rank), axis)
 
     # -- stage 2: reduce to owner during backward ----------------------------------------
     def _install_hooks(self) -> None:
@@ -115,8 +129,17 @@ class _PartitionedStage(ShardedStrategy):
             for pi in range(len(g.params)):
                 items.append((gi, pi))
         items.reverse()
-        sizes = [self.groups[gi].layout.slots[pi].numel for gi, pi in items]
-        self._bucket_plan = [[items[i] for i in b] for b in plan_buckets(sizes, self.reduce_bucket)]
+        # buckets are planned within runs of one axis, so none spans two groups of ranks
+        runs: List[List[tuple]] = []
+        for it in items:
+            if runs and self.groups[runs[-1][0][0]].axis.name == self.groups[it[0]].axis.name:
+                runs[-1].append(it)
+            else:
+                runs.append([it])
+        self._bucket_plan = []
+        for run in runs:
+            sizes = [self.groups[gi].layout.slots[pi].numel for gi, pi in run]
+            self._bucket_plan += [[run[i] for i in b] for b in plan_buckets(sizes, self.reduce_bucket)]
         self._bucket_of = {}
         for bi, b in enumerate(self._bucket_plan):
             for it in b:
@@ -146,6 +169,7 @@ class _PartitionedStage(ShardedStrategy):
         owner's share is packed contiguously and reduced to it (dist.reduce), so bytes on
         the wire match a reduce-scatter even though the bucket spans partitions."""
         by_owner: Dict[int, List[tuple]] = {}
+        axis = self.groups[self._bucket_plan[bi][0][0]].axis
         for gi, pi in self._bucket_plan[bi]:
             g = self.groups[gi]
             if g.grad is None:  # stage 1: the partition exists from the boundary backward to the step
@@ -164,9 +188,9 @@ class _PartitionedStage(ShardedStrategy):
             buf = torch.cat([gf[a:b] if gf is not None else torch.zeros(b - a, dtype=self.groups[gi].flat.dtype,
                                                                          device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
-            buf = self.reduction.outgoing(buf)
-            comm.reduce(buf, group_dst=owner, group=self.group, label=f"stage2 grads bucket {bi} to {owner}")
-            if owner == self.rank:
+            buf = self._reductions[axis.name].outgoing(buf)
+            comm.reduce(buf, group_dst=owner, group=axis.group, label=f"stage2 grads bucket {bi} to {owner}")
+            if owner == axis.rank:
                 pos = 0
                 for gi, _, a, b, off in parts:
                     grad = self.groups[gi].grad
@@ -194,7 +218,7 @@ class _PartitionedStage(ShardedStrategy):
             self._flush_buckets()
         for g in self.groups:
             if g.grad is not None:
-                self.reduction.finish_(g.grad)
+                self._reductions[g.axis.name].finish_(g.grad)
         self._reduced = self.stage == 2
 
     def global_grad_norm(self) -> float:
@@ -224,7 +248,7 @@ class _PartitionedStage(ShardedStrategy):
             mine = [piece for piece in g.pieces if piece.name == slot.name]
             for piece in mine:
                 full[piece.start:piece.end] += g.grad[piece.offset:piece.offset + piece.numel]
-            comm.all_reduce(full, group=self.group, label=f"tied grad {slot.name} (data parallel)")
+            comm.all_reduce(full, group=g.axis.group, label=f"tied grad {slot.name} (data parallel)")
             comm.all_reduce(full, group=group, label=f"tied grad {slot.name}")
             for piece in mine:
                 g.grad[piece.offset:piece.offset + piece.numel].copy_(full[piece.start:piece.end])
@@ -249,15 +273,15 @@ class _PartitionedStage(ShardedStrategy):
         """All-gather the updated partitions into the module's flat buffers, in column
         buckets of allgather_bucket_size elements."""
         for g in self.groups:
-            P = g.layout.partition_size
-            rows = g.flat.view(self.world, P)
-            cols = max(1, self.gather_bucket // self.world)
+            P, world = g.layout.partition_size, g.axis.size
+            rows = g.flat.view(world, P)
+            cols = max(1, self.gather_bucket // world)
             for c in range(0, P, cols):
                 shard = g.master[c:c + cols].to(g.flat.device, g.flat.dtype)
-                out = torch.empty(self.world * shard.numel(), dtype=g.flat.dtype, device=g.flat.device)
-                comm.all_gather_into_tensor(out, shard, group=self.group,
+                out = torch.empty(world * shard.numel(), dtype=g.flat.dtype, device=g.flat.device)
+                comm.all_gather_into_tensor(out, shard, group=g.axis.group,
                                             label=f"stage{self.stage} params cols {c}")
-                rows[:, c:c + shard.numel()].copy_(out.view(self.world, -1))
+                rows[:, c:c + shard.numel()].copy_(out.view(world, -1))
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -315,12 +339,13 @@ class _PartitionedStage(ShardedStrategy):
 
     # -- module state ---------------------------------------------------------------------------
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        self.refuse_axes_in_checkpoint()
         self._module_state = state
         # the module's params are views into flat buffers: copy in place to keep them so
         with torch.no_grad():
             self.module.load_state_dict(state, strict=strict)
         for g in self.groups:
-            lo, hi = g.layout.partition_range(self.rank)
+            lo, hi = g.layout.partition_range(g.axis.rank)
             g.master.copy_(g.flat[lo:hi].float())
 
 

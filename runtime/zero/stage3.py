@@ -90,6 +90,7 @@ class ZeroStage3(ShardedStrategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
+        ctx.refuse_foreign_axes("ZeRO stage 3")  # one group for every parameter (DeepSpeed refuses MoE here too)
         z = ctx.config.zero_optimization
         module, optimizer, group = self.module, self.optimizer, self.group
         persistence_threshold = z.stage3_param_persistence_threshold
