@@ -122,6 +122,12 @@ def test_every_case_has_its_fixture():
         assert len(EXPECTED[name]["deepspeed"]) == case.steps, name
         for who in ("ds", "dslaunch"):
             assert os.path.isdir(os.path.join(DATA, who, name, case.tag)), (who, name)
+    # what DeepSpeed cannot make on the CPU, with the error it stopped with
+    recorded = EXPECTED["unsupported_by_deepspeed_on_cpu"]
+    assert sorted(recorded) == sorted(fx.UNSUPPORTED)
+    assert recorded["adam_s2_fp16"]["error"].endswith("ValueError: Type fp16 is not supported on your device.")
+    for name in ("lion_s2_fp32", "lamb_s2_fp32"):  # FusedLion, FusedLamb: CUDA kernels only
+        assert recorded[name]["error"].endswith("ValueError: This op had not been implemented on CPU backend.")
 
 
 @pytest.mark.timeout(600)
