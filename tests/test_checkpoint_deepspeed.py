@@ -1,10 +1,13 @@
-"""DeepSpeed checkpoints both ways (issue #14 section 2), against fixtures that real
-DeepSpeed 0.19.8 wrote (scripts/make_ds_fixtures.py; DeepSpeed is not needed here).
+"""DeepSpeed checkpoints both ways (issue #14 section 2, issue #23 section 1), against
+fixtures that real DeepSpeed 0.19.8 wrote (scripts/make_ds_fixtures.py; DeepSpeed is not
+needed here).
 
 - DeepSpeed -> dslaunch: every DeepSpeed checkpoint (stages 0-3, fp32/bf16, saved on 2 ranks
-  at step 3) resumes under dslaunch on 1 and on 2 ranks, into its own stage and another one,
-  with the losses of DeepSpeed's uninterrupted run for steps 4-6; client_state and
-  global_steps come back.
+  at step 3, one at step 6) resumes under dslaunch on 1 and on 2 ranks, into its own stage
+  and another one, with the losses of DeepSpeed's uninterrupted run for the 3 steps after;
+  client_state and global_steps come back. The optimizers DeepSpeed steps with: torch's
+  AdamW (torch_adam), its default FusedAdam, DeepSpeedCPUAdam/CPULion/CPUAdagrad (offload)
+  and torch's Adagrad, each resumed by the optimizer dslaunch builds for the same config.
 - dslaunch -> DeepSpeed: DeepSpeed's load_checkpoint resumed each committed dslaunch
   checkpoint with dslaunch's own uninterrupted losses (recorded by the fixture script), and
   dslaunch still writes those checkpoints identically today (so DeepSpeed still reads them).
@@ -36,15 +39,26 @@ with open(os.path.join(DATA, "expected.json")) as _fh:
     EXPECTED = json.load(_fh)
 CASES = sorted(fx.CASES)
 OTHER_STAGE = {0: 2, 1: 3, 2: 0, 3: 1}
+OTHER_OFFLOAD_STAGE = {1: 2, 2: 3, 3: 1}  # offload_optimizer needs ZeRO
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
+# each test resumes one optimizer's cases (keeps each under its timeout on a 2-core machine)
+BY_OPTIMIZER = sorted({c.optimizer for c in fx.CASES.values()})
 
 
-def _train(engine, rank, world, dtype, start):
+def _cases(optimizer):
+    return [name for name in CASES if fx.CASES[name].optimizer == optimizer]
+
+
+def _other_stage(case):
+    return (OTHER_OFFLOAD_STAGE if fx.OPTIMIZERS[case.optimizer][1] else OTHER_STAGE)[case.stage]
+
+
+def _train(engine, rank, world, dtype, start, steps=fx.STEPS):
     import torch.distributed as dist
 
     losses = []
     tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    for step in range(start, fx.STEPS):
+    for step in range(start, steps):
         x, y = fx.batch(step, rank, world, tdtype)
         loss = (engine(x).float() - y).pow(2).mean()
         engine.backward(loss)
@@ -56,12 +70,12 @@ def _train(engine, rank, world, dtype, start):
     return losses
 
 
-def _engine(stage, dtype, world):
+def _engine(stage, dtype, world, optimizer="torch_adamw"):
     import dslaunch.runtime as deepspeed
 
     model = fx.make_model()
     return deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                config=fx.config(stage, dtype, world))[0]
+                                config=fx.config(stage, dtype, world, optimizer))[0]
 
 
 def interop_body(data, cases, rewrite_root=None):
@@ -70,42 +84,57 @@ def interop_body(data, cases, rewrite_root=None):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = {}
     for case in cases:
-        stage, dtype = fx.CASES[case]
-        for target in (stage, OTHER_STAGE[stage]):
-            engine = _engine(target, dtype, world)
+        c = fx.CASES[case]
+        for target in (c.stage, _other_stage(c)):
+            engine = _engine(target, c.dtype, world, c.optimizer)
             path, client = engine.load_checkpoint(os.path.join(data, "ds", case))
-            out[f"{case}->{target}"] = {"losses": _train(engine, rank, world, dtype, engine.global_steps),
+            out[f"{case}->{target}"] = {"losses": _train(engine, rank, world, c.dtype, engine.global_steps, c.steps),
                                         "client": client, "path": os.path.basename(path)}
             engine.destroy()
         if rewrite_root is not None:
-            engine = _engine(stage, dtype, world)
-            _train_and_save(engine, rank, world, dtype, os.path.join(rewrite_root, case))
+            engine = _engine(c.stage, c.dtype, world, c.optimizer)
+            _train_and_save(engine, rank, world, c, os.path.join(rewrite_root, case))
             engine.destroy()
     return out
 
 
-def _train_and_save(engine, rank, world, dtype, save_dir):
-    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    for step in range(fx.SAVE_AT):
+def _train_and_save(engine, rank, world, case, save_dir):
+    tdtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
+    for step in range(case.save_at):
         x, y = fx.batch(step, rank, world, tdtype)
         engine.backward((engine(x).float() - y).pow(2).mean())
         engine.step()
-    engine.save_checkpoint(save_dir, tag=fx.TAG, client_state={"epoch": 1, "source": "dslaunch"})
+    engine.save_checkpoint(save_dir, tag=case.tag, client_state={"epoch": 1, "source": "dslaunch"})
 
 
 def _check_resumed(outs, world):
     for key, got in outs[0].items():
-        case = key.split("->")[0]
-        dtype = fx.CASES[case][1]
-        want = EXPECTED[case]["deepspeed"][fx.SAVE_AT:]
-        assert got["losses"] == pytest.approx(want, rel=TOL[dtype]), (key, world, got["losses"], want)
+        case = fx.CASES[key.split("->")[0]]
+        want = EXPECTED[key.split("->")[0]]["deepspeed"][case.save_at:]
+        assert len(want) == 3 and got["losses"] == pytest.approx(want, rel=TOL[case.dtype]), (key, world, got, want)
         assert got["client"] == {"epoch": 1, "source": "deepspeed"}, key
-        assert got["path"] == fx.TAG
+        assert got["path"] == case.tag
+
+
+def test_every_case_has_its_fixture():
+    for name, case in fx.CASES.items():
+        assert set(EXPECTED[name]) == {"deepspeed", "dslaunch", "deepspeed_resumed_dslaunch"}, name
+        assert len(EXPECTED[name]["deepspeed"]) == case.steps, name
+        for who in ("ds", "dslaunch"):
+            assert os.path.isdir(os.path.join(DATA, who, name, case.tag)), (who, name)
+    # what DeepSpeed cannot make on the CPU, with the error it stopped with
+    recorded = EXPECTED["unsupported_by_deepspeed_on_cpu"]
+    assert sorted(recorded) == sorted(fx.UNSUPPORTED)
+    assert recorded["adam_s2_fp16"]["error"].endswith("ValueError: Type fp16 is not supported on your device.")
+    for name in ("lion_s2_fp32", "lamb_s2_fp32"):  # FusedLion, FusedLamb: CUDA kernels only
+        assert recorded[name]["error"].endswith("ValueError: This op had not been implemented on CPU backend.")
 
 
 @pytest.mark.timeout(600)
-def test_deepspeed_checkpoints_resume_on_one_rank_into_any_stage():
-    outs = run_function(interop_body, nprocs=1, kwargs={"data": DATA, "cases": CASES}, timeout=500)
+@pytest.mark.parametrize("optimizer", BY_OPTIMIZER)
+def test_deepspeed_checkpoints_resume_on_one_rank_into_any_stage(optimizer):
+    outs = run_function(interop_body, nprocs=1, kwargs={"data": DATA, "cases": _cases(optimizer)}, timeout=500)
+    assert len(outs[0]) == 2 * len(_cases(optimizer))
     _check_resumed(outs, 1)
 
 
@@ -139,23 +168,27 @@ def _same_file(committed, fresh, rel, where):
 
 
 @pytest.mark.timeout(600)
-def test_deepspeed_checkpoints_resume_on_two_ranks_and_dslaunch_writes_what_deepspeed_resumed(tmp_path):
+@pytest.mark.parametrize("optimizer", BY_OPTIMIZER)
+def test_deepspeed_checkpoints_resume_on_two_ranks_and_dslaunch_writes_what_deepspeed_resumed(tmp_path, optimizer):
+    cases = _cases(optimizer)
     outs = run_function(interop_body, nprocs=2, timeout=500,
-                        kwargs={"data": DATA, "cases": CASES, "rewrite_root": str(tmp_path)})
+                        kwargs={"data": DATA, "cases": cases, "rewrite_root": str(tmp_path)})
+    assert len(outs[0]) == 2 * len(cases)
     _check_resumed(outs, 2)
-    for case in CASES:
-        dtype = fx.CASES[case][1]
+    for case in cases:
+        c = fx.CASES[case]
+        dtype = c.dtype
         exp = EXPECTED[case]
         # DeepSpeed's load_checkpoint resumed our checkpoint and reproduced our run (fixture script) ...
-        assert exp["deepspeed_resumed_dslaunch"] == pytest.approx(exp["dslaunch"][fx.SAVE_AT:], rel=TOL[dtype]), case
+        assert exp["deepspeed_resumed_dslaunch"] == pytest.approx(exp["dslaunch"][c.save_at:], rel=TOL[dtype]), case
         # ... and what dslaunch writes today is that checkpoint, file for file.
-        committed = os.path.join(DATA, "dslaunch", case, fx.TAG)
-        fresh = tmp_path / case / fx.TAG
+        committed = os.path.join(DATA, "dslaunch", case, c.tag)
+        fresh = tmp_path / case / c.tag
         names = sorted(n for n in os.listdir(committed) if not n.startswith("rng_state") and n != "manifest.json")
         assert names == sorted(n for n in os.listdir(fresh) if not n.startswith("rng_state") and n != "manifest.json")
         for name in names:
             _same_file(os.path.join(committed, name), str(fresh / name), TOL[dtype], (case, name))
-        if fx.CASES[case][0] > 0:
+        if c.stage > 0 and c.optimizer == "torch_adamw":
             # the zero_to_fp32.py the save put in the folder, run as DeepSpeed's is, gives what
             # DeepSpeed's zero_to_fp32 made of the same checkpoint
             out = tmp_path / "fp32" / case
@@ -174,7 +207,8 @@ def pipe_body(data, rewrite_root=None):
 
     world = int(os.environ["WORLD_SIZE"])
     out = {}
-    for case, (stage, dtype) in fx.PIPE_CASES.items():
+    for case, c in fx.PIPE_CASES.items():
+        stage, dtype = c.stage, c.dtype
         tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
 
         def engine_():
@@ -207,7 +241,8 @@ def test_deepspeed_pipeline_checkpoints_resume_at_its_depth_and_another(tmp_path
 
     rewrite = str(tmp_path) if stages == fx.PIPE_STAGES else None
     outs = run_function(pipe_body, nprocs=stages, timeout=500, kwargs={"data": DATA, "rewrite_root": rewrite})
-    for case, (stage, dtype) in fx.PIPE_CASES.items():
+    for case, c in fx.PIPE_CASES.items():
+        dtype = c.dtype
         exp = EXPECTED[case]
         for got in outs:  # every stage reports the pipeline's loss
             assert got[case]["losses"] == pytest.approx(exp["deepspeed"][fx.SAVE_AT:], rel=TOL[dtype]), (case, stages)
@@ -239,8 +274,8 @@ def _equal_state(a, b, rel=0.0):
 def test_consolidation_matches_deepspeeds_zero_to_fp32_both_ways():
     from dslaunch.runtime.checkpoint.consolidate import consolidate_checkpoint
 
-    for case in CASES:
-        stage = fx.CASES[case][0]
+    for case in _cases("torch_adamw"):  # the optimizer does not change what is consolidated
+        stage = fx.CASES[case].stage
         for who in ("ds", "dslaunch"):
             ours = consolidate_checkpoint(os.path.join(DATA, who, case))
             assert all(v.dtype == torch.float32 for v in ours.values()), (case, who)

@@ -33,6 +33,7 @@ import torch
 
 from .errors import CheckpointError
 from .foreign import PickledRecord, loss_scaler_record
+from .optimizer_state import for_deepspeed_group_state, for_deepspeed_groups, for_deepspeed_torch
 
 DS_VERSION = "0.19.8"  # the DeepSpeed release whose format we write (its loaders check >= 0.3.17)
 SHARD_FORMAT = "dslaunch-zero-shard/1"
@@ -134,8 +135,11 @@ def _hyper(param_groups: Sequence[Dict[str, Any]], gi: int, params: List[int]) -
 
 
 def zero_optim_states(shard: Dict[str, Any], param_groups: Sequence[Dict[str, Any]], *, clip_grad: float,
-                      loss_scaler: PickledRecord, dynamic_loss_scale: bool, sub_group_size: int) -> Dict[str, Any]:
-    """The optimizer_state_dict DeepSpeed's ZeRO optimizer writes for this rank's shard."""
+                      loss_scaler: PickledRecord, dynamic_loss_scale: bool, sub_group_size: int,
+                      ds_class: Optional[str] = None) -> Dict[str, Any]:
+    """The optimizer_state_dict DeepSpeed's ZeRO optimizer writes for this rank's shard;
+    ds_class: the optimizer DeepSpeed builds for this config (optimizer_state.py), whose
+    state form is written."""
     world, rank, stage = int(shard["world_size"]), int(shard["rank"]), int(shard["stage"])
     groups = shard["groups"]
     out: Dict[str, Any] = {"loss_scaler": loss_scaler, "dynamic_loss_scale": dynamic_loss_scale, "overflow": False}
@@ -151,11 +155,11 @@ def zero_optim_states(shard: Dict[str, Any], param_groups: Sequence[Dict[str, An
             padding = size if total <= lo else max(0, lo + size - total)
             flat = _flat_from_pieces(g, "master", size)
             fp32.append(flat[:size - padding].clone())
-            states[gi] = _group_state(g, size)
+            states[gi] = for_deepspeed_group_state(_group_state(g, size), ds_class)
             paddings.append(padding)
         out.update(clip_grad=clip_grad,
-                   base_optimizer_state={"state": states, "param_groups": [_hyper(param_groups, gi, [gi])
-                                                                          for gi in range(len(groups))]},
+                   base_optimizer_state={"state": states, "param_groups": for_deepspeed_groups(
+                       [_hyper(param_groups, gi, [gi]) for gi in range(len(groups))], ds_class)},
                    single_partition_of_fp32_groups=fp32, zero_stage=stage, group_paddings=paddings,
                    param_alignment_paddings=[[0] * len(g["shapes"]) for g in groups],
                    partition_count=[world] * len(groups), ds_version=DS_VERSION)
@@ -165,7 +169,7 @@ def zero_optim_states(shard: Dict[str, Any], param_groups: Sequence[Dict[str, An
         slots = stage3_slots(OrderedDict(g["shapes"]), world)
         size = sum(c for _, _, c, _ in slots)
         master = _flat_from_pieces(g, "master", size)
-        full_state = _group_state(g, size)
+        full_state = for_deepspeed_group_state(_group_state(g, size), ds_class)
         ids = []
         for members in stage3_sub_groups([c for _, _, c, _ in slots], sub_group_size):
             a = slots[members[0]][3]
@@ -175,7 +179,8 @@ def zero_optim_states(shard: Dict[str, Any], param_groups: Sequence[Dict[str, An
             ids.append(len(flats))
             flats.append(master[a:b].clone())
         pg.append(_hyper(param_groups, gi, ids))
-    out.update(zero_stage=3, partition_count=world, optimizer_state_dict={"state": states, "param_groups": pg},
+    out.update(zero_stage=3, partition_count=world,
+               optimizer_state_dict={"state": states, "param_groups": for_deepspeed_groups(pg, ds_class)},
                fp32_flat_groups=flats)
     return out
 
@@ -199,13 +204,15 @@ def stage12_param_shapes(shard: Dict[str, Any]) -> List["OrderedDict[str, torch.
 
 def stage0_optimizer(state: Dict[str, Any], param_groups: Sequence[Dict[str, Any]], mixed: bool,
                      loss_scaler: Optional[Dict[str, Any]], dynamic: Optional[Dict[str, Any]],
-                     steps: int) -> Dict[str, Any]:
+                     steps: int, ds_class: Optional[str] = None) -> Dict[str, Any]:
     """Stage 0's entry under "optimizer": the torch state_dict (fp32), or DeepSpeed's
-    fp16/bf16 optimizer wrapper with the fp32 copies per param group in order."""
+    fp16/bf16 optimizer wrapper with the fp32 copies per param group in order; the state
+    in the form of ds_class, the optimizer DeepSpeed builds for this config."""
+    optimizer = for_deepspeed_torch(state["optimizer"], ds_class)
     if not mixed:
-        return state["optimizer"]
+        return optimizer
     out = {"dynamic_loss_scale": bool(dynamic), "cur_scale": float(loss_scaler["scale"]) if loss_scaler else 1.0,
-           "cur_iter": steps, "optimizer_state_dict": state["optimizer"],
+           "cur_iter": steps, "optimizer_state_dict": optimizer,
            "fp32_groups": [[p.detach().float().clone() for p in g["params"]] for g in param_groups]}
     if dynamic:
         out.update(last_overflow_iter=int(loss_scaler["last_overflow_iter"]), scale_factor=float(dynamic["factor"]),

@@ -29,7 +29,7 @@ from .files import load_torch
 from .layout import model_states_name, read_latest, rng_states_name, validate_tag
 from .reader import Checkpoint, open_checkpoint
 from .saving import CLIENT_STATE_FILE
-from . import parallel, tensor_slices
+from . import optimizer_state, parallel, tensor_slices
 
 
 @dataclass
@@ -121,6 +121,8 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
                                   "pickle to load; pass trust_pickle=True if you trust its source")
         client_state = load_torch(ck.manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True)
     optim = _optimizer_state(engine, ck) if load_optimizer_states and not load_module_only else None
+    # whatever optimizer saved it (DeepSpeed's FusedAdam, its CPU optimizers, torch's), in this one's form
+    optim = optimizer_state.to_ours(optim, getattr(engine.strategy, "optimizer", None), f"checkpoint {path}")
     rng = None
     if not load_module_only and ck.manifest is not None and rng_states_name(rank) in ck.manifest.files:
         rng = ck.read(rng_states_name(rank))

@@ -48,6 +48,7 @@ from . import dsformat
 from .foreign import loss_scaler_record
 from .layout import LATEST, PREVIOUS, RECOVERY_SCRIPT, STAGING, TRASH, read_latest, rng_states_name, validate_tag
 from .manifest import Manifest
+from .optimizer_state import deepspeed_optimizer_of
 from .reshard import tied_aliases
 from .rng import rng_state
 from . import parallel
@@ -213,7 +214,8 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
         "buffer_names": _buffer_names(module),
         "optimizer": (dsformat.stage0_optimizer(optim_state, engine.optimizer.param_groups,
                                                 engine.compute_dtype != torch.float32, scaler_state,
-                                                _dynamic_settings(scaler), engine.global_steps)
+                                                _dynamic_settings(scaler), engine.global_steps,
+                                                deepspeed_optimizer_of(engine))
                       if stage == 0 else None),
         "param_shapes": (None if stage == 0 else dsformat.stage3_param_shapes(optim_state, sub_group) if stage == 3
                          else dsformat.stage12_param_shapes(optim_state)),
@@ -259,7 +261,7 @@ def _write_rank_files(engine, staging: str, module_state, optim_state, client_st
         optim = dsformat.zero_optim_states(
             optim_state, engine.optimizer.param_groups, clip_grad=float(engine.config.gradient_clipping),
             loss_scaler=loss_scaler_record(scaler_state, dynamic), dynamic_loss_scale=dynamic is not None,
-            sub_group_size=engine.config.zero_optimization.sub_group_size)
+            sub_group_size=engine.config.zero_optimization.sub_group_size, ds_class=deepspeed_optimizer_of(engine))
         name = parallel.optim_states_file(engine)
         records[name] = write_torch(os.path.join(staging, name), {
             "optimizer_state_dict": optim, "ds_config": engine.config.to_dict(), "ds_version": dsformat.DS_VERSION},
