@@ -69,7 +69,7 @@ ALL = {
                    "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
     "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True},
     "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False},
-    "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tp": {"tp_size": 1},
+    "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
                         "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                                               "partition_type": "row"}]}},
 }
@@ -87,6 +87,7 @@ EFFECTS = {
     "tensor_parallel.partition_config": TP + "test_partition_config_layer_specs_decide_the_split",
     "tensor_parallel.dtype": TP + "test_bad_tensor_parallel_input_is_one_line",
     "tensor_parallel.tensor_parallel": TP + "test_bad_tensor_parallel_input_is_one_line",
+    "tensor_parallel.tp": TP + "test_bad_tensor_parallel_input_is_one_line",
     "tensor_parallel.tensor_parallel.tp_size": TP + "test_bad_tensor_parallel_input_is_one_line",
     "train_batch_size": "tests/test_config.py::test_batch_size_table",
     "train_micro_batch_size_per_gpu": "tests/test_config.py::test_batch_size_table",
