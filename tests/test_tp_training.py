@@ -183,3 +183,31 @@ def test_bad_tensor_parallel_input_is_one_line(extra, stage, message):
     out = run_function(bad_config_body, nprocs=2, kwargs=dict(extra=extra, stage=stage), timeout=120)
     for msg in out:
         assert msg is not None and message in msg and "\n" not in msg, msg
+
+
+def tp_model_init_body():
+    """A DeepSpeed script's order: tp_model_init, then initialize with a config that does not
+    name tensor parallelism; the recorded size applies."""
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    net = deepspeed.tp_model_init(_llama(), tp_size=2, dtype=torch.float32)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    losses = []
+    for step in range(STEPS):
+        batch = _tokens(step, 2)
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return engine.mesh.size("tensor"), engine.config.tensor_parallel.autotp_size, losses
+
+
+def test_tp_model_init_then_initialize_shards_the_model():
+    ref = _reference("llama", 2)
+    out = run_function(tp_model_init_body, nprocs=2, timeout=300)
+    assert out[0][:2] == (2, 2)
+    assert max(abs(a - b) for a, b in zip(out[0][2], ref[0])) < 1e-5
