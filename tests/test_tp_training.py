@@ -195,7 +195,10 @@ def tp_model_init_body():
     net = deepspeed.tp_model_init(_llama(), tp_size=2, dtype=torch.float32)
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    rows = torch.utils.data.TensorDataset(torch.arange(16))
+    engine, _, loader, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg,
+                                                training_data=rows)
+    first = [b[0].tolist() for _, b in zip(range(3), loader)]  # the same micro-batches on both tensor ranks
     losses = []
     for step in range(STEPS):
         batch = _tokens(step, 2)
@@ -203,11 +206,12 @@ def tp_model_init_body():
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
-    return engine.mesh.size("tensor"), engine.config.tensor_parallel.autotp_size, losses
+    return engine.mesh.size("tensor"), engine.config.tensor_parallel.autotp_size, losses, first
 
 
 def test_tp_model_init_then_initialize_shards_the_model():
     ref = _reference("llama", 2)
     out = run_function(tp_model_init_body, nprocs=2, timeout=300)
     assert out[0][:2] == (2, 2)
+    assert out[0][3] == out[1][3] and len(out[0][3]) == 3 and len(out[0][3][0]) == 2  # one data rank
     assert max(abs(a - b) for a, b in zip(out[0][2], ref[0])) < 1e-5
