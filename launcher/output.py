@@ -17,6 +17,9 @@ blocking writes, see writer.py) and applies one policy:
   worker's lines are counted, and the summary names it once: `rank 0: stopped after rank 1
   failed; 22 lines not shown, all in logs/rank_0.log`.
 - Log files get every line, prefix-free, whatever the console does.
+- Without --log_dir, the console keeps each worker's last TAIL_LINES lines of the attempt;
+  when the summary reports lines not shown, those are written to a new temporary folder
+  (`dslaunch-run-*` in $TMPDIR, left for the user) and the summary names the real file.
 - torch's own `[rankN]: ` excepthook prefix is dropped on the console where ours says the same.
 - When the console reader is too slow and CONSOLE_BUFFER bytes are waiting, further
   worker lines are dropped from the console (never from the log files) and counted; the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +45,7 @@ STDOUT, STDERR = "stdout", "stderr"
 DELAY_S = 0.25
 TRACEBACK_S = 2.0
 CONSOLE_BUFFER = 8 << 20
+TAIL_LINES = 200  # per worker, kept for the summary when there is no --log_dir
 LOG_BUFFER = 32 << 20
 _COLOURS = (b"\x1b[36m", b"\x1b[33m", b"\x1b[35m", b"\x1b[32m", b"\x1b[34m", b"\x1b[91m", b"\x1b[96m", b"\x1b[93m")
 _RESET = b"\x1b[0m"
@@ -135,7 +140,8 @@ class JobOutput:
     """The head's output for a whole job (all attempts). Thread-safe; never blocks the caller."""
 
     def __init__(self, out: BinaryIO, err: BinaryIO, log_dir: Optional[str] = None, run_id: str = "",
-                 delay_s: float = DELAY_S, traceback_s: float = TRACEBACK_S, capacity: int = CONSOLE_BUFFER):
+                 delay_s: float = DELAY_S, traceback_s: float = TRACEBACK_S, capacity: int = CONSOLE_BUFFER,
+                 tail_root: Optional[str] = None):
         self._streams = {STDOUT: (out, _wants_colour(out)), STDERR: (err, _wants_colour(err))}
         self._log_dir = log_dir
         self._run_id = run_id
@@ -156,12 +162,17 @@ class JobOutput:
         self._held: Deque[_Held] = collections.deque()  # stderr lines, for delay_s, in arrival order
         self._tracebacks: Dict[str, Tuple[float, List[_Held]]] = {}  # label -> (due, a traceback block)
         self._gone: set = set()  # streams whose reader went away
+        self._tails: Dict[str, Deque[bytes]] = {}  # label -> its last lines (no --log_dir only)
+        self._tail_dir: Optional[Path] = None  # made when a summary first needs it
+        self._tail_root = tail_root  # where that folder is made ($TMPDIR when None)
+        self._restart = 0
         self._thread = threading.Thread(target=self._loop, name="dslaunch-console", daemon=True)
         self._thread.start()
 
     # -- producers (any thread) ------------------------------------------------------------
 
     def start_attempt(self, restart: int, ranks: Sequence[int]) -> None:
+        self._restart = restart
         if self._log_dir:
             if self._logs is not None:
                 self._logs.close()
@@ -227,7 +238,7 @@ class JobOutput:
             if closing:
                 self._flush()
                 if self.dropped:
-                    where = f"every line is in {self._log_dir}" if self._log_dir else "--log_dir keeps every line"
+                    where = f"every line is in {self._log_dir}" if self._log_dir else "rerun with --log_dir to keep every line"
                     self._say_now(f"{self.dropped} worker line(s) were not shown: the console did not keep up ({where})")
                 return
 
@@ -242,9 +253,15 @@ class JobOutput:
         self._failure = None
         self._hidden.clear()
         self._stderr_shown.clear()
+        self._tails.clear()
 
     def _on_line(self, line: OutputLine, arrived: float, size: int) -> None:
         self._ranks[line.label] = line.rank
+        if not self._log_dir:
+            tail = self._tails.get(line.label)
+            if tail is None:
+                tail = self._tails[line.label] = collections.deque(maxlen=TAIL_LINES)
+            tail.append(line.data)
         held = _Held(arrived + self._delay_s, line, size)
         f = self._failure
         if f is not None and line.label != f.label:
@@ -296,14 +313,31 @@ class JobOutput:
             if not hidden:
                 continue
             how = f"stopped after {f.label} failed" if state == "stopped" else f"also {state}"
-            rank = self._ranks.get(label)
-            where = (f", all in {Path(self._log_dir) / f'rank_{rank}.log'}" if self._log_dir and rank is not None
-                     else " (--log_dir keeps them)")
-            lines.append(f"{label}: {how}; {hidden} line(s) not shown{where}")
+            lines.append(f"{label}: {how}; {hidden} line(s) not shown{self._where_kept(label, hidden)}")
         stopped = sum(1 for state in s.ended.values() if state == "stopped")
         if stopped:
             lines.append(f"stopped the other {stopped} of {s.total} worker(s)")
         self._say_now("\n".join(lines))
+
+    def _where_kept(self, label: str, hidden: int) -> str:
+        """Where the summary can truly say a worker's hidden lines are: its --log_dir file,
+        or its last lines written now into a temporary folder; nothing if that fails."""
+        rank = self._ranks.get(label)
+        if self._log_dir:
+            return f", all in {Path(self._log_dir) / f'rank_{rank}.log'}" if rank is not None else ""
+        tail = self._tails.get(label)
+        if not tail:
+            return ""
+        try:
+            if self._tail_dir is None:
+                self._tail_dir = Path(tempfile.mkdtemp(prefix="dslaunch-run-", dir=self._tail_root))
+            restart = f".restart_{self._restart}" if self._restart else ""
+            path = self._tail_dir / f"rank_{rank}{restart}.log"
+            path.write_bytes(b"".join(tail))
+        except OSError as e:
+            return f" (could not keep them: {e.strerror or e}; --log_dir keeps every line)"
+        kept = "all" if len(tail) >= hidden else f"its last {len(tail)} lines"
+        return f", {kept} in {path}"
 
     def _release_due(self, now: float) -> None:
         for label in [k for k, (due, _) in self._tracebacks.items() if due <= now]:

@@ -91,20 +91,27 @@ def test_follow_on_errors_are_collapsed_and_the_first_failure_shown_once(tmp_pat
 
 @pytest.mark.timeout(90)
 def test_the_same_error_on_every_rank_is_shown_once(tmp_path):
+    """Without --log_dir, the hidden lines are kept in a temporary folder the summary names."""
     r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", BEHAVE, "cascade", str(tmp_path / "c"), "same"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=80)
+                       capture_output=True, text=True, cwd=tmp_path, timeout=80,
+                       env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("unknown key 'zero_optimisation'") == 2  # one traceback: the error line and its source
     assert r.stderr.count("Traceback (most recent call last):") == 1
-    assert "line(s) not shown (--log_dir keeps them)" in r.stderr
+    assert "--log_dir keeps" not in r.stderr
+    kept = [line for line in r.stderr.splitlines() if "line(s) not shown, all in " in line]
+    assert len(kept) == 1, r.stderr
+    path = Path(kept[0].rsplit(" all in ", 1)[1])
+    assert path.parent.parent == tmp_path and path.parent.name.startswith("dslaunch-run-")
+    assert "unknown key 'zero_optimisation'" in path.read_text()
 
 
-def test_console_policy_for_errors_written_in_the_same_instant():
+def test_console_policy_for_errors_written_in_the_same_instant(tmp_path):
     """The same one-line error from two ranks a moment apart: the failing rank's shows, the
     other's (still within the stderr delay) is counted; stdout is never delayed or hidden
-    before the failure."""
+    before the failure. With no --log_dir, the hidden lines are in the file the summary names."""
     out, err = io.BytesIO(), io.BytesIO()
-    o = JobOutput(out, err, delay_s=30, traceback_s=30)  # long delays: nothing here depends on timing
+    o = JobOutput(out, err, delay_s=30, traceback_s=30, tail_root=str(tmp_path))  # long delays: no timing
     o.line(OutputLine(0, "rank 0", "stderr", b"error: bad key\n"))
     o.line(OutputLine(0, "rank 0", "stdout", b"step 1\n"))
     o.line(OutputLine(1, "rank 1", "stderr", b"[rank1]: error: bad key\n"))
@@ -113,10 +120,27 @@ def test_console_policy_for_errors_written_in_the_same_instant():
     o.line(OutputLine(1, "rank 1", "stdout", b"bye\n"))
     o.summary(AttemptSummary(Failure(1, "rank 1", 2, elapsed_s=1.0), {"rank 0": "stopped"}, 2))
     o.close()
+    kept = next(tmp_path.glob("dslaunch-run-*")) / "rank_0.log"
     assert out.getvalue() == b"[rank 0] step 1\n[rank 1] bye\n"
     assert err.getvalue().decode().splitlines() == [
         "[rank 1] error: bad key",
         "dslaunch: rank 1 failed first: exited with code 2 after 1.0s",
-        "dslaunch: rank 0: stopped after rank 1 failed; 2 line(s) not shown (--log_dir keeps them)",
+        f"dslaunch: rank 0: stopped after rank 1 failed; 2 line(s) not shown, all in {kept}",
         "dslaunch: stopped the other 1 of 2 worker(s)",
     ]
+    assert kept.read_bytes() == b"error: bad key\nstep 1\n[rank0]: Traceback (most recent call last):\n"
+
+
+def test_without_log_dir_only_the_last_lines_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr("dslaunch.launcher.output.TAIL_LINES", 3)
+    out, err = io.BytesIO(), io.BytesIO()
+    o = JobOutput(out, err, tail_root=str(tmp_path))
+    f = Failure(1, "rank 1", 2, elapsed_s=1.0)
+    o.failed(f)
+    for i in range(5):
+        o.line(OutputLine(0, "rank 0", "stdout", f"line {i}\n".encode()))
+    o.summary(AttemptSummary(f, {"rank 0": "stopped"}, 2))
+    o.close()
+    kept = next(tmp_path.glob("dslaunch-run-*")) / "rank_0.log"
+    assert f"rank 0: stopped after rank 1 failed; 5 line(s) not shown, its last 3 lines in {kept}" in err.getvalue().decode()
+    assert kept.read_text() == "line 2\nline 3\nline 4\n"
