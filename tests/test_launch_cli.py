@@ -269,6 +269,51 @@ def test_max_restarts_restarts_the_group_with_the_counter_in_env(tmp_path):
     assert r.returncode == 4 and "giving up after 1 restart(s)" in r.stderr
 
 
+@pytest.fixture
+def listener():
+    """Listen on a TCP port as another job's rendezvous store would: the default 29500 when
+    it can be had (when it cannot, something else already listens there), else a free one."""
+    import socket
+
+    socks = []
+
+    def listen(port):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            s.close()
+            return port
+        s.listen()
+        socks.append(s)
+        return s.getsockname()[1]
+
+    yield listen
+    for s in socks:
+        s.close()
+
+
+def test_an_explicit_master_port_in_use_is_one_line_before_anything_starts(listener, tmp_path):
+    port = listener(0)
+    r = run(["--num_gpus", "2", "--master_port", str(port), BEHAVE, "env", str(tmp_path / "env")])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == (f"dslaunch: error: --master_port {port}: already in use on this machine "
+                                         "(another job?); choose another, or --master_port 0 for a free one")
+    assert not list(tmp_path.iterdir())  # no worker started
+
+
+@pytest.mark.timeout(120)
+def test_the_default_port_in_use_moves_to_a_free_one_and_says_so(listener):
+    assert listener(29500) == 29500
+    r = run(["--num_gpus", "2", str(ROOT / "scripts" / "examples" / "allreduce.py")], timeout=110)
+    assert r.returncode == 0, r.stderr
+    note = [line for line in r.stderr.splitlines() if "port 29500 is in use" in line]
+    assert len(note) == 1 and note[0].startswith("dslaunch: port 29500 is in use on this machine (another job?); "
+                                                 "using free port "), r.stderr
+    assert "(--master_port chooses one)" in note[0] and "[rank 1] all_reduce sum = 3" in r.stdout
+
+
 @pytest.mark.timeout(120)
 def test_gloo_all_reduce_under_dslaunch():
     r = run(["--num_gpus", "2", "--master_port", "0", str(ROOT / "scripts" / "examples" / "allreduce.py")], timeout=110)
