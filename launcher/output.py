@@ -17,6 +17,10 @@ blocking writes, see writer.py) and applies one policy:
   worker's lines are counted, and the summary names it once: `rank 0: stopped after rank 1
   failed; 22 lines not shown, all in logs/rank_0.log`.
 - Log files get every line, prefix-free, whatever the console does.
+- Progress frames (a line ended by a bare carriage return: tqdm, pip, rich) are redrawn in
+  place on a terminal. On a console that is not a terminal they become plain lines: a
+  worker's first frame, then at most one every FRAME_EVERY_S, each ended by a newline;
+  blank frames are dropped. The line that ends the bar (with a newline) shows as any line.
 - Without --log_dir, the console keeps each worker's last TAIL_LINES lines of the attempt;
   when the summary reports lines not shown, those are written to a new temporary folder
   (`dslaunch-run-*` in $TMPDIR, left for the user) and the summary names the real file.
@@ -45,6 +49,7 @@ STDOUT, STDERR = "stdout", "stderr"
 DELAY_S = 0.25
 TRACEBACK_S = 2.0
 CONSOLE_BUFFER = 8 << 20
+FRAME_EVERY_S = 10.0  # a non-terminal console shows one progress frame per worker and stream this often
 TAIL_LINES = 200  # per worker, kept for the summary when there is no --log_dir
 LOG_BUFFER = 32 << 20
 _COLOURS = (b"\x1b[36m", b"\x1b[33m", b"\x1b[35m", b"\x1b[32m", b"\x1b[34m", b"\x1b[91m", b"\x1b[96m", b"\x1b[93m")
@@ -83,11 +88,15 @@ def check_log_dir(path: str) -> None:
         raise LaunchConfigError(f"--log_dir {path}: cannot write there ({e.strerror or e})") from None
 
 
-def _wants_colour(stream: BinaryIO) -> bool:
+def _is_tty(stream: BinaryIO) -> bool:
     try:
-        return stream.isatty() and "NO_COLOR" not in os.environ
+        return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def _wants_colour(stream: BinaryIO) -> bool:
+    return _is_tty(stream) and "NO_COLOR" not in os.environ
 
 
 class LogDirSink:
@@ -143,6 +152,7 @@ class JobOutput:
                  delay_s: float = DELAY_S, traceback_s: float = TRACEBACK_S, capacity: int = CONSOLE_BUFFER,
                  tail_root: Optional[str] = None):
         self._streams = {STDOUT: (out, _wants_colour(out)), STDERR: (err, _wants_colour(err))}
+        self._tty = {STDOUT: _is_tty(out), STDERR: _is_tty(err)}
         self._log_dir = log_dir
         self._run_id = run_id
         self._delay_s = delay_s
@@ -162,6 +172,7 @@ class JobOutput:
         self._held: Deque[_Held] = collections.deque()  # stderr lines, for delay_s, in arrival order
         self._tracebacks: Dict[str, Tuple[float, List[_Held]]] = {}  # label -> (due, a traceback block)
         self._gone: set = set()  # streams whose reader went away
+        self._frames: Dict[Tuple[str, str], float] = {}  # (label, stream) -> when its last frame was shown
         self._tails: Dict[str, Deque[bytes]] = {}  # label -> its last lines (no --log_dir only)
         self._tail_dir: Optional[Path] = None  # made when a summary first needs it
         self._tail_root = tail_root  # where that folder is made ($TMPDIR when None)
@@ -380,13 +391,30 @@ class JobOutput:
     def _show(self, held: _Held) -> None:
         line = held.line
         self._done(held.size)
+        target, colour = self._streams[line.stream]
+        data = self._strip(line)
+        if not self._tty[line.stream] and data.endswith(b"\r"):  # a progress frame, on a console that is no terminal
+            data = self._plain_frame(line, data, held.due)
+            if data is None:
+                return
         if line.stream == STDERR:
             self._stderr_shown.add(line.label)
-        target, colour = self._streams[line.stream]
         prefix = f"[{line.label}] ".encode()
         if colour:
             prefix = _COLOURS[line.rank % len(_COLOURS)] + prefix[:-1] + _RESET + b" "
-        self._write(target, prefix + self._strip(line))
+        self._write(target, prefix + data)
+
+    def _plain_frame(self, line: OutputLine, data: bytes, at: float) -> Optional[bytes]:
+        """A progress frame as a plain line, or None when it is blank or too soon after the last."""
+        text = data.rstrip(b"\r")
+        if not text.strip():
+            return None
+        key = (line.label, line.stream)
+        last = self._frames.get(key)
+        if last is not None and at - last < FRAME_EVERY_S:
+            return None
+        self._frames[key] = at
+        return text + b"\n"
 
     def _say_now(self, text: str) -> None:
         data = "".join(f"dslaunch: {t}\n" for t in text.splitlines()).encode()

@@ -144,3 +144,31 @@ def test_without_log_dir_only_the_last_lines_are_kept(tmp_path, monkeypatch):
     kept = next(tmp_path.glob("dslaunch-run-*")) / "rank_0.log"
     assert f"rank 0: stopped after rank 1 failed; 5 line(s) not shown, its last 3 lines in {kept}" in err.getvalue().decode()
     assert kept.read_text() == "line 2\nline 3\nline 4\n"
+
+
+def test_progress_frames_are_plain_periodic_lines_when_the_console_is_no_terminal():
+    """tqdm-style frames (bare carriage returns) on a console that is a pipe or a file: the
+    first frame and the bar's last line, each on a line of its own with one prefix; the
+    frames in between are not shown there; the log file keeps every byte."""
+    out, err = io.BytesIO(), io.BytesIO()
+    o = JobOutput(out, err)
+    frames = [b"\r"] + [f"{i:3d}%|{'#' * (i // 10):10s}|\r".encode() for i in range(0, 100, 5)]
+    for data in frames + [b"100%|##########|\n", b"done\n"]:
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.close()
+    assert out.getvalue().decode().splitlines() == ["[rank 0]   0%|          |", "[rank 0] 100%|##########|",
+                                                    "[rank 0] done"]
+    assert b"\r" not in out.getvalue()
+
+
+def test_progress_frames_stay_frames_on_a_terminal():
+    class Tty(io.BytesIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    o = JobOutput(out, io.BytesIO())
+    for data in (b" 10%|#\r", b" 20%|##\r", b"100%|###\n"):
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.close()
+    assert out.getvalue().count(b"\r") == 2 and out.getvalue().count(b"[rank 0]") == 3
