@@ -68,6 +68,16 @@ def test_zero3_from_pretrained_builds_the_model_sharded(runs):
     assert "transformer.h.0.ln_1.weight" not in sharded
 
 
+def test_zero3_parameters_carry_deepspeeds_attributes_so_the_trainer_counts_them_all(runs):
+    # get_model_param_count is what Trainer.train() logs as "Number of trainable parameters"
+    ddp, zero3 = runs["ddp"]["counted"], runs["zero3"]["counted"]
+    assert zero3["trainable"] == ddp["trainable"] > 10_000
+    assert zero3["status"] == ["NOT_AVAILABLE"]  # ds_status of every sharded parameter at rest
+    assert ddp["status"] == [] and zero3["shapes_match"]
+    assert zero3["ids"] == runs["zero3"]["parameters"]  # one ds_id each
+    assert runs["zero3_eval"]["counted"]["trainable"] == ddp["trainable"]
+
+
 def test_zero3_save_model_writes_a_full_model_that_from_pretrained_loads(runs):
     from transformers import AutoModelForCausalLM
 

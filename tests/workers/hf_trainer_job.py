@@ -98,6 +98,17 @@ def main() -> None:
     # model inside deepspeed.zero.Init (HfDeepSpeedConfig's weak reference).
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     sharded_at_load = [n for n, q in model.named_parameters() if q.numel() == 0]  # only a shard is held
+    # what the Trainer logs as "Number of trainable parameters" (ZeRO-3: read from ds_numel)
+    from transformers.trainer_pt_utils import get_model_param_count
+
+    counted = {"trainable": get_model_param_count(model, trainable_only=True),
+               "status": sorted({str(getattr(getattr(q, "ds_status", None), "name", None))
+                                 for n, q in model.named_parameters() if n in sharded_at_load}),
+               # the full shape: a whole parameter's own, a shard's as many elements as ds_numel
+               "shapes_match": all((list(q.ds_shape) == list(q.shape)) if q.numel() else
+                                   (torch.Size(q.ds_shape).numel() == q.ds_numel > 0)
+                                   for q in model.parameters() if hasattr(q, "ds_shape")),
+               "ids": len({getattr(q, "ds_id", None) for q in model.parameters()})}
     losses = {}
 
     class Record(TrainerCallback):
@@ -116,7 +127,7 @@ def main() -> None:
         evals["before"] = trainer.evaluate()["eval_loss"]
         if rank == 0:
             with open(os.path.join(a.out, "result.json"), "w") as fh:
-                json.dump({"evals": evals, "sharded_at_load": sharded_at_load}, fh)
+                json.dump({"evals": evals, "sharded_at_load": sharded_at_load, "counted": counted}, fh)
         return
     trainer.train(resume_from_checkpoint=a.resume)
     evals["after"] = trainer.evaluate()["eval_loss"]
@@ -132,7 +143,7 @@ def main() -> None:
         result = {
             "losses": {str(k): v for k, v in sorted(losses.items())}, "evals": evals,
             "engine": f"{type(engine).__module__}.{type(engine).__name__}",
-            "sharded_at_load": sharded_at_load, "parameters": len(list(model.parameters())),
+            "sharded_at_load": sharded_at_load, "parameters": len(list(model.parameters())), "counted": counted,
             "saved": sorted(os.listdir(final_dir)),
             "checkpoints": sorted(d for d in os.listdir(a.out) if d.startswith("checkpoint-")),
         }
