@@ -204,7 +204,10 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
                                     f"has {facts.gpu_count} GPU(s) visible")
     if any(local) and not facts.gpu_count:
         n = sum(node.local_world_size for node, here in zip(world.nodes, local) if here)
-        notes.append(f"no GPU on this machine: --num_gpus counts worker processes; running {n} on the CPU")
+        if opts.hostfile and opts.num_gpus is None:  # the hostfile's slots sized it: --num_gpus is not the story
+            notes.append(f"no GPU on this machine: its hostfile slots are worker processes; running {n} on the CPU")
+        else:
+            notes.append(f"no GPU on this machine: --num_gpus counts worker processes; running {n} on the CPU")
 
     master_addr = opts.master_addr or ("127.0.0.1" if all(local) else
                                        (master_addr_of or (lambda t: t.rpartition("@")[2]))(world.nodes[0].target))
@@ -237,8 +240,9 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
             visible = facts.visible_devices if here and facts.gpu_count else None
             contract = worker_env(world, node, lr, ident, visible_devices=visible)
             del contract["DSLAUNCH_ACCELERATOR"]  # the host's own fact: finish_workers sets it
-            if here and not facts.gpu_count and facts.visible_devices is not None:
-                del contract["CUDA_VISIBLE_DEVICES"]  # CPU mode where the user hid the GPUs: they stay hidden
+            if here and not facts.gpu_count:
+                # CPU mode: slot numbers are no devices (and GPUs the user hid stay hidden)
+                del contract["CUDA_VISIBLE_DEVICES"]
             env.update(contract)
             hidden |= hidden_here - contract.keys()  # a contract value replaced the file's: nothing to hide
             argv = worker_argv(opts.script, opts.script_args, lr, python=facts.python if here else remote_python,

@@ -78,7 +78,10 @@ def test_local_hostfile_text_plan(hostfile):
     code, out, err = cli(["--dry_run", "--hostfile", hostfile("localhost slots=3\n"), "--include", "localhost:0,2", BEHAVE])
     assert code == 0, err
     assert "node 0: localhost (this machine, cpu) slots 0,2 ranks 0-1" in out
-    assert "CUDA_VISIBLE_DEVICES=0,2" in out and "--local_rank=1" in out
+    assert "CUDA_VISIBLE_DEVICES" not in out and "--local_rank=1" in out  # CPU workers: slots are no devices
+    # only a hostfile sized the job: the notice does not speak of --num_gpus
+    assert "no GPU on this machine: its hostfile slots are worker processes; running 2 on the CPU" in err
+    assert "--num_gpus" not in err
 
 
 @pytest.mark.parametrize(
@@ -233,7 +236,8 @@ def test_script_args_pass_through_untouched_and_env_contract(tmp_path):
         e = g["env"]
         assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
         assert (e["NODE_RANK"], e["GROUP_RANK"], e["MASTER_ADDR"]) == ("0", "0", "127.0.0.1")
-        assert e["CUDA_VISIBLE_DEVICES"] == "0,1" and e["DSLAUNCH_ACCELERATOR"] == "cpu"
+        assert e.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # CPU: none of ours
+        assert e["DSLAUNCH_ACCELERATOR"] == "cpu"
         assert e["DSLAUNCH_RESTART_COUNT"] == e["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert e["FROM_ENV_FILE"] == "yes it is"
     assert got[0]["env"]["MASTER_PORT"] == got[1]["env"]["MASTER_PORT"] != "29500"
