@@ -16,7 +16,13 @@ blocking writes, see writer.py) and applies one policy:
 - After the first failure the console shows only the failing worker's lines; each other
   worker's lines are counted, and the summary names it once: `rank 0: stopped after rank 1
   failed; 22 lines not shown, all in logs/rank_0.log`.
-- Log files get every line, prefix-free, whatever the console does.
+- Log files get every line, prefix-free, whatever the console does, byte for byte.
+- On the console a worker's line is text: control characters (C0 but tab, DEL, C1) are shown
+  escaped as `\x1b`, so no worker can set the terminal's title, clear the screen, move
+  the cursor over a prefix or write in another rank's name; colour (SGR: `ESC [ ... m`)
+  is kept. Every piece of a line cut at a carriage return gets its own prefix, and on a
+  terminal whatever is written after a progress frame first erases the frame's line, so no
+  rest of one rank's frame can read as part of another's line.
 - Progress frames (a line ended by a bare carriage return: tqdm, pip, rich) are redrawn in
   place on a terminal. On a console that is not a terminal they become plain lines: a
   worker's first frame, then at most one every FRAME_EVERY_S, each ended by a newline;
@@ -56,6 +62,28 @@ _COLOURS = (b"\x1b[36m", b"\x1b[33m", b"\x1b[35m", b"\x1b[32m", b"\x1b[34m", b"\
 _RESET = b"\x1b[0m"
 _TRACEBACK = b"Traceback (most recent call last):"
 _TORCH_PREFIX = re.compile(rb"^\[rank(\d+)\]: ?")
+_NEEDS_ESCAPE = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # a fast test; 0x80-0x9f may be UTF-8
+# SGR kept; C0 (not tab), DEL, C1, and bytes that are not UTF-8 in C1's range (8-bit CSI is 0x9b)
+_CONTROL = re.compile("(\x1b\\[[0-9;:]*m)|([\x00-\x08\x0a-\x1f\x7f-\x9f\udc80-\udc9f])")
+_ENDINGS = (b"\r\n", b"\n", b"\r")
+
+
+def escape_controls(data: bytes) -> bytes:
+    """A worker's line as the console shows it: its line ending kept, colour sequences
+    kept, every other control character written out as `\\xNN`."""
+    ending = next((e for e in _ENDINGS if data.endswith(e)), b"")
+    body = data[: len(data) - len(ending)]
+    if not _NEEDS_ESCAPE.search(body):
+        return data
+    text = body.decode("utf-8", "surrogateescape")
+
+    def one(m: "re.Match[str]") -> str:
+        if m.group(1):
+            return m.group(1)
+        c = ord(m.group(2))
+        return f"\\x{c - 0xdc00 if c >= 0xdc00 else c:02x}"
+
+    return _CONTROL.sub(one, text).encode("utf-8", "surrogateescape") + ending
 
 
 @dataclass(frozen=True)
@@ -153,6 +181,7 @@ class JobOutput:
                  tail_root: Optional[str] = None):
         self._streams = {STDOUT: (out, _wants_colour(out)), STDERR: (err, _wants_colour(err))}
         self._tty = {STDOUT: _is_tty(out), STDERR: _is_tty(err)}
+        self._frame_open = False  # the terminal's cursor sits at the start of a progress frame's line
         self._log_dir = log_dir
         self._run_id = run_id
         self._delay_s = delay_s
@@ -318,7 +347,8 @@ class JobOutput:
         lines = [f.describe()]
         if f.stderr_tail and f.label not in self._stderr_shown:
             lines.append(f"last {len(f.stderr_tail)} line(s) of {f.label}'s stderr:")
-            lines += [f"  | {t}" for t in f.stderr_tail]
+            lines += ["  | " + escape_controls(t.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
+                      for t in f.stderr_tail]
         for label, state in s.ended.items():
             hidden = self._hidden.get(label, 0)
             if not hidden:
@@ -392,7 +422,7 @@ class JobOutput:
         line = held.line
         self._done(held.size)
         target, colour = self._streams[line.stream]
-        data = self._strip(line)
+        data = escape_controls(self._strip(line))
         if not self._tty[line.stream] and data.endswith(b"\r"):  # a progress frame, on a console that is no terminal
             data = self._plain_frame(line, data, held.due)
             if data is None:
@@ -423,6 +453,10 @@ class JobOutput:
     def _write(self, target: BinaryIO, data: bytes) -> None:
         if id(target) in self._gone:
             return
+        if _is_tty(target):
+            if self._frame_open:
+                data = b"\x1b[2K" + data  # erase the frame's line first
+            self._frame_open = data.endswith(b"\r")
         try:
             target.write(data)
             target.flush()

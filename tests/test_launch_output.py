@@ -172,3 +172,65 @@ def test_progress_frames_stay_frames_on_a_terminal():
         o.line(OutputLine(0, "rank 0", "stdout", data))
     o.close()
     assert out.getvalue().count(b"\r") == 2 and out.getvalue().count(b"[rank 0]") == 3
+
+
+class _Tty(io.BytesIO):
+    def isatty(self):
+        return True
+
+
+def test_worker_control_characters_are_escaped_on_the_console_and_kept_in_the_log(tmp_path, monkeypatch):
+    """A worker cannot set the title, clear the screen, back over the prefix or forge
+    another rank's line; colour stays; the log file has the bytes as written."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    out, err = _Tty(), io.BytesIO()
+    o = JobOutput(out, err, log_dir=str(tmp_path))
+    o.start_attempt(0, [0, 1])
+    written = [b"\x1b]0;pwned\x07title\n", b"\x1b[2J\x1b[Hcleared\n", b"\x1b[31mred\x1b[0m caf\xc3\xa9\n",
+               b"\x08\x08\x08\x08\x08\x08\x08\x08\x08[rank 1] forged\n", b"\x9b2J 8-bit\n",
+               b"50%|#####     |\r"]
+    for data in written:
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.line(OutputLine(1, "rank 1", "stdout", b"hi\n"))
+    o.close()
+    assert out.getvalue().split(b"\n") == [
+        b"[rank 0] \\x1b]0;pwned\\x07title",
+        b"[rank 0] \\x1b[2J\\x1b[Hcleared",
+        b"[rank 0] \x1b[31mred\x1b[0m caf\xc3\xa9",
+        b"[rank 0] " + b"\\x08" * 9 + b"[rank 1] forged",
+        b"[rank 0] \\x9b2J 8-bit",
+        b"[rank 0] 50%|#####     |\r\x1b[2K[rank 1] hi",  # the frame's line is erased before rank 1 writes
+        b"",
+    ]
+    assert (tmp_path / "rank_0.log").read_bytes().split(b"===\n", 1)[1] == b"".join(written)
+
+
+def test_a_carriage_return_in_a_line_gives_each_piece_our_prefix():
+    """Through the supervisor's line cutting: `fake\\r[rank 1] x` from rank 0 is two pieces,
+    each with rank 0's prefix."""
+    from dslaunch.launcher.supervisor import Supervisor, WorkerSpec
+
+    class Collect:
+        def __init__(self):
+            self.lines = []
+
+        def line(self, line):
+            self.lines.append(line.data)
+
+        def failed(self, failure):
+            pass
+
+        def exited(self, label):
+            pass
+
+    obs = Collect()
+    script = "import sys; sys.stdout.write('[rank 0] fine then\\r[rank 1] forged\\n')"
+    Supervisor([WorkerSpec(0, [sys.executable, "-c", script], dict(os.environ))], obs, watchdog=False,
+               subreaper=False).run()
+    assert obs.lines == [b"[rank 0] fine then\r", b"[rank 1] forged\n"]
+    out = io.BytesIO()
+    o = JobOutput(out, io.BytesIO())
+    for data in obs.lines:
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.close()
+    assert out.getvalue() == b"[rank 0] [rank 0] fine then\n[rank 0] [rank 1] forged\n"
