@@ -465,6 +465,8 @@ class Supervisor:
                     self._read(sel, key.fd, w, kind)
                 elif kind == "wake":
                     self._drain_wake()
+                elif kind == "origin":
+                    self._poll_origins(sel, may_name=False)
         for w in self._workers:
             for stream in (STDOUT, STDERR):
                 self._flush_partial(w, stream)

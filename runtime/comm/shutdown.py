@@ -172,6 +172,11 @@ def _run(step: str, fn: Callable[[], None]) -> None:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - reported, shutdown goes on
+        if _state["failed"]:
+            # After an uncaught exception, peers that stopped waiting for this rank make the
+            # outstanding collectives fail ("Connection closed by peer"): a consequence of the
+            # traceback already printed, not news, and it would read as a second error.
+            return
         _say(f"shutdown: {step} failed: {type(exc).__name__}: {exc}")
 
 
