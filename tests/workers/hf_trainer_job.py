@@ -1,6 +1,7 @@
 """One HF Trainer job, run on 2 ranks under `dslaunch --num_gpus 2` by tests/test_hf_trainer.py.
 
     hf_trainer_job.py --mode ddp|zero2|zero3 --model DIR --out DIR [--resume CKPT | --evaluate_only]
+                      [--no_cpu_recipe]   (leave out the gloo set-up a CPU-only machine needs)
 
 The tiny GPT-2 in --model was written by save_pretrained (no hub). Every mode trains it for
 STEPS optimizer steps with the Trainer's own AdamW and linear schedule, fp32, dropout off,
@@ -75,12 +76,13 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--evaluate_only", action="store_true", help="trainer.evaluate() without training")
     p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--no_cpu_recipe", action="store_true", help="as a user would write it, without the gloo recipe")
     a = p.parse_args()
 
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    cpu_ds = a.mode != "ddp" and not torch.cuda.is_available()
+    cpu_ds = a.mode != "ddp" and not torch.cuda.is_available() and not a.no_cpu_recipe
     if cpu_ds:
         # Accelerate picks no process-group backend for DeepSpeed on a machine without GPUs (it
         # would then see 1 process per rank); naming gloo in a pre-configured state is its way out.
