@@ -14,7 +14,7 @@ REPEAT = int(os.environ.get("DSLAUNCH_ATTRIBUTION_REPEAT", "2"))
 
 
 def run_case(case: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(cwd))  # the summary's dslaunch-run-* folder too
     return subprocess.run([*DSLAUNCH, "--num_gpus", "2", "--master_port", "0", WORKER, case, str(cwd)],
                           capture_output=True, text=True, cwd=cwd, timeout=170, env=env)
 
