@@ -6,6 +6,7 @@ it took; a failed build prints the compiler's own error and command and exits 1.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -40,9 +41,16 @@ def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
         cuda = torch.cuda.is_available()
     if cuda:
         try:
-            specs.append(builder.fused_adam_spec())
+            arches = builder._arch_list()
         except ValueError as e:  # e.g. a TORCH_CUDA_ARCH_LIST entry that is not an architecture
             raise click.UsageError(str(e))
+        if not os.environ.get(builder.ARCH_ENV, "").strip() and not torch.cuda.is_available():
+            # nothing said which GPU: the build must not pick one silently
+            sms = ", ".join("sm_" + a.replace(".", "").replace("+PTX", "") for a in arches)
+            click.echo(f"build-ops: no GPU visible: the CUDA fused Adam targets {sms} (compute capability "
+                       f"{', '.join(arches)}), the default; for another GPU set {builder.ARCH_ENV}, "
+                       "e.g. 8.0 for an A100", err=True)
+        specs.append(builder.fused_adam_spec(arches))
     failed = False
     for spec in specs:
         try:

@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import BinaryIO, Callable, Optional
 
 from dslaunch.launcher.errors import LaunchConfigError
@@ -103,8 +104,12 @@ def run(request: AgentRequest, control: BinaryIO, out: BinaryIO) -> int:
     inherited = dict(os.environ)
     workers = request.workers
     if not request.finished:
+        accelerator = "cuda" if detect_gpus(inherited)[0] else "cpu"
+        if accelerator == "cpu":  # the head's slot numbers are no devices here
+            workers = [replace(w, env={k: v for k, v in w.env.items() if k != "CUDA_VISIBLE_DEVICES"})
+                       for w in workers]
         try:
-            workers = finish_workers(workers, accelerator="cuda" if detect_gpus(inherited)[0] else "cpu",
+            workers = finish_workers(workers, accelerator=accelerator,
                                      cpu_count=os.cpu_count() or 1, inherited=inherited,
                                      bind_core_list=request.bind_core_list)
         except LaunchConfigError as e:

@@ -149,8 +149,9 @@ class _LaunchCommand(click.Command):
 @option("-e", "--exclude", type=str, default="", help="All but these hosts/slots, e.g. worker-1:0.")
 @option("--master_addr", "--master-addr", type=str, default=None,
         help="Rendezvous address. Default: 127.0.0.1 on one machine, else the first node.")
-@option("--master_port", "--master-port", type=int, default=DEFAULT_MASTER_PORT, show_default=True,
-        help="Rendezvous port; 0 picks a free one.")
+@option("--master_port", "--master-port", type=int, default=None,
+        help=f"Rendezvous port; 0 picks a free one. Default: {DEFAULT_MASTER_PORT}, or on one machine a free "
+             f"port when {DEFAULT_MASTER_PORT} is taken (another job), as the launcher then says.")
 @option("--standalone", is_flag=True, default=False,
         help="torchrun's spelling: this machine only, on a free port (--master_port 0).")
 # -- what each worker runs
@@ -212,8 +213,7 @@ def launch(**params) -> int:
         if params.pop("standalone"):
             if params["hostfile"]:
                 raise LaunchConfigError("--standalone means this machine only: drop it or --hostfile")
-            ctx = click.get_current_context()
-            if ctx.get_parameter_source("master_port") is click.core.ParameterSource.DEFAULT:
+            if params["master_port"] is None:
                 params["master_port"] = 0
         return run_launch(LaunchOptions(**params))
     except LaunchConfigError as e:

@@ -234,6 +234,8 @@ class Head:
                         failure = f
                         self.output.failed(f)
                         stop_all(exclude=[idx])
+                    elif f is not None and failure is not None and f.label == failure.label:
+                        failure = f  # an origin told as it raised; now with its exit code and stderr
                     elif f is not None and f.label != (failure.label if failure else None):
                         ended[f.label] = "failed"
                     if ev.get("dropped"):

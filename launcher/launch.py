@@ -64,14 +64,14 @@ def saved_pid(enabled: bool, err) -> Iterator[None]:
 
 def launch(opts: LaunchOptions) -> int:
     from dslaunch.launcher import backends
-    from dslaunch.launcher.machine import gather_facts
+    from dslaunch.launcher.machine import gather_facts, port_in_use
     from dslaunch.launcher.plan import build_plan, uses_allocation
     from dslaunch.launcher.plan_view import format_plan, plan_to_dict
 
     environ = dict(os.environ)
     facts = gather_facts(environ, need_addresses=opts.hostfile is not None or uses_allocation(opts, environ))
     plan = build_plan(opts, facts, environ, pick_port=_pick_port(facts),
-                      master_addr_of=_master_addr_of(opts) if opts.hostfile else None)
+                      master_addr_of=_master_addr_of(opts) if opts.hostfile else None, port_in_use=port_in_use)
     backend = backends.get(opts.launcher) if plan.remote_nodes else None
     if not opts.dry_run:  # a dry run needs neither the tool nor the log directory
         if backend is not None:

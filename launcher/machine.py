@@ -5,6 +5,7 @@ Nothing here imports torch: GPUs are counted from the driver's /proc entries.
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -81,6 +82,19 @@ def gather_facts(environ: Mapping[str, str], need_addresses: bool) -> MachineFac
     if need_addresses:
         names += local_addresses()
     return MachineFacts(gpus, visible, os.cpu_count() or 1, tuple(dict.fromkeys(names)))
+
+
+def port_in_use(addr: str, port: int) -> bool:
+    """True when something listens on addr:port here, so a rendezvous store could not bind
+    it. SO_REUSEADDR, as the store's own socket: a port a finished job left in TIME_WAIT is free."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+        return False
 
 
 def pick_free_port(addr: str = "127.0.0.1") -> int:

@@ -59,7 +59,7 @@ class LaunchOptions:
     include: str = ""
     exclude: str = ""
     master_addr: Optional[str] = None
-    master_port: int = DEFAULT_MASTER_PORT
+    master_port: Optional[int] = None  # None: DEFAULT_MASTER_PORT, or a free port if that is taken here (plan.py)
     # what each worker runs
     module: bool = False
     no_python: bool = False
@@ -98,7 +98,7 @@ class LaunchOptions:
         check_seconds("--kill_grace", self.kill_grace)
         check_seconds("--ssh_timeout", self.ssh_timeout, allow_min=False)
         check_seconds("--heartbeat_timeout", self.heartbeat_timeout, minimum=1.0)
-        if not 0 <= self.master_port <= 65535:
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
             raise LaunchConfigError(f"--master_port {self.master_port}: not a TCP port (0 picks a free one)")
         if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
             raise LaunchConfigError(f"--ssh_port {self.ssh_port}: not a TCP port")

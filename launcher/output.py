@@ -16,7 +16,20 @@ blocking writes, see writer.py) and applies one policy:
 - After the first failure the console shows only the failing worker's lines; each other
   worker's lines are counted, and the summary names it once: `rank 0: stopped after rank 1
   failed; 22 lines not shown, all in logs/rank_0.log`.
-- Log files get every line, prefix-free, whatever the console does.
+- Log files get every line, prefix-free, whatever the console does, byte for byte.
+- On the console a worker's line is text: control characters (C0 but tab, DEL, C1) are shown
+  escaped as `\x1b`, so no worker can set the terminal's title, clear the screen, move
+  the cursor over a prefix or write in another rank's name; colour (SGR: `ESC [ ... m`)
+  is kept. Every piece of a line cut at a carriage return gets its own prefix, and on a
+  terminal whatever is written after a progress frame first erases the frame's line, so no
+  rest of one rank's frame can read as part of another's line.
+- Progress frames (a line ended by a bare carriage return: tqdm, pip, rich) are redrawn in
+  place on a terminal. On a console that is not a terminal they become plain lines: a
+  worker's first frame, then at most one every FRAME_EVERY_S, each ended by a newline;
+  blank frames are dropped. The line that ends the bar (with a newline) shows as any line.
+- Without --log_dir, the console keeps each worker's last TAIL_LINES lines of the attempt;
+  when the summary reports lines not shown, those are written to a new temporary folder
+  (`dslaunch-run-*` in $TMPDIR, left for the user) and the summary names the real file.
 - torch's own `[rankN]: ` excepthook prefix is dropped on the console where ours says the same.
 - When the console reader is too slow and CONSOLE_BUFFER bytes are waiting, further
   worker lines are dropped from the console (never from the log files) and counted; the
@@ -27,6 +40,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -41,11 +55,35 @@ STDOUT, STDERR = "stdout", "stderr"
 DELAY_S = 0.25
 TRACEBACK_S = 2.0
 CONSOLE_BUFFER = 8 << 20
+FRAME_EVERY_S = 10.0  # a non-terminal console shows one progress frame per worker and stream this often
+TAIL_LINES = 200  # per worker, kept for the summary when there is no --log_dir
 LOG_BUFFER = 32 << 20
 _COLOURS = (b"\x1b[36m", b"\x1b[33m", b"\x1b[35m", b"\x1b[32m", b"\x1b[34m", b"\x1b[91m", b"\x1b[96m", b"\x1b[93m")
 _RESET = b"\x1b[0m"
 _TRACEBACK = b"Traceback (most recent call last):"
 _TORCH_PREFIX = re.compile(rb"^\[rank(\d+)\]: ?")
+_NEEDS_ESCAPE = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # a fast test; 0x80-0x9f may be UTF-8
+# SGR kept; C0 (not tab), DEL, C1, and bytes that are not UTF-8 in C1's range (8-bit CSI is 0x9b)
+_CONTROL = re.compile("(\x1b\\[[0-9;:]*m)|([\x00-\x08\x0a-\x1f\x7f-\x9f\udc80-\udc9f])")
+_ENDINGS = (b"\r\n", b"\n", b"\r")
+
+
+def escape_controls(data: bytes) -> bytes:
+    """A worker's line as the console shows it: its line ending kept, colour sequences
+    kept, every other control character written out as `\\xNN`."""
+    ending = next((e for e in _ENDINGS if data.endswith(e)), b"")
+    body = data[: len(data) - len(ending)]
+    if not _NEEDS_ESCAPE.search(body):
+        return data
+    text = body.decode("utf-8", "surrogateescape")
+
+    def one(m: "re.Match[str]") -> str:
+        if m.group(1):
+            return m.group(1)
+        c = ord(m.group(2))
+        return f"\\x{c - 0xdc00 if c >= 0xdc00 else c:02x}"
+
+    return _CONTROL.sub(one, text).encode("utf-8", "surrogateescape") + ending
 
 
 @dataclass(frozen=True)
@@ -78,11 +116,15 @@ def check_log_dir(path: str) -> None:
         raise LaunchConfigError(f"--log_dir {path}: cannot write there ({e.strerror or e})") from None
 
 
-def _wants_colour(stream: BinaryIO) -> bool:
+def _is_tty(stream: BinaryIO) -> bool:
     try:
-        return stream.isatty() and "NO_COLOR" not in os.environ
+        return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def _wants_colour(stream: BinaryIO) -> bool:
+    return _is_tty(stream) and "NO_COLOR" not in os.environ
 
 
 class LogDirSink:
@@ -135,8 +177,11 @@ class JobOutput:
     """The head's output for a whole job (all attempts). Thread-safe; never blocks the caller."""
 
     def __init__(self, out: BinaryIO, err: BinaryIO, log_dir: Optional[str] = None, run_id: str = "",
-                 delay_s: float = DELAY_S, traceback_s: float = TRACEBACK_S, capacity: int = CONSOLE_BUFFER):
+                 delay_s: float = DELAY_S, traceback_s: float = TRACEBACK_S, capacity: int = CONSOLE_BUFFER,
+                 tail_root: Optional[str] = None):
         self._streams = {STDOUT: (out, _wants_colour(out)), STDERR: (err, _wants_colour(err))}
+        self._tty = {STDOUT: _is_tty(out), STDERR: _is_tty(err)}
+        self._frame_open = False  # the terminal's cursor sits at the start of a progress frame's line
         self._log_dir = log_dir
         self._run_id = run_id
         self._delay_s = delay_s
@@ -156,12 +201,18 @@ class JobOutput:
         self._held: Deque[_Held] = collections.deque()  # stderr lines, for delay_s, in arrival order
         self._tracebacks: Dict[str, Tuple[float, List[_Held]]] = {}  # label -> (due, a traceback block)
         self._gone: set = set()  # streams whose reader went away
+        self._frames: Dict[Tuple[str, str], float] = {}  # (label, stream) -> when its last frame was shown
+        self._tails: Dict[str, Deque[bytes]] = {}  # label -> its last lines (no --log_dir only)
+        self._tail_dir: Optional[Path] = None  # made when a summary first needs it
+        self._tail_root = tail_root  # where that folder is made ($TMPDIR when None)
+        self._restart = 0
         self._thread = threading.Thread(target=self._loop, name="dslaunch-console", daemon=True)
         self._thread.start()
 
     # -- producers (any thread) ------------------------------------------------------------
 
     def start_attempt(self, restart: int, ranks: Sequence[int]) -> None:
+        self._restart = restart
         if self._log_dir:
             if self._logs is not None:
                 self._logs.close()
@@ -227,7 +278,7 @@ class JobOutput:
             if closing:
                 self._flush()
                 if self.dropped:
-                    where = f"every line is in {self._log_dir}" if self._log_dir else "--log_dir keeps every line"
+                    where = f"every line is in {self._log_dir}" if self._log_dir else "rerun with --log_dir to keep every line"
                     self._say_now(f"{self.dropped} worker line(s) were not shown: the console did not keep up ({where})")
                 return
 
@@ -242,9 +293,15 @@ class JobOutput:
         self._failure = None
         self._hidden.clear()
         self._stderr_shown.clear()
+        self._tails.clear()
 
     def _on_line(self, line: OutputLine, arrived: float, size: int) -> None:
         self._ranks[line.label] = line.rank
+        if not self._log_dir:
+            tail = self._tails.get(line.label)
+            if tail is None:
+                tail = self._tails[line.label] = collections.deque(maxlen=TAIL_LINES)
+            tail.append(line.data)
         held = _Held(arrived + self._delay_s, line, size)
         f = self._failure
         if f is not None and line.label != f.label:
@@ -290,20 +347,38 @@ class JobOutput:
         lines = [f.describe()]
         if f.stderr_tail and f.label not in self._stderr_shown:
             lines.append(f"last {len(f.stderr_tail)} line(s) of {f.label}'s stderr:")
-            lines += [f"  | {t}" for t in f.stderr_tail]
+            lines += ["  | " + escape_controls(t.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
+                      for t in f.stderr_tail]
         for label, state in s.ended.items():
             hidden = self._hidden.get(label, 0)
             if not hidden:
                 continue
             how = f"stopped after {f.label} failed" if state == "stopped" else f"also {state}"
-            rank = self._ranks.get(label)
-            where = (f", all in {Path(self._log_dir) / f'rank_{rank}.log'}" if self._log_dir and rank is not None
-                     else " (--log_dir keeps them)")
-            lines.append(f"{label}: {how}; {hidden} line(s) not shown{where}")
+            lines.append(f"{label}: {how}; {hidden} line(s) not shown{self._where_kept(label, hidden)}")
         stopped = sum(1 for state in s.ended.values() if state == "stopped")
         if stopped:
             lines.append(f"stopped the other {stopped} of {s.total} worker(s)")
         self._say_now("\n".join(lines))
+
+    def _where_kept(self, label: str, hidden: int) -> str:
+        """Where the summary can truly say a worker's hidden lines are: its --log_dir file,
+        or its last lines written now into a temporary folder; nothing if that fails."""
+        rank = self._ranks.get(label)
+        if self._log_dir:
+            return f", all in {Path(self._log_dir) / f'rank_{rank}.log'}" if rank is not None else ""
+        tail = self._tails.get(label)
+        if not tail:
+            return ""
+        try:
+            if self._tail_dir is None:
+                self._tail_dir = Path(tempfile.mkdtemp(prefix="dslaunch-run-", dir=self._tail_root))
+            restart = f".restart_{self._restart}" if self._restart else ""
+            path = self._tail_dir / f"rank_{rank}{restart}.log"
+            path.write_bytes(b"".join(tail))
+        except OSError as e:
+            return f" (could not keep them: {e.strerror or e}; --log_dir keeps every line)"
+        kept = "all" if len(tail) >= hidden else f"its last {len(tail)} lines"
+        return f", {kept} in {path}"
 
     def _release_due(self, now: float) -> None:
         for label in [k for k, (due, _) in self._tracebacks.items() if due <= now]:
@@ -346,13 +421,30 @@ class JobOutput:
     def _show(self, held: _Held) -> None:
         line = held.line
         self._done(held.size)
+        target, colour = self._streams[line.stream]
+        data = escape_controls(self._strip(line))
+        if not self._tty[line.stream] and data.endswith(b"\r"):  # a progress frame, on a console that is no terminal
+            data = self._plain_frame(line, data, held.due)
+            if data is None:
+                return
         if line.stream == STDERR:
             self._stderr_shown.add(line.label)
-        target, colour = self._streams[line.stream]
         prefix = f"[{line.label}] ".encode()
         if colour:
             prefix = _COLOURS[line.rank % len(_COLOURS)] + prefix[:-1] + _RESET + b" "
-        self._write(target, prefix + self._strip(line))
+        self._write(target, prefix + data)
+
+    def _plain_frame(self, line: OutputLine, data: bytes, at: float) -> Optional[bytes]:
+        """A progress frame as a plain line, or None when it is blank or too soon after the last."""
+        text = data.rstrip(b"\r")
+        if not text.strip():
+            return None
+        key = (line.label, line.stream)
+        last = self._frames.get(key)
+        if last is not None and at - last < FRAME_EVERY_S:
+            return None
+        self._frames[key] = at
+        return text + b"\n"
 
     def _say_now(self, text: str) -> None:
         data = "".join(f"dslaunch: {t}\n" for t in text.splitlines()).encode()
@@ -361,6 +453,10 @@ class JobOutput:
     def _write(self, target: BinaryIO, data: bytes) -> None:
         if id(target) in self._gone:
             return
+        if _is_tty(target):
+            if self._frame_open:
+                data = b"\x1b[2K" + data  # erase the frame's line first
+            self._frame_open = data.endswith(b"\r")
         try:
             target.write(data)
             target.flush()

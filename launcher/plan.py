@@ -27,7 +27,7 @@ from dslaunch.launcher.envfile import EnvFiles, load_env_files
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.hostfile import HostSpec, parse_hostfile
 from dslaunch.launcher.machine import MachineFacts, is_local
-from dslaunch.launcher.options import LaunchOptions
+from dslaunch.launcher.options import DEFAULT_MASTER_PORT, LaunchOptions
 from dslaunch.launcher.world import (Node, RunIdentity, World, check_selection, layout_world, worker_argv,
                                      worker_env)
 
@@ -189,9 +189,17 @@ def finish_workers(workers: Sequence[WorkerPlan], *, accelerator: str, cpu_count
 
 def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, str], *,
                run_id: Optional[str] = None, pick_port: Optional[Callable[[str], int]] = None,
-               master_addr_of: Optional[Callable[[str], str]] = None) -> LaunchPlan:
+               master_addr_of: Optional[Callable[[str], str]] = None,
+               port_in_use: Optional[Callable[[str, int], bool]] = None) -> LaunchPlan:
     """pick_port(addr) serves --master_port 0 on this machine; master_addr_of(target) gives
-    the first host's address as the transport resolves it (~/.ssh/config HostName)."""
+    the first host's address as the transport resolves it (~/.ssh/config HostName);
+    port_in_use(addr, port) checks a one-machine job's port before any worker starts.
+
+    The port, on one machine: an explicit --master_port that is taken is a usage error
+    (one line, before anything starts, instead of every worker's EADDRINUSE traceback);
+    the default 29500 taken (another job here) moves to a free port, and a note says which,
+    as torchrun --standalone would pick one. Across machines nothing is checked: the
+    master's port is only known free on the master."""
     # before --num_gpus sizes this machine's pool, so the rule holds with or without a hostfile
     check_selection(opts.include, opts.exclude, opts.num_nodes, opts.num_gpus)
     hosts = resolve_hosts(opts, facts, environ)
@@ -210,13 +218,29 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
                                     f"has {facts.gpu_count} GPU(s) visible")
     if any(local) and not facts.gpu_count:
         n = sum(node.local_world_size for node, here in zip(world.nodes, local) if here)
-        notes.append(f"no GPU on this machine: --num_gpus counts worker processes; running {n} on the CPU")
+        if opts.hostfile and opts.num_gpus is None:  # the hostfile's slots sized it: --num_gpus is not the story
+            notes.append(f"no GPU on this machine: its hostfile slots are worker processes; running {n} on the CPU")
+        else:
+            notes.append(f"no GPU on this machine: --num_gpus counts worker processes; running {n} on the CPU")
 
     master_addr = opts.master_addr or ("127.0.0.1" if all(local) else
                                        (master_addr_of or (lambda t: t.rpartition("@")[2]))(world.nodes[0].target))
     master_port = opts.master_port
+    default_taken = False
+    if all(local) and port_in_use is not None and master_port != 0:
+        if master_port is None:
+            default_taken = port_in_use(master_addr, DEFAULT_MASTER_PORT)
+            master_port = 0 if default_taken else None
+        elif port_in_use(master_addr, master_port):
+            raise LaunchConfigError(f"--master_port {master_port}: already in use on this machine (another job?); "
+                                    "choose another, or --master_port 0 for a free one")
+    if master_port is None:
+        master_port = DEFAULT_MASTER_PORT
     if master_port == 0 and pick_port is not None:
         master_port = pick_port(master_addr)
+    if default_taken:
+        notes.append(f"port {DEFAULT_MASTER_PORT} is in use on this machine (another job?); "
+                     f"using free port {master_port} (--master_port chooses one)")
     ident = RunIdentity(master_addr, master_port, run_id or new_run_id(), 0, opts.max_restarts)
     remote_python = opts.remote_python or facts.python
     bind = (opts.bind_core_list or "") if opts.bind_cores_to_rank else None
@@ -230,8 +254,9 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
             visible = facts.visible_devices if here and facts.gpu_count else None
             contract = worker_env(world, node, lr, ident, visible_devices=visible)
             del contract["DSLAUNCH_ACCELERATOR"]  # the host's own fact: finish_workers sets it
-            if here and not facts.gpu_count and facts.visible_devices is not None:
-                del contract["CUDA_VISIBLE_DEVICES"]  # CPU mode where the user hid the GPUs: they stay hidden
+            if here and not facts.gpu_count:
+                # CPU mode: slot numbers are no devices (and GPUs the user hid stay hidden)
+                del contract["CUDA_VISIBLE_DEVICES"]
             env.update(contract)
             hidden |= hidden_here - contract.keys()  # a contract value replaced the file's: nothing to hide
             argv = worker_argv(opts.script, opts.script_args, lr, python=facts.python if here else remote_python,

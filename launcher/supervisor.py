@@ -20,6 +20,18 @@ loop is also what reacts to failures and stop requests.
 In each round the loop looks at exits before it reads pipes, so a worker that fails is
 known (and the observer told) before the lines other workers wrote in the same instant
 are handed over; the console can then treat those as follow-on errors.
+
+Which worker failed first is not always which exited first. A rank that raises in a
+script using dslaunch.runtime prints its traceback and then spends a while in the
+runtime's exit handler (destroying its process groups); its peers, waiting in a
+collective, fail the moment its connections close and may well exit before it does. So
+every worker gets the write end of a pipe (its fd in $DSLAUNCH_ORIGIN_FD), and the
+runtime's excepthook writes one line there before anything else happens. The first
+worker heard from that way is the origin: the observer is told at once (a failure with
+the exit code of an uncaught exception, 1), the non-zero exits of other workers that
+follow are follow-ons, and the group is torn down when the origin has exited (its real
+exit code and stderr then make the failure) or ORIGIN_WAIT_S after it raised. Scripts
+that do not use the runtime write nothing there and are judged by their exits alone.
 """
 from __future__ import annotations
 
@@ -44,6 +56,12 @@ from dslaunch.launcher.output import STDERR, STDOUT, OutputLine
 # grandchildren by it. Unique per attempt so two jobs on one host never touch each other.
 GROUP_MARKER_VAR = "DSLAUNCH_GROUP_ID"
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is emitted in pieces rather than buffered forever
+# runtime/comm/shutdown.ORIGIN_FD_VAR: the fd a worker's runtime writes to when it raises
+ORIGIN_FD_VAR = "DSLAUNCH_ORIGIN_FD"
+# How long a worker that raised may take to exit (the runtime's own shutdown after an
+# uncaught exception is bounded at 10 s) before the group is torn down anyway.
+ORIGIN_WAIT_S = 15.0
+UNCAUGHT_EXCEPTION_CODE = 1  # how Python exits after an uncaught exception
 
 
 class WorkerState(enum.Enum):
@@ -116,6 +134,7 @@ class _Worker:
     pidfd: Optional[int] = None
     started: float = 0.0
     exit_code: Optional[int] = None
+    origin_fd: Optional[int] = None  # read end of the pipe the worker's runtime announces an exception on
     partial: Dict[str, bytearray] = field(default_factory=lambda: {STDOUT: bytearray(), STDERR: bytearray()})
     tail: Deque[str] = field(default_factory=lambda: deque(maxlen=20))
 
@@ -139,6 +158,8 @@ class Supervisor:
         self._force_kill = False
         self._watchdog: Optional[subprocess.Popen] = None
         self._marker = f"{GROUP_MARKER_VAR}={uuid.uuid4().hex}"
+        self._origin: Optional[_Worker] = None  # the first worker whose runtime said it raised
+        self._origin_at = 0.0
 
     # -- public -------------------------------------------------------------------------
 
@@ -196,18 +217,29 @@ class Supervisor:
                     timeout = max(0.0, teardown_at + self.kill_grace - time.monotonic())
                 elif any(w.pidfd is None for w in self._workers if w.state is WorkerState.HEALTHY):
                     timeout = 0.05  # no pidfd support: poll exits
+                if teardown_at is None and self._origin is not None:
+                    wait = max(0.0, self._origin_at + ORIGIN_WAIT_S - time.monotonic())
+                    timeout = wait if timeout is None else min(timeout, wait)
                 ready = sel.select(timeout)
-                # exits first: a failure is known before the lines others wrote meanwhile are handed on
+                # an announced exception first, then exits: a failure is known before the
+                # lines others wrote meanwhile are handed on
                 for key, _ in ready:
                     if key.data[0] == "exit":
                         sel.unregister(key.fd)
                     elif key.data[0] == "wake":
                         self._drain_wake()
+                self._poll_origins(sel, may_name=teardown_at is None)
                 for w in self._workers:
                     if w.state is WorkerState.HEALTHY and w.proc.poll() is not None:
+                        if teardown_at is None and w.proc.returncode != 0:
+                            self._poll_origins(sel, may_name=True)  # the origin's line may not have woken us yet
                         failed = self._exited(w, sel, tearing_down=teardown_at is not None)
                         if failed and failure is None:
                             failure = failed
+                if (failure is None and teardown_at is None and self._origin is not None
+                        and time.monotonic() >= self._origin_at + ORIGIN_WAIT_S):
+                    failure = self._origin_failure(self._origin, reason=(
+                        f"raised an uncaught exception and had not exited {ORIGIN_WAIT_S:g}s later"))
                 if teardown_at is None and (failure is not None or self._stop_signal is not None):
                     teardown_at = self._begin_teardown(failure)
                 for key, _ in ready:
@@ -232,6 +264,9 @@ class Supervisor:
                 if w.pidfd is not None:
                     os.close(w.pidfd)
                     w.pidfd = None
+                if w.origin_fd is not None:
+                    os.close(w.origin_fd)
+                    w.origin_fd = None
             sel.close()
             self._stop_watchdog()
         return self._result(failure, teardown_at, done_at)
@@ -239,14 +274,18 @@ class Supervisor:
     def _spawn(self, w: _Worker, sel, marker_key: str, marker_value: str) -> Optional[Failure]:
         env = dict(w.spec.env)
         env[marker_key] = marker_value
+        origin_r, origin_w = os.pipe()
+        env[ORIGIN_FD_VAR] = str(origin_w)
         w.started = time.monotonic()
         try:
             w.proc = subprocess.Popen(
                 w.spec.argv, env=env, cwd=w.spec.cwd, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=reaper.make_child_setup(cpus=w.spec.cpus),
+                preexec_fn=reaper.make_child_setup(cpus=w.spec.cpus), pass_fds=(origin_w,),
             )
         except (OSError, ValueError) as e:
+            os.close(origin_r)
+            os.close(origin_w)
             # Nothing ran; report it like a shell would (126 not executable, 127 not found).
             code = 127 if isinstance(e, FileNotFoundError) else 126
             w.state, w.exit_code = WorkerState.FAILED, code
@@ -255,6 +294,10 @@ class Supervisor:
             w.tail.append(msg)
             self._observer.line(OutputLine(w.spec.rank, w.spec.label, STDERR, msg.encode() + b"\n"))
             return Failure(w.spec.rank, w.spec.label, code, reason=msg, stderr_tail=tuple(w.tail), elapsed_s=0.0)
+        os.close(origin_w)
+        os.set_blocking(origin_r, False)
+        w.origin_fd = origin_r
+        sel.register(origin_r, selectors.EVENT_READ, ("origin", w))
         w.state = WorkerState.HEALTHY
         self._announce(f"pgid {w.proc.pid}")
         for stream, pipe in ((STDOUT, w.proc.stdout), (STDERR, w.proc.stderr)):
@@ -316,21 +359,57 @@ class Supervisor:
         rc = w.proc.returncode
         w.exit_code = reaper.exit_code_of(rc)
         self._drain(sel, w)
-        if rc != 0 and not tearing_down:
+        if w is self._origin and not tearing_down:
+            w.state = WorkerState.FAILED
+            if rc == 0:  # it raised, yet something made it exit 0: still the failure it announced
+                return self._origin_failure(w, reason="raised an uncaught exception (then exited with code 0)")
+            sig = -rc if rc < 0 else None
+            return Failure(w.spec.rank, w.spec.label, w.exit_code, signal=sig, stderr_tail=tuple(w.tail),
+                           elapsed_s=time.monotonic() - w.started)
+        if rc != 0 and not tearing_down and self._origin is None:
             w.state = WorkerState.FAILED
             sig = -rc if rc < 0 else None
             return Failure(w.spec.rank, w.spec.label, w.exit_code, signal=sig, stderr_tail=tuple(w.tail),
                            elapsed_s=time.monotonic() - w.started)
         self._observer.exited(w.spec.label)
+        if rc != 0 and self._origin is not None and not tearing_down:
+            w.state = WorkerState.STOPPED  # a follow-on of the origin's exception
+            return None
         # once the teardown began, whatever it exited with, we stopped it
         w.state = WorkerState.SUCCEEDED if rc == 0 and not tearing_down else WorkerState.STOPPED
         return None
 
+    def _poll_origins(self, sel, may_name: bool) -> None:
+        """Read every worker's origin pipe; the first worker that announced an exception,
+        while nothing has failed or been stopped yet (may_name), is the origin and the
+        observer is told now."""
+        for w in self._workers:
+            if w.origin_fd is None:
+                continue
+            try:
+                data = os.read(w.origin_fd, 4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:  # EOF: it (and every process that inherited the pipe) is gone
+                sel.unregister(w.origin_fd)
+                os.close(w.origin_fd)
+                w.origin_fd = None
+            elif may_name and self._origin is None and w.state is WorkerState.HEALTHY and self._stop_signal is None:
+                self._origin, self._origin_at = w, time.monotonic()
+                self._observer.failed(self._origin_failure(w))
+
+    def _origin_failure(self, w: _Worker, reason: str = "") -> Failure:
+        """The origin's failure before its exit is seen: the exit code of an uncaught exception."""
+        return Failure(w.spec.rank, w.spec.label, UNCAUGHT_EXCEPTION_CODE, reason=reason, stderr_tail=tuple(w.tail),
+                       elapsed_s=time.monotonic() - w.started)
+
     # -- teardown -----------------------------------------------------------------------
 
     def _begin_teardown(self, failure: Optional[Failure]) -> float:
-        if failure is not None:
-            self._observer.failed(failure)
+        if failure is not None and (self._origin is None or failure.rank != self._origin.spec.rank):
+            self._observer.failed(failure)  # (an origin's failure was told when it raised)
         sig = signal.SIGTERM if failure is not None or self._stop_signal is None else self._stop_signal
         self._signal_everything(sig)
         return time.monotonic()
@@ -386,6 +465,8 @@ class Supervisor:
                     self._read(sel, key.fd, w, kind)
                 elif kind == "wake":
                     self._drain_wake()
+                elif kind == "origin":
+                    self._poll_origins(sel, may_name=False)
         for w in self._workers:
             for stream in (STDOUT, STDERR):
                 self._flush_partial(w, stream)

@@ -1,7 +1,8 @@
 """Rank 0's progress line, one metrics sink among the others (runtime/monitor/).
 
-Every `steps_per_print` steps: the step (with the total and an ETA when the total is
-known), the loss as the mean over the window's steps (labelled so), lr, samples/s, loss
+Every `steps_per_print` steps: the step (with the total and an ETA when the run's total
+is known: engine.set_train_steps(n), or a scheduler with total_num_steps; else the position
+in the epoch of initialize()'s data loader, and no ETA: an epoch's end is not the run's), the loss as the mean over the window's steps (labelled so), lr, samples/s, loss
 scale (fp16), skipped steps, and the per-step phase times with `wall_clock_breakdown`.
 On a terminal it is printed through rich (styled, aligned); in a pipe or a log file it is
 plain text, so logs stay grep-able:
@@ -89,7 +90,6 @@ class ProgressLog(MetricsSink):
             epoch = (record.step - 1) // record.epoch_steps  # the epoch this step belongs to
             into = record.step - epoch * record.epoch_steps
             where += f" (epoch {epoch} {into}/{record.epoch_steps})"
-            eta = (record.epoch_steps - into) * per_step
         loss = sum(w.losses) / len(w.losses) if w.losses else float("nan")
         loss_text = f"loss {loss:.4f} (mean of {w.steps} step{'s' if w.steps != 1 else ''})"
         parts = [where, loss_text, f"lr {record.values.get(LR, 0.0):.3e}"]

@@ -374,6 +374,9 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-refs", action="store_true", help="FSDP2 in stage-3 rows even with DeepSpeed")
     ap.add_argument("--cuda", action="store_true", help="NCCL on one GPU per rank; device memory")
     ap.add_argument("--json", default="", help="also write every row's figures to this file")
+    ap.add_argument("--workdir", default="",
+                    help="folder for the corpus, worker logs and NVMe files (default: a new bench-vs-ds-* folder "
+                         "in $TMPDIR, kept and named at the end)")
     ap.add_argument("--extensions-dir", default="",
                     help="TORCH_EXTENSIONS_DIR for DeepSpeed's JIT-built CPU ops (default: a fresh folder per run, "
                          "so its time to first step includes the build, as a new user sees it; a shared cache "
@@ -408,7 +411,11 @@ def main(argv=None) -> int:
             fail(f"--only: unknown rows {sorted(unknown)}; known: {', '.join(r.name for r in rows)}")
         rows = [r for r in rows if r.name in want]
 
-    workdir = tempfile.mkdtemp(prefix="bench-vs-ds-")
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+        workdir = os.path.abspath(args.workdir)
+    else:
+        workdir = tempfile.mkdtemp(prefix="bench-vs-ds-")
     args.extensions_dir = os.path.abspath(args.extensions_dir or os.path.join(workdir, "torch_extensions"))
     stale = stale_build_locks(args.extensions_dir)
     if stale:  # torch's build lock outlives a killed build and every later load waits on it forever

@@ -29,6 +29,14 @@ run() {
     return "${PIPESTATUS[0]}"
 }
 
+# pip's own lines say what failed, not what to do about it: one line that does, then stop.
+cannot_fetch() {
+    echo "setup: error: pip could not install torch==$VERSION from $1 (no network, or the index is" \
+         "unreachable from here): set DSLAUNCH_TORCH_WHEELS=DIR (a folder with the torch wheel) or" \
+         "DSLAUNCH_TORCH_INDEX_URL=URL (a reachable index or mirror) and run set-up again" >&2
+    exit 1
+}
+
 build="${DSLAUNCH_TORCH_BUILD:-auto}"
 if [ "$build" = auto ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
@@ -47,11 +55,11 @@ if [ -n "${DSLAUNCH_TORCH_WHEELS:-}" ]; then
     extra=(--find-links "$DSLAUNCH_TORCH_WHEELS")
 elif [ -n "${DSLAUNCH_TORCH_INDEX_URL:-}" ]; then
     echo "setup: installing torch==$VERSION from $DSLAUNCH_TORCH_INDEX_URL" >&2
-    run "${q[@]}" --no-deps --index-url "$DSLAUNCH_TORCH_INDEX_URL" "torch==$VERSION"
+    run "${q[@]}" --no-deps --index-url "$DSLAUNCH_TORCH_INDEX_URL" "torch==$VERSION" || cannot_fetch "$DSLAUNCH_TORCH_INDEX_URL"
     extra=()
 elif [ "$build" = cuda ]; then
     echo "setup: installing torch==$VERSION (a GPU is present: PyPI's CUDA build)" >&2
-    run "${q[@]}" --no-deps "torch==$VERSION"
+    run "${q[@]}" --no-deps "torch==$VERSION" || cannot_fetch "PyPI"
     extra=()
 else
     echo "setup: installing torch==$VERSION, CPU build (no GPU here; DSLAUNCH_TORCH_BUILD=cuda to override)" >&2
@@ -61,8 +69,8 @@ else
         echo "pip ${local_first[*]}"
         echo "pip ${cpu_index[*]}  # only when pip knows no local wheel"
     elif ! run "${local_first[@]}" 2>/dev/null; then
-        run "${cpu_index[@]}"
+        run "${cpu_index[@]}" || cannot_fetch "$CPU_INDEX"
     fi
     extra=()
 fi
-run "${q[@]}" ${extra[@]+"${extra[@]}"} "torch==$VERSION"
+run "${q[@]}" ${extra[@]+"${extra[@]}"} "torch==$VERSION" || cannot_fetch "PyPI (torch's dependencies)"

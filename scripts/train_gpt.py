@@ -164,6 +164,7 @@ def main(argv=None):
     model_engine, optimizer, train_dataloader, _ = deepspeed.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
     torch.manual_seed(1 + model_engine.global_rank)  # different random windows on each rank
+    model_engine.set_train_steps(args.steps)  # the progress line's step/total and the run's ETA
     if args.resume and args.checkpoint_dir:
         model_engine.load_checkpoint(args.checkpoint_dir)
 

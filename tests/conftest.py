@@ -14,6 +14,20 @@ from hf_fixture import deepspeed_compat, tiny_gpt2  # noqa: F401  (the deepspeed
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _children_use_the_sessions_temporary_folder(tmp_path_factory):
+    """dslaunch and the workers the tests start make their temporary files and folders
+    (e.g. the `dslaunch-run-*` folder that keeps hidden lines when there is no --log_dir)
+    under this session's pytest folder, which pytest prunes, never loose in /tmp."""
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmpdir"))
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -17,7 +17,7 @@ def test_bench_vs_deepspeed_without_deepspeed(tmp_path):
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--deepspeed-python", sys.executable, "--only", "0-fp32,3-fp32",
          "--steps", "3", "--warmup", "1", "--micro", "2", "--block", "16", "--n-embd", "32", "--n-layer", "1",
-         "--n-head", "2", "--persistence", "0", "--json", str(out)],
+         "--n-head", "2", "--persistence", "0", "--json", str(out), "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ours against the formula and torch only" in proc.stdout
@@ -33,6 +33,7 @@ def test_bench_vs_deepspeed_without_deepspeed(tmp_path):
     assert r0["torch"] == "ddp" and r0["torch_s"] > 0 and r0["floor_s"] > 0 and r0["dloss_ddp"] < 1e-3, r0
     assert r["floor_s"] is None
     assert "compute floor" in proc.stdout
+    assert f"worker logs in {tmp_path / 'work'}" in proc.stdout  # nothing left in /tmp
 
 
 def test_cuda_mode_without_a_gpu_is_one_line(tmp_path):

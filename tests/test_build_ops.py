@@ -154,3 +154,25 @@ def test_same_op_built_twice_in_one_process_loads_from_both_caches(tmp_path):
     for built in (first, second, builder.build(spec, tmp_path / "b")):
         assert built.path.exists(), built.path
         assert ctypes.CDLL(str(built.path)).ds_cpu_adam_isa
+
+
+def test_build_ops_cuda_without_a_gpu_says_which_architecture_it_targets(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    built = []
+
+    def no_compiler(spec, root, verbose=False):  # what was asked for is the point here, not the compile
+        built.append(spec.name)
+        raise builder.BuildError(f"{spec.name}: no compiler in this test")
+
+    monkeypatch.setattr(builder, "build", no_compiler)
+    monkeypatch.delenv(builder.ARCH_ENV, raising=False)
+    result = CliRunner().invoke(build_ops, ["--cuda", "--cache-dir", str(tmp_path)])
+    assert "build-ops: no GPU visible: the CUDA fused Adam targets sm_90 (compute capability 9.0), the default; " \
+           "for another GPU set TORCH_CUDA_ARCH_LIST, e.g. 8.0 for an A100" in result.output
+    assert len(built) == 4 and result.exit_code == 1
+    built.clear()
+    monkeypatch.setenv(builder.ARCH_ENV, "8.0")  # chosen: nothing to say
+    result = CliRunner().invoke(build_ops, ["--cuda", "--cache-dir", str(tmp_path)])
+    assert "no GPU visible" not in result.output and len(built) == 4

@@ -93,3 +93,19 @@ def test_exit_leaves_no_group_and_no_thread(tmp_path, mode):
             assert not [t for t in left["threads"] if t.startswith(BACKEND_THREADS)], left["threads"]
         assert left["swap_files"] == []
     assert os.listdir(nvme) == []
+
+
+def test_after_an_uncaught_exception_shutdown_step_errors_are_not_reported(monkeypatch, capfd):
+    """A peer that stopped waiting makes this rank's outstanding collectives fail at exit:
+    after an uncaught exception that is a follow-on, not a second error on the console."""
+    from dslaunch.runtime.comm import shutdown
+
+    def lost_peer():
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    monkeypatch.setitem(shutdown._state, "failed", False)
+    shutdown._run("waiting for outstanding collectives", lost_peer)
+    assert "shutdown: waiting for outstanding collectives failed: RuntimeError" in capfd.readouterr().err
+    monkeypatch.setitem(shutdown._state, "failed", True)
+    shutdown._run("waiting for outstanding collectives", lost_peer)
+    assert capfd.readouterr().err == ""

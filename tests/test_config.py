@@ -200,3 +200,27 @@ def test_schedules_follow_deepspeed_formulas():
     with pytest.raises(ConfigError, match=r"scheduler.type: unknown scheduler 'WarmupLr'; did you mean 'WarmupLR'\?"):
         build_scheduler(SchedulerConfig("WarmupLr", {}), _opt())
 
+
+
+def test_a_batch_filled_in_for_one_process_by_accelerate_on_cpu_names_the_cause_and_the_fix(monkeypatch):
+    """The HF Trainer on a CPU-only machine without the gloo recipe: Accelerate saw a world
+    of 1 and filled "auto" with it; the error says so and gives the recipe."""
+    import sys
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = DeepSpeedConfig.load({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                                "gradient_accumulation_steps": 2})
+    monkeypatch.delitem(sys.modules, "accelerate", raising=False)
+    with pytest.raises(ConfigError, match=r"train_batch_size 4 != 2 x 2 x 2 = 8"):
+        resolve_batch_sizes(cfg, 2)  # no Accelerate: the plain rule
+    monkeypatch.setitem(sys.modules, "accelerate", types.ModuleType("accelerate"))
+    with pytest.raises(ConfigError) as info:
+        resolve_batch_sizes(cfg, 2)
+    msg = str(info.value)
+    assert msg.startswith('batch size: train_batch_size 4 = 2 x 2 x 1 was filled in ("auto") for a world of 1 '
+                          "process, but this is data-parallel size 2 (world size): on a machine without GPUs "
+                          "Accelerate starts no process group for DeepSpeed.")
+    assert 'accelerate.PartialState(backend="gloo")' in msg and '"use_configured_state": True' in msg

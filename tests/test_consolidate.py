@@ -89,3 +89,14 @@ def test_function_api_matches_cli(tmp_path):
     lin = _fake_stage0_checkpoint(tmp_path / "ck")
     sd = consolidate_checkpoint(str(tmp_path / "ck"), "global_step3")
     assert torch.equal(sd["bias"], lin.bias.float())
+
+
+def test_consolidate_help_says_how_the_output_format_is_chosen():
+    from click.testing import CliRunner
+
+    from dslaunch.runtime.checkpoint.consolidate import consolidate
+
+    text = " ".join(CliRunner().invoke(consolidate, ["--help"], terminal_width=400).output.split())
+    assert "OUT's name picks the format: *.safetensors is written with the safetensors package (an error if " \
+           "it is not installed), any other name with torch.save." in text
+    assert "otherwise torch format" not in text

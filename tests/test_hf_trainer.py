@@ -68,6 +68,26 @@ def test_zero3_from_pretrained_builds_the_model_sharded(runs):
     assert "transformer.h.0.ln_1.weight" not in sharded
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the recipe is for machines without a GPU")
+def test_without_the_cpu_recipe_the_error_names_the_cause_and_the_fix(deepspeed_compat, tiny_gpt2, tmp_path):
+    res = _dslaunch(deepspeed_compat.env(), JOB, "--mode", "zero2", "--model", str(tiny_gpt2), "--out",
+                    str(tmp_path), "--no_cpu_recipe")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert ('error: batch size: train_batch_size 4 = 2 x 2 x 1 was filled in ("auto") for a world of 1 process, '
+            "but this is data-parallel size 2") in res.stderr
+    assert 'accelerate.PartialState(backend="gloo")' in res.stderr and "Traceback" not in res.stderr
+
+
+def test_zero3_parameters_carry_deepspeeds_attributes_so_the_trainer_counts_them_all(runs):
+    # get_model_param_count is what Trainer.train() logs as "Number of trainable parameters"
+    ddp, zero3 = runs["ddp"]["counted"], runs["zero3"]["counted"]
+    assert zero3["trainable"] == ddp["trainable"] > 10_000
+    assert zero3["status"] == ["NOT_AVAILABLE"]  # ds_status of every sharded parameter at rest
+    assert ddp["status"] == [] and zero3["shapes_match"]
+    assert zero3["ids"] == runs["zero3"]["parameters"]  # one ds_id each
+    assert runs["zero3_eval"]["counted"]["trainable"] == ddp["trainable"]
+
+
 def test_zero3_save_model_writes_a_full_model_that_from_pretrained_loads(runs):
     from transformers import AutoModelForCausalLM
 

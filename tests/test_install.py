@@ -143,6 +143,22 @@ def test_install_torch_chooses_the_build():
     assert cmds[-1].endswith("install -q --disable-pip-version-check torch==2.13.0")
 
 
+def test_install_torch_says_what_to_do_when_the_index_cannot_be_reached(tmp_path):
+    """pip fails as it does offline (retries, then an error): one set-up line names the two
+    variables that install torch without that index, and the exit status is 1."""
+    pip = tmp_path / "venv" / "bin" / "pip"
+    pip.parent.mkdir(parents=True)
+    pip.write_text("#!/bin/sh\necho \"WARNING: Retrying (Retry(total=4)) after connection broken by "
+                   "'NewConnectionError': /whl/cpu/torch/\" >&2\n"
+                   "echo 'ERROR: No matching distribution found for torch==2.13.0' >&2\nexit 1\n")
+    pip.chmod(0o755)
+    res = _run(["bash", SCRIPT, tmp_path / "venv"], env={**os.environ, "DSLAUNCH_TORCH_BUILD": "cpu"})
+    assert res.returncode == 1
+    hint = [line for line in res.stderr.splitlines() if line.startswith("setup: error:")]
+    assert len(hint) == 1 and "from https://download.pytorch.org/whl/cpu" in hint[0], res.stderr
+    assert "DSLAUNCH_TORCH_WHEELS=DIR" in hint[0] and "DSLAUNCH_TORCH_INDEX_URL=URL" in hint[0]
+
+
 @pytest.mark.timeout(300)
 def test_install_torch_from_a_wheel_folder_and_from_pips_local_wheels(tmp_path):
     wheels = tmp_path / "wheels"

@@ -78,7 +78,10 @@ def test_local_hostfile_text_plan(hostfile):
     code, out, err = cli(["--dry_run", "--hostfile", hostfile("localhost slots=3\n"), "--include", "localhost:0,2", BEHAVE])
     assert code == 0, err
     assert "node 0: localhost (this machine, cpu) slots 0,2 ranks 0-1" in out
-    assert "CUDA_VISIBLE_DEVICES=0,2" in out and "--local_rank=1" in out
+    assert "CUDA_VISIBLE_DEVICES" not in out and "--local_rank=1" in out  # CPU workers: slots are no devices
+    # only a hostfile sized the job: the notice does not speak of --num_gpus
+    assert "no GPU on this machine: its hostfile slots are worker processes; running 2 on the CPU" in err
+    assert "--num_gpus" not in err
 
 
 @pytest.mark.parametrize(
@@ -233,7 +236,8 @@ def test_script_args_pass_through_untouched_and_env_contract(tmp_path):
         e = g["env"]
         assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
         assert (e["NODE_RANK"], e["GROUP_RANK"], e["MASTER_ADDR"]) == ("0", "0", "127.0.0.1")
-        assert e["CUDA_VISIBLE_DEVICES"] == "0,1" and e["DSLAUNCH_ACCELERATOR"] == "cpu"
+        assert e.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")  # CPU: none of ours
+        assert e["DSLAUNCH_ACCELERATOR"] == "cpu"
         assert e["DSLAUNCH_RESTART_COUNT"] == e["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert e["FROM_ENV_FILE"] == "yes it is"
     assert got[0]["env"]["MASTER_PORT"] == got[1]["env"]["MASTER_PORT"] != "29500"
@@ -267,6 +271,51 @@ def test_max_restarts_restarts_the_group_with_the_counter_in_env(tmp_path):
     assert "[rank 1] attempt 2 rank 1" in r.stdout
     r = run(["--num_gpus", "2", "--max_restarts", "1", "--no_local_rank", str(worker)])
     assert r.returncode == 4 and "giving up after 1 restart(s)" in r.stderr
+
+
+@pytest.fixture
+def listener():
+    """Listen on a TCP port as another job's rendezvous store would: the default 29500 when
+    it can be had (when it cannot, something else already listens there), else a free one."""
+    import socket
+
+    socks = []
+
+    def listen(port):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            s.close()
+            return port
+        s.listen()
+        socks.append(s)
+        return s.getsockname()[1]
+
+    yield listen
+    for s in socks:
+        s.close()
+
+
+def test_an_explicit_master_port_in_use_is_one_line_before_anything_starts(listener, tmp_path):
+    port = listener(0)
+    r = run(["--num_gpus", "2", "--master_port", str(port), BEHAVE, "env", str(tmp_path / "env")])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == (f"dslaunch: error: --master_port {port}: already in use on this machine "
+                                         "(another job?); choose another, or --master_port 0 for a free one")
+    assert not list(tmp_path.iterdir())  # no worker started
+
+
+@pytest.mark.timeout(120)
+def test_the_default_port_in_use_moves_to_a_free_one_and_says_so(listener):
+    assert listener(29500) == 29500
+    r = run(["--num_gpus", "2", str(ROOT / "scripts" / "examples" / "allreduce.py")], timeout=110)
+    assert r.returncode == 0, r.stderr
+    note = [line for line in r.stderr.splitlines() if "port 29500 is in use" in line]
+    assert len(note) == 1 and note[0].startswith("dslaunch: port 29500 is in use on this machine (another job?); "
+                                                 "using free port "), r.stderr
+    assert "(--master_port chooses one)" in note[0] and "[rank 1] all_reduce sum = 3" in r.stdout
 
 
 @pytest.mark.timeout(120)

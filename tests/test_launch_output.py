@@ -91,20 +91,27 @@ def test_follow_on_errors_are_collapsed_and_the_first_failure_shown_once(tmp_pat
 
 @pytest.mark.timeout(90)
 def test_the_same_error_on_every_rank_is_shown_once(tmp_path):
+    """Without --log_dir, the hidden lines are kept in a temporary folder the summary names."""
     r = subprocess.run([*DSLAUNCH, "--num_gpus", "2", BEHAVE, "cascade", str(tmp_path / "c"), "same"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=80)
+                       capture_output=True, text=True, cwd=tmp_path, timeout=80,
+                       env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("unknown key 'zero_optimisation'") == 2  # one traceback: the error line and its source
     assert r.stderr.count("Traceback (most recent call last):") == 1
-    assert "line(s) not shown (--log_dir keeps them)" in r.stderr
+    assert "--log_dir keeps" not in r.stderr
+    kept = [line for line in r.stderr.splitlines() if "line(s) not shown, all in " in line]
+    assert len(kept) == 1, r.stderr
+    path = Path(kept[0].rsplit(" all in ", 1)[1])
+    assert path.parent.parent == tmp_path and path.parent.name.startswith("dslaunch-run-")
+    assert "unknown key 'zero_optimisation'" in path.read_text()
 
 
-def test_console_policy_for_errors_written_in_the_same_instant():
+def test_console_policy_for_errors_written_in_the_same_instant(tmp_path):
     """The same one-line error from two ranks a moment apart: the failing rank's shows, the
     other's (still within the stderr delay) is counted; stdout is never delayed or hidden
-    before the failure."""
+    before the failure. With no --log_dir, the hidden lines are in the file the summary names."""
     out, err = io.BytesIO(), io.BytesIO()
-    o = JobOutput(out, err, delay_s=30, traceback_s=30)  # long delays: nothing here depends on timing
+    o = JobOutput(out, err, delay_s=30, traceback_s=30, tail_root=str(tmp_path))  # long delays: no timing
     o.line(OutputLine(0, "rank 0", "stderr", b"error: bad key\n"))
     o.line(OutputLine(0, "rank 0", "stdout", b"step 1\n"))
     o.line(OutputLine(1, "rank 1", "stderr", b"[rank1]: error: bad key\n"))
@@ -113,10 +120,117 @@ def test_console_policy_for_errors_written_in_the_same_instant():
     o.line(OutputLine(1, "rank 1", "stdout", b"bye\n"))
     o.summary(AttemptSummary(Failure(1, "rank 1", 2, elapsed_s=1.0), {"rank 0": "stopped"}, 2))
     o.close()
+    kept = next(tmp_path.glob("dslaunch-run-*")) / "rank_0.log"
     assert out.getvalue() == b"[rank 0] step 1\n[rank 1] bye\n"
     assert err.getvalue().decode().splitlines() == [
         "[rank 1] error: bad key",
         "dslaunch: rank 1 failed first: exited with code 2 after 1.0s",
-        "dslaunch: rank 0: stopped after rank 1 failed; 2 line(s) not shown (--log_dir keeps them)",
+        f"dslaunch: rank 0: stopped after rank 1 failed; 2 line(s) not shown, all in {kept}",
         "dslaunch: stopped the other 1 of 2 worker(s)",
     ]
+    assert kept.read_bytes() == b"error: bad key\nstep 1\n[rank0]: Traceback (most recent call last):\n"
+
+
+def test_without_log_dir_only_the_last_lines_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr("dslaunch.launcher.output.TAIL_LINES", 3)
+    out, err = io.BytesIO(), io.BytesIO()
+    o = JobOutput(out, err, tail_root=str(tmp_path))
+    f = Failure(1, "rank 1", 2, elapsed_s=1.0)
+    o.failed(f)
+    for i in range(5):
+        o.line(OutputLine(0, "rank 0", "stdout", f"line {i}\n".encode()))
+    o.summary(AttemptSummary(f, {"rank 0": "stopped"}, 2))
+    o.close()
+    kept = next(tmp_path.glob("dslaunch-run-*")) / "rank_0.log"
+    assert f"rank 0: stopped after rank 1 failed; 5 line(s) not shown, its last 3 lines in {kept}" in err.getvalue().decode()
+    assert kept.read_text() == "line 2\nline 3\nline 4\n"
+
+
+def test_progress_frames_are_plain_periodic_lines_when_the_console_is_no_terminal():
+    """tqdm-style frames (bare carriage returns) on a console that is a pipe or a file: the
+    first frame and the bar's last line, each on a line of its own with one prefix; the
+    frames in between are not shown there; the log file keeps every byte."""
+    out, err = io.BytesIO(), io.BytesIO()
+    o = JobOutput(out, err)
+    frames = [b"\r"] + [f"{i:3d}%|{'#' * (i // 10):10s}|\r".encode() for i in range(0, 100, 5)]
+    for data in frames + [b"100%|##########|\n", b"done\n"]:
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.close()
+    assert out.getvalue().decode().splitlines() == ["[rank 0]   0%|          |", "[rank 0] 100%|##########|",
+                                                    "[rank 0] done"]
+    assert b"\r" not in out.getvalue()
+
+
+def test_progress_frames_stay_frames_on_a_terminal():
+    class Tty(io.BytesIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    o = JobOutput(out, io.BytesIO())
+    for data in (b" 10%|#\r", b" 20%|##\r", b"100%|###\n"):
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.close()
+    assert out.getvalue().count(b"\r") == 2 and out.getvalue().count(b"[rank 0]") == 3
+
+
+class _Tty(io.BytesIO):
+    def isatty(self):
+        return True
+
+
+def test_worker_control_characters_are_escaped_on_the_console_and_kept_in_the_log(tmp_path, monkeypatch):
+    """A worker cannot set the title, clear the screen, back over the prefix or forge
+    another rank's line; colour stays; the log file has the bytes as written."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    out, err = _Tty(), io.BytesIO()
+    o = JobOutput(out, err, log_dir=str(tmp_path))
+    o.start_attempt(0, [0, 1])
+    written = [b"\x1b]0;pwned\x07title\n", b"\x1b[2J\x1b[Hcleared\n", b"\x1b[31mred\x1b[0m caf\xc3\xa9\n",
+               b"\x08\x08\x08\x08\x08\x08\x08\x08\x08[rank 1] forged\n", b"\x9b2J 8-bit\n",
+               b"50%|#####     |\r"]
+    for data in written:
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.line(OutputLine(1, "rank 1", "stdout", b"hi\n"))
+    o.close()
+    assert out.getvalue().split(b"\n") == [
+        b"[rank 0] \\x1b]0;pwned\\x07title",
+        b"[rank 0] \\x1b[2J\\x1b[Hcleared",
+        b"[rank 0] \x1b[31mred\x1b[0m caf\xc3\xa9",
+        b"[rank 0] " + b"\\x08" * 9 + b"[rank 1] forged",
+        b"[rank 0] \\x9b2J 8-bit",
+        b"[rank 0] 50%|#####     |\r\x1b[2K[rank 1] hi",  # the frame's line is erased before rank 1 writes
+        b"",
+    ]
+    assert (tmp_path / "rank_0.log").read_bytes().split(b"===\n", 1)[1] == b"".join(written)
+
+
+def test_a_carriage_return_in_a_line_gives_each_piece_our_prefix():
+    """Through the supervisor's line cutting: `fake\\r[rank 1] x` from rank 0 is two pieces,
+    each with rank 0's prefix."""
+    from dslaunch.launcher.supervisor import Supervisor, WorkerSpec
+
+    class Collect:
+        def __init__(self):
+            self.lines = []
+
+        def line(self, line):
+            self.lines.append(line.data)
+
+        def failed(self, failure):
+            pass
+
+        def exited(self, label):
+            pass
+
+    obs = Collect()
+    script = "import sys; sys.stdout.write('[rank 0] fine then\\r[rank 1] forged\\n')"
+    Supervisor([WorkerSpec(0, [sys.executable, "-c", script], dict(os.environ))], obs, watchdog=False,
+               subreaper=False).run()
+    assert obs.lines == [b"[rank 0] fine then\r", b"[rank 1] forged\n"]
+    out = io.BytesIO()
+    o = JobOutput(out, io.BytesIO())
+    for data in obs.lines:
+        o.line(OutputLine(0, "rank 0", "stdout", data))
+    o.close()
+    assert out.getvalue() == b"[rank 0] [rank 0] fine then\n[rank 0] [rank 1] forged\n"

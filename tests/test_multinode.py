@@ -87,6 +87,24 @@ def test_two_nodes_two_processes_gloo_all_reduce(ns_cluster, ssh_home, tmp_path)
         assert line == f"[{host}:{rank}] sum=10 rank={rank} host={host} local={rank % 2} ifname=eth0"
 
 
+@pytest.mark.timeout(240)
+def test_the_rank_that_raised_is_named_across_hosts(ns_cluster, ssh_home, tmp_path):
+    """Rank 0 (first host) raises while rank 1 (second host) waits in a collective: its
+    agent reports the exception as it happens, so the head names rank 0, not the peer."""
+    from pathlib import Path
+
+    env, _ = ssh_home
+    env["GLOO_SOCKET_IFNAME"] = "eth0"
+    h1, h2 = ns_cluster.hosts
+    hf = _hostfile(tmp_path, [f"{h1.name} slots=1", f"{h2.name} slots=1"])
+    worker = str(Path(__file__).with_name("workers") / "raise_in_collective.py")
+    res = _run(["--hostfile", hf, "--master_port", "29533", worker, "zero2"], env, tmp_path, timeout=200)
+    assert res.returncode == 1, res.stderr
+    assert f"dslaunch: {h1.name}:0 failed first: exited with code 1" in res.stderr
+    assert f"[{h1.name}:0] RuntimeError: rank 0 broke on purpose" in res.stderr
+    assert "Connection closed by peer" not in res.stderr, res.stderr
+
+
 @pytest.mark.timeout(90)
 def test_remote_worker_failure_tears_down_every_host(ns_cluster, ssh_home, tmp_path):
     env, _ = ssh_home

@@ -167,9 +167,9 @@ def _run(opt_type, opt_params, stage, offload, nvme, rank, world):
     return run
 
 
-def _types_worker():
+def _types_worker(tmp):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    nvme = tempfile.mkdtemp(prefix="opt-types-nvme-")
+    nvme = tempfile.mkdtemp(prefix="opt-types-nvme-", dir=tmp)
     out = {}
     for opt_type, (opt_params, runs) in CASES.items():
         ref = _run(opt_type, opt_params, 0, "none", nvme, rank, world)
@@ -183,11 +183,11 @@ def _types_worker():
 
 
 @pytest.mark.timeout(300)
-def test_each_type_under_zero_with_and_without_offload_matches_stage0():
+def test_each_type_under_zero_with_and_without_offload_matches_stage0(tmp_path):
     """Lion, Adagrad and Adam (and the DeepSpeed-named classes) under ZeRO stages 1-3: with
     offload the optimizer's CPU kernel steps the host partitions (CPU and NVMe), without it
     the optimizer itself; either way the result equals the same type at stage 0."""
-    for result in run_function(_types_worker, nprocs=2, timeout=280):
+    for result in run_function(_types_worker, nprocs=2, kwargs={"tmp": str(tmp_path)}, timeout=280):
         for opt_type, (_, runs) in CASES.items():
             for stage, offload, cls, kernel in runs:
                 key = f"{opt_type}-s{stage}-{offload}"

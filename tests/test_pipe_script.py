@@ -91,11 +91,14 @@ def test_bad_pipeline_use_is_one_line_and_exit_2_on_every_rank(script, case):
 
 
 @pytest.mark.timeout(200)
-def test_seed_gptlite_pipeline_script_trains_on_two_stages():
+def test_seed_gptlite_pipeline_script_trains_on_two_stages(tmp_path):
     runs = run_script([os.path.join(EXAMPLE, "gptlite_pipeline.py"), "--deepspeed_config",
-                       os.path.join(EXAMPLE, "gptlite_pipeline.json"), "--steps", "4"], nprocs=2, timeout=180)
+                       os.path.join(EXAMPLE, "gptlite_pipeline.json"), "--steps", "4",
+                       "--result_json", str(tmp_path / "result.{rank}.json")], nprocs=2, timeout=180)
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
-    res = [json.loads([l for l in r.stdout.splitlines() if l.startswith("RESULT ")][-1][7:]) for r in runs]
+    assert not any("RESULT" in r.stdout for r in runs)  # the console gets the human line, not raw JSON
+    assert runs[0].stdout.count("trained 4 steps: loss ") == 1
+    res = [json.loads((tmp_path / f"result.{rank}.json").read_text()) for rank in (0, 1)]
     assert [(r["rank"], r["stage"]) for r in res] == [(0, 0), (1, 1)]
     assert res[0]["losses"] == res[1]["losses"] and len(res[0]["losses"]) == 4  # the same loss on every stage
     assert 4.0 < res[0]["losses"][0] < 6.5  # about ln(256) at the start: a byte-level model

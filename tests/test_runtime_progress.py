@@ -28,7 +28,7 @@ def test_total_steps_give_step_over_total_and_eta():
     line = log.write_step(_rec(5, 1.0, total_steps=20))
     assert line.startswith("step 5/20 | loss 1.0000 (mean of 1 step) |") and " | ETA 0:00:0" in line
     line = log.write_step(_rec(7, 1.0, epoch_steps=4))
-    assert line.startswith("step 7 (epoch 1 3/4) |") and "ETA" in line
+    assert line.startswith("step 7 (epoch 1 3/4) |") and "ETA" not in line  # an epoch's end is not the run's
     assert log.write_step(_rec(8, 1.0, epoch_steps=4)).startswith("step 8 (epoch 1 4/4) |")
     assert clock(3725.2) == "1:02:05"
 
@@ -55,3 +55,40 @@ def test_terminal_output_goes_through_rich():
     assert log._console is not None
     log.write_step(_rec(7, 0.5))
     assert "step 7" in out.getvalue() and "loss 0.5000 (mean of 1 step)" in out.getvalue()
+
+
+def _progress_lines(scheduler, train_steps):
+    import contextlib
+
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if scheduler:
+        cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_num_steps": 2}}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+        if train_steps:
+            engine.set_train_steps(train_steps)
+        for _ in range(2):
+            engine.backward(engine(torch.ones(2, 4)).sum())
+            engine.step()
+    return [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+
+
+def test_the_run_total_comes_from_set_train_steps_or_the_schedulers_total_num_steps():
+    from dist_harness import run_function
+
+    plain, scheduled, explicit = run_function(_progress_cases, nprocs=1, timeout=120)[0]
+    assert plain[1].startswith("step 2 | ") and "ETA" not in plain[1]
+    assert scheduled[1].startswith("step 2/50 | ") and "| ETA 0:" in scheduled[1]
+    assert explicit[1].startswith("step 2/7 | ") and "| ETA 0:" in explicit[1]
+
+
+def _progress_cases():
+    return _progress_lines(False, None), _progress_lines(True, None), _progress_lines(True, 7)

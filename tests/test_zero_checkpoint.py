@@ -21,7 +21,8 @@ def _save_worker(ckpt, stage):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = Cfg(stage, "float32", 2, "nvme")  # the saved Adam state comes back from the swap files
     full_losses, _ = train_reference(cfg, rank, world, 5)
-    losses, params, shard, _ = train_zero(cfg, rank, world, 3, nvme_dir=tempfile.mkdtemp(prefix="zero-nvme-"))
+    nvme = tempfile.mkdtemp(prefix="zero-nvme-", dir=ckpt)  # inside the test's own folder: removed with it
+    losses, params, shard, _ = train_zero(cfg, rank, world, 3, nvme_dir=nvme)
     torch.save(shard, os.path.join(ckpt, f"zero_shard_rank{rank}.pt"))
     if rank == 0:
         model = make_model()

@@ -187,10 +187,10 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_ste
     return losses, params, shard, kernel
 
 
-def _matrix_worker(configs, steps):
+def _matrix_worker(configs, steps, tmp):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = {}
-    nvme = tempfile.mkdtemp(prefix="zero-nvme-")
+    nvme = tempfile.mkdtemp(prefix="zero-nvme-", dir=tmp)
     refs = {}
     for stage, dtype, gas, offload in configs:
         cfg = Cfg(stage, dtype, gas, offload)
@@ -219,16 +219,18 @@ def _check(result):
 
 
 @pytest.mark.timeout(240)
-def test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks():
-    results = run_function(_matrix_worker, nprocs=2, kwargs={"configs": FULL, "steps": 3}, timeout=220)
+def test_stages_1_2_3_match_stage0_full_matrix_on_2_ranks(tmp_path):
+    results = run_function(_matrix_worker, nprocs=2, kwargs={"configs": FULL, "steps": 3, "tmp": str(tmp_path)},
+                           timeout=220)
     assert len(results[0]) == len(FULL)
     for r in results:
         _check(r)
 
 
 @pytest.mark.timeout(240)
-def test_stages_1_2_3_match_stage0_on_4_ranks():
+def test_stages_1_2_3_match_stage0_on_4_ranks(tmp_path):
     configs = [(1, "float32", 4, "cpu"), (2, "float32", 1, "nvme"), (2, "bfloat16", 4, "none"),
                (3, "float32", 4, "none"), (3, "bfloat16", 1, "cpu")]
-    for r in run_function(_matrix_worker, nprocs=4, kwargs={"configs": configs, "steps": 3}, timeout=220):
+    for r in run_function(_matrix_worker, nprocs=4, kwargs={"configs": configs, "steps": 3, "tmp": str(tmp_path)},
+                          timeout=220):
         _check(r)

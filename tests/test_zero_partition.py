@@ -129,3 +129,32 @@ def test_offloaded_masters_and_stage3_shards_are_pinned_on_gpu():
     assert all(g["master"].is_pinned() for g in eng.groups)
     assert all(p._zero.shard.is_pinned() for p in model.parameters())
     eng.close()
+
+
+def _ds_attributes():
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.zero.partition_parameters import ZeroParamStatus
+
+    with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3,
+                                                                        "stage3_param_persistence_threshold": 10}}):
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    w, b = net[0].weight, net[0].bias
+    seen = {"at rest": (w.numel(), w.ds_numel, tuple(w.ds_shape), w.ds_status, b.ds_status)}
+    with deepspeed.zero.GatheredParameters([w]):
+        seen["gathered"] = (w.numel(), w.ds_status)
+    seen["released"] = (w.numel(), w.ds_status)
+    seen["ids"] = sorted(p.ds_id for p in net.parameters())
+    return {k: [v.name if isinstance(v, ZeroParamStatus) else v for v in vals] for k, vals in seen.items()}
+
+
+def test_zero3_parameters_carry_deepspeeds_numel_shape_id_and_status():
+    """ds_numel/ds_shape are the full size while only a shard is held; ds_status follows
+    gather and release (DeepSpeed's ZeroParamStatus values); ds_id is unique."""
+    from dist_harness import run_function
+
+    for seen in run_function(_ds_attributes, nprocs=2, timeout=120):
+        assert seen["at rest"] == [0, 128, (16, 8), "NOT_AVAILABLE", "NOT_AVAILABLE"]
+        assert seen["gathered"] == [128, "AVAILABLE"] and seen["released"] == [0, "NOT_AVAILABLE"]
+        assert len(set(seen["ids"])) == 4

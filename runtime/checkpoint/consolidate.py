@@ -114,8 +114,10 @@ def write_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
         raise CheckpointError(f"cannot write {out}: {exc.strerror}") from None
 
 
-@click.command(help="Write the checkpoint in CKPT_DIR as one fp32 state_dict file OUT "
-                    "(.safetensors if the package is installed, otherwise torch format).")
+@click.command(help="Write the checkpoint in CKPT_DIR (a checkpoint folder, whose `latest` names the tag, or a "
+                    "tag folder itself) as one fp32 state_dict file OUT. OUT's name picks the format: "
+                    "*.safetensors is written with the safetensors package (an error if it is not installed), "
+                    "any other name with torch.save.")
 @click.argument("ckpt_dir", type=click.Path(file_okay=False))
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--tag", default=None, help="checkpoint tag (default: the one named in CKPT_DIR/latest)")

@@ -28,12 +28,20 @@ Whether or not the script called destroy_process_group() itself, the end state i
 same. The whole sequence runs under faulthandler's C-level timer: if a backend never
 returns (a peer vanished with a collective half done), every thread's stack is printed
 and the process exits 1 after `budget_s` seconds instead of hanging.
+
+An uncaught exception is announced first: under dslaunch, the excepthook writes one line
+to the pipe the supervisor passed in $DSLAUNCH_ORIGIN_FD before the traceback is printed.
+This rank's exit (which destroys its groups) is what makes its peers fail with "Connection
+closed by peer", and they may exit before it does; the announcement lets the launcher name
+this rank regardless (launcher/supervisor.py).
 """
 from __future__ import annotations
 
 import atexit
 import faulthandler
 import gc
+import os
+import stat
 import sys
 import weakref
 from datetime import timedelta
@@ -96,9 +104,47 @@ def _completed(work) -> bool:
         return True
 
 
+# The dslaunch supervisor gives each worker the write end of a pipe and names its fd here.
+# The same name is launcher/supervisor.ORIGIN_FD_VAR (the launcher does not import torch).
+ORIGIN_FD_VAR = "DSLAUNCH_ORIGIN_FD"
+_origin = {"fd": None}
+
+
+def _take_origin_fd() -> None:
+    """Keep the supervisor's pipe for this process only: the variable leaves the environment
+    and the fd is not inherited across exec, so no program this worker starts can write to
+    whatever that fd number means there."""
+    raw = os.environ.pop(ORIGIN_FD_VAR, None)
+    if not raw:
+        return
+    try:
+        fd = int(raw)
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        os.set_inheritable(fd, False)
+    except (ValueError, OSError):
+        return
+    _origin["fd"] = fd
+
+
+def _announce_origin(exc_type) -> None:
+    """Tell the supervisor, before the traceback is printed and long before this process's
+    exit tears down its process groups (which is what makes peers fail with "Connection
+    closed by peer"), that this rank raised: the launcher then names this rank, whatever
+    order the exits are seen in. Ctrl-C reaches every rank at once: not an origin."""
+    fd, _origin["fd"] = _origin["fd"], None
+    if fd is None or issubclass(exc_type, KeyboardInterrupt):
+        return
+    try:
+        os.write(fd, f"raised {exc_type.__name__}\n".encode())
+    except OSError:
+        pass
+
+
 def _note_failure(previous):
     def hook(exc_type, exc, tb):
         _state["failed"] = True
+        _announce_origin(exc_type)
         previous(exc_type, exc, tb)
 
     return hook
@@ -109,6 +155,7 @@ def install() -> None:
     if _state["installed"]:
         return
     _state["installed"] = True
+    _take_origin_fd()
     sys.excepthook = _note_failure(sys.excepthook)
     atexit.register(_at_exit)
 
@@ -125,6 +172,11 @@ def _run(step: str, fn: Callable[[], None]) -> None:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - reported, shutdown goes on
+        if _state["failed"]:
+            # After an uncaught exception, peers that stopped waiting for this rank make the
+            # outstanding collectives fail ("Connection closed by peer"): a consequence of the
+            # traceback already printed, not news, and it would read as a second error.
+            return
         _say(f"shutdown: {step} failed: {type(exc).__name__}: {exc}")
 
 

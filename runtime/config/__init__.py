@@ -10,6 +10,7 @@ config. `python -m dslaunch.runtime.config.table` prints the key table of docs/c
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
@@ -245,6 +246,16 @@ class BatchSizes:
     gradient_accumulation_steps: int
 
 
+def _filled_by_accelerate_for_one_process() -> bool:
+    """The Hugging Face Trainer (through Accelerate) fills "auto" batch keys with its own world
+    size, and on a CPU-only machine Accelerate sees a world of 1 under DeepSpeed."""
+    if "accelerate" not in sys.modules:
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "world size") -> BatchSizes:
     """Any two of the three keys fix the third: train_batch = micro * accumulation * dp,
     where dp is the data-parallel size (the world size unless pipeline or tensor
@@ -268,6 +279,13 @@ def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "wo
 
     if tb is not None and mb is not None and gas is not None:
         if tb != mb * gas * world_size:
+            if tb == mb * gas and _filled_by_accelerate_for_one_process():
+                raise ConfigError(
+                    f"batch size: train_batch_size {tb} = {mb} x {gas} x 1 was filled in (\"auto\") for a world of "
+                    f"1 process, but this is {ws}: on a machine without GPUs Accelerate starts no process group "
+                    "for DeepSpeed. Before TrainingArguments: os.environ[\"ACCELERATE_USE_DEEPSPEED\"] = \"true\"; "
+                    "accelerate.PartialState(backend=\"gloo\"); then TrainingArguments(..., "
+                    "accelerator_config={\"use_configured_state\": True})")
             raise bad(f"train_batch_size {tb} != {mb} x {gas} x {world_size} = {mb * gas * world_size} "
                       f"(train_micro_batch_size_per_gpu {mb}, gradient_accumulation_steps {gas}, {ws})")
     elif tb is not None and mb is not None:

@@ -9,11 +9,19 @@ lets backward re-gather weights that forward released.
 
 Also here: `Init` (build a model directly partitioned) and `GatheredParameters`
 (temporary full access, optionally modified on one rank and broadcast).
+
+DeepSpeed's own attributes are kept on each partitioned parameter too, because tools read
+them (the Hugging Face Trainer counts parameters with `ds_numel`, since `numel()` of a
+parameter at rest is 0): `ds_numel` and `ds_shape` (the full size), `ds_id` (unique in
+the process, in partitioning order) and `ds_status` (a ZeroParamStatus, kept current by
+gather and release).
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Iterable, List, Optional
 
 import torch
@@ -21,6 +29,17 @@ import torch.distributed as dist
 
 from .. import comm
 from .partition import padded_size, param_shard
+
+
+class ZeroParamStatus(Enum):
+    """A partitioned parameter's state, as DeepSpeed's enum of that name (same values)."""
+
+    AVAILABLE = 1  # whole on this rank
+    NOT_AVAILABLE = 2  # only this rank's shard is here
+    INFLIGHT = 3  # being gathered
+
+
+_next_id = itertools.count()
 
 
 @dataclass
@@ -79,8 +98,12 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
     z = ZeroParam(name, p.shape, numel, chunk, shard, persistent, group=group, world=world, rank=rank)
     p._zero = z
+    p.ds_numel, p.ds_shape = numel, p.shape
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_next_id)
     if not persistent:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE
     return z
 
 
@@ -115,10 +138,13 @@ class PendingGather:
             z = p._zero
             full = rows[:, off:off + z.chunk].reshape(-1)[:z.numel]
             p.data = full.view(z.shape).to(p.dtype).clone() if many else full.view(z.shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
             off += z.chunk
 
     def discard(self) -> None:
         self.wait()
+        for p in self.params:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def start_gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "",
@@ -142,6 +168,8 @@ def start_gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "
     local = local.contiguous()
     out = torch.empty(world * local.numel(), dtype=dtype, device=device)
     work = comm.all_gather_into_tensor(out, local, group=group, label=f"stage3 gather {what}", async_op=async_op)
+    for p in need:
+        p.ds_status = ZeroParamStatus.INFLIGHT
     return PendingGather(need, local, out, work if async_op else None)
 
 
@@ -157,6 +185,7 @@ def release(params: Iterable[torch.nn.Parameter]) -> None:
     for p in params:
         if is_partitioned(p) and not p._zero.persistent and p.data.numel():
             p.data = _empty_like(p)
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def refresh_shard_from_full(p: torch.nn.Parameter) -> None:

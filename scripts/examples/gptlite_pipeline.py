@@ -112,6 +112,8 @@ def get_deepspeed_args(description="GPT lite on DeepSpeed, pipelined"):
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
     parser.add_argument("--pipeline_stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--result_json", default=None,
+                        help="also write this rank's losses as JSON to this path ({rank} becomes the rank)")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -131,7 +133,9 @@ def main():
         losses.append(round(float(loss), 6))
     if engine.global_rank == 0:
         print(f"trained {args.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-    print("RESULT " + json.dumps({"rank": engine.global_rank, "stage": engine.stage_id, "losses": losses}), flush=True)
+    if args.result_json:  # for tests and benchmarks; the console shows only the line above
+        with open(args.result_json.format(rank=engine.global_rank), "w") as f:
+            json.dump({"rank": engine.global_rank, "stage": engine.stage_id, "losses": losses}, f)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """One HF Trainer job, run on 2 ranks under `dslaunch --num_gpus 2` by tests/test_hf_trainer.py.
 
     hf_trainer_job.py --mode ddp|zero2|zero3 --model DIR --out DIR [--resume CKPT | --evaluate_only]
+                      [--no_cpu_recipe]   (leave out the gloo set-up a CPU-only machine needs)
 
 The tiny GPT-2 in --model was written by save_pretrained (no hub). Every mode trains it for
 STEPS optimizer steps with the Trainer's own AdamW and linear schedule, fp32, dropout off,
@@ -75,12 +76,13 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--evaluate_only", action="store_true", help="trainer.evaluate() without training")
     p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--no_cpu_recipe", action="store_true", help="as a user would write it, without the gloo recipe")
     a = p.parse_args()
 
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    cpu_ds = a.mode != "ddp" and not torch.cuda.is_available()
+    cpu_ds = a.mode != "ddp" and not torch.cuda.is_available() and not a.no_cpu_recipe
     if cpu_ds:
         # Accelerate picks no process-group backend for DeepSpeed on a machine without GPUs (it
         # would then see 1 process per rank); naming gloo in a pre-configured state is its way out.
@@ -98,6 +100,17 @@ def main() -> None:
     # model inside deepspeed.zero.Init (HfDeepSpeedConfig's weak reference).
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     sharded_at_load = [n for n, q in model.named_parameters() if q.numel() == 0]  # only a shard is held
+    # what the Trainer logs as "Number of trainable parameters" (ZeRO-3: read from ds_numel)
+    from transformers.trainer_pt_utils import get_model_param_count
+
+    counted = {"trainable": get_model_param_count(model, trainable_only=True),
+               "status": sorted({str(getattr(getattr(q, "ds_status", None), "name", None))
+                                 for n, q in model.named_parameters() if n in sharded_at_load}),
+               # the full shape: a whole parameter's own, a shard's as many elements as ds_numel
+               "shapes_match": all((list(q.ds_shape) == list(q.shape)) if q.numel() else
+                                   (torch.Size(q.ds_shape).numel() == q.ds_numel > 0)
+                                   for q in model.parameters() if hasattr(q, "ds_shape")),
+               "ids": len({getattr(q, "ds_id", None) for q in model.parameters()})}
     losses = {}
 
     class Record(TrainerCallback):
@@ -116,7 +129,7 @@ def main() -> None:
         evals["before"] = trainer.evaluate()["eval_loss"]
         if rank == 0:
             with open(os.path.join(a.out, "result.json"), "w") as fh:
-                json.dump({"evals": evals, "sharded_at_load": sharded_at_load}, fh)
+                json.dump({"evals": evals, "sharded_at_load": sharded_at_load, "counted": counted}, fh)
         return
     trainer.train(resume_from_checkpoint=a.resume)
     evals["after"] = trainer.evaluate()["eval_loss"]
@@ -132,7 +145,7 @@ def main() -> None:
         result = {
             "losses": {str(k): v for k, v in sorted(losses.items())}, "evals": evals,
             "engine": f"{type(engine).__module__}.{type(engine).__name__}",
-            "sharded_at_load": sharded_at_load, "parameters": len(list(model.parameters())),
+            "sharded_at_load": sharded_at_load, "parameters": len(list(model.parameters())), "counted": counted,
             "saved": sorted(os.listdir(final_dir)),
             "checkpoints": sorted(d for d in os.listdir(a.out) if d.startswith("checkpoint-")),
         }
