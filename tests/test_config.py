@@ -125,7 +125,8 @@ def test_seed_configs_load_unchanged():
 
 
 def test_unregistered_stage_is_one_clear_error(monkeypatch):
-    import dslaunch.runtime.strategy as strategy
+    import dslaunch.runtime.data_parallel  # noqa: F401  (stage 0 registered in the real registry first:
+    import dslaunch.runtime.strategy as strategy  # imported inside the patch, it would vanish with it)
 
     monkeypatch.setattr(strategy, "_REGISTRY", {k: v for k, v in strategy._REGISTRY.items() if k == 0})
     monkeypatch.setitem(strategy._PROVIDERS, 2, "dslaunch.runtime.no_such_zero_module")
