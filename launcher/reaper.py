@@ -82,15 +82,17 @@ def children(pid: int) -> List[int]:
     return _parent_map().get(pid, [])
 
 
-def descendants(pid: int) -> List[int]:
+def descendants(pid: int, exclude: Iterable[int] = ()) -> List[int]:
+    """Every process below `pid`, except the subtrees rooted at the pids in `exclude`."""
     kids = _parent_map()
+    skip = set(exclude)
     out: List[int] = []
-    todo = list(kids.get(pid, []))
+    todo = [k for k in kids.get(pid, []) if k not in skip]
     while todo:
         p = todo.pop()
         if p not in out:
             out.append(p)
-            todo.extend(kids.get(p, []))
+            todo.extend(k for k in kids.get(p, []) if k not in skip)
     return out
 
 

@@ -192,6 +192,9 @@ class Supervisor:
     # -- the loop -----------------------------------------------------------------------
 
     def _run(self) -> GroupResult:
+        # Children this process had before the job (a program that embeds the supervisor may
+        # run others: a test runner's servers) are not the job's: teardown leaves their trees be.
+        self._foreign_children = set(reaper.descendants(os.getpid()))
         if self._subreaper:
             reaper.become_subreaper()
         self._start_watchdog()
@@ -422,7 +425,8 @@ class Supervisor:
 
     def _job_descendants(self) -> List[int]:
         skip = {self._watchdog.pid} if self._watchdog is not None else set()
-        return [p for p in reaper.descendants(os.getpid()) if p not in skip and reaper.alive(p)]
+        return [p for p in reaper.descendants(os.getpid(), exclude=getattr(self, "_foreign_children", ()))
+                if p not in skip and reaper.alive(p)]
 
     def _sweep_leftovers(self, killed: bool) -> None:
         """Workers are gone; end anything they left behind (daemons, escaped grandchildren)."""

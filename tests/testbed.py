@@ -170,9 +170,12 @@ class Testbed:
                 f"mount --bind {self.dir}/hosts /etc/hosts && hostname {h.name} && "
                 f"exec {SSHD} -D -f {conf} -E {self.dir}/sshd-{h.name}.log"
             )
+            # its own session, and only PATH from our environment: a signal to a test's process
+            # group, or a launcher's clean-up of processes carrying its job marker, never reaches it
             self._sshds.append(subprocess.Popen(
                 ["ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c", script],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
             ))
         # sshd writes its PidFile only once it listens
         deadline = time.monotonic() + 10
