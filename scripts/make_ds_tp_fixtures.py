@@ -28,6 +28,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from make_ds_fixtures import _tidy  # noqa: E402  (the interop fixtures' clean-up of a saved checkpoint)
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "tests", "data", "ds_autotp")
 CASES = {"tp2_s0_fp32": 0, "tp2_s1_fp32": 1}
@@ -151,6 +153,7 @@ def main() -> None:
         if proc.returncode or not lines:
             sys.exit(f"error: DeepSpeed's run of {case} failed:\n{proc.stderr[-4000:]}")
         ds_losses = json.loads(lines[-1][len("LOSSES "):])
+        _tidy(dest)  # DeepSpeed copies its recovery scripts into the checkpoint: not ours to commit
         ours = run_here({"module": "dslaunch.runtime", "stage": stage, "tp": TP})
         expected[case] = {"stage": stage, "tp": TP, "deepspeed": ds_losses, "dslaunch": ours}
         print(f"{case}: DeepSpeed {[round(x, 6) for x in ds_losses]}\n{'':>{len(case)}}  dslaunch  "
