@@ -58,7 +58,7 @@ def test_openmpi_command_exports_names_not_values_and_maps_ranks(tmp_path):
     assert (env["HF_TOKEN"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("x y", "10.0.0.1", "29511")
     tail = argv[argv.index("dslaunch.launcher.cluster_env") - 2:]
     assert tail == ["/venv/bin/python", "-m", "dslaunch.launcher.cluster_env", "--node_sizes", "2,2",
-                    "--local_rank_at", "3", "--", "/venv/bin/python", "-u", "train.py", *ARGS]
+                    "--whole_lines", "--local_rank_at", "3", "--", "/venv/bin/python", "-u", "train.py", *ARGS]
     assert argv[argv.index("plm_rsh_args") + 1] == "-o BatchMode=yes -o ConnectTimeout=10"
     assert "--allow-run-as-root" not in argv
     shown = openmpi.BACKEND.describe(plan(tmp_path))
@@ -185,6 +185,45 @@ def test_shim_execs_the_worker_with_the_contract():
     bare = subprocess.run([sys.executable, "-m", "dslaunch.launcher.cluster_env", "--", "true"],
                           env={"PATH": os.environ["PATH"]}, capture_output=True, text=True)
     assert bare.returncode == 2 and "OMPI_COMM_WORLD_RANK" in bare.stderr
+
+
+def test_relay_writes_whole_lines_only():
+    """Each write the relay makes ends at a line end, however the child's writes were cut."""
+    import io
+
+    from dslaunch.launcher.cluster_env import relay_lines
+
+    class Chunks(io.RawIOBase):  # hands out the child's writes one at a time
+        def __init__(self, parts):
+            self.parts = list(parts)
+
+        def read1(self, n):
+            return self.parts.pop(0) if self.parts else b""
+
+    r, w = os.pipe()
+    writes = []
+    real = os.write
+    try:
+        os.write = lambda fd, data: (writes.append(bytes(data)), len(data))[1] if fd == w else real(fd, data)
+        relay_lines(Chunks([b"sum=10 rank=0", b"\n", b"a\nb", b"c\rd", b"\n", b"tail"]), w)
+    finally:
+        os.write = real
+        os.close(r)
+        os.close(w)
+    assert writes == [b"sum=10 rank=0\n", b"a\n", b"bc\r", b"d\n", b"tail"]
+
+
+def test_shim_with_whole_lines_keeps_the_child_code_and_signal():
+    env = dict(os.environ, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
+    shim = [sys.executable, "-m", "dslaunch.launcher.cluster_env", "--whole_lines", "--", sys.executable, "-c"]
+    res = subprocess.run(shim + ["import sys; print('out'); print('err', file=sys.stderr); sys.exit(7)"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (7, "out\n", "err\n")
+    proc = subprocess.Popen(shim + ["import time; print('up', flush=True); time.sleep(60)"], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    proc.terminate()  # mpirun's SIGTERM reaches the worker, and the shim ends by it too
+    assert proc.wait(timeout=30) == -15
 
 
 def test_shim_inserts_local_rank_where_asked(tmp_path):

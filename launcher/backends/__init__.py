@@ -75,7 +75,8 @@ def agent_command(python: str, workdir: str) -> str:
     return f"cd {shlex.quote(workdir)} && exec {shlex.quote(python)} -u -m dslaunch.launcher.agent"
 
 
-def rank_shim(plan, node_sizes: Optional[List[int]] = None) -> "tuple[List[str], Dict[str, str]]":
+def rank_shim(plan, node_sizes: Optional[List[int]] = None,
+              whole_lines: bool = False) -> "tuple[List[str], Dict[str, str]]":
     """For tools that start every rank themselves (mpirun, srun): the one command all ranks
     run and the environment they share, both taken from the plan.
 
@@ -84,7 +85,8 @@ def rank_shim(plan, node_sizes: Optional[List[int]] = None) -> "tuple[List[str],
     the plan had `--local_rank=N`, inserts this rank's value at the same place; with
     `node_sizes` (ranks per node, in rank order) it derives NODE_RANK from the rank. The shared
     environment is every variable the plan gives all workers alike; the per-rank ones come
-    from the shim.
+    from the shim. `whole_lines` makes the shim pass the worker's output on in whole lines
+    (for a tool that forwards it in the chunks written).
     """
     workers = [w for node in plan.nodes for w in node.workers]
     first = workers[0]
@@ -92,6 +94,8 @@ def rank_shim(plan, node_sizes: Optional[List[int]] = None) -> "tuple[List[str],
     shim = [plan.remote_python, "-m", "dslaunch.launcher.cluster_env"]
     if node_sizes is not None:
         shim += ["--node_sizes", ",".join(str(n) for n in node_sizes)]
+    if whole_lines:
+        shim.append("--whole_lines")
     marker = f"--local_rank={first.local_rank}"
     if not plan.options.no_local_rank and marker in argv:
         at = argv.index(marker)

@@ -2,7 +2,7 @@
 
     mpirun -n WORLD -H host1:2,host2:2 --wdir DIR --map-by slot --bind-to none
            --mca plm_rsh_agent ssh --mca plm_rsh_args "SSH ARGS" [--allow-run-as-root] -x NAME...
-           PYTHON -m dslaunch.launcher.cluster_env --node_sizes 2,2 -- WORKER ARGV
+           PYTHON -m dslaunch.launcher.cluster_env --node_sizes 2,2 --whole_lines -- WORKER ARGV
 
 Values of the shared environment never appear on mpirun's command line: `-x NAME` copies
 each from the environment mpirun itself runs in. mpirun reaches the hosts with the system
@@ -44,7 +44,7 @@ def command(plan, environ: Optional[Mapping[str, str]] = None, euid: Optional[in
             passwd_home: Optional[str] = None) -> Tuple[List[str], Dict[str, str]]:
     environ = os.environ if environ is None else environ
     euid = os.geteuid() if euid is None else euid
-    shim, env = rank_shim(plan, node_sizes=[n.node.local_world_size for n in plan.nodes])
+    shim, env = rank_shim(plan, node_sizes=[n.node.local_world_size for n in plan.nodes], whole_lines=True)
     extra = split_args(plan.options.launcher_args)
     argv = _base(plan.world.world_size, ",".join(f"{n.target}:{n.node.local_world_size}" for n in plan.nodes),
                  plan.options.ssh, environ, euid, passwd_home, extra)
