@@ -1,0 +1,333 @@
+"""Write the table of DeepSpeed's public API as users import it, and what dslaunch's
+compatibility package does with each name.
+
+    .venv/bin/python scripts/deepspeed_api_surface.py --ds-python /work/ds-venv/bin/python \\
+        --scan transformers=SITE/transformers --scan accelerate=SITE/accelerate \\
+        --scan Megatron-DeepSpeed=DIR --scan DeepSpeedExamples=DIR
+
+Two kinds of entry, users' first:
+- every `deepspeed.*` name the scanned code imports or reads (`from deepspeed.x import y`,
+  `import deepspeed.x`, `deepspeed.x.y` attribute chains), counted per source;
+- the public names of the modules users import (MODULES): what DeepSpeed defines there.
+Each is looked up under real DeepSpeed (`--ds-python`, a separate environment, as
+make_ds_fixtures.py uses) and under ours (this interpreter, compat/deepspeed on the path),
+both through scripts/api_probe.py. A name DeepSpeed itself lacks (a version's leftover, a
+URL in a docstring) is dropped.
+
+Status of an entry:
+  provided   ours resolves it, and its signature accepts DeepSpeed's arguments (`compatible`);
+  differs    provided with a documented difference (DIFFERENCES: the reason);
+  refused    deliberately absent (REFUSED, by name prefix: the reason);
+  missing    none of the above: work to do.
+Writes tests/data/deepspeed_api.json (tests/test_deepspeed_api.py re-checks every entry
+against the package, so the table cannot claim what the package does not do) and
+docs/deepspeed-api.md.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, Iterable, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PROBE = os.path.join(HERE, "api_probe.py")
+JSON_OUT = os.path.join(ROOT, "tests", "data", "deepspeed_api.json")
+DOC_OUT = os.path.join(ROOT, "docs", "deepspeed-api.md")
+COMPAT = os.path.join(ROOT, "compat", "deepspeed")
+
+# The modules whose whole public API is listed (issue #23 §3), beside the users' names.
+MODULES = [
+    "deepspeed", "deepspeed.comm", "deepspeed.zero", "deepspeed.runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.config", "deepspeed.runtime.fp16.loss_scaler", "deepspeed.utils",
+    "deepspeed.utils.groups", "deepspeed.runtime.utils", "deepspeed.checkpoint", "deepspeed.utils.zero_to_fp32",
+    "deepspeed.accelerator", "deepspeed.launcher.runner", "deepspeed.runtime.lr_schedules", "deepspeed.pipe",
+    "deepspeed.ops.adam", "deepspeed.ops.lion", "deepspeed.ops.adagrad", "deepspeed.checkpointing",
+    "deepspeed.monitor.monitor", "deepspeed.module_inject",
+]
+
+# Deliberately absent, by name prefix (the longest matching prefix wins): the reason a user reads.
+REFUSED: Dict[str, str] = {
+    "deepspeed.ops.sparse_attention": "block-sparse attention runs on Triton/CUDA kernels in DeepSpeed; "
+                                      "use torch's scaled_dot_product_attention",
+    "deepspeed.inference.v2": "DeepSpeed-FastGen (ragged batching) is GPU-only; dslaunch serves with init_inference",
+    "deepspeed.inference.RaggedInferenceEngineConfig": "DeepSpeed-FastGen is GPU-only",
+    "deepspeed.DeepSpeedTransformerLayer": "DeepSpeed's fused CUDA transformer kernel; not provided",
+    "deepspeed.DeepSpeedTransformerConfig": "configures DeepSpeed's fused CUDA transformer kernel; not provided",
+    "deepspeed.DeepSpeedHybridEngine": "DeepSpeed-Chat's RLHF hybrid engine; not provided",
+    "deepspeed.DualPipeVEngine": "DeepSpeed's DualPipeV schedule; dslaunch's pipeline runs 1F1B",
+    "deepspeed.DualPipeVModule": "DeepSpeed's DualPipeV schedule; dslaunch's pipeline runs 1F1B",
+    "deepspeed.runtime.data_pipeline": "DeepSpeed's data efficiency library (curriculum, random-LTD); not provided",
+    "deepspeed.sequence.fpdt_layer": "FPDT (chunked sequence parallelism with offload) is not provided; "
+                                     "Ulysses is (deepspeed.sequence.layer)",
+    "deepspeed.ops.op_builder.AsyncIOBuilder": "NVMe offload in dslaunch uses its own aio through torch's file "
+                                              "I/O, not DeepSpeed's libaio op",
+    "deepspeed.ops.op_builder.GDSBuilder": "GPUDirect Storage is CUDA-only",
+    "deepspeed.ops.op_builder.builder.OpBuilder": "dslaunch builds its kernels itself (dslaunch.kernels)",
+    "deepspeed.runtime.state_dict_factory": "Megatron-LM's checkpoint-splitting loader for DeepSpeed's "
+                                            "old inference engine",
+    "deepspeed.env_report": "use `dslaunch check` and `dslaunch --version`",
+    "deepspeed.module_inject.replace_transformer_layer": "kernel injection swaps in DeepSpeed's CUDA kernels",
+    "deepspeed.replace_transformer_layer": "kernel injection swaps in DeepSpeed's CUDA kernels",
+    "deepspeed.module_inject.revert_transformer_layer": "kernel injection swaps in DeepSpeed's CUDA kernels",
+    "deepspeed.module_inject.quantize_transformer_layer": "kernel injection swaps in DeepSpeed's CUDA kernels",
+    "deepspeed.module_inject.generic_injection": "kernel injection swaps in DeepSpeed's CUDA kernels",
+    "deepspeed.module_inject.HFBertLayerPolicy": "a kernel-injection policy",
+    "deepspeed.module_inject.DSPolicy": "a kernel-injection policy",
+    "deepspeed.module_inject.GroupQuantizer": "kernel injection's int8 weight quantizer (CUDA)",
+    "deepspeed.comm.CCLBackend": "Intel oneCCL backend; dslaunch speaks gloo and NCCL through torch",
+    "deepspeed.comm.in_aml": "Azure ML environment sniffing; dslaunch's launcher sets the contract variables",
+    "deepspeed.comm.in_aws_sm": "SageMaker environment sniffing; dslaunch's launcher sets the contract variables",
+    "deepspeed.comm.in_dlts": "DLTS environment sniffing; dslaunch's launcher sets the contract variables",
+    "deepspeed.comm.patch_aml_env_for_torch_nccl_backend": "Azure ML environment patching; not needed",
+    "deepspeed.comm.patch_aws_sm_env_for_torch_nccl_backend": "SageMaker environment patching; not needed",
+    "deepspeed.comm.mpi_discovery": "dslaunch's cluster shim maps MPI's variables (launcher/cluster_env.py)",
+    "deepspeed.comm.enable_symm_mem_for_group": "CUDA symmetric memory; not provided",
+    "deepspeed.comm.initialize_mesh_device": "DeepSpeed's DeviceMesh helper; dslaunch's mesh is runtime.parallel",
+    "deepspeed.launcher.runner.IMPIRunner": "Intel MPI is not a dslaunch launcher (ssh, pdsh, openmpi, slurm)",
+    "deepspeed.launcher.runner.MPICHRunner": "MPICH is not a dslaunch launcher (ssh, pdsh, openmpi, slurm)",
+    "deepspeed.launcher.runner.MVAPICHRunner": "MVAPICH is not a dslaunch launcher (ssh, pdsh, openmpi, slurm)",
+}
+
+# Provided with a difference the user should know.
+DIFFERENCES: Dict[str, str] = {}
+
+
+# ---------------------------------------------------------------------------------- scanning
+
+def _dotted(node: ast.AST) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def public_prefix(name: str) -> Optional[str]:
+    """`name` cut before its first private part (`_INSTRUCTION_MAP.update`), dunders kept."""
+    out = []
+    for part in name.split("."):
+        if part.startswith("_") and not (part.startswith("__") and part.endswith("__")):
+            break
+        out.append(part)
+    return ".".join(out) if len(out) > 1 else None
+
+
+def scan(root: str) -> collections.Counter:
+    """deepspeed.* names the Python files under root import or read."""
+    seen: collections.Counter = collections.Counter()
+    for folder, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(folder, f), encoding="utf-8", errors="replace") as fh:
+                    tree = ast.parse(fh.read())
+            except (SyntaxError, ValueError):
+                continue
+            for node in ast.walk(tree):
+                names: Iterable[str] = ()
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "deepspeed":
+                    names = [f"{node.module}.{a.name}" for a in node.names if a.name != "*"]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names if a.name.startswith("deepspeed.")]
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                    d = _dotted(node)
+                    names = [d] if d and d.startswith("deepspeed.") else []
+                for n in names:
+                    n = public_prefix(n)
+                    if n:
+                        seen[n] += 1
+    return seen
+
+
+def _drop_prefixes(names: Iterable[str]) -> List[str]:
+    """Keep `a.b.c` and drop `a.b` when both appear as users' names only by attribute chains
+    would double count; modules stay (they are imported on their own)."""
+    return sorted(set(names))
+
+
+# ----------------------------------------------------------------------------- comparison
+
+def compatible(ds_params, our_params) -> Optional[str]:
+    """None if a call written for DeepSpeed's signature binds to ours, else why not."""
+    if ds_params is None or our_params is None:
+        return None  # nothing to compare (builtins, classes without an __init__ of their own)
+    ours = {p[0]: p for p in our_params}
+    var_kw = any(p[1] == "VAR_KEYWORD" for p in our_params)
+    var_pos = any(p[1] == "VAR_POSITIONAL" for p in our_params)
+    for name, kind, _ in ds_params:
+        if kind in ("VAR_POSITIONAL", "VAR_KEYWORD"):
+            if kind == "VAR_POSITIONAL" and not var_pos:
+                return f"DeepSpeed takes *{name}; ours does not"
+            continue
+        if name not in ours and not (var_kw or (kind == "POSITIONAL_ONLY" and var_pos)):
+            return f"no parameter {name!r}"
+    ds_names = {p[0] for p in ds_params}
+    for name, kind, has_default in our_params:
+        if kind in ("VAR_POSITIONAL", "VAR_KEYWORD") or has_default:
+            continue
+        if name not in ds_names:
+            return f"ours requires {name!r}, which DeepSpeed's callers do not pass"
+    # positional order: DeepSpeed's positional parameters must line up with ours
+    ds_pos = [p[0] for p in ds_params if p[1] in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    our_pos = [p[0] for p in our_params if p[1] in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    for i, name in enumerate(ds_pos):
+        if i < len(our_pos) and our_pos[i] != name and not var_pos:
+            return f"positional parameter {i} is {name!r} in DeepSpeed, {our_pos[i]!r} here"
+        if i >= len(our_pos) and not var_pos:
+            return f"DeepSpeed takes {name!r} positionally; ours does not"
+    return None
+
+
+def reason_refused(name: str) -> Optional[str]:
+    best = None
+    for prefix in REFUSED:
+        if name == prefix or name.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best):
+                best = prefix
+    return REFUSED[best] if best else None
+
+
+def status_of(name: str, ds: dict, ours: dict) -> "tuple[str, str]":
+    """(status, note) of one entry; see the module docstring."""
+    if name in DIFFERENCES:
+        return "differs", DIFFERENCES[name]
+    refused = reason_refused(name)
+    if ours.get("found"):
+        why = compatible(ds.get("params"), ours.get("params")) if ds.get("kind") == ours.get("kind") or \
+            {ds.get("kind"), ours.get("kind")} <= {"class", "function"} else f"a {ours.get('kind')} here, a {ds.get('kind')} in DeepSpeed"
+        if why is None:
+            return "provided", ""
+        return ("refused", refused) if refused else ("missing", f"signature: {why}")
+    if refused:
+        return "refused", refused
+    return "missing", ours.get("error") or "not found"
+
+
+# ----------------------------------------------------------------------------------- probing
+
+def probe(python: str, modules: List[str], names: List[str], pythonpath: Optional[str] = None) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    res = subprocess.run([python, PROBE], input=json.dumps({"modules": modules, "names": names}), env=env,
+                         capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise SystemExit(f"{python} {PROBE} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout)
+
+
+def build(ds_python: str, scans: Dict[str, str]) -> dict:
+    users: Dict[str, Dict[str, int]] = collections.defaultdict(dict)
+    for source, root in scans.items():
+        for name, count in scan(root).items():
+            users[name][source] = count
+    ds_modules = probe(ds_python, MODULES, [])["modules"]
+    listed = {f"{m}.{n}" if m != "deepspeed" else f"deepspeed.{n}": m
+              for m, names in ds_modules.items() if isinstance(names, list) for n in names}
+    every = sorted(set(users) | set(listed))
+    ds = probe(ds_python, [], every)["names"]
+    every = [n for n in every if ds[n]["found"]]
+    ours = probe(sys.executable, [], every, pythonpath=COMPAT)["names"]
+    entries = []
+    for name in every:
+        status, note = status_of(name, ds[name], ours[name])
+        entries.append({"name": name, "users": users.get(name, {}), "module": listed.get(name),
+                        "kind": ds[name]["kind"], "params": ds[name]["params"], "status": status, "note": note})
+    entries.sort(key=lambda e: (-sum(e["users"].values()), e["name"]))
+    version = subprocess.run([ds_python, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+                             capture_output=True, text=True).stdout.strip()
+    return {"deepspeed_version": version, "sources": sorted(scans), "modules": MODULES, "entries": entries}
+
+
+# ----------------------------------------------------------------------------------- writing
+
+def counts(entries: List[dict]) -> Dict[str, int]:
+    c = collections.Counter(e["status"] for e in entries)
+    return {k: c.get(k, 0) for k in ("provided", "differs", "refused", "missing")}
+
+
+def render(table: dict) -> str:
+    entries = table["entries"]
+    used = [e for e in entries if e["users"]]
+    lines = [
+        "# DeepSpeed's API in the compatibility package",
+        "",
+        f"Every `deepspeed.*` name that {', '.join(table['sources'])} import, and the public API of the modules "
+        f"users import, looked up in DeepSpeed {table['deepspeed_version']} and in dslaunch's `deepspeed` "
+        "compatibility package. Written by `scripts/deepspeed_api_surface.py`; `tests/test_deepspeed_api.py` "
+        "checks every row against the package.",
+        "",
+        "- **provided**: importable, and its signature accepts DeepSpeed's arguments;",
+        "- **differs**: provided, with the difference noted;",
+        "- **refused**: deliberately absent, with the reason;",
+        "- **missing**: not there yet.",
+        "",
+        "| | provided | differs | refused | missing | total |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, rows in (("names users import", used), ("all entries", entries)):
+        c = counts(rows)
+        lines.append(f"| {label} | {c['provided']} | {c['differs']} | {c['refused']} | {c['missing']} | {len(rows)} |")
+    lines += ["", "## Names users import", "", "| name | used by | status | note |", "|---|---|---|---|"]
+    for e in used:
+        by = ", ".join(f"{s} ({n})" for s, n in sorted(e["users"].items()))
+        lines.append(f"| `{e['name']}` | {by} | {e['status']} | {_cell(e['note'])} |")
+    by_module: Dict[str, List[dict]] = collections.defaultdict(list)
+    for e in entries:
+        if e["module"]:
+            by_module[e["module"]].append(e)
+    lines += ["", "## Public API by module", ""]
+    for module in table["modules"]:
+        rows = sorted(by_module.get(module, []), key=lambda e: e["name"])
+        if not rows:
+            continue
+        c = counts(rows)
+        lines += [f"### `{module}`", "",
+                  f"{c['provided']} provided, {c['differs']} differ, {c['refused']} refused, {c['missing']} missing "
+                  f"of {len(rows)}.", "", "| name | status | note |", "|---|---|---|"]
+        for e in rows:
+            lines.append(f"| `{e['name'][len(module) + 1:] if module != 'deepspeed' else e['name'][10:]}` | "
+                         f"{e['status']} | {_cell(e['note'])} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ds-python", required=True, help="the interpreter of an environment with real DeepSpeed")
+    ap.add_argument("--scan", action="append", default=[], metavar="NAME=DIR",
+                    help="a source tree whose deepspeed imports count as users' names")
+    args = ap.parse_args(argv)
+    scans = {}
+    for item in args.scan:
+        name, sep, path = item.partition("=")
+        if not sep or not os.path.isdir(path):
+            ap.error(f"--scan {item!r}: expected NAME=DIR with an existing DIR")
+        scans[name] = path
+    table = build(args.ds_python, scans)
+    with open(JSON_OUT, "w") as fh:
+        json.dump(table, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    with open(DOC_OUT, "w") as fh:
+        fh.write(render(table))
+    used = [e for e in table["entries"] if e["users"]]
+    print(f"users' names: {counts(used)} of {len(used)}; all: {counts(table['entries'])} of {len(table['entries'])}")
+
+
+if __name__ == "__main__":
+    main()
