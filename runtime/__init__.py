@@ -25,6 +25,9 @@ from .inference import InferenceEngine, OnDevice, init_inference
 from .activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
 from . import elasticity  # deepspeed.elasticity.compute_elastic_config
 from . import pipe  # deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec
+from .pipe import PipelineModule  # deepspeed.PipelineModule
+from .pipe.engine import PipelineEngine  # deepspeed.PipelineEngine
+from .accelerator import get_accelerator  # deepspeed.get_accelerator
 from . import tensor_parallel  # deepspeed.runtime.tensor_parallel
 from .tensor_parallel import set_autotp_mode, tp_model_init  # deepspeed.tp_model_init / set_autotp_mode
 
@@ -33,17 +36,22 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
            "ConfigError", "CheckpointError", "LossScaleStuck", "NonFiniteError", "GradientStrategy",
            "StrategyContext", "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice",
-           "checkpointing", "elasticity", "pipe", "zero", "tensor_parallel", "tp_model_init", "set_autotp_mode"]
+           "checkpointing", "elasticity", "pipe", "zero", "tensor_parallel", "tp_model_init", "set_autotp_mode",
+           "PipelineModule", "PipelineEngine", "get_accelerator"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               config_params=None):
+               mesh_param=None, config_params=None):
     """Build the engine; returns (engine, optimizer, training_dataloader, lr_scheduler) like DeepSpeed.
 
     `mpu` is a Megatron-style object (get_model_parallel_rank/world_size/group,
     get_data_parallel_rank/world_size/group) whose groups the engine then uses; a
-    `deepspeed.pipe.PipelineModule` brings its own topology and gets a PipelineEngine."""
+    `deepspeed.pipe.PipelineModule` brings its own topology and gets a PipelineEngine.
+    `mesh_param=(data, sequence)` is DeepSpeed's shorthand for a data x sequence mesh; a
+    sequence size of 1 is the plain data-parallel world, larger ones are refused in one line
+    (pass the Ulysses `mpu` instead)."""
+    _check_mesh_param(mesh_param)
     if dist_init_required is not False and distributed_port is not None:
         init_distributed(distributed_port=distributed_port)
     from .pipe.engine import PipelineEngine
@@ -57,6 +65,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if isinstance(total, int) and total > 0:
         engine.set_train_steps(total)  # the run's length for the progress line; the script may still set its own
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_mesh_param(mesh_param) -> None:
+    if mesh_param is None:
+        return
+    from . import comm
+
+    if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mesh_param)):
+        raise ConfigError(f"initialize: mesh_param={mesh_param!r}: expected (data_parallel_size, sequence_parallel_size)")
+    data, sequence = mesh_param
+    world = comm.get_world_size() if comm.is_initialized() else 1
+    if data * sequence != world:
+        raise ConfigError(f"initialize: mesh_param={tuple(mesh_param)}: {data} x {sequence} is not the world size {world}")
+    if sequence != 1:
+        raise ConfigError(f"initialize: mesh_param={tuple(mesh_param)}: a sequence-parallel mesh from mesh_param is not "
+                          "supported; pass the mpu that UlyssesSPAttentionHF.register_with_transformers returns")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

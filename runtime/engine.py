@@ -74,12 +74,20 @@ def _with_tp_model_init(source, mpu):
 
 class DeepSpeedEngine(torch.nn.Module):
     def __init__(self, args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
-                 training_data=None, lr_scheduler=None, config=None, config_params=None, collate_fn=None,
-                 dist_init_required: Optional[bool] = None, mpu=None):
+                 training_data=None, lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None,
+                 collate_fn=None, config=None, config_class=None, mesh_device=None, dont_change_device: bool = False,
+                 config_params=None):
+        # DeepSpeed's parameter order, so a subclass or a direct call written for it binds alike;
+        # config_class is a parsed config (DeepSpeed's DeepSpeedConfig object) and wins over
+        # config; dont_change_device leaves the model where the caller put it.
         super().__init__()
         if model is None:
             raise ValueError("initialize: model= is required")
-        source, self._given_tp_group = _with_tp_model_init(_config_source(args, config, config_params), mpu)
+        if mesh_device is not None:
+            raise ConfigError("DeepSpeedEngine: mesh_device is not supported; the engine builds its mesh from the "
+                              "config and mpu (dslaunch.runtime.parallel)")
+        source = config_class if config_class is not None else _config_source(args, config, config_params)
+        source, self._given_tp_group = _with_tp_model_init(source, mpu)
         self.config = DeepSpeedConfig.load(source)
         if dist_init_required is not False:
             comm.init_distributed()
@@ -105,7 +113,8 @@ class DeepSpeedEngine(torch.nn.Module):
             self.compute_dtype = torch.bfloat16
         else:
             self.compute_dtype = torch.float32
-        model.to(self.device)
+        if not dont_change_device:
+            model.to(self.device)
         if self.compute_dtype != torch.float32:
             model.to(self.compute_dtype)
         self._broadcast_initial_state(model)

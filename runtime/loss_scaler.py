@@ -7,8 +7,9 @@ zero. After each optimizer step the engine reports whether any gradient overflow
   only use up the hysteresis budget; the h-th halves the scale (never below
   `min_scale`). An overflow while already at `min_scale` cannot be cured by scaling and
   raises LossScaleStuck.
-- `window` clean steps since the last overflow double the scale (and refill hysteresis).
-  With `consecutive_hysteresis` every clean step refills it.
+- Every `window` clean steps after the first clean one since the last overflow double the
+  scale (and refill hysteresis), as DeepSpeed 0.19 counts them (tests/test_loss_scaler.py
+  holds its sequences). With `consecutive_hysteresis` every clean step refills it.
 
 Pure logic, no torch: the engine decides "overflow" from the global gradient norm.
 """
@@ -57,8 +58,10 @@ class DynamicLossScaler(StaticLossScaler):
     dynamic = True
 
     def __init__(self, initial_scale_power: int = 16, window: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0, consecutive_hysteresis: bool = False, factor: float = 2.0):
+                 min_scale: float = 1.0, consecutive_hysteresis: bool = False, factor: float = 2.0,
+                 raise_at_min_scale: bool = True):
         super().__init__(2.0 ** initial_scale_power)
+        self.raise_at_min_scale = raise_at_min_scale
         self.window = window
         self.hysteresis = hysteresis
         self.min_scale = float(min_scale)
@@ -71,7 +74,7 @@ class DynamicLossScaler(StaticLossScaler):
         if overflow:
             s.skipped_steps += 1
             if self.hysteresis == 1 or s.hysteresis_left <= 1:
-                if s.scale <= self.min_scale:
+                if s.scale <= self.min_scale and self.raise_at_min_scale:
                     raise LossScaleStuck(
                         f"fp16: gradients overflow even at the minimum loss scale {self.min_scale:g} "
                         f"(fp16.min_loss_scale) after {s.skipped_steps} skipped steps; the model has diverged "
@@ -83,7 +86,10 @@ class DynamicLossScaler(StaticLossScaler):
         else:
             if self.consecutive_hysteresis:
                 s.hysteresis_left = self.hysteresis
-            if (s.iteration - s.last_overflow_iter) % self.window == 0:
+            # DeepSpeed 0.19's count: the clean steps since the last overflow, not counting
+            # the first one after it (so the scale first grows after window + 1 clean steps)
+            stable = s.iteration - s.last_overflow_iter - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     s.hysteresis_left = self.hysteresis
                 s.scale *= self.factor

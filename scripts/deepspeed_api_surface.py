@@ -94,8 +94,29 @@ REFUSED: Dict[str, str] = {
     "deepspeed.launcher.runner.MVAPICHRunner": "MVAPICH is not a dslaunch launcher (ssh, pdsh, openmpi, slurm)",
 }
 
+REFUSED.update({
+    "deepspeed.compile": "DeepCompile's graph passes; dslaunch compiles with torch.compile (the `compile` config "
+                         "section)",
+    "deepspeed.io": "DeepSpeed's fast checkpoint writers; dslaunch writes checkpoints with torch.save",
+    "deepspeed.runtime.domino": "Domino (overlapped TP communication) is not provided",
+    "deepspeed.utils.timer": "the engine's timers report under dslaunch's names (wall_clock_breakdown)",
+    "deepspeed.runtime.fp16.fused_optimizer": "the FP16 optimizer wrapper is inside the engine; set fp16 in the config",
+    "deepspeed.runtime.fp16.unfused_optimizer": "the FP16 optimizer wrapper is inside the engine; set fp16 in the "
+                                                "config",
+    "deepspeed.comm.TorchBackend": "deepspeed.comm's backend object; dslaunch's comm calls torch.distributed directly",
+    "deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum": "engine.offload_states() is not provided",
+})
+
 # Provided with a difference the user should know.
-DIFFERENCES: Dict[str, str] = {}
+DIFFERENCES: Dict[str, str] = {
+    "deepspeed.initialize": "mesh_param=(data, sequence) with a sequence size above 1 is refused in one line; "
+                            "pass the Ulysses mpu instead",
+    "deepspeed.DeepSpeedConfig": "a typed dataclass of the JSON (unknown keys are errors); the three batch-size "
+                                 "keys come out resolved, as in DeepSpeed",
+    "deepspeed.zero.Init": "mem_efficient_linear has nothing to switch (F.linear keeps only its input); "
+                           "remote_device on a CUDA machine and the ZeRO++ arguments are refused in one line",
+    "deepspeed.DeepSpeedEngine": "mesh_device is refused; the engine builds its mesh from the config and mpu",
+}
 
 
 # ---------------------------------------------------------------------------------- scanning
@@ -161,6 +182,8 @@ def compatible(ds_params, our_params) -> Optional[str]:
     """None if a call written for DeepSpeed's signature binds to ours, else why not."""
     if ds_params is None or our_params is None:
         return None  # nothing to compare (builtins, classes without an __init__ of their own)
+    if all(p[1] in ("VAR_POSITIONAL", "VAR_KEYWORD") for p in ds_params):
+        return None  # DeepSpeed's decorator (comm's timed_op) hides the real parameters
     ours = {p[0]: p for p in our_params}
     var_kw = any(p[1] == "VAR_KEYWORD" for p in our_params)
     var_pos = any(p[1] == "VAR_POSITIONAL" for p in our_params)

@@ -27,6 +27,7 @@ from .collectives import (ReduceOp, all_gather, all_gather_into_tensor, all_gath
                           force_fallback, gather, has_all_gather_into_tensor, has_reduce_scatter_tensor,
                           inference_all_reduce, irecv, isend, monitored_barrier, recorder, recv, reduce,
                           reduce_scatter, reduce_scatter_fn, reduce_scatter_tensor, scatter, send)
+from .coalesced import P2POp, all_gather_coalesced, all_reduce_coalesced, all_to_all, batch_isend_irecv
 from .groups import (destroy_process_group, get_all_ranks_from_group, get_global_rank, get_rank, get_world_group,
                      get_world_size, group_name, is_available, is_initialized, new_group)
 
@@ -38,7 +39,8 @@ __all__ = [
     "all_to_all_single", "all_gather_object", "broadcast_object_list", "barrier", "monitored_barrier", "send",
     "recv", "isend", "irecv", "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "configure",
     "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops",
-    "set_timeout", "flight_record",
+    "set_timeout", "flight_record", "all_to_all", "all_reduce_coalesced", "all_gather_coalesced", "P2POp",
+    "batch_isend_irecv",
 ]
 
 

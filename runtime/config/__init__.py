@@ -231,6 +231,48 @@ class DeepSpeedConfig:
         return self.to_dict().get(key, default)
 
 
+
+_schema_init = DeepSpeedConfig.__init__
+
+
+def _deepspeed_style_init(self, config=None, mpu=None, mesh_device=None, **fields) -> None:
+    """DeepSpeedConfig(config, mpu=None, mesh_device=None), DeepSpeed's constructor, beside
+    the dataclass's own keyword form (DeepSpeedConfig(train_batch_size=8, ...)).
+
+    `config` is a dict or a JSON/YAML path, parsed and checked as load() does. As in
+    DeepSpeed, the three batch-size keys come out resolved against the data-parallel size:
+    the mpu's, else the world's once torch.distributed is up, else 1.
+    """
+    if config is None:
+        if mpu is not None or mesh_device is not None:
+            raise ConfigError("DeepSpeedConfig: mpu/mesh_device given without a config")
+        _schema_init(self, **fields)
+        return
+    if fields:
+        raise ConfigError(f"DeepSpeedConfig: a config and keyword fields ({', '.join(sorted(fields))}) together; "
+                          "pass one")
+    if mesh_device is not None:
+        raise ConfigError("DeepSpeedConfig: mesh_device is not supported; the engine builds its mesh from the config "
+                          "and mpu")
+    parsed = DeepSpeedConfig.load(config)
+    _schema_init(self, **{f.name: getattr(parsed, f.name) for f in dataclasses.fields(DeepSpeedConfig) if f.init})
+    if self.train_batch_size is None and self.train_micro_batch_size_per_gpu is None:
+        return  # nothing to resolve (an inference or partial config)
+    from .. import comm
+
+    dp, source = 1, "no process group"
+    if mpu is not None:
+        dp, source = mpu.get_data_parallel_world_size(), "mpu"
+    elif comm.is_initialized():
+        dp, source = comm.get_world_size(), "world size"
+    sizes = resolve_batch_sizes(self, dp, source)
+    self.train_batch_size = sizes.train_batch_size
+    self.train_micro_batch_size_per_gpu = sizes.micro_batch_per_gpu
+    self.gradient_accumulation_steps = sizes.gradient_accumulation_steps
+
+
+DeepSpeedConfig.__init__ = _deepspeed_style_init
+
 # DeepSpeed accepts exactly these spellings for communication_data_type (any case).
 COMM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -2,12 +2,15 @@
 its import line becomes `dslaunch.runtime`. `zero_to_fp32` is the checkpoint package's
 consolidation module (the script save_checkpoint ships), registered under this name too so
 `from dslaunch.runtime.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint`
-finds the same module object.
+finds the same module object. The helpers DeepSpeed keeps in `deepspeed.runtime.utils`
+(which the compatibility package maps here too) live in helpers.py.
 """
 import sys
 
 from ..checkpoint import zero_to_fp32
+from .helpers import clip_grad_norm_, is_model_parallel_parameter, move_to_device, see_memory_usage, set_random_seed
 
 sys.modules[__name__ + ".zero_to_fp32"] = zero_to_fp32
 
-__all__ = ["zero_to_fp32"]
+__all__ = ["zero_to_fp32", "clip_grad_norm_", "is_model_parallel_parameter", "move_to_device", "see_memory_usage",
+           "set_random_seed"]

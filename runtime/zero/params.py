@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..strict import ConfigError
 from .partition import padded_size, param_shard
 
 
@@ -239,10 +240,36 @@ class Init:
     over `data_parallel_group`, else `mpu.get_data_parallel_group()`, else the world: the
     engine refuses a model cut over another group than its data-parallel one."""
 
-    def __init__(self, module=None, data_parallel_group=None, enabled: bool = True, config_dict_or_path=None,
-                 param_persistence_threshold: Optional[int] = None, remote_device=None, pin_memory=False,
-                 config=None, dtype=None, mpu=None, **_ignored):
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True, remote_device=None,
+                 pin_memory: bool = False, config_dict_or_path=None, config=None, enabled: bool = True, dtype=None,
+                 mpu=None, zero_param_parallel_group=None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group=None,
+                 param_swapper=None, tensor_overrides=None, *, param_persistence_threshold: Optional[int] = None):
+        # DeepSpeed's parameters in DeepSpeed's order. mem_efficient_linear picks DeepSpeed's
+        # own linear autograd function, which saves memory its hooks would otherwise keep;
+        # here F.linear's default saving already keeps only the input. remote_device/pin_memory
+        # place the shards: on a machine without CUDA they are on the CPU already.
+        refused = [name for name, value, default in (
+            ("zero_param_parallel_group", zero_param_parallel_group, None),
+            ("zero_quantized_weights", zero_quantized_weights, False),
+            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights, False),
+            ("param_swapper", param_swapper, None)) if value is not default and value != default]
+        if refused:
+            raise ConfigError(f"zero.Init({refused[0]}=...): not supported (ZeRO++ hierarchical/quantized "
+                              "partitioning and custom swappers are not part of dslaunch's ZeRO-3)")
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected None, 'cpu' or 'nvme'")
+        if remote_device not in (None, "none") and torch.cuda.is_available():
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}) on a CUDA machine: set "
+                              "zero_optimization.offload_param.device in the config instead; the engine moves "
+                              "the shards there")
+        if tensor_overrides not in (None, [], ()):
+            names = sorted(str(getattr(t, "name", t)).lower() for t in tensor_overrides)
+            if not set(names) <= {"dtype", "device"}:
+                raise ConfigError(f"zero.Init(tensor_overrides={names}): expected dtype and/or device")
         self.enabled = enabled
+        if data_parallel_group is None:
+            data_parallel_group = sequence_data_parallel_group
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
         self.group = data_parallel_group
@@ -251,13 +278,29 @@ class Init:
             self.threshold = _threshold_from(config_dict_or_path or config)
         self.dtype = dtype
         self._patched = []
+        if module is not None and enabled:
+            # DeepSpeed's form for a model built outside the context: partition it now
+            self._require_process_group()
+            for sub in module.modules():
+                self._partition_own(sub)
+
+    @staticmethod
+    def _require_process_group() -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("zero.Init() needs torch.distributed initialised first "
+                               "(call dslaunch.runtime.init_distributed())")
+
+    def _partition_own(self, module) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            if not is_partitioned(p):
+                if self.dtype is not None and p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+                partition_param(p, name=name, persistent=p.numel() <= self.threshold, group=self.group)
 
     def __enter__(self):
         if not self.enabled:
             return self
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("zero.Init() needs torch.distributed initialised first "
-                               "(call dslaunch.runtime.init_distributed())")
+        self._require_process_group()
         for cls in _all_module_classes():
             if "__init__" in cls.__dict__:
                 orig = cls.__dict__["__init__"]
@@ -270,11 +313,7 @@ class Init:
 
         def __init__(module, *args, **kwargs):
             orig(module, *args, **kwargs)
-            for name, p in module.named_parameters(recurse=False):
-                if not is_partitioned(p):
-                    if init.dtype is not None and p.is_floating_point():
-                        p.data = p.data.to(init.dtype)
-                    partition_param(p, name=name, persistent=p.numel() <= init.threshold, group=init.group)
+            init._partition_own(module)
         __init__.__wrapped__ = orig
         return __init__
 

@@ -1,0 +1,225 @@
+"""DeepSpeed's public API as users import it (tests/data/deepspeed_api.json, written by
+scripts/deepspeed_api_surface.py against DeepSpeed 0.19.8): the table is true of the
+compatibility package, the docs page is the table's, and the important entries behave as
+DeepSpeed's documentation calls them."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_harness import run_function
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLE = json.loads((ROOT / "tests" / "data" / "deepspeed_api.json").read_text())
+
+
+def _surface():
+    spec = importlib.util.spec_from_file_location("deepspeed_api_surface", ROOT / "scripts" / "deepspeed_api_surface.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_row_is_what_the_package_does(deepspeed_compat):
+    """Re-probe every name under the installed compatibility package: a row marked provided
+    resolves and accepts DeepSpeed's arguments, and a row marked missing is still missing
+    (so adding a name means regenerating the table)."""
+    surface = _surface()
+    names = [e["name"] for e in TABLE["entries"]]
+    env = dict(os.environ, PYTHONPATH=str(deepspeed_compat.target), CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "api_probe.py")],
+                         input=json.dumps({"names": names}), env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ours = json.loads(res.stdout)["names"]
+    wrong = []
+    for e in TABLE["entries"]:
+        status, _ = surface.status_of(e["name"], {"kind": e["kind"], "params": e["params"]}, ours[e["name"]])
+        if status != e["status"]:
+            wrong.append(f"{e['name']}: table says {e['status']}, the package gives {status}")
+    assert not wrong, "\n".join(wrong)
+    assert all(e["note"] for e in TABLE["entries"] if e["status"] in ("refused", "differs"))
+
+
+def test_docs_page_is_the_table():
+    assert (ROOT / "docs" / "deepspeed-api.md").read_text() == _surface().render(TABLE)
+
+
+def test_signature_rule():
+    compatible = _surface().compatible
+    ds = [["a", "POSITIONAL_OR_KEYWORD", False], ["b", "POSITIONAL_OR_KEYWORD", True]]
+    assert compatible(ds, [["a", "POSITIONAL_OR_KEYWORD", False], ["b", "POSITIONAL_OR_KEYWORD", True]]) is None
+    assert compatible(ds, [["a", "POSITIONAL_OR_KEYWORD", False]]) == "no parameter 'b'"
+    assert compatible(ds, [["b", "POSITIONAL_OR_KEYWORD", True], ["a", "POSITIONAL_OR_KEYWORD", True]]).startswith(
+        "positional parameter 0")
+    assert compatible(ds, [["a", "POSITIONAL_OR_KEYWORD", False], ["c", "KEYWORD_ONLY", False],
+                           ["kw", "VAR_KEYWORD", False]]) == "ours requires 'c', which DeepSpeed's callers do not pass"
+    assert compatible([["args", "VAR_POSITIONAL", False], ["kwargs", "VAR_KEYWORD", False]], []) is None
+
+
+# -- behaviour -----------------------------------------------------------------------------------
+
+def test_dynamic_loss_scaler_follows_deepspeed():
+    from dslaunch.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
+
+    s = DynamicLossScaler(init_scale=2 ** 8, scale_window=2, min_scale=1, delayed_shift=2, consecutive_hysteresis=False)
+    scales = []
+    for overflow in [0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]:
+        s.update_scale(bool(overflow))
+        scales.append(s.cur_scale)
+    # DeepSpeed 0.19.8's DynamicLossScaler(256, 2, 1, 2, False) given the same overflow flags
+    assert scales == [256, 256, 512, 512, 512, 512, 1024, 1024, 1024, 512, 512, 512, 1024, 1024, 2048, 2048, 4096]
+    assert (s.cur_iter, s.last_overflow_iter) == (17, 9)
+    static = CreateLossScaler(dtype=None, static_loss_scale=128, dynamic_scaling=False, dynamic_loss_args=None)
+    assert static.loss_scale == 1.0 and not static.dynamic
+
+
+def test_deepspeed_config_from_a_path_resolves_batch_sizes(tmp_path):
+    from dslaunch.runtime import DeepSpeedConfig, ConfigError
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3,
+                                "zero_optimization": {"stage": 2}}))
+    cfg = DeepSpeedConfig(str(path))
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (12, 4, 3)
+    assert cfg.zero_optimization.stage == 2
+
+    class Mpu:
+        def get_data_parallel_world_size(self):
+            return 2
+
+    assert DeepSpeedConfig({"train_batch_size": 16, "gradient_accumulation_steps": 2}, mpu=Mpu()) \
+        .train_micro_batch_size_per_gpu == 4
+    with pytest.raises(ConfigError, match="zero_optimization.stagee"):
+        DeepSpeedConfig({"zero_optimization": {"stagee": 2}})
+
+
+def test_see_memory_usage_prints_only_when_forced():
+    code = ("from dslaunch.runtime.utils import see_memory_usage\n"
+            "see_memory_usage('quiet')\nsee_memory_usage('after init', force=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0] == "after init" and "quiet" not in out
+    assert lines[1].startswith("MA ") and lines[2].startswith("CPU Virtual Memory:  used = ")
+
+
+def test_move_to_device_and_accelerator_calls():
+    import torch
+
+    from dslaunch.runtime.accelerator import get_accelerator, is_current_accelerator_supported
+    from dslaunch.runtime.utils import move_to_device
+
+    t = torch.ones(2)
+    moved = move_to_device({"a": [t, 3], "b": (t,)}, "cpu", lambda x: torch.is_tensor(x))
+    assert moved["a"][0] is t and moved["a"][1] == 3 and moved["b"][0] is t
+    acc = get_accelerator()
+    assert is_current_accelerator_supported()
+    x = acc.LongTensor([1, 2])
+    assert x.dtype == torch.int64 and acc.on_accelerator(x) == (acc.device_name() == "cpu")
+    state = acc.get_rng_state()
+    a = torch.rand(3)
+    acc.set_rng_state(state)
+    assert torch.equal(a, torch.rand(3))
+    assert acc.memory_allocated() > 0 and acc.max_memory_allocated() >= acc.memory_allocated() // 2
+    acc.manual_seed(3)
+    assert acc.initial_seed() == 3
+
+
+def test_clip_grad_norm_matches_torch_in_one_process():
+    import torch
+
+    from dslaunch.runtime.utils import clip_grad_norm_
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4) * 10
+    for norm_type in (2.0, 1.0, float("inf")):
+        a = torch.nn.Linear(4, 3)
+        b = torch.nn.Linear(4, 3)
+        b.load_state_dict(a.state_dict())
+        a(x).sum().backward()
+        b(x).sum().backward()
+        ours = clip_grad_norm_(list(a.parameters()), 0.5, norm_type=norm_type)
+        ref = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 0.5, norm_type=norm_type)
+        assert torch.allclose(ours, ref, rtol=1e-5)
+        assert torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def comm_and_zero_body():
+    """Two ranks: deepspeed.comm's list and coalesced collectives, batched p2p, and
+    zero.Init(remote_device="cpu", pin_memory=..., config_dict_or_path=...) with
+    GatheredParameters(modifier_rank=0) writing back."""
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime import comm
+
+    deepspeed.init_distributed()
+    rank, world = comm.get_rank(), comm.get_world_size()
+    group = comm.new_group([0, 1])
+    out = {}
+    ins = [torch.full((2,), float(10 * rank + j)) for j in range(world)]
+    outs = [torch.empty(2) for _ in range(world)]
+    comm.all_to_all(outs, ins, group=group)
+    out["all_to_all"] = [o[0].item() for o in outs]
+    single = torch.empty(4)
+    comm.all_to_all_single(single, torch.arange(4.0) + 100 * rank, group=comm.get_world_group())
+    out["all_to_all_single"] = single.tolist()
+    tensors = [torch.full((2,), float(rank + 1)), torch.full((3,), float(rank + 2))]
+    comm.all_reduce_coalesced(tensors, group=group)
+    out["all_reduce_coalesced"] = [t.tolist() for t in tensors]
+    gathered = [[torch.empty(1) for _ in range(world)], [torch.empty(2) for _ in range(world)]]
+    comm.all_gather_coalesced(gathered, [torch.tensor([float(rank)]), torch.tensor([rank + 0.5, rank + 0.25])],
+                              group=group)
+    out["all_gather_coalesced"] = [[t.tolist() for t in g] for g in gathered]
+    send, recv = torch.full((3,), float(rank)), torch.empty(3)
+    peer = 1 - rank
+    works = comm.batch_isend_irecv([comm.P2POp(comm.isend, send, peer, group), comm.P2POp(comm.irecv, recv, peer, group)])
+    for w in works:
+        w.wait()
+    out["p2p"] = recv.tolist()
+    comm.barrier(group=group)
+
+    cfg = {"train_batch_size": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    with deepspeed.zero.Init(remote_device="cpu", pin_memory=True, config_dict_or_path=cfg):
+        model = torch.nn.Linear(4, 4)
+    out["partitioned"] = tuple(model.weight.shape) == (0,) or model.weight.numel() < 16
+    with deepspeed.zero.GatheredParameters([model.weight], modifier_rank=0):
+        if rank == 0:
+            model.weight.data.fill_(2.0)
+    with deepspeed.zero.GatheredParameters([model.weight]):
+        out["written_back"] = model.weight.detach().clone().flatten().tolist()
+    return out
+
+
+def test_comm_collectives_and_zero_init_as_documented():
+    r0, r1 = run_function(comm_and_zero_body, nprocs=2, timeout=120)
+    assert r0["all_to_all"] == [0.0, 10.0] and r1["all_to_all"] == [1.0, 11.0]
+    assert r0["all_to_all_single"] == [0.0, 1.0, 100.0, 101.0] and r1["all_to_all_single"] == [2.0, 3.0, 102.0, 103.0]
+    assert r0["all_reduce_coalesced"] == r1["all_reduce_coalesced"] == [[3.0, 3.0], [5.0, 5.0, 5.0]]
+    assert r0["all_gather_coalesced"] == r1["all_gather_coalesced"] == [[[0.0], [1.0]], [[0.5, 0.25], [1.5, 1.25]]]
+    assert r0["p2p"] == [1.0] * 3 and r1["p2p"] == [0.0] * 3
+    assert r0["partitioned"] and r1["partitioned"]
+    assert r0["written_back"] == r1["written_back"] == [2.0] * 16
+
+
+def test_zero_init_refuses_what_it_cannot_do():
+    from dslaunch.runtime import ConfigError, zero
+
+    with pytest.raises(ConfigError, match=r"zero.Init\(zero_quantized_weights=...\): not supported"):
+        zero.Init(zero_quantized_weights=True)
+    with pytest.raises(ConfigError, match=r"remote_device='disk'"):
+        zero.Init(remote_device="disk")
+
+
+def test_initialize_mesh_param_is_checked():
+    from dslaunch.runtime import ConfigError, _check_mesh_param
+
+    _check_mesh_param(None)
+    _check_mesh_param((1, 1))
+    with pytest.raises(ConfigError, match=r"mesh_param=\(2, 2\): 2 x 2 is not the world size 1"):
+        _check_mesh_param((2, 2))
+    with pytest.raises(ConfigError, match="expected \\(data_parallel_size, sequence_parallel_size\\)"):
+        _check_mesh_param("dp")
