@@ -37,7 +37,7 @@ __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedE
            "ConfigError", "CheckpointError", "LossScaleStuck", "NonFiniteError", "GradientStrategy",
            "StrategyContext", "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice",
            "checkpointing", "elasticity", "pipe", "zero", "tensor_parallel", "tp_model_init", "set_autotp_mode",
-           "PipelineModule", "PipelineEngine", "get_accelerator"]
+           "PipelineModule", "PipelineEngine", "get_accelerator", "load_ds_config", "log_dist"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -82,6 +82,29 @@ def _check_mesh_param(mesh_param) -> None:
     if sequence != 1:
         raise ConfigError(f"initialize: mesh_param={tuple(mesh_param)}: a sequence-parallel mesh from mesh_param is not "
                           "supported; pass the mpu that UlyssesSPAttentionHF.register_with_transformers returns")
+
+
+def load_ds_config(config) -> dict:
+    """The config as a dict: a dict as given, else the JSON/YAML file at that path (DeepSpeed's
+    helper; errors are one line naming the file)."""
+    from .strict import load_file
+
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        return load_file(str(config))
+    raise ConfigError(f"load_ds_config: expected a dict or a path to a JSON/YAML file, got {type(config).__name__}")
+
+
+def log_dist(message: str, ranks=None, level: int = 20) -> None:
+    """Log `message` on the listed ranks only (all ranks for None or [-1]), as DeepSpeed does."""
+    import logging
+
+    from . import comm
+
+    rank = comm.get_rank() if comm.is_initialized() else 0
+    if ranks is None or -1 in ranks or rank in ranks:
+        logging.getLogger("dslaunch.runtime").log(level, f"[Rank {rank}] {message}")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -107,6 +107,79 @@ REFUSED.update({
     "deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum": "engine.offload_states() is not provided",
 })
 
+def _internal(module: str, names: str, reason: str) -> None:
+    for name in names.split():
+        REFUSED[f"{module}.{name}"] = reason
+
+
+ZERO3 = "an internal of DeepSpeed's ZeRO-3 partitioner (dslaunch's is runtime/zero)"
+_internal("deepspeed.runtime.zero.partition_parameters",
+          "AllGatherCoalescedHandle AllGatherHandle AllReduceCoalescedHandle AsyncPartitionedParameterSwapper "
+          "CUDAQuantizer InsertPostInitMethodToModuleSubClasses MultipleAllGatherHandles NoGatherCoalescedHandle "
+          "NoGatherHandle QuantizationInfo assert_ints_same_as_other_ranks debug_module2name debug_param2name_id "
+          "debug_param2name_id_shape debug_param2name_id_shape_device debug_param2name_id_shape_status debug_rank0 "
+          "free_param get_all_subclasses get_allgather_dtype get_comm_dtype get_config_default "
+          "get_new_tensor_fn_for_dtype get_only_unique_item has_comm_dtype instrument_w_nvtx keep_buffers_in_fp32 "
+          "keep_in_fp32_pattern print_rank_0 restore_init_context shutdown_init_context sort_dtypes "
+          "wrap_load_from_state_dict wrap_quantized_functional zero3_linear_wrap "
+          "zero_wrapper_for_fp_tensor_constructor get_accelerator init_distributed see_memory_usage "
+          "DeepSpeedZeroConfig OffloadDeviceEnum", ZERO3)
+_internal("deepspeed.runtime.utils",
+          "CheckOverflow DummyOptim OutputBackwardHookManager TLinear align_dense_tensors all_gather_dp_groups "
+          "all_gather_into_tensor_dp_groups bwc_pipeline_parallel_group bwc_pipeline_parallel_world_size "
+          "bwc_tensor_model_parallel_rank call_to_str check_internal_apis_for_count_used_parameters "
+          "clip_tensors_by_global_norm combine_grad_norm_groups compare_tensors_in_structures copy_to_device "
+          "count_used_parameters_in_backward empty_cache ensure_directory_exists filter_empty_parameters "
+          "get_accelerator get_checkpoint_folder_size get_flattened_grad_norm get_global_norm "
+          "get_global_norm_of_tensors get_grad_zeros get_inactive_params get_ma_status get_norm_with_moe_layers "
+          "get_norm_with_moe_layers_fast get_only_unique_item get_tensor_bytes get_weight_norm has_inf_or_nan "
+          "is_invalid_grad_norm is_moe_param is_optimized_parameter is_transformers_cache "
+          "mask_nan_or_inf_with_val_inplace maybe_loss_for_backward memory_status noop_context noop_decorator "
+          "offload_adam_states partition_balanced partition_uniform prefix_sum_inc register_output_backward_hooks "
+          "reload_adam_states transpose",
+          "an internal of DeepSpeed's engine and optimizers")
+_internal("deepspeed.comm",
+          "get_caller_func get_debug_log_name get_default_args get_msg_size_from_args get_tensor_kwarg "
+          "get_tensor_position timed_op init_deepspeed_backend set_backend has_coalescing_manager ProcessGroup "
+          "get_local_rank_from_launcher get_world_rank_from_launcher get_world_size_from_launcher get_accelerator "
+          "CommsLogger",
+          "deepspeed.comm's own logging and back-end plumbing; dslaunch's comm logs through the comms_logger "
+          "config and reads ranks from the launcher's contract variables")
+_internal("deepspeed.utils.zero_to_fp32",
+          "GatheredTensor atoi natural_keys get_checkpoint_files get_model_state_file get_model_state_files "
+          "get_optim_files parse_model_states parse_optim_states to_torch_tensor zero3_partitioned_param_info "
+          "zero_model_state",
+          "an internal of DeepSpeed's recovery script; its entry points (get_fp32_state_dict_from_zero_checkpoint, "
+          "convert_zero_checkpoint_to_*state_dict, load_state_dict_from_zero_checkpoint) are provided")
+_internal("deepspeed.launcher.runner",
+          "Autotuner OpenMPIRunner PDSHRunner SlurmRunner apply_num_nodes_and_gpus encode_world_info "
+          "fetch_hostfile get_accelerator parse_args parse_inclusion_exclusion parse_node_config "
+          "parse_node_config_list parse_resource_filter run_autotuning set_log_level_from_string",
+          "an internal of DeepSpeed's launcher; dslaunch's launcher is the `dslaunch` command (and `deepspeed` "
+          "through the compatibility package)")
+_internal("deepspeed.runtime.lr_schedules",
+          "add_tuning_arguments get_config_from_args get_lr_from_config get_torch_optimizer override_1cycle_params "
+          "override_lr_range_test_params override_params override_warmupCosineLR_params override_warmupLR_params "
+          "parse_arguments update_lr",
+          "command-line plumbing of DeepSpeed's LR-schedule tuning; schedules come from the config's scheduler "
+          "section")
+_internal("deepspeed.runtime.zero.config",
+          "DeepSpeedConfigModel get_scalar_param pp_int read_zero_config_deprecated",
+          "DeepSpeed's pydantic plumbing; the schema is a dataclass here")
+_internal("deepspeed.runtime.fp16.loss_scaler",
+          "DeepSpeedConfigObject LossScaleConfig LossScaleProfile LossScaleProfileDefaults log_dist",
+          "an internal of DeepSpeed's fp16 optimizer wrapper")
+_internal("deepspeed", "merge_tp_model_init_into_config record_tp_model_init_args",
+          "internals behind tp_model_init (provided)")
+_internal("deepspeed", "resolve_per_head_muon_after_sharding set_optimizer_flags DeepSpeedOptimizer",
+          "an internal of DeepSpeed's optimizer setup")
+for _name in ("deepspeed.runtime.zero.config.ZenFlowConfig", "deepspeed.ops.adam.ZenFlowCPUAdam",
+              "deepspeed.ops.adam.ZenFlowSelectiveAdamW", "deepspeed.ops.adam.ZenFlowSelectiveAdamW_stage3"):
+    REFUSED[_name] = "ZenFlow (stall-free offload) is not provided"
+REFUSED["deepspeed.pipe.DualPipeVModule"] = "DeepSpeed's DualPipeV schedule; dslaunch's pipeline runs 1F1B"
+REFUSED["deepspeed.DeepSpeedDataLoader"] = "the engine builds its loader from training_data (engine.training_dataloader)"
+
+
 # Provided with a difference the user should know.
 DIFFERENCES: Dict[str, str] = {
     "deepspeed.initialize": "mesh_param=(data, sequence) with a sequence size above 1 is refused in one line; "

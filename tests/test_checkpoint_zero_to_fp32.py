@@ -29,8 +29,8 @@ def _equal(a, b):
 @pytest.mark.parametrize("case", ["s2_bf16", "s3_fp32"])
 def test_functions_give_what_deepspeeds_give(tmp_path, case):
     from dslaunch.runtime.utils.zero_to_fp32 import (
-        convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
-        load_state_dict_from_zero_checkpoint,
+        convert_zero_checkpoint_to_fp32_state_dict, convert_zero_checkpoint_to_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint,
     )
 
     for who in ("ds", "dslaunch"):
@@ -43,6 +43,12 @@ def test_functions_give_what_deepspeeds_give(tmp_path, case):
         out = tmp_path / who / "whole"
         assert convert_zero_checkpoint_to_fp32_state_dict(ckpt, str(out)) == [str(out / "pytorch_model.bin")]
         _equal(torch.load(out / "pytorch_model.bin", weights_only=True), ref)
+        # DeepSpeed 0.19's dtype form: the same weights rounded to bf16
+        out = tmp_path / who / "bf16"
+        convert_zero_checkpoint_to_state_dict(ckpt, str(out), dtype="bfloat16")
+        half = torch.load(out / "pytorch_model.bin", weights_only=True)
+        assert {k: v.dtype for k, v in half.items()} == {k: torch.bfloat16 for k in ref}
+        assert all(torch.equal(half[k], ref[k].to(torch.bfloat16)) for k in ref)
 
         # over max_shard_size: numbered shards and Hugging Face's index, as DeepSpeed writes them
         out = tmp_path / who / "sharded"

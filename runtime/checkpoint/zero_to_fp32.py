@@ -16,13 +16,16 @@ dslaunch installed (`dslaunch consolidate` is the same tool).
 
 The same module is `deepspeed.utils.zero_to_fp32` under the compatibility package, with
 DeepSpeed's functions: get_fp32_state_dict_from_zero_checkpoint,
-convert_zero_checkpoint_to_fp32_state_dict and load_state_dict_from_zero_checkpoint.
+convert_zero_checkpoint_to_fp32_state_dict, convert_zero_checkpoint_to_state_dict (any of
+fp32/fp16/bf16) and load_state_dict_from_zero_checkpoint.
 """
 import argparse
 import json
 import os
 import re
 import sys
+
+import torch
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -78,9 +81,31 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
     """Write the checkpoint's fp32 weights into `output_dir` as DeepSpeed's function does:
     one pytorch_model.bin / model.safetensors, or shards and an index over max_shard_size
     (None: never shard). Returns the paths written."""
+    return convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
+                                                 safe_serialization, tag, exclude_frozen_parameters)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=torch.float32, max_shard_size="5GB",
+                                          safe_serialization=False, tag=None, exclude_frozen_parameters=False):
+    """DeepSpeed 0.19's generalisation of convert_zero_checkpoint_to_fp32_state_dict: the
+    floating-point weights written in `dtype` (float32, float16 or bfloat16, as a torch dtype
+    or its name); other buffers keep theirs. Shard sizes count the written dtype."""
     from dslaunch.runtime.checkpoint.consolidate import write_state_dict
 
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPES:
+            raise _checkpoint_error(f"convert_zero_checkpoint_to_state_dict: dtype {dtype!r}: expected one of "
+                                    "float32, float16, bfloat16")
+        dtype = _DTYPES[dtype.lower()]
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise _checkpoint_error(f"convert_zero_checkpoint_to_state_dict: dtype {dtype}: expected float32, float16 "
+                                "or bfloat16")
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     output_dir = str(output_dir)
     weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     shards = _shards(state, parse_size(max_shard_size)) if max_shard_size is not None else [state]

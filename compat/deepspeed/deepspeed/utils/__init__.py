@@ -5,7 +5,6 @@ leaf-module calls are dslaunch.runtime.zero.hook_scope's.
 """
 import logging
 
-from dslaunch.runtime.comm import get_rank as _get_rank
 from dslaunch.runtime.comm import is_initialized
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.zero.hook_scope import (
@@ -15,11 +14,7 @@ from dslaunch.runtime.zero.hook_scope import (
 logger = logging.getLogger("dslaunch.runtime")
 
 
-def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
-    """Log `message` on the listed ranks only (all ranks for None or [-1]), as DeepSpeed does."""
-    rank = _get_rank()
-    if ranks is None or -1 in ranks or rank in ranks:
-        logger.log(level, f"[Rank {rank}] {message}")
+from dslaunch.runtime import log_dist  # noqa: E402  (one implementation for both import paths)
 
 
 __all__ = ["logger", "log_dist", "is_initialized", "RepeatingLoader", "set_z3_leaf_modules",
