@@ -57,6 +57,8 @@ REFUSED: Dict[str, str] = {
                                       "use torch's scaled_dot_product_attention",
     "deepspeed.inference.v2": "DeepSpeed-FastGen (ragged batching) is GPU-only; dslaunch serves with init_inference",
     "deepspeed.inference.RaggedInferenceEngineConfig": "DeepSpeed-FastGen is GPU-only",
+    "deepspeed.inference.DeepSpeedTPConfig": "configures DeepSpeed-FastGen (GPU-only); init_inference takes "
+                                             "tensor_parallel={\"tp_size\": N}",
     "deepspeed.DeepSpeedTransformerLayer": "DeepSpeed's fused CUDA transformer kernel; not provided",
     "deepspeed.DeepSpeedTransformerConfig": "configures DeepSpeed's fused CUDA transformer kernel; not provided",
     "deepspeed.DeepSpeedHybridEngine": "DeepSpeed-Chat's RLHF hybrid engine; not provided",

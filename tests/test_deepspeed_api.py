@@ -191,6 +191,13 @@ def comm_and_zero_body():
             model.weight.data.fill_(2.0)
     with deepspeed.zero.GatheredParameters([model.weight]):
         out["written_back"] = model.weight.detach().clone().flatten().tolist()
+
+    from dslaunch.runtime.utils import PartitionedTensor
+
+    whole = torch.arange(15.0).view(3, 5)
+    part = PartitionedTensor(whole, group)
+    again = PartitionedTensor.from_meta(part.to_meta(), part.data(), group)
+    out["partitioned_tensor"] = (part.local_size()[0], torch.equal(again.full(), whole))
     return out
 
 
@@ -203,6 +210,15 @@ def test_comm_collectives_and_zero_init_as_documented():
     assert r0["p2p"] == [1.0] * 3 and r1["p2p"] == [0.0] * 3
     assert r0["partitioned"] and r1["partitioned"]
     assert r0["written_back"] == r1["written_back"] == [2.0] * 16
+    assert r0["partitioned_tensor"] == (8, True) and r1["partitioned_tensor"] == (7, True)
+
+
+def test_partition_uniform_is_deepspeeds():
+    from dslaunch.runtime.utils import partition_uniform
+
+    assert partition_uniform(15, 2) == [0, 8, 15]
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
+    assert partition_uniform(2, 4) == [0, 1, 2, 2, 2]
 
 
 def test_zero_init_refuses_what_it_cannot_do():

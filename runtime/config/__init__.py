@@ -273,6 +273,14 @@ def _deepspeed_style_init(self, config=None, mpu=None, mesh_device=None, **field
 
 DeepSpeedConfig.__init__ = _deepspeed_style_init
 
+# DeepSpeed's names for the `optimizer.type` values (scripts compare against them).
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+LION_OPTIMIZER = "lion"
+MUON_OPTIMIZER = "muon"
+
 # DeepSpeed accepts exactly these spellings for communication_data_type (any case).
 COMM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -9,8 +9,9 @@ import sys
 
 from ..checkpoint import zero_to_fp32
 from .helpers import clip_grad_norm_, is_model_parallel_parameter, move_to_device, see_memory_usage, set_random_seed
+from .partitioned import PartitionedTensor, partition_uniform
 
 sys.modules[__name__ + ".zero_to_fp32"] = zero_to_fp32
 
 __all__ = ["zero_to_fp32", "clip_grad_norm_", "is_model_parallel_parameter", "move_to_device", "see_memory_usage",
-           "set_random_seed"]
+           "set_random_seed", "PartitionedTensor", "partition_uniform"]
