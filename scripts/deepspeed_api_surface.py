@@ -178,6 +178,10 @@ _internal("deepspeed", "resolve_per_head_muon_after_sharding set_optimizer_flags
 for _name in ("deepspeed.runtime.zero.config.ZenFlowConfig", "deepspeed.ops.adam.ZenFlowCPUAdam",
               "deepspeed.ops.adam.ZenFlowSelectiveAdamW", "deepspeed.ops.adam.ZenFlowSelectiveAdamW_stage3"):
     REFUSED[_name] = "ZenFlow (stall-free offload) is not provided"
+_internal("deepspeed.utils", "bwc_pipeline_parallel_world_size bwc_tensor_model_parallel_world_size get_caller_func "
+          "get_numactl_cmd get_accelerator lazy_init_hp_params_optimizer_state link_hp_params map_to_flat_opt_states "
+          "get_hp_fragment_mapping fragment_address tensor_fragment",
+          "an internal of DeepSpeed's engine, launcher or optimizer-fragment bookkeeping")
 REFUSED["deepspeed.pipe.DualPipeVModule"] = "DeepSpeed's DualPipeV schedule; dslaunch's pipeline runs 1F1B"
 REFUSED["deepspeed.DeepSpeedDataLoader"] = "the engine builds its loader from training_data (engine.training_dataloader)"
 

@@ -239,3 +239,23 @@ def test_initialize_mesh_param_is_checked():
         _check_mesh_param((2, 2))
     with pytest.raises(ConfigError, match="expected \\(data_parallel_size, sequence_parallel_size\\)"):
         _check_mesh_param("dp")
+
+
+def test_utils_helpers_through_the_package(deepspeed_compat):
+    code = """
+import logging, torch
+from deepspeed.utils import recursive_getattr, recursive_setattr, log_dist_once, set_log_level_from_string, logger
+m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+assert recursive_getattr(m, "1.0").__class__.__name__ == "ReLU"
+recursive_setattr(m, "1.0", torch.nn.Tanh())
+assert isinstance(m[1][0], torch.nn.Tanh)
+set_log_level_from_string("info")
+assert logger.level == logging.INFO
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+for _ in range(3):
+    log_dist_once("hello once")
+"""
+    res = subprocess.run([sys.executable, "-c", code], env=deepspeed_compat.env(), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("hello once") == 1

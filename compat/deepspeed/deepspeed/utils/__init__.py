@@ -11,11 +11,71 @@ from dslaunch.runtime.zero.hook_scope import (
     get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
 )
 
+from dslaunch.runtime.inference import OnDevice
+
 logger = logging.getLogger("dslaunch.runtime")
 
 
 from dslaunch.runtime import log_dist  # noqa: E402  (one implementation for both import paths)
 
+_logged_once = set()
 
-__all__ = ["logger", "log_dist", "is_initialized", "RepeatingLoader", "set_z3_leaf_modules",
-           "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module"]
+
+def log_dist_once(message: str, ranks=None, level: int = logging.INFO) -> None:
+    """log_dist, each distinct (message, ranks, level) once per process."""
+    key = (message, tuple(ranks) if ranks is not None else None, level)
+    if key not in _logged_once:
+        _logged_once.add(key)
+        log_dist(message, ranks, level)
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger=None) -> None:
+    """Set the logger's level by name ("info", "WARNING", ...), as DeepSpeed's --log_level."""
+    level = logging.getLevelName(str(log_level_str).upper())
+    if not isinstance(level, int):
+        raise ValueError(f"log level {log_level_str!r}: expected debug, info, warning, error or critical")
+    (custom_logger or logger).setLevel(level)
+
+
+def recursive_getattr(model, module_name: str):
+    """model's sub-module (or attribute) at the dotted path "layer.0.attn"."""
+    obj = model
+    for part in module_name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def recursive_setattr(model, module_name: str, module) -> None:
+    """Replace model's sub-module at the dotted path with `module`."""
+    parent, _, leaf = module_name.rpartition(".")
+    setattr(recursive_getattr(model, parent) if parent else model, leaf, module)
+
+
+def instrument_w_nvtx(func):
+    """Wrap func in an NVTX range named after it when CUDA is there (profilers show it);
+    otherwise func itself."""
+    import functools
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return func
+
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        torch.cuda.nvtx.range_push(func.__qualname__)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch.cuda.nvtx.range_pop()
+
+    return wrapped
+
+
+class DeprecatedException(Exception):
+    pass
+
+
+__all__ = ["logger", "log_dist", "log_dist_once", "is_initialized", "RepeatingLoader", "set_z3_leaf_modules",
+           "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "OnDevice", "set_log_level_from_string",
+           "recursive_getattr", "recursive_setattr", "instrument_w_nvtx", "DeprecatedException"]
