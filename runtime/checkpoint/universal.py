@@ -183,6 +183,7 @@ def open_universal(path: str, trust_pickle: bool = False) -> UniversalCheckpoint
                 entry[STEP] = value
                 continue
             t = value.get("param") if isinstance(value, dict) else value
+            t = t.detach() if torch.is_tensor(t) else t
             if not torch.is_tensor(t):
                 raise CheckpointError(f"universal checkpoint file {os.path.join(root, f)} holds no tensor")
             entry[key] = t
@@ -299,6 +300,10 @@ def _check_convertible(ck) -> None:
         raise CheckpointError(f"checkpoint {ck.path} holds {ck.topology['model']} tensor-parallel slices; converting "
                               "tensor-parallel checkpoints to the universal layout is not supported (consolidate "
                               "it, or resume it with dslaunch at any tensor size)")
+    if not ck.sharded and "param_names" not in ck.stage0_state():
+        raise CheckpointError(f"checkpoint {ck.path} is DeepSpeed's without ZeRO: it records no parameter names, so "
+                              "its optimizer state cannot be matched to parameters (DeepSpeed's converter refuses "
+                              "stage 0 too)")
 
 
 def convert(input_folder: str, output_folder: str) -> Converted:
