@@ -14,9 +14,11 @@ another world size, 1 rank:
   expected.json       per case, the losses of the 3 steps after the save:
                         deepspeed                      DeepSpeed's uninterrupted 2-rank run
                         deepspeed_resumed_ds_universal    DeepSpeed on 1 rank, load_universal of ds/CASE
-                        deepspeed_resumed_dslaunch_universal  DeepSpeed on 1 rank, load_universal of
-                                                       dslaunch/CASE (DeepSpeed resumes what we write)
-                        deepspeed_resumed_dslaunch_universal_stage<S>  the same at another ZeRO stage S
+                        deepspeed_resumed_dslaunch_universal_stage<S>  DeepSpeed on 1 rank at ZeRO stage S
+                                                       (the saved one, and another), load_universal of
+                                                       dslaunch/CASE: DeepSpeed resumes what we write
+                      OURS_ONLY cases (stage 0, which DeepSpeed's converter refuses: its error is
+                      recorded as deepspeed_converter_error) have no ds/CASE
 
 tests/test_checkpoint_universal.py uses them without DeepSpeed: dslaunch resumes ds/CASE at 1
 and 2 ranks with DeepSpeed's losses, and our converter reproduces dslaunch/CASE (the folder
@@ -44,7 +46,11 @@ _spec.loader.exec_module(fx)
 # interop cases converted: torch's AdamW at stages 2 and 3 (ZeRO-3's converter writes another
 # layout), DeepSpeed's default FusedAdam (an int step) under bf16 at stage 1
 CASES = ("s2_fp32", "s3_fp32", "adam_s1_bf16")
-OTHER_STAGE = {1: 3, 2: 3, 3: 1}  # DeepSpeed loads our universal folder at this stage too
+# converted by us only: DeepSpeed's converter refuses stage 0 (its error is recorded); DeepSpeed's
+# universal loading needs ZeRO, so it resumes ours at stages 1 and 2
+OURS_ONLY = ("s0_bf16",)
+OTHER_STAGE = {0: 2, 1: 3, 2: 3, 3: 1}  # DeepSpeed loads our universal folder at this stage too
+SAME_STAGE = {0: 1}  # the stage DeepSpeed resumes at first, when not the saved one
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 UNIVERSAL = "{tag}_universal"
 
@@ -64,29 +70,38 @@ def main() -> None:
     ap.add_argument("--ds-python", default="/work/ds-venv/bin/python", help="a python with deepspeed==0.19.8")
     args = ap.parse_args()
     expected, bad = {}, []
-    for name in CASES:
+    for name in CASES + OURS_ONLY:
         case = fx.CASES[name]
         universal = UNIVERSAL.format(tag=case.tag)
         ds_dir, our_dir = os.path.join(OUT, "ds", name), os.path.join(OUT, "dslaunch", name)
         for d in (ds_dir, our_dir):
             shutil.rmtree(d, ignore_errors=True)
-            os.makedirs(d)
-        subprocess.run([args.ds_python, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                        os.path.join(SRC, "ds", name, case.tag), "--output_folder", os.path.join(ds_dir, universal),
-                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        os.makedirs(our_dir)
+        ds_convert = subprocess.run(
+            [args.ds_python, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             os.path.join(SRC, "ds", name, case.tag), "--output_folder", os.path.join(ds_dir, universal),
+             "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+            capture_output=True, text=True, cwd=ROOT)
+        if (ds_convert.returncode == 0) != (name in CASES):
+            raise SystemExit(f"{name}: DeepSpeed's converter exit status {ds_convert.returncode}: "
+                             f"{ds_convert.stderr.strip().splitlines()[-1:]}")
         subprocess.run([sys.executable, "-m", "dslaunch.runtime.checkpoint.ds_to_universal", "--input_folder",
                         os.path.join(SRC, "dslaunch", name, case.tag), "--output_folder",
                         os.path.join(our_dir, universal)], check=True, cwd=ROOT)
         with open(os.path.join(SRC, "expected.json")) as fh:
             reference = json.load(fh)[name]["deepspeed"][case.save_at:]
-        other = OTHER_STAGE[case.stage]
-        got = {"deepspeed": reference,
-               "deepspeed_resumed_ds_universal": _resume_universal(args.ds_python, case, ds_dir, case.stage),
-               "deepspeed_resumed_dslaunch_universal": _resume_universal(args.ds_python, case, our_dir, case.stage),
-               f"deepspeed_resumed_dslaunch_universal_stage{other}": _resume_universal(args.ds_python, case, our_dir,
-                                                                                        other)}
-        expected[name] = got
+        first, other = SAME_STAGE.get(case.stage, case.stage), OTHER_STAGE[case.stage]
+        got = {"deepspeed": reference}
+        if name in CASES:
+            got["deepspeed_resumed_ds_universal"] = _resume_universal(args.ds_python, case, ds_dir, case.stage)
+        got[f"deepspeed_resumed_dslaunch_universal_stage{first}"] = _resume_universal(args.ds_python, case, our_dir,
+                                                                                       first)
+        got[f"deepspeed_resumed_dslaunch_universal_stage{other}"] = _resume_universal(args.ds_python, case, our_dir,
+                                                                                       other)
+        expected[name] = dict(got)
+        if name in OURS_ONLY:
+            shutil.rmtree(ds_dir, ignore_errors=True)
+            expected[name]["deepspeed_converter_error"] = ds_convert.stderr.strip().splitlines()[-1]
         for key, losses in got.items():
             print(f"{name}: {key:48s} {losses}", flush=True)
             if not _close(losses, reference, TOL[case.dtype]):

@@ -103,15 +103,13 @@ class UniversalCheckpoint:
     def shard(self) -> Dict[str, Any]:
         """The optimizer state as one name-keyed shard (reshard.py's form) holding every
         parameter whole, which every ZeRO stage and stage 0 re-cut for their own layout. Group 0
-        holds the tensors; each saved param group carries the shared step (state_keys reads a
-        group's scalars by its index) and its hyperparameters."""
+        holds the tensors; each saved param group carries the shared step (a strategy reads a
+        group's scalars by its index) and the shard its hyperparameters."""
         hyper = self.param_groups()
         group0: Dict[str, Any] = {"pieces": [], "shapes": {}, "master": {}, "state": {}}
         keys = sorted({k for p in self.params.values() for k in p if k not in (FP32, STEP)})
-        for name, p in self.params.items():
-            if not any(k in p for k in keys):
-                continue  # a buffer or a frozen weight: no optimizer state (module_state has it)
-            t = p[FP32]
+        for name, p in self.params.items():  # buffers too (DeepSpeed writes their fp32.pt): re-cutting
+            t = p[FP32]                          # looks up the trainable names only
             group0["pieces"].append({"name": name, "start": 0, "end": t.numel(), "offset": 0})
             group0["shapes"][name] = list(t.shape)
             group0["master"][name] = t.reshape(-1).float()
