@@ -88,13 +88,18 @@ class UniversalCheckpoint:
         return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
     def module_state(self) -> Dict[str, torch.Tensor]:
-        """The saved module (buffers, frozen weights) with every weight taken from its fp32.pt,
-        in the dtype the module states hold it (DeepSpeed restores weights from fp32.pt)."""
+        """The saved module with every trained weight taken from its fp32.pt, in the dtype the
+        module states hold it (DeepSpeed restores weights from fp32.pt; ZeRO-3's module states
+        hold empty placeholders). Buffers and frozen weights stay as the module states hold
+        them (an integer buffer would not survive DeepSpeed's fp32 copy)."""
         module = self.model.get("module")
         module = dict(module) if isinstance(module, dict) else {}
         for name, p in self.params.items():
             old = module.get(name)
-            module[name] = p[FP32].to(old.dtype) if torch.is_tensor(old) else p[FP32]
+            if not torch.is_tensor(old):
+                module[name] = p[FP32]
+            elif len(p) > 1 or old.numel() != p[FP32].numel():
+                module[name] = p[FP32].to(old.dtype)
         for alias, canon in (self.model.get("shared_params") or {}).items():
             if canon in module:
                 module[alias] = module[canon]
@@ -127,9 +132,6 @@ class UniversalCheckpoint:
                 "param_groups": hyper}
 
     def counters(self, gradient_accumulation_steps: int) -> Dict[str, int]:
-        extra = self.model.get("dslaunch") if isinstance(self.model.get("dslaunch"), dict) else {}
-        if "counters" in extra:
-            return dict(extra["counters"])
         steps = int(self.model.get("global_steps", 0))
         return {"global_steps": steps, "micro_steps": steps * gradient_accumulation_steps,
                 "global_samples": int(self.model.get("global_samples", 0)),
