@@ -229,3 +229,20 @@ def test_load_universal_without_latest_universal_and_a_universal_folder_without_
     missing, unflagged = outs[0]
     assert "checkpoint.load_universal is set but" in missing and "latest_universal does not exist" in missing
     assert "is a universal checkpoint; load it with" in unflagged and "load_universal" in unflagged
+
+
+def test_buffers_and_frozen_weights_come_from_the_module_states_and_placeholders_from_fp32():
+    from dslaunch.runtime.checkpoint.universal import UniversalCheckpoint
+
+    big = torch.tensor([2 ** 40 + 1], dtype=torch.int64)  # fp32 cannot hold it: DeepSpeed's fp32.pt rounds it
+    uc = UniversalCheckpoint("u", {"module": {"w": torch.empty(0, dtype=torch.bfloat16), "count": big,
+                                              "frozen": torch.ones(2, dtype=torch.bfloat16)}},
+                             {"param_groups": [{"lr": 0.1, "params": [0]}]},
+                             {"w": {"fp32": torch.arange(4.0).view(2, 2), "exp_avg": torch.ones(2, 2), "step": 3},
+                              "count": {"fp32": big.float()}, "frozen": {"fp32": torch.full((2,), 7.0)}})
+    module = uc.module_state()
+    assert torch.equal(module["count"], big) and torch.equal(module["frozen"], torch.ones(2, dtype=torch.bfloat16))
+    assert module["w"].dtype == torch.bfloat16 and torch.equal(module["w"].float(), torch.arange(4.0).view(2, 2))
+    shard = uc.shard()
+    assert [g["state"].get("step") for g in shard["groups"]] == [3] and shard["param_groups"] == [{"lr": 0.1}]
+    assert torch.equal(shard["groups"][0]["state"]["exp_avg"]["w"], torch.ones(4))
