@@ -205,12 +205,6 @@ def open_universal(path: str, trust_pickle: bool = False) -> UniversalCheckpoint
     return uc
 
 
-def read_latest_universal(save_dir: str) -> Optional[str]:
-    from .layout import read_latest
-
-    return read_latest(save_dir, LATEST_UNIVERSAL)
-
-
 # -- writing -----------------------------------------------------------------------------------
 @dataclass
 class Converted:
@@ -355,5 +349,4 @@ def convert(input_folder: str, output_folder: str) -> Converted:
                      ck.world_size)
 
 
-__all__ = ["LATEST_UNIVERSAL", "Converted", "UniversalCheckpoint", "convert", "is_universal", "open_universal",
-           "read_latest_universal"]
+__all__ = ["LATEST_UNIVERSAL", "Converted", "UniversalCheckpoint", "convert", "is_universal", "open_universal"]
