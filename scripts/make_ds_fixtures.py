@@ -205,6 +205,8 @@ def worker(rank: int, job: dict) -> None:
     else:
         model = make_model()
         cfg = config(stage, dtype, job["world"], job.get("optimizer", "torch_adamw"))
+    if job.get("universal"):  # make_ds_universal_fixtures.py: resume a universal checkpoint folder
+        cfg["checkpoint"] = {"load_universal": True}
     engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=cfg)[0]
     start = 0
     if job.get("load"):

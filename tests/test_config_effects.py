@@ -68,7 +68,7 @@ ALL = {
                    "max_gpus": 8, "min_time": 0, "version": 0.1, "ignore_non_elastic_batch_info": True,
                    "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
     "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True},
-    "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False},
+    "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False, "load_universal": False},
     "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
                         "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                                               "partition_type": "row"}]}},
@@ -89,6 +89,8 @@ EFFECTS = {
     "tensor_parallel.tensor_parallel": TP + "test_bad_tensor_parallel_input_is_one_line",
     "tensor_parallel.tp": TP + "test_bad_tensor_parallel_input_is_one_line",
     "tensor_parallel.tensor_parallel.tp_size": TP + "test_bad_tensor_parallel_input_is_one_line",
+    "checkpoint.load_universal":
+        "tests/test_checkpoint_universal.py::test_deepspeeds_universal_folders_resume_here_on_one_rank_in_any_stage",
     "train_batch_size": "tests/test_config.py::test_batch_size_table",
     "train_micro_batch_size_per_gpu": "tests/test_config.py::test_batch_size_table",
     "gradient_accumulation_steps": "tests/test_engine_parity.py::test_two_ranks_match_one_rank_and_resume_exactly",

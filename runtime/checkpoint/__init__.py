@@ -13,6 +13,8 @@
     foreign.py      DeepSpeed's pickled classes as inert stand-ins, read and written without it
     reader.py       one Checkpoint view of a directory, dslaunch's or DeepSpeed's
     consolidate.py  `dslaunch consolidate`: one fp32 state_dict from any checkpoint
+    universal.py    DeepSpeed's universal checkpoint folders: read (load_universal) and written
+    ds_to_universal.py  `dslaunch ds_to_universal` / deepspeed.checkpoint.ds_to_universal
     zero_to_fp32.py the script save_checkpoint ships beside the tags, as DeepSpeed does
 """
 from .errors import CheckpointError

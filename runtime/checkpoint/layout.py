@@ -127,11 +127,11 @@ def tag_path(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, tag)
 
 
-def read_latest(save_dir: str) -> Optional[str]:
-    """The tag `save_dir/latest` names, or None when there is no latest file. The tag must
-    be a plain name (or the pointer a save in progress leaves, PREVIOUS + tag) whose
-    directory resolves inside save_dir."""
-    latest = os.path.join(save_dir, LATEST)
+def read_latest(save_dir: str, name: str = LATEST) -> Optional[str]:
+    """The tag `save_dir/latest` (or `name`: `latest_universal`) names, or None when there is
+    no such file. The tag must be a plain name (or the pointer a save in progress leaves,
+    PREVIOUS + tag) whose directory resolves inside save_dir."""
+    latest = os.path.join(save_dir, name)
     try:
         with open(latest, "rb") as fh:
             raw = fh.read(4096 + 1)

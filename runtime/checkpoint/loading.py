@@ -26,10 +26,10 @@ import torch
 from .agree import agree
 from .errors import CheckpointError
 from .files import load_torch
-from .layout import model_states_name, read_latest, rng_states_name, validate_tag
+from .layout import LATEST, model_states_name, read_latest, rng_states_name, validate_tag
 from .reader import Checkpoint, open_checkpoint
 from .saving import CLIENT_STATE_FILE
-from . import optimizer_state, parallel, tensor_slices
+from . import optimizer_state, parallel, tensor_slices, universal
 
 
 @dataclass
@@ -131,6 +131,30 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
                    ck.loss_scaler_state() if engine.loss_scaler is not None and not load_module_only else None)
 
 
+def _read_universal(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+                    trust_pickle: bool) -> _Loaded:
+    """A DeepSpeed universal folder (universal.py): whole fp32 weights and optimizer states per
+    parameter, handed to the strategy as one name-keyed shard it re-cuts for this world size
+    and stage, as any re-shard."""
+    place = parallel.placement(engine)
+    if parallel.is_pipeline(engine) or place.mp_size > 1:
+        raise CheckpointError(f"universal checkpoint {path}: loading one into a pipeline or a tensor-parallel job is "
+                              "not supported (load it without them, save, and resume from that checkpoint)")
+    uc = universal.open_universal(path, trust_pickle=trust_pickle)
+    module = uc.module_state()
+    check_module_shapes(engine.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
+    optim = None
+    if load_optimizer_states and not load_module_only:
+        if not getattr(engine.strategy, "loads_any_world_size", False):
+            raise CheckpointError(f"universal checkpoint {path}: ZeRO stage {engine.strategy.stage} cannot load "
+                                  "re-cut optimizer state (load with load_optimizer_states=False)")
+        optim = optimizer_state.to_ours([uc.shard()], getattr(engine.strategy, "optimizer", None),
+                                        f"universal checkpoint {path}")
+    return _Loaded(path, module, optim, None, uc.client_state(), uc.counters(engine.gradient_accumulation_steps()),
+                   uc.model.get("lr_scheduler"),
+                   uc.loss_scaler_state() if engine.loss_scaler is not None and not load_module_only else None)
+
+
 def _load_stage0_into_stage0(engine, state: Dict[str, Any]) -> None:
     """A stage-0 state into stage 0: the torch state_dict, then the fp32 copies (DeepSpeed's
     fp32_groups order: param group by param group) into the tensors the optimizer steps."""
@@ -168,11 +192,16 @@ def _apply(engine, got: _Loaded, strict: bool, load_lr_scheduler_states: bool, l
         set_rng_state(got.rng)
 
 
-def resolve(load_dir: str, tag) -> Optional[str]:
+def resolve(load_dir: str, tag, load_universal: bool = False) -> Optional[str]:
     """The checkpoint directory to load: `tag` (validated) or the one `latest` names;
-    None when tag is None and there is no `latest`."""
+    None when tag is None and there is no `latest`. With load_universal, `latest_universal`
+    names it and must exist (as DeepSpeed requires)."""
     if tag is None:
-        tag = read_latest(load_dir)
+        tag = read_latest(load_dir, universal.LATEST_UNIVERSAL if load_universal else LATEST)
+        if tag is None and load_universal:
+            raise CheckpointError(f"load_checkpoint: checkpoint.load_universal is set but "
+                                  f"{os.path.join(load_dir, universal.LATEST_UNIVERSAL)} does not exist (write one "
+                                  "with `dslaunch ds_to_universal`, or pass tag=)")
         if tag is None:
             return None
     else:
@@ -195,8 +224,9 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
          trust_pickle: bool = False) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     load_dir = str(load_dir)
     path, error = None, None
+    load_universal = bool(engine.config.checkpoint.load_universal)
     try:
-        path = resolve(load_dir, tag)
+        path = resolve(load_dir, tag, load_universal)
     except CheckpointError as exc:
         error = str(exc)
     paths = agree(error, path)
@@ -211,7 +241,8 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
         return None, None
     got = None
     try:
-        got = _read(engine, path, load_module_strict, load_optimizer_states, load_module_only, trust_pickle)
+        read = _read_universal if load_universal else _read
+        got = read(engine, path, load_module_strict, load_optimizer_states, load_module_only, trust_pickle)
     except CheckpointError as exc:
         error = str(exc)
     agree(error)

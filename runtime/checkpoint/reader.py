@@ -219,6 +219,9 @@ def _ds_layer_prefixes(ck: Checkpoint, names: List[str]) -> Dict[str, str]:
 def _open_deepspeed(path: str, trust_pickle: bool, placement) -> Checkpoint:
     """A directory without a manifest: DeepSpeed's checkpoint (a pipeline's, or one with
     tensor-parallel slices such as AutoTP training's mp_rank_XX files; not both)."""
+    if os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt")):  # universal.py's layout
+        raise CheckpointError(f"checkpoint {path} is a universal checkpoint; load it with "
+                              '"checkpoint": {"load_universal": true}')
     name = next((n for n in (model_states_name(), zero_model_states_name(0))
                  if os.path.exists(os.path.join(path, n))), None)
     if name is None:
