@@ -1,0 +1,234 @@
+"""`compression_training`: pruning and quantization-aware training (runtime/compression/).
+
+The section keeps DeepSpeed's layout: one block per technique, each with `shared_parameters`
+(on/off, schedule, method) and `different_groups` (named groups of module-name patterns with
+their own `params`). A technique that is not built here is refused whole with one line, and so
+is every key whose only reader in DeepSpeed was a path not built here (snip_momentum's
+block_pattern, the in-place MoQ quantizer's knobs), so nothing is accepted and then ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Optional
+
+from ..strict import ConfigError, disabled, refused, supported
+from .checks import positive
+
+SNIP = "the snip_momentum method (neural_compressor) is not supported; use method l1 or topk"
+MOQ = ("only the fake-quant-in-forward path is supported (quantize_weight_in_forward true); DeepSpeed's "
+       "in-place MoQ quantizer is not")
+NOT_BUILT = "{what} is not supported; remove it or set enabled false"
+
+
+def _ratio(path: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{path}.dense_ratio: must be in (0, 1], got {value}")
+
+
+def _offset(path: str, value: int) -> None:
+    positive(path, "schedule_offset", value, allow_zero=True)
+
+
+@dataclass
+class PruneParams:
+    dense_ratio: float = supported(note="fraction of the weights (rows, heads) kept")
+
+    def validate(self, path: str) -> None:
+        _ratio(path, self.dense_ratio)
+
+
+@dataclass
+class QuantParams:
+    start_bits: int = supported(note="bits at schedule_offset")
+    target_bits: int = supported(note="bits reached one bit per quantization_period steps later")
+    quantization_period: int = supported(1, "steps between two one-bit reductions")
+
+    def validate(self, path: str) -> None:
+        for key in ("start_bits", "target_bits"):
+            bits = getattr(self, key)
+            if not 2 <= bits <= 16:
+                raise ConfigError(f"{path}.{key}: must be between 2 and 16 bits, got {bits}")
+        if self.target_bits > self.start_bits:
+            raise ConfigError(f"{path}.target_bits: must be <= start_bits ({self.start_bits}), got {self.target_bits}")
+        positive(path, "quantization_period", self.quantization_period)
+
+
+MODULES = "regular expressions searched in module names (\"*\": every module the technique applies to)"
+
+
+def _check_groups(path: str, groups: Dict[str, Any], enabled: bool, related: bool) -> None:
+    if enabled and not groups:
+        raise ConfigError(f"{path}.different_groups: required (at least one group) when enabled")
+    for name, group in groups.items():
+        where = f"{path}.different_groups.{name}"
+        if not group.modules:
+            raise ConfigError(f"{where}.modules: must list at least one pattern")
+        if group.related_modules is None:
+            continue
+        if not related:
+            raise ConfigError(f"{where}.related_modules: only row_pruning and head_pruning read it; remove it")
+        if len(group.related_modules) != len(group.modules):
+            raise ConfigError(f"{where}.related_modules: needs one list per entry of modules "
+                              f"({len(group.modules)}), got {len(group.related_modules)}")
+
+
+@dataclass
+class PruneGroup:
+    params: PruneParams = supported(note="dense_ratio")
+    modules: List[str] = supported(factory=lambda: ["*"], note=MODULES)
+    related_modules: Optional[List[List[str]]] = supported(
+        None, "per modules entry, the patterns of the modules cut with it by redundancy_clean")
+
+
+@dataclass
+class QuantGroup:
+    params: QuantParams = supported(note="start_bits, target_bits, quantization_period")
+    modules: List[str] = supported(factory=lambda: ["*"], note=MODULES)
+    related_modules: Optional[List[List[str]]] = supported(
+        None, "weight quantization has no related modules: a value is refused")
+
+
+@dataclass
+class SparseShared:
+    enabled: bool = supported(False, "unstructured weight pruning of Linear and Conv2d weights")
+    method: Literal["l1", "topk", "snip_momentum"] = supported(
+        "l1", "l1: smallest magnitudes (torch.nn.utils.prune); topk: learnt scores, straight-through")
+    schedule_offset: int = supported(1000, "step at which pruning starts")
+    schedule_offset_end: Optional[int] = supported(
+        None, "step at which dense_ratio is reached (default schedule_offset: one shot); l1 prunes in equal steps")
+    schedule_offset_stride: int = supported(1, "steps between two pruning steps from schedule_offset to _end")
+    excluded_modules: List[str] = supported(factory=list, note="module-name patterns never pruned")
+    block_pattern: Any = refused("block_pattern is read by snip_momentum only, which is not supported; remove it",
+                                 None)
+    dense_ratio: Any = refused("a shared dense_ratio is read by snip_momentum only; set it in each group's params",
+                               None)
+
+    def validate(self, path: str) -> None:
+        if self.method == "snip_momentum":
+            raise ConfigError(f"{path}.method: {SNIP}")
+        _offset(path, self.schedule_offset)
+        if self.schedule_offset_end is None:
+            self.schedule_offset_end = self.schedule_offset
+        if self.schedule_offset_end < self.schedule_offset:
+            raise ConfigError(f"{path}.schedule_offset_end: must be >= schedule_offset ({self.schedule_offset}), "
+                              f"got {self.schedule_offset_end}")
+        positive(path, "schedule_offset_stride", self.schedule_offset_stride)
+
+
+@dataclass
+class RowShared:
+    enabled: bool = supported(False, "output rows of Linear layers (and the related layers' input columns)")
+    method: Literal["l1", "topk"] = supported("l1", "l1: smallest row L1 norms (torch.nn.utils.prune); topk: learnt")
+    schedule_offset: int = supported(1000, "step at which the rows are masked")
+
+    def validate(self, path: str) -> None:
+        _offset(path, self.schedule_offset)
+
+
+@dataclass
+class HeadShared:
+    enabled: bool = supported(False, "attention heads: input column blocks of the output projection, learnt scores")
+    method: Literal["topk", "l1"] = supported("topk", "topk only (learnt head scores, straight-through)")
+    schedule_offset: int = supported(1000, "step at which the heads are masked")
+    num_heads: Optional[int] = supported(None, "heads of the attention (required)")
+
+    def validate(self, path: str) -> None:
+        if self.method != "topk":
+            raise ConfigError(f"{path}.method: head pruning supports topk only (as DeepSpeed), got {self.method!r}")
+        _offset(path, self.schedule_offset)
+        positive(path, "num_heads", self.num_heads)
+
+
+@dataclass
+class QuantShared:
+    enabled: bool = supported(False, "fake-quantized weights in forward (straight-through gradient)")
+    quantize_weight_in_forward: bool = supported(False, "must be true (the fake-quant path)")
+    schedule_offset: int = supported(0, "step at which quantization starts")
+    quantize_groups: int = supported(1, "groups (of whole rows) with their own scale; embeddings: one per token")
+    quantization_type: Literal["symmetric", "asymmetric"] = supported("symmetric", "zero point 0, or min/max range")
+    rounding: Literal["nearest", "stochastic"] = supported("nearest", "nearest only")
+    quantize_verbose: Any = refused(MOQ, False)
+    quantizer_kernel: Any = refused(MOQ, False)
+    fp16_mixed_quantize: Any = refused(MOQ, disabled)
+
+    def validate(self, path: str) -> None:
+        if self.enabled and not self.quantize_weight_in_forward:
+            raise ConfigError(f"{path}.quantize_weight_in_forward: {MOQ}")
+        if self.rounding != "nearest":
+            raise ConfigError(f"{path}.rounding: only nearest rounding is supported, got {self.rounding!r}")
+        _offset(path, self.schedule_offset)
+        positive(path, "quantize_groups", self.quantize_groups)
+
+
+@dataclass
+class SparsePruningConfig:
+    shared_parameters: SparseShared = supported(factory=SparseShared, note="")
+    different_groups: Dict[str, PruneGroup] = supported(factory=dict, note="named groups: params, modules")
+
+    def validate(self, path: str) -> None:
+        _check_groups(path, self.different_groups, self.shared_parameters.enabled, related=False)
+
+
+@dataclass
+class RowPruningConfig:
+    shared_parameters: RowShared = supported(factory=RowShared, note="")
+    different_groups: Dict[str, PruneGroup] = supported(factory=dict, note="named groups: params, modules, "
+                                                                              "related_modules")
+
+    def validate(self, path: str) -> None:
+        _check_groups(path, self.different_groups, self.shared_parameters.enabled, related=True)
+
+
+@dataclass
+class HeadPruningConfig:
+    shared_parameters: HeadShared = supported(factory=HeadShared, note="")
+    different_groups: Dict[str, PruneGroup] = supported(factory=dict, note="named groups: params, modules (the "
+                                                                              "output projections), related_modules")
+
+    def validate(self, path: str) -> None:
+        if self.shared_parameters.enabled and self.shared_parameters.num_heads is None:
+            raise ConfigError(f"{path}.shared_parameters.num_heads: required when head_pruning is enabled")
+        _check_groups(path, self.different_groups, self.shared_parameters.enabled, related=True)
+
+
+@dataclass
+class WeightQuantizationConfig:
+    shared_parameters: QuantShared = supported(factory=QuantShared, note="")
+    different_groups: Dict[str, QuantGroup] = supported(factory=dict, note="named groups: params, modules")
+
+    def validate(self, path: str) -> None:
+        _check_groups(path, self.different_groups, self.shared_parameters.enabled, related=False)
+
+
+@dataclass
+class CompressionConfig:
+    sparse_pruning: SparsePruningConfig = supported(factory=SparsePruningConfig, note="")
+    row_pruning: RowPruningConfig = supported(factory=RowPruningConfig, note="")
+    head_pruning: HeadPruningConfig = supported(factory=HeadPruningConfig, note="")
+    weight_quantization: WeightQuantizationConfig = supported(factory=WeightQuantizationConfig, note="")
+    channel_pruning: Any = refused(NOT_BUILT.format(what="channel_pruning"), disabled, lambda v: _off(v))
+    activation_quantization: Any = refused(NOT_BUILT.format(what="activation_quantization"), disabled,
+                                           lambda v: _off(v))
+    layer_reduction: Any = refused(NOT_BUILT.format(what="layer_reduction"), disabled)
+
+    @property
+    def techniques(self) -> Dict[str, Any]:
+        """The enabled techniques by DeepSpeed's name."""
+        out = {}
+        for name in ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning"):
+            section = getattr(self, name)
+            if section.shared_parameters.enabled:
+                out[name] = section
+        return out
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.techniques)
+
+
+def _off(value) -> bool:
+    """A technique block whose shared_parameters say enabled false (DeepSpeed's written-out off form)."""
+    if not isinstance(value, dict) or set(value) - {"shared_parameters", "different_groups"}:
+        return False
+    shared = value.get("shared_parameters", {})
+    return isinstance(shared, dict) and shared.get("enabled", False) is False

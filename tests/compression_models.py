@@ -1,0 +1,116 @@
+"""The tiny models and runs of the compression fixtures, shared by
+scripts/make_ds_compression_fixtures.py (under DeepSpeed 0.17.6) and tests/test_compression.py
+(under dslaunch): plain torch only, so either side imports it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STEPS = 3
+LR = 0.1
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 12)
+        self.out = nn.Linear(12, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class Attention(nn.Module):
+    """Self-attention whose head count follows q's width (head_dim fixed), so that it still runs
+    after head pruning cuts q/k/v/o."""
+
+    head_dim = 4
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        heads = self.q.weight.shape[0] // self.head_dim
+
+        def split(y):
+            return y.view(b, t, heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, heads * self.head_dim)
+        return self.head(self.o(y))
+
+
+def group(params, modules, related=None):
+    out = {"params": params, "modules": modules}
+    if related is not None:
+        out["related_modules"] = related
+    return out
+
+
+def technique(shared, **groups):
+    return {"shared_parameters": dict(shared, enabled=True), "different_groups": groups}
+
+
+# name -> (model class, compression_training section)
+CASES = {
+    "sparse_l1": (MLP, {"sparse_pruning": technique(
+        {"method": "l1", "schedule_offset": 0, "schedule_offset_end": 0},
+        g=group({"dense_ratio": 0.5}, ["fc1", "fc2"]))}),
+    "sparse_topk": (MLP, {"sparse_pruning": technique(
+        {"method": "topk", "schedule_offset": 1, "schedule_offset_end": 1},
+        g=group({"dense_ratio": 0.3}, ["fc"]))}),
+    "row_l1": (MLP, {"row_pruning": technique(
+        {"method": "l1", "schedule_offset": 0},
+        g=group({"dense_ratio": 0.5}, ["fc1"], [["fc2"]]))}),
+    "row_topk": (MLP, {"row_pruning": technique(
+        {"method": "topk", "schedule_offset": 0},
+        g=group({"dense_ratio": 0.5}, ["fc2"], [["out"]]))}),
+    "head_topk": (Attention, {"head_pruning": technique(
+        {"method": "topk", "schedule_offset": 0, "num_heads": 4},
+        g=group({"dense_ratio": 0.5}, ["o"], [["q", "k", "v"]]))}),
+    "quant_sym8": (MLP, {"weight_quantization": technique(
+        {"quantize_weight_in_forward": True, "schedule_offset": 0, "quantize_groups": 4,
+         "quantization_type": "symmetric"},
+        g=group({"start_bits": 8, "target_bits": 8}, ["fc1", "fc2", "out"]))}),
+    "quant_asym4": (MLP, {"weight_quantization": technique(
+        {"quantize_weight_in_forward": True, "schedule_offset": 1, "quantize_groups": 2,
+         "quantization_type": "asymmetric"},
+        g=group({"start_bits": 4, "target_bits": 4}, ["fc2"]))}),
+    "sparse_and_quant": (MLP, {
+        "sparse_pruning": technique({"method": "l1", "schedule_offset": 0, "schedule_offset_end": 0},
+                                    g=group({"dense_ratio": 0.5}, ["fc2"])),
+        "weight_quantization": technique({"quantize_weight_in_forward": True, "schedule_offset": 0},
+                                         g=group({"start_bits": 8, "target_bits": 8}, ["fc2"]))}),
+}
+
+
+def data(cls):
+    g = torch.Generator().manual_seed(1)
+    if cls is Attention:
+        return torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 4, generator=g)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def fresh(cls):
+    torch.manual_seed(0)
+    return cls()
+
+
+def train(model, x, y, on_step):
+    """STEPS steps of SGD on an MSE loss; on_step(k) runs before the forward of step k (k=0..),
+    as the engines update the compression schedule. Returns the losses."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for k in range(STEPS):
+        on_step(k)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
