@@ -100,6 +100,31 @@ def test_gradual_sparse_schedule_reaches_the_ratio():
     assert zeros == [0, 0, 32, 32, 64, 64, 96, 96]
 
 
+def test_excluded_modules_are_never_pruned():
+    section = cm.technique({"method": "l1", "schedule_offset": 0, "excluded_modules": ["fc2"]},
+                           g=cm.group({"dense_ratio": 0.5}, ["fc"]))
+    model = cm.fresh(cm.MLP)
+    init_compression(model, _config({"sparse_pruning": section}))
+    compression_schedule(model).update(0)
+    assert int((model.fc1.weight == 0).sum()) == 64 and int((model.fc2.weight == 0).sum()) == 0
+    assert [p.target.name for p in compression_schedule(model).parts] == ["fc1"]
+
+
+def test_bits_fall_from_start_to_target_bits():
+    """One bit less every quantization_period steps from schedule_offset: each group of rows
+    holds at most 2**bits distinct values."""
+    section = cm.technique({"quantize_weight_in_forward": True, "schedule_offset": 1, "quantize_groups": 1},
+                           g=cm.group({"start_bits": 4, "target_bits": 2, "quantization_period": 2}, ["fc2"]))
+    model = cm.fresh(cm.MLP)
+    init_compression(model, _config({"weight_quantization": section}))
+    levels = []
+    for step in range(7):
+        compression_schedule(model).update(step)
+        levels.append(len(torch.unique(model.fc2.weight.detach())))
+    assert levels[0] == 12 * 16
+    assert [min(n, 16) for n in levels[1:]] == [16, 16, 8, 8, 4, 4]
+
+
 def _engine_run(section, zero=0, optimizer=("SGD", cm.LR)):
     import dslaunch.runtime as deepspeed
 
@@ -191,6 +216,11 @@ BAD = {
     "channel": ({"channel_pruning": cm.technique({}, g=cm.group({"dense_ratio": 0.5}, ["fc2"]))},
                 "config: compression_training.channel_pruning: channel_pruning is not supported; remove it or set enabled "
                 "false"),
+    "rounding": ({"weight_quantization": cm.technique(
+        {"quantize_weight_in_forward": True, "rounding": "stochastic"},
+        g=cm.group({"start_bits": 8, "target_bits": 8}, ["fc2"]))},
+        "config: compression_training.weight_quantization.shared_parameters.rounding: only nearest rounding is "
+        "supported, got 'stochastic'"),
     "moq": ({"weight_quantization": cm.technique({}, g=cm.group({"start_bits": 8, "target_bits": 8}, ["fc2"]))},
             "config: compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward: only the "
             "fake-quant-in-forward path is supported (quantize_weight_in_forward true); DeepSpeed's in-place MoQ "
