@@ -31,7 +31,7 @@ from deepspeed.compression.scheduler import compression_scheduler  # noqa: E402
 import compression_models as cm  # noqa: E402
 
 OUT = os.path.join(HERE, "..", "tests", "data", "ds_compression")
-SCORES = ("sparse_mask_scores", "row_mask_scores", "head_pruning_scores")
+SCORES = ("sparse_mask_scores", "row_mask_scores", "head_pruning_scores", "channel_mask_scores")
 
 
 def run(name):
@@ -54,11 +54,26 @@ def run(name):
 
     losses = cm.train(model, x, y, on_step)
     redundancy_clean(model, config)
-    with torch.no_grad():
-        output = model(x)
     cleaned = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        output = model(x)  # in training mode, as the test runs it: batch norm updates its statistics
     return {"deepspeed": deepspeed.__version__, "initial": initial, "scores": scores, "losses": losses,
             "cleaned": cleaned, "output": output}
+
+
+def layer_reduction():
+    """A 2-layer student initialised from layers 1 and 3 (and emb, head) of a 4-layer teacher."""
+    config = {"train_batch_size": 1, "compression_training": cm.LAYER_REDUCTION}
+    teacher = cm.fresh(cm.Stack)
+    torch.manual_seed(1)
+    student = cm.Stack(2)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    init_compression(student, config, teacher_model=teacher)
+    x, _ = cm.data(cm.MLP)
+    with torch.no_grad():
+        output = student(x)
+    return {"deepspeed": deepspeed.__version__, "teacher": teacher.state_dict(), "student_before": before,
+            "student": student.state_dict(), "output": output}
 
 
 def main():
@@ -67,6 +82,8 @@ def main():
     for name in cm.CASES:
         torch.save(run(name), os.path.join(OUT, f"{name}.pt"))
         print("wrote", name)
+    torch.save(layer_reduction(), os.path.join(OUT, "layer_reduction.pt"))
+    print("wrote layer_reduction")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,40 @@ class Attention(nn.Module):
         return self.head(self.o(y))
 
 
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 6, 3, padding=1)
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = torch.relu(self.conv2(h))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class Stack(nn.Module):
+    """A stack of layers between an input and an output module, for layer reduction."""
+
+    def __init__(self, depth=4):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(depth))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.relu(layer(h)) + h
+        return self.head(h)
+
+
+LAYER_REDUCTION = {"layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "layers",
+                                       "teacher_layer": [1, 3], "other_module_name": ["emb", "head"]}}
+
+
 def group(params, modules, related=None):
     out = {"params": params, "modules": modules}
     if related is not None:
@@ -56,7 +90,8 @@ def technique(shared, **groups):
     return {"shared_parameters": dict(shared, enabled=True), "different_groups": groups}
 
 
-# name -> (model class, compression_training section)
+# name -> (model class, compression_training section). Not here: channel pruning by l1, which
+# DeepSpeed 0.17.6 cannot run (its torch.linalg.norm call over three dimensions raises).
 CASES = {
     "sparse_l1": (MLP, {"sparse_pruning": technique(
         {"method": "l1", "schedule_offset": 0, "schedule_offset_end": 0},
@@ -86,6 +121,9 @@ CASES = {
                                     g=group({"dense_ratio": 0.5}, ["fc2"])),
         "weight_quantization": technique({"quantize_weight_in_forward": True, "schedule_offset": 0},
                                          g=group({"start_bits": 8, "target_bits": 8}, ["fc2"]))}),
+    "channel_topk": (CNN, {"channel_pruning": technique(
+        {"method": "topk", "schedule_offset": 1},
+        g=group({"dense_ratio": 0.5}, ["conv1"], [["bn1", "conv2"]]))}),
 }
 
 
@@ -93,6 +131,8 @@ def data(cls):
     g = torch.Generator().manual_seed(1)
     if cls is Attention:
         return torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 4, generator=g)
+    if cls is CNN:
+        return torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 4, generator=g)
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
 
 

@@ -55,7 +55,7 @@ def test_matches_deepspeed_0_17(case):
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref["output"], rtol=0, atol=1e-6)
     # plain torch modules again: the state loads into a model built with the cut shapes
-    assert all(type(m) in (nn.Linear, cls) for m in model.modules())
+    assert all(type(m) in (nn.Linear, nn.Conv2d, nn.BatchNorm2d, cls) for m in model.modules())
     plain = copy.deepcopy(model)
     plain.load_state_dict(cleaned)
     assert compression_schedule(model) is None
@@ -77,6 +77,56 @@ def test_row_and_head_cuts_keep_the_masked_outputs():
         with torch.no_grad():
             torch.testing.assert_close(model(x), masked, rtol=0, atol=1e-6)
         assert sum(p.numel() for p in model.parameters()) < params
+
+
+def test_channel_l1_cuts_the_smallest_channels_with_their_batch_norm():
+    """Channel pruning by L1 norm (DeepSpeed 0.17.6 cannot run this method: the reference is
+    the per-channel L1 norm): conv1 keeps its 4 largest output channels, bn1 and conv2's
+    inputs are cut to match, and the cut model computes what the masked one did."""
+    section = cm.technique({"method": "l1", "schedule_offset": 0},
+                           g=cm.group({"dense_ratio": 0.5}, ["conv1"], [["bn1", "conv2"]]))
+    config = _config({"channel_pruning": section})
+    model = cm.fresh(cm.CNN).eval()
+    norms = model.conv1.weight.detach().abs().sum(dim=(1, 2, 3))
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[norms.topk(4).indices] = True
+    weight, bn_mean = model.conv1.weight.detach().clone(), model.bn1.running_mean.clone()
+    init_compression(model, config)
+    compression_schedule(model).update(0)
+    x, _ = cm.data(cm.CNN)
+    assert torch.equal(model.conv1.weight.detach().abs().sum(dim=(1, 2, 3)) != 0, keep)
+    redundancy_clean(model, config)
+    assert model.conv1.weight.shape == (4, 3, 3, 3) and model.conv2.weight.shape == (6, 4, 3, 3)
+    assert model.bn1.num_features == 4 and model.bn1.weight.shape == (4,)
+    assert torch.equal(model.conv1.weight, weight[keep]) and torch.equal(model.bn1.running_mean, bn_mean[keep])
+    plain = cm.CNN()
+    plain.conv1, plain.bn1 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+    plain.conv2 = nn.Conv2d(4, 6, 3, padding=1)
+    plain.load_state_dict(model.state_dict())
+
+
+def test_layer_reduction_matches_deepspeed_0_17():
+    """A 2-layer student from layers 1 and 3 of a 4-layer teacher, and from the teacher's emb
+    and head, as DeepSpeed 0.17.6; without a teacher the model keeps and renumbers its own
+    layers 1 and 3 and drops the others."""
+    ref = torch.load(os.path.join(FIXTURES, "layer_reduction.pt"))
+    config = _config(cm.LAYER_REDUCTION)
+    teacher, student = cm.Stack(4), cm.Stack(2)
+    teacher.load_state_dict(ref["teacher"])
+    student.load_state_dict(ref["student_before"])
+    init_compression(student, config, teacher_model=teacher)
+    for key, value in ref["student"].items():
+        assert torch.equal(student.state_dict()[key], value), key
+    x, _ = cm.data(cm.MLP)
+    with torch.no_grad():
+        assert torch.equal(student(x), ref["output"])
+    alone = cm.Stack(4)
+    alone.load_state_dict(ref["teacher"])
+    lr = dict(cm.LAYER_REDUCTION["layer_reduction"], other_module_name=[])
+    init_compression(alone, _config({"layer_reduction": lr}))
+    assert len(alone.layers) == 2
+    with torch.no_grad():
+        assert torch.equal(alone(x), ref["output"])
 
 
 def test_gradual_sparse_schedule_reaches_the_ratio():
@@ -213,14 +263,21 @@ BAD = {
                 "gives 16 rows; they cannot be cut together"),
     "heads": ({"head_pruning": cm.technique({}, g=cm.group({"dense_ratio": 0.5}, ["fc2"]))},
               "config: compression_training.head_pruning.shared_parameters.num_heads: required when head_pruning is enabled"),
-    "channel": ({"channel_pruning": cm.technique({}, g=cm.group({"dense_ratio": 0.5}, ["fc2"]))},
-                "config: compression_training.channel_pruning: channel_pruning is not supported; remove it or set enabled "
-                "false"),
+    "activation": ({"activation_quantization": cm.technique({}, g=cm.group({"bits": 8}, ["fc2"]))},
+                   "config: compression_training.activation_quantization: activation_quantization is not supported; "
+                   "remove it or set enabled false"),
     "rounding": ({"weight_quantization": cm.technique(
         {"quantize_weight_in_forward": True, "rounding": "stochastic"},
         g=cm.group({"start_bits": 8, "target_bits": 8}, ["fc2"]))},
         "config: compression_training.weight_quantization.shared_parameters.rounding: only nearest rounding is "
         "supported, got 'stochastic'"),
+    "channel_related": ({"channel_pruning": cm.technique({}, g=cm.group({"dense_ratio": 0.5}, ["conv2"],
+                                                                         [["bn1"]]))},
+                        "compression_training.channel_pruning.different_groups.g.related_modules: bn1 takes 8 "
+                        "channels, but conv2 gives 6; they cannot be cut together"),
+    "teacher_layer": ({"layer_reduction": dict(cm.LAYER_REDUCTION["layer_reduction"], teacher_layer=[1])},
+                      "config: compression_training.layer_reduction.teacher_layer: needs keep_number_layer (2) layer "
+                      "indices, got [1]"),
     "moq": ({"weight_quantization": cm.technique({}, g=cm.group({"start_bits": 8, "target_bits": 8}, ["fc2"]))},
             "config: compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward: only the "
             "fake-quant-in-forward path is supported (quantize_weight_in_forward true); DeepSpeed's in-place MoQ "
@@ -232,7 +289,7 @@ BAD = {
 def test_bad_input_one_line(case):
     section, line = BAD[case]
     with pytest.raises(ConfigError) as err:
-        init_compression(cm.fresh(cm.MLP), _config(section))
+        init_compression(cm.fresh(cm.CNN if case.startswith("channel") else cm.MLP), _config(section))
     assert str(err.value) == line
 
 

@@ -80,7 +80,11 @@ ALL = {
         "weight_quantization": {"shared_parameters": {"enabled": False, "quantize_weight_in_forward": True,
                                                       "schedule_offset": 0, "quantize_groups": 1,
                                                       "quantization_type": "symmetric", "rounding": "nearest"},
-                                "different_groups": {}}},
+                                "different_groups": {}},
+        "channel_pruning": {"shared_parameters": {"enabled": False, "method": "l1", "schedule_offset": 0},
+                            "different_groups": {}},
+        "layer_reduction": {"enabled": False, "keep_number_layer": 2, "module_name_prefix": "layers",
+                            "teacher_layer": [1, 3], "other_module_name": ["emb"]}},
     "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
                         "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                                               "partition_type": "row"}]}},
@@ -232,6 +236,11 @@ EFFECTS = {
     "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward":
         C + "test_bad_input_one_line",
     "compression_training.weight_quantization.shared_parameters.rounding": C + "test_bad_input_one_line",
+    **{f"compression_training.channel_pruning.{k}": C + "test_matches_deepspeed_0_17" for k in (
+        "shared_parameters.enabled", "shared_parameters.method", "shared_parameters.schedule_offset",
+        "different_groups")},
+    **{f"compression_training.layer_reduction.{k}": C + "test_layer_reduction_matches_deepspeed_0_17" for k in (
+        "enabled", "keep_number_layer", "module_name_prefix", "teacher_layer", "other_module_name")},
     "elasticity.min_time": "tests/test_elasticity.py::test_basic_10k",  # read and validated; the scheduler's value
     "elasticity.prefer_larger_batch": "tests/test_elasticity.py::test_proper_micro_batch_and_cap",
     "elasticity.num_gpus_per_node": "tests/test_elasticity.py::test_version_02_micro_batch_is_per_data_parallel_rank",

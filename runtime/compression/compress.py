@@ -20,8 +20,8 @@ from torch.nn.utils import parametrize
 from ..config import DeepSpeedConfig
 from ..config.compression import CompressionConfig
 from ..strict import ConfigError
-from .masks import HeadMask, RowBias, RowMask, SparseMask, WeightQuant
-from .plan import Target, plan, pruning_steps
+from .masks import ChannelMask, HeadMask, RowBias, RowMask, SparseMask, WeightQuant
+from .plan import Target, plan, pruning_steps, stack_of
 
 ATTR = "_dslaunch_compression"
 
@@ -119,7 +119,7 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: Optional
     """Prepare `model` for compression-aware training by `deepspeed_config`'s
     compression_training section (a config dict, a JSON/YAML path or a DeepSpeedConfig).
     Call it before deepspeed.initialize. Returns the model. teacher_model is read by
-    layer_reduction only, which is not supported (the config refuses it)."""
+    layer_reduction (without it the model is its own teacher)."""
     config = _config(deepspeed_config)
     _check_mpu(mpu)
     c_model = _unwrap(model)
@@ -128,6 +128,8 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: Optional
     if not config.enabled:
         raise ConfigError("init_compression: compression_training enables no technique (set "
                           "shared_parameters.enabled true in one)")
+    if config.layer_reduction.enabled:
+        reduce_layers(c_model, config, teacher_model)
     targets = plan(c_model, config)
     modules = dict(c_model.named_modules())
     parts: List[_Part] = []
@@ -144,6 +146,8 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: Optional
                 technique = SparseMask(weight, shared.method, ratios)
             elif target.technique == "row_pruning":
                 technique = RowMask(weight, shared.method, ratios)
+            elif target.technique == "channel_pruning":
+                technique = ChannelMask(weight, shared.method, ratios)
             else:
                 technique = HeadMask(weight, shared.num_heads, ratios)
         technique.to(device=weight.device)
@@ -155,22 +159,75 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: Optional
     return model
 
 
-def _cut_rows(module: nn.Linear, keep: torch.Tensor) -> None:
+def reduce_layers(model: nn.Module, config: CompressionConfig, teacher: Optional[nn.Module]) -> None:
+    """layer_reduction: layer i of the stack becomes a copy of the teacher's layer
+    teacher_layer[i] (state_dict: parameters and buffers), other_module_name modules are copied
+    from the teacher, and the stack is cut to keep_number_layer layers."""
+    lr = config.layer_reduction
+    path = "compression_training.layer_reduction"
+    stack = stack_of(model, lr.module_name_prefix, f"{path}.module_name_prefix")
+    source = stack_of(teacher if teacher is not None else model, lr.module_name_prefix,
+                      f"{path}.module_name_prefix (teacher)")
+    if max(lr.teacher_layer) >= len(source):
+        raise ConfigError(f"{path}.teacher_layer: {max(lr.teacher_layer)} is out of range: the teacher's "
+                          f"{lr.module_name_prefix} has {len(source)} layers")
+    if len(stack) < lr.keep_number_layer:
+        raise ConfigError(f"{path}.keep_number_layer: {lr.keep_number_layer} layers, but the model's "
+                          f"{lr.module_name_prefix} has {len(stack)}")
+    states = [{k: v.detach().clone() for k, v in source[t].state_dict().items()} for t in lr.teacher_layer]
+    pairs = [(stack[i], state, f"layer {lr.teacher_layer[i]}") for i, state in enumerate(states)]
+    if teacher is not None:
+        modules, theirs = dict(model.named_modules()), dict(teacher.named_modules())
+        for name in lr.other_module_name:
+            if name not in modules or name not in theirs:
+                raise ConfigError(f"{path}.other_module_name: {name!r} is not a module of the model and the teacher")
+            pairs.append((modules[name], theirs[name].state_dict(), name))
+    elif lr.other_module_name:
+        raise ConfigError(f"{path}.other_module_name: copies modules from a teacher; pass teacher_model= or "
+                          "remove it")
+    with torch.no_grad():
+        for module, state, what in pairs:
+            mine = module.state_dict()
+            if sorted(mine) != sorted(state) or any(mine[k].shape != state[k].shape for k in mine):
+                raise ConfigError(f"{path}: the teacher's {what} does not fit the model's (other parameters or "
+                                  "shapes)")
+            module.load_state_dict(state)
+    del stack[lr.keep_number_layer:]
+
+
+def _cut_rows(module: nn.Module, keep: torch.Tensor) -> None:
+    """Keep output rows (Linear) or channels (Conv2d) `keep`."""
     module.weight = nn.Parameter(module.weight.detach()[keep].clone())
     if module.bias is not None:
         module.bias = nn.Parameter(module.bias.detach()[keep].clone())
-    module.out_features = module.weight.shape[0]
+    if isinstance(module, nn.Conv2d):
+        module.out_channels = module.weight.shape[0]
+    else:
+        module.out_features = module.weight.shape[0]
 
 
-def _cut_columns(module: nn.Linear, keep: torch.Tensor) -> None:
+def _cut_columns(module: nn.Module, keep: torch.Tensor) -> None:
+    """Keep inputs `keep`: a Linear's columns, a Conv2d's input channels, a BatchNorm2d's features."""
+    if isinstance(module, nn.BatchNorm2d):
+        if module.affine:
+            module.weight = nn.Parameter(module.weight.detach()[keep].clone())
+            module.bias = nn.Parameter(module.bias.detach()[keep].clone())
+        if module.track_running_stats:
+            module.running_mean = module.running_mean[keep].clone()
+            module.running_var = module.running_var[keep].clone()
+        module.num_features = int(keep.sum())
+        return
     module.weight = nn.Parameter(module.weight.detach()[:, keep].clone())
-    module.in_features = module.weight.shape[1]
+    if isinstance(module, nn.Conv2d):
+        module.in_channels = module.weight.shape[1]
+    else:
+        module.in_features = module.weight.shape[1]
 
 
 def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None):
     """Make the compression real: final masks and bit widths, baked into plain weights; pruned
-    rows (with the related modules' input columns) and heads (with the related q/k/v output
-    rows) cut out. The model is left with plain nn.Linear/Conv2d/Embedding layers. Returns it."""
+    rows and channels (with the related modules' inputs) and heads (with the related q/k/v
+    output rows) cut out. The model is left with plain torch.nn layers. Returns it."""
     config = _config(deepspeed_config)
     _check_mpu(mpu)
     c_model = _unwrap(model)
@@ -185,7 +242,7 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None):
     with torch.no_grad():
         for part in schedule.parts:
             t = part.technique
-            if isinstance(t, (RowMask, HeadMask)) and part.target.related:
+            if isinstance(t, (RowMask, HeadMask)) and part.target.related:  # ChannelMask is a RowMask
                 cuts.append({"part": part, "keep": t.current().detach().reshape(-1) > 0.5})
         for module in c_model.modules():
             if parametrize.is_parametrized(module):

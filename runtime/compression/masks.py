@@ -96,16 +96,18 @@ class SparseMask(_Technique):
 
 
 class RowMask(_Technique):
-    """Output rows of a Linear weight; `RowBias` applies the same mask to its bias."""
+    """Output rows of a Linear weight (output channels of a Conv2d: ChannelMask); `RowBias`
+    applies the same mask to the bias."""
 
     kind = "row"
 
     def __init__(self, weight: torch.Tensor, method: str, ratios):
         super().__init__(ratios)
         self.method = method
-        self.register_buffer("mask", torch.ones(weight.shape[0], 1, dtype=weight.dtype))
+        shape = (weight.shape[0],) + (1,) * (weight.dim() - 1)
+        self.register_buffer("mask", torch.ones(shape, dtype=weight.dtype))
         if method == "topk":
-            self.scores = _scores((weight.shape[0], 1))
+            self.scores = _scores(shape)
 
     def current(self) -> torch.Tensor:
         if self.method == "topk":
@@ -116,10 +118,17 @@ class RowMask(_Technique):
         if self.method == "l1":
             rows = weight.shape[0]
             method = prune.LnStructured(amount=rows - keep_count(self.ratio, rows), n=1, dim=0)
-            self.mask.copy_(method.compute_mask(weight, torch.ones_like(weight))[:, :1])
+            full = method.compute_mask(weight, torch.ones_like(weight))
+            self.mask.copy_(full.reshape(rows, -1)[:, :1].reshape(self.mask.shape))
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return w * self.current().to(w.dtype) if self.is_active() else w
+
+
+class ChannelMask(RowMask):
+    """Output channels of a Conv2d weight."""
+
+    kind = "channel"
 
 
 class RowBias(nn.Module):

@@ -23,6 +23,13 @@ KINDS: Dict[str, Tuple[type, ...]] = {
     "sparse_pruning": (nn.Linear, nn.Conv2d),
     "row_pruning": (nn.Linear,),
     "head_pruning": (nn.Linear,),
+    "channel_pruning": (nn.Conv2d,),
+}
+# The layer types a technique's related modules may be.
+RELATED: Dict[str, Tuple[type, ...]] = {
+    "row_pruning": (nn.Linear,),
+    "head_pruning": (nn.Linear,),
+    "channel_pruning": (nn.Conv2d, nn.BatchNorm2d),
 }
 
 
@@ -73,7 +80,7 @@ def plan(model: nn.Module, config: CompressionConfig) -> List[Target]:
                 related: List[List[str]] = []
                 if group.related_modules is not None:
                     for rel in group.related_modules[i]:
-                        found = _match(model, rel, (nn.Linear,), f"{where}.related_modules")
+                        found = _match(model, rel, RELATED[technique], f"{where}.related_modules")
                         if len(found) != len(names):
                             raise ConfigError(f"{where}.related_modules: {rel!r} matches {len(found)} modules but "
                                               f"{pattern!r} matches {len(names)}; they are paired in order")
@@ -102,6 +109,13 @@ def _check_shapes(target: Target, modules: Dict[str, nn.Module], shared, where: 
             if modules[rel].in_features != module.out_features:
                 raise ConfigError(f"{where}: {rel} takes {modules[rel].in_features} inputs, but {target.name} "
                                   f"gives {module.out_features} rows; they cannot be cut together")
+    elif target.technique == "channel_pruning":
+        for rel in target.related:
+            other = modules[rel]
+            fits = other.num_features if isinstance(other, nn.BatchNorm2d) else other.in_channels
+            if fits != module.out_channels or getattr(other, "groups", 1) != 1:
+                raise ConfigError(f"{where}: {rel} takes {fits} channels, but {target.name} gives "
+                                  f"{module.out_channels}; they cannot be cut together")
     elif target.technique == "head_pruning":
         heads = shared.num_heads
         if module.in_features % heads:
@@ -114,7 +128,7 @@ def _check_shapes(target: Target, modules: Dict[str, nn.Module], shared, where: 
 
 
 def pruning_steps(shared, ratio: float) -> Tuple[List[int], List[float]]:
-    """The steps at which a pruning technique prunes, and the dense ratio after each: l1 sparse
+    """The steps at which a pruning technique prunes, and the dense ratio after each: sparse
     pruning goes from schedule_offset to schedule_offset_end every schedule_offset_stride steps
     in equal parts; the other techniques prune once, at schedule_offset."""
     start = shared.schedule_offset
@@ -126,3 +140,11 @@ def pruning_steps(shared, ratio: float) -> Tuple[List[int], List[float]]:
         steps.append(end)
     n = len(steps)
     return steps, [1.0 - (1.0 - ratio) * (i + 1) / n for i in range(n)]
+
+
+def stack_of(model: nn.Module, prefix: str, where: str) -> nn.Module:
+    """The ModuleList/Sequential that layer_reduction's module_name_prefix names."""
+    stack = dict(model.named_modules()).get(prefix)
+    if not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+        raise ConfigError(f"{where}: {prefix!r} is not a ModuleList or Sequential of the model")
+    return stack

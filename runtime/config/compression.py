@@ -140,6 +140,18 @@ class HeadShared:
 
 
 @dataclass
+class ChannelShared:
+    enabled: bool = supported(False, "output channels of Conv2d layers (and the related convs' input channels "
+                                     "and batch norms)")
+    method: Literal["l1", "topk"] = supported("l1", "l1: smallest channel L1 norms (torch.nn.utils.prune); "
+                                                    "topk: learnt")
+    schedule_offset: int = supported(1000, "step at which the channels are masked")
+
+    def validate(self, path: str) -> None:
+        _offset(path, self.schedule_offset)
+
+
+@dataclass
 class QuantShared:
     enabled: bool = supported(False, "fake-quantized weights in forward (straight-through gradient)")
     quantize_weight_in_forward: bool = supported(False, "must be true (the fake-quant path)")
@@ -192,6 +204,41 @@ class HeadPruningConfig:
 
 
 @dataclass
+class ChannelPruningConfig:
+    shared_parameters: ChannelShared = supported(factory=ChannelShared, note="")
+    different_groups: Dict[str, PruneGroup] = supported(factory=dict, note="named groups: params, modules, "
+                                                                              "related_modules")
+
+    def validate(self, path: str) -> None:
+        _check_groups(path, self.different_groups, self.shared_parameters.enabled, related=True)
+
+
+@dataclass
+class LayerReductionConfig:
+    enabled: bool = supported(False, "init_compression keeps keep_number_layer layers of a stack, copied from "
+                                     "teacher_layer of the teacher (or of the model itself), and drops the rest")
+    keep_number_layer: Optional[int] = supported(None, "layers kept (required; = len(teacher_layer))")
+    module_name_prefix: Optional[str] = supported(None, "the stack: a ModuleList/Sequential, e.g. "
+                                                        "\"bert.encoder.layer\" (required)")
+    teacher_layer: List[int] = supported(factory=list, note="the teacher's layer indices copied, in order")
+    other_module_name: List[str] = supported(factory=list, note="modules copied from the teacher as they are "
+                                                                "(embeddings, head)")
+
+    def validate(self, path: str) -> None:
+        if not self.enabled:
+            return
+        for key in ("keep_number_layer", "module_name_prefix"):
+            if getattr(self, key) is None:
+                raise ConfigError(f"{path}.{key}: required when layer_reduction is enabled")
+        positive(path, "keep_number_layer", self.keep_number_layer)
+        if len(self.teacher_layer) != self.keep_number_layer:
+            raise ConfigError(f"{path}.teacher_layer: needs keep_number_layer ({self.keep_number_layer}) layer "
+                              f"indices, got {self.teacher_layer}")
+        if any(i < 0 for i in self.teacher_layer):
+            raise ConfigError(f"{path}.teacher_layer: indices must be >= 0, got {self.teacher_layer}")
+
+
+@dataclass
 class WeightQuantizationConfig:
     shared_parameters: QuantShared = supported(factory=QuantShared, note="")
     different_groups: Dict[str, QuantGroup] = supported(factory=dict, note="named groups: params, modules")
@@ -206,16 +253,16 @@ class CompressionConfig:
     row_pruning: RowPruningConfig = supported(factory=RowPruningConfig, note="")
     head_pruning: HeadPruningConfig = supported(factory=HeadPruningConfig, note="")
     weight_quantization: WeightQuantizationConfig = supported(factory=WeightQuantizationConfig, note="")
-    channel_pruning: Any = refused(NOT_BUILT.format(what="channel_pruning"), disabled, lambda v: _off(v))
+    channel_pruning: ChannelPruningConfig = supported(factory=ChannelPruningConfig, note="")
     activation_quantization: Any = refused(NOT_BUILT.format(what="activation_quantization"), disabled,
                                            lambda v: _off(v))
-    layer_reduction: Any = refused(NOT_BUILT.format(what="layer_reduction"), disabled)
+    layer_reduction: LayerReductionConfig = supported(factory=LayerReductionConfig, note="")
 
     @property
     def techniques(self) -> Dict[str, Any]:
         """The enabled techniques by DeepSpeed's name."""
         out = {}
-        for name in ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning"):
+        for name in ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning", "channel_pruning"):
             section = getattr(self, name)
             if section.shared_parameters.enabled:
                 out[name] = section
@@ -223,7 +270,7 @@ class CompressionConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.techniques)
+        return bool(self.techniques) or self.layer_reduction.enabled
 
 
 def _off(value) -> bool:
