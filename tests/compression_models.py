@@ -121,6 +121,15 @@ CASES = {
                                     g=group({"dense_ratio": 0.5}, ["fc2"])),
         "weight_quantization": technique({"quantize_weight_in_forward": True, "schedule_offset": 0},
                                          g=group({"start_bits": 8, "target_bits": 8}, ["fc2"]))}),
+    "act_sym8_dynamic": (MLP, {"activation_quantization": technique(
+        {"quantization_type": "symmetric", "range_calibration": "dynamic", "schedule_offset": 0},
+        g=group({"bits": 8}, ["fc2", "out"]))}),
+    "act_asym4_static": (MLP, {"activation_quantization": technique(
+        {"quantization_type": "asymmetric", "range_calibration": "static", "schedule_offset": 1},
+        g=group({"bits": 4}, ["fc2"]))}),
+    "act_conv_dynamic": (CNN, {"activation_quantization": technique(
+        {"quantization_type": "symmetric", "range_calibration": "dynamic", "schedule_offset": 0},
+        g=group({"bits": 4}, ["conv2"]))}),
     "channel_topk": (CNN, {"channel_pruning": technique(
         {"method": "topk", "schedule_offset": 1},
         g=group({"dense_ratio": 0.5}, ["conv1"], [["bn1", "conv2"]]))}),

@@ -83,6 +83,9 @@ ALL = {
                                 "different_groups": {}},
         "channel_pruning": {"shared_parameters": {"enabled": False, "method": "l1", "schedule_offset": 0},
                             "different_groups": {}},
+        "activation_quantization": {"shared_parameters": {"enabled": False, "quantization_type": "symmetric",
+                                                          "range_calibration": "static", "schedule_offset": 0},
+                                    "different_groups": {}},
         "layer_reduction": {"enabled": False, "keep_number_layer": 2, "module_name_prefix": "layers",
                             "teacher_layer": [1, 3], "other_module_name": ["emb"]}},
     "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
@@ -239,6 +242,9 @@ EFFECTS = {
     **{f"compression_training.channel_pruning.{k}": C + "test_matches_deepspeed_0_17" for k in (
         "shared_parameters.enabled", "shared_parameters.method", "shared_parameters.schedule_offset",
         "different_groups")},
+    **{f"compression_training.activation_quantization.{k}": C + "test_matches_deepspeed_0_17" for k in (
+        "shared_parameters.enabled", "shared_parameters.quantization_type", "shared_parameters.range_calibration",
+        "shared_parameters.schedule_offset", "different_groups")},
     **{f"compression_training.layer_reduction.{k}": C + "test_layer_reduction_matches_deepspeed_0_17" for k in (
         "enabled", "keep_number_layer", "module_name_prefix", "teacher_layer", "other_module_name")},
     "elasticity.min_time": "tests/test_elasticity.py::test_basic_10k",  # read and validated; the scheduler's value

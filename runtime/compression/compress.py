@@ -20,7 +20,7 @@ from torch.nn.utils import parametrize
 from ..config import DeepSpeedConfig
 from ..config.compression import CompressionConfig
 from ..strict import ConfigError
-from .masks import ChannelMask, HeadMask, RowBias, RowMask, SparseMask, WeightQuant
+from .masks import ActivationQuant, ChannelMask, HeadMask, RowBias, RowMask, SparseMask, WeightQuant
 from .plan import Target, plan, pruning_steps, stack_of
 
 ATTR = "_dslaunch_compression"
@@ -53,7 +53,8 @@ class _Part:
 
     def __init__(self, target: Target, module: nn.Module, technique: nn.Module, shared):
         self.target, self.module, self.technique, self.shared = target, module, technique, shared
-        if target.technique == "weight_quantization":
+        self.hook = None  # activation quantization's forward pre-hook
+        if target.technique in ("weight_quantization", "activation_quantization"):
             self.steps: List[int] = [shared.schedule_offset]
         else:
             self.steps, _ = pruning_steps(shared, target.params.dense_ratio)
@@ -63,6 +64,10 @@ class _Part:
 
     def update(self, step: int) -> None:
         t = self.technique
+        if isinstance(t, ActivationQuant):
+            if step >= self.shared.schedule_offset and not t.is_active():
+                t.active.fill_(True)
+            return
         if isinstance(t, WeightQuant):
             p = self.target.params
             if step >= self.shared.schedule_offset:
@@ -76,6 +81,8 @@ class _Part:
 
     def finish(self) -> None:
         t = self.technique
+        if isinstance(t, ActivationQuant):
+            return  # removed by redundancy_clean: the cleaned model computes in floating point
         if isinstance(t, WeightQuant):
             t.set_bits(self.target.params.target_bits)
         elif int(t.done) < len(self.steps):
@@ -137,6 +144,15 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: Optional
         module = modules[target.name]
         shared = config.techniques[target.technique].shared_parameters
         weight = module.weight
+        if target.technique == "activation_quantization":
+            technique = ActivationQuant(target.params.bits, shared.quantization_type == "symmetric",
+                                        shared.range_calibration == "static", isinstance(module, nn.Conv2d))
+            technique.to(device=weight.device)
+            module.add_module("activation_quantizer", technique)
+            part = _Part(target, module, technique, shared)
+            part.hook = module.register_forward_pre_hook(technique.hook)
+            parts.append(part)
+            continue
         if target.technique == "weight_quantization":
             groups = weight.shape[0] if isinstance(module, nn.Embedding) else shared.quantize_groups
             technique = WeightQuant(weight, groups, shared.quantization_type == "symmetric")
@@ -227,7 +243,8 @@ def _cut_columns(module: nn.Module, keep: torch.Tensor) -> None:
 def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None):
     """Make the compression real: final masks and bit widths, baked into plain weights; pruned
     rows and channels (with the related modules' inputs) and heads (with the related q/k/v
-    output rows) cut out. The model is left with plain torch.nn layers. Returns it."""
+    output rows) cut out; activation quantization removed (its fake-quant is a training-time
+    simulation). The model is left with plain torch.nn layers. Returns it."""
     config = _config(deepspeed_config)
     _check_mpu(mpu)
     c_model = _unwrap(model)
@@ -244,6 +261,10 @@ def redundancy_clean(model: nn.Module, deepspeed_config, mpu=None):
             t = part.technique
             if isinstance(t, (RowMask, HeadMask)) and part.target.related:  # ChannelMask is a RowMask
                 cuts.append({"part": part, "keep": t.current().detach().reshape(-1) > 0.5})
+        for part in schedule.parts:
+            if part.hook is not None:
+                part.hook.remove()
+                del part.module.activation_quantizer
         for module in c_model.modules():
             if parametrize.is_parametrized(module):
                 for name in list(module.parametrizations.keys()):

@@ -165,18 +165,22 @@ class HeadMask(_Technique):
         return (w.reshape(out, self.num_heads, -1) * mask).reshape(w.shape)
 
 
-def fake_quantize(w: torch.Tensor, bits: int, groups: int, symmetric: bool) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, bits: int, groups: int, symmetric: bool, low=None, high=None) -> torch.Tensor:
     """w rounded to `bits` bits, one scale per group of whole rows (DeepSpeed's Sym/AsymQuantizer
-    values, through torch.fake_quantize_per_channel_affine)."""
+    values, through torch.fake_quantize_per_channel_affine). The range of each group is its
+    own min and max unless `low` / `high` (one value, static calibration) are given."""
     levels = 2 ** bits
     x = w.detach().float().reshape(groups, -1)
+    if low is None:
+        low, high = x.amin(dim=1), x.amax(dim=1)
+    else:
+        low, high = low.float().reshape(1), high.float().reshape(1)
     tiny = torch.finfo(torch.float32).tiny
     if symmetric:
-        scale = (2 * x.abs().amax(dim=1) / levels).clamp_min(tiny)
+        scale = (2 * torch.maximum(low.abs(), high) / levels).clamp_min(tiny)
         zero = torch.zeros(groups, dtype=torch.int32, device=x.device)
         qmin, qmax = -levels // 2, levels // 2 - 1
     else:
-        low, high = x.amin(dim=1), x.amax(dim=1)
         scale = ((high - low) / levels).clamp_min(tiny)
         qmin, qmax = 0, levels - 1
         zero = (-(low / scale).round()).clamp(qmin, qmax).to(torch.int32)
@@ -207,3 +211,39 @@ class WeightQuant(nn.Module):
             return w
         q = fake_quantize(w, int(self.bits), self.groups, self.symmetric)
         return w + (q - w).detach()
+
+
+class ActivationQuant(nn.Module):
+    """Fake-quantized inputs of a Linear or Conv2d (a forward pre-hook), straight-through
+    gradient. dynamic: each token (Linear) or sample (Conv2d) its own range; static: one range,
+    a moving average (momentum 0.95) of the training batches' min and max, as DeepSpeed's
+    QuantAct."""
+
+    def __init__(self, bits: int, symmetric: bool, static: bool, conv: bool, momentum: float = 0.95):
+        super().__init__()
+        self.num_bits, self.symmetric, self.static, self.conv, self.momentum = bits, symmetric, static, conv, momentum
+        self.register_buffer("active", torch.tensor(False))
+        if static:
+            self.register_buffer("x_min_max", torch.zeros(2))
+
+    def is_active(self) -> bool:
+        return bool(self.active)
+
+    def hook(self, module: nn.Module, args):
+        if not self.is_active():
+            return None
+        x = args[0]
+        if self.static:
+            if self.training:
+                with torch.no_grad():
+                    low, high = x.detach().min().to(self.x_min_max.dtype), x.detach().max().to(self.x_min_max.dtype)
+                    if self.x_min_max[0] == self.x_min_max[1]:
+                        self.x_min_max[0], self.x_min_max[1] = low, high
+                    m = self.momentum
+                    self.x_min_max[0] = self.x_min_max[0] * m + low * (1 - m)
+                    self.x_min_max[1] = self.x_min_max[1] * m + high * (1 - m)
+            q = fake_quantize(x, self.num_bits, 1, self.symmetric, self.x_min_max[0], self.x_min_max[1])
+        else:
+            groups = x.shape[0] if self.conv else x.numel() // x.shape[-1]
+            q = fake_quantize(x, self.num_bits, groups, self.symmetric)
+        return (x + (q - x).detach(),) + tuple(args[1:])

@@ -24,6 +24,7 @@ KINDS: Dict[str, Tuple[type, ...]] = {
     "row_pruning": (nn.Linear,),
     "head_pruning": (nn.Linear,),
     "channel_pruning": (nn.Conv2d,),
+    "activation_quantization": (nn.Linear, nn.Conv2d),
 }
 # The layer types a technique's related modules may be.
 RELATED: Dict[str, Tuple[type, ...]] = {
@@ -98,6 +99,8 @@ def plan(model: nn.Module, config: CompressionConfig) -> List[Target]:
 
 def _check_shapes(target: Target, modules: Dict[str, nn.Module], shared, where: str) -> None:
     module = modules[target.name]
+    if target.technique == "activation_quantization":
+        return
     if target.technique == "weight_quantization":
         groups = module.weight.shape[0] if isinstance(module, nn.Embedding) else shared.quantize_groups
         if module.weight.shape[0] % groups:

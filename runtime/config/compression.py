@@ -2,9 +2,9 @@
 
 The section keeps DeepSpeed's layout: one block per technique, each with `shared_parameters`
 (on/off, schedule, method) and `different_groups` (named groups of module-name patterns with
-their own `params`). A technique that is not built here is refused whole with one line, and so
-is every key whose only reader in DeepSpeed was a path not built here (snip_momentum's
-block_pattern, the in-place MoQ quantizer's knobs), so nothing is accepted and then ignored.
+their own `params`). Every key whose only reader in DeepSpeed was a path not built here
+(snip_momentum's block_pattern, the in-place MoQ quantizer's knobs) is refused with one line,
+so nothing is accepted and then ignored.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from .checks import positive
 SNIP = "the snip_momentum method (neural_compressor) is not supported; use method l1 or topk"
 MOQ = ("only the fake-quant-in-forward path is supported (quantize_weight_in_forward true); DeepSpeed's "
        "in-place MoQ quantizer is not")
-NOT_BUILT = "{what} is not supported; remove it or set enabled false"
 
 
 def _ratio(path: str, value: float) -> None:
@@ -53,6 +52,15 @@ class QuantParams:
         positive(path, "quantization_period", self.quantization_period)
 
 
+@dataclass
+class ActParams:
+    bits: int = supported(note="bits of the layer's inputs (4 or 8, as DeepSpeed)")
+
+    def validate(self, path: str) -> None:
+        if self.bits not in (4, 8):
+            raise ConfigError(f"{path}.bits: must be 4 or 8 (as DeepSpeed), got {self.bits}")
+
+
 MODULES = "regular expressions searched in module names (\"*\": every module the technique applies to)"
 
 
@@ -86,6 +94,14 @@ class QuantGroup:
     modules: List[str] = supported(factory=lambda: ["*"], note=MODULES)
     related_modules: Optional[List[List[str]]] = supported(
         None, "weight quantization has no related modules: a value is refused")
+
+
+@dataclass
+class ActGroup:
+    params: ActParams = supported(note="bits")
+    modules: List[str] = supported(factory=lambda: ["*"], note=MODULES)
+    related_modules: Optional[List[List[str]]] = supported(
+        None, "activation quantization has no related modules: a value is refused")
 
 
 @dataclass
@@ -173,6 +189,28 @@ class QuantShared:
 
 
 @dataclass
+class ActShared:
+    enabled: bool = supported(False, "fake-quantized inputs of Linear and Conv2d layers (straight-through gradient)")
+    quantization_type: Literal["symmetric", "asymmetric"] = supported("symmetric", "zero point 0, or min/max range")
+    range_calibration: Literal["dynamic", "static"] = supported(
+        "dynamic", "dynamic: each token's (Linear) or sample's (Conv2d) own range; static: a moving average of "
+                   "the training batches' range, used as is in eval mode")
+    schedule_offset: int = supported(1000, "step at which quantization starts")
+
+    def validate(self, path: str) -> None:
+        _offset(path, self.schedule_offset)
+
+
+@dataclass
+class ActivationQuantizationConfig:
+    shared_parameters: ActShared = supported(factory=ActShared, note="")
+    different_groups: Dict[str, ActGroup] = supported(factory=dict, note="named groups: params, modules")
+
+    def validate(self, path: str) -> None:
+        _check_groups(path, self.different_groups, self.shared_parameters.enabled, related=False)
+
+
+@dataclass
 class SparsePruningConfig:
     shared_parameters: SparseShared = supported(factory=SparseShared, note="")
     different_groups: Dict[str, PruneGroup] = supported(factory=dict, note="named groups: params, modules")
@@ -254,15 +292,15 @@ class CompressionConfig:
     head_pruning: HeadPruningConfig = supported(factory=HeadPruningConfig, note="")
     weight_quantization: WeightQuantizationConfig = supported(factory=WeightQuantizationConfig, note="")
     channel_pruning: ChannelPruningConfig = supported(factory=ChannelPruningConfig, note="")
-    activation_quantization: Any = refused(NOT_BUILT.format(what="activation_quantization"), disabled,
-                                           lambda v: _off(v))
+    activation_quantization: ActivationQuantizationConfig = supported(factory=ActivationQuantizationConfig, note="")
     layer_reduction: LayerReductionConfig = supported(factory=LayerReductionConfig, note="")
 
     @property
     def techniques(self) -> Dict[str, Any]:
         """The enabled techniques by DeepSpeed's name."""
         out = {}
-        for name in ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning", "channel_pruning"):
+        for name in ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning", "channel_pruning",
+                     "activation_quantization"):
             section = getattr(self, name)
             if section.shared_parameters.enabled:
                 out[name] = section
@@ -272,10 +310,3 @@ class CompressionConfig:
     def enabled(self) -> bool:
         return bool(self.techniques) or self.layer_reduction.enabled
 
-
-def _off(value) -> bool:
-    """A technique block whose shared_parameters say enabled false (DeepSpeed's written-out off form)."""
-    if not isinstance(value, dict) or set(value) - {"shared_parameters", "different_groups"}:
-        return False
-    shared = value.get("shared_parameters", {})
-    return isinstance(shared, dict) and shared.get("enabled", False) is False
