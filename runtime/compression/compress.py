@@ -103,12 +103,10 @@ class CompressionSchedule:
     def __init__(self, config: CompressionConfig, parts: List[_Part]):
         self.config = config
         self.parts = parts
-        self.step = 0
 
     def update(self, step: int) -> None:
         """Bring every technique to its state for training step `step` (0 before the first
         optimizer step). Idempotent: a resumed run's masks come from its checkpoint."""
-        self.step = step
         for part in self.parts:
             part.update(step)
 
