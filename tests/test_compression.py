@@ -187,6 +187,22 @@ def test_bits_fall_from_start_to_target_bits():
     assert [min(n, 16) for n in levels[1:]] == [16, 16, 8, 8, 4, 4]
 
 
+def test_embedding_weights_quantized_per_token():
+    """An embedding gets one scale per token (DeepSpeed's rule), whatever quantize_groups says."""
+    section = cm.technique({"quantize_weight_in_forward": True, "schedule_offset": 0, "quantize_groups": 1},
+                           g=cm.group({"start_bits": 2, "target_bits": 2}, ["emb"]))
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("emb", nn.Embedding(10, 32))
+    raw = model.emb.weight.detach().clone()
+    init_compression(model, _config({"weight_quantization": section}))
+    compression_schedule(model).update(0)
+    quantized = model.emb.weight.detach()
+    for row, q in zip(raw, quantized):
+        scale = 2 * row.abs().max() / 4
+        assert torch.equal(q, (row / scale).round().clamp(-2, 1) * scale)
+
+
 def _engine_run(section, zero=0, optimizer=("SGD", cm.LR)):
     import dslaunch.runtime as deepspeed
 
