@@ -22,6 +22,7 @@ import torch
 from . import checkpoint, comm, model_export
 from .parallel import select as mesh_select
 from .compiling import compile_module
+from .compression import compression_schedule
 from .config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
 from .loss_scaler import make_loss_scaler
@@ -119,6 +120,7 @@ class DeepSpeedEngine(torch.nn.Module):
             model.to(self.compute_dtype)
         self._broadcast_initial_state(model)
         self.module = model
+        self._compression = self._compression_schedule(model)
 
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
         if self.optimizer is not None:
@@ -443,6 +445,28 @@ class DeepSpeedEngine(torch.nn.Module):
             self.loss_scaler.update(overflow)
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
+        self._update_compression()
+
+    def _compression_schedule(self, model):
+        """The schedule init_compression left on the model, checked against this config."""
+        schedule = compression_schedule(model)
+        wanted = self.config.compression_training
+        if schedule is None:
+            if wanted.enabled:
+                raise ConfigError("compression_training: call deepspeed.compression.compress.init_compression(model, "
+                                  "config) before deepspeed.initialize")
+            return None
+        if schedule.config != wanted:
+            raise ConfigError("compression_training: differs from the config the model's init_compression used; "
+                              "pass the same config to both")
+        schedule.update(0)
+        return schedule
+
+    def _update_compression(self) -> None:
+        """Techniques start and prune on the count of applied optimizer steps (DeepSpeed's
+        compression scheduler is stepped after each step without overflow)."""
+        if self._compression is not None:
+            self._compression.update(self.global_steps - self.skipped_steps)
 
     def _needs_grad_norm(self) -> bool:
         # fp16 overflow, clipping, bf16's check_grad_overflow, stage 1-2's compute_grad_norm and the
@@ -498,6 +522,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.skipped_steps = state["skipped_steps"]
         if self.training_dataloader is not None:
             self.training_dataloader.set_epoch(state.get("dataloader_epoch", 0))
+        self._update_compression()
 
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True, allow_pickle: bool = False) -> str:

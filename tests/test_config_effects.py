@@ -69,6 +69,25 @@ ALL = {
                    "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
     "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True},
     "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False, "load_universal": False},
+    "compression_training": {
+        "sparse_pruning": {"shared_parameters": {"enabled": False, "method": "l1", "schedule_offset": 0,
+                                                 "schedule_offset_end": 4, "schedule_offset_stride": 2,
+                                                 "excluded_modules": ["head"]}, "different_groups": {}},
+        "row_pruning": {"shared_parameters": {"enabled": False, "method": "l1", "schedule_offset": 0},
+                        "different_groups": {}},
+        "head_pruning": {"shared_parameters": {"enabled": False, "method": "topk", "schedule_offset": 0,
+                                               "num_heads": 4}, "different_groups": {}},
+        "weight_quantization": {"shared_parameters": {"enabled": False, "quantize_weight_in_forward": True,
+                                                      "schedule_offset": 0, "quantize_groups": 1,
+                                                      "quantization_type": "symmetric", "rounding": "nearest"},
+                                "different_groups": {}},
+        "channel_pruning": {"shared_parameters": {"enabled": False, "method": "l1", "schedule_offset": 0},
+                            "different_groups": {}},
+        "activation_quantization": {"shared_parameters": {"enabled": False, "quantization_type": "symmetric",
+                                                          "range_calibration": "static", "schedule_offset": 0},
+                                    "different_groups": {}},
+        "layer_reduction": {"enabled": False, "keep_number_layer": 2, "module_name_prefix": "layers",
+                            "teacher_layer": [1, 3], "other_module_name": ["emb"]}},
     "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
                         "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                                               "partition_type": "row"}]}},
@@ -81,6 +100,7 @@ ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "zero_optimization.sta
 
 T = "tests/test_config_effects.py::"
 TP = "tests/test_tp_training.py::"
+C = "tests/test_compression.py::"
 EFFECTS = {
     "tensor_parallel": TP + "test_tp2_equals_one_process",
     "tensor_parallel.autotp_size": TP + "test_tp2_equals_one_process",
@@ -198,6 +218,37 @@ EFFECTS = {
     "nonfinite_check.enabled": "tests/test_nonfinite.py::test_nonfinite_steps_are_skipped_reported_and_stop_the_job",
     "nonfinite_check.max_consecutive_steps":
         "tests/test_nonfinite.py::test_nonfinite_steps_are_skipped_reported_and_stop_the_job",
+    **{f"compression_training{k}": C + "test_matches_deepspeed_0_17" for k in (
+        "", ".sparse_pruning.shared_parameters.enabled", ".sparse_pruning.shared_parameters.method",
+        ".sparse_pruning.different_groups", ".row_pruning.shared_parameters.enabled",
+        ".row_pruning.shared_parameters.method", ".row_pruning.different_groups",
+        ".head_pruning.shared_parameters.enabled", ".head_pruning.shared_parameters.method",
+        ".head_pruning.shared_parameters.num_heads", ".head_pruning.different_groups",
+        ".weight_quantization.shared_parameters.enabled", ".weight_quantization.shared_parameters.schedule_offset",
+        ".weight_quantization.shared_parameters.quantize_groups",
+        ".weight_quantization.shared_parameters.quantization_type", ".weight_quantization.different_groups")},
+    "compression_training.sparse_pruning.shared_parameters.schedule_offset":
+        C + "test_engine_drives_the_schedule_like_a_plain_loop",
+    "compression_training.sparse_pruning.shared_parameters.schedule_offset_end":
+        C + "test_gradual_sparse_schedule_reaches_the_ratio",
+    "compression_training.sparse_pruning.shared_parameters.schedule_offset_stride":
+        C + "test_gradual_sparse_schedule_reaches_the_ratio",
+    "compression_training.sparse_pruning.shared_parameters.excluded_modules":
+        C + "test_excluded_modules_are_never_pruned",
+    "compression_training.row_pruning.shared_parameters.schedule_offset":
+        C + "test_zero2_two_ranks_save_resume_clean",
+    "compression_training.head_pruning.shared_parameters.schedule_offset": C + "test_matches_deepspeed_0_17",
+    "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward":
+        C + "test_bad_input_one_line",
+    "compression_training.weight_quantization.shared_parameters.rounding": C + "test_bad_input_one_line",
+    **{f"compression_training.channel_pruning.{k}": C + "test_matches_deepspeed_0_17" for k in (
+        "shared_parameters.enabled", "shared_parameters.method", "shared_parameters.schedule_offset",
+        "different_groups")},
+    **{f"compression_training.activation_quantization.{k}": C + "test_matches_deepspeed_0_17" for k in (
+        "shared_parameters.enabled", "shared_parameters.quantization_type", "shared_parameters.range_calibration",
+        "shared_parameters.schedule_offset", "different_groups")},
+    **{f"compression_training.layer_reduction.{k}": C + "test_layer_reduction_matches_deepspeed_0_17" for k in (
+        "enabled", "keep_number_layer", "module_name_prefix", "teacher_layer", "other_module_name")},
     "elasticity.min_time": "tests/test_elasticity.py::test_basic_10k",  # read and validated; the scheduler's value
     "elasticity.prefer_larger_batch": "tests/test_elasticity.py::test_proper_micro_batch_and_cap",
     "elasticity.num_gpus_per_node": "tests/test_elasticity.py::test_version_02_micro_batch_is_per_data_parallel_rank",

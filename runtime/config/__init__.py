@@ -18,6 +18,7 @@ from ..strict import ConfigError, disabled, load_file, parse_dataclass, refused,
 from .checkpoint import CheckpointConfig
 from .checks import positive
 from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
+from .compression import CompressionConfig
 from .compute import ActivationCheckpointingConfig, CompileConfig
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
                       WandbConfig)
@@ -104,6 +105,9 @@ class DeepSpeedConfig:
     activation_checkpointing: ActivationCheckpointingConfig = supported(factory=ActivationCheckpointingConfig,
                                                                         note="read by deepspeed.checkpointing")
     compile: CompileConfig = supported(factory=CompileConfig, note="")
+    compression_training: CompressionConfig = supported(
+        factory=CompressionConfig, note="pruning and quantization-aware training (init_compression / "
+                                        "redundancy_clean, runtime/compression/)")
     # -- layout --------------------------------------------------------------------------
     elasticity: ElasticityConfig = supported(factory=ElasticityConfig, note="")
     pipeline: PipelineConfig = supported(factory=PipelineConfig, note="")
@@ -129,7 +133,6 @@ class DeepSpeedConfig:
     sparse_gradients: Any = refused(REMOVED.format(what="sparse embedding gradient compression"), False)
     eigenvalue: Any = refused(REMOVED.format(what="eigenvalue-based quantization"), disabled)
     quantize_training: Any = refused(REMOVED.format(what="mixture-of-quantization training"), disabled)
-    compression_training: Any = refused(REMOVED.format(what="the compression library"), None)
     nebula: Any = refused(REMOVED.format(what="Nebula checkpointing"), disabled)
     graph_harvesting: Any = refused(REMOVED.format(what="graph harvesting"), False)
 
@@ -151,6 +154,9 @@ class DeepSpeedConfig:
                 raise ConfigError("allgather_size: only read with the legacy \"zero_optimization\": true form; "
                                   "use zero_optimization.allgather_bucket_size")
             self.zero.allgather_bucket_size = self.allgather_size
+        if self.compression_training.enabled and self.zero.stage == 3:
+            raise ConfigError("compression_training: works with ZeRO stages 0-2 (masks on the full parameters); "
+                              "ZeRO-3 partitions them, so use stage 2 or remove compression_training")
         if self.log_level is not None and self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

@@ -1,0 +1,249 @@
+"""The compression techniques as torch parametrizations (torch.nn.utils.parametrize).
+
+Each technique is a small module registered on a layer's `weight` (and `bias` for rows):
+forward sees the masked / fake-quantized tensor, the optimizer updates the original. Masks,
+scores, the pruning steps done and the bit width are buffers or parameters of the
+parametrization, so they are in the model's state_dict: a checkpoint resumes with its masks.
+
+l1 masks are computed by torch.nn.utils.prune's own methods (L1Unstructured, LnStructured).
+topk masks come from learnt scores (DeepSpeed's movement-pruning variant): the top
+ceil(ratio * n) scores are kept, and the scores get the mask's gradient straight through.
+Weight quantization uses torch.fake_quantize_per_channel_affine on groups of whole rows with a
+straight-through gradient (DeepSpeed passes the gradient unchanged, clipped values included).
+They are applied in DeepSpeed's order: quantize, then sparse, row and head masks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+
+def keep_count(ratio: float, n: int) -> int:
+    """How many of n entries a dense ratio keeps (DeepSpeed's rule: ceil(ratio * n), at least one)."""
+    return min(n, max(1, math.ceil(ratio * n)))
+
+
+def topk_mask(scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    """1 for the ceil(ratio * n) highest scores, else 0; gradient to the scores unchanged."""
+    flat = scores.flatten()
+    hard = torch.zeros_like(flat)
+    hard[torch.topk(flat.detach(), keep_count(ratio, flat.numel())).indices] = 1.0
+    hard = hard.view_as(scores)
+    return hard + (scores - scores.detach())
+
+
+def _scores(shape) -> nn.Parameter:
+    scores = nn.Parameter(torch.empty(shape))
+    nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
+    return scores
+
+
+class _Technique(nn.Module):
+    """State shared by the pruning techniques: the dense ratio of each pruning step
+    (`ratios`, from the config) and how many of them are done (`done`, an integer buffer, so
+    that it survives checkpoints and model.to(dtype)); done == 0 means not pruning yet."""
+
+    def __init__(self, ratios):
+        super().__init__()
+        self.ratios = [float(r) for r in ratios]
+        self.register_buffer("done", torch.tensor(0, dtype=torch.int64))
+
+    def is_active(self) -> bool:
+        return int(self.done) > 0
+
+    @property
+    def ratio(self) -> float:
+        return self.ratios[int(self.done) - 1] if self.is_active() else 1.0
+
+    def prune_to(self, weight: torch.Tensor, done: int) -> None:
+        """Take pruning steps up to `done` on `weight` as it is now (pruned entries stay
+        pruned: the caller passes the weight with this technique's current mask applied)."""
+        self.done.fill_(done)
+        self._update_mask(weight.detach())
+
+    def _update_mask(self, weight: torch.Tensor) -> None:  # l1 methods recompute; topk reads scores
+        pass
+
+
+class SparseMask(_Technique):
+    """Unstructured pruning of a whole weight (Linear or Conv2d)."""
+
+    kind = "sparse"
+
+    def __init__(self, weight: torch.Tensor, method: str, ratios):
+        super().__init__(ratios)
+        self.method = method
+        self.register_buffer("mask", torch.ones_like(weight, dtype=weight.dtype))
+        if method == "topk":
+            self.scores = _scores(weight.shape)
+
+    def current(self) -> torch.Tensor:
+        if self.method == "topk":
+            return topk_mask(self.scores, self.ratio)
+        return self.mask
+
+    def _update_mask(self, weight: torch.Tensor) -> None:
+        if self.method == "l1":
+            n = weight.numel()
+            method = prune.L1Unstructured(amount=n - keep_count(self.ratio, n))
+            self.mask.copy_(method.compute_mask(weight, torch.ones_like(self.mask)))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.current().to(w.dtype) if self.is_active() else w
+
+
+class RowMask(_Technique):
+    """Output rows of a Linear weight (output channels of a Conv2d: ChannelMask); `RowBias`
+    applies the same mask to the bias."""
+
+    kind = "row"
+
+    def __init__(self, weight: torch.Tensor, method: str, ratios):
+        super().__init__(ratios)
+        self.method = method
+        shape = (weight.shape[0],) + (1,) * (weight.dim() - 1)
+        self.register_buffer("mask", torch.ones(shape, dtype=weight.dtype))
+        if method == "topk":
+            self.scores = _scores(shape)
+
+    def current(self) -> torch.Tensor:
+        if self.method == "topk":
+            return topk_mask(self.scores, self.ratio)
+        return self.mask
+
+    def _update_mask(self, weight: torch.Tensor) -> None:
+        if self.method == "l1":
+            rows = weight.shape[0]
+            method = prune.LnStructured(amount=rows - keep_count(self.ratio, rows), n=1, dim=0)
+            full = method.compute_mask(weight, torch.ones_like(weight))
+            self.mask.copy_(full.reshape(rows, -1)[:, :1].reshape(self.mask.shape))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.current().to(w.dtype) if self.is_active() else w
+
+
+class ChannelMask(RowMask):
+    """Output channels of a Conv2d weight."""
+
+    kind = "channel"
+
+
+class RowBias(nn.Module):
+    """The bias rows of a row-pruned Linear; reads the weight's RowMask (not a child of it, so
+    the mask is stored once)."""
+
+    def __init__(self, rows: RowMask):
+        super().__init__()
+        self._rows = [rows]
+
+    def forward(self, b: torch.Tensor) -> torch.Tensor:
+        rows = self._rows[0]
+        return b * rows.current().view(-1).to(b.dtype) if rows.is_active() else b
+
+
+class HeadMask(_Technique):
+    """Attention heads on the output projection: its input columns in num_heads equal blocks."""
+
+    kind = "head"
+
+    def __init__(self, weight: torch.Tensor, num_heads: int, ratios):
+        super().__init__(ratios)
+        self.num_heads = num_heads
+        self.scores = _scores((1, num_heads))
+
+    def current(self) -> torch.Tensor:
+        return topk_mask(self.scores, self.ratio)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if not self.is_active():
+            return w
+        out = w.shape[0]
+        mask = self.current().to(w.dtype).view(1, self.num_heads, 1)
+        return (w.reshape(out, self.num_heads, -1) * mask).reshape(w.shape)
+
+
+def fake_quantize(w: torch.Tensor, bits: int, groups: int, symmetric: bool, low=None, high=None) -> torch.Tensor:
+    """w rounded to `bits` bits, one scale per group of whole rows (DeepSpeed's Sym/AsymQuantizer
+    values, through torch.fake_quantize_per_channel_affine). The range of each group is its
+    own min and max unless `low` / `high` (one value, static calibration) are given."""
+    levels = 2 ** bits
+    x = w.detach().float().reshape(groups, -1)
+    if low is None:
+        low, high = x.amin(dim=1), x.amax(dim=1)
+    else:
+        low, high = low.float().reshape(1), high.float().reshape(1)
+    tiny = torch.finfo(torch.float32).tiny
+    if symmetric:
+        scale = (2 * torch.maximum(low.abs(), high) / levels).clamp_min(tiny)
+        zero = torch.zeros(groups, dtype=torch.int32, device=x.device)
+        qmin, qmax = -levels // 2, levels // 2 - 1
+    else:
+        scale = ((high - low) / levels).clamp_min(tiny)
+        qmin, qmax = 0, levels - 1
+        zero = (-(low / scale).round()).clamp(qmin, qmax).to(torch.int32)
+    q = torch.fake_quantize_per_channel_affine(x, scale, zero, 0, qmin, qmax)
+    return q.reshape(w.shape).to(w.dtype)
+
+
+class WeightQuant(nn.Module):
+    """Fake-quantized weight in forward; bits fall from start_bits to target_bits, one bit every
+    quantization_period steps from schedule_offset."""
+
+    kind = "quant"
+
+    def __init__(self, weight: torch.Tensor, groups: int, symmetric: bool):
+        super().__init__()
+        self.groups = groups
+        self.symmetric = symmetric
+        self.register_buffer("bits", torch.tensor(0, dtype=torch.int64))  # 0: not quantizing yet
+
+    def is_active(self) -> bool:
+        return int(self.bits) > 0
+
+    def set_bits(self, bits: int) -> None:
+        self.bits.fill_(bits)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if not self.is_active():
+            return w
+        q = fake_quantize(w, int(self.bits), self.groups, self.symmetric)
+        return w + (q - w).detach()
+
+
+class ActivationQuant(nn.Module):
+    """Fake-quantized inputs of a Linear or Conv2d (a forward pre-hook), straight-through
+    gradient. dynamic: each token (Linear) or sample (Conv2d) its own range; static: one range,
+    a moving average (momentum 0.95) of the training batches' min and max, as DeepSpeed's
+    QuantAct."""
+
+    def __init__(self, bits: int, symmetric: bool, static: bool, conv: bool, momentum: float = 0.95):
+        super().__init__()
+        self.num_bits, self.symmetric, self.static, self.conv, self.momentum = bits, symmetric, static, conv, momentum
+        self.register_buffer("active", torch.tensor(False))
+        if static:
+            self.register_buffer("x_min_max", torch.zeros(2))
+
+    def is_active(self) -> bool:
+        return bool(self.active)
+
+    def hook(self, module: nn.Module, args):
+        if not self.is_active():
+            return None
+        x = args[0]
+        if self.static:
+            if self.training:
+                with torch.no_grad():
+                    low, high = x.detach().min().to(self.x_min_max.dtype), x.detach().max().to(self.x_min_max.dtype)
+                    if self.x_min_max[0] == self.x_min_max[1]:
+                        self.x_min_max[0], self.x_min_max[1] = low, high
+                    m = self.momentum
+                    self.x_min_max[0] = self.x_min_max[0] * m + low * (1 - m)
+                    self.x_min_max[1] = self.x_min_max[1] * m + high * (1 - m)
+            q = fake_quantize(x, self.num_bits, 1, self.symmetric, self.x_min_max[0], self.x_min_max[1])
+        else:
+            groups = x.shape[0] if self.conv else x.numel() // x.shape[-1]
+            q = fake_quantize(x, self.num_bits, groups, self.symmetric)
+        return (x + (q - x).detach(),) + tuple(args[1:])

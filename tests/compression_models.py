@@ -1,0 +1,165 @@
+"""The tiny models and runs of the compression fixtures, shared by
+scripts/make_ds_compression_fixtures.py (under DeepSpeed 0.17.6) and tests/test_compression.py
+(under dslaunch): plain torch only, so either side imports it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STEPS = 3
+LR = 0.1
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 12)
+        self.out = nn.Linear(12, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class Attention(nn.Module):
+    """Self-attention whose head count follows q's width (head_dim fixed), so that it still runs
+    after head pruning cuts q/k/v/o."""
+
+    head_dim = 4
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        heads = self.q.weight.shape[0] // self.head_dim
+
+        def split(y):
+            return y.view(b, t, heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, heads * self.head_dim)
+        return self.head(self.o(y))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 6, 3, padding=1)
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = torch.relu(self.conv2(h))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class Stack(nn.Module):
+    """A stack of layers between an input and an output module, for layer reduction."""
+
+    def __init__(self, depth=4):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(depth))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.relu(layer(h)) + h
+        return self.head(h)
+
+
+LAYER_REDUCTION = {"layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "layers",
+                                       "teacher_layer": [1, 3], "other_module_name": ["emb", "head"]}}
+
+
+def group(params, modules, related=None):
+    out = {"params": params, "modules": modules}
+    if related is not None:
+        out["related_modules"] = related
+    return out
+
+
+def technique(shared, **groups):
+    return {"shared_parameters": dict(shared, enabled=True), "different_groups": groups}
+
+
+# name -> (model class, compression_training section). Not here: channel pruning by l1, which
+# DeepSpeed 0.17.6 cannot run (its torch.linalg.norm call over three dimensions raises).
+CASES = {
+    "sparse_l1": (MLP, {"sparse_pruning": technique(
+        {"method": "l1", "schedule_offset": 0, "schedule_offset_end": 0},
+        g=group({"dense_ratio": 0.5}, ["fc1", "fc2"]))}),
+    "sparse_topk": (MLP, {"sparse_pruning": technique(
+        {"method": "topk", "schedule_offset": 1, "schedule_offset_end": 1},
+        g=group({"dense_ratio": 0.3}, ["fc"]))}),
+    "row_l1": (MLP, {"row_pruning": technique(
+        {"method": "l1", "schedule_offset": 0},
+        g=group({"dense_ratio": 0.5}, ["fc1"], [["fc2"]]))}),
+    "row_topk": (MLP, {"row_pruning": technique(
+        {"method": "topk", "schedule_offset": 0},
+        g=group({"dense_ratio": 0.5}, ["fc2"], [["out"]]))}),
+    "head_topk": (Attention, {"head_pruning": technique(
+        {"method": "topk", "schedule_offset": 0, "num_heads": 4},
+        g=group({"dense_ratio": 0.5}, ["o"], [["q", "k", "v"]]))}),
+    "quant_sym8": (MLP, {"weight_quantization": technique(
+        {"quantize_weight_in_forward": True, "schedule_offset": 0, "quantize_groups": 4,
+         "quantization_type": "symmetric"},
+        g=group({"start_bits": 8, "target_bits": 8}, ["fc1", "fc2", "out"]))}),
+    "quant_asym4": (MLP, {"weight_quantization": technique(
+        {"quantize_weight_in_forward": True, "schedule_offset": 1, "quantize_groups": 2,
+         "quantization_type": "asymmetric"},
+        g=group({"start_bits": 4, "target_bits": 4}, ["fc2"]))}),
+    "sparse_and_quant": (MLP, {
+        "sparse_pruning": technique({"method": "l1", "schedule_offset": 0, "schedule_offset_end": 0},
+                                    g=group({"dense_ratio": 0.5}, ["fc2"])),
+        "weight_quantization": technique({"quantize_weight_in_forward": True, "schedule_offset": 0},
+                                         g=group({"start_bits": 8, "target_bits": 8}, ["fc2"]))}),
+    "act_sym8_dynamic": (MLP, {"activation_quantization": technique(
+        {"quantization_type": "symmetric", "range_calibration": "dynamic", "schedule_offset": 0},
+        g=group({"bits": 8}, ["fc2", "out"]))}),
+    "act_asym4_static": (MLP, {"activation_quantization": technique(
+        {"quantization_type": "asymmetric", "range_calibration": "static", "schedule_offset": 1},
+        g=group({"bits": 4}, ["fc2"]))}),
+    "act_conv_dynamic": (CNN, {"activation_quantization": technique(
+        {"quantization_type": "symmetric", "range_calibration": "dynamic", "schedule_offset": 0},
+        g=group({"bits": 4}, ["conv2"]))}),
+    "channel_topk": (CNN, {"channel_pruning": technique(
+        {"method": "topk", "schedule_offset": 1},
+        g=group({"dense_ratio": 0.5}, ["conv1"], [["bn1", "conv2"]]))}),
+}
+
+
+def data(cls):
+    g = torch.Generator().manual_seed(1)
+    if cls is Attention:
+        return torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 4, generator=g)
+    if cls is CNN:
+        return torch.randn(4, 3, 6, 6, generator=g), torch.randn(4, 4, generator=g)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def fresh(cls):
+    torch.manual_seed(0)
+    return cls()
+
+
+def train(model, x, y, on_step):
+    """STEPS steps of SGD on an MSE loss; on_step(k) runs before the forward of step k (k=0..),
+    as the engines update the compression schedule. Returns the losses."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for k in range(STEPS):
+        on_step(k)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
