@@ -14,6 +14,7 @@ the name DeepSpeed's engine gives it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Dict, Optional
 
@@ -31,6 +32,7 @@ from .optimizer_policy import check_optimizer
 from .precision import cast_floating, explain_dtype_error, forward_context
 from .profiling.step import StepProfiler
 from .activation_checkpointing import checkpointing
+from .autotuning import TrialProbe
 from .monitor import StepMeter, build_monitor
 from .monitor import report
 from .monitor.sink import TRAIN_LOSS
@@ -146,6 +148,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
         self._setup_reporting()
+        # under `dslaunch --autotuning`: measure this trial's profile steps, then stop it cleanly
+        self._trial = TrialProbe.from_env(self)
         # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
         checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
         self._compiled_with: Optional[Dict[str, Any]] = None
@@ -345,7 +349,8 @@ class DeepSpeedEngine(torch.nn.Module):
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         try:
             with self._meter.timed("forward"), self._flops.forward(self.global_steps), \
-                    forward_context(self.config, self.device):
+                    forward_context(self.config, self.device), \
+                    (self._trial.forward() if self._trial is not None else contextlib.nullcontext()):
                 out = self.module(*args, **kwargs)
         except RuntimeError as exc:
             explain_dtype_error(exc, self.compute_dtype, args, kwargs)
@@ -400,6 +405,8 @@ class DeepSpeedEngine(torch.nn.Module):
                               * self.batch.gradient_accumulation_steps, report.parallel_sizes(self))
         if self._nonfinite is not None:
             self._nonfinite.check(self.global_steps)  # the same decision on every rank: the norm is global
+        if self._trial is not None:
+            self._trial.step_done()  # raises TrialComplete after end_profile_step
 
     def _boundary_step(self, lr_kwargs: Dict[str, Any], reduced: bool = False) -> None:
         """Reduce (unless the caller already did), clip, step, zero; count the step."""
