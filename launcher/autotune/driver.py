@@ -28,7 +28,7 @@ from dslaunch.launcher.autotune import ranking
 from dslaunch.launcher.autotune.config import AutotuningConfig, load_user_config
 from dslaunch.launcher.autotune.memory import ModelInfo, Precision, mib, predict_bytes
 from dslaunch.launcher.autotune.ranking import NOT_TRIED, OK, PRUNED, TrialRecord
-from dslaunch.launcher.autotune.space import Candidate, build_space, spread
+from dslaunch.launcher.autotune.space import Candidate, build_space, spread, stages_of
 from dslaunch.launcher.autotune.trial import Outcome, TrialLauncher, config_arg, mapped_values, with_config
 from dslaunch.launcher.autotune.tuners import TUNERS, EarlyStopping
 from dslaunch.launcher.errors import LaunchConfigError
@@ -103,7 +103,9 @@ class Tuning:
         self.launcher = TrialLauncher(opts, environ, self.at.start_profile_step, self.at.end_profile_step,
                                       self.at.arg_mappings)
         self.deadline = time.monotonic() + settings.budget_s
-        for key in self.at.arg_mappings:  # checked now, not at the first trial
+        # checked now, before the profile trial, rather than after it
+        stages_of(self.user)
+        for key in self.at.arg_mappings:
             mapped_values({key: "-x"}, Candidate(0, 1, 1).ds_config(self.user, 1))
 
     # -- one experiment, reused when overwrite is false and it already ran -----------------

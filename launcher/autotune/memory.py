@@ -65,7 +65,12 @@ def predict_bytes(c: Candidate, info: ModelInfo, prec: Precision) -> int:
 
 
 def mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """Bytes for people: 36.0 KiB, 812.5 MiB, 2.00 GiB."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB"
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

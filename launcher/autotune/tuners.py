@@ -50,13 +50,16 @@ def least_squares(xs: List[List[float]], ys: List[float], ridge: float = 1e-3) -
     for col in range(k):
         pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
         a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        if abs(a[col][col]) < 1e-12:  # a feature constant at 0 over the trials: its weight stays 0
+            continue
         for r in range(col + 1, k):
             f = a[r][col] / a[col][col]
             a[r] = [v - f * w for v, w in zip(a[r], a[col])]
             b[r] -= f * b[col]
     w = [0.0] * k
     for r in reversed(range(k)):
-        w[r] = (b[r] - sum(a[r][c] * w[c] for c in range(r + 1, k))) / a[r][r]
+        if abs(a[r][r]) >= 1e-12:
+            w[r] = (b[r] - sum(a[r][c] * w[c] for c in range(r + 1, k))) / a[r][r]
     return w
 
 
