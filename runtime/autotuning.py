@@ -72,14 +72,27 @@ class TrialProbe:
         self.t0: Optional[float] = None
         self.peak_saved = 0  # the most bytes one forward saved for backward
         self._params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+        self._baseline = 0  # set by the engine: see baseline()
+
+    @staticmethod
+    def baseline(model) -> Optional[int]:
+        """Under a trial, at the start of initialize(): the bytes of the tensors the script
+        holds apart from the model (its data set, often), which are not the configuration's
+        memory and are left out of the measured bytes. None when not a trial."""
+        if not os.environ.get(TRIAL_DIR_VAR) or torch.cuda.is_available():
+            return None  # (on a GPU the device's own peak allocation is measured instead)
+        params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        return _live_tensor_bytes() - sum(params.values())
 
     @classmethod
-    def from_env(cls, engine) -> Optional["TrialProbe"]:
+    def from_env(cls, engine, baseline: Optional[int] = None) -> Optional["TrialProbe"]:
         out = os.environ.get(TRIAL_DIR_VAR)
         if not out:
             return None
         start, _, end = os.environ.get(TRIAL_STEPS_VAR, "").partition(":")
-        return cls(engine, out, int(start), int(end))
+        probe = cls(engine, out, int(start), int(end))
+        probe._baseline = baseline or 0
+        return probe
 
     def _measuring(self) -> bool:
         return self.start <= self.engine.global_steps < self.end
@@ -137,7 +150,7 @@ class TrialProbe:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             available = _host_available()
             limit = None if available is None else available // max(1, local)
-            measured = _live_tensor_bytes() + self.peak_saved
+            measured = _live_tensor_bytes() - self._baseline + self.peak_saved
         metrics = {
             "rank": e.global_rank, "steps": steps, "elapsed_s": elapsed,
             "throughput": b.train_batch_size * steps / elapsed, "latency": elapsed / steps,

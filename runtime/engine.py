@@ -81,6 +81,7 @@ class DeepSpeedEngine(torch.nn.Module):
         super().__init__()
         if model is None:
             raise ValueError("initialize: model= is required")
+        trial_baseline = TrialProbe.baseline(model)  # under `dslaunch --autotuning` only
         source, self._given_tp_group = _with_tp_model_init(_config_source(args, config, config_params), mpu)
         self.config = DeepSpeedConfig.load(source)
         if dist_init_required is not False:
@@ -149,7 +150,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
         self._setup_reporting()
         # under `dslaunch --autotuning`: measure this trial's profile steps, then stop it cleanly
-        self._trial = TrialProbe.from_env(self)
+        self._trial = TrialProbe.from_env(self, trial_baseline)
         # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
         checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
         self._compiled_with: Optional[Dict[str, Any]] = None

@@ -218,6 +218,9 @@ def test_config_argument_forms_and_arg_mappings():
         {"--bs": 8, "--z": 1}
     with pytest.raises(LaunchConfigError, match="'nope' is not a key"):
         trial.mapped_values({"nope": "--n"}, cfg)
+    profile = {"train_micro_batch_size_per_gpu": 1}  # the profile trial leaves train_batch_size to the runtime
+    assert trial.mapped_values({"train_batch_size": "--tbs", "train_micro_batch_size_per_gpu": "--bs"}, profile,
+                               strict=False) == {"--bs": 1}
 
 
 def test_trials_get_the_users_launcher_options_but_not_theirs():
@@ -231,6 +234,9 @@ def test_outcomes_are_classified_with_one_line():
     tb = "[rank 1] Traceback (most recent call last):\n[rank 1]   File x\n[rank 1] ValueError: bad shape\n" \
          "dslaunch: rank 1 failed with exit code 1\n"
     assert trial.classify(1, False, tb, None, 5, 1.0).reason == "exit code 1: ValueError: bad shape"
+    peers = "[rank 1] ValueError: bad shape\n[rank 0] RuntimeError: Connection closed by peer\n" \
+            "dslaunch: rank 1 failed first: exited with code 1 after 2.0s\n"
+    assert trial.error_line(peers) == "ValueError: bad shape"
     oom = trial.classify(1, False, "[rank 0] torch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB\n", None, 5, 1)
     assert (oom.status, oom.reason) == ("out of memory", "OutOfMemoryError: CUDA out of memory. Tried 2 GiB")
     assert trial.classify(124, False, "[rank 0] collective watchdog: rank 1 is in x\n", None, 5, 1).status == "hung"

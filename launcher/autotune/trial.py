@@ -70,16 +70,21 @@ def with_config(script_args: Sequence[str], path: str, mapped: Mapping[str, Any]
     return args
 
 
-def mapped_values(arg_mappings: Mapping[str, str], ds_config: Mapping[str, Any]) -> Dict[str, Any]:
-    """arg_mappings {config key: script option} -> {script option: the trial's value}."""
+def mapped_values(arg_mappings: Mapping[str, str], ds_config: Mapping[str, Any],
+                  strict: bool = True) -> Dict[str, Any]:
+    """arg_mappings {config key: script option} -> {script option: the trial's value}.
+    strict=False skips keys the config leaves out (the profile trial's train_batch_size)."""
     out = {}
     for key, option in arg_mappings.items():
         node: Any = ds_config
         for part in key.split("."):
             if not isinstance(node, Mapping) or part not in node:
+                if not strict:
+                    break
                 raise LaunchConfigError(f"autotuning.arg_mappings: {key!r} is not a key of the tuned config")
             node = node[part]
-        out[option] = node
+        else:
+            out[option] = node
     return out
 
 
@@ -128,6 +133,10 @@ def error_line(stderr_text: str) -> str:
     """The one line that says what went wrong: the last exception line a worker printed,
     else the launcher's own last line."""
     lines = [ln.strip() for ln in stderr_text.splitlines() if ln.strip()]
+    first = re.search(r"^dslaunch: rank (\d+) failed first", stderr_text, re.M)
+    if first:  # that rank's own lines, not its peers' follow-on errors
+        own = [ln for ln in lines if ln.startswith(f"[rank {first.group(1)}]")]
+        lines = own or lines
     for ln in reversed(lines):
         m = _ERROR_LINE.search(re.sub(r"^\[[^\]]*\]\s*", "", ln))
         if m and not ln.startswith("dslaunch:"):
@@ -168,7 +177,7 @@ class TrialLauncher:
 
     def command(self, exp_dir: Path, ds_config: Mapping[str, Any]) -> List[str]:
         args = with_config(self.opts.script_args, str(exp_dir / "ds_config.json"),
-                           mapped_values(self.arg_mappings, ds_config))
+                           mapped_values(self.arg_mappings, ds_config, strict="train_batch_size" in ds_config))
         target = ["-m", self.opts.script] if self.opts.module else [self.opts.script]
         return ["dslaunch", *launcher_argv(self.opts), "--export", TRIAL_DIR_VAR, "--export", TRIAL_STEPS_VAR,
                 "--module", WORKER_MODULE, *target, *args]
