@@ -86,7 +86,7 @@ def test_each_trial_is_a_real_launch_that_stops_cleanly_and_is_measured(tuned):
             {p.name for p in exp.iterdir()}
         out = (exp / "stdout.log").read_text()
         # the script unwound through its `finally` on both ranks: a clean stop, not exit()
-        assert "cleanup ran on rank 0" in out and "cleanup ran on rank 1" in out
+        assert "cleanup ran on rank 0" in out and "cleanup ran on rank 1" in out and "swallowed" not in out
         m = json.loads((exp / "metrics.json").read_text())
         assert m["ranks"] == 2 and m["steps"] == 2 and m["dp"] == 2 and m["throughput"] > 0
         cmd = (exp / "cmd.txt").read_text()
@@ -133,3 +133,14 @@ def test_a_script_without_a_config_argument_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(launch, ["--autotuning", "tune", "t.py", "--lr", "1"], prog_name="dslaunch")
     assert result.exit_code == 2 and "the script's arguments name no config" in result.stderr
+
+
+def test_a_trial_over_the_budget_is_stopped(tmp_path):
+    cfg = write_config(tmp_path)
+    r = dslaunch(["--autotuning", "tune", "--num_gpus", "2", "--autotuning_budget", "1", "--kill_grace", "1", JOB,
+                  "--deepspeed_config", cfg, *JOB_ARGS], tmp_path)
+    assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith(
+        "dslaunch: error: the profile trial timed out: stopped after "), r.stderr
+    assert "the --autotuning_budget ran out" in r.stderr
+    outcome = json.loads((tmp_path / "autotuning_results" / "profile_model_info" / "outcome.json").read_text())
+    assert outcome["status"] == "timed out"

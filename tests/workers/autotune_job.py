@@ -6,8 +6,9 @@
 --batch is the micro-batch size, set by the tuner through arg_mappings (as a Hugging Face
 script's --per_device_train_batch_size would be). --crash / --hang make rank 1 raise /
 sleep before the first step of one configuration, to prove tuning records the failure and
-goes on. Every rank prints `cleanup ran` from a `finally` block: a trial must stop the
-script by unwinding it, not by exit(). Rank 0 writes --out (what it trained with) at the end.
+goes on. Every rank prints `cleanup ran` from a `finally` block, and its step loop catches
+Exception: a trial must stop the script by unwinding it, not by exit(), and a loop that
+catches Exception must not swallow the stop. Rank 0 writes --out (what it trained with) at the end.
 """
 import argparse
 import json
@@ -40,11 +41,14 @@ try:
     if engine.global_rank == 1 and here == args.hang:
         time.sleep(3600)
     for step in range(args.steps):
-        for _ in range(gas):
-            x = torch.randn(mbs, 16, 64)
-            loss = engine(x).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
+        try:
+            for _ in range(gas):
+                x = torch.randn(mbs, 16, 64)
+                loss = engine(x).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+        except Exception as exc:  # a loop that logs and goes on (as trainers do) must not swallow the stop
+            print(f"swallowed {type(exc).__name__}", flush=True)
     if engine.global_rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"stage": stage, "micro_batch": mbs, "gas": gas, "steps": engine.global_steps}, f)
