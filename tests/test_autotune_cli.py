@@ -102,8 +102,9 @@ def test_each_trial_is_a_real_launch_that_stops_cleanly_and_is_measured(tuned):
 def test_run_trains_with_the_best_configuration_and_the_scripts_own_arguments(tuned, tmp_path):
     folder, _ = tuned
     write_config(folder, overwrite=False)  # reuse every outcome: no trial runs again
-    r = dslaunch(["--autotuning", "run", "--num_gpus", "2", "--autotuning_memory_limit", str(LIMIT), JOB, "--deepspeed_config", "cfg.json", *JOB_ARGS,
-                  "--steps", "7", "--out", str(tmp_path / "trained.json")], folder)
+    r = dslaunch(["--autotuning", "run", "--num_gpus", "2", "--autotuning_memory_limit", str(LIMIT), JOB,
+                  "--deepspeed_config", "cfg.json", *JOB_ARGS, "--steps", "7", "--out", str(tmp_path / "trained.json")],
+                 folder)
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("reusing its earlier outcome") == 5
     optimal = json.loads((folder / "autotuning_results" / "ds_config_optimal.json").read_text())

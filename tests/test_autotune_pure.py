@@ -223,11 +223,23 @@ def test_config_argument_forms_and_arg_mappings():
                                strict=False) == {"--bs": 1}
 
 
-def test_trials_get_the_users_launcher_options_but_not_theirs():
+def test_trials_get_the_users_launcher_options_but_not_theirs(tmp_path, monkeypatch):
     opts = LaunchOptions(script="t.py", num_gpus=2, include="localhost:0,1", export=("A", "B=1"), max_restarts=3,
                          log_dir="/logs", bind_cores_to_rank=True)
     assert trial.launcher_argv(opts) == ["--num_gpus", "2", "--include", "localhost:0,1", "--bind_cores_to_rank",
                                          "--export", "A", "--export", "B=1"]
+    from dslaunch.launcher.autotune.driver import Settings, Tuning
+
+    (tmp_path / "cfg.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    tuning = Tuning(LaunchOptions(script="t.py", script_args=("--deepspeed_config", "cfg.json", "--lr", "1"),
+                                  num_gpus=2, max_restarts=3, log_dir="/logs"), Settings("run"), {})
+    (tmp_path / "autotuning_results").mkdir()
+    (tmp_path / "autotuning_results" / "ds_config_optimal.json").write_text("{}")
+    # the training command after tuning keeps the options a trial leaves out
+    assert tuning.optimal_command() == ["dslaunch", "--num_gpus", "2", "--log_dir", "/logs", "--max_restarts", "3",
+                                        "t.py", "--deepspeed_config", "autotuning_results/ds_config_optimal.json",
+                                        "--lr", "1"]
 
 
 def test_outcomes_are_classified_with_one_line():
@@ -252,3 +264,19 @@ def test_the_variable_names_match_the_runtimes():
     from dslaunch.runtime import autotuning
 
     assert (trial.TRIAL_DIR_VAR, trial.TRIAL_STEPS_VAR) == (autotuning.TRIAL_DIR_VAR, autotuning.TRIAL_STEPS_VAR)
+
+
+def test_the_tuner_never_imports_torch(tmp_path):
+    """The launcher's side reads configs and plans trials without torch (start-up stays fast)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "cfg.json").write_text(json.dumps({"autotuning": {"metric": "latency"}}))
+    probe = ("import sys\n"
+             "from dslaunch.launcher.autotune import driver, worker\n"
+             "from dslaunch.launcher.options import LaunchOptions\n"
+             "t = driver.Tuning(LaunchOptions(script='t.py', script_args=('--deepspeed_config', 'cfg.json')),\n"
+             "                  driver.Settings('tune'), {})\n"
+             "print(t.at.metric, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["latency", "False"], out.stderr

@@ -29,7 +29,8 @@ from dslaunch.launcher.autotune.config import AutotuningConfig, load_user_config
 from dslaunch.launcher.autotune.memory import ModelInfo, Precision, mib, predict_bytes
 from dslaunch.launcher.autotune.ranking import NOT_TRIED, OK, PRUNED, TrialRecord
 from dslaunch.launcher.autotune.space import Candidate, build_space, spread, stages_of
-from dslaunch.launcher.autotune.trial import Outcome, TrialLauncher, config_arg, mapped_values, with_config
+from dslaunch.launcher.autotune.trial import (Outcome, TrialLauncher, config_arg, launcher_argv, mapped_values,
+                                              with_config)
 from dslaunch.launcher.autotune.tuners import TUNERS, EarlyStopping
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.options import LaunchOptions
@@ -210,10 +211,9 @@ class Tuning:
         return with_config(self.opts.script_args, str(path), mapped_values(self.at.arg_mappings, cfg))
 
     def optimal_command(self) -> List[str]:
-        from dslaunch.launcher.autotune.trial import launcher_argv
-
         target = ["--module", self.opts.script] if self.opts.module else [self.opts.script]
-        return ["dslaunch", *launcher_argv(self.opts), *target, *self.optimal_args()]
+        keep = launcher_argv(self.opts, skip={"script", "script_args", "dry_run", "json"})
+        return ["dslaunch", *keep, *target, *self.optimal_args()]
 
 
 def autotune(opts: LaunchOptions, settings: Settings) -> int:

@@ -11,7 +11,6 @@ is their aggregate: the slowest rank's throughput and latency, the largest memor
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import signal
@@ -88,13 +87,14 @@ def mapped_values(arg_mappings: Mapping[str, str], ds_config: Mapping[str, Any],
     return out
 
 
-def launcher_argv(opts: LaunchOptions) -> List[str]:
-    """The user's launcher options, as `dslaunch` options, for a trial (see NOT_FOR_TRIALS)."""
+def launcher_argv(opts: LaunchOptions, skip=NOT_FOR_TRIALS) -> List[str]:
+    """The user's launcher options as `dslaunch` options, less those in `skip` (a trial's:
+    NOT_FOR_TRIALS; the training command after tuning keeps --log_dir, --max_restarts...)."""
     default = LaunchOptions(script="x")
     argv: List[str] = []
     for f in fields(LaunchOptions):
         value = getattr(opts, f.name)
-        if f.name in NOT_FOR_TRIALS or value == getattr(default, f.name):
+        if f.name in skip or value == getattr(default, f.name):
             continue
         flag = "--" + f.name
         if isinstance(value, bool):
