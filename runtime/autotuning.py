@@ -4,7 +4,7 @@ A trial is the user's own script launched with a generated config and two variab
 (set by dslaunch.launcher.autotune.trial; names shared with it):
 DSLAUNCH_TRIAL_DIR, where each rank writes metrics_rank<N>.json, and DSLAUNCH_TRIAL_STEPS
 "start:end", DeepSpeed's start_profile_step and end_profile_step. The steps after
-`start` up to `end` are timed; the forward passes of those steps are watched with
+`start` up to `end` are timed; the forward passes of the step before them are watched with
 autograd's saved-tensor hooks, so the activation bytes are measured rather than guessed.
 
 How the trial stops: when step `end` completes, engine.step() raises TrialComplete. It
@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -40,9 +41,12 @@ class TrialComplete(BaseException):
 def _live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process (CPU or device)."""
     seen, total = set(), 0
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module objects warns
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
         try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            if obj.is_meta:
                 continue
             storage = obj.untyped_storage()
             key = (storage.device, storage.data_ptr())
@@ -69,7 +73,7 @@ class TrialProbe:
 
     def __init__(self, engine, out_dir: str, start: int, end: int):
         self.engine, self.out_dir, self.start, self.end = engine, Path(out_dir), start, end
-        self.t0: Optional[float] = None
+        self.t0: Optional[float] = time.perf_counter() if start == 0 else None  # start 0: from initialize()
         self.peak_saved = 0  # the most bytes one forward saved for backward
         self._params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
         self._baseline = 0  # set by the engine: see baseline()
@@ -95,7 +99,9 @@ class TrialProbe:
         return probe
 
     def _measuring(self) -> bool:
-        return self.start <= self.engine.global_steps < self.end
+        # the activations of one step: the last one before the timed steps, so that the hooks
+        # cost them nothing (the first timed one when start_profile_step is 0)
+        return self.engine.global_steps == max(0, self.start - 1)
 
     @contextlib.contextmanager
     def forward(self):
@@ -131,9 +137,11 @@ class TrialProbe:
             self.t0 = time.perf_counter()
             if self.engine.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.engine.device)
-        elif steps == self.end:
-            self._sync()
-            self.write(time.perf_counter() - self.t0)
+        elif steps >= self.end:
+            if steps == self.end:
+                self._sync()
+                self.write(time.perf_counter() - self.t0)
+            # again at every later step, should a bare `except:` in the script have caught it
             raise TrialComplete(f"autotuning trial measured steps {self.start + 1}-{self.end}")
 
     def write(self, elapsed: float) -> None:

@@ -280,3 +280,50 @@ def test_the_tuner_never_imports_torch(tmp_path):
              "print(t.at.metric, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["latency", "False"], out.stderr
+
+
+PROBE_JOB = """
+import torch, dslaunch.runtime as deepspeed
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+    "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def train(n):
+    for _ in range(n):
+        loss = engine(torch.randn(4, 8)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+try:
+    train(10)
+except:  # noqa: E722  a bare except catches the stop...
+    print("caught at step", engine.global_steps, flush=True)
+train(10)  # ...and the script goes on: its next step stops it again
+print("not reached")
+"""
+
+
+def test_the_engine_stops_a_trial_after_end_profile_step(tmp_path):
+    """One process, no launcher: the probe times steps 1-2 (start 0), measures the activations,
+    writes its metrics and stops the script; the wrapper exits 0."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "job.py").write_text(PROBE_JOB)
+    env = dict(os.environ, DSLAUNCH_TRIAL_DIR=str(tmp_path / "out"), DSLAUNCH_TRIAL_STEPS="0:2")
+    r = subprocess.run([sys.executable, "-m", "dslaunch.launcher.autotune.worker", str(tmp_path / "job.py")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "caught at step 2" in r.stdout and "not reached" not in r.stdout
+    m = json.loads((tmp_path / "out" / "metrics_rank0.json").read_text())
+    assert (m["steps"], m["dp"], m["params"], m["micro_batch"], m["train_batch_size"]) == (2, 1, 8 * 32 + 32 + 32 * 8 + 8,
+                                                                                          4, 4)
+    # saved for backward inside the engine's forward, per sample: the input (8 floats) and tanh's
+    # output (32 floats; the second Linear saves that same tensor); the weights are not activations
+    assert m["activation_bytes_per_sample"] == (8 + 32) * 4
+    # measured on the CPU: parameters and gradients (SGD keeps no state) plus one step's activations
+    assert m["measured_bytes"] >= 552 * 4 * 2 + 4 * 160
+    assert m["throughput"] == pytest.approx(8 / m["elapsed_s"])
