@@ -47,7 +47,6 @@ HINTS = {
 
 # DeepSpeed options dslaunch refuses rather than accept and ignore: param name -> why
 REFUSED = {
-    "autotuning": "--autotuning: dslaunch has no autotuner yet; tune the config by hand and launch without it",
     "elastic_training": "--elastic_training: not supported; dslaunch restarts the whole job on the same nodes "
                         "(--max_restarts N), it does not change the number of nodes",
     "min_elastic_nodes": "--min_elastic_nodes: not supported (no --elastic_training)",
@@ -189,8 +188,15 @@ class _LaunchCommand(click.Command):
 @option("--skip_check", "--no_ssh_check", is_flag=True, default=False, help="Skip the preflight check before a multi-node launch.")
 @option("--heartbeat_timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, show_default=True,
         help="Seconds of silence after which the head declares a host lost and an agent its head.")
+# -- autotuning (docs/autotuning.md)
+@option("--autotuning", type=click.Choice(["tune", "run"]), default=None,
+        help="tune: try configurations from the config's `autotuning` section and write the results; "
+             "run: tune, then train with the best.")
+@option("--autotuning_budget", type=float, default=None,
+        help="With --autotuning: seconds the trials may take in all (default 3600).")
+@option("--autotuning_memory_limit", type=str, default=None,
+        help="With --autotuning: bytes one rank may use, e.g. 2GiB (default: measured free memory).")
 # -- DeepSpeed options refused (see REFUSED)
-@option("--autotuning", type=click.Choice(["tune", "run"]), default=None, help="Refused: no autotuner yet.")
 @option("--elastic_training", is_flag=True, default=False, help="Refused: the node count is fixed.")
 @option("--min_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
 @option("--max_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
@@ -210,12 +216,31 @@ def launch(**params) -> int:
         for name, why in REFUSED.items():
             if params.pop(name) not in (None, False):
                 raise LaunchConfigError(why)
+        tuning = {k: params.pop(k) for k in ("autotuning", "autotuning_budget", "autotuning_memory_limit")}
         if params.pop("standalone"):
             if params["hostfile"]:
                 raise LaunchConfigError("--standalone means this machine only: drop it or --hostfile")
             if params["master_port"] is None:
                 params["master_port"] = 0
+        if tuning["autotuning"] is not None:
+            return _autotune(tuning, LaunchOptions(**params))
+        for name in ("autotuning_budget", "autotuning_memory_limit"):
+            if tuning[name] is not None:
+                raise LaunchConfigError(f"--{name} needs --autotuning tune|run")
         return run_launch(LaunchOptions(**params))
     except LaunchConfigError as e:
         click.echo(f"dslaunch: error: {e}", err=True)
         return e.exit_code
+
+
+def _autotune(tuning, opts) -> int:
+    from dslaunch.launcher.autotune.driver import DEFAULT_BUDGET_S, Settings, autotune
+    from dslaunch.launcher.autotune.memory import parse_bytes
+    from dslaunch.launcher.options import check_seconds
+
+    budget = tuning["autotuning_budget"]
+    if budget is None:
+        budget = DEFAULT_BUDGET_S
+    check_seconds("--autotuning_budget", budget, allow_min=False)
+    limit = tuning["autotuning_memory_limit"]
+    return autotune(opts, Settings(tuning["autotuning"], budget, None if limit is None else parse_bytes(limit)))

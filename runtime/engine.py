@@ -14,6 +14,7 @@ the name DeepSpeed's engine gives it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Dict, Optional
 
@@ -32,6 +33,7 @@ from .optimizer_policy import check_optimizer
 from .precision import cast_floating, explain_dtype_error, forward_context
 from .profiling.step import StepProfiler
 from .activation_checkpointing import checkpointing
+from .autotuning import TrialProbe
 from .monitor import StepMeter, build_monitor
 from .monitor import report
 from .monitor.sink import TRAIN_LOSS
@@ -87,6 +89,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if mesh_device is not None:
             raise ConfigError("DeepSpeedEngine: mesh_device is not supported; the engine builds its mesh from the "
                               "config and mpu (dslaunch.runtime.parallel)")
+        trial_baseline = TrialProbe.baseline(model)  # under `dslaunch --autotuning` only
         source = config_class if config_class is not None else _config_source(args, config, config_params)
         source, self._given_tp_group = _with_tp_model_init(source, mpu)
         self.config = DeepSpeedConfig.load(source)
@@ -157,6 +160,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
         self._setup_reporting()
+        # under `dslaunch --autotuning`: measure this trial's profile steps, then stop it cleanly
+        self._trial = TrialProbe.from_env(self, trial_baseline)
         # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
         checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
         self._compiled_with: Optional[Dict[str, Any]] = None
@@ -356,7 +361,8 @@ class DeepSpeedEngine(torch.nn.Module):
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         try:
             with self._meter.timed("forward"), self._flops.forward(self.global_steps), \
-                    forward_context(self.config, self.device):
+                    forward_context(self.config, self.device), \
+                    (self._trial.forward() if self._trial is not None else contextlib.nullcontext()):
                 out = self.module(*args, **kwargs)
         except RuntimeError as exc:
             explain_dtype_error(exc, self.compute_dtype, args, kwargs)
@@ -411,6 +417,8 @@ class DeepSpeedEngine(torch.nn.Module):
                               * self.batch.gradient_accumulation_steps, report.parallel_sizes(self))
         if self._nonfinite is not None:
             self._nonfinite.check(self.global_steps)  # the same decision on every rank: the norm is global
+        if self._trial is not None:
+            self._trial.step_done()  # raises TrialComplete after end_profile_step
 
     def _boundary_step(self, lr_kwargs: Dict[str, Any], reduced: bool = False) -> None:
         """Reduce (unless the caller already did), clip, step, zero; count the step."""

@@ -121,7 +121,8 @@ class DeepSpeedConfig:
     checkpoint: CheckpointConfig = supported(factory=CheckpointConfig, note="")
     datastates_ckpt: Any = refused("DataStates asynchronous checkpointing is not supported; remove it", None)
     # -- not supported -------------------------------------------------------------------
-    autotuning: Any = refused("autotuning is not supported; remove it", disabled)
+    autotuning: Any = refused("read by `dslaunch --autotuning tune|run`, not by the engine: launch with that "
+                              "option, or remove the section (the tuned ds_config_optimal.json has none)", disabled)
     aio: Any = refused("libaio tuning is not supported (NVMe offload uses plain file reads and writes on "
                        "threads); remove it", disabled)
     weight_quantization: Any = refused("weight quantization for training is not supported; remove it", None)

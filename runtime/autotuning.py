@@ -1,0 +1,174 @@
+"""The runtime's side of `dslaunch --autotuning`: measure a trial, then stop it cleanly.
+
+A trial is the user's own script launched with a generated config and two variables
+(set by dslaunch.launcher.autotune.trial; names shared with it):
+DSLAUNCH_TRIAL_DIR, where each rank writes metrics_rank<N>.json, and DSLAUNCH_TRIAL_STEPS
+"start:end", DeepSpeed's start_profile_step and end_profile_step. The steps after
+`start` up to `end` are timed; the forward passes of the step before them are watched with
+autograd's saved-tensor hooks, so the activation bytes are measured rather than guessed.
+
+How the trial stops: when step `end` completes, engine.step() raises TrialComplete. It
+derives from BaseException, not Exception, for the reason SystemExit and
+KeyboardInterrupt do: training loops (the Hugging Face Trainer's among them) catch
+Exception to log or retry, and must not swallow a stop. `finally` blocks and context
+managers still run, so the script unwinds as it would on Ctrl-C, with no exit() in the
+middle of user code; the trial wrapper (launcher/autotune/worker.py) catches it at the
+top and the process ends normally (exit 0, the runtime's orderly shutdown at exit). A
+flag the loop would have to poll was the alternative: no existing training loop reads
+one, so every trial would run the script's whole training.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+TRIAL_DIR_VAR = "DSLAUNCH_TRIAL_DIR"  # launcher/autotune/trial.py TRIAL_DIR_VAR
+TRIAL_STEPS_VAR = "DSLAUNCH_TRIAL_STEPS"  # launcher/autotune/trial.py TRIAL_STEPS_VAR
+
+
+class TrialComplete(BaseException):
+    """The autotuning trial measured what it needed: unwind the script and exit 0."""
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (CPU or device)."""
+    seen, total = set(), 0
+    with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module objects warns
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        try:
+            if obj.is_meta:
+                continue
+            storage = obj.untyped_storage()
+            key = (storage.device, storage.data_ptr())
+        except Exception:  # sparse, functional or otherwise storage-less tensors
+            continue
+        if key not in seen and storage.data_ptr():
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _host_available() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class TrialProbe:
+    """Times steps start..end, measures activations and memory, writes the metrics, stops."""
+
+    def __init__(self, engine, out_dir: str, start: int, end: int):
+        self.engine, self.out_dir, self.start, self.end = engine, Path(out_dir), start, end
+        self.t0: Optional[float] = time.perf_counter() if start == 0 else None  # start 0: from initialize()
+        self.peak_saved = 0  # the most bytes one forward saved for backward
+        self._params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+        self._baseline = 0  # set by the engine: see baseline()
+
+    @staticmethod
+    def baseline(model) -> Optional[int]:
+        """Under a trial, at the start of initialize(): the bytes of the tensors the script
+        holds apart from the model (its data set, often), which are not the configuration's
+        memory and are left out of the measured bytes. None when not a trial."""
+        if not os.environ.get(TRIAL_DIR_VAR) or torch.cuda.is_available():
+            return None  # (on a GPU the device's own peak allocation is measured instead)
+        params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        return _live_tensor_bytes() - sum(params.values())
+
+    @classmethod
+    def from_env(cls, engine, baseline: Optional[int] = None) -> Optional["TrialProbe"]:
+        out = os.environ.get(TRIAL_DIR_VAR)
+        if not out:
+            return None
+        start, _, end = os.environ.get(TRIAL_STEPS_VAR, "").partition(":")
+        probe = cls(engine, out, int(start), int(end))
+        probe._baseline = baseline or 0
+        return probe
+
+    def _measuring(self) -> bool:
+        # the activations of one step: the last one before the timed steps, so that the hooks
+        # cost them nothing (the first timed one when start_profile_step is 0)
+        return self.engine.global_steps == max(0, self.start - 1)
+
+    @contextlib.contextmanager
+    def forward(self):
+        if not self._measuring():
+            yield
+            return
+        saved = [0]
+        seen = set()
+
+        def pack(t):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:
+                return t
+            if ptr not in self._params and ptr not in seen:  # weights are model state, not activations
+                seen.add(ptr)
+                saved[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.peak_saved = max(self.peak_saved, saved[0])
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def step_done(self) -> None:
+        """After each optimizer step: start the clock at `start`, finish at `end`."""
+        steps = self.engine.global_steps
+        if steps == self.start:
+            self._sync()
+            self.t0 = time.perf_counter()
+            if self.engine.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.engine.device)
+        elif steps >= self.end:
+            if steps == self.end:
+                self._sync()
+                self.write(time.perf_counter() - self.t0)
+            # again at every later step, should a bare `except:` in the script have caught it
+            raise TrialComplete(f"autotuning trial measured steps {self.start + 1}-{self.end}")
+
+    def write(self, elapsed: float) -> None:
+        e = self.engine
+        steps = self.end - self.start
+        b = e.batch
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in e.module.parameters())
+        cuda = e.device.type == "cuda"
+        if cuda:
+            free, _total = torch.cuda.mem_get_info(e.device)
+            limit = free + torch.cuda.memory_reserved(e.device)
+            measured = torch.cuda.max_memory_allocated(e.device)
+        else:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            available = _host_available()
+            limit = None if available is None else available // max(1, local)
+            measured = _live_tensor_bytes() - self._baseline + self.peak_saved
+        metrics = {
+            "rank": e.global_rank, "steps": steps, "elapsed_s": elapsed,
+            "throughput": b.train_batch_size * steps / elapsed, "latency": elapsed / steps,
+            "train_batch_size": b.train_batch_size, "micro_batch": b.micro_batch_per_gpu,
+            "gradient_accumulation_steps": b.gradient_accumulation_steps, "zero_stage": e.zero_optimization_stage(),
+            "dp": e.dp_world_size, "params": params,
+            "activation_bytes_per_sample": self.peak_saved / b.micro_batch_per_gpu,
+            "measured_bytes": measured, "memory_limit_bytes": limit, "device": e.device.type,
+        }
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.out_dir / f".metrics_rank{e.global_rank}.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=1))
+        tmp.replace(self.out_dir / f"metrics_rank{e.global_rank}.json")

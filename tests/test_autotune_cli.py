@@ -1,0 +1,147 @@
+"""`dslaunch --autotuning tune|run` end to end: 2 CPU ranks, a tiny model, a handful of trials.
+
+One tuning run (module fixture) covers the whole story: the profile trial, the memory
+model pruning configurations before any launch (--autotuning_memory_limit), one trial
+made to crash and one made to hang (caught by the collective watchdog), both recorded
+while tuning goes on, the results folder, and the summary. `run` then reuses those
+results (overwrite false) and trains with ds_config_optimal.json and the script's own
+arguments.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dslaunch.launcher.cli import launch
+
+JOB = str(Path(__file__).with_name("workers") / "autotune_job.py")
+DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
+# With this limit the memory model (ZeRO formulas + measured activations of the job's
+# model: 33088 fp32 parameters with Adam, 36 KiB of activations per sample, 2 ranks)
+# prunes stage 0 from micro-batch 4 up and stage 1 at micro-batch 8.
+LIMIT = 650_000
+AUTOTUNING = {"enabled": True, "start_profile_step": 1, "end_profile_step": 3, "max_train_batch_size": 16,
+              "num_tuning_micro_batch_sizes": 2, "arg_mappings": {"train_micro_batch_size_per_gpu": "--batch"}}
+JOB_ARGS = ["--batch", "1", "--crash", "1:1", "--hang", "1:4"]
+
+
+def write_config(folder: Path, **autotuning) -> str:
+    cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": [0, 1]},
+           "comms_timeout": 3, "steps_per_print": 1000, "autotuning": {**AUTOTUNING, **autotuning}}
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    return "cfg.json"
+
+
+def dslaunch(args, cwd):
+    return subprocess.run([*DSLAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("autotune")
+    cfg = write_config(folder)
+    r = dslaunch(["--autotuning", "tune", "--num_gpus", "2", "--autotuning_memory_limit", str(LIMIT), JOB,
+                  "--deepspeed_config", cfg, *JOB_ARGS], folder)
+    assert r.returncode == 0, r.stderr
+    return folder, r
+
+
+def rows(summary: str):
+    """experiment name -> its line of summary.txt."""
+    return {ln.split()[1]: ln for ln in summary.splitlines()[5:] if ln.strip()}
+
+
+def test_tune_ranks_every_configuration_and_says_why(tuned):
+    folder, r = tuned
+    results = folder / "autotuning_results"
+    table = rows((results / "summary.txt").read_text())
+    assert set(table) == {"z0_mbs1_gas1", "z0_mbs2_gas1", "z0_mbs4_gas1", "z0_mbs8_gas1", "z1_mbs1_gas1",
+                          "z1_mbs2_gas1", "z1_mbs4_gas1", "z1_mbs8_gas1"}
+    ran = {name: json.loads((results / name / "metrics.json").read_text())
+           for name in ("z0_mbs1_gas1", "z0_mbs2_gas1")}
+    best = max(ran, key=lambda n: ran[n]["throughput"])
+    loser = min(ran, key=lambda n: ran[n]["throughput"])
+    assert "best: highest throughput" in table[best] and f"less throughput than {best}" in table[loser]
+    assert json.loads((results / "ds_config_optimal.json").read_text()) == \
+        json.loads((results / best / "ds_config.json").read_text())
+    assert table["z1_mbs1_gas1"].endswith("crashed: exit code 1: RuntimeError: injected crash at stage 1 "
+                                          "micro-batch 1")
+    assert "hung: " in table["z1_mbs4_gas1"] and "collective watchdog" in table["z1_mbs4_gas1"]
+    for name in ("z0_mbs4_gas1", "z0_mbs8_gas1", "z1_mbs8_gas1"):
+        assert "pruned, not launched: predicted" in table[name] and "> limit 634.8 KiB per rank" in table[name]
+        assert not (results / name).exists()
+    assert "not tried: not sampled (num_tuning_micro_batch_sizes 2)" in table["z1_mbs2_gas1"]
+    assert "[4 done, 0 left]" in r.stderr and f"best so far {best}" in r.stderr
+
+
+def test_each_trial_is_a_real_launch_that_stops_cleanly_and_is_measured(tuned):
+    folder, _ = tuned
+    results = folder / "autotuning_results"
+    for name in ("z0_mbs1_gas1", "z0_mbs2_gas1"):
+        exp = results / name
+        assert {"ds_config.json", "cmd.txt", "metrics.json", "stdout.log", "stderr.log"} <= \
+            {p.name for p in exp.iterdir()}
+        out = (exp / "stdout.log").read_text()
+        # the script unwound through its `finally` on both ranks: a clean stop, not exit()
+        assert "cleanup ran on rank 0" in out and "cleanup ran on rank 1" in out and "swallowed" not in out
+        m = json.loads((exp / "metrics.json").read_text())
+        assert m["ranks"] == 2 and m["steps"] == 2 and m["dp"] == 2 and m["throughput"] > 0
+        cmd = (exp / "cmd.txt").read_text()
+        assert "dslaunch --num_gpus 2" in cmd and f"--deepspeed_config {exp}/ds_config.json" in cmd
+        assert f"--batch {m['micro_batch']}" in cmd
+        # the memory model against what the trial measured (live tensors + saved activations)
+        line = rows((results / "summary.txt").read_text())[name]
+        predicted, measured = [float(line.split()[i]) for i in (3, 5)]
+        assert 0.8 < measured / predicted < 1.25, line
+    assert (folder / "autotuning_exps" / "z1_mbs1_gas1.json").is_file()
+
+
+def test_run_trains_with_the_best_configuration_and_the_scripts_own_arguments(tuned, tmp_path):
+    folder, _ = tuned
+    write_config(folder, overwrite=False)  # reuse every outcome: no trial runs again
+    r = dslaunch(["--autotuning", "run", "--num_gpus", "2", "--autotuning_memory_limit", str(LIMIT), JOB,
+                  "--deepspeed_config", "cfg.json", *JOB_ARGS, "--steps", "7", "--out", str(tmp_path / "trained.json")],
+                 folder)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("reusing its earlier outcome") == 5
+    optimal = json.loads((folder / "autotuning_results" / "ds_config_optimal.json").read_text())
+    trained = json.loads((tmp_path / "trained.json").read_text())
+    assert trained == {"stage": optimal["zero_optimization"]["stage"],
+                       "micro_batch": optimal["train_micro_batch_size_per_gpu"], "gas": 1, "steps": 7}
+
+
+@pytest.mark.parametrize("config, extra, message", [
+    ({}, ["--no_python"], "--autotuning needs a Python script"),
+    ({"autotuning": {"enabled": False}}, [], "cfg.json: autotuning.enabled is false; set it true to tune"),
+    ({"autotuning": {"metric": "flops"}}, [], "autotuning.metric: 'flops'"),
+    ({"zero_optimization": {"stage": 5}}, [], "zero_optimization.stage: 5"),
+])
+def test_bad_requests_are_one_line(tmp_path, monkeypatch, config, extra, message):
+    monkeypatch.chdir(tmp_path)  # nothing may start, but if it did, its results stay here
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    (tmp_path / "t.py").write_text("")
+    result = CliRunner().invoke(launch, ["--autotuning", "tune", *extra, str(tmp_path / "t.py"), "--deepspeed_config",
+                                         str(tmp_path / "cfg.json")], prog_name="dslaunch")
+    assert result.exit_code == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1, \
+        result.stderr
+    assert not (tmp_path / "autotuning_results").exists()  # refused before any trial
+
+
+def test_a_script_without_a_config_argument_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(launch, ["--autotuning", "tune", "t.py", "--lr", "1"], prog_name="dslaunch")
+    assert result.exit_code == 2 and "the script's arguments name no config" in result.stderr
+
+
+def test_a_trial_over_the_budget_is_stopped(tmp_path):
+    cfg = write_config(tmp_path)
+    r = dslaunch(["--autotuning", "tune", "--num_gpus", "2", "--autotuning_budget", "1", "--kill_grace", "1", JOB,
+                  "--deepspeed_config", cfg, *JOB_ARGS], tmp_path)
+    assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith(
+        "dslaunch: error: the profile trial timed out: stopped after "), r.stderr
+    assert "the --autotuning_budget ran out" in r.stderr
+    outcome = json.loads((tmp_path / "autotuning_results" / "profile_model_info" / "outcome.json").read_text())
+    assert outcome["status"] == "timed out"
