@@ -211,11 +211,20 @@ class DeepSpeedEngine(torch.nn.Module):
         return optimizer, model_parameters
 
     def _make_mesh(self, model, mpu):
+        from .moe.utils import expert_parallel_size
+
         try:
-            return mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
-                                        tensor=self.config.tensor_parallel.size)
+            expert = expert_parallel_size(model)
+            mesh = mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
+                                        tensor=self.config.tensor_parallel.size, expert=expert)
         except mesh_select.MeshError as exc:
             raise ConfigError(str(exc)) from None
+        if expert > 1:
+            from .moe.utils import moe_layers
+
+            for layer in moe_layers(model):
+                layer.set_expert_group(mesh.group("expert"))
+        return mesh
 
     def _setup_reporting(self) -> None:
         # Rank 0 reports through one Monitor: the progress line plus the configured monitors.
@@ -261,25 +270,39 @@ class DeepSpeedEngine(torch.nn.Module):
     def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
         # Replicas may have initialised differently (different seeds): the first rank of
         # each data-parallel group wins (other stages and tensor slices hold other weights).
+        # Experts differ across the expert axis: each is broadcast over its replicas
+        # (expert_data) from the first of them, as DeepSpeed does.
         if self.dp_world_size > 1 and comm.is_initialized():
+            from .moe.utils import is_moe_param
+
             src = mesh_select.first_data_rank(self.mesh)
             with torch.no_grad():
                 for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                    if is_moe_param(t) and self.mesh.size("expert") > 1:
+                        if self.mesh.size("expert_data") > 1:
+                            comm.broadcast(t.data, src=self.mesh.ranks("expert_data")[0],
+                                           group=self.mesh.group("expert_data"), label=f"initial expert {name}")
+                        continue
                     comm.broadcast(t.data, src=src, group=self.dp_group, label=f"initial {name}")
 
     def _make_optimizer(self, optimizer, model_parameters, model):
         if optimizer is not None and self.config.optimizer is not None:
             raise ConfigError("optimizer: given both as initialize(optimizer=...) and in the config; pass one")
         params = model_parameters if model_parameters is not None else model.parameters()
+        from .moe import utils as moe_utils
+
         if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
+            return moe_utils.check_moe_param_groups(optimizer, model)
         if callable(optimizer):
-            return optimizer(params)
+            return moe_utils.check_moe_param_groups(optimizer(params), model)
         if self.config.optimizer is None:
             if self.config.zero.stage == 3:
                 return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
             raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
-        return build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device))
+        if moe_utils.moe_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
+            params = moe_utils.configure_moe_param_groups(list(params))
+        return moe_utils.check_moe_param_groups(
+            build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device)), model)
 
     def _make_scheduler(self, lr_scheduler):
         if self.optimizer is None:  # forward only: nothing to schedule (DeepSpeed builds none either)

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .layer import MoE
+from .layer import MoE, MoEError
 
 ParamGroups = Union[Dict[str, Any], Tuple[Dict[str, Any], ...], List[Dict[str, Any]]]
 
@@ -32,6 +32,34 @@ def has_moe_layers(model: nn.Module) -> Tuple[bool, int]:
 
 def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def expert_parallel_size(model: nn.Module) -> int:
+    """The ep_size of the model's MoE layers (1 without any); one line when they differ
+    (one expert-parallel layout per engine here)."""
+    sizes = sorted({m.ep_size for m in moe_layers(model)})
+    if len(sizes) > 1:
+        raise MoEError(f"MoE: layers with different ep_size {sizes} in one model are not supported; give every "
+                       "MoE layer the same ep_size")
+    return sizes[0] if sizes else 1
+
+
+def check_moe_param_groups(optimizer, model: nn.Module):
+    """`optimizer` itself, once its param groups are right for expert parallelism: with
+    ep_size > 1 every expert parameter must be in a `"moe": True` group (its gradient is
+    reduced over the replicas of its expert, not over every rank) and a moe group must hold
+    expert parameters only. One line otherwise."""
+    if optimizer is None or expert_parallel_size(model) == 1:
+        return optimizer
+    for g in optimizer.param_groups:
+        moe = bool(g.get("moe", False))
+        for p in g["params"]:
+            if is_moe_param(p) != moe:
+                what = "an expert parameter is in a param group without \"moe\": True" if not moe else \
+                    "a \"moe\": True param group holds a non-expert parameter"
+                raise MoEError(f"optimizer: {what}; build the groups with deepspeed.moe.utils."
+                               "split_params_into_different_moe_groups_for_optimizer")
+    return optimizer
 
 
 def split_params_into_shared_and_expert_params(params: Sequence[nn.Parameter]):
