@@ -12,6 +12,8 @@ use_rts=False), dense layer; MSE + 0.01 x aux loss; AdamW; 4 steps. Here it runs
 
 Every run's losses equal DeepSpeed's for the same case and the one-process run's (1e-5),
 and the tokens routed to each expert, summed over ranks, equal the one process's exactly.
+What expert parallelism does not do here (ep_size not dividing the world, ZeRO-3, an
+optimizer without moe groups, checkpoints) is one line each.
 """
 import importlib.util
 import json
@@ -41,7 +43,47 @@ def _worker(names):
     from deepspeed.moe import layer  # the compatibility package's name for dslaunch.runtime.moe.layer
 
     assert layer.MoE.__module__ == "dslaunch.runtime.moe.layer"
-    return {n: fx.train(deepspeed, layer, fx.TRAINING_CASES[n], dist.get_rank()) for n in names}
+    out = {n: fx.train(deepspeed, layer, fx.TRAINING_CASES[n], dist.get_rank()) for n in names}
+    if dist.get_world_size() == 2:
+        out["refusals"] = _refusals(deepspeed, layer)
+    return out
+
+
+def _refusals(deepspeed, layer):
+    """The one-line errors of what expert parallelism does not do here (2 ranks)."""
+    import torch
+
+    from dslaunch.runtime.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    def attempt(ep=2, num_experts=4, stage=0, optimizer=None, save=False):
+        model = fx.make_model(layer, ep, 0, 1) if num_experts == 4 else torch.nn.Sequential(
+            layer.MoE(fx.H, torch.nn.Linear(fx.H, fx.H), num_experts=num_experts, ep_size=ep))
+        job = dict(world=2, ep=ep, stage=stage, k=1, gas=1)
+        cfg = fx.config(job)
+        if optimizer is not None:
+            cfg.pop("optimizer")
+            optimizer = optimizer(model)
+        try:
+            engine = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+                                          model_parameters=None if optimizer else list(model.parameters()))[0]
+            if save:
+                engine.save_checkpoint(save)
+        except deepspeed.ConfigError as exc:
+            return str(exc)
+        return None
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return {
+            "ep_not_dividing_world": attempt(ep=4),
+            "zero3": attempt(stage=3),
+            "optimizer_without_moe_group": attempt(optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+            "optimizer_with_moe_group": attempt(optimizer=lambda m: torch.optim.SGD(
+                split_params_into_different_moe_groups_for_optimizer({"params": list(m.parameters()), "name": "d"}),
+                lr=0.1)),
+            "checkpoint": attempt(save=os.path.join(tmp, "ckpt")),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +92,7 @@ def runs():
     for world, names in BY_WORLD.items():
         out.update(run_function(_worker, nprocs=world, kwargs={"names": names}, timeout=240,
                                 env=COMPAT_ENV)[0])
+    assert "refusals" in out
     return out
 
 
@@ -67,3 +110,16 @@ def test_expert_parallel_equals_one_process_holding_every_expert(runs, name):
     one = runs[fx.ONE_PROCESS[name]]
     assert runs[name]["losses"] == pytest.approx(one["losses"], abs=TOL), name
     assert runs[name]["counts"] == one["counts"], name
+
+
+@pytest.mark.timeout(600)
+def test_what_expert_parallelism_does_not_do_is_one_line(runs):
+    got = runs["refusals"]
+    assert got["ep_not_dividing_world"] == "MoE ep_size 4 does not divide the data-parallel size 2 (the world)"
+    assert got["zero3"].startswith("ZeRO stage 3: a param group reduces over the 'expert_data' axis")
+    assert got["optimizer_without_moe_group"] == (
+        "optimizer: an expert parameter is in a param group without \"moe\": True; build the groups with "
+        "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer")
+    assert got["optimizer_with_moe_group"] is None
+    assert got["checkpoint"].startswith("checkpoint: a param group reduces over the 'expert_data' axis")
+    assert all("\n" not in v for v in got.values() if v)

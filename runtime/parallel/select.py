@@ -53,7 +53,10 @@ def _expert_mesh(model, mpu, world_size: int, distributed: bool, tensor: int, ex
     if tensor > 1:
         raise MeshError(f"MoE ep_size {expert}: expert parallelism with tensor_parallel.autotp_size {tensor} is not "
                         "supported")
-    dims = MeshDims.for_world(world_size if distributed else 1, expert=expert)
+    world = world_size if distributed else 1
+    if world % expert:
+        raise MeshError(f"MoE ep_size {expert} does not divide the data-parallel size {world} (the world)")
+    dims = MeshDims.for_world(world, expert=expert)
     return PipelineParallelGrid(topology_for(dims), expert=expert)
 
 
