@@ -219,6 +219,7 @@ class DeepSpeedEngine(torch.nn.Module):
                                         tensor=self.config.tensor_parallel.size, expert=expert)
         except mesh_select.MeshError as exc:
             raise ConfigError(str(exc)) from None
+        self.expert_parallel_size = expert
         if expert > 1:
             from .moe.utils import moe_layers
 
@@ -278,7 +279,7 @@ class DeepSpeedEngine(torch.nn.Module):
             src = mesh_select.first_data_rank(self.mesh)
             with torch.no_grad():
                 for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-                    if is_moe_param(t) and self.mesh.size("expert") > 1:
+                    if is_moe_param(t) and self.expert_parallel_size > 1:
                         if self.mesh.size("expert_data") > 1:
                             comm.broadcast(t.data, src=self.mesh.ranks("expert_data")[0],
                                            group=self.mesh.group("expert_data"), label=f"initial expert {name}")
