@@ -9,8 +9,12 @@ use_rts=False), dense layer; MSE + 0.01 x aux loss; AdamW; 4 steps. Here it runs
     2 ranks: ep 1 ZeRO 0; ep 2 ZeRO 0 and 2; ep 2 top-2 (no second-expert sampling) ZeRO 0
     4 ranks: ep 2 x expert-data-parallel 2, ZeRO 1
     1 rank:  all 4 experts, the per-rank batches as gradient-accumulation micro-batches
+    and with gradient clipping (the global norm counts every expert once): ep 2 ZeRO 0 and
+    2 on 2 ranks, ep 2 x 2 ZeRO 1 on 4 ranks, and their one-process runs
 
-Every run's losses equal DeepSpeed's for the same case and the one-process run's (1e-5),
+Every run's losses equal DeepSpeed's for the same case and the one-process run's (1e-5)
+(except ZeRO 0 with clipping, where DeepSpeed's own ep 2 run differs from its one-process
+run and ours equals the one-process run),
 and the tokens routed to each expert, summed over ranks, equal the one process's exactly.
 What expert parallelism does not do here (ep_size not dividing the world, ZeRO-3, an
 optimizer without moe groups, checkpoints) is one line each.
@@ -100,6 +104,12 @@ def runs():
 @pytest.mark.parametrize("name", list(fx.TRAINING_CASES))
 def test_losses_and_routing_equal_deepspeed(runs, name):
     got, want = runs[name], EXPECTED[name]
+    if name in fx.DS_DIFFERS_FROM_ONE_PROCESS:
+        # DeepSpeed's ZeRO-0 clipping norm under expert parallelism is not one process's; ours
+        # is, and equals DeepSpeed's one-process run (and its ZeRO 1/2 runs) instead
+        one = EXPECTED[fx.ONE_PROCESS[name]]
+        assert want["losses"] != pytest.approx(one["losses"], abs=1e-6)
+        want = one
     assert got["losses"] == pytest.approx(want["losses"], abs=TOL), name
     assert got["counts"] == want["counts"], name
 
