@@ -87,6 +87,7 @@ def _refusals(deepspeed, layer):
                 split_params_into_different_moe_groups_for_optimizer({"params": list(m.parameters()), "name": "d"}),
                 lr=0.1)),
             "checkpoint": attempt(save=os.path.join(tmp, "ckpt")),
+            "checkpoint_left": sorted(os.listdir(tmp)),  # refused before any folder is made
         }
 
 
@@ -132,4 +133,6 @@ def test_what_expert_parallelism_does_not_do_is_one_line(runs):
         "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer")
     assert got["optimizer_with_moe_group"] is None
     assert got["checkpoint"].startswith("checkpoint: a param group reduces over the 'expert_data' axis")
+    assert got["checkpoint"].endswith("(MoE experts spread over ranks, ep_size > 1) is not supported yet")
+    assert got.pop("checkpoint_left") == []
     assert all("\n" not in v for v in got.values() if v)
