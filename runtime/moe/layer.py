@@ -121,7 +121,6 @@ class MOELayer(nn.Module):
         self.ep_group = None
         self.l_aux: Optional[torch.Tensor] = None
         self.exp_counts: Optional[torch.Tensor] = None
-        self.a2a_bytes = 0  # bytes this rank sent in the last forward's all-to-alls
 
     def _set_ep_group(self, group) -> None:
         self.ep_group = group
@@ -137,7 +136,6 @@ class MOELayer(nn.Module):
         self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
         buf = encode(tokens, routing)
         if self.ep_size > 1:
-            self.a2a_bytes = 2 * buf.numel() * buf.element_size() * (self.ep_size - 1) // self.ep_size
             buf = _AllToAll.apply(self.ep_group, f"moe {self.ep_group_name} dispatch", buf)
         out = self.experts(buf.reshape(self.ep_size, self.num_local_experts, -1, h))
         out = out.reshape(self.ep_size * self.num_local_experts, -1, h)
