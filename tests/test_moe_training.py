@@ -46,7 +46,11 @@ def _worker(names):
     import dslaunch.runtime as deepspeed
     from deepspeed.moe import layer  # the compatibility package's name for dslaunch.runtime.moe.layer
 
-    assert layer.MoE.__module__ == "dslaunch.runtime.moe.layer"
+    from deepspeed.moe import utils as moe_utils
+
+    import dslaunch.runtime.moe.utils
+
+    assert layer.MoE.__module__ == "dslaunch.runtime.moe.layer" and moe_utils is dslaunch.runtime.moe.utils
     out = {n: fx.train(deepspeed, layer, fx.TRAINING_CASES[n], dist.get_rank()) for n in names}
     if dist.get_world_size() == 2:
         out["refusals"] = _refusals(deepspeed, layer)
