@@ -75,7 +75,7 @@ class DataParallelStrategy(GradientStrategy):
         self._axis_of = ctx.axis_for_params()  # id(param) -> its param group's axis
         self._reductions = {DATA_AXIS: self.reduction}
         for axis in ctx.axes:
-            self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.size))
+            self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
         self.buckets = self._make_buckets(params, max(1, ctx.config.zero.reduce_bucket_size))
         self.bucket_of: Dict[int, _Bucket] = {}
         self.view_of: Dict[int, torch.Tensor] = {}
@@ -160,10 +160,12 @@ class DataParallelStrategy(GradientStrategy):
                 if self.ctx.communicates(b.axis):
                     b.wire = self._reductions[b.axis.name].outgoing(b.flat)
                     comm.all_reduce(b.wire, group=b.axis.group, label=f"stage0 grads bucket {b.index}")
+                elif b.axis.average_over != b.axis.size:  # experts alone on their axis: still divided
+                    b.wire = self._reductions[b.axis.name].outgoing(b.flat)
             else:
                 b.work.wait()
                 b.work = None
-            if self.ctx.communicates(b.axis):
+            if b.wire is not None:
                 self._reductions[b.axis.name].finish_(b.wire)
                 if b.wire is not b.flat:  # summed in another dtype: back where the gradients live
                     b.flat.copy_(b.wire)

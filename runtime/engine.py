@@ -227,11 +227,21 @@ class DeepSpeedEngine(torch.nn.Module):
         return optimizer, model_parameters
 
     def _make_mesh(self, model, mpu):
+        from .moe.utils import expert_parallel_size
+
         try:
-            return mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
-                                        tensor=self.config.tensor_parallel.size)
+            expert = expert_parallel_size(model)
+            mesh = mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
+                                        tensor=self.config.tensor_parallel.size, expert=expert)
         except mesh_select.MeshError as exc:
             raise ConfigError(str(exc)) from None
+        self.expert_parallel_size = expert
+        if expert > 1:
+            from .moe.utils import moe_layers
+
+            for layer in moe_layers(model):
+                layer.set_expert_group(mesh.group("expert"))
+        return mesh
 
     def _setup_reporting(self) -> None:
         # Rank 0 reports through one Monitor: the progress line plus the configured monitors.
@@ -277,25 +287,39 @@ class DeepSpeedEngine(torch.nn.Module):
     def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
         # Replicas may have initialised differently (different seeds): the first rank of
         # each data-parallel group wins (other stages and tensor slices hold other weights).
+        # Experts differ across the expert axis: each is broadcast over its replicas
+        # (expert_data) from the first of them, as DeepSpeed does.
         if self.dp_world_size > 1 and comm.is_initialized():
+            from .moe.utils import is_moe_param
+
             src = mesh_select.first_data_rank(self.mesh)
             with torch.no_grad():
                 for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                    if is_moe_param(t) and self.expert_parallel_size > 1:
+                        if self.mesh.size("expert_data") > 1:
+                            comm.broadcast(t.data, src=self.mesh.ranks("expert_data")[0],
+                                           group=self.mesh.group("expert_data"), label=f"initial expert {name}")
+                        continue
                     comm.broadcast(t.data, src=src, group=self.dp_group, label=f"initial {name}")
 
     def _make_optimizer(self, optimizer, model_parameters, model):
         if optimizer is not None and self.config.optimizer is not None:
             raise ConfigError("optimizer: given both as initialize(optimizer=...) and in the config; pass one")
         params = model_parameters if model_parameters is not None else model.parameters()
+        from .moe import utils as moe_utils
+
         if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
+            return moe_utils.check_moe_param_groups(optimizer, model)
         if callable(optimizer):
-            return optimizer(params)
+            return moe_utils.check_moe_param_groups(optimizer(params), model)
         if self.config.optimizer is None:
             if self.config.zero.stage == 3:
                 return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
             raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
-        return build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device))
+        if moe_utils.moe_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
+            params = moe_utils.configure_moe_param_groups(list(params))
+        return moe_utils.check_moe_param_groups(
+            build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device)), model)
 
     def _make_scheduler(self, lr_scheduler):
         if self.optimizer is None:  # forward only: nothing to schedule (DeepSpeed builds none either)
@@ -536,6 +560,7 @@ class DeepSpeedEngine(torch.nn.Module):
                         save_latest: bool = True, allow_pickle: bool = False) -> str:
         """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
         need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
+        self.strategy.refuse_axes_in_checkpoint()  # before any file or folder is made
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
@@ -543,6 +568,7 @@ class DeepSpeedEngine(torch.nn.Module):
                         load_module_only: bool = False, trust_pickle: bool = False):
         """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
         weights_only=True unless trust_pickle=True."""
+        self.strategy.refuse_axes_in_checkpoint()
         return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

@@ -20,7 +20,10 @@ Except per optimizer param group: `ctx.axes[i]` (a `ReduceAxis`) is the axis who
 param group i's gradients are averaged over and its state sharded over. It is decided
 here, once, from the engine's mesh (`group_axis_name`): a group marked `"moe": True` (as
 DeepSpeed's split_params_into_different_moe_groups_for_optimizer marks expert
-parameters) uses the mesh's "expert_data" axis, every other group "data". Without moe
+parameters) uses the mesh's "expert_data" axis, every other group "data". A moe group's
+gradients are summed over expert_data and divided by the data-parallel size
+(`ReduceAxis.average_over`), DeepSpeed's averaging: the MoE layer's all-to-all already
+brought each expert the tokens of its whole expert-parallel group. Without moe
 groups every axis is the data axis itself and strategies behave as if it did not exist.
 Stages 0-2 honour other axes; stage 3, optimizer offload (cpu, nvme) and checkpoints
 (save and load, at any world size: rank 0's module state and name-keyed shard re-cutting
@@ -96,6 +99,11 @@ class ReduceAxis:
     group: Optional[Any]
     rank: int
     size: int
+    divisor: Optional[int] = None  # what the sum over `group` is divided by; None: `size`
+
+    @property
+    def average_over(self) -> int:
+        return self.size if self.divisor is None else self.divisor
 
 
 def group_axis_name(param_group: Dict[str, Any]) -> str:
@@ -138,7 +146,12 @@ class StrategyContext:
             size = self.mesh.size(name)
         except MeshError:  # an mpu object describes no experts: expert-parallel size 1, experts on the data axis
             return self.data_axis
-        return ReduceAxis(name, self.mesh.group(name), self.mesh.rank(name), size)
+        # Expert gradients are summed over their replicas and divided by the data-parallel
+        # size, as DeepSpeed does: an expert already received every token of its expert-
+        # parallel group through the all-to-all, so this is the average over all ranks and
+        # the result does not depend on ep_size (it equals one process holding every expert).
+        divisor = self.world_size if name == EXPERT_DATA_AXIS else None
+        return ReduceAxis(name, self.mesh.group(name), self.mesh.rank(name), size, divisor)
 
     def expert_axis(self) -> Optional[ReduceAxis]:
         """The "expert" axis (ranks holding different experts), when the mesh has one over
@@ -246,9 +259,10 @@ class GradientStrategy:
     def refuse_axes_in_checkpoint(self) -> None:
         """Checkpoints hold one module state (rank 0's) and re-cut optimizer shards by
         parameter name; expert parameters differ per expert rank under the same names, so
-        a strategy with such param groups refuses to save or load (MoE checkpoints are
-        issue 21's layout)."""
-        self.ctx.refuse_foreign_axes("checkpoint", "saving or loading \"moe\" param groups is not supported yet")
+        a strategy with such param groups refuses to save or load (DeepSpeed's MoE layout,
+        per-expert files, is not written or read yet)."""
+        self.ctx.refuse_foreign_axes("checkpoint", "saving or loading \"moe\" param groups (MoE experts spread "
+                                                   "over ranks, ep_size > 1) is not supported yet")
 
     def close(self) -> None:
         """Remove hooks; the engine calls this when it is destroyed or replaced."""

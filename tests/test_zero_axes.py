@@ -4,7 +4,8 @@ On 4 gloo ranks with a mesh of expert=2 (expert groups {0,1} {2,3}; expert-data 
 {0,2} {1,3}), a small model has a normal param group and a `"moe": True` group whose
 parameters differ per expert rank. For stages 0, 1 and 2 the strategies, driven as the
 engine drives them, must match a hand-computed reference: the normal group's gradients
-averaged over all 4 ranks, the moe group's over its 2 expert-data replicas only, the global
+averaged over all 4 ranks, the moe group's summed over its 2 expert-data replicas only and
+divided by the 4 data-parallel ranks (DeepSpeed's averaging of expert gradients), the global
 norm counting every parameter once (each expert once) and clipping with it. Without moe
 groups the collectives, counted per process group, are exactly those of a strategy built
 without a mesh. Stage 3, offload and checkpoints with such groups are one-line refusals.
@@ -48,7 +49,8 @@ def _param_groups(model, moe):
 
 def _reference(world=4):
     """Every rank's training done by hand in one process: shared gradients averaged over
-    all ranks, each expert's over the ranks holding it; norm over shared + every expert."""
+    all ranks, each expert's summed over the ranks holding it and divided by all ranks;
+    norm over shared + every expert."""
     models = {e: Net(e) for e in (0, 1)}
     shared = list(models[0].shared.parameters())
     models[1].shared = models[0].shared  # one copy of the shared layer
@@ -58,7 +60,6 @@ def _reference(world=4):
     out = []
     for step in range(STEPS):
         grads = {id(p): torch.zeros_like(p) for p in params}
-        holders = {e: sum(1 for r in range(world) if _expert_of(r) == e) for e in (0, 1)}
         for r in range(world):
             m = models[_expert_of(r)]
             for i in range(GAS):
@@ -67,7 +68,7 @@ def _reference(world=4):
                 for p in m.shared.parameters():
                     grads[id(p)] += p.grad / world
                 for p in m.expert.parameters():
-                    grads[id(p)] += p.grad / holders[_expert_of(r)]
+                    grads[id(p)] += p.grad / world
         norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads.values())))
         coef = min(1.0, CLIP / (norm + 1e-6))
         for p in params:

@@ -115,7 +115,8 @@ class DeepSpeedConfig:
     seq_parallel_communication_data_type: Any = refused("sequence parallelism is not supported; remove it", "fp32")
     tensor_parallel: TensorParallelConfig = supported(factory=TensorParallelConfig, note="")
     expert_parallel: Any = refused("AutoEP expert parallelism is not supported; remove it", disabled)
-    use_data_before_expert_parallelism: Any = refused("expert parallelism is not supported; remove it", False)
+    use_data_before_expert_parallelism: Any = refused(
+        "expert groups are laid out only DeepSpeed's default way (expert-parallel ranks consecutive); remove it", False)
     hybrid_engine: Any = refused("the RLHF hybrid engine is not supported; remove it", disabled)
     # -- checkpoints ---------------------------------------------------------------------
     checkpoint: CheckpointConfig = supported(factory=CheckpointConfig, note="")

@@ -39,9 +39,23 @@ def startup_line(engine) -> str:
     sizes = parallel_sizes(engine)
     opt = (f"optimizer {type(engine.optimizer).__name__} stepped by {optimizer_kernel(engine.optimizer, engine.strategy)}"
            if engine.optimizer is not None else "no optimizer (forward only)")
-    return (f"dslaunch: ZeRO stage {z.stage} | {dtype} | {offload} | {opt} | world {sizes['world']} = data {sizes['data']} "
+    experts = _expert_size(engine)
+    data = f"data {sizes['data']}" + (f" (expert {experts} x expert-data {sizes['data'] // experts})"
+                                      if experts > 1 else "")
+    return (f"dslaunch: ZeRO stage {z.stage} | {dtype} | {offload} | {opt} | world {sizes['world']} = {data} "
             f"x pipeline {sizes['pipeline']} x model {sizes['model']} | batch {b.train_batch_size} = micro "
             f"{b.micro_batch_per_gpu} x accumulation {b.gradient_accumulation_steps} x data {sizes['data']}")
+
+
+def _expert_size(engine) -> int:
+    """The mesh's expert-parallel size (MoE layers with ep_size > 1), else 1."""
+    from ..parallel.dims import MeshError
+
+    mesh = getattr(engine, "mesh", None)
+    try:
+        return mesh.size("expert") if mesh is not None else 1
+    except MeshError:  # an mpu's mesh has no expert axis
+        return 1
 
 
 def parallel_sizes(engine) -> dict:

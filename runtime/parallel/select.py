@@ -14,9 +14,14 @@ from .mesh import PipelineParallelGrid, data_parallel_grid
 from .mpu import MpuMesh
 
 
-def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *, tensor: int = 1):
+def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *, tensor: int = 1,
+             expert: int = 1):
     """The mesh of an engine. `tensor` > 1: the config asked for tensor parallelism
-    (`tensor_parallel.autotp_size`) on a model without its own mesh. Raises MeshError."""
+    (`tensor_parallel.autotp_size`) on a model without its own mesh. `expert` > 1: the
+    model's MoE layers spread their experts over groups of `expert` data-parallel ranks
+    (the mesh's `expert` and `expert_data` axes). Raises MeshError."""
+    if expert > 1:
+        return _expert_mesh(model, mpu, world_size, distributed, tensor, expert)
     own = getattr(model, "parallel_mesh", None)
     if own is not None:
         if mpu is not None:
@@ -39,6 +44,20 @@ def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *
     if tensor > 1:
         return PipelineParallelGrid(topology_for(MeshDims.for_world(world_size, tensor=tensor)))
     return data_parallel_grid()
+
+
+def _expert_mesh(model, mpu, world_size: int, distributed: bool, tensor: int, expert: int):
+    if getattr(model, "parallel_mesh", None) is not None or mpu is not None:
+        raise MeshError(f"MoE ep_size {expert}: expert parallelism with a pipeline or an mpu is not supported; "
+                        "use MoE layers in a plain module (data parallelism only)")
+    if tensor > 1:
+        raise MeshError(f"MoE ep_size {expert}: expert parallelism with tensor_parallel.autotp_size {tensor} is not "
+                        "supported")
+    world = world_size if distributed else 1
+    if world % expert:
+        raise MeshError(f"MoE ep_size {expert} does not divide the data-parallel size {world} (the world)")
+    dims = MeshDims.for_world(world, expert=expert)
+    return PipelineParallelGrid(topology_for(dims), expert=expert)
 
 
 def dp_size_source(mesh, mpu, world_source: str, world_size: int) -> str:

@@ -76,7 +76,7 @@ class _PartitionedStage(ShardedStrategy):
         self.reduction = GradReduction.from_config(ctx.config, self.world)
         self._reductions = {DATA_AXIS: self.reduction}
         for axis in ctx.axes:
-            self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.size))
+            self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
         # the reduced gradient partition (stage 2: always; stage 1: from the boundary backward to
         # the step) in data_types.grad_accum_dtype; default fp32, as the masters
         self.accum_dtype = ctx.config.grad_accum_dtype or torch.float32

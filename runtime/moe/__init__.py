@@ -1,0 +1,12 @@
+"""Mixture of Experts with expert parallelism (`deepspeed.moe`).
+
+    gating.py   the routing decisions and the load-balancing loss (pure tensor functions)
+    experts.py  the experts one rank holds (copies of the given module, marked as expert params)
+    layer.py    MoE / MOELayer / TopKGate: gate, encode, all-to-all over the mesh's `expert`
+                group, experts, all-to-all back, decode
+    utils.py    is_moe_param and the optimizer param-group split (`"moe": True` groups reduce
+                over the mesh's `expert_data` axis; runtime/strategy.py)
+
+The engine finds MoE layers in the model, builds its mesh with `expert = ep_size`
+(runtime/parallel/) and gives every layer its expert-parallel group.
+"""

@@ -1,0 +1,255 @@
+"""Mixture-of-Experts training with expert parallelism: tokens/s and all-to-all bytes per
+step at ep = 1, 2, 4, bytes per rank against the dense model of the same active size, and
+DeepSpeed's MoE beside ours.
+
+    python scripts/bench_moe.py [--ep 1 2 4] [--experts 8] [--hidden 256] [--ffn 1024]
+        [--layers 2] [--seq 64] [--micro 8] [--k 1] [--steps 5] [--rounds 2]
+        [--deepspeed-python /work/ds-venv/bin/python|none] [--cuda]
+
+The model: `--layers` blocks of Linear(hidden, hidden) -> MoE(num_experts=--experts,
+expert=Linear(hidden, ffn)-ReLU-Linear(ffn, hidden), k=--k, drop_tokens=False,
+use_rts=False) with a residual; MSE loss + 0.01 x aux. For each ep, ep fresh ranks (one
+expert-parallel group; data parallel = ep) train it through initialize() with torch's AdamW,
+ZeRO off; one warm-up step, then `--steps` timed ones. DeepSpeed (the same file run by
+`--deepspeed-python`, importing deepspeed and deepspeed.moe.layer) runs in turn with ours,
+`--rounds` times each, so load from elsewhere falls on both. Printed per ep and side:
+
+* tokens/s: every rank's tokens over the median (over steps) of the slowest rank's step;
+* a2a MiB: bytes rank 0 sends to other ranks in all-to-alls per step (forward dispatch and
+  combine, and their two backward all-to-alls), counted at torch.distributed.all_to_all_single
+  on both sides (input bytes x (n - 1) / n);
+* params/grads/optim MiB per rank (rank 0's tensors), and the same for the dense model of
+  the same active size (each MoE replaced by k experts' worth: one expert with ffn x k).
+
+On the CPU each rank runs one thread; ep ranks need ep free cores for the times to mean
+anything, so say the load average with the figures. `--cuda` runs one GPU per rank (NCCL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def build(layer_mod, args, ep: int, dense: bool):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(args.hidden, args.hidden)
+            ffn = args.ffn * args.k if dense else args.ffn
+            expert = torch.nn.Sequential(torch.nn.Linear(args.hidden, ffn), torch.nn.ReLU(),
+                                         torch.nn.Linear(ffn, args.hidden))
+            self.ffn = expert if dense else layer_mod.MoE(args.hidden, expert, num_experts=args.experts, ep_size=ep,
+                                                          k=args.k, drop_tokens=False, use_rts=False,
+                                                          top2_2nd_expert_sampling=False)
+
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            if isinstance(self.ffn, torch.nn.Sequential):
+                return x + self.ffn(h), h.new_zeros(())
+            out, l_aux, _ = self.ffn(h)
+            return x + out, l_aux
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(args.layers)])
+
+        def forward(self, x):
+            aux = x.new_zeros(())
+            for b in self.blocks:
+                x, l_aux = b(x)
+                aux = aux + l_aux
+            return x, aux
+
+    return Net()
+
+
+def _bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if t is not None and torch.is_tensor(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class A2ACounter:
+    """Bytes sent to other ranks by torch.distributed.all_to_all_single (both engines end there)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.sent = 0
+        self._orig = dist.all_to_all_single
+
+        def counted(output, input, *a, group=None, **kw):
+            n = dist.get_world_size(group)
+            self.sent += input.numel() * input.element_size() * (n - 1) // n
+            return self._orig(output, input, *a, group=group, **kw)
+
+        dist.all_to_all_single = counted
+
+
+def run(rt, layer_mod, args, ep: int, device, dense: bool = False) -> dict:
+    import time
+
+    model = build(layer_mod, args, ep, dense).to(device)
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 0},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    engine, *_ = rt.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+    g = torch.Generator().manual_seed(1 + engine.global_rank if hasattr(engine, "global_rank") else 1)
+    x = torch.randn(args.micro, args.seq, args.hidden, generator=g).to(device)
+    y = torch.randn(args.micro, args.seq, args.hidden, generator=g).to(device)
+    counter = A2ACounter()
+    times, sent = [], []
+    grads = 0
+    for i in range(args.steps + 1):
+        counter.sent = 0
+        start = time.perf_counter()
+        out, aux = engine(x)
+        engine.backward((out - y).pow(2).mean() + 0.01 * aux)
+        grads = _bytes(p.grad for p in engine.module.parameters())
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+            sent.append(counter.sent)
+    opt = engine.optimizer
+    opt = getattr(opt, "optimizer", opt)
+    state = _bytes(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+    return {"times": times, "a2a": max(sent), "tokens": args.micro * args.seq,
+            "params": _bytes(engine.module.parameters()), "grads": grads, "optim": state}
+
+
+def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
+    import importlib
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    name = "deepspeed" if args.as_peer else "dslaunch.runtime"
+    rt = importlib.import_module(name)
+    layer_mod = importlib.import_module("deepspeed.moe.layer" if args.as_peer else "dslaunch.runtime.moe.layer")
+    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(device)
+    rt.init_distributed("nccl" if args.cuda else "gloo")
+    out = {"moe": run(rt, layer_mod, args, world, device)}
+    if args.dense:
+        out["dense"] = run(rt, layer_mod, args, world, device, dense=True)
+    with open(f"{result_path}.{rank}", "w") as fh:
+        json.dump(out, fh)
+
+
+def spawn(ep: int, args):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result")
+        mp.spawn(worker, args=(ep, port, args, path), nprocs=ep, join=True)
+        return [json.load(open(f"{path}.{r}")) for r in range(ep)]
+
+
+def spawn_peer(ep: int, args):
+    """spawn() under DeepSpeed's Python, importing deepspeed instead."""
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "bench-moe-peer-ext"))
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        argv = [args.deepspeed_python, os.path.abspath(__file__), "--as-peer", out.name, "--ep", str(ep)]
+        for flag in ("experts", "hidden", "ffn", "layers", "seq", "micro", "k", "steps"):
+            argv += [f"--{flag}", str(getattr(args, flag))]
+        argv += ["--cuda"] if args.cuda else []
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        return json.load(open(out.name))
+
+
+def summary(ranks, key="moe") -> dict:
+    rs = [r[key] for r in ranks]
+    step = statistics.median(max(r["times"][i] for r in rs) for i in range(len(rs[0]["times"])))
+    r0 = rs[0]
+    return {"tokens/s": sum(r["tokens"] for r in rs) / step, "a2a": r0["a2a"], "params": r0["params"],
+            "grads": r0["grads"], "optim": r0["optim"]}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2 ** 20:.2f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--k", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--deepspeed-python", default="none",
+                   help="a Python with DeepSpeed installed, to run its MoE beside ours ('none': ours only)")
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument("--as-peer", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.dense = not args.as_peer
+    for ep in args.ep:
+        if ep < 1 or args.experts % ep:
+            print(f"error: --ep {ep} must divide --experts {args.experts}", file=sys.stderr)
+            sys.exit(2)
+    if args.cuda and torch.cuda.device_count() < max(args.ep):
+        print(f"error: --cuda needs {max(args.ep)} GPUs for --ep {max(args.ep)}; {torch.cuda.device_count()} "
+              "visible", file=sys.stderr)
+        sys.exit(2)
+    if args.as_peer:  # the DeepSpeed side, one ep per call
+        with open(args.as_peer, "w") as fh:
+            json.dump(spawn(args.ep[0], args), fh)
+        return
+    peer = args.deepspeed_python not in ("", "none")
+    ours, dense, theirs = {}, {}, {}
+    for ep in args.ep:
+        runs, peer_runs = [], []
+        for _ in range(args.rounds):
+            got = spawn(ep, args)
+            runs.append((summary(got), summary(got, "dense")))
+            if peer:
+                other = spawn_peer(ep, args)
+                peer_runs.append(other if isinstance(other, dict) else summary(other))
+        ours[ep], dense[ep] = max(runs, key=lambda r: r[0]["tokens/s"])
+        ok = [r for r in peer_runs if "error" not in r]
+        theirs[ep] = max(ok, key=lambda r: r["tokens/s"]) if ok else (peer_runs[0] if peer_runs else None)
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.layers} MoE layers, {args.experts} experts "
+          f"{args.hidden}->{args.ffn}->{args.hidden}, k {args.k}, seq {args.seq}, micro {args.micro} per rank; "
+          f"{'CUDA' if args.cuda else 'CPU'}; bytes are rank 0's, MiB")
+    cols = ("params", "grads", "optim")
+    print(f"{'ep':>3} {'side':>9} {'tokens/s':>10} {'a2a MiB':>8} " + " ".join(f"{c:>8}" for c in cols))
+    for ep in args.ep:
+        for side, r in (("dslaunch", ours[ep]), ("DeepSpeed", theirs.get(ep)), ("dense", dense[ep])):
+            if r is None:
+                continue
+            if "error" in r:
+                print(f"{ep:>3} {side:>9}  did not run: {r['error']}")
+                continue
+            print(f"{ep:>3} {side:>9} {r['tokens/s']:10.0f} {mib(r['a2a']):>8} " +
+                  " ".join(f"{mib(r[c]):>8}" for c in cols))
+        if theirs.get(ep) and "error" not in theirs[ep]:
+            print(f"{ep:>3} {'ours/DS':>9} {ours[ep]['tokens/s'] / theirs[ep]['tokens/s']:10.2f} "
+                  f"{(ours[ep]['a2a'] / theirs[ep]['a2a'] if theirs[ep]['a2a'] else float('nan')):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
