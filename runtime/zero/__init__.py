@@ -8,10 +8,10 @@ modifier_rank=None)` gives temporary full access.
 from ..checkpoint import CheckpointError
 from ..checkpoint.reshard import consolidated_state_dict, tied_aliases
 from .hook_scope import register_external_parameter, unregister_external_parameter
-from .params import GatheredParameters, Init
+from .params import GatheredParameters, Init, ZeroParamStatus
 from .stage12 import ZeroStage1, ZeroStage2
 from .stage3 import RankDivergenceError, ZeroStage3
 
 __all__ = ["Init", "GatheredParameters", "RankDivergenceError", "CheckpointError", "consolidated_state_dict",
            "tied_aliases", "register_external_parameter", "unregister_external_parameter",
-           "ZeroStage1", "ZeroStage2", "ZeroStage3"]
+           "ZeroStage1", "ZeroStage2", "ZeroStage3", "ZeroParamStatus"]
