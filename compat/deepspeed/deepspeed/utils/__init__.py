@@ -1,7 +1,8 @@
 """deepspeed.utils: DeepSpeed's grab-bag of helpers, each one dslaunch's own.
 
 `logger` is the "dslaunch.runtime" logger (the HF Trainer sets its level); the ZeRO-3
-leaf-module calls are dslaunch.runtime.zero.hook_scope's.
+leaf-module calls are dslaunch.runtime.zero.hook_scope's; the tensor-fragment calls
+(safe_get_full_fp32_param and friends) are dslaunch.runtime.zero.fragments'.
 """
 import logging
 
@@ -10,6 +11,12 @@ from dslaunch.runtime.comm import is_initialized
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.zero.hook_scope import (
     get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
+)
+from dslaunch.runtime.zero.fragments import (
+    safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_fp32_param,
+    safe_get_local_grad, safe_get_local_optimizer_state, safe_set_full_fp32_param, safe_set_full_grad,
+    safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 
 logger = logging.getLogger("dslaunch.runtime")
@@ -23,4 +30,8 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
 
 
 __all__ = ["logger", "log_dist", "is_initialized", "RepeatingLoader", "set_z3_leaf_modules",
-           "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module"]
+           "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+           "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+           "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
+           "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+           "safe_get_local_grad", "safe_set_local_grad", "safe_update_full_grad_vectorized"]
