@@ -62,10 +62,10 @@ Contract details:
 - `sum_param_grads_(params, group)` (after reduce_gradients) adds the reduced gradients
   of `params` over another group: weights tied across pipeline stages.
 - Whole-parameter access (DeepSpeed's tensor-fragment API, zero/fragments.py): every
-  strategy links the module's parameters to itself (`param._dslaunch_strategy`) and
-  answers `full_hp` / `set_full_hp` (the fp32 master, or one optimizer state tensor, of
-  one parameter, gathered from or scattered to the ranks holding its pieces),
-  `full_grad` / `set_full_grad`, and, at stage 3 only, the `local_*` calls (this rank's
+  strategy links the module's parameters to itself (`owner_of(param)`: a weak link that
+  copies of the parameter do not carry) and answers `full_hp` / `set_full_hp` (the fp32
+  master, or one optimizer state tensor, of one parameter, gathered from or scattered to
+  the ranks holding its pieces), `full_grad` / `set_full_grad`, and, at stage 3 only, the `local_*` calls (this rank's
   chunk). They are collective over the parameter's group: every rank calls them for the
   same parameters in the same order. Gradients are readable in the window between the
   boundary micro-step's backward and step() (`open_grad_window` / `close_grad_window`,
@@ -83,6 +83,7 @@ Contract details:
 from __future__ import annotations
 
 import importlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
 
@@ -222,6 +223,33 @@ def state_tensor(state: Dict[str, Any], key: str, name: str) -> torch.Tensor:
     return v
 
 
+class StrategyLink:
+    """What a parameter keeps of the strategy that owns it: a weak reference, so a parameter
+    does not keep an engine alive, and one that a copy of the parameter does not carry
+    (copy.deepcopy of a model, as TRL makes its reference model, or pickling it): a copy
+    is owned by no engine."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, strategy: Optional["GradientStrategy"]):
+        self._ref = weakref.ref(strategy) if strategy is not None else None
+
+    def __call__(self) -> Optional["GradientStrategy"]:
+        return self._ref() if self._ref is not None else None
+
+    def __deepcopy__(self, memo) -> "StrategyLink":
+        return StrategyLink(None)
+
+    def __reduce__(self):
+        return (StrategyLink, (None,))
+
+
+def owner_of(param) -> Optional["GradientStrategy"]:
+    """The strategy that steps `param`, or None (no engine, or the engine is gone)."""
+    link = getattr(param, "_dslaunch_strategy", None)
+    return link() if isinstance(link, StrategyLink) else None
+
+
 class GradientStrategy:
     """Base class; see the module docstring for the call order. Defaults suit strategies
     that keep full replicas of parameters (stages 0-2)."""
@@ -299,8 +327,9 @@ class GradientStrategy:
     # -- whole-parameter access (zero/fragments.py); defaults for no trainable parameter --------
     def link_params(self) -> None:
         """Point every module parameter at this strategy, so fragments.py finds its owner."""
+        link = StrategyLink(self)
         for p in self.module.parameters():
-            p._dslaunch_strategy = self
+            p._dslaunch_strategy = link
 
     def full_hp(self, param, key: Optional[str] = None) -> Optional[torch.Tensor]:
         """The whole fp32 master of `param` (key None) or its optimizer state `key`; None
