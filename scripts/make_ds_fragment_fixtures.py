@@ -60,9 +60,11 @@ def make_model():
     return Net()
 
 
-def config(stage: int, dtype: str, offload, nvme_path: str = "") -> dict:
-    """offload: False, True (cpu) or "nvme" (optimizer state in files under nvme_path)."""
-    cfg = {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": ROWS // WORLD, "gradient_accumulation_steps": 1,
+def config(stage: int, dtype: str, offload, nvme_path: str = "", gas: int = 1) -> dict:
+    """offload: False, True (cpu) or "nvme" (optimizer state in files under nvme_path); gas:
+    micro-batches per step (each one batch() of ROWS rows)."""
+    cfg = {"train_batch_size": ROWS * gas, "train_micro_batch_size_per_gpu": ROWS // WORLD,
+           "gradient_accumulation_steps": gas,
            "steps_per_print": 1000, "gradient_clipping": CLIP,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-8,
                                                      "weight_decay": 0.01}},
@@ -97,30 +99,31 @@ def _cpu(t):
     return None if t is None else t.detach().float().cpu().clone()
 
 
-def exercise(deepspeed, stage: int, dtype: str, offload, rank: int) -> dict:
-    """The run both engines do; returns what rank `rank` read (tensors on the CPU)."""
+def exercise(deepspeed, stage: int, dtype: str, offload, rank: int, gas: int = 1) -> dict:
+    """The run both engines do; returns what rank `rank` read (tensors on the CPU). With gas
+    > 1, step s runs micro-batches s*gas .. s*gas+gas-1, and the reads follow the last one."""
     with tempfile.TemporaryDirectory() as nvme_path:
-        return _exercise(deepspeed, stage, dtype, offload, rank, nvme_path)
+        return _exercise(deepspeed, stage, dtype, offload, rank, nvme_path, gas)
 
 
-def _exercise(deepspeed, stage, dtype, offload, rank, nvme_path) -> dict:
+def _exercise(deepspeed, stage, dtype, offload, rank, nvme_path, gas) -> dict:
     import torch
     from deepspeed import utils as du
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     model = make_model()
     engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
-                                  config=config(stage, dtype, offload, nvme_path))[0]
+                                  config=config(stage, dtype, offload, nvme_path, gas))[0]
     named = dict(engine.module.named_parameters())
 
     def loss_of(step):
         x, y = batch(step, rank, tdtype)
         return (engine(x).float() - y).pow(2).mean()
 
-    for step in range(2):
-        engine.backward(loss_of(step))
-        engine.step()
-    engine.backward(loss_of(2))
+    for micro in range(3 * gas - 1):
+        engine.backward(loss_of(micro))
+        engine.step()  # a step at the boundary only
+    engine.backward(loss_of(3 * gas - 1))
     out = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}, "grad": {}, "local": {}}
     for name, p in named.items():
         got = {"fp32": du.safe_get_full_fp32_param(p), "exp_avg": du.safe_get_full_optimizer_state(p, "exp_avg"),

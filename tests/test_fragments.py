@@ -10,10 +10,11 @@ every case and checks each value against two references:
   the script), for the cases DeepSpeed runs on the CPU.
 The same body checks the edges: the module's low-precision copy follows a written master
 at once, gradients outside the window, an unknown state key, local calls below stage 3,
-frozen parameters, a deep copy of the model.
+frozen parameters, a deep copy of the model, gradient accumulation.
 
 Cases beyond DeepSpeed's (OURS_ONLY: what DeepSpeed returns None for, or cannot run on the
-CPU): stage 0 in fp32, fp16 (its gradients carry the loss scale), NVMe and bf16 offload.
+CPU): stage 0 in fp32, fp16 (its gradients carry the loss scale), NVMe and bf16 offload,
+2 micro-batches a step.
 
 Tolerances: fp32 1e-5 (summation order); bf16/fp16 2e-2 (the module computes in 16 bits on
 half batches here, on the whole batch in the reference; DeepSpeed accumulates bf16
@@ -38,7 +39,10 @@ _spec.loader.exec_module(fx)
 # DeepSpeed's cases, and what only dslaunch answers (stage 0 in fp32) or DeepSpeed cannot check here
 OURS_ONLY = {"s0_fp32": (0, "fp32", False), "s3_bf16_offload": (3, "bf16", True),
              "s1_fp16": (1, "fp16", False), "s3_fp16": (3, "fp16", False),
-             "s2_fp32_nvme": (2, "fp32", "nvme"), "s3_fp32_nvme": (3, "fp32", "nvme")}
+             "s2_fp32_nvme": (2, "fp32", "nvme"), "s3_fp32_nvme": (3, "fp32", "nvme"),
+             # 2 micro-batches a step (stage 1 reduces at the boundary, 2 and 3 on every micro-step)
+             "s1_fp32_gas2": (1, "fp32", False, 2), "s2_bf16_gas2": (2, "bf16", False, 2),
+             "s3_fp32_gas2": (3, "fp32", False, 2)}
 CASES = {**fx.CASES, **OURS_ONLY}
 KINDS = ("fp32", "exp_avg", "exp_avg_sq", "grad", "after")
 
@@ -47,7 +51,7 @@ def tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == "fp32" else dict(atol=2e-2, rtol=2e-2)
 
 
-def reference(stage, dtype, offload):
+def reference(stage, dtype, offload, gas=1):
     """The same run in one process: the whole batch each step, fp32 masters, torch AdamW."""
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     scale = fx.LOSS_SCALE.get(dtype, 1.0)  # what the gradients read in the window carry
@@ -59,9 +63,10 @@ def reference(stage, dtype, offload):
                             weight_decay=hp["weight_decay"])
 
     def backward(step):
-        xs, ys = zip(*(fx.batch(step, r, tdtype) for r in range(fx.WORLD)))
-        loss = (model(torch.cat(xs)).float() - torch.cat(ys)).pow(2).mean()
-        loss.backward()
+        for micro in range(step * gas, step * gas + gas):
+            xs, ys = zip(*(fx.batch(micro, r, tdtype) for r in range(fx.WORLD)))
+            loss = (model(torch.cat(xs)).float() - torch.cat(ys)).pow(2).mean()
+            (loss / gas).backward()
         for n, p in named.items():
             masters[n].grad = p.grad.float()
             p.grad = None
@@ -101,7 +106,7 @@ def edges(deepspeed, stage, rank):
     model = fx.make_model()
     model.inp.bias.requires_grad_(False)  # frozen: not stepped, so no master
     engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                  config=fx.config(stage, "bf16", False))[0]
+                                  config=fx.config(stage, "bf16", False, gas=2))[0]
     named = dict(engine.module.named_parameters())
     w, odd = named["inp.weight"], named["out.bias"]  # odd: 3 elements, padded over 2 ranks at stage 3
 
@@ -117,6 +122,9 @@ def edges(deepspeed, stage, rank):
     raises(lambda: du.safe_get_full_grad(w), "only available between")  # before any backward
     raises(lambda: du.safe_get_full_optimizer_state(w, "exp_avg"), "nothing yet")  # before the first step
     x, y = fx.batch(0, rank, torch.bfloat16)
+    engine.backward((engine(x).float() - y).pow(2).mean())
+    raises(lambda: du.safe_get_full_grad(w), "only available between")  # not the boundary micro-step
+    engine.step()  # not the boundary: nothing happens
     engine.backward((engine(x).float() - y).pow(2).mean())
     if du.safe_get_full_fp32_param(named["inp.bias"]) is not None or du.safe_get_full_grad(named["inp.bias"]) is not None:
         problems.append(f"stage {stage}: a frozen parameter answered")
@@ -153,7 +161,7 @@ def body():
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    results = {name: fx.exercise(deepspeed, *case, rank) for name, case in CASES.items()}
+    results = {name: fx.exercise(deepspeed, *case[:3], rank, *case[3:]) for name, case in CASES.items()}
     problems = [p for stage in range(4) for p in edges(deepspeed, stage, rank)]
     return {"results": results, "problems": problems}
 
@@ -170,8 +178,8 @@ def test_edges(runs):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_against_one_process(runs, name):
-    stage, dtype, offload = CASES[name]
-    ref = reference(stage, dtype, offload)
+    dtype = CASES[name][1]
+    ref = reference(*CASES[name])
     for run in runs:  # every rank reads the same whole values
         got = run["results"][name]
         for kind in KINDS:
