@@ -156,13 +156,42 @@ def edges(deepspeed, stage, rank):
     return problems
 
 
+# DeepSpeed 0.19.8's parameter names (deepspeed/utils/tensor_fragment.py): scripts pass them by keyword too
+SIGNATURES = {
+    "safe_get_full_fp32_param": ["param"], "safe_set_full_fp32_param": ["param", "value"],
+    "safe_get_full_optimizer_state": ["param", "optim_state_key"],
+    "safe_set_full_optimizer_state": ["param", "value", "optim_state_key"],
+    "safe_get_full_grad": ["param"], "safe_set_full_grad": ["param", "value"],
+    "safe_get_local_fp32_param": ["param"], "safe_set_local_fp32_param": ["param", "value"],
+    "safe_get_local_optimizer_state": ["param", "optim_state_key"],
+    "safe_set_local_optimizer_state": ["param", "value", "optim_state_key"],
+    "safe_get_local_grad": ["param"], "safe_set_local_grad": ["param", "value"],
+    "safe_update_full_grad_vectorized": ["param_list", "update_func"],
+}
+
+
+def names_problems():
+    import inspect
+
+    import deepspeed.utils as du
+    import deepspeed.utils.tensor_fragment as tf
+
+    problems = []
+    for name, params in SIGNATURES.items():
+        if name not in du.__all__ or getattr(tf, name, None) is not getattr(du, name):
+            problems.append(f"{name}: not exported from deepspeed.utils and deepspeed.utils.tensor_fragment")
+        elif list(inspect.signature(getattr(du, name)).parameters) != params:
+            problems.append(f"{name}: parameters {list(inspect.signature(getattr(du, name)).parameters)} != {params}")
+    return problems
+
+
 def body():
     import deepspeed
     import torch.distributed as dist
 
     rank = dist.get_rank()
     results = {name: fx.exercise(deepspeed, *case[:3], rank, *case[3:]) for name, case in CASES.items()}
-    problems = [p for stage in range(4) for p in edges(deepspeed, stage, rank)]
+    problems = names_problems() + [p for stage in range(4) for p in edges(deepspeed, stage, rank)]
     return {"results": results, "problems": problems}
 
 
