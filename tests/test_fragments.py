@@ -175,11 +175,14 @@ def names_problems():
 
     import deepspeed.utils as du
     import deepspeed.utils.tensor_fragment as tf
+    import dslaunch.runtime as runtime  # a script whose `import deepspeed` became dslaunch.runtime
 
     problems = []
     for name, params in SIGNATURES.items():
-        if name not in du.__all__ or getattr(tf, name, None) is not getattr(du, name):
-            problems.append(f"{name}: not exported from deepspeed.utils and deepspeed.utils.tensor_fragment")
+        if name not in du.__all__ or not getattr(tf, name, None) is getattr(runtime.utils, name, None) is \
+                getattr(du, name):
+            problems.append(f"{name}: not exported from deepspeed.utils, deepspeed.utils.tensor_fragment and "
+                            f"dslaunch.runtime.utils")
         elif list(inspect.signature(getattr(du, name)).parameters) != params:
             problems.append(f"{name}: parameters {list(inspect.signature(getattr(du, name)).parameters)} != {params}")
     return problems

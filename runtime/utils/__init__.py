@@ -2,12 +2,22 @@
 its import line becomes `dslaunch.runtime`. `zero_to_fp32` is the checkpoint package's
 consolidation module (the script save_checkpoint ships), registered under this name too so
 `from dslaunch.runtime.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint`
-finds the same module object.
+finds the same module object. The tensor-fragment calls (safe_get_full_fp32_param and
+friends) are dslaunch.runtime.zero.fragments'.
 """
 import sys
 
 from ..checkpoint import zero_to_fp32
+from ..zero.fragments import (
+    safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_fp32_param,
+    safe_get_local_grad, safe_get_local_optimizer_state, safe_set_full_fp32_param, safe_set_full_grad,
+    safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
 
 sys.modules[__name__ + ".zero_to_fp32"] = zero_to_fp32
 
-__all__ = ["zero_to_fp32"]
+__all__ = ["zero_to_fp32", "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+           "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
+           "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+           "safe_get_local_grad", "safe_set_local_grad", "safe_update_full_grad_vectorized"]
