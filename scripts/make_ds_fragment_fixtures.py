@@ -60,15 +60,16 @@ def make_model():
     return Net()
 
 
-def config(stage: int, dtype: str, offload, nvme_path: str = "", gas: int = 1) -> dict:
+def config(stage: int, dtype: str, offload, nvme_path: str = "", gas: int = 1, persist: int = 0) -> dict:
     """offload: False, True (cpu) or "nvme" (optimizer state in files under nvme_path); gas:
-    micro-batches per step (each one batch() of ROWS rows)."""
+    micro-batches per step (each one batch() of ROWS rows); persist: stage 3 keeps parameters of
+    at most this many elements whole."""
     cfg = {"train_batch_size": ROWS * gas, "train_micro_batch_size_per_gpu": ROWS // WORLD,
            "gradient_accumulation_steps": gas,
            "steps_per_print": 1000, "gradient_clipping": CLIP,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.9, 0.99], "eps": 1e-8,
                                                      "weight_decay": 0.01}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persist}}
     if offload:
         cfg["zero_optimization"]["offload_optimizer"] = \
             {"device": "nvme", "nvme_path": nvme_path} if offload == "nvme" else {"device": "cpu"}
@@ -99,21 +100,21 @@ def _cpu(t):
     return None if t is None else t.detach().float().cpu().clone()
 
 
-def exercise(deepspeed, stage: int, dtype: str, offload, rank: int, gas: int = 1) -> dict:
+def exercise(deepspeed, stage: int, dtype: str, offload, rank: int, gas: int = 1, persist: int = 0) -> dict:
     """The run both engines do; returns what rank `rank` read (tensors on the CPU). With gas
     > 1, step s runs micro-batches s*gas .. s*gas+gas-1, and the reads follow the last one."""
     with tempfile.TemporaryDirectory() as nvme_path:
-        return _exercise(deepspeed, stage, dtype, offload, rank, nvme_path, gas)
+        return _exercise(deepspeed, stage, dtype, offload, rank, nvme_path, gas, persist)
 
 
-def _exercise(deepspeed, stage, dtype, offload, rank, nvme_path, gas) -> dict:
+def _exercise(deepspeed, stage, dtype, offload, rank, nvme_path, gas, persist) -> dict:
     import torch
     from deepspeed import utils as du
 
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     model = make_model()
     engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
-                                  config=config(stage, dtype, offload, nvme_path, gas))[0]
+                                  config=config(stage, dtype, offload, nvme_path, gas, persist))[0]
     named = dict(engine.module.named_parameters())
 
     def loss_of(step):

@@ -42,7 +42,9 @@ OURS_ONLY = {"s0_fp32": (0, "fp32", False), "s3_bf16_offload": (3, "bf16", True)
              "s2_fp32_nvme": (2, "fp32", "nvme"), "s3_fp32_nvme": (3, "fp32", "nvme"),
              # 2 micro-batches a step (stage 1 reduces at the boundary, 2 and 3 on every micro-step)
              "s1_fp32_gas2": (1, "fp32", False, 2), "s2_bf16_gas2": (2, "bf16", False, 2),
-             "s3_fp32_gas2": (3, "fp32", False, 2)}
+             "s3_fp32_gas2": (3, "fp32", False, 2),
+             # stage 3 keeping the biases (8 and 3 elements) whole on every rank
+             "s3_bf16_persist": (3, "bf16", False, 1, 8)}
 CASES = {**fx.CASES, **OURS_ONLY}
 KINDS = ("fp32", "exp_avg", "exp_avg_sq", "grad", "after")
 
@@ -51,7 +53,7 @@ def tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == "fp32" else dict(atol=2e-2, rtol=2e-2)
 
 
-def reference(stage, dtype, offload, gas=1):
+def reference(stage, dtype, offload, gas=1, persist=0):
     """The same run in one process: the whole batch each step, fp32 masters, torch AdamW."""
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     scale = fx.LOSS_SCALE.get(dtype, 1.0)  # what the gradients read in the window carry
@@ -98,17 +100,19 @@ def reference(stage, dtype, offload, gas=1):
     return out
 
 
-def edges(deepspeed, stage, rank):
-    """The edges of the API at one stage (bf16); returns a list of what went wrong."""
+def edges(deepspeed, stage, rank, persist=0):
+    """The edges of the API at one stage (bf16; stage 3 keeping parameters of at most `persist`
+    elements whole); returns a list of what went wrong."""
     from deepspeed import utils as du
 
     problems = []
     model = fx.make_model()
     model.inp.bias.requires_grad_(False)  # frozen: not stepped, so no master
     engine = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                  config=fx.config(stage, "bf16", False, gas=2))[0]
+                                  config=fx.config(stage, "bf16", False, gas=2, persist=persist))[0]
     named = dict(engine.module.named_parameters())
-    w, odd = named["inp.weight"], named["out.bias"]  # odd: 3 elements, padded over 2 ranks at stage 3
+    # odd: 3 elements, padded over 2 ranks at stage 3 (or kept whole there with persist=3)
+    w, odd = named["inp.weight"], named["out.bias"]
 
     def raises(fn, words):
         try:
@@ -194,7 +198,8 @@ def body():
 
     rank = dist.get_rank()
     results = {name: fx.exercise(deepspeed, *case[:3], rank, *case[3:]) for name, case in CASES.items()}
-    problems = names_problems() + [p for stage in range(4) for p in edges(deepspeed, stage, rank)]
+    problems = names_problems() + [p for stage, persist in ((0, 0), (1, 0), (2, 0), (3, 0), (3, 3))
+                                   for p in edges(deepspeed, stage, rank, persist)]
     return {"results": results, "problems": problems}
 
 
