@@ -359,8 +359,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._require_optimizer("backward")
         boundary = self.is_gradient_accumulation_boundary()
         if self.strategy.grads_reduced_early:
-            raise FragmentError("engine.backward(): this step's gradients were already reduced for safe_get_full_grad / "
-                              "safe_set_full_grad; call engine.step() before the next backward")
+            raise FragmentError("engine.backward(): this step's gradients were already reduced for "
+                                "safe_get_full_grad / safe_set_full_grad; call engine.step() before the next backward")
         self._meter.add_loss(loss.detach().float())  # read at the boundary: no sync per micro-step
         factor = self.loss_scale() / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * factor if factor != 1.0 else loss

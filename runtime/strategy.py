@@ -65,12 +65,13 @@ Contract details:
   strategy links the module's parameters to itself (`owner_of(param)`: a weak link that
   copies of the parameter do not carry) and answers `full_hp` / `set_full_hp` (the fp32
   master, or one optimizer state tensor, of one parameter, gathered from or scattered to
-  the ranks holding its pieces), `full_grad` / `set_full_grad`, and, at stage 3 only, the `local_*` calls (this rank's
-  chunk). They are collective over the parameter's group: every rank calls them for the
-  same parameters in the same order. Gradients are readable in the window between the
-  boundary micro-step's backward and step() (`open_grad_window` / `close_grad_window`,
-  called by the engine); the first access reduces them then (`grads_for_access`), and
-  step() does not reduce again (`reduce_gradients_once`).
+  the ranks holding its pieces), `full_grad` / `set_full_grad`, and, at stage 3 only,
+  the `local_*` calls (this rank's chunk). They are collective over the parameter's
+  group: every rank calls them for the same parameters in the same order. Gradients are
+  readable in the window between the boundary micro-step's backward and step()
+  (`open_grad_window` / `close_grad_window`, called by the engine); the first access
+  reduces them then (`grads_for_access`), and step() does not reduce again
+  (`reduce_gradients_once`).
 - Checkpoints: `module_state_dict()` is called on every rank (it may be collective) and
   must return the full, unsharded module state on rank 0. `optimizer_state_dict()` returns
   this rank's optimizer state; with `sharded_optimizer_state = True` every rank's dict is

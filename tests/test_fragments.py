@@ -130,7 +130,8 @@ def edges(deepspeed, stage, rank, persist=0):
     raises(lambda: du.safe_get_full_grad(w), "only available between")  # not the boundary micro-step
     engine.step()  # not the boundary: nothing happens
     engine.backward((engine(x).float() - y).pow(2).mean())
-    if du.safe_get_full_fp32_param(named["inp.bias"]) is not None or du.safe_get_full_grad(named["inp.bias"]) is not None:
+    frozen = named["inp.bias"]
+    if du.safe_get_full_fp32_param(frozen) is not None or du.safe_get_full_grad(frozen) is not None:
         problems.append(f"stage {stage}: a frozen parameter answered")
     grad = du.safe_get_full_grad(w)
     try:  # a second backward now would be lost: refused
