@@ -30,6 +30,7 @@ from .pipe.engine import PipelineEngine  # deepspeed.PipelineEngine
 from .accelerator import get_accelerator  # deepspeed.get_accelerator
 from . import tensor_parallel  # deepspeed.runtime.tensor_parallel
 from .tensor_parallel import set_autotp_mode, tp_model_init  # deepspeed.tp_model_init / set_autotp_mode
+from . import utils  # deepspeed.utils.safe_get_full_fp32_param and friends, zero_to_fp32
 
 __version__ = "0.1.0"
 

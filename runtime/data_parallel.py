@@ -32,7 +32,8 @@ import torch
 
 from . import comm
 from .reduction import GradReduction
-from .strategy import DATA_AXIS, GradientStrategy, ReduceAxis, StrategyContext, register_strategy
+from .strategy import (DATA_AXIS, GradientStrategy, ReduceAxis, StrategyContext, check_numel, register_strategy,
+                       state_tensor)
 
 
 @dataclass
@@ -245,6 +246,57 @@ class DataParallelStrategy(GradientStrategy):
                 p.grad = v
             for m in b.masters:
                 m.grad = None
+
+    # -- whole-parameter access (zero/fragments.py): every rank holds every parameter whole --
+    def _place(self, p):
+        """(bucket, index) of a trainable parameter; None for a frozen one."""
+        b = self.bucket_of.get(id(p))
+        return None if b is None else (b, next(i for i, q in enumerate(b.params) if q is p))
+
+    def _master(self, p) -> Optional[torch.Tensor]:
+        """The tensor the optimizer steps for `p`: its fp32 master, or `p` itself in fp32."""
+        place = self._place(p)
+        if place is None:
+            return None
+        b, i = place
+        return b.masters[i] if self.mixed else p
+
+    def full_hp(self, param, key=None):
+        m = self._master(param)
+        if m is None:
+            return None
+        src = m if key is None else state_tensor(self.optimizer.state.get(m, {}), key, self._first_name[id(param)])
+        return src.detach().to(self.ctx.device, torch.float32, copy=True).view(param.shape)
+
+    def set_full_hp(self, param, value, key=None):
+        m = self._master(param)
+        if m is None:
+            return
+        flat = check_numel("safe_set_full_*", value, param.numel())
+        with torch.no_grad():
+            if key is not None:
+                state_tensor(self.optimizer.state.get(m, {}), key, self._first_name[id(param)]) \
+                    .view(-1).copy_(flat)
+                return
+            m.view(-1).copy_(flat)
+            if m is not param:  # the module's low-precision copy follows its master at once
+                param.data.view(-1).copy_(flat)
+
+    def full_grad(self, param):
+        place = self._place(param)
+        if place is None:
+            return None
+        self.grads_for_access("safe_get_full_grad")
+        return self._reduced_grad(*place).detach().to(self.ctx.device, torch.float32, copy=True).view(param.shape)
+
+    def set_full_grad(self, param, value):
+        place = self._place(param)
+        if place is None:
+            return
+        flat = check_numel("safe_set_full_grad", value, param.numel())
+        self.grads_for_access("safe_set_full_grad")
+        with torch.no_grad():
+            self._reduced_grad(*place).view(-1).copy_(flat)
 
     # -- checkpoints -----------------------------------------------------------------------
     def load_module_state_dict(self, state, strict: bool = True) -> None:

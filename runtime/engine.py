@@ -39,7 +39,7 @@ from .monitor import report
 from .monitor.sink import TRAIN_LOSS
 from .nonfinite import NonFiniteGuard
 from .progress import ProgressLog
-from .strategy import StrategyContext, strategy_for_stage
+from .strategy import FragmentError, StrategyContext, strategy_for_stage
 from .strict import ConfigError
 
 
@@ -399,6 +399,9 @@ class DeepSpeedEngine(torch.nn.Module):
         (the HF Trainer does)."""
         self._require_optimizer("backward")
         boundary = self.is_gradient_accumulation_boundary()
+        if self.strategy.grads_reduced_early:
+            raise FragmentError("engine.backward(): this step's gradients were already reduced for "
+                                "safe_get_full_grad / safe_set_full_grad; call engine.step() before the next backward")
         self._meter.add_loss(loss.detach().float())  # read at the boundary: no sync per micro-step
         factor = self.loss_scale() / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * factor if factor != 1.0 else loss
@@ -408,6 +411,8 @@ class DeepSpeedEngine(torch.nn.Module):
                 scaled.backward(retain_graph=retain_graph)
             with self._meter.timed("backward_allreduce"):
                 self.strategy.after_backward(boundary)
+        if boundary:
+            self.strategy.open_grad_window()  # safe_get_full_grad reads them until step()
         self._memory("after backward")
         return loss
 
@@ -449,7 +454,7 @@ class DeepSpeedEngine(torch.nn.Module):
         s = self.strategy
         with self._meter.timed("backward_allreduce"):
             if not reduced:
-                s.reduce_gradients()
+                s.reduce_gradients_once()
         clip = self.config.gradient_clipping
         scale = self.loss_scale()
         overflow = False
@@ -473,6 +478,7 @@ class DeepSpeedEngine(torch.nn.Module):
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         s.zero_grad()
+        s.close_grad_window()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.global_steps += 1
@@ -520,6 +526,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def zero_grad(self) -> None:
         self.strategy.zero_grad()
+        self.strategy.close_grad_window()
 
     def train_batch(self, data_iter=None):
         from .pipe.module import PipelineError

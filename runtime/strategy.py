@@ -64,6 +64,17 @@ Contract details:
   tied across pipeline stages); the engine sums it over the model-parallel group.
 - `sum_param_grads_(params, group)` (after reduce_gradients) adds the reduced gradients
   of `params` over another group: weights tied across pipeline stages.
+- Whole-parameter access (DeepSpeed's tensor-fragment API, zero/fragments.py): every
+  strategy links the module's parameters to itself (`owner_of(param)`: a weak link that
+  copies of the parameter do not carry) and answers `full_hp` / `set_full_hp` (the fp32
+  master, or one optimizer state tensor, of one parameter, gathered from or scattered to
+  the ranks holding its pieces), `full_grad` / `set_full_grad`, and, at stage 3 only,
+  the `local_*` calls (this rank's chunk). They are collective over the parameter's
+  group: every rank calls them for the same parameters in the same order. Gradients are
+  readable in the window between the boundary micro-step's backward and step()
+  (`open_grad_window` / `close_grad_window`, called by the engine); the first access
+  reduces them then (`grads_for_access`), and step() does not reduce again
+  (`reduce_gradients_once`).
 - Checkpoints: `module_state_dict()` is called on every rank (it may be collective) and
   must return the full, unsharded module state on rank 0. `optimizer_state_dict()` returns
   this rank's optimizer state; with `sharded_optimizer_state = True` every rank's dict is
@@ -76,6 +87,7 @@ Contract details:
 from __future__ import annotations
 
 import importlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
 
@@ -200,6 +212,58 @@ class StrategyContext:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
+class FragmentError(ValueError):
+    """A whole-parameter access that cannot be answered (outside the gradient window, an
+    optimizer state key that does not exist, a local partition below stage 3, a value of
+    the wrong size). A ValueError, as DeepSpeed raises for the first two."""
+
+
+def check_numel(what: str, value: torch.Tensor, numel: int) -> torch.Tensor:
+    """`value` flattened, refusing one of the wrong size."""
+    if not torch.is_tensor(value):
+        raise FragmentError(f"{what}: expected a tensor, got {type(value).__name__}")
+    if value.numel() != numel:
+        raise FragmentError(f"{what}: the value has {value.numel()} elements, the parameter {numel}")
+    return value.detach().reshape(-1)
+
+
+def state_tensor(state: Dict[str, Any], key: str, name: str) -> torch.Tensor:
+    """Optimizer state `key` of one partition, refusing a key it does not hold."""
+    v = state.get(key)
+    if not torch.is_tensor(v) or key == "step":
+        have = sorted(k for k, t in state.items() if torch.is_tensor(t) and k != "step")
+        held = ", ".join(have) if have else "nothing yet: state exists from the first step on"
+        raise FragmentError(f"optimizer state {key!r} not found for {name} (it holds {held})")
+    return v
+
+
+class StrategyLink:
+    """What a parameter keeps of the strategy that owns it: a weak reference, so a parameter
+    does not keep an engine alive, and one that a copy of the parameter does not carry
+    (copy.deepcopy of a model, as TRL makes its reference model, or pickling it): a copy
+    is owned by no engine."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, strategy: Optional["GradientStrategy"]):
+        self._ref = weakref.ref(strategy) if strategy is not None else None
+
+    def __call__(self) -> Optional["GradientStrategy"]:
+        return self._ref() if self._ref is not None else None
+
+    def __deepcopy__(self, memo) -> "StrategyLink":
+        return StrategyLink(None)
+
+    def __reduce__(self):
+        return (StrategyLink, (None,))
+
+
+def owner_of(param) -> Optional["GradientStrategy"]:
+    """The strategy that steps `param`, or None (no engine, or the engine is gone)."""
+    link = getattr(param, "_dslaunch_strategy", None)
+    return link() if isinstance(link, StrategyLink) else None
+
+
 class GradientStrategy:
     """Base class; see the module docstring for the call order. Defaults suit strategies
     that keep full replicas of parameters (stages 0-2)."""
@@ -212,6 +276,7 @@ class GradientStrategy:
         self.ctx = ctx
         self.module = ctx.module
         self.optimizer = ctx.optimizer
+        self.link_params()
 
     # -- forward / backward -------------------------------------------------------------
     def wrap_module(self) -> None:
@@ -242,6 +307,73 @@ class GradientStrategy:
     def sum_param_grads_(self, params, group) -> None:
         """Sum the reduced gradients of `params` (module parameters) over `group`."""
         raise NotImplementedError(f"{type(self).__name__} cannot sum gradients of tied parameters")
+
+    # -- the gradient window (see "Whole-parameter access" above) ---------------------------
+    _grad_window = False  # the boundary backward ran and step() has not consumed its gradients
+    _reduced_early = False  # a fragment access reduced them inside the window
+
+    def open_grad_window(self) -> None:
+        self._grad_window = True
+
+    def close_grad_window(self) -> None:
+        self._grad_window = self._reduced_early = False
+
+    @property
+    def grads_reduced_early(self) -> bool:
+        return self._reduced_early
+
+    def reduce_gradients_once(self) -> None:
+        """The engine's reduction at step(): skipped when an access already did it."""
+        if not self._reduced_early:
+            self.reduce_gradients()
+
+    def grads_for_access(self, what: str) -> None:
+        """Before a gradient is read or written by parameter: refuse outside the window, and
+        reduce (once, collectively) inside it, so the value is the averaged gradient the
+        optimizer will step with."""
+        if not self._grad_window:
+            raise FragmentError(f"{what}: gradients are only available between engine.backward() on the "
+                                f"gradient-accumulation boundary and engine.step()")
+        if not self._reduced_early:
+            self.reduce_gradients()
+            self._reduced_early = True
+
+    # -- whole-parameter access (zero/fragments.py); defaults for no trainable parameter --------
+    def link_params(self) -> None:
+        """Point every module parameter at this strategy, so fragments.py finds its owner."""
+        link = StrategyLink(self)
+        for p in self.module.parameters():
+            p._dslaunch_strategy = link
+
+    def full_hp(self, param, key: Optional[str] = None) -> Optional[torch.Tensor]:
+        """The whole fp32 master of `param` (key None) or its optimizer state `key`; None
+        when the optimizer does not hold the parameter (frozen)."""
+        return None
+
+    def set_full_hp(self, param, value: torch.Tensor, key: Optional[str] = None) -> None:
+        """Write a whole value into the master (and the module's copy) or the state `key`."""
+
+    def full_grad(self, param) -> Optional[torch.Tensor]:
+        return None
+
+    def set_full_grad(self, param, value: torch.Tensor) -> None:
+        pass
+
+    def local_hp(self, param, key: Optional[str] = None) -> Optional[torch.Tensor]:
+        raise FragmentError(self._no_local("safe_get_local_*"))
+
+    def set_local_hp(self, param, value: torch.Tensor, key: Optional[str] = None) -> None:
+        raise FragmentError(self._no_local("safe_set_local_*"))
+
+    def local_grad(self, param) -> Optional[torch.Tensor]:
+        raise FragmentError(self._no_local("safe_get_local_grad"))
+
+    def set_local_grad(self, param, value: torch.Tensor) -> None:
+        raise FragmentError(self._no_local("safe_set_local_grad"))
+
+    def _no_local(self, what: str) -> str:
+        return (f"{what}: local partitions are defined for ZeRO stage 3 parameters only (as in DeepSpeed); "
+                f"this engine runs stage {self.stage}: use the safe_*_full_* calls")
 
     # -- checkpoints ---------------------------------------------------------------------
     def module_state_dict(self) -> Dict[str, Any]:

@@ -56,6 +56,10 @@ class OptimizerHost:
                 keys[k] = StateKey(k, True) if isinstance(v, dict) else StateKey(k, False, v)
         return list(keys.values())
 
+    def write_state_of(self, gi: int, state: Dict[str, Any]) -> None:
+        """After tensors of `state_of(gi)` were changed in place: keep the change. Here they
+        are the optimizer's own tensors already; NVMeHost writes its files."""
+
     def load_state_of(self, gi: int, state: Dict[str, Any]) -> None:
         m = self.masters[gi]
         self.optimizer.state[m] = {k: (v.to(m.device) if torch.is_tensor(v) and k != "step" else
@@ -199,6 +203,9 @@ class NVMeHost(OptimizerHost):
                 if k != "step" and k in st:
                     out[k][a:b] = st[k]
         return out
+
+    def write_state_of(self, gi: int, state: Dict[str, Any]) -> None:
+        self.load_state_of(gi, state)  # state_of read copies from the files: write them back
 
     def load_state_of(self, gi: int, state: Dict[str, Any]) -> None:
         self.flush()

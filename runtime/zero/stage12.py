@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..reduction import GradReduction
-from ..strategy import DATA_AXIS, ReduceAxis, StrategyContext, register_strategy
+from ..strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
 from .. import comm
 from .offload import OptimizerHost, make_host, pin_host
 from .partition import FlatLayout, Piece, pieces_to_dict, plan_buckets
@@ -292,6 +292,82 @@ class _PartitionedStage(ShardedStrategy):
             else:
                 g.grad = None
         self._reduced = self.stage == 2
+
+    # -- whole-parameter access (zero/fragments.py) -------------------------------------------
+    # A parameter's flat range may straddle ranks: each rank holds the pieces of it that fall
+    # in its partition. Reading fills those pieces into a zero buffer and sums it over the
+    # group's axis (the pieces are disjoint); writing takes the whole value on every rank and
+    # keeps the pieces this rank owns.
+    def _slot(self, param):
+        """(group, slot, this rank's pieces of it) for a trainable parameter, else None."""
+        if not hasattr(self, "_slot_of"):
+            self._slot_of = {id(p): (g, s) for g in self.groups for p, s in zip(g.params, g.layout.slots)}
+        found = self._slot_of.get(id(param))
+        if found is None:
+            return None
+        g, s = found
+        return g, s, [piece for piece in g.pieces if piece.name == s.name]
+
+    def _state_partition(self, g: _Group, key: str, name: str) -> torch.Tensor:
+        return state_tensor(self.host.state_of(self.groups.index(g)), key, name)
+
+    def _gather_pieces(self, g: _Group, s, mine, part: torch.Tensor, what: str) -> torch.Tensor:
+        full = torch.zeros(s.numel, dtype=torch.float32, device=self.ctx.device)
+        for piece in mine:
+            full[piece.start:piece.end] = part[piece.offset:piece.offset + piece.numel].to(full.device, full.dtype)
+        if self.ctx.communicates(g.axis):
+            comm.all_reduce(full, group=g.axis.group, label=f"{what} {s.name}")
+        return full.view(s.shape)
+
+    def _scatter_pieces(self, mine, part: torch.Tensor, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for piece in mine:
+                part[piece.offset:piece.offset + piece.numel] = flat[piece.start:piece.end].to(part.device, part.dtype)
+
+    def full_hp(self, param, key=None):
+        found = self._slot(param)
+        if found is None:
+            return None
+        g, s, mine = found
+        part = g.master if key is None else self._state_partition(g, key, s.name)
+        return self._gather_pieces(g, s, mine, part, "safe_get_full_fp32_param" if key is None else key)
+
+    def set_full_hp(self, param, value, key=None):
+        found = self._slot(param)
+        if found is None:
+            return
+        g, s, mine = found
+        flat = check_numel("safe_set_full_*", value, s.numel)
+        if key is not None:
+            gi = self.groups.index(g)
+            state = self.host.state_of(gi)
+            self._scatter_pieces(mine, state_tensor(state, key, s.name), flat)
+            self.host.write_state_of(gi, state)
+            return
+        self._scatter_pieces(mine, g.master, flat)
+        with torch.no_grad():  # the module's copy (every rank holds it whole) follows at once
+            g.flat[s.offset:s.offset + s.numel].copy_(flat.to(g.flat.device, g.flat.dtype))
+
+    def full_grad(self, param):
+        found = self._slot(param)
+        if found is None:
+            return None
+        self.grads_for_access("safe_get_full_grad")
+        g, s, mine = found
+        if g.grad is None:  # no gradient reached the group on any rank: zeros, as the step would see
+            return torch.zeros(s.shape, dtype=torch.float32, device=self.ctx.device)
+        return self._gather_pieces(g, s, mine, g.grad, "safe_get_full_grad")
+
+    def set_full_grad(self, param, value):
+        found = self._slot(param)
+        if found is None:
+            return
+        g, s, mine = found
+        flat = check_numel("safe_set_full_grad", value, s.numel)
+        self.grads_for_access("safe_set_full_grad")
+        if g.grad is None:
+            g.grad = torch.zeros_like(g.master, dtype=self.accum_dtype)
+        self._scatter_pieces(mine, g.grad, flat)
 
     # -- checkpoints ------------------------------------------------------------------------
     def shard_state(self) -> Dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..reduction import GradReduction
-from ..strategy import StrategyContext, register_strategy
+from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
 from .. import comm
 from . import hook_scope
 from .hook_scope import hooked_modules, module_params
@@ -422,6 +422,124 @@ class ZeroStage3(ShardedStrategy):
         z = p._zero
         if z.group_index >= 0:
             self.groups[z.group_index]["master"][z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
+
+    # -- whole-parameter access (zero/fragments.py) ---------------------------------------------
+    # Each parameter's chunk sits at z.master_offset in its group's fp32 master, gradient and
+    # optimizer state partitions (padded to z.chunk elements); whole values are all-gathered
+    # over the data-parallel group, and a rank writing a whole value keeps its own chunk.
+    def _chunk_of(self, param, part: str, key: Optional[str] = None) -> Optional[torch.Tensor]:
+        """This rank's padded chunk of `param` in the group's "master" or "grad" partition,
+        or of optimizer state `key` (part "master"); None for a parameter not stepped here."""
+        z = getattr(param, "_zero", None)
+        if z is None or z.owner is not self or z.group_index < 0 or not self.groups:
+            return None
+        gi = z.group_index
+        if key is None:
+            flat = self.groups[gi][part]
+        else:
+            flat = state_tensor(self.host.state_of(gi), key, z.name)
+        return flat[z.master_offset:z.master_offset + z.chunk]
+
+    def _all_gather_chunk(self, param, chunk: torch.Tensor, what: str) -> torch.Tensor:
+        z = param._zero
+        local = chunk.detach().to(self.ctx.device, torch.float32).contiguous()
+        out = torch.empty(self.world * z.chunk, dtype=torch.float32, device=self.ctx.device)
+        if self.ctx.distributed:
+            comm.all_gather_into_tensor(out, local, group=self.group, label=f"{what} {z.name}")
+        else:
+            out.copy_(local)
+        return out[:z.numel].view(z.shape)
+
+    def _write_chunk(self, param, chunk_value: torch.Tensor, key: Optional[str]) -> None:
+        """Write this rank's chunk (padded length) of the master or of state `key`; the
+        master's value also goes to the compute-dtype shard, and to the whole module copy
+        of a persistent or gathered parameter."""
+        z = param._zero
+        with torch.no_grad():
+            if key is not None:
+                state = self.host.state_of(z.group_index)
+                state_tensor(state, key, z.name)[z.master_offset:z.master_offset + z.chunk] = \
+                    chunk_value.to(torch.float32)
+                self.host.write_state_of(z.group_index, state)
+                return
+            master = self.groups[z.group_index]["master"]
+            master[z.master_offset:z.master_offset + z.chunk] = chunk_value.to(master.device, torch.float32)
+            new = master[z.master_offset:z.master_offset + z.chunk]
+            if z.shard.data_ptr() != new.data_ptr():
+                z.shard.copy_(new)
+            rest([param], dirty=True)
+
+    def _refresh_whole(self, param, full: Optional[torch.Tensor]) -> None:
+        """A whole module copy (persistent, or gathered right now) takes the new value."""
+        if param.data.numel() == param._zero.numel and full is not None:
+            with torch.no_grad():
+                param.data.copy_(full.view(param._zero.shape).to(param.data.device, param.data.dtype))
+
+    def full_hp(self, param, key=None):
+        chunk = self._chunk_of(param, "master", key)
+        if chunk is None:
+            return None
+        return self._all_gather_chunk(param, chunk, "safe_get_full_fp32_param" if key is None else key)
+
+    def set_full_hp(self, param, value, key=None):
+        if self._chunk_of(param, "master", key) is None:
+            return
+        z = param._zero
+        flat = check_numel("safe_set_full_*", value, z.numel)
+        sh = param_shard(z.numel, self.world, self.rank)
+        mine = torch.zeros(z.chunk, dtype=torch.float32, device=flat.device)
+        mine[:sh.numel] = flat[sh.start:sh.end]
+        self._write_chunk(param, mine, key)
+        if key is None:
+            self._refresh_whole(param, flat)
+
+    def full_grad(self, param):
+        if self._chunk_of(param, "grad") is None:
+            return None
+        self.grads_for_access("safe_get_full_grad")
+        return self._all_gather_chunk(param, self._chunk_of(param, "grad"), "safe_get_full_grad")
+
+    def set_full_grad(self, param, value):
+        chunk = self._chunk_of(param, "grad")
+        if chunk is None:
+            return
+        z = param._zero
+        flat = check_numel("safe_set_full_grad", value, z.numel)
+        self.grads_for_access("safe_set_full_grad")
+        sh = param_shard(z.numel, self.world, self.rank)
+        with torch.no_grad():
+            chunk.zero_()
+            chunk[:sh.numel] = flat[sh.start:sh.end].to(chunk.device, chunk.dtype)
+
+    def local_hp(self, param, key=None):
+        chunk = self._chunk_of(param, "master", key)
+        return None if chunk is None else chunk.detach().to(self.ctx.device, torch.float32, copy=True)
+
+    def set_local_hp(self, param, value, key=None):
+        if self._chunk_of(param, "master", key) is None:
+            return
+        z = param._zero
+        flat = check_numel("safe_set_local_*", value, z.chunk)
+        self._write_chunk(param, flat, key)
+        if key is None and param.data.numel() == z.numel:  # a whole copy: this rank's piece of it
+            sh = param_shard(z.numel, self.world, self.rank)
+            with torch.no_grad():
+                param.data.view(-1)[sh.start:sh.end] = flat[:sh.numel].to(param.data.device, param.data.dtype)
+
+    def local_grad(self, param):
+        if self._chunk_of(param, "grad") is None:
+            return None
+        self.grads_for_access("safe_get_local_grad")
+        return self._chunk_of(param, "grad").detach().to(self.ctx.device, torch.float32, copy=True)
+
+    def set_local_grad(self, param, value):
+        chunk = self._chunk_of(param, "grad")
+        if chunk is None:
+            return
+        flat = check_numel("safe_set_local_grad", value, param._zero.chunk)
+        self.grads_for_access("safe_set_local_grad")
+        with torch.no_grad():
+            chunk.copy_(flat.to(chunk.device, chunk.dtype))
 
     # -- checkpoints --------------------------------------------------------------------------
     def module_state_dict(self) -> Dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """deepspeed.utils: DeepSpeed's grab-bag of helpers, each one dslaunch's own.
 
 `logger` is the "dslaunch.runtime" logger (the HF Trainer sets its level); the ZeRO-3
-leaf-module calls are dslaunch.runtime.zero.hook_scope's.
+leaf-module calls are dslaunch.runtime.zero.hook_scope's; the tensor-fragment calls
+(safe_get_full_fp32_param and friends) are dslaunch.runtime.zero.fragments'.
 """
 import logging
 
@@ -9,6 +10,12 @@ from dslaunch.runtime.comm import is_initialized
 from dslaunch.runtime.dataloader import RepeatingLoader
 from dslaunch.runtime.zero.hook_scope import (
     get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
+)
+from dslaunch.runtime.zero.fragments import (
+    safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_fp32_param,
+    safe_get_local_grad, safe_get_local_optimizer_state, safe_set_full_fp32_param, safe_set_full_grad,
+    safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 
 from dslaunch.runtime.inference import OnDevice
@@ -78,4 +85,8 @@ class DeprecatedException(Exception):
 
 __all__ = ["logger", "log_dist", "log_dist_once", "is_initialized", "RepeatingLoader", "set_z3_leaf_modules",
            "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "OnDevice", "set_log_level_from_string",
-           "recursive_getattr", "recursive_setattr", "instrument_w_nvtx", "DeprecatedException"]
+           "recursive_getattr", "recursive_setattr", "instrument_w_nvtx", "DeprecatedException",
+           "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+           "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
+           "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+           "safe_get_local_grad", "safe_set_local_grad", "safe_update_full_grad_vectorized"]
