@@ -2,7 +2,8 @@
 tests/test_sequence_engine.py and scripts/make_ds_sp_fixtures.py (which runs it under real
 DeepSpeed). Written against DeepSpeed's API only: `ds` is `deepspeed` or
 `dslaunch.runtime`, and the attention wrapper is `ds.sequence.layer.DistributedAttention`
-(DeepSpeed) or dslaunch's.
+(DeepSpeed) or dslaunch's; `init_kwargs` carries what only DeepSpeed's initialize takes
+(its `mesh_param=(dp, sp)`, which builds DeepSpeed's sequence groups).
 
 Every rank of a sequence group gets the same rows and keeps its slice of the sequence
 (positions offset by its rank), so sp ranks together see what one process sees.
@@ -63,7 +64,7 @@ def batch(step, rows):
     return t[:, :SEQ], t[:, 1:]
 
 
-def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config=None):
+def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config=None, init_kwargs=None):
     """Train STEPS steps; return (the loss of each step averaged over every rank, the
     module's weights at the end as one flat list; stages 0-2 keep them whole on every rank)."""
     import torch
@@ -73,6 +74,7 @@ def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = world // sp
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+           "gradient_clipping": 1.0,  # explicit: the global norm must count sequence ranks once
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     if sp > 1:
         cfg["sequence_parallel_size"] = sp
@@ -81,7 +83,7 @@ def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config
         opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
     else:
         opt = torch.optim.SGD(net.parameters(), lr=0.5)
-    engine, _, _, _ = ds.initialize(model=net, optimizer=opt, config=cfg)
+    engine, _, _, _ = ds.initialize(model=net, optimizer=opt, config=cfg, **(init_kwargs or {}))
     group = engine.seq_parallel_group if sp > 1 else None
     if sp > 1:
         net.attn = attention_cls(causal_attention, group)

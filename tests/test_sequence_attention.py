@@ -72,22 +72,26 @@ def attention_body(batch_dim_idx, seq, heads, kv_heads):
     return diffs
 
 
-CASES = [  # (nprocs, batch_dim_idx, seq, heads, kv_heads)
-    pytest.param(2, 1, 8, 4, 4, id="sbhd-sp2"),
-    pytest.param(2, 0, 8, 4, 4, id="bshd-sp2"),
-    pytest.param(2, 0, 6, 6, 3, id="bshd-sp2-uneven-kv-gqa"),
-    pytest.param(2, 1, 4, 5, 5, id="sbhd-sp2-uneven-heads"),
-    pytest.param(4, 0, 8, 8, 4, id="bshd-sp4-gqa"),
-    pytest.param(4, 1, 8, 10, 5, id="sbhd-sp4-uneven-gqa"),
-]
+CASES = {  # nprocs -> [(batch_dim_idx, seq, heads, kv_heads)], one launch per world size
+    2: [(1, 8, 4, 4),   # [s, b, h, d]
+        (0, 8, 4, 4),   # [b, s, h, d]
+        (0, 6, 6, 3),   # GQA with 3 key/value heads over 2 ranks: 2 and 1 (query heads 4 and 2)
+        (1, 4, 5, 5)],  # 5 heads over 2 ranks: 3 and 2
+    4: [(0, 8, 8, 4),   # GQA, 4 ranks
+        (1, 8, 10, 5)],  # uneven GQA: 5 key/value heads over 4 ranks
+}
 
 
-@pytest.mark.parametrize("nprocs,batch_dim_idx,seq,heads,kv_heads", CASES)
-def test_distributed_attention_equals_full_sequence_attention(nprocs, batch_dim_idx, seq, heads, kv_heads):
-    results = run_function(attention_body, nprocs=nprocs, timeout=120,
-                           kwargs=dict(batch_dim_idx=batch_dim_idx, seq=seq, heads=heads, kv_heads=kv_heads))
-    for rank, diffs in enumerate(results):
-        assert max(diffs) < 1e-5, (rank, diffs)  # output, dq, dk, dv
+def cases_body(cases):
+    return [attention_body(*case) for case in cases]
+
+
+@pytest.mark.parametrize("nprocs", sorted(CASES))
+def test_distributed_attention_equals_full_sequence_attention(nprocs):
+    results = run_function(cases_body, nprocs=nprocs, timeout=120, kwargs=dict(cases=CASES[nprocs]))
+    for rank, per_case in enumerate(results):
+        for case, diffs in zip(CASES[nprocs], per_case):
+            assert max(diffs) < 1e-5, (rank, case, diffs)  # output, dq, dk, dv
 
 
 def test_head_splits_follow_key_value_heads():
