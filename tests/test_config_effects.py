@@ -69,6 +69,7 @@ ALL = {
                    "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
     "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True},
     "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False},
+    "sequence_parallel_size": 1,
     "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
                         "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                                               "partition_type": "row"}]}},
@@ -82,6 +83,7 @@ ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "zero_optimization.sta
 T = "tests/test_config_effects.py::"
 TP = "tests/test_tp_training.py::"
 EFFECTS = {
+    "sequence_parallel_size": "tests/test_sequence_engine.py::test_sp2_and_zero2_equal_one_process_and_deepspeed",
     "tensor_parallel": TP + "test_tp2_equals_one_process",
     "tensor_parallel.autotp_size": TP + "test_tp2_equals_one_process",
     "tensor_parallel.partition_config": TP + "test_partition_config_layer_specs_decide_the_split",

@@ -39,8 +39,10 @@ def startup_line(engine) -> str:
     sizes = parallel_sizes(engine)
     opt = (f"optimizer {type(engine.optimizer).__name__} stepped by {optimizer_kernel(engine.optimizer, engine.strategy)}"
            if engine.optimizer is not None else "no optimizer (forward only)")
+    seq = getattr(engine, "seq_parallel_size", 1)
+    seq_part = f" x sequence {seq}" if seq > 1 else ""
     return (f"dslaunch: ZeRO stage {z.stage} | {dtype} | {offload} | {opt} | world {sizes['world']} = data {sizes['data']} "
-            f"x pipeline {sizes['pipeline']} x model {sizes['model']} | batch {b.train_batch_size} = micro "
+            f"x pipeline {sizes['pipeline']}{seq_part} x model {sizes['model']} | batch {b.train_batch_size} = micro "
             f"{b.micro_batch_per_gpu} x accumulation {b.gradient_accumulation_steps} x data {sizes['data']}")
 
 
