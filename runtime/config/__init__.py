@@ -110,7 +110,9 @@ class DeepSpeedConfig:
     sequence_parallel_size: int = supported(1, "Ulysses sequence-parallel degree: ranks sharing one sequence (the "
                                                   "mesh's sequence axis); the batch counts data-parallel ranks only, "
                                                   "gradients are averaged over data x sequence")
-    seq_parallel_communication_data_type: Any = refused("sequence parallelism is not supported; remove it", "fp32")
+    seq_parallel_communication_data_type: Any = refused(
+        "the Ulysses all-to-alls send activations in their own dtype (no separate communication dtype); remove it",
+        "fp32")
     tensor_parallel: TensorParallelConfig = supported(factory=TensorParallelConfig, note="")
     expert_parallel: Any = refused("AutoEP expert parallelism is not supported; remove it", disabled)
     use_data_before_expert_parallelism: Any = refused("expert parallelism is not supported; remove it", False)
