@@ -26,6 +26,8 @@ from .activation_checkpointing import checkpointing  # deepspeed.checkpointing.c
 from . import elasticity  # deepspeed.elasticity.compute_elastic_config
 from . import pipe  # deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec
 from . import tensor_parallel  # deepspeed.runtime.tensor_parallel
+from . import sequence  # deepspeed.sequence.layer.DistributedAttention
+from .sequence import SequenceParallelError
 from .tensor_parallel import set_autotp_mode, tp_model_init  # deepspeed.tp_model_init / set_autotp_mode
 
 __version__ = "0.1.0"
@@ -33,7 +35,8 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "DeepSpeedConfig",
            "ConfigError", "CheckpointError", "LossScaleStuck", "NonFiniteError", "GradientStrategy",
            "StrategyContext", "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice",
-           "checkpointing", "elasticity", "pipe", "zero", "tensor_parallel", "tp_model_init", "set_autotp_mode"]
+           "checkpointing", "elasticity", "pipe", "zero", "tensor_parallel", "tp_model_init", "set_autotp_mode",
+           "sequence", "SequenceParallelError"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -72,7 +75,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _one_line_errors(previous):
     def hook(exc_type, exc, tb):
-        if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError)):
+        if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError, SequenceParallelError)):
             import os
 
             # sys.__stderr__: torch.distributed's own excepthook swaps sys.stderr for a buffer.

@@ -106,3 +106,21 @@ def test_hf_bad_input_is_one_line():
     for per_rank in results:
         for text, (_, message) in zip(per_rank, BAD):
             assert isinstance(text, str) and message in text and "\n" not in text, (text, message)
+
+
+def test_uncaught_refusal_is_one_line_and_exit_2(tmp_path):
+    """A script whose sequence-parallel layout cannot work stops with one line and exit 2."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bad_sp.py"
+    script.write_text(
+        "import dslaunch.runtime as deepspeed\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from dslaunch.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF\n"
+        "model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,\n"
+        "                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))\n"
+        "UlyssesSPAttentionHF.register_with_transformers(model, 'sdpa', 2, 1)\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == ["error: ulysses: sequence 2 does not divide world 1"], res.stderr
