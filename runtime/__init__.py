@@ -29,6 +29,8 @@ from .pipe import PipelineModule  # deepspeed.PipelineModule
 from .pipe.engine import PipelineEngine  # deepspeed.PipelineEngine
 from .accelerator import get_accelerator  # deepspeed.get_accelerator
 from . import tensor_parallel  # deepspeed.runtime.tensor_parallel
+from . import sequence  # deepspeed.sequence.layer.DistributedAttention
+from .sequence import SequenceParallelError
 from .tensor_parallel import set_autotp_mode, tp_model_init  # deepspeed.tp_model_init / set_autotp_mode
 from . import utils  # deepspeed.utils.safe_get_full_fp32_param and friends, zero_to_fp32
 
@@ -38,7 +40,9 @@ __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedE
            "ConfigError", "CheckpointError", "LossScaleStuck", "NonFiniteError", "GradientStrategy",
            "StrategyContext", "register_strategy", "accelerator", "init_inference", "InferenceEngine", "OnDevice",
            "checkpointing", "elasticity", "pipe", "zero", "tensor_parallel", "tp_model_init", "set_autotp_mode",
-           "PipelineModule", "PipelineEngine", "get_accelerator", "load_ds_config", "log_dist"]
+           "PipelineModule", "PipelineEngine", "get_accelerator", "load_ds_config", "log_dist",
+           "sequence", "SequenceParallelError"]
+
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -121,7 +125,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _one_line_errors(previous):
     def hook(exc_type, exc, tb):
-        if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError)):
+        if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError, SequenceParallelError)):
             import os
 
             # sys.__stderr__: torch.distributed's own excepthook swaps sys.stderr for a buffer.

@@ -105,6 +105,13 @@ class DeepSpeedEngine(torch.nn.Module):
         self.dp_rank = self.mesh.rank("data")
         self.dp_group = self.mesh.group("data")
         self.mp_world_size = self.mesh.size("replica")
+        # where replicated parameters' gradients are averaged and ZeRO state is sharded: the
+        # data axis, or data x sequence when sequence ranks split each sample (Ulysses)
+        self.seq_parallel_size = self.mesh.size("sequence")
+        self.seq_parallel_group = self.mesh.group("sequence")  # DeepSpeed's name: DistributedAttention's group
+        grad_axis = mesh_select.gradient_axis(self.mesh)
+        self.seq_data_parallel_group = self.mesh.group(grad_axis)
+        self._grad_rank, self._grad_world = self.mesh.rank(grad_axis), self.mesh.size(grad_axis)
         self.batch = resolve_batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
             self.mesh, mpu, comm.world_source(), self.world_size))
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
@@ -131,9 +138,13 @@ class DeepSpeedEngine(torch.nn.Module):
             # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow);
             # Accelerate reads it so that a scheduler it steps skips that step too.
             self.optimizer.overflow = False
+        if self.seq_parallel_size > 1 and self.optimizer is not None and any(
+                g.get("moe", False) for g in self.optimizer.param_groups):
+            raise ConfigError(f"sequence_parallel_size {self.seq_parallel_size} with \"moe\" param groups (expert "
+                              "parallelism) is not supported")
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
-                              compute_dtype=self.compute_dtype, rank=self.dp_rank, world_size=self.dp_world_size,
-                              group=self.dp_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
+                              compute_dtype=self.compute_dtype, rank=self._grad_rank, world_size=self._grad_world,
+                              group=self.seq_data_parallel_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
                               mesh=self.mesh)
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
         self.strategy.wrap_module()
@@ -232,7 +243,8 @@ class DeepSpeedEngine(torch.nn.Module):
         try:
             expert = expert_parallel_size(model)
             mesh = mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
-                                        tensor=self.config.tensor_parallel.size, expert=expert)
+                                        tensor=self.config.tensor_parallel.size, expert=expert,
+                                        sequence=self.config.sequence_parallel_size)
         except mesh_select.MeshError as exc:
             raise ConfigError(str(exc)) from None
         self.expert_parallel_size = expert
@@ -286,13 +298,14 @@ class DeepSpeedEngine(torch.nn.Module):
     # -- set-up helpers ----------------------------------------------------------------------
     def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
         # Replicas may have initialised differently (different seeds): the first rank of
-        # each data-parallel group wins (other stages and tensor slices hold other weights).
-        # Experts differ across the expert axis: each is broadcast over its replicas
-        # (expert_data) from the first of them, as DeepSpeed does.
-        if self.dp_world_size > 1 and comm.is_initialized():
+        # each data-parallel group wins (other stages and tensor slices hold other weights;
+        # sequence ranks hold the same ones, so the group is data x sequence then). Experts
+        # differ across the expert axis: each is broadcast over its replicas (expert_data)
+        # from the first of them, as DeepSpeed does.
+        if self._grad_world > 1 and comm.is_initialized():
             from .moe.utils import is_moe_param
 
-            src = mesh_select.first_data_rank(self.mesh)
+            src = self.mesh.ranks(mesh_select.gradient_axis(self.mesh))[0]
             with torch.no_grad():
                 for name, t in list(model.named_parameters()) + list(model.named_buffers()):
                     if is_moe_param(t) and self.expert_parallel_size > 1:
@@ -300,7 +313,7 @@ class DeepSpeedEngine(torch.nn.Module):
                             comm.broadcast(t.data, src=self.mesh.ranks("expert_data")[0],
                                            group=self.mesh.group("expert_data"), label=f"initial expert {name}")
                         continue
-                    comm.broadcast(t.data, src=src, group=self.dp_group, label=f"initial {name}")
+                    comm.broadcast(t.data, src=src, group=self.seq_data_parallel_group, label=f"initial {name}")
 
     def _make_optimizer(self, optimizer, model_parameters, model):
         if optimizer is not None and self.config.optimizer is not None:
@@ -518,7 +531,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """The strategy's norm (this replica's share, complete over the data-parallel
         group) summed over the model-parallel group: every stage and tensor slice."""
         norm = self.strategy.global_grad_norm()
-        if self.mp_world_size > 1 and comm.is_initialized():
+        if mesh_select.norm_sums_over_replica(self.mesh) and comm.is_initialized():
             sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)  # NCCL moves no CPU tensors
             comm.all_reduce(sq, group=self.mesh.group("replica"), label="grad norm over model parallel")
             norm = float(sq.sqrt())
@@ -563,11 +576,24 @@ class DeepSpeedEngine(torch.nn.Module):
             self.training_dataloader.set_epoch(state.get("dataloader_epoch", 0))
         self._update_compression()
 
+    def get_sequence_parallel_group(self):
+        """The process group of this rank's sequence axis (DistributedAttention's group)."""
+        return self.seq_parallel_group
+
+    def _refuse_sequence_checkpoint(self, what: str) -> None:
+        # ZeRO state is sharded over data x sequence ranks, which DeepSpeed's file layout
+        # (one shard per data-parallel rank) does not name
+        if self.seq_parallel_size > 1:
+            raise checkpoint.CheckpointError(f"{what}: checkpoints with sequence_parallel_size "
+                                             f"{self.seq_parallel_size} are not supported; save the weights with "
+                                             "the module's state_dict on one rank instead")
+
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True, allow_pickle: bool = False) -> str:
         """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
         need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
         self.strategy.refuse_axes_in_checkpoint()  # before any file or folder is made
+        self._refuse_sequence_checkpoint("save_checkpoint")
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
@@ -576,6 +602,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
         weights_only=True unless trust_pickle=True."""
         self.strategy.refuse_axes_in_checkpoint()
+        self._refuse_sequence_checkpoint("load_checkpoint")
         return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

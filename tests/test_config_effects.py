@@ -88,6 +88,7 @@ ALL = {
                                     "different_groups": {}},
         "layer_reduction": {"enabled": False, "keep_number_layer": 2, "module_name_prefix": "layers",
                             "teacher_layer": [1, 3], "other_module_name": ["emb"]}},
+    "sequence_parallel_size": 1,
     "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
                         "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                                               "partition_type": "row"}]}},
@@ -102,6 +103,7 @@ T = "tests/test_config_effects.py::"
 TP = "tests/test_tp_training.py::"
 C = "tests/test_compression.py::"
 EFFECTS = {
+    "sequence_parallel_size": "tests/test_sequence_engine.py::test_sp2_and_zero2_equal_one_process_and_deepspeed",
     "tensor_parallel": TP + "test_tp2_equals_one_process",
     "tensor_parallel.autotp_size": TP + "test_tp2_equals_one_process",
     "tensor_parallel.partition_config": TP + "test_partition_config_layer_specs_decide_the_split",

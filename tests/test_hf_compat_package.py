@@ -34,6 +34,12 @@ PROBE = textwrap.dedent('''
                    deepspeed.runtime.engine.__spec__.name == "dslaunch.runtime.engine",
                    deepspeed.zero.Init is rt.zero.Init,
                    deepspeed.zero.GatheredParameters is rt.zero.GatheredParameters]
+    import deepspeed.sequence.layer
+    out["same"].append(deepspeed.sequence.layer.DistributedAttention is rt.sequence.layer.DistributedAttention)
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    import dslaunch.runtime.sequence_parallel.ulysses_sp as usp
+    out["same"] += [UlyssesSPAttentionHF is usp.UlyssesSPAttentionHF,
+                    UlyssesSPDataLoaderAdapter is usp.UlyssesSPDataLoaderAdapter]
     import deepspeed.ops.adam, deepspeed.ops.lion, deepspeed.ops.adagrad, dslaunch.runtime.ops as ops
     out["ops"] = [deepspeed.ops.adam.DeepSpeedCPUAdam is ops.adam.DeepSpeedCPUAdam,
                   deepspeed.ops.adam.FusedAdam is ops.adam.FusedAdam,

@@ -111,8 +111,12 @@ class DeepSpeedConfig:
     # -- layout --------------------------------------------------------------------------
     elasticity: ElasticityConfig = supported(factory=ElasticityConfig, note="")
     pipeline: PipelineConfig = supported(factory=PipelineConfig, note="")
-    sequence_parallel_size: Any = refused("sequence parallelism is not supported; remove it", 1)
-    seq_parallel_communication_data_type: Any = refused("sequence parallelism is not supported; remove it", "fp32")
+    sequence_parallel_size: int = supported(1, "Ulysses sequence-parallel degree: ranks sharing one sequence (the "
+                                                  "mesh's sequence axis); the batch counts data-parallel ranks only, "
+                                                  "gradients are averaged over data x sequence")
+    seq_parallel_communication_data_type: Any = refused(
+        "the Ulysses all-to-alls send activations in their own dtype (no separate communication dtype); remove it",
+        "fp32")
     tensor_parallel: TensorParallelConfig = supported(factory=TensorParallelConfig, note="")
     expert_parallel: Any = refused("AutoEP expert parallelism is not supported; remove it", disabled)
     use_data_before_expert_parallelism: Any = refused(
@@ -144,6 +148,7 @@ class DeepSpeedConfig:
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
             positive(path, key, getattr(self, key))
         positive(path, "gradient_clipping", self.gradient_clipping, allow_zero=True)
+        positive(path, "sequence_parallel_size", self.sequence_parallel_size)
         positive(path, "steps_per_print", self.steps_per_print)
         if self.steps_per_print != float("inf") and not float(self.steps_per_print).is_integer():
             raise ConfigError(f"{path + '.' if path else ''}steps_per_print: must be a whole number of steps "

@@ -42,8 +42,10 @@ def startup_line(engine) -> str:
     experts = _expert_size(engine)
     data = f"data {sizes['data']}" + (f" (expert {experts} x expert-data {sizes['data'] // experts})"
                                       if experts > 1 else "")
+    seq = getattr(engine, "seq_parallel_size", 1)
+    seq_part = f" x sequence {seq}" if seq > 1 else ""
     return (f"dslaunch: ZeRO stage {z.stage} | {dtype} | {offload} | {opt} | world {sizes['world']} = {data} "
-            f"x pipeline {sizes['pipeline']} x model {sizes['model']} | batch {b.train_batch_size} = micro "
+            f"x pipeline {sizes['pipeline']}{seq_part} x model {sizes['model']} | batch {b.train_batch_size} = micro "
             f"{b.micro_batch_per_gpu} x accumulation {b.gradient_accumulation_steps} x data {sizes['data']}")
 
 

@@ -15,17 +15,25 @@ from .mpu import MpuMesh
 
 
 def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *, tensor: int = 1,
-             expert: int = 1):
+             expert: int = 1, sequence: int = 1):
     """The mesh of an engine. `tensor` > 1: the config asked for tensor parallelism
     (`tensor_parallel.autotp_size`) on a model without its own mesh. `expert` > 1: the
     model's MoE layers spread their experts over groups of `expert` data-parallel ranks
-    (the mesh's `expert` and `expert_data` axes). Raises MeshError."""
+    (the mesh's `expert` and `expert_data` axes). `sequence` > 1: Ulysses sequence
+    parallelism (`sequence_parallel_size`). Raises MeshError."""
+    if expert > 1 and sequence > 1:
+        raise MeshError(f"MoE ep_size {expert} with sequence_parallel_size {sequence} is not supported; use one of them")
     if expert > 1:
         return _expert_mesh(model, mpu, world_size, distributed, tensor, expert)
     own = getattr(model, "parallel_mesh", None)
+    if sequence > 1 and tensor > 1:
+        raise MeshError(f"sequence_parallel_size {sequence} with tensor_parallel.autotp_size {tensor} is not "
+                        "supported; use one of them")
     if own is not None:
         if mpu is not None:
             raise MeshError("initialize: pass either mpu= or a PipelineModule (whose topology is the mpu), not both")
+        if sequence > 1:
+            raise MeshError(f"sequence_parallel_size {sequence} with a PipelineModule is not supported")
         if tensor > 1 and own.size("tensor") != tensor:
             raise MeshError(f"tensor_parallel.autotp_size {tensor} differs from the model's topology "
                             f"(tensor {own.size('tensor')}); give the PipelineModule a topology with "
@@ -36,13 +44,20 @@ def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *
         if tensor > 1 and mesh.size("tensor") != tensor:
             raise MeshError(f"tensor_parallel.autotp_size {tensor} differs from the mpu's tensor-parallel size "
                             f"{mesh.size('tensor')}")
+        if sequence > 1 and mesh.size("sequence") != sequence:
+            raise MeshError(f"sequence_parallel_size {sequence} differs from the mpu's sequence-parallel size "
+                            f"{mesh.size('sequence')}")
+        if mesh.size("sequence") > 1 and (mesh.size("pipe") > 1 or mesh.size("tensor") > 1):
+            raise MeshError(f"the mpu's sequence-parallel size {mesh.size('sequence')} with pipeline or tensor "
+                            "parallelism is not supported")
         return mesh
     if not distributed:
-        if tensor > 1:
-            raise MeshError(f"tensor {tensor} does not divide world 1")
+        for axis, size in (("tensor", tensor), ("sequence", sequence)):
+            if size > 1:
+                raise MeshError(f"{axis} {size} does not divide world 1")
         return data_parallel_grid(rank=0, world_size=1, group_factory=lambda ranks: None)
-    if tensor > 1:
-        return PipelineParallelGrid(topology_for(MeshDims.for_world(world_size, tensor=tensor)))
+    if tensor > 1 or sequence > 1:
+        return PipelineParallelGrid(topology_for(MeshDims.for_world(world_size, tensor=tensor, sequence=sequence)))
     return data_parallel_grid()
 
 
@@ -58,6 +73,22 @@ def _expert_mesh(model, mpu, world_size: int, distributed: bool, tensor: int, ex
         raise MeshError(f"MoE ep_size {expert} does not divide the data-parallel size {world} (the world)")
     dims = MeshDims.for_world(world, expert=expert)
     return PipelineParallelGrid(topology_for(dims), expert=expert)
+
+
+def gradient_axis(mesh) -> str:
+    """The axis replicated parameters' gradients are averaged (and ZeRO state sharded) over:
+    data x sequence when a sequence is split (each sequence rank saw a different slice of
+    the same samples), the data axis otherwise."""
+    return "data_sequence" if mesh.size("sequence") > 1 else "data"
+
+
+def norm_sums_over_replica(mesh) -> bool:
+    """Whether the gradient norm must be summed over the replica axis: only when other
+    ranks hold other parameters (pipeline stages, tensor slices). Sequence ranks hold the
+    same parameters, whose norm the data x sequence reduction already completed."""
+    if mesh.size("sequence") > 1 and mesh.size("pipe") == 1 and mesh.size("tensor") == 1:
+        return False
+    return mesh.size("replica") > 1
 
 
 def dp_size_source(mesh, mpu, world_source: str, world_size: int) -> str:
@@ -91,8 +122,3 @@ def norm_exclude(model, mesh, mpu) -> frozenset:
         out.update(id(p) for p in model.parameters() if id(p) not in sharded
                    and not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False)))
     return frozenset(out)
-
-
-def first_data_rank(mesh) -> Optional[int]:
-    """The global rank whose weights the other replicas take at start-up."""
-    return mesh.ranks("data")[0]

@@ -1,0 +1,188 @@
+"""Ulysses sequence parallelism (`sequence_parallel_size`): peak activation bytes per rank and
+step time against sequence length, at sp = 1, 2, 4.
+
+    python scripts/bench_sp.py [--sp 1 2 4] [--seq 256 512 1024] [--hidden 128] [--heads 8]
+        [--layers 2] [--micro 1] [--steps 3] [--cuda]
+
+The model is a stack of `--layers` causal attention blocks (`--heads` query heads, half as
+many key/value heads, an MLP of 4 x `--hidden`) with an LM head, its attention wrapped in
+DistributedAttention. For each sp and sequence length, sp fresh ranks train it through
+initialize() with `sequence_parallel_size` = sp, each on its 1/sp slice of the same batch,
+torch's AdamW, ZeRO off; one warm-up step, then `--steps` timed ones. Printed per run:
+
+* step: the median over steps of the slowest rank's forward + backward + step wall time;
+* activations: the peak bytes autograd keeps for backward on rank 0 (saved-tensor hooks on
+  the CPU; on CUDA torch.cuda.max_memory_allocated over the step, everything);
+* each figure's ratio to sp = 1 at the same length: activations per rank should fall by sp
+  (the attention's whole-sequence q, k, v come in 1/sp of the heads).
+
+On the CPU each rank runs one thread; sp ranks need sp free cores for the times to mean
+anything, so say the load average with the figures. `--cuda` runs one GPU per rank (NCCL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_pipeline import SavedActivations  # noqa: E402  (the activation counter, shared)
+
+VOCAB = 1024
+
+
+def build_model(args):
+    from dslaunch.runtime.sequence import DistributedAttention
+
+    torch.manual_seed(0)
+    hd, kv = args.hidden // args.heads, max(1, args.heads // 2)
+
+    def attention(q, k, v):  # [b, s, h, d], causal, GQA
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.LayerNorm(args.hidden), torch.nn.LayerNorm(args.hidden)
+            self.q = torch.nn.Linear(args.hidden, args.heads * hd)
+            self.kv = torch.nn.Linear(args.hidden, 2 * kv * hd)
+            self.o = torch.nn.Linear(args.heads * hd, args.hidden)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(args.hidden, 4 * args.hidden), torch.nn.GELU(),
+                                           torch.nn.Linear(4 * args.hidden, args.hidden))
+            self.attn = lambda q, k, v, batch_dim_idx: attention(q, k, v)  # sp = 1: the whole sequence here
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            h = self.norm1(x)
+            q = self.q(h).view(b, s, args.heads, hd)
+            k, v = self.kv(h).view(b, s, 2, kv, hd).unbind(2)
+            x = x + self.o(self.attn(q, k, v, 0).reshape(b, s, -1))
+            return x + self.mlp(self.norm2(x))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, args.hidden)
+            self.pos = torch.nn.Embedding(max(args.seq), args.hidden)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(args.layers))
+            self.head = torch.nn.Linear(args.hidden, VOCAB)
+
+        def forward(self, tokens, offset):
+            x = self.emb(tokens) + self.pos(torch.arange(offset, offset + tokens.shape[1], device=tokens.device))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(x)
+
+        def use_group(self, group):
+            for blk in self.blocks:
+                blk.attn = DistributedAttention(attention, group)
+
+    return Net()
+
+
+def run(args, sp: int, seq: int, device) -> dict:
+    import dslaunch.runtime as ds
+    from dslaunch.runtime import comm
+
+    net = build_model(args)
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "steps_per_print": 10 ** 9}
+    if sp > 1:
+        cfg["sequence_parallel_size"] = sp
+    engine, _, _, _ = ds.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4), config=cfg)
+    if sp > 1:
+        net.use_group(engine.seq_parallel_group)
+    r, chunk = engine.mesh.rank("sequence"), seq // sp
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (args.micro, seq + 1), generator=g)
+    x = tokens[:, r * chunk:(r + 1) * chunk].to(device)
+    y = tokens[:, 1 + r * chunk:1 + (r + 1) * chunk].to(device)
+    times, peak = [], 0
+    for i in range(1 + args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        with SavedActivations(net) as saved:
+            loss = torch.nn.functional.cross_entropy(engine(x, r * chunk).reshape(-1, VOCAB), y.reshape(-1))
+            engine.backward(loss)
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        comm.all_reduce(took, op=comm.ReduceOp.MAX, group=comm.get_world_group(), label="bench step time")
+        if i:  # the first step warms up
+            times.append(float(took))
+        peak = max(peak, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.peak)
+    return {"step_s": statistics.median(times), "activations": peak}
+
+
+def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
+    if args.cuda:
+        torch.cuda.set_device(device)
+    import dslaunch.runtime as ds
+
+    ds.init_distributed("nccl" if args.cuda else "gloo")
+    out = {seq: run(args, world, seq, device) for seq in args.seq}
+    if rank == 0:
+        with open(result_path, "w") as fh:
+            json.dump(out, fh)
+
+
+def spawn(sp: int, args) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(sp, port, args, path), nprocs=sp, join=True)
+        return {int(k): v for k, v in json.load(open(path)).items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024])
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cuda", action="store_true")
+    args = p.parse_args()
+    for sp in args.sp:
+        bad = [s for s in args.seq if s % sp]
+        if sp < 1 or bad or max(1, args.heads // 2) < sp or args.hidden % args.heads:
+            sys.exit(f"error: sp {sp} needs --seq multiples of it (not {bad}), at least {sp} key/value heads "
+                     f"(--heads {args.heads} gives {max(1, args.heads // 2)}) and --hidden a multiple of --heads")
+    if args.cuda and torch.cuda.device_count() < max(args.sp):
+        sys.exit(f"error: --cuda needs {max(args.sp)} GPUs for --sp {max(args.sp)}; "
+                 f"{torch.cuda.device_count()} visible")
+    results = {sp: spawn(sp, args) for sp in args.sp}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"Ulysses: {args.layers} blocks of width {args.hidden}, {args.heads} heads, micro {args.micro}; "
+          f"{'CUDA' if args.cuda else 'CPU'}; load average {load:.1f}; activations are rank 0's, MiB")
+    print(f"{'seq':>6} {'sp':>3} {'step s':>8} {'x sp1':>6} {'activ MiB':>10} {'x sp1':>6}")
+    for seq in args.seq:
+        base = results[args.sp[0]][seq]
+        for sp in args.sp:
+            r = results[sp][seq]
+            print(f"{seq:>6} {sp:>3} {r['step_s']:>8.3f} {r['step_s'] / base['step_s']:>6.2f} "
+                  f"{r['activations'] / 2 ** 20:>10.2f} {r['activations'] / base['activations']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
