@@ -41,10 +41,10 @@ def train_body(cases):
 
 @functools.lru_cache(maxsize=None)
 def _one_process(micro, optimizer):
-    import sys
-
-    sys.path.insert(0, HERE)
-    return train_body([(1, micro, 0, optimizer)])[0]
+    # in a process of its own: the engine starts a process group, which must not outlive
+    # the run inside pytest's process (later tests there use fake groups)
+    return run_function(train_body, nprocs=1, timeout=240, env={"PYTHONPATH": HERE},
+                        kwargs=dict(cases=[(1, micro, 0, optimizer)]))[0][0]
 
 
 def _close(a, b, tol=1e-5):
