@@ -443,3 +443,46 @@ def test_the_probe_measures_what_checkpointing_keeps_and_the_model_predicts_it_o
     assert with_ckpt == on["activation_bytes_per_sample"]
     assert without == measured["off"]["activation_bytes_per_sample"] == (8 + 2 * 40) * 4
     assert measured["off"]["checkpoint_segment_bytes_per_sample"] == []
+
+
+class FakeLauncher:
+    """Stands in for TrialLauncher: an outcome computed from the trial's config, no process."""
+
+    def __init__(self):
+        self.ran = []
+
+    def command(self, exp_dir, ds_config, flags=None):
+        return ["dslaunch", "t.py"]
+
+    def run(self, exp_dir, ds_config, timeout, flags=None):
+        self.ran.append(exp_dir.name)
+        zero = ds_config["zero_optimization"]
+        speed = 10.0 * ds_config["train_micro_batch_size_per_gpu"] - 5 * ("offload_optimizer" in zero) + \
+            zero.get("reduce_bucket_size", 500_000_000) / 1e8 - zero.get("allgather_bucket_size", 0) / 1e8
+        metrics = {"throughput": speed, "latency": 1 / speed, "measured_bytes": 1000, "params": 100,
+                   "activation_bytes_per_sample": 10.0, "dp": 2, "memory_limit_bytes": 10**9, "device": "cpu"}
+        return trial.Outcome("ok", metrics, "", 0.1)
+
+
+@pytest.mark.parametrize("num_trials", [50, 3])
+def test_fast_false_tunes_bucket_sizes_around_the_best_within_the_bounds(tmp_path, monkeypatch, num_trials):
+    from dslaunch.launcher.autotune.driver import Settings, Tuning
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "autotuning": {
+        "fast": False, "max_train_batch_size": 4, "num_tuning_micro_batch_sizes": 1, "tuner_num_trials": num_trials}}))
+    tuning = Tuning(LaunchOptions(script="t.py", script_args=("--deepspeed_config", "cfg.json")), Settings("tune"), {})
+    tuning.launcher = fake = FakeLauncher()
+    assert tuning.tune() == 0
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    rows = {ln.split()[1]: ln for ln in summary.splitlines()[5:] if ln.strip()}
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    if num_trials == 50:  # the sweep, then one knob at a time around its best (z1_mbs2_gas1)
+        assert fake.ran == ["profile_model_info", "z1_mbs2_gas1", "z1_mbs2_gas1_offopt", "z1_mbs2_gas1_rb5e7",
+                            "z1_mbs2_gas1_rb1e9", "z1_mbs2_gas1_ab5e7", "z1_mbs2_gas1_ab1e9"]
+        assert optimal["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1_000_000_000}
+        assert "best: highest throughput" in rows["z1_mbs2_gas1_rb1e9"]
+    else:  # the trial count bounds the bucket trials too: those left are listed, not dropped
+        assert fake.ran == ["profile_model_info", "z1_mbs2_gas1", "z1_mbs2_gas1_offopt", "z1_mbs2_gas1_rb5e7"]
+        assert rows["z1_mbs2_gas1_ab1e9"].endswith("not tried: tuner_num_trials 3 reached")
+        assert optimal["zero_optimization"] == {"stage": 1}
