@@ -215,6 +215,7 @@ class TrialProbe:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             available = _host_available()
             limit = None if available is None else available // max(1, local)
+            gc.collect()  # tensors only an uncollected reference cycle holds are not the configuration's
             measured = _live_tensor_bytes() - self._baseline + self.peak_saved
         metrics = {
             "rank": e.global_rank, "steps": steps, "elapsed_s": elapsed,

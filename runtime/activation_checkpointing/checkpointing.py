@@ -165,6 +165,9 @@ class CheckpointFunction(torch.autograd.Function):
         _sync()
         start = time.perf_counter()
         inputs = saved.restore(ctx.kept, ctx.needs_grad, state)
+        # the kept inputs are done with: a script that holds its output (and so this node)
+        # past backward must not hold them too, as save_for_backward's tensors are not held
+        ctx.kept = None
         if ctx.slots is not None:
             ctx.slots.closed()
         args = saved.merge(inputs, ctx.others)
