@@ -6,6 +6,10 @@ DSLAUNCH_TRIAL_DIR, where each rank writes metrics_rank<N>.json, and DSLAUNCH_TR
 "start:end", DeepSpeed's start_profile_step and end_profile_step. The steps after
 `start` up to `end` are timed; the forward passes of the step before them are watched with
 autograd's saved-tensor hooks, so the activation bytes are measured rather than guessed.
+Where the model checkpoints activations (deepspeed.checkpointing.checkpoint), that step
+also counts the inputs each segment keeps and what each segment's recompute saves in
+backward: the launcher's memory model (launcher/autotune/memory.py activation_model)
+predicts from them the activations with checkpointing on and off.
 
 How the trial stops: when step `end` completes, engine.step() raises TrialComplete. It
 derives from BaseException, not Exception, for the reason SystemExit and
@@ -74,7 +78,12 @@ class TrialProbe:
     def __init__(self, engine, out_dir: str, start: int, end: int):
         self.engine, self.out_dir, self.start, self.end = engine, Path(out_dir), start, end
         self.t0: Optional[float] = time.perf_counter() if start == 0 else None  # start 0: from initialize()
-        self.peak_saved = 0  # the most bytes one forward saved for backward
+        # in the measured step's (last) micro-batch: bytes the forward saved for backward outside
+        # checkpointed segments, the inputs the segments kept, and what each recompute saved
+        self.forward_saved = 0
+        self.kept_bytes = 0
+        self.segments: list = []
+        self._seen: set = set()
         self._params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
         self._baseline = 0  # set by the engine: see baseline()
 
@@ -96,34 +105,78 @@ class TrialProbe:
         start, _, end = os.environ.get(TRIAL_STEPS_VAR, "").partition(":")
         probe = cls(engine, out, int(start), int(end))
         probe._baseline = baseline or 0
+        from .activation_checkpointing import checkpointing
+
+        checkpointing.observer = probe
         return probe
+
+    @property
+    def peak_saved(self) -> int:
+        """Activation bytes one micro-batch holds at its peak: what the forward saved and the
+        segments kept, plus the largest segment's recompute in backward."""
+        return self.forward_saved + self.kept_bytes + max(self.segments, default=0)
 
     def _measuring(self) -> bool:
         # the activations of one step: the last one before the timed steps, so that the hooks
         # cost them nothing (the first timed one when start_profile_step is 0)
         return self.engine.global_steps == max(0, self.start - 1)
 
+    def _new_bytes(self, t, seen: set) -> int:
+        """t's storage bytes unless it is a weight (model state, not activations) or counted."""
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except Exception:
+            return 0
+        if ptr in self._params or ptr in seen or not ptr:
+            return 0
+        seen.add(ptr)
+        return storage.nbytes()
+
+    @contextlib.contextmanager
+    def _counting(self, add):
+        seen: set = set()
+
+        def pack(t):
+            add(self._new_bytes(t, seen))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield seen
+
     @contextlib.contextmanager
     def forward(self):
         if not self._measuring():
             yield
             return
-        saved = [0]
-        seen = set()
+        self.forward_saved, self.kept_bytes, self.segments = 0, 0, []
 
-        def pack(t):
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except Exception:
-                return t
-            if ptr not in self._params and ptr not in seen:  # weights are model state, not activations
-                seen.add(ptr)
-                saved[0] += t.untyped_storage().nbytes()
-            return t
+        def add(n):
+            self.forward_saved += n
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with self._counting(add) as seen:
+            self._seen = seen  # shared with kept(): an input both kept and saved counts once
             yield
-        self.peak_saved = max(self.peak_saved, saved[0])
+
+    def kept(self, tensors) -> None:
+        """deepspeed.checkpointing: the inputs a segment keeps until its recompute."""
+        if self._measuring():
+            self.kept_bytes += sum(self._new_bytes(t, self._seen) for t in tensors if isinstance(t, torch.Tensor))
+
+    @contextlib.contextmanager
+    def recompute(self):
+        """deepspeed.checkpointing: around one segment's recompute in backward."""
+        if not self._measuring():
+            yield
+            return
+        saved = [0]
+
+        def add(n):
+            saved[0] += n
+
+        with self._counting(add):
+            yield
+        self.segments.append(saved[0])
 
     def _sync(self) -> None:
         if self.engine.device.type == "cuda":
@@ -141,6 +194,10 @@ class TrialProbe:
             if steps == self.end:
                 self._sync()
                 self.write(time.perf_counter() - self.t0)
+            from .activation_checkpointing import checkpointing
+
+            if checkpointing.observer is self:
+                checkpointing.observer = None
             # again at every later step, should a bare `except:` in the script have caught it
             raise TrialComplete(f"autotuning trial measured steps {self.start + 1}-{self.end}")
 
@@ -158,6 +215,7 @@ class TrialProbe:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             available = _host_available()
             limit = None if available is None else available // max(1, local)
+            gc.collect()  # tensors only an uncollected reference cycle holds are not the configuration's
             measured = _live_tensor_bytes() - self._baseline + self.peak_saved
         metrics = {
             "rank": e.global_rank, "steps": steps, "elapsed_s": elapsed,
@@ -166,6 +224,9 @@ class TrialProbe:
             "gradient_accumulation_steps": b.gradient_accumulation_steps, "zero_stage": e.zero_optimization_stage(),
             "dp": e.dp_world_size, "params": params,
             "activation_bytes_per_sample": self.peak_saved / b.micro_batch_per_gpu,
+            "forward_saved_bytes_per_sample": self.forward_saved / b.micro_batch_per_gpu,
+            "checkpoint_input_bytes_per_sample": self.kept_bytes / b.micro_batch_per_gpu,
+            "checkpoint_segment_bytes_per_sample": [n / b.micro_batch_per_gpu for n in self.segments],
             "measured_bytes": measured, "memory_limit_bytes": limit, "device": e.device.type,
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)

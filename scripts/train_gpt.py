@@ -106,8 +106,9 @@ class Block(nn.Module):
 
 
 class GPTlite(nn.Module):
-    def __init__(self, vocab_size=vocab_size):
+    def __init__(self, vocab_size=vocab_size, activation_checkpointing=False):
         super().__init__()
+        self.activation_checkpointing = activation_checkpointing  # each block recomputed in backward
         self.token_embedding_table = nn.Embedding(vocab_size, n_embd)
         self.position_embedding_table = nn.Embedding(block_size, n_embd)
         self.blocks = nn.Sequential(*[Block(n_embd, n_head) for _ in range(n_layer)])
@@ -118,7 +119,9 @@ class GPTlite(nn.Module):
         B, T = idx.shape
         tok_emb = self.token_embedding_table(idx)
         pos_emb = self.position_embedding_table(torch.arange(T, device=idx.device))
-        x = self.blocks(tok_emb + pos_emb)
+        x = tok_emb + pos_emb
+        for block in self.blocks:
+            x = deepspeed.checkpointing.checkpoint(block, x) if self.activation_checkpointing else block(x)
         logits = self.lm_head(self.ln(x))
         # (B, vocab, T): the layout CrossEntropyLoss expects for per-position targets
         return torch.swapaxes(logits, 1, 2)
@@ -147,6 +150,8 @@ def get_args(argv=None):
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps to train")
     parser.add_argument("--checkpoint_dir", default=None, help="save a checkpoint here at the end")
     parser.add_argument("--resume", action="store_true", help="load the latest checkpoint from --checkpoint_dir first")
+    parser.add_argument("--activation_checkpointing", choices=("true", "false"), default="false",
+                        help="recompute each block's activations in backward (autotuning switches it)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args(argv)
     if args.deepspeed_config is None:
@@ -159,7 +164,7 @@ def main(argv=None):
     deepspeed.init_distributed()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    model = GPTlite()
+    model = GPTlite(activation_checkpointing=args.activation_checkpointing == "true")
     dataset = GPTliteDataset(load_corpus(), block_size)
     model_engine, optimizer, train_dataloader, _ = deepspeed.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset)

@@ -51,7 +51,9 @@ def tuned(tmp_path_factory):
 
 def rows(summary: str):
     """experiment name -> its line of summary.txt."""
-    return {ln.split()[1]: ln for ln in summary.splitlines()[5:] if ln.strip()}
+    lines = summary.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("#  experiment")) + 1
+    return {ln.split()[1]: ln for ln in lines[start:] if ln.strip()}
 
 
 def test_tune_ranks_every_configuration_and_says_why(tuned):
@@ -145,3 +147,40 @@ def test_a_trial_over_the_budget_is_stopped(tmp_path):
     assert "the --autotuning_budget ran out" in r.stderr
     outcome = json.loads((tmp_path / "autotuning_results" / "profile_model_info" / "outcome.json").read_text())
     assert outcome["status"] == "timed out"
+
+
+CKPT_JOB = str(Path(__file__).with_name("workers") / "autotune_ckpt_job.py")
+
+
+def test_activation_checkpointing_is_tuned_through_the_scripts_switch(tmp_path):
+    """The job (70464 fp32 parameters with Adam: 1101 KiB of model states; 4 blocks of 20 KiB
+    of activations per sample) switches checkpointing with --ckpt. One profile trial with it
+    on measures both ways: 40 KiB per sample on, 84 KiB off. Under the limit, micro-batch 2
+    fits only with checkpointing on: the memory model prunes it off, and keeps it on."""
+    cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+           "steps_per_print": 1000,
+           "autotuning": {"start_profile_step": 1, "end_profile_step": 3, "max_train_batch_size": 4,
+                          "num_tuning_micro_batch_sizes": 1,
+                          "arg_mappings": {"train_micro_batch_size_per_gpu": "--batch",
+                                           "activation_checkpointing": "--ckpt"}}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    r = dslaunch(["--autotuning", "tune", "--num_gpus", "2", "--autotuning_memory_limit", "1250000", CKPT_JOB,
+                  "--deepspeed_config", "cfg.json", "--batch", "1", "--ckpt", "false"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    results = tmp_path / "autotuning_results"
+    summary = (results / "summary.txt").read_text()
+    assert "activation checkpointing (measured in profile_model_info): 40.0 KiB per sample with it on, " \
+           "84.0 KiB with it off" in summary
+    table = rows(summary)
+    assert set(table) == {"z0_mbs1_gas1_nockpt", "z0_mbs1_gas1_ckpt", "z0_mbs2_gas1_nockpt", "z0_mbs2_gas1_ckpt"}
+    assert "pruned, not launched: predicted 1.2 MiB > limit 1.2 MiB per rank" in table["z0_mbs2_gas1_nockpt"]
+    for name, flag in (("z0_mbs1_gas1_nockpt", "--ckpt false"), ("z0_mbs2_gas1_ckpt", "--ckpt true")):
+        assert flag in (results / name / "cmd.txt").read_text()
+        m = json.loads((results / name / "metrics.json").read_text())
+        # what the trial measured against what the model predicted, for each way
+        assert m["activation_bytes_per_sample"] == (40 if flag.endswith("true") else 84) * 1024
+        predicted = 70464 * 16 + m["activation_bytes_per_sample"] * m["micro_batch"]
+        assert 0.9 < m["measured_bytes"] / predicted < 1.1, (name, m["measured_bytes"], predicted)
+    best = summary.splitlines()[3].split()[1]
+    assert best in ("z0_mbs1_gas1_nockpt", "z0_mbs2_gas1_ckpt"), summary
+    assert ("--ckpt true" if best.endswith("_ckpt") else "--ckpt false") in (results / "cmd_optimal.txt").read_text()

@@ -2,14 +2,16 @@
 script arguments and outcome classification (no process started here)."""
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from dslaunch.launcher.autotune import ranking, trial
 from dslaunch.launcher.autotune.config import AutotuningConfig
 from dslaunch.launcher.autotune.driver import plan_candidates
-from dslaunch.launcher.autotune.memory import ModelInfo, Precision, parse_bytes, predict_bytes
-from dslaunch.launcher.autotune.space import Candidate, build_space, micro_batches, spread, stages_of
+from dslaunch.launcher.autotune.memory import ModelInfo, Precision, activation_model, parse_bytes, predict_bytes
+from dslaunch.launcher.autotune.space import (Candidate, bucket_variants, build_space, micro_batches, spread,
+                                              stages_of)
 from dslaunch.launcher.autotune.tuners import (EarlyStopping, GridSearch, ModelBased, RandomSearch, features,
                                                least_squares)
 from dslaunch.launcher.errors import LaunchConfigError
@@ -94,6 +96,46 @@ def test_candidate_config_is_the_users_with_the_tuned_values_and_loads_in_the_ru
     assert parsed.zero.stage == 3 and parsed.gradient_clipping == 1.0
 
 
+def test_checkpointing_is_a_dimension_only_when_the_script_has_a_switch():
+    at = AutotuningConfig.from_dict({"max_train_batch_size": 2, "arg_mappings": {
+        "activation_checkpointing": "--gradient_checkpointing"}})
+    names = [c.name for c in build_space({"zero_optimization": {"stage": 1}}, at, dp=2)]
+    assert names == ["z1_mbs1_gas1_nockpt", "z1_mbs1_gas1_ckpt"]
+    assert Candidate(1, 1, 1, activation_checkpointing=True).script_flags() == {"activation_checkpointing": "true"}
+    assert Candidate(1, 1, 1).script_flags() == {}
+    # no switch: the script checkpoints as it does, and the config is the same either way
+    plain = build_space({"zero_optimization": {"stage": 1}}, AutotuningConfig.from_dict({"max_train_batch_size": 2}), 2)
+    assert [c.name for c in plain] == ["z1_mbs1_gas1"]
+    user = {"activation_checkpointing": {"partition_activations": True}}
+    assert Candidate(1, 1, 1, activation_checkpointing=True).ds_config(user, 2) == \
+        Candidate(1, 1, 1, activation_checkpointing=False).ds_config(user, 2)
+    # the switch reaches the script through arg_mappings, never through a config key
+    mappings = {"activation_checkpointing": "--gradient_checkpointing", "train_micro_batch_size_per_gpu": "--bs"}
+    on = Candidate(1, 2, 1, activation_checkpointing=True)
+    assert trial.mapped_values(mappings, on.ds_config(user, 2), flags=on.script_flags()) == \
+        {"--gradient_checkpointing": "true", "--bs": 2}
+    assert trial.mapped_values(mappings, on.ds_config(user, 2)) == {"--bs": 2}
+
+
+def test_bucket_sizes_are_deepspeeds_values_one_knob_at_a_time_around_the_best():
+    user = {"zero_optimization": {"stage": [1, 3], "allgather_bucket_size": 50_000_000}}
+    best = Candidate(1, 4, 1)
+    names = [c.name for c in bucket_variants(best, user)]
+    # reduce: the runtime default 5e8 ran, so 5e7 and 1e9; allgather: the user's 5e7 ran
+    assert names == ["z1_mbs4_gas1_rb5e7", "z1_mbs4_gas1_rb1e9", "z1_mbs4_gas1_ab5e8", "z1_mbs4_gas1_ab1e9"]
+    cfg = bucket_variants(best, user)[1].ds_config(user, 2)
+    assert cfg["zero_optimization"] == {"stage": 1, "allgather_bucket_size": 50_000_000,
+                                        "reduce_bucket_size": 1_000_000_000}
+    z3 = [c.name for c in bucket_variants(Candidate(3, 2, 1, activation_checkpointing=True), user)]
+    assert z3 == ["z3_mbs2_gas1_ckpt_rb5e7", "z3_mbs2_gas1_ckpt_rb1e9", "z3_mbs2_gas1_ckpt_pb5e8",
+                  "z3_mbs2_gas1_ckpt_pb1e9"]
+    assert [c.name for c in bucket_variants(Candidate(0, 1, 1), {})] == ["z0_mbs1_gas1_rb5e7", "z0_mbs1_gas1_rb1e9"]
+    from dslaunch.runtime.config import DeepSpeedConfig
+
+    parsed = DeepSpeedConfig.load(bucket_variants(Candidate(3, 2, 1), {})[3].ds_config({}, 2))
+    assert parsed.zero.stage3_prefetch_bucket_size == 1_000_000_000  # a key the runtime reads
+
+
 def test_spread_keeps_the_ends():
     assert spread([1, 2, 4, 8, 16], 3) == [1, 4, 16]
     assert spread([1, 2], 5) == [1, 2]
@@ -116,6 +158,25 @@ def test_zero_formulas():
     assert predict_bytes(Candidate(0, 1, 1), info, sgd) == 4000 + 4000 + 4000 + 100
     cpu = ModelInfo(1000, 100.0, 4, 10**9, on_cpu=True)  # the host is the device: offload saves nothing
     assert predict_bytes(Candidate(1, 1, 1, True), cpu, fp32) == predict_bytes(Candidate(1, 1, 1), cpu, fp32)
+
+
+def test_the_checkpointing_model():
+    """On: outside activations + kept inputs + the largest recompute; off: every segment's own."""
+    assert activation_model(32.0, 64.0, [160.0, 160.0]) == (256.0, 352.0)
+    assert activation_model(10.0, 0.0, []) == (10.0, 10.0)  # no checkpoint made: the switch changes nothing
+    info = ModelInfo(1000, 300.0, 2, 10**9, on_cpu=True, checkpointed_bytes_per_sample=100.0,
+                     plain_bytes_per_sample=400.0)
+    fp32 = Precision.of({})
+    base = predict_bytes(Candidate(0, 1, 1), replace(info, activation_bytes_per_sample=0.0), fp32)
+    assert predict_bytes(Candidate(0, 4, 1, activation_checkpointing=True), info, fp32) == base + 400
+    assert predict_bytes(Candidate(0, 4, 1, activation_checkpointing=False), info, fp32) == base + 1600
+    assert predict_bytes(Candidate(0, 4, 1), info, fp32) == base + 1200  # not tuned: as profiled
+    # sampling is per stage and checkpointing: on lets larger micro-batches fit
+    at = AutotuningConfig.from_dict({"max_train_batch_size": 16, "num_tuning_micro_batch_sizes": 1,
+                                     "arg_mappings": {"activation_checkpointing": "--ckpt"}})
+    space = build_space({"zero_optimization": {"stage": 0}}, at, 1)
+    todo, _ = plan_candidates(space, replace(info, memory_limit=base + 3200), fp32, at)
+    assert [c.name for c in todo] == ["z0_mbs8_gas1_nockpt", "z0_mbs16_gas1_ckpt"]
 
 
 def test_pruning_and_sampling():
@@ -327,3 +388,101 @@ def test_the_engine_stops_a_trial_after_end_profile_step(tmp_path):
     # measured on the CPU: parameters and gradients (SGD keeps no state) plus one step's activations
     assert m["measured_bytes"] >= 552 * 4 * 2 + 4 * 160
     assert m["throughput"] == pytest.approx(8 / m["elapsed_s"])
+
+
+CKPT_JOB = """
+import sys, torch, dslaunch.runtime as deepspeed
+
+
+class Net(torch.nn.Module):
+    def __init__(self, ckpt):
+        super().__init__()
+        self.ckpt = ckpt
+        self.stem = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)) for _ in range(2))
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = deepspeed.checkpointing.checkpoint(block, h) if self.ckpt else block(h)
+        return h
+
+
+model = Net(sys.argv[1] == "on")
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+    "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+for _ in range(10):
+    engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+    engine.step()
+"""
+
+
+def test_the_probe_measures_what_checkpointing_keeps_and_the_model_predicts_it_off(tmp_path):
+    """Checkpointing on: per sample the stem saves its input (8 floats), the two segments keep
+    their inputs (2 x 8), each recompute saves 8 + 32 floats. The model's `off` prediction
+    from that one run equals what the same model measures with checkpointing off."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "job.py").write_text(CKPT_JOB)
+    measured = {}
+    for mode in ("on", "off"):
+        env = dict(os.environ, DSLAUNCH_TRIAL_DIR=str(tmp_path / mode), DSLAUNCH_TRIAL_STEPS="1:2")
+        r = subprocess.run([sys.executable, "-m", "dslaunch.launcher.autotune.worker", str(tmp_path / "job.py"), mode],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        measured[mode] = json.loads((tmp_path / mode / "metrics_rank0.json").read_text())
+    on = measured["on"]
+    assert (on["forward_saved_bytes_per_sample"], on["checkpoint_input_bytes_per_sample"],
+            on["checkpoint_segment_bytes_per_sample"]) == (8 * 4, 16 * 4, [40 * 4, 40 * 4])
+    assert on["activation_bytes_per_sample"] == (8 + 16 + 40) * 4
+    with_ckpt, without = activation_model(on["forward_saved_bytes_per_sample"], on["checkpoint_input_bytes_per_sample"],
+                                          on["checkpoint_segment_bytes_per_sample"])
+    assert with_ckpt == on["activation_bytes_per_sample"]
+    assert without == measured["off"]["activation_bytes_per_sample"] == (8 + 2 * 40) * 4
+    assert measured["off"]["checkpoint_segment_bytes_per_sample"] == []
+
+
+class FakeLauncher:
+    """Stands in for TrialLauncher: an outcome computed from the trial's config, no process."""
+
+    def __init__(self):
+        self.ran = []
+
+    def command(self, exp_dir, ds_config, flags=None):
+        return ["dslaunch", "t.py"]
+
+    def run(self, exp_dir, ds_config, timeout, flags=None):
+        self.ran.append(exp_dir.name)
+        zero = ds_config["zero_optimization"]
+        speed = 10.0 * ds_config["train_micro_batch_size_per_gpu"] - 5 * ("offload_optimizer" in zero) + \
+            zero.get("reduce_bucket_size", 500_000_000) / 1e8 - zero.get("allgather_bucket_size", 0) / 1e8
+        metrics = {"throughput": speed, "latency": 1 / speed, "measured_bytes": 1000, "params": 100,
+                   "activation_bytes_per_sample": 10.0, "dp": 2, "memory_limit_bytes": 10**9, "device": "cpu"}
+        return trial.Outcome("ok", metrics, "", 0.1)
+
+
+@pytest.mark.parametrize("num_trials", [50, 3])
+def test_fast_false_tunes_bucket_sizes_around_the_best_within_the_bounds(tmp_path, monkeypatch, num_trials):
+    from dslaunch.launcher.autotune.driver import Settings, Tuning
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "autotuning": {
+        "fast": False, "max_train_batch_size": 4, "num_tuning_micro_batch_sizes": 1, "tuner_num_trials": num_trials}}))
+    tuning = Tuning(LaunchOptions(script="t.py", script_args=("--deepspeed_config", "cfg.json")), Settings("tune"), {})
+    tuning.launcher = fake = FakeLauncher()
+    assert tuning.tune() == 0
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    rows = {ln.split()[1]: ln for ln in summary.splitlines()[5:] if ln.strip()}
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    if num_trials == 50:  # the sweep, then one knob at a time around its best (z1_mbs2_gas1)
+        assert fake.ran == ["profile_model_info", "z1_mbs2_gas1", "z1_mbs2_gas1_offopt", "z1_mbs2_gas1_rb5e7",
+                            "z1_mbs2_gas1_rb1e9", "z1_mbs2_gas1_ab5e7", "z1_mbs2_gas1_ab1e9"]
+        assert optimal["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1_000_000_000}
+        assert "best: highest throughput" in rows["z1_mbs2_gas1_rb1e9"]
+    else:  # the trial count bounds the bucket trials too: those left are listed, not dropped
+        assert fake.ran == ["profile_model_info", "z1_mbs2_gas1", "z1_mbs2_gas1_offopt", "z1_mbs2_gas1_rb5e7"]
+        assert rows["z1_mbs2_gas1_ab1e9"].endswith("not tried: tuner_num_trials 3 reached")
+        assert optimal["zero_optimization"] == {"stage": 1}

@@ -1,15 +1,17 @@
 """The tuning loop: profile once, prune, try candidates, write the results; `run` then trains.
 
-1. A profile trial (the user's config at ZeRO stage 0, micro-batch 1, no accumulation)
-   measures the parameter count, the activation bytes per sample, the data-parallel size
-   and the memory one rank may use (device free memory, or the host's share on CPU;
-   --autotuning_memory_limit overrides it).
+1. A profile trial (the user's config at ZeRO stage 0, micro-batch 1, no accumulation;
+   with activation checkpointing on when it is tuned) measures the parameter count, the
+   activation bytes per sample (with and without checkpointing: memory.activation_model),
+   the data-parallel size and the memory one rank may use (device free memory, or the
+   host's share on CPU; --autotuning_memory_limit overrides it).
 2. The space (space.py) is built; the memory model (memory.py) prunes every candidate
    predicted not to fit, before any launch; per stage, num_tuning_micro_batch_sizes
    micro-batch sizes are kept, spread over those that fit.
 3. The tuner proposes candidates until none are left, tuner_num_trials ran, early
    stopping fires or the --autotuning_budget is spent. A trial that fails is recorded with
-   its one-line reason and tuning goes on.
+   its one-line reason and tuning goes on. With `fast` false, the bucket sizes around the
+   best candidate are tried next (space.bucket_variants), under the same bounds.
 4. results_dir gets summary.txt, ds_config_optimal.json and cmd_optimal.txt; every trial
    its own folder (trial.py); exps_dir one JSON per experiment, as DeepSpeed writes.
 """
@@ -26,9 +28,10 @@ from typing import Dict, List, Optional, Tuple
 
 from dslaunch.launcher.autotune import ranking
 from dslaunch.launcher.autotune.config import AutotuningConfig, load_user_config
-from dslaunch.launcher.autotune.memory import ModelInfo, Precision, mib, predict_bytes
+from dslaunch.launcher.autotune.memory import ModelInfo, Precision, activation_model, mib, predict_bytes
 from dslaunch.launcher.autotune.ranking import NOT_TRIED, OK, PRUNED, TrialRecord
-from dslaunch.launcher.autotune.space import Candidate, build_space, spread, stages_of
+from dslaunch.launcher.autotune.space import (CHECKPOINTING, Candidate, bucket_variants, build_space,
+                                              checkpointing_options, spread, stages_of)
 from dslaunch.launcher.autotune.trial import (Outcome, TrialLauncher, config_arg, launcher_argv, mapped_values,
                                               with_config)
 from dslaunch.launcher.autotune.tuners import TUNERS, EarlyStopping
@@ -69,11 +72,13 @@ def plan_candidates(space: List[Candidate], info: ModelInfo, prec: Precision,
                                        reason=f"predicted {mib(need)} > limit {mib(info.memory_limit)} per rank"))
         else:
             fits.append(c)
-    for stage in sorted({c.stage for c in fits}):
-        sizes = sorted({c.micro_batch for c in fits if c.stage == stage})
+    # micro-batch sizes are sampled per stage and per checkpointing choice: checkpointing on
+    # is what lets the larger ones fit
+    for group in sorted({(c.stage, c.activation_checkpointing is True) for c in fits}):
+        sizes = sorted({c.micro_batch for c in fits if (c.stage, c.activation_checkpointing is True) == group})
         chosen = set(spread(sizes, at.num_tuning_micro_batch_sizes))
         for c in fits:
-            if c.stage != stage:
+            if (c.stage, c.activation_checkpointing is True) != group:
                 continue
             if c.micro_batch in chosen:
                 kept.append(c)
@@ -107,10 +112,12 @@ class Tuning:
         # checked now, before the profile trial, rather than after it
         stages_of(self.user)
         for key in self.at.arg_mappings:
-            mapped_values({key: "-x"}, Candidate(0, 1, 1).ds_config(self.user, 1))
+            if key != CHECKPOINTING:
+                mapped_values({key: "-x"}, Candidate(0, 1, 1).ds_config(self.user, 1))
+        self.best: Optional[Candidate] = None
 
     # -- one experiment, reused when overwrite is false and it already ran -----------------
-    def _trial(self, name: str, ds_config: dict) -> Outcome:
+    def _trial(self, name: str, ds_config: dict, flags: Optional[Dict[str, str]] = None) -> Outcome:
         exp_dir = (self.results / name).resolve()
         if not self.at.overwrite:
             try:
@@ -123,14 +130,17 @@ class Tuning:
                 return previous
         self.exps.mkdir(parents=True, exist_ok=True)
         (self.exps / f"{name}.json").write_text(json.dumps(
-            {"name": name, "ds_config": ds_config, "command": self.launcher.command(exp_dir, ds_config)}, indent=2))
-        return self.launcher.run(exp_dir, ds_config, timeout=self.deadline - time.monotonic())
+            {"name": name, "ds_config": ds_config, "command": self.launcher.command(exp_dir, ds_config, flags)},
+            indent=2))
+        return self.launcher.run(exp_dir, ds_config, timeout=self.deadline - time.monotonic(), flags=flags)
 
     def profile(self) -> ModelInfo:
-        cfg = Candidate(0, 1, 1).ds_config(self.user, 1)
+        probe = Candidate(0, 1, 1, activation_checkpointing=checkpointing_options(self.at)[-1])
+        cfg = probe.ds_config(self.user, 1)
         del cfg["train_batch_size"]  # the runtime derives it from the ranks: their count is not known yet
-        _say(f"profiling the model ({PROFILE_EXP}: ZeRO stage 0, micro-batch 1)")
-        out = self._trial(PROFILE_EXP, cfg)
+        ckpt = ", activation checkpointing on" if probe.activation_checkpointing else ""
+        _say(f"profiling the model ({PROFILE_EXP}: ZeRO stage 0, micro-batch 1{ckpt})")
+        out = self._trial(PROFILE_EXP, cfg, probe.script_flags())
         if out.status != OK:
             raise TuningFailed(f"the profile trial {out.status}: {out.reason} "
                               f"(see {self.results / PROFILE_EXP}/stderr.log)")
@@ -139,8 +149,13 @@ class Tuning:
         if not limit:
             raise TuningFailed("autotuning: the memory per rank could not be measured here; "
                                "give --autotuning_memory_limit")
+        with_ckpt = without = None
+        if probe.activation_checkpointing:
+            with_ckpt, without = activation_model(m["forward_saved_bytes_per_sample"],
+                                                  m["checkpoint_input_bytes_per_sample"],
+                                                  m["checkpoint_segment_bytes_per_sample"])
         return ModelInfo(int(m["params"]), float(m["activation_bytes_per_sample"]), int(m["dp"]), int(limit),
-                         m["device"] == "cpu")
+                         m["device"] == "cpu", with_ckpt, without)
 
     def tune(self) -> int:
         start = time.monotonic()
@@ -153,23 +168,35 @@ class Tuning:
              f"{sum(r.status == PRUNED for r in records)} pruned by the memory model "
              f"(limit {mib(info.memory_limit)} per rank, {info.params} parameters, "
              f"{mib(info.activation_bytes_per_sample)} of activations per sample)")
-        tuner = TUNERS[self.at.tuner_type]()
-        stopper = EarlyStopping(self.at.tuner_early_stopping)
-        scores: Dict[Candidate, Optional[float]] = {}
         ran: List[TrialRecord] = []
-        stop_reason = ""
+        untried, stop_reason = self._sweep(todo, TUNERS[self.at.tuner_type](), ran, info, prec)
+        top = ranking.best(ran, self.at.metric)
+        if not self.at.fast and top is not None and not untried and not stop_reason:
+            variants = bucket_variants(top.candidate, self.user)
+            _say(f"bucket sizes around {top.name}: {len(variants)} more configuration(s)")
+            untried, stop_reason = self._sweep(variants, TUNERS["gridsearch"](), ran, info, prec,
+                                               best=ranking.score(self.at.metric, top.value))
+        records += ran + [TrialRecord(c, NOT_TRIED, predicted_bytes=predict_bytes(c, info, prec), reason=stop_reason)
+                          for c in untried]
+        return self._write(records, info, time.monotonic() - start)
+
+    def _sweep(self, todo: List[Candidate], tuner, ran: List[TrialRecord], info: ModelInfo, prec: Precision,
+               best: Optional[float] = None) -> Tuple[List[Candidate], str]:
+        """Try `todo` in the tuner's order, appending to `ran`, until done or a bound stops it:
+        (the candidates left untried, why they were)."""
+        stopper = EarlyStopping(self.at.tuner_early_stopping)
+        stopper.best = best
+        scores: Dict[Candidate, Optional[float]] = {}
         untried = list(todo)
         while untried:
             if len(ran) >= self.at.tuner_num_trials:
-                stop_reason = f"tuner_num_trials {self.at.tuner_num_trials} reached"
-                break
+                return untried, f"tuner_num_trials {self.at.tuner_num_trials} reached"
             if time.monotonic() >= self.deadline:
-                stop_reason = f"the --autotuning_budget of {self.settings.budget_s:g} s ran out"
-                break
+                return untried, f"the --autotuning_budget of {self.settings.budget_s:g} s ran out"
             c = tuner.propose(untried, scores)
             untried.remove(c)
             cfg = c.ds_config(self.user, info.dp)
-            out = self._trial(c.name, cfg)
+            out = self._trial(c.name, cfg, c.script_flags())
             m = out.metrics or {}
             rec = TrialRecord(c, out.status, m.get(self.at.metric) if out.status == OK else None,
                               predict_bytes(c, info, prec), m.get("measured_bytes"), out.reason, out.seconds)
@@ -181,24 +208,26 @@ class Tuning:
             best_txt = f"{top.name} ({top.value:.4g})" if top else "none yet"
             _say(f"[{len(ran)} done, {len(untried)} left] {c.name}: {shown}; best so far {best_txt}")
             if stopper.observe(scores[c]) and untried:
-                stop_reason = (f"early stopping: {self.at.tuner_early_stopping} trial(s) in a row did not improve "
-                               "the best")
-                break
-        records += ran + [TrialRecord(c, NOT_TRIED, predicted_bytes=predict_bytes(c, info, prec), reason=stop_reason)
-                          for c in untried]
-        return self._write(records, info, time.monotonic() - start)
+                return untried, (f"early stopping: {self.at.tuner_early_stopping} trial(s) in a row did not "
+                                 "improve the best")
+        return untried, ""
 
     def _write(self, records: List[TrialRecord], info: ModelInfo, seconds: float) -> int:
         header = [f"dslaunch autotuning: metric {self.at.metric}, tuner {self.at.tuner_type}, "
                   f"{sum(r.status not in (PRUNED, NOT_TRIED) for r in records)} trial(s) in {seconds:.0f} s",
                   f"model: {info.params} parameters, {mib(info.activation_bytes_per_sample)} activations per "
                   f"sample, {info.dp} data-parallel rank(s), memory limit {mib(info.memory_limit)} per rank"]
+        if info.checkpointed_bytes_per_sample is not None:
+            header.append(f"activation checkpointing (measured in {PROFILE_EXP}): "
+                          f"{mib(info.checkpointed_bytes_per_sample)} per sample with it on, "
+                          f"{mib(info.plain_bytes_per_sample)} with it off")
         text = ranking.summary(records, self.at.metric, header)
         (self.results / "summary.txt").write_text(text)
         top = ranking.best(records, self.at.metric)
         if top is None:
             _say(f"no configuration ran to the end; see {self.results / 'summary.txt'}")
             return 1
+        self.best = top.candidate
         cfg = top.candidate.ds_config(self.user, info.dp)
         (self.results / "ds_config_optimal.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (self.results / "cmd_optimal.txt").write_text(shlex.join(self.optimal_command()) + "\n")
@@ -208,7 +237,8 @@ class Tuning:
     def optimal_args(self) -> List[str]:
         path = self.results / "ds_config_optimal.json"
         cfg = json.loads(path.read_text())
-        return with_config(self.opts.script_args, str(path), mapped_values(self.at.arg_mappings, cfg))
+        flags = self.best.script_flags() if self.best is not None else None
+        return with_config(self.opts.script_args, str(path), mapped_values(self.at.arg_mappings, cfg, flags=flags))
 
     def optimal_command(self) -> List[str]:
         target = ["--module", self.opts.script] if self.opts.module else [self.opts.script]

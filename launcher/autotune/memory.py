@@ -6,14 +6,23 @@ optimizer state K bytes per parameter (Adam's two fp32 moments: 8; plus a 4-byte
 master copy in fp16/bf16). Stage 1 divides the optimizer state by N, stage 2 the
 gradients too, stage 3 the parameters too. CPU offload moves the optimizer state (and at
 stage 3 the parameters) to host memory: off the device, though on a CPU-only machine the
-host *is* the device, so nothing is saved there. Activations are measured, not modelled:
+host *is* the device, so nothing is saved there. Activations are measured, not guessed:
 the bytes autograd saved for backward in one profiled micro-batch, scaled by the
 micro-batch size.
+
+Activation checkpointing is modelled from the same profile step (activation_model):
+the profile measures what the forward saved outside checkpointed segments (F), the
+inputs each checkpointed segment kept (K), and, in backward, what each segment's
+recompute saved (s_1..s_n). With checkpointing on, a rank holds F + K and one segment's
+recompute at a time: F + K + max(s). With it off, every segment keeps its own
+activations from the forward to its backward: F + sum(s). The profile trial runs with
+checkpointing on when it is tuned, so both are measured in one launch; predicted
+against measured bytes is reported for every trial either way.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from dslaunch.launcher.autotune.space import Candidate
 
@@ -33,6 +42,24 @@ class ModelInfo:
     dp: int  # data-parallel ranks
     memory_limit: int  # bytes one rank may use (device free memory, or the host's share)
     on_cpu: bool  # no accelerator: offloading saves nothing
+    # per sample, with and without activation checkpointing (activation_model); None: not tuned
+    checkpointed_bytes_per_sample: Optional[float] = None
+    plain_bytes_per_sample: Optional[float] = None
+
+    def activations(self, c: Candidate) -> float:
+        """Activation bytes per sample of the micro-batch for candidate c."""
+        if c.activation_checkpointing is None or self.checkpointed_bytes_per_sample is None:
+            return self.activation_bytes_per_sample
+        return self.checkpointed_bytes_per_sample if c.activation_checkpointing else self.plain_bytes_per_sample
+
+
+def activation_model(forward_saved: float, kept_inputs: float, segments: Sequence[float]) -> Tuple[float, float]:
+    """(with checkpointing, without) activation bytes from one profiled step with it on:
+    forward_saved outside the segments, kept_inputs of the segments, and what each
+    segment's recompute saved (all per sample)."""
+    if not segments:  # the script made no checkpoint: the switch changes nothing measurable
+        return forward_saved + kept_inputs, forward_saved + kept_inputs
+    return forward_saved + kept_inputs + max(segments), forward_saved + sum(segments)
 
 
 @dataclass(frozen=True)
@@ -60,7 +87,7 @@ def predict_bytes(c: Candidate, info: ModelInfo, prec: Precision) -> int:
             optim = 0
         if c.offload_param:
             params = 0
-    activations = info.activation_bytes_per_sample * c.micro_batch
+    activations = info.activations(c) * c.micro_batch
     return int(params + grads + optim + activations)
 
 

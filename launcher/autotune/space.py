@@ -4,17 +4,38 @@ A candidate is one point: ZeRO stage, micro-batch size per rank, gradient accumu
 (which keeps the global batch when the user's config fixes train_batch_size), and, when
 `fast` is false, CPU offload of the optimizer (stages 1-3) and of the parameters (stage 3).
 Everything else in the user's config is kept as it is in every trial's config.
+
+Activation checkpointing on or off is a dimension only when the script has a switch for
+it: `arg_mappings.activation_checkpointing` names the script option (a Hugging Face
+script's --gradient_checkpointing), given `true` or `false` per trial. A config cannot
+switch it: the `activation_checkpointing` section only says how the checkpoints the model
+itself makes (deepspeed.checkpointing.checkpoint) are kept.
+
+Bucket sizes are tuned, when `fast` is false, after the sweep and only around its best
+candidate (bucket_variants), as DeepSpeed's autotuner tunes its per-stage templates
+around the best micro-batch: one knob at a time over DeepSpeed's values 5e7, 5e8, 1e9,
+the others at the user's (or the runtime's default) value, which bounds the extra trials
+to two per knob the stage reads.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dslaunch.launcher.autotune.config import AutotuningConfig
 from dslaunch.launcher.errors import LaunchConfigError
 
 ALL_STAGES = (0, 1, 2, 3)
+CHECKPOINTING = "activation_checkpointing"  # the arg_mappings key of the script's on/off option
+BUCKET_VALUES = (50_000_000, 500_000_000, 1_000_000_000)  # DeepSpeed's tuning space: 5e7, 5e8, 1e9
+# the bucket knobs each stage's runtime reads, with the runtime's defaults (runtime/config/zero.py)
+BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                   "stage3_prefetch_bucket_size": 50_000_000}
+BUCKETS_BY_STAGE = {0: ("reduce_bucket_size",), 1: ("reduce_bucket_size", "allgather_bucket_size"),
+                    2: ("reduce_bucket_size", "allgather_bucket_size"),
+                    3: ("reduce_bucket_size", "stage3_prefetch_bucket_size")}
+_SHORT = {"reduce_bucket_size": "rb", "allgather_bucket_size": "ab", "stage3_prefetch_bucket_size": "pb"}
 
 
 @dataclass(frozen=True, order=True)
@@ -24,6 +45,8 @@ class Candidate:
     grad_accum: int
     offload_optimizer: bool = False
     offload_param: bool = False
+    activation_checkpointing: Optional[bool] = None  # None: not tuned, the script does as it does
+    buckets: Tuple[Tuple[str, int], ...] = ()  # (zero_optimization key, elements), set by bucket_variants
 
     @property
     def name(self) -> str:
@@ -32,7 +55,16 @@ class Candidate:
             parts.append("offopt")
         if self.offload_param:
             parts.append("offparam")
+        if self.activation_checkpointing is not None:
+            parts.append("ckpt" if self.activation_checkpointing else "nockpt")
+        parts.extend(f"{_SHORT[key]}{_sci(value)}" for key, value in self.buckets)
         return "_".join(parts)
+
+    def script_flags(self) -> Dict[str, str]:
+        """arg_mappings keys this candidate sets on the script's command line, not in its config."""
+        if self.activation_checkpointing is None:
+            return {}
+        return {CHECKPOINTING: "true" if self.activation_checkpointing else "false"}
 
     def train_batch(self, dp: int) -> int:
         return self.micro_batch * self.grad_accum * dp
@@ -49,6 +81,7 @@ class Candidate:
                 zero[key] = {"device": "cpu"}
             else:
                 zero.pop(key, None)
+        zero.update(self.buckets)
         cfg["zero_optimization"] = zero
         cfg["train_micro_batch_size_per_gpu"] = self.micro_batch
         cfg["gradient_accumulation_steps"] = self.grad_accum
@@ -97,8 +130,18 @@ def micro_batches(user: Mapping[str, Any], at: AutotuningConfig, dp: int) -> Lis
     return pairs
 
 
+def _sci(n: int) -> str:
+    """50000000 -> '5e7' (names of experiments)."""
+    exp = len(str(n)) - len(str(n).rstrip("0"))
+    return f"{n // 10**exp}e{exp}" if exp else str(n)
+
+
+def checkpointing_options(at: AutotuningConfig) -> Tuple[Optional[bool], ...]:
+    return (False, True) if CHECKPOINTING in at.arg_mappings else (None,)
+
+
 def build_space(user: Mapping[str, Any], at: AutotuningConfig, dp: int) -> List[Candidate]:
-    """Every candidate, in grid order (stage, then micro-batch, then offload)."""
+    """Every candidate, in grid order (stage, then micro-batch, then offload, then checkpointing)."""
     out = []
     for stage in stages_of(user):
         opts = [(False, False)]
@@ -107,7 +150,21 @@ def build_space(user: Mapping[str, Any], at: AutotuningConfig, dp: int) -> List[
             if stage == 3:
                 opts.append((True, True))
         for m, g in micro_batches(user, at, dp):
-            out.extend(Candidate(stage, m, g, oo, op) for oo, op in opts)
+            out.extend(Candidate(stage, m, g, oo, op, ac) for oo, op in opts for ac in checkpointing_options(at))
+    return out
+
+
+def bucket_variants(best: Candidate, user: Mapping[str, Any]) -> List[Candidate]:
+    """The bucket-size candidates around `best`: for each knob its stage reads, each of
+    DeepSpeed's values other than the one `best` ran with, the other knobs unchanged."""
+    zero = user.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    out = []
+    for key in BUCKETS_BY_STAGE[best.stage]:
+        current = int(zero.get(key, BUCKET_DEFAULTS[key]))
+        for value in BUCKET_VALUES:
+            if value != current:
+                out.append(replace(best, buckets=((key, value),)))
     return out
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from dslaunch.launcher.autotune.space import CHECKPOINTING
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.options import LaunchOptions
 
@@ -70,11 +71,17 @@ def with_config(script_args: Sequence[str], path: str, mapped: Mapping[str, Any]
 
 
 def mapped_values(arg_mappings: Mapping[str, str], ds_config: Mapping[str, Any],
-                  strict: bool = True) -> Dict[str, Any]:
+                  strict: bool = True, flags: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """arg_mappings {config key: script option} -> {script option: the trial's value}.
-    strict=False skips keys the config leaves out (the profile trial's train_batch_size)."""
+    strict=False skips keys the config leaves out (the profile trial's train_batch_size).
+    `flags` (Candidate.script_flags) gives the keys a config cannot hold, such as
+    activation_checkpointing on or off; a mapped flag with no value is left off."""
     out = {}
     for key, option in arg_mappings.items():
+        if key == CHECKPOINTING:
+            if flags and key in flags:
+                out[option] = flags[key]
+            continue
         node: Any = ds_config
         for part in key.split("."):
             if not isinstance(node, Mapping) or part not in node:
@@ -125,6 +132,11 @@ def aggregate(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         latency=max(m["latency"] for m in per_rank), measured_bytes=max(m["measured_bytes"] for m in per_rank),
         memory_limit_bytes=min(limits) if limits else None,
         activation_bytes_per_sample=max(m["activation_bytes_per_sample"] for m in per_rank))
+    most = max(per_rank, key=lambda m: m["activation_bytes_per_sample"])  # its parts, with its total
+    for key in ("forward_saved_bytes_per_sample", "checkpoint_input_bytes_per_sample",
+                "checkpoint_segment_bytes_per_sample"):
+        if key in most:
+            first[key] = most[key]
     first.pop("rank", None)
     return first
 
@@ -175,9 +187,11 @@ class TrialLauncher:
     end_step: int
     arg_mappings: Mapping[str, str]
 
-    def command(self, exp_dir: Path, ds_config: Mapping[str, Any]) -> List[str]:
+    def command(self, exp_dir: Path, ds_config: Mapping[str, Any],
+                flags: Optional[Mapping[str, str]] = None) -> List[str]:
         args = with_config(self.opts.script_args, str(exp_dir / "ds_config.json"),
-                           mapped_values(self.arg_mappings, ds_config, strict="train_batch_size" in ds_config))
+                           mapped_values(self.arg_mappings, ds_config, strict="train_batch_size" in ds_config,
+                                         flags=flags))
         target = ["-m", self.opts.script] if self.opts.module else [self.opts.script]
         return ["dslaunch", *launcher_argv(self.opts), "--export", TRIAL_DIR_VAR, "--export", TRIAL_STEPS_VAR,
                 "--module", WORKER_MODULE, *target, *args]
@@ -189,12 +203,13 @@ class TrialLauncher:
         env[TRIAL_STEPS_VAR] = f"{self.start_step}:{self.end_step}"
         return env
 
-    def run(self, exp_dir: Path, ds_config: Mapping[str, Any], timeout: float) -> Outcome:
+    def run(self, exp_dir: Path, ds_config: Mapping[str, Any], timeout: float,
+            flags: Optional[Mapping[str, str]] = None) -> Outcome:
         exp_dir.mkdir(parents=True, exist_ok=True)
         for old in [*exp_dir.glob("metrics*.json"), *exp_dir.glob("outcome.json")]:
             old.unlink()
         (exp_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-        cmd = self.command(exp_dir, ds_config)
+        cmd = self.command(exp_dir, ds_config, flags)
         env = self.env(exp_dir)
         (exp_dir / "cmd.txt").write_text(
             f"{TRIAL_DIR_VAR}={shlex.quote(env[TRIAL_DIR_VAR])} {TRIAL_STEPS_VAR}={env[TRIAL_STEPS_VAR]} "

@@ -12,6 +12,7 @@ config's `activation_checkpointing` section here unless configure() was already 
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import warnings
@@ -128,6 +129,12 @@ def _say(name: str, phase: str, seconds: float) -> None:
         print(f"activation checkpoint {name}: {phase} {seconds * 1000:.2f} ms", file=sys.stdout, flush=True)
 
 
+# Set by an autotuning trial's probe (runtime/autotuning.py): told the inputs each segment
+# keeps (observer.kept(tensors)) and wrapped around each recompute (observer.recompute()),
+# so the profile step measures what checkpointing saves. None outside a trial.
+observer: Any = None
+
+
 class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, outputs_holder, *args):
@@ -137,6 +144,8 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.rng = rng.snapshot()
         tensors, ctx.others = saved.split_tensors(args)
         ctx.needs_grad = [t is not None and t.requires_grad for t in tensors]
+        if observer is not None:
+            observer.kept(tensors)
         ctx.kept = saved.keep(tensors, state, state.slots)
         ctx.slots = state.slots
         with torch.no_grad():
@@ -156,13 +165,16 @@ class CheckpointFunction(torch.autograd.Function):
         _sync()
         start = time.perf_counter()
         inputs = saved.restore(ctx.kept, ctx.needs_grad, state)
+        # the kept inputs are done with: a script that holds its output (and so this node)
+        # past backward must not hold them too, as save_for_backward's tensors are not held
+        ctx.kept = None
         if ctx.slots is not None:
             ctx.slots.closed()
         args = saved.merge(inputs, ctx.others)
         now = rng.snapshot()
         rng.restore(ctx.rng)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), (observer.recompute() if observer is not None else contextlib.nullcontext()):
                 outputs = ctx.run_function(*args)
         finally:
             rng.restore(now)
