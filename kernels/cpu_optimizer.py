@@ -1,11 +1,12 @@
 """The torch.optim.Optimizer shell shared by CPUAdam, CPULion and CPUAdagrad.
 
 Each subclass says how to make a parameter's per-element state (`_init_state`) and how to
-update a list of parameters that share a step count in one op call (`_update`); this class
-does the rest the same way for all three: state creation, step counting in a float32
-tensor as torch does (so state_dicts move to and from torch's optimizers), one op call per
-distinct step count (normally one per group), the parameter checks, and the fused CPU
-step that ZeRO offload asks for (fused_step.py).
+update a list of parameters in one op call (`_update`, given an int count or the
+parameters' step tensors); this class does the rest the same way for all three: state
+creation, step counting in a float32 tensor as torch does (so state_dicts move to and from
+torch's optimizers), one op call per group (the op groups parameters by count itself, so
+no count leaves the tensors and torch.compile traces step() without a graph break), the
+parameter checks, and the fused CPU step that ZeRO offload asks for (fused_step.py).
 
 Parameters are checked when stepped, not when the optimizer is built: the engine builds
 the optimizer over the model's (maybe bf16, maybe GPU) parameters and then hands it fp32
@@ -13,7 +14,7 @@ host masters, as DeepSpeed does with DeepSpeedCPUAdam.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Union
 
 import torch
 
@@ -28,13 +29,36 @@ class CPUOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def _update(self, params: List[torch.Tensor], grads: List[torch.Tensor], states: List[dict], step: int,
-                group: dict) -> None:
+    def _update(self, params: List[torch.Tensor], grads: List[torch.Tensor], states: List[dict],
+                step: Union[int, List[torch.Tensor]], group: dict) -> None:
         raise NotImplementedError
 
     def _unsupported(self, group: dict) -> str:
         """Why this group cannot be stepped by the kernel in offload ("" when it can)."""
         return ""
+
+    def _init_group(self, group: dict) -> List[torch.Tensor]:
+        """The group's parameters that have gradients, their state made on first sight.
+
+        (The name is torch's: torch.compile runs an optimizer's `_init_group` eagerly while
+        tracing, as for torch's own optimizers, so state creation and these checks never
+        enter the graph.)"""
+        todo: List[torch.Tensor] = []
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if p.device.type != "cpu" or p.dtype != torch.float32:
+                raise TypeError(f"{type(self).__name__}: parameter {i} is {p.dtype} on {p.device}; it steps fp32 "
+                                "CPU master parameters (ZeRO offload_optimizer keeps them; keep a bf16/fp16 "
+                                "device copy and use the op's copy_out)")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state.update(self._init_state(p, group))
+            todo.append(p)
+        return todo
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -43,30 +67,14 @@ class CPUOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            todo: List[torch.Tensor] = []
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if p.device.type != "cpu" or p.dtype != torch.float32:
-                    raise TypeError(f"{type(self).__name__}: parameter {i} is {p.dtype} on {p.device}; it steps fp32 "
-                                    "CPU master parameters (ZeRO offload_optimizer keeps them; keep a bf16/fp16 "
-                                    "device copy and use the op's copy_out)")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state.update(self._init_state(p, group))
-                todo.append(p)
+            todo = self._init_group(group)
             if not todo:
                 continue
+            # One op call per group: the op reads each parameter's count from its step
+            # tensor and runs the kernel once per distinct count (normally one).
             steps = [self.state[p]["step"] for p in todo]
             torch._foreach_add_(steps, 1.0)
-            by_step: Dict[int, List[torch.Tensor]] = {}
-            for p, s in zip(todo, torch.stack(steps).tolist()):
-                by_step.setdefault(int(s), []).append(p)
-            for step, ps in by_step.items():
-                self._update(ps, [p.grad for p in ps], [self.state[p] for p in ps], step, group)
+            self._update(todo, [p.grad for p in todo], [self.state[p] for p in todo], steps, group)
         return loss
 
     def describe(self) -> str:
