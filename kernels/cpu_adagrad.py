@@ -21,8 +21,8 @@ from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback, fp32_views,
-                          step_args)
+from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback,
+                          default_threads, fp32_views, step_args)
 
 
 def _fake(params, grads, sums, copy_out, steps, step, lr, lr_decay, eps, weight_decay, maximize,
@@ -75,7 +75,7 @@ def cpu_adagrad_step(params: TensorOrList, grads: TensorOrList, sums: TensorOrLi
         return
     op.torch_op(args.params, args.grads, args.states["sums"], args.outs or [], step_tensors, count, float(lr),
                 float(lr_decay), float(eps), float(weight_decay), bool(maximize),
-                num_threads or torch.get_num_threads())
+                num_threads or default_threads())
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
@@ -84,8 +84,9 @@ def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
 
 
 def _update(ps, grads, states, step: StepCount, group: dict, op=None, num_threads=None) -> None:
-    """`group` holds torch.optim.Adagrad's keys (lr, lr_decay, eps, weight_decay, maximize)."""
-    cpu_adagrad_step(ps, grads, [s["sum"] for s in states], step=step, lr=float(group["lr"]),
+    """`states["sum"]`: one tensor per parameter; `group` holds torch.optim.Adagrad's keys
+    (lr, lr_decay, eps, weight_decay, maximize)."""
+    cpu_adagrad_step(ps, grads, states["sum"], step=step, lr=float(group["lr"]),
                      lr_decay=group.get("lr_decay", 0.0), eps=group["eps"], weight_decay=group["weight_decay"],
                      maximize=group.get("maximize", False), num_threads=num_threads, op=op)
 
@@ -96,7 +97,7 @@ def torch_adagrad_step(optimizer: torch.optim.Optimizer) -> FusedCPUStep:
         raise KernelUnavailable(f"the dslaunch CPU Adagrad op is unavailable: {_OP.error}")
 
     def step(p, g, state, count, group):
-        _update([p], [g], [state], count, group)
+        _update([p], [g], {"sum": [state["sum"]]}, count, group)
 
     return FusedCPUStep(f"dslaunch CPU Adagrad ({_OP.built.isa})", _init_state, step)
 
@@ -122,6 +123,9 @@ class CPUAdagrad(CPUOptimizer):
 
     def _init_state(self, p, group):
         return _init_state(p, group)
+
+    def _state_keys(self, group):
+        return ("sum",)
 
     def _update(self, params, grads, states, step, group):
         _update(params, grads, states, step, group, self.op, self.num_threads)

@@ -18,7 +18,7 @@ warn once with the compiler's error: a missing compiler costs speed, not the job
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,8 +26,8 @@ from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback, fp32_views,
-                          step_args)
+from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback,
+                          default_threads, fp32_views, step_args)
 
 
 def _fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copy_out, steps, step, lr, beta1, beta2, eps,
@@ -136,7 +136,7 @@ def cpu_adam_step(
     op.torch_op(args.params, args.grads, st["exp_avgs"], st["exp_avg_sqs"], st.get("max_exp_avg_sqs", []),
                 args.outs or [], steps, count, float(lr), float(beta1), float(beta2), float(eps),
                 float(weight_decay), bool(decoupled_weight_decay), bool(amsgrad), bool(maximize),
-                bool(bias_correction), num_threads or torch.get_num_threads())
+                bool(bias_correction), num_threads or default_threads())
 
 
 def _torch_step(args, step, step_tensors, lr, betas, eps, weight_decay, decoupled, amsgrad, maximize,
@@ -164,16 +164,20 @@ def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
     return state
 
 
-def _update(ps, grads, states, step: StepCount, group: dict, decoupled_default: bool, op: Optional[CpuAdamOp] = None,
-            num_threads: Optional[int] = None) -> None:
-    """One op call over parameters that share a step count; `group` holds torch.optim.Adam's
-    keys (lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay)."""
+def _state_keys(group: dict) -> Tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+
+
+def _update(ps, grads, states: Dict[str, List[torch.Tensor]], step: StepCount, group: dict, decoupled_default: bool,
+            op: Optional[CpuAdamOp] = None, num_threads: Optional[int] = None) -> None:
+    """One op call; `states` maps each state key to one tensor per parameter; `group` holds
+    torch.optim.Adam's keys (lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay)."""
     amsgrad = bool(group.get("amsgrad", False))
-    cpu_adam_step(ps, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], step=step,
+    cpu_adam_step(ps, grads, states["exp_avg"], states["exp_avg_sq"], step=step,
                   lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
                   weight_decay=group["weight_decay"],
                   decoupled_weight_decay=group.get("decoupled_weight_decay", decoupled_default),
-                  amsgrad=amsgrad, max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if amsgrad else None,
+                  amsgrad=amsgrad, max_exp_avg_sqs=states["max_exp_avg_sq"] if amsgrad else None,
                   maximize=group.get("maximize", False), bias_correction=group.get("bias_correction", True),
                   num_threads=num_threads, op=op)
 
@@ -185,7 +189,7 @@ def torch_adam_step(optimizer: torch.optim.Optimizer) -> FusedCPUStep:
     decoupled = isinstance(optimizer, torch.optim.AdamW)
 
     def step(p, g, state, count, group):
-        _update([p], [g], [state], count, group, decoupled)
+        _update([p], [g], {k: [state[k]] for k in _state_keys(group)}, count, group, decoupled)
 
     return FusedCPUStep(f"dslaunch CPU Adam ({_OP.built.isa})", _init_state, step)
 
@@ -222,6 +226,9 @@ class CPUAdam(CPUOptimizer):
 
     def _init_state(self, p, group):
         return _init_state(p, group)
+
+    def _state_keys(self, group):
+        return _state_keys(group)
 
     def _update(self, params, grads, states, step, group):
         _update(params, grads, states, step, group, True, self.op, self.num_threads)

@@ -21,7 +21,7 @@ import torch
 from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views
+from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, default_threads, fp32_views
 
 
 def _fake(params, grads, exp_avgs, copy_out, lr, beta1, beta2, weight_decay, num_threads) -> None:
@@ -66,7 +66,7 @@ def cpu_lion_step(params: TensorOrList, grads: TensorOrList, exp_avgs: TensorOrL
         copy_out_after_fallback(args)
         return
     op.torch_op(args.params, args.grads, args.states["exp_avgs"], args.outs or [], float(lr), float(beta1),
-                float(beta2), float(weight_decay), num_threads or torch.get_num_threads())
+                float(beta2), float(weight_decay), num_threads or default_threads())
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
@@ -91,7 +91,10 @@ class CPULion(CPUOptimizer):
     def _init_state(self, p, group):
         return _init_state(p, group)
 
+    def _state_keys(self, group):
+        return ("exp_avg",)
+
     def _update(self, params, grads, states, step, group):
-        cpu_lion_step(params, grads, [s["exp_avg"] for s in states], lr=float(group["lr"]),
+        cpu_lion_step(params, grads, states["exp_avg"], lr=float(group["lr"]),
                       betas=tuple(group["betas"]), weight_decay=group["weight_decay"], num_threads=self.num_threads,
                       op=self.op)

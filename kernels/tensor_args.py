@@ -122,3 +122,10 @@ def step_args(op: str, step: StepCount, n: int):
     steps = list(step)
     check_steps(op, steps, n)
     return 0, steps
+
+
+@torch.compiler.assume_constant_result
+def default_threads() -> int:
+    """torch's intra-op thread count, the ops' default (a constant to torch.compile, which
+    cannot trace torch.get_num_threads())."""
+    return torch.get_num_threads()
