@@ -39,4 +39,6 @@ DS_OPS_LIBRARY(DS_OPS_NS, m) {
         "int num_threads) -> ()");
 }
 
-DS_OPS_LIBRARY_IMPL(DS_OPS_NS, CPU, m) { m.impl("adagrad_step", TORCH_BOX(&ds::adagrad_step)); }
+DS_OPS_LIBRARY_IMPL(DS_OPS_NS, CompositeExplicitAutograd, m) {
+  m.impl("adagrad_step", TORCH_BOX(&ds::adagrad_step));
+}

@@ -70,4 +70,6 @@ DS_OPS_LIBRARY(DS_OPS_NS, m) {
         "bool bias_correction, int num_threads) -> ()");
 }
 
-DS_OPS_LIBRARY_IMPL(DS_OPS_NS, CPU, m) { m.impl("adam_step", TORCH_BOX(&ds::adam_step)); }
+DS_OPS_LIBRARY_IMPL(DS_OPS_NS, CompositeExplicitAutograd, m) {
+  m.impl("adam_step", TORCH_BOX(&ds::adam_step));
+}

@@ -35,4 +35,6 @@ DS_OPS_LIBRARY(DS_OPS_NS, m) {
         "float beta1, float beta2, float weight_decay, int num_threads) -> ()");
 }
 
-DS_OPS_LIBRARY_IMPL(DS_OPS_NS, CPU, m) { m.impl("lion_step", TORCH_BOX(&ds::lion_step)); }
+DS_OPS_LIBRARY_IMPL(DS_OPS_NS, CompositeExplicitAutograd, m) {
+  m.impl("lion_step", TORCH_BOX(&ds::lion_step));
+}

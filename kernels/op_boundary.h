@@ -6,7 +6,10 @@
 // compiles in about a second, where <torch/extension.h> takes 20 s and <torch/library.h>
 // 5 s on a 2-core machine; the kernels themselves (cpu_adam.cpp, ...) include no torch
 // header at all. Errors go through STD_TORCH_CHECK and reach Python as one RuntimeError
-// naming the op, the argument and its index.
+// naming the op, the argument and its index. The ops are registered for every device
+// (CompositeExplicitAutograd), so a GPU tensor reaches these checks and is named, rather
+// than meeting torch's generic "no kernel for this backend"; meta and fake tensors go to
+// the Python fake implementations (torch_ops.py), which run the same checks.
 #pragma once
 
 #include <torch/csrc/stable/library.h>
