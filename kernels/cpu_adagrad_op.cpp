@@ -25,7 +25,7 @@ void adagrad_step(Tensors params, Tensors grads, Tensors sums, Tensors copy_out,
     auto g = pick(b.grads, idx), o = pick(outs, idx);
     const int rc = ds_cpu_adagrad_step(static_cast<int64_t>(idx.size()), n.data(), p.data(), g.data(), si.data(),
                                        data_or_null(o), b.grad_code, b.out_code, &h, static_cast<int32_t>(num_threads));
-    STD_TORCH_CHECK(rc == 0, op, ": the kernel rejected grad dtype code ", b.grad_code, " / copy-out ", b.out_code);
+    if (rc != 0) fail("%s: the kernel rejected grad dtype code %d / copy-out %d", op, b.grad_code, b.out_code);
   }
 }
 

@@ -39,8 +39,8 @@ void adam_step(Tensors params, Tensors grads, Tensors exp_avgs, Tensors exp_avg_
   Batch b = check_batch(op, params, grads, copy_out);
   check_list(op, "exp_avgs", exp_avgs, b.numels, false, ST::Float);
   check_list(op, "exp_avg_sqs", exp_avg_sqs, b.numels, false, ST::Float);
-  STD_TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == params.size() || params.empty(), op,
-                  ": amsgrad=True needs max_exp_avg_sqs");
+  if (amsgrad && !params.empty() && max_exp_avg_sqs.empty())
+    fail("%s: amsgrad=True needs max_exp_avg_sqs", op);
   check_list(op, "max_exp_avg_sqs", max_exp_avg_sqs, b.numels, true, ST::Float);
   const std::vector<int64_t> counts = read_steps(op, steps, step, params.size());
   auto m = ptrs<float>(exp_avgs), v = ptrs<float>(exp_avg_sqs);
@@ -55,7 +55,7 @@ void adam_step(Tensors params, Tensors grads, Tensors exp_avgs, Tensors exp_avg_
     const int rc = ds_cpu_adam_step(static_cast<int64_t>(idx.size()), n.data(), p.data(), g.data(), mi.data(),
                                     vi.data(), data_or_null(vm), data_or_null(o), b.grad_code, b.out_code, &h,
                                     static_cast<int32_t>(num_threads));
-    STD_TORCH_CHECK(rc == 0, op, ": the kernel rejected grad dtype code ", b.grad_code, " / copy-out ", b.out_code);
+    if (rc != 0) fail("%s: the kernel rejected grad dtype code %d / copy-out %d", op, b.grad_code, b.out_code);
   }
 }
 

@@ -23,7 +23,7 @@ void lion_step(Tensors params, Tensors grads, Tensors exp_avgs, Tensors copy_out
   const int rc = ds_cpu_lion_step(static_cast<int64_t>(params.size()), b.numels.data(), b.params.data(),
                                   b.grads.data(), m.data(), data_or_null(outs), b.grad_code, b.out_code, &h,
                                   static_cast<int32_t>(num_threads));
-  STD_TORCH_CHECK(rc == 0, op, ": the kernel rejected grad dtype code ", b.grad_code, " / copy-out ", b.out_code);
+  if (rc != 0) fail("%s: the kernel rejected grad dtype code %d / copy-out %d", op, b.grad_code, b.out_code);
 }
 
 }  // namespace ds
