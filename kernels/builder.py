@@ -1,16 +1,31 @@
-"""Compile the kernels with the compiler directly, cached in the trusted ops cache (cache.py).
+"""Build the kernels through torch.utils.cpp_extension, cached in the trusted ops cache (cache.py).
 
-Why not torch.utils.cpp_extension: our sources include no torch headers (pointers cross a
-C ABI through ctypes), and a CPU-only torch cannot build CUDA through cpp_extension at all
-(no CUDA_HOME, no c10_cuda to link), so CI could only ever test a *different* command from
-the one a GPU machine ran; that gap hid a library with a hidden entry point. Here the
-commands are ours, the same on every machine, and `compile_commands()` shows them.
+CPU ops are built with `torch.utils.cpp_extension.load(...)` (ninja), its build directory
+a private work directory inside the cache entry (cache.workdir: mode 0700, inside an entry
+this user owns, under the entry's lock), so the cache's ownership, link and checksum rules
+cover every file the compiler writes; cpp_extension's own default build directory
+(~/.cache/torch_extensions) is never used. Each CPU op is two translation units: the
+kernel (cpu_<op>.cpp: no torch header, the SIMD flags of its level) and its torch op
+(cpu_<op>_op.cpp: TORCH_LIBRARY through torch's header-light stable API, op_boundary.h),
+so a cold build stays a few seconds where <torch/extension.h> alone costs 20.
+
+load() dlopens the fresh library from the work directory (it registers the ops there);
+the loader (loader.py) then opens the published file by descriptor and checks its hash, and
+the dynamic loader, seeing the same file, hands back the same library. Every build gets a
+namespace of its own (-DDS_OPS_NS=<name>_<nonce>, read back from the library): a process
+may load two builds of one op (two caches, two instruction sets), and torch allows one
+TORCH_LIBRARY per namespace.
+
+The CUDA fused Adam is still compiled with nvcc directly (`compile_commands()`): a CPU-only
+torch cannot build a CUDAExtension (no CUDA_HOME, no c10_cuda), and CI must run the very
+command a GPU machine runs (tests/test_fused_adam.py compiles it with -Werror).
 
 A build lands in `<cache>/<name>-<isa>-<key>/`, where the key hashes everything that
-changes the binary: the sources, the torch version, the compiler and its flags, and the
-instruction set (CPU: a coarse level with fixed flags rather than -march=native, so one
-build serves every CPU of that level; CUDA: the GPU architectures). A fresh library must
-export the op's C entry points (read from its ELF symbol table) before it is cached.
+changes the binary: the sources and headers, the torch version, the compiler and its
+flags, and the instruction set (CPU: a coarse level with fixed flags rather than
+-march=native, so one build serves every CPU of that level; CUDA: the GPU architectures).
+A fresh library must export the op's C entry points (read from its ELF symbol table)
+before it is cached.
 
 Ranks starting together take an flock on `<entry>.lock`: the first builds, the others
 wait and then find the finished build. `build.json` is written last, atomically.
@@ -20,6 +35,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -32,7 +48,7 @@ from .cache import BuildError, Damaged, Entry, OpsCache, check_library, remove_w
 
 HERE = Path(__file__).resolve().parent
 # Bump when the way a library is produced changes, so that old cache entries are not reused.
-BUILD_SCHEME = "direct-2"
+BUILD_SCHEME = "cpp-extension-1"
 
 ISA_LEVELS = ("avx512", "avx2", "scalar")
 # Fixed per level, never -march=native: the binary must run on every CPU of its level.
@@ -70,6 +86,7 @@ class OpSpec:
     with_cuda: bool = False
     symbols: Tuple[str, ...] = ()
     headers: Tuple[str, ...] = ()  # included files: part of the cache key, not compiled
+    include_dirs: Tuple[str, ...] = (str(HERE),)
 
 
 @dataclass
@@ -177,7 +194,8 @@ def entry_name(spec: OpSpec) -> str:
 
 
 def compile_commands(spec: OpSpec, out_dir: Path) -> List[List[str]]:
-    """The exact commands that turn the spec into `<out_dir>/<name>.so`.
+    """The exact nvcc commands that turn a CUDA spec into `<out_dir>/<name>.so` (CPU specs
+    are built by cpp_extension: `build(..., verbose=True)` shows its commands).
 
     Exported entry points are marked visibility("default") in the sources; the CUDA
     runtime is linked statically so that the library needs no libcudart on the loader's
@@ -185,8 +203,7 @@ def compile_commands(spec: OpSpec, out_dir: Path) -> List[List[str]]:
     """
     lib = str(Path(out_dir) / f"{spec.name}.so")
     if not spec.with_cuda:
-        return [[_cxx(), *spec.cflags, "-fPIC", "-shared", "-std=c++17", f"-I{HERE}", *spec.sources, "-o", lib,
-                 *spec.ldflags]]
+        raise ValueError(f"{spec.name}: a CPU op is built by torch.utils.cpp_extension, not by commands of ours")
     objects, cmds = [], []
     for src in spec.sources:
         obj = str(Path(out_dir) / (Path(src).stem + ".o"))
@@ -212,25 +229,50 @@ def _run(spec: OpSpec, cmd: List[str], cwd: Path) -> None:
                          f"{output}\ncommand: {shown}")
 
 
+def _cpp_extension_build(spec: OpSpec, work: Path, verbose: bool) -> Path:
+    """torch.utils.cpp_extension.load() of a CPU spec into `work`; the library's path."""
+    from torch.utils import cpp_extension
+
+    namespace = f"{spec.name}_{secrets.token_hex(4)}"  # this build's own torch op namespace
+    try:
+        path = cpp_extension.load(
+            name=spec.name, sources=list(spec.sources), extra_cflags=[*spec.cflags, f"-DDS_OPS_NS={namespace}"],
+            extra_ldflags=list(spec.ldflags), extra_include_paths=list(spec.include_dirs), build_directory=str(work),
+            is_python_module=False, verbose=verbose)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        detail = str(e).strip() or type(e).__name__
+        raise BuildError(f"building {spec.name} ({spec.isa}) failed through torch.utils.cpp_extension "
+                         f"(CXX={_cxx()}, build directory {work}):\n{detail}") from None
+    return Path(path)
+
+
 def _compile(spec: OpSpec, cache: OpsCache, entry: str, torch_version: str, compiler: str,
              verbose: bool) -> Entry:
     """Compile in a private work directory, check the exports, then publish."""
     work = cache.workdir(entry)
     try:
         t0 = time.perf_counter()
-        cmds = compile_commands(spec, work)
-        for cmd in cmds:
-            if verbose:
-                print(" ".join(cmd), file=sys.stderr)
-            _run(spec, cmd, work)
-        lib = work / f"{spec.name}.so"
+        if spec.with_cuda:
+            cmds = compile_commands(spec, work)
+            for cmd in cmds:
+                if verbose:
+                    print(" ".join(cmd), file=sys.stderr)
+                _run(spec, cmd, work)
+            lib = work / f"{spec.name}.so"
+            how = " && ".join(" ".join(c) for c in cmds)
+        else:
+            lib = _cpp_extension_build(spec, work, verbose)
+            if lib.parent != work:
+                raise BuildError(f"building {spec.name}: cpp_extension wrote {lib} outside {work}")
+            how = f"torch.utils.cpp_extension.load (commands: {work / 'build.ninja'})"
         try:
             check_library(cache.root / entry / lib.name, lib.read_bytes(), None, spec.symbols)
         except Damaged as e:
             raise BuildError(f"building {spec.name} ({spec.isa}) produced a broken library: {e}; "
-                             f"commands: {' && '.join(' '.join(c) for c in cmds)}") from None
+                             f"built by: {how}") from None
         meta = {"name": spec.name, "isa": spec.isa, "torch": torch_version, "compiler": compiler,
                 "cflags": list(spec.cflags), "cuda_cflags": list(spec.cuda_cflags), "symbols": list(spec.symbols),
+                "built_by": "nvcc" if spec.with_cuda else "torch.utils.cpp_extension",
                 "build_seconds": round(time.perf_counter() - t0, 2)}
         return cache.publish(entry, work, lib.name, meta)
     finally:
@@ -290,33 +332,41 @@ def _built(spec: OpSpec, key: str, found: Entry, cached: bool, t0: float) -> Bui
 # -- the ops ----------------------------------------------------------------------------
 
 
-def cpu_op_spec(name: str, source: str, symbols: Tuple[str, ...], isa: Optional[str] = None) -> OpSpec:
+def cpu_op_spec(name: str, source: str, symbols: Tuple[str, ...], isa: Optional[str] = None,
+                op_source: Optional[str] = None) -> OpSpec:
     """A CPU SIMD op at an instruction-set level (default: the best this CPU runs); `source`
-    is a file name in this package or a path (the benchmark's bandwidth probe)."""
+    is a file name in this package or a path (the benchmark's bandwidth probe); `op_source`
+    the translation unit that registers it as a torch op, if it has one."""
     isa = isa or detect_isa()
+    sources = (source,) if op_source is None else (source, op_source)
+    headers = ("cpu_simd.h",) if op_source is None else ("cpu_simd.h", "cpu_hyper.h", "op_boundary.h")
     return OpSpec(
         name=f"{name}_{isa}",
-        sources=(str(HERE / source),),  # an absolute `source` stays as it is
+        sources=tuple(str(HERE / s) for s in sources),  # an absolute `source` stays as it is
         # -ffp-contract=off: the compiler may not fuse a*b+c on its own, so every instruction
         # set computes exactly the operations written (explicit fma()s) and gives the same bits.
         cflags=("-O3", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off", *ISA_CFLAGS[isa]),
         ldflags=("-fopenmp",),
         isa=isa,
         symbols=symbols,
-        headers=(str(HERE / "cpu_simd.h"),),
+        headers=tuple(str(HERE / h) for h in headers),
     )
 
 
 def cpu_adam_spec(isa: Optional[str] = None) -> OpSpec:
-    return cpu_op_spec("ds_cpu_adam", "cpu_adam.cpp", ("ds_cpu_adam_step", "ds_cpu_adam_isa"), isa)
+    return cpu_op_spec("ds_cpu_adam", "cpu_adam.cpp",
+                       ("ds_cpu_adam_step", "ds_cpu_adam_isa", "ds_cpu_adam_namespace"), isa, "cpu_adam_op.cpp")
 
 
 def cpu_lion_spec(isa: Optional[str] = None) -> OpSpec:
-    return cpu_op_spec("ds_cpu_lion", "cpu_lion.cpp", ("ds_cpu_lion_step", "ds_cpu_lion_isa"), isa)
+    return cpu_op_spec("ds_cpu_lion", "cpu_lion.cpp",
+                       ("ds_cpu_lion_step", "ds_cpu_lion_isa", "ds_cpu_lion_namespace"), isa, "cpu_lion_op.cpp")
 
 
 def cpu_adagrad_spec(isa: Optional[str] = None) -> OpSpec:
-    return cpu_op_spec("ds_cpu_adagrad", "cpu_adagrad.cpp", ("ds_cpu_adagrad_step", "ds_cpu_adagrad_isa"), isa)
+    return cpu_op_spec("ds_cpu_adagrad", "cpu_adagrad.cpp",
+                       ("ds_cpu_adagrad_step", "ds_cpu_adagrad_isa", "ds_cpu_adagrad_namespace"), isa,
+                       "cpu_adagrad_op.cpp")
 
 
 CPU_OP_SPECS = (cpu_adam_spec, cpu_lion_spec, cpu_adagrad_spec)  # what `dslaunch build-ops` builds

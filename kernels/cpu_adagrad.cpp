@@ -1,21 +1,14 @@
 // CPU Adagrad over flat fp32 master parameters, one pass per element (see cpu_adam.cpp for
 // why there are no torch headers and how the instruction set is chosen).
 //
-// torch.optim.Adagrad's update, with the learning-rate decay folded in on the Python side:
+// torch.optim.Adagrad's update, with the learning-rate decay folded in by the op (cpu_adagrad_op.cpp):
 //   g = +-g + wd*p;  sum += g*g;  p -= clr * g / (sqrt(sum) + eps),  clr = lr / (1 + (step-1)*lr_decay)
 // Gradients may be fp32, bf16 or fp16; the new parameters can be written to a bf16/fp16
 // copy in the same pass, as for Adam.
+#include "cpu_hyper.h"
 #include "cpu_simd.h"
 
 namespace ds {
-
-// Mirrors AdagradHyper in cpu_adagrad.py.
-struct AdagradHyper {
-  float clr;           // the step's learning rate after lr_decay
-  float eps;
-  float weight_decay;  // L2 coefficient added to the gradient, as torch's Adagrad does
-  int32_t maximize;
-};
 
 template <int GD, int OD>
 struct AdagradSpan {

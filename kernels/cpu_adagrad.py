@@ -1,4 +1,5 @@
-"""CPU Adagrad: the compiled op (cpu_adagrad.cpp) behind a checked Python API.
+"""CPU Adagrad: the compiled torch op (cpu_adagrad.cpp + cpu_adagrad_op.cpp, `adagrad_step`)
+behind a checked Python API.
 
 * `cpu_adagrad_step(params, grads, sums, *, step, lr, lr_decay, eps, weight_decay,
   maximize, copy_out)` steps flat contiguous fp32 tensors in place, as cpu_adam_step does.
@@ -16,30 +17,25 @@ from typing import Dict, Optional
 
 import torch
 
-from . import builder
+from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views
+from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback,
+                          default_threads, fp32_views, step_args)
 
 
-class AdagradHyper(ctypes.Structure):
-    """Mirrors `struct AdagradHyper` in cpu_adagrad.cpp, field for field."""
-
-    _fields_ = [
-        ("clr", ctypes.c_float),
-        ("eps", ctypes.c_float),
-        ("weight_decay", ctypes.c_float),
-        ("maximize", ctypes.c_int32),
-    ]
+def _fake(params, grads, sums, copy_out, steps, step, lr, lr_decay, eps, weight_decay, maximize,
+          num_threads) -> None:
+    """adagrad_step on fake tensors (torch.compile): the op's checks, no computation."""
+    check_flat_args("adagrad_step", params, grads, {"sums": sums}, copy_out or None)
+    if steps:
+        check_steps("adagrad_step", steps, len(params))
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    vp = ctypes.c_void_p
+def _bind(lib: ctypes.CDLL):
     lib.ds_cpu_adagrad_isa.restype = ctypes.c_char_p
-    lib.ds_cpu_adagrad_step.restype = ctypes.c_int
-    lib.ds_cpu_adagrad_step.argtypes = [ctypes.c_int64, vp, vp, vp, vp, vp, ctypes.c_int32, ctypes.c_int32,
-                                        ctypes.POINTER(AdagradHyper), ctypes.c_int32]
+    return torch_ops.register(lib, "ds_cpu_adagrad", "adagrad_step", _fake)
 
 
 class CpuAdagradOp(LazyOp):
@@ -54,16 +50,14 @@ def cpu_adagrad_available() -> bool:
     return _OP.load()
 
 
-def cpu_adagrad_step(params: TensorOrList, grads: TensorOrList, sums: TensorOrList, *, step: int, lr: float,
+def cpu_adagrad_step(params: TensorOrList, grads: TensorOrList, sums: TensorOrList, *, step: StepCount, lr: float,
                      lr_decay: float = 0.0, eps: float = 1e-10, weight_decay: float = 0.0, maximize: bool = False,
                      copy_out: Optional[TensorOrList] = None, num_threads: Optional[int] = None,
                      op: Optional[CpuAdagradOp] = None) -> None:
     """One Adagrad step, in place (see cpu_adam_step for the layout rules). step: the count
-    including this update (1 on the first call)."""
-    if step < 1:
-        raise ValueError(f"cpu_adagrad_step: step must be >= 1 (the count after this update), got {step}")
+    including this update (1 on the first call), or one float32 step tensor per parameter."""
     args = check_flat_args("cpu_adagrad_step", params, grads, {"sums": sums}, copy_out)
-    clr = lr / (1.0 + (step - 1) * lr_decay)
+    count, step_tensors = step_args("cpu_adagrad_step", step, args.n)
     if args.n == 0:
         return
     op = op or _OP
@@ -72,13 +66,16 @@ def cpu_adagrad_step(params: TensorOrList, grads: TensorOrList, sums: TensorOrLi
         from torch.optim.adagrad import adagrad
 
         grads32, st = fp32_views(args)
-        steps = [torch.tensor(float(step - 1)) for _ in args.params]  # torch's single-tensor Adagrad adds the 1
+        # torch's single-tensor Adagrad adds the 1 (to copies: the caller's step tensors stay as they are)
+        steps = ([s - 1 for s in step_tensors] if step_tensors
+                 else [torch.tensor(float(count - 1)) for _ in args.params])
         adagrad(args.params, grads32, st["sums"], steps, foreach=False, lr=lr, weight_decay=weight_decay,
                 lr_decay=lr_decay, eps=eps, maximize=maximize)
         copy_out_after_fallback(args)
         return
-    hyper = AdagradHyper(clr, eps, weight_decay, int(maximize))
-    args.call("cpu_adagrad_step", op.lib.ds_cpu_adagrad_step, [args.states["sums"]], hyper, num_threads)
+    op.torch_op(args.params, args.grads, args.states["sums"], args.outs or [], step_tensors, count, float(lr),
+                float(lr_decay), float(eps), float(weight_decay), bool(maximize),
+                num_threads or default_threads())
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
@@ -86,9 +83,10 @@ def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
                                    memory_format=torch.preserve_format)}
 
 
-def _update(ps, grads, states, step: int, group: dict, op=None, num_threads=None) -> None:
-    """`group` holds torch.optim.Adagrad's keys (lr, lr_decay, eps, weight_decay, maximize)."""
-    cpu_adagrad_step(ps, grads, [s["sum"] for s in states], step=step, lr=float(group["lr"]),
+def _update(ps, grads, states, step: StepCount, group: dict, op=None, num_threads=None) -> None:
+    """`states["sum"]`: one tensor per parameter; `group` holds torch.optim.Adagrad's keys
+    (lr, lr_decay, eps, weight_decay, maximize)."""
+    cpu_adagrad_step(ps, grads, states["sum"], step=step, lr=float(group["lr"]),
                      lr_decay=group.get("lr_decay", 0.0), eps=group["eps"], weight_decay=group["weight_decay"],
                      maximize=group.get("maximize", False), num_threads=num_threads, op=op)
 
@@ -99,7 +97,7 @@ def torch_adagrad_step(optimizer: torch.optim.Optimizer) -> FusedCPUStep:
         raise KernelUnavailable(f"the dslaunch CPU Adagrad op is unavailable: {_OP.error}")
 
     def step(p, g, state, count, group):
-        _update([p], [g], [state], count, group)
+        _update([p], [g], {"sum": [state["sum"]]}, count, group)
 
     return FusedCPUStep(f"dslaunch CPU Adagrad ({_OP.built.isa})", _init_state, step)
 
@@ -125,6 +123,9 @@ class CPUAdagrad(CPUOptimizer):
 
     def _init_state(self, p, group):
         return _init_state(p, group)
+
+    def _state_keys(self, group):
+        return ("sum",)
 
     def _update(self, params, grads, states, step, group):
         _update(params, grads, states, step, group, self.op, self.num_threads)

@@ -1,35 +1,19 @@
 // CPU Adam/AdamW over flat fp32 master parameters, one pass per element.
 //
 // Why no torch headers: <torch/extension.h> turns a 200-line kernel into a 20-second
-// compile. The op takes raw pointers through a C ABI (called via ctypes, which drops
-// the GIL), so this translation unit needs only the standard library, OpenMP and the
-// SIMD intrinsics. The Python side (cpu_adam.py) checks dtypes, sizes and contiguity
-// before any pointer reaches this file.
+// compile. The torch op (cpu_adam_op.cpp, torch's stable API only) checks dtypes, sizes
+// and contiguity and passes raw pointers to the C entry point below, so this translation
+// unit needs only the standard library, OpenMP and the SIMD intrinsics.
 //
 // The instruction set is fixed at compile time (-mavx512f..., -mavx2, or neither); the
 // builder keys its cache on it, so a binary is only loaded on a CPU that can run it.
 // Every element is loaded once and stored once per step: the gradient is widened to fp32
 // in registers and the optional bf16/fp16 copy of the new parameter is written in the
 // same pass, which is what keeps the step at the memory-bandwidth bound.
+#include "cpu_hyper.h"
 #include "cpu_simd.h"
 
 namespace ds {
-
-// Mirrors AdamHyper in cpu_adam.py; the bias corrections are folded in on the Python
-// side (in double) so the inner loop does one sqrt and one division:
-//   p -= step_size * m / (sqrt(v)/bc2 + eps)  ==  p -= (step_size*bc2) * m / (sqrt(v) + eps*bc2)
-struct AdamHyper {
-  float beta1_complement;  // 1 - beta1 (exp_avg is a lerp towards the gradient)
-  float beta2;
-  float beta2_complement;  // 1 - beta2
-  float eps_scaled;        // eps * sqrt(1 - beta2^step)
-  float step_scaled;       // lr / (1 - beta1^step) * sqrt(1 - beta2^step)
-  float weight_decay;      // L2 coefficient added to the gradient (Adam mode)
-  float decay_factor;      // 1 - lr*weight_decay applied to the parameter (AdamW mode)
-  int32_t decoupled;       // 1: AdamW, 0: Adam with L2 in the gradient
-  int32_t amsgrad;
-  int32_t maximize;
-};
 
 // One element; also the tail of the vector loops, so both paths share the same math.
 template <int GD, int OD>

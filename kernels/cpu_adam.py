@@ -1,4 +1,5 @@
-"""CPU Adam/AdamW: the compiled op (cpu_adam.cpp) behind a checked Python API.
+"""CPU Adam/AdamW: the compiled torch op (cpu_adam.cpp + cpu_adam_op.cpp, `adam_step`)
+behind a checked Python API.
 
 Two ways in:
 
@@ -7,7 +8,8 @@ Two ways in:
   parameters can be written into a bf16/fp16 copy in the same pass.
 * `CPUAdam`, a torch.optim.Optimizer whose state_dict() matches torch.optim.AdamW's
   (same group keys, same per-parameter `step`/`exp_avg`/`exp_avg_sq`), so checkpoints
-  move between the two in both directions.
+  move between the two in both directions. Its step() passes the state's step tensors to
+  the op (which groups parameters by count itself), so `torch.compile` traces it whole.
 
 `cpu_adam_available()` answers whether the op can be used, building it on first call.
 If it cannot be built, both entry points fall back to torch's fused AdamW kernel and
@@ -16,43 +18,32 @@ warn once with the compiler's error: a missing compiler costs speed, not the job
 from __future__ import annotations
 
 import ctypes
-import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import builder
+from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views
+from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback,
+                          default_threads, fp32_views, step_args)
 
 
-class AdamHyper(ctypes.Structure):
-    """Mirrors `struct AdamHyper` in cpu_adam.cpp, field for field."""
-
-    _fields_ = [
-        ("beta1_complement", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("beta2_complement", ctypes.c_float),
-        ("eps_scaled", ctypes.c_float),
-        ("step_scaled", ctypes.c_float),
-        ("weight_decay", ctypes.c_float),
-        ("decay_factor", ctypes.c_float),
-        ("decoupled", ctypes.c_int32),
-        ("amsgrad", ctypes.c_int32),
-        ("maximize", ctypes.c_int32),
-    ]
+def _fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copy_out, steps, step, lr, beta1, beta2, eps,
+          weight_decay, decoupled, amsgrad, maximize, bias_correction, num_threads) -> None:
+    """adam_step on fake tensors (torch.compile): the op's checks, no computation."""
+    if amsgrad and params and not max_exp_avg_sqs:
+        raise ValueError("adam_step: amsgrad=True needs max_exp_avg_sqs")
+    check_flat_args("adam_step", params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
+                                                 "max_exp_avg_sqs": max_exp_avg_sqs or None}, copy_out or None)
+    if steps:
+        check_steps("adam_step", steps, len(params))
 
 
-def _bind(lib: ctypes.CDLL) -> None:
+def _bind(lib: ctypes.CDLL):
     lib.ds_cpu_adam_isa.restype = ctypes.c_char_p
-    lib.ds_cpu_adam_step.restype = ctypes.c_int
-    lib.ds_cpu_adam_step.argtypes = [
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(AdamHyper), ctypes.c_int32,
-    ]
+    return torch_ops.register(lib, "ds_cpu_adam", "adam_step", _fake)
 
 
 class CpuAdamOp(LazyOp):
@@ -90,33 +81,13 @@ def cpu_adam_info() -> Dict[str, object]:
     }
 
 
-def _hyper(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-           decoupled: bool, amsgrad: bool, maximize: bool, bias_correction: bool = True) -> AdamHyper:
-    if step < 1:
-        raise ValueError(f"cpu_adam_step: step must be >= 1 (the count after this update), got {step}")
-    bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
-    bc2_sqrt = math.sqrt(1.0 - beta2 ** step) if bias_correction else 1.0
-    return AdamHyper(
-        beta1_complement=1.0 - beta1,
-        beta2=beta2,
-        beta2_complement=1.0 - beta2,
-        eps_scaled=eps * bc2_sqrt,
-        step_scaled=lr / bc1 * bc2_sqrt,
-        weight_decay=0.0 if decoupled else weight_decay,
-        decay_factor=1.0 - lr * weight_decay if decoupled else 1.0,
-        decoupled=int(decoupled),
-        amsgrad=int(amsgrad),
-        maximize=int(maximize),
-    )
-
-
 def cpu_adam_step(
     params: TensorOrList,
     grads: TensorOrList,
     exp_avgs: TensorOrList,
     exp_avg_sqs: TensorOrList,
     *,
-    step: int,
+    step: StepCount,
     lr: float,
     betas: Tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
@@ -135,7 +106,8 @@ def cpu_adam_step(
     params, exp_avgs, exp_avg_sqs (and max_exp_avg_sqs with amsgrad): contiguous fp32 CPU
     tensors. grads: contiguous CPU tensors of fp32, bf16 or fp16 (one dtype per call),
     each with its parameter's element count; shapes may differ (flat buffers are fine).
-    step: the step count *including* this update (1 on the first call), as torch counts.
+    step: the step count *including* this update (1 on the first call), as torch counts;
+    or one float32 step tensor per parameter (an optimizer's state, already incremented).
     decoupled_weight_decay: True is AdamW (p *= 1 - lr*wd), False is Adam's L2 term.
     bias_correction: False drops Adam's 1 - beta^step corrections (DeepSpeed's option).
     copy_out: optional bf16/fp16 tensors that receive the updated parameters in the same
@@ -150,23 +122,25 @@ def cpu_adam_step(
     args = check_flat_args("cpu_adam_step", params, grads,
                            {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
                             "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None}, copy_out)
+    count, steps = step_args("cpu_adam_step", step, args.n)
     beta1, beta2 = betas
-    hyper = _hyper(step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize,
-                   bias_correction)
     if args.n == 0:
         return
     op = op or _OP
     if not op.load():
         op.warn_fallback("torch.optim.AdamW(fused=True) (slower)")
-        _torch_step(args, step, lr, betas, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize,
+        _torch_step(args, count, steps, lr, betas, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize,
                     bias_correction)
         return
     st = args.states
-    args.call("cpu_adam_step", op.lib.ds_cpu_adam_step,
-              [st["exp_avgs"], st["exp_avg_sqs"], st.get("max_exp_avg_sqs")], hyper, num_threads)
+    op.torch_op(args.params, args.grads, st["exp_avgs"], st["exp_avg_sqs"], st.get("max_exp_avg_sqs", []),
+                args.outs or [], steps, count, float(lr), float(beta1), float(beta2), float(eps),
+                float(weight_decay), bool(decoupled_weight_decay), bool(amsgrad), bool(maximize),
+                bool(bias_correction), num_threads or default_threads())
 
 
-def _torch_step(args, step, lr, betas, eps, weight_decay, decoupled, amsgrad, maximize, bias_correction) -> None:
+def _torch_step(args, step, step_tensors, lr, betas, eps, weight_decay, decoupled, amsgrad, maximize,
+                bias_correction) -> None:
     """The fallback: torch's fused CPU Adam on the same state, then the copy-out."""
     from torch.optim.adam import adam
 
@@ -174,7 +148,8 @@ def _torch_step(args, step, lr, betas, eps, weight_decay, decoupled, amsgrad, ma
         raise RuntimeError("cpu_adam_step: bias_correction=False needs the dslaunch CPU Adam op, which is "
                            f"unavailable: {_OP.error}")
     grads, st = fp32_views(args)
-    steps = [torch.tensor(float(step - 1)) for _ in args.params]  # the fused kernel adds the 1 itself
+    # the fused kernel adds the 1 itself (to copies: the caller's step tensors stay as they are)
+    steps = [s - 1 for s in step_tensors] if step_tensors else [torch.tensor(float(step - 1)) for _ in args.params]
     adam(args.params, grads, st["exp_avgs"], st["exp_avg_sqs"], st.get("max_exp_avg_sqs", []), steps, fused=True,
          decoupled_weight_decay=decoupled, amsgrad=amsgrad, beta1=betas[0], beta2=betas[1], lr=lr,
          weight_decay=weight_decay, eps=eps, maximize=maximize)
@@ -189,16 +164,20 @@ def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
     return state
 
 
-def _update(ps, grads, states, step: int, group: dict, decoupled_default: bool, op: Optional[CpuAdamOp] = None,
-            num_threads: Optional[int] = None) -> None:
-    """One op call over parameters that share a step count; `group` holds torch.optim.Adam's
-    keys (lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay)."""
+def _state_keys(group: dict) -> Tuple[str, ...]:
+    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+
+
+def _update(ps, grads, states: Dict[str, List[torch.Tensor]], step: StepCount, group: dict, decoupled_default: bool,
+            op: Optional[CpuAdamOp] = None, num_threads: Optional[int] = None) -> None:
+    """One op call; `states` maps each state key to one tensor per parameter; `group` holds
+    torch.optim.Adam's keys (lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay)."""
     amsgrad = bool(group.get("amsgrad", False))
-    cpu_adam_step(ps, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], step=step,
+    cpu_adam_step(ps, grads, states["exp_avg"], states["exp_avg_sq"], step=step,
                   lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
                   weight_decay=group["weight_decay"],
                   decoupled_weight_decay=group.get("decoupled_weight_decay", decoupled_default),
-                  amsgrad=amsgrad, max_exp_avg_sqs=[s["max_exp_avg_sq"] for s in states] if amsgrad else None,
+                  amsgrad=amsgrad, max_exp_avg_sqs=states["max_exp_avg_sq"] if amsgrad else None,
                   maximize=group.get("maximize", False), bias_correction=group.get("bias_correction", True),
                   num_threads=num_threads, op=op)
 
@@ -210,7 +189,7 @@ def torch_adam_step(optimizer: torch.optim.Optimizer) -> FusedCPUStep:
     decoupled = isinstance(optimizer, torch.optim.AdamW)
 
     def step(p, g, state, count, group):
-        _update([p], [g], [state], count, group, decoupled)
+        _update([p], [g], {k: [state[k]] for k in _state_keys(group)}, count, group, decoupled)
 
     return FusedCPUStep(f"dslaunch CPU Adam ({_OP.built.isa})", _init_state, step)
 
@@ -247,6 +226,9 @@ class CPUAdam(CPUOptimizer):
 
     def _init_state(self, p, group):
         return _init_state(p, group)
+
+    def _state_keys(self, group):
+        return _state_keys(group)
 
     def _update(self, params, grads, states, step, group):
         _update(params, grads, states, step, group, True, self.op, self.num_threads)

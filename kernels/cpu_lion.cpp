@@ -6,19 +6,10 @@
 // sign() follows torch.sign: 0 stays 0 (a parameter whose gradient and momentum are both 0
 // does not move), NaN stays NaN. Gradients may be fp32, bf16 or fp16; the new parameters
 // can be written to a bf16/fp16 copy in the same pass, as for Adam.
+#include "cpu_hyper.h"
 #include "cpu_simd.h"
 
 namespace ds {
-
-// Mirrors LionHyper in cpu_lion.py.
-struct LionHyper {
-  float lr;
-  float beta1;
-  float beta1_complement;  // 1 - beta1
-  float beta2;
-  float beta2_complement;  // 1 - beta2
-  float decay_factor;      // 1 - lr*weight_decay (decoupled, as in the paper)
-};
 
 template <int GD, int OD>
 struct LionSpan {

@@ -1,4 +1,5 @@
-"""CPU Lion: the compiled op (cpu_lion.cpp) behind a checked Python API.
+"""CPU Lion: the compiled torch op (cpu_lion.cpp + cpu_lion_op.cpp, `lion_step`) behind a
+checked Python API.
 
 * `cpu_lion_step(params, grads, exp_avgs, *, lr, betas, weight_decay, copy_out)` steps flat
   contiguous fp32 tensors in place (grads fp32/bf16/fp16, optional bf16/fp16 copy-out), as
@@ -17,31 +18,20 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import builder
+from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, fp32_views
+from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, default_threads, fp32_views
 
 
-class LionHyper(ctypes.Structure):
-    """Mirrors `struct LionHyper` in cpu_lion.cpp, field for field."""
-
-    _fields_ = [
-        ("lr", ctypes.c_float),
-        ("beta1", ctypes.c_float),
-        ("beta1_complement", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("beta2_complement", ctypes.c_float),
-        ("decay_factor", ctypes.c_float),
-    ]
+def _fake(params, grads, exp_avgs, copy_out, lr, beta1, beta2, weight_decay, num_threads) -> None:
+    """lion_step on fake tensors (torch.compile): the op's checks, no computation."""
+    check_flat_args("lion_step", params, grads, {"exp_avgs": exp_avgs}, copy_out or None)
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    vp = ctypes.c_void_p
+def _bind(lib: ctypes.CDLL):
     lib.ds_cpu_lion_isa.restype = ctypes.c_char_p
-    lib.ds_cpu_lion_step.restype = ctypes.c_int
-    lib.ds_cpu_lion_step.argtypes = [ctypes.c_int64, vp, vp, vp, vp, vp, ctypes.c_int32, ctypes.c_int32,
-                                     ctypes.POINTER(LionHyper), ctypes.c_int32]
+    return torch_ops.register(lib, "ds_cpu_lion", "lion_step", _fake)
 
 
 class CpuLionOp(LazyOp):
@@ -64,7 +54,6 @@ def cpu_lion_step(params: TensorOrList, grads: TensorOrList, exp_avgs: TensorOrL
     rules; Lion keeps one state, exp_avg)."""
     args = check_flat_args("cpu_lion_step", params, grads, {"exp_avgs": exp_avgs}, copy_out)
     beta1, beta2 = betas
-    hyper = LionHyper(lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay)
     if args.n == 0:
         return
     op = op or _OP
@@ -76,7 +65,8 @@ def cpu_lion_step(params: TensorOrList, grads: TensorOrList, exp_avgs: TensorOrL
         lion_update(args.params, grads32, st["exp_avgs"], lr, beta1, beta2, weight_decay)
         copy_out_after_fallback(args)
         return
-    args.call("cpu_lion_step", op.lib.ds_cpu_lion_step, [args.states["exp_avgs"]], hyper, num_threads)
+    op.torch_op(args.params, args.grads, args.states["exp_avgs"], args.outs or [], float(lr), float(beta1),
+                float(beta2), float(weight_decay), num_threads or default_threads())
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:
@@ -101,7 +91,10 @@ class CPULion(CPUOptimizer):
     def _init_state(self, p, group):
         return _init_state(p, group)
 
+    def _state_keys(self, group):
+        return ("exp_avg",)
+
     def _update(self, params, grads, states, step, group):
-        cpu_lion_step(params, grads, [s["exp_avg"] for s in states], lr=float(group["lr"]),
+        cpu_lion_step(params, grads, states["exp_avg"], lr=float(group["lr"]),
                       betas=tuple(group["betas"]), weight_decay=group["weight_decay"], num_threads=self.num_threads,
                       op=self.op)

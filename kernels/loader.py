@@ -55,7 +55,8 @@ class LazyOp:
     """One compiled op, built and loaded on first use.
 
     spec: makes the OpSpec (called at load time, so the ISA/arch is detected then).
-    bind: declares the ctypes signatures on the loaded library.
+    bind: declares the ctypes signatures on the loaded library; what it returns (the
+    library's torch op, for ops registered through TORCH_LIBRARY) becomes `torch_op`.
     """
 
     def __init__(self, what: str, spec: Callable[[], builder.OpSpec], bind: Callable[[ctypes.CDLL], None],
@@ -64,13 +65,17 @@ class LazyOp:
         self._spec, self._bind, self._precondition = spec, bind, precondition
         self.lib: Optional[ctypes.CDLL] = None
         self.built: Optional[builder.BuiltOp] = None
+        self.torch_op = None
         self.error: Optional[str] = None
         self.tried = False
+        self.settled = False  # tried, and the outcome (lib or error) is final
         self.warned = False
         self.lock = threading.Lock()
 
     def load(self) -> bool:
         """True when the op is usable; the first call builds or loads it."""
+        if self.settled:  # no lock once settled: torch.compile traces this without a graph break
+            return self.lib is not None
         with self.lock:
             if not self.tried:
                 self.tried = True
@@ -78,14 +83,16 @@ class LazyOp:
                     reason = self._precondition() if self._precondition else None
                     if reason:
                         self.error = reason
+                        self.settled = True
                         return False
                     lib, built = load_library(self._spec())
-                    self._bind(lib)
+                    self.torch_op = self._bind(lib)
                     self.lib, self.built = lib, built
                 except (BuildError, ValueError, OSError) as e:
                     self.error = str(e)
                 except Exception as e:  # a bug of ours must still say what happened, never "None"
                     self.error = f"{type(e).__name__}: {e}"
+                self.settled = True
             return self.lib is not None
 
     def warn_fallback(self, fallback: str, stacklevel: int = 4) -> None:

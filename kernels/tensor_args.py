@@ -1,5 +1,6 @@
-"""The checks every CPU optimizer op runs before a pointer reaches C++, and the ctypes
-arrays it then hands over.
+"""The checks every CPU optimizer op runs in Python before its torch op is called (the
+op checks again in C++; these give the TypeError/ValueError callers have always had, and
+they are the ops' fake implementations under torch.compile).
 
 The ops step lists of flat, contiguous fp32 CPU tensors in place: parameters and their
 per-element states, gradients of one dtype (fp32, bf16 or fp16), and optionally a bf16 or
@@ -9,7 +10,6 @@ be thrown away, so it is never made.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -19,6 +19,9 @@ GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 OUT_CODES = {None: -1, torch.bfloat16: 1, torch.float16: 2}
 
 TensorOrList = Union[torch.Tensor, Sequence[torch.Tensor]]
+# The step count including this update: one int for every tensor, or one float32 step
+# tensor per tensor (an optimizer's state["step"], already incremented).
+StepCount = Union[int, Sequence[torch.Tensor]]
 
 
 def as_list(x: Optional[TensorOrList]) -> Optional[List[torch.Tensor]]:
@@ -29,12 +32,6 @@ def as_list(x: Optional[TensorOrList]) -> Optional[List[torch.Tensor]]:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def pointers(ts: Optional[List[torch.Tensor]]):
-    if ts is None:
-        return None
-    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
 
 
 @dataclass
@@ -52,22 +49,6 @@ class FlatArgs:
     @property
     def n(self) -> int:
         return len(self.params)
-
-    def c_numels(self):
-        return (ctypes.c_int64 * self.n)(*self.numels)
-
-    def c_codes(self):
-        return GRAD_CODES[self.grad_dtype], OUT_CODES[self.out_dtype]
-
-    def call(self, op: str, fn, states: Sequence[Optional[List[torch.Tensor]]], hyper,
-             num_threads: Optional[int]) -> None:
-        """Run the C step `fn` over these tensors with the ops' common signature: (n, numels,
-        params, grads, *states, copy-outs, grad dtype code, copy-out code, &hyper, threads)."""
-        grad_code, out_code = self.c_codes()
-        rc = fn(self.n, self.c_numels(), pointers(self.params), pointers(self.grads), *map(pointers, states),
-                pointers(self.outs), grad_code, out_code, ctypes.byref(hyper), num_threads or torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"{op}: the op rejected grad dtype {self.grad_dtype} / copy-out {self.out_dtype}")
 
 
 def _check(op: str, name: str, ts: List[torch.Tensor], numels: List[int], dtypes) -> None:
@@ -122,3 +103,29 @@ def copy_out_after_fallback(args: FlatArgs) -> None:
     if args.outs:
         for o, p in zip(args.outs, args.params):
             o.view_as(p).copy_(p)
+
+
+def check_steps(op: str, steps: Sequence[torch.Tensor], n: int) -> None:
+    if len(steps) != n:
+        raise ValueError(f"{op}: {n} params but {len(steps)} steps")
+    for i, s in enumerate(steps):
+        if not (isinstance(s, torch.Tensor) and s.is_cpu and s.dtype == torch.float32 and s.numel() == 1):
+            raise TypeError(f"{op}: steps[{i}] must be a one-element float32 CPU tensor")
+
+
+def step_args(op: str, step: StepCount, n: int):
+    """(count, step tensors) for a torch op: an int count and no tensors, or 0 and the tensors."""
+    if isinstance(step, int):
+        if step < 1:
+            raise ValueError(f"{op}: step must be >= 1 (the count after this update), got {step}")
+        return step, []
+    steps = list(step)
+    check_steps(op, steps, n)
+    return 0, steps
+
+
+@torch.compiler.assume_constant_result
+def default_threads() -> int:
+    """torch's intra-op thread count, the ops' default (a constant to torch.compile, which
+    cannot trace torch.get_num_threads())."""
+    return torch.get_num_threads()
