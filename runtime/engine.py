@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import checkpoint, comm, model_export
+from .parallel import current as parallel_current
 from .parallel import select as mesh_select
 from .compiling import compile_module
 from .compression import compression_schedule
@@ -100,6 +101,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.world_size = comm.get_world_size()
         self.local_rank = comm.local_rank()
         self.mesh = self.grid = self._make_mesh(model, mpu)
+        parallel_current.set_current(self.mesh)  # deepspeed.utils.groups answers from it
         self.mpu = mpu if mpu is not None else self.mesh
         self.dp_world_size = self.mesh.size("data")
         self.dp_rank = self.mesh.rank("data")

@@ -198,6 +198,15 @@ def comm_and_zero_body():
     part = PartitionedTensor(whole, group)
     again = PartitionedTensor.from_meta(part.to_meta(), part.data(), group)
     out["partitioned_tensor"] = (part.local_size()[0], torch.equal(again.full(), whole))
+
+    from dslaunch.runtime.utils import groups
+
+    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out["groups"] = (groups._get_sequence_parallel_world_size(), groups._get_sequence_parallel_rank(),
+                     groups._get_data_parallel_world_size(), groups._get_sequence_data_parallel_world_size(),
+                     comm.get_world_size(groups._get_sequence_parallel_group()))
     return out
 
 
@@ -211,6 +220,36 @@ def test_comm_collectives_and_zero_init_as_documented():
     assert r0["partitioned"] and r1["partitioned"]
     assert r0["written_back"] == r1["written_back"] == [2.0] * 16
     assert r0["partitioned_tensor"] == (8, True) and r1["partitioned_tensor"] == (7, True)
+    assert r0["groups"] == (2, 0, 1, 2, 2) and r1["groups"] == (2, 1, 1, 2, 2)
+
+
+def test_groups_before_an_engine_and_deepspeeds_expert_layout():
+    from dslaunch.runtime.utils import groups
+
+    assert groups._get_sequence_parallel_world_size() == 1 and groups._get_data_parallel_rank() == 0
+    with pytest.raises(groups.GroupsError, match="no engine has been built yet; call deepspeed.initialize"):
+        groups._get_data_parallel_group()
+    # DeepSpeed 0.19.8's _get_expert_parallel_ranks gives these for the same arguments
+    assert groups._get_expert_parallel_ranks(8, 2, 2) == (
+        [[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]])
+    assert groups._get_expert_parallel_ranks(16, 2, 2, 2)[0][4:] == [[8, 10], [12, 14], [9, 11], [13, 15]]
+
+
+def test_op_builders_answer_for_our_kernels():
+    import torch
+
+    from dslaunch.runtime.ops.op_builder import (AsyncIOBuilder, CPUAdamBuilder, FusedAdamBuilder, FusedLambBuilder,
+                                                 UtilsBuilder)
+
+    assert CPUAdamBuilder().is_compatible() and CPUAdamBuilder().load().__name__ == "dslaunch.kernels.cpu_adam"
+    assert FusedAdamBuilder().is_compatible() == torch.cuda.is_available()
+    assert not FusedLambBuilder().is_compatible() and not AsyncIOBuilder().is_compatible()
+    with pytest.raises(RuntimeError, match="FusedLambBuilder: the fused_lamb op cannot run here"):
+        FusedLambBuilder().load()
+    utils = UtilsBuilder().load()
+    flat = utils.flatten([torch.ones(2), torch.zeros(3)])
+    assert flat.tolist() == [1, 1, 0, 0, 0] and [t.numel() for t in utils.unflatten(flat, [torch.ones(2),
+                                                                                          torch.zeros(3)])] == [2, 3]
 
 
 def test_partition_uniform_is_deepspeeds():

@@ -29,6 +29,7 @@ COUNTERPARTS = {
     "deepspeed": "dslaunch.runtime",
     "deepspeed.checkpoint": "dslaunch.runtime.checkpoint",
     "deepspeed.launcher": "dslaunch.launcher",
+    "deepspeed.utils": "dslaunch.runtime.utils",
 }
 
 
