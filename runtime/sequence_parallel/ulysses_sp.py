@@ -90,19 +90,41 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     """The attention function registered as "ulysses": HF's [b, h, s/p, d] q, k, v ->
     [b, h_r, s, d] -> the core attention -> [b, s, h_r, d] -> [b, s/p, h, d]."""
 
-    def __init__(self, attn, process_group, seq_length_is_variable: bool = True, num_heads: int = 0,
-                 num_kv_heads: int = 0, seq_length: Optional[int] = None):
+    def __init__(self, attn, batch_size: int, attn_head_count: int, attn_head_size: int, kv_head_count: int,
+                 num_hidden_layers: int, process_group, seq_length_is_variable: bool = False,
+                 local_seq_length: Optional[int] = None, global_seq_length: Optional[int] = None,
+                 disable_in_eval: bool = False, max_length: Optional[int] = None):
+        # DeepSpeed's constructor. DeepSpeed sizes buffers from the shapes; here they are
+        # checked against each call's tensors when the length is fixed (seq_length_is_variable
+        # False), and max_length bounds a variable one. disable_in_eval: in eval mode the
+        # model sees whole sequences, so the core attention runs unwrapped.
         super().__init__()
         self.attn = attn
         self.process_group = process_group
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.seq_length, self.seq_length_is_variable = seq_length, seq_length_is_variable
+        self.batch_size, self.head_size, self.num_layers = batch_size, attn_head_size, num_hidden_layers
+        self.num_heads, self.num_kv_heads = attn_head_count, kv_head_count
+        self.seq_length, self.seq_length_is_variable = global_seq_length, seq_length_is_variable
+        self.local_seq_length, self.max_length = local_seq_length, max_length
+        self.disable_in_eval = disable_in_eval
+
+    def _check(self, query, sp: int) -> None:
+        length = query.shape[2] * sp
+        if self.max_length is not None and length > self.max_length:
+            raise SequenceParallelError(f"ulysses: sequence length {length} exceeds max_length {self.max_length}")
+        if self.seq_length_is_variable:
+            return
+        want = {"sequence length": (length, self.seq_length), "batch size": (query.shape[0], self.batch_size),
+                "head size": (query.shape[-1], self.head_size)}
+        for what, (got, expected) in want.items():
+            if expected is not None and got != expected:
+                raise SequenceParallelError(f"ulysses: {what} {got} differs from the {expected} given to "
+                                            "register_with_transformers")
 
     def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
+        if self.disable_in_eval and not module.training:
+            return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         sp = comm.get_world_size(self.process_group)
-        if not self.seq_length_is_variable and self.seq_length is not None and query.shape[2] * sp != self.seq_length:
-            raise SequenceParallelError(f"ulysses: sequence length {query.shape[2] * sp} differs from seq_length "
-                                        f"{self.seq_length} given to register_with_transformers")
+        self._check(query, sp)
         kv = key.shape[1]
         q = sequence_to_heads(query, self.process_group, seq_dim=2, head_dim=1, kv_heads=kv)
         k = sequence_to_heads(key, self.process_group, seq_dim=2, head_dim=1, kv_heads=kv)
@@ -116,7 +138,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     @classmethod
     def register_with_transformers(cls, model_name_or_path, core_attn_implementation: str,
                                    sequence_parallel_size: int, micro_batch_size: int,
-                                   seq_length: Optional[int] = None, seq_length_is_variable: bool = True):
+                                   seq_length: Optional[int] = None, seq_length_is_variable: bool = True,
+                                   disable_in_eval: bool = False, max_length: Optional[int] = None):
         """Build the sequence groups, register "ulysses" with transformers around
         `core_attn_implementation`, point the model (an instance, or later loads of a name
         or path with attn_implementation="ulysses") at it; return the mpu."""
@@ -146,7 +169,12 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if seq_length is not None and not seq_length_is_variable:
             local_length(int(seq_length), sp)
         mesh = ProcessMesh(topology_for(dims))
-        wrapper = cls(core, mesh.group("sequence"), seq_length_is_variable, heads, kv, seq_length)
+        head_size = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+        wrapper = cls(core, batch_size=int(micro_batch_size), attn_head_count=heads, attn_head_size=head_size,
+                      kv_head_count=kv, num_hidden_layers=int(config.num_hidden_layers),
+                      process_group=mesh.group("sequence"), seq_length_is_variable=seq_length_is_variable,
+                      local_seq_length=None if seq_length is None else int(seq_length) // sp,
+                      global_seq_length=seq_length, disable_in_eval=disable_in_eval, max_length=max_length)
         AttentionInterface.register(NAME, wrapper)
         if model is not None:
             model.config._attn_implementation = NAME

@@ -4,3 +4,4 @@ from dslaunch.runtime.checkpoint import *  # noqa: F401,F403
 from dslaunch.runtime.checkpoint import CheckpointError  # noqa: F401
 
 from . import utils  # noqa: F401
+from dslaunch.runtime.checkpoint.constants import *  # noqa: F401,F403,E402  (DeepSpeed exports its key names here)

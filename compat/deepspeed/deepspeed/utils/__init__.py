@@ -18,6 +18,7 @@ from dslaunch.runtime.zero.fragments import (
     safe_update_full_grad_vectorized,
 )
 
+from dslaunch.runtime.compression.helper import recursive_getattr, recursive_setattr
 from dslaunch.runtime.inference import OnDevice
 
 logger = logging.getLogger("dslaunch.runtime")
@@ -42,20 +43,6 @@ def set_log_level_from_string(log_level_str: str, custom_logger=None) -> None:
     if not isinstance(level, int):
         raise ValueError(f"log level {log_level_str!r}: expected debug, info, warning, error or critical")
     (custom_logger or logger).setLevel(level)
-
-
-def recursive_getattr(model, module_name: str):
-    """model's sub-module (or attribute) at the dotted path "layer.0.attn"."""
-    obj = model
-    for part in module_name.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def recursive_setattr(model, module_name: str, module) -> None:
-    """Replace model's sub-module at the dotted path with `module`."""
-    parent, _, leaf = module_name.rpartition(".")
-    setattr(recursive_getattr(model, parent) if parent else model, leaf, module)
 
 
 def instrument_w_nvtx(func):
