@@ -46,7 +46,10 @@ for _m in ("mixtral", "qwen2_moe", "mixtral_list"):
     CASES[f"{_m}_one"] = dict(model=_m, world=1, stage=0, gas=2, leaf=False)
     CASES[f"{_m}_w2_s2"] = dict(model=_m, world=2, stage=2, gas=1, leaf=False)
     CASES[f"{_m}_w2_s3_leaf"] = dict(model=_m, world=2, stage=3, gas=1, leaf=True)
-ONE_PROCESS = {n: f"{c['model']}_one" for n, c in CASES.items() if c["world"] > 1}
+# DeepSpeed 0.19.8 crashes here: its ZeRO-2 buckets hold only the gradients a rank produced,
+# so the experts without tokens on rank 0 leave the ranks' all-reduces of different sizes
+# (gloo: "op.preamble.length <= op.nbytes"); dslaunch's ZeRO-2 runs it
+DS_FAILS = {"mixtral_list_w2_s2"}
 
 
 def hf_config(model: str):
@@ -147,8 +150,10 @@ def batch(step: int, part: int):
 def config(job: dict, extra: dict = None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": job["gas"],
            "train_batch_size": ROWS * job["gas"] * job["world"], "steps_per_print": 1000,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.0, "torch_adam": True}},
-           "zero_optimization": {"stage": job["stage"]}}
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "eps": 1e-4, "weight_decay": 0.0, "torch_adam": True}},
+           # DeepSpeed's default clipping (1.0; spelled out: dslaunch's default is off); eps keeps
+           # Adam from magnifying the float noise of near-zero gradients (the rigged expert's router row)
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": job["stage"]}}
     if job["stage"] == 3:  # every parameter partitioned and gathered by the hooks
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, reduce_bucket_size=2000,
                                         stage3_prefetch_bucket_size=2000)
@@ -233,7 +238,8 @@ def run(job: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default=",".join(CASES), help="cases to (re)make; the others are kept")
+    ap.add_argument("--cases", default=",".join(n for n in CASES if n not in DS_FAILS),
+                    help="cases to (re)make; the others are kept")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     path = os.path.join(OUT, "expected.json")

@@ -114,7 +114,9 @@ class DeepSpeedConfig:
     sequence_parallel_size: Any = refused("sequence parallelism is not supported; remove it", 1)
     seq_parallel_communication_data_type: Any = refused("sequence parallelism is not supported; remove it", "fp32")
     tensor_parallel: TensorParallelConfig = supported(factory=TensorParallelConfig, note="")
-    expert_parallel: Any = refused("AutoEP expert parallelism is not supported; remove it", disabled)
+    expert_parallel: Any = refused(
+        "AutoEP (swapping Hugging Face MoE blocks for expert-parallel layers) is not implemented; remove it: "
+        "HF MoE models train with every expert on each rank (at ZeRO-3 with set_z3_leaf_modules)", disabled)
     use_data_before_expert_parallelism: Any = refused(
         "expert groups are laid out only DeepSpeed's default way (expert-parallel ranks consecutive); remove it", False)
     hybrid_engine: Any = refused("the RLHF hybrid engine is not supported; remove it", disabled)

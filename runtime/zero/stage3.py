@@ -27,10 +27,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..reduction import GradReduction
+from ..strict import ConfigError
 from ..strategy import StrategyContext, register_strategy
 from .. import comm
 from . import hook_scope
-from .hook_scope import hooked_modules, module_params, z3_leaf_module
+from .hook_scope import hooked_modules, module_params, unmarked_expert_lists, z3_leaf_module
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
@@ -91,6 +92,12 @@ class ZeroStage3(ShardedStrategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         ctx.refuse_foreign_axes("ZeRO stage 3")  # one group for every parameter (DeepSpeed refuses MoE here too)
+        unmarked = unmarked_expert_lists(ctx.module)
+        if unmarked:  # without the leaf, ranks that route differently gather different experts: a hang
+            name, cls = unmarked[0]
+            raise ConfigError(f"ZeRO stage 3: {name} ({cls}) routes tokens to the experts of its `experts` list, "
+                              "so ranks may gather different experts (a hang); call "
+                              f"deepspeed.utils.set_z3_leaf_modules(model, [{cls}]) before deepspeed.initialize")
         z = ctx.config.zero_optimization
         module, optimizer, group = self.module, self.optimizer, self.group
         persistence_threshold = z.stage3_param_persistence_threshold
