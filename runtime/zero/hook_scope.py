@@ -12,7 +12,8 @@ Accelerate marks the classes named in `transformer_moe_cls_names` this way.
 Stage 3 refuses, in one line naming set_z3_leaf_modules, a model with a module outside any
 leaf that holds its experts in a list attribute `experts` (transformers 4.x's Mixtral and
 Qwen-MoE, remote-code MoE models): such a block calls only the experts that got tokens, and
-without the leaf ZeRO-3 hangs (DeepSpeed too) at the first step where ranks route differently.
+without the leaf the ranks' ZeRO-3 gathers part ways at the first step where they route
+differently (DeepSpeed 0.19.8 gathers mismatched experts, then fails that step).
 transformers 5's fused experts (one 3D parameter per projection) need no leaf.
 
 `register_external_parameter(module, param)` (deepspeed.zero): `param` belongs to another
@@ -129,6 +130,6 @@ def unmarked_expert_lists(model: torch.nn.Module) -> List[tuple]:
             inside.update(id(c) for c in m.modules())
             continue
         experts = getattr(m, "experts", None)
-        if isinstance(experts, torch.nn.ModuleList) and sum(1 for e in experts if any(e.parameters())) > 1:
+        if isinstance(experts, torch.nn.ModuleList) and sum(1 for e in experts if next(e.parameters(), None) is not None) > 1:
             out.append((name or type(m).__name__, type(m).__name__))
     return out
