@@ -9,6 +9,13 @@ layers need this: a router calls a different subset of experts on each rank and 
 per-expert hooks would then issue a different number of collectives on each rank (a hang).
 Accelerate marks the classes named in `transformer_moe_cls_names` this way.
 
+Stage 3 refuses, in one line naming set_z3_leaf_modules, a model with a module outside any
+leaf that holds its experts in a list attribute `experts` (transformers 4.x's Mixtral and
+Qwen-MoE, remote-code MoE models): such a block calls only the experts that got tokens, and
+without the leaf the ranks' ZeRO-3 gathers part ways at the first step where they route
+differently (DeepSpeed 0.19.8 gathers mismatched experts, then fails that step).
+transformers 5's fused experts (one 3D parameter per projection) need no leaf.
+
 `register_external_parameter(module, param)` (deepspeed.zero): `param` belongs to another
 module but `module`'s forward uses it (weight-norm convolutions in HF speech models), so
 `module`'s hooks gather it too.
@@ -109,4 +116,20 @@ def hooked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
             inside.update(id(c) for c in m.modules())
         if module_params(m):
             out.append(m)
+    return out
+
+
+def unmarked_expert_lists(model: torch.nn.Module) -> List[tuple]:
+    """(name, class name) of the modules outside any leaf whose `experts` is a ModuleList of modules with
+    parameters: routers that call only the experts with tokens need such a module as a leaf."""
+    out, inside = [], set()
+    for name, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        if z3_leaf_module(m):
+            inside.update(id(c) for c in m.modules())
+            continue
+        experts = getattr(m, "experts", None)
+        if isinstance(experts, torch.nn.ModuleList) and sum(1 for e in experts if next(e.parameters(), None) is not None) > 1:
+            out.append((name or type(m).__name__, type(m).__name__))
     return out

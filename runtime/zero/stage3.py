@@ -27,10 +27,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..reduction import GradReduction
+from ..strict import ConfigError
 from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
 from .. import comm
 from . import hook_scope
-from .hook_scope import hooked_modules, module_params
+from .hook_scope import hooked_modules, module_params, unmarked_expert_lists, z3_leaf_module
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
@@ -91,6 +92,12 @@ class ZeroStage3(ShardedStrategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         ctx.refuse_foreign_axes("ZeRO stage 3")  # one group for every parameter (DeepSpeed refuses MoE here too)
+        unmarked = unmarked_expert_lists(ctx.module)
+        if unmarked:  # without the leaf, ranks that route differently gather different experts: a hang
+            name, cls = unmarked[0]
+            raise ConfigError(f"ZeRO stage 3: {name} ({cls}) routes tokens to the experts of its `experts` list, "
+                              "so ranks may gather different experts (a hang); call "
+                              f"deepspeed.utils.set_z3_leaf_modules(model, [{cls}]) before deepspeed.initialize")
         z = ctx.config.zero_optimization
         module, optimizer, group = self.module, self.optimizer, self.group
         persistence_threshold = z.stage3_param_persistence_threshold
@@ -186,14 +193,25 @@ class ZeroStage3(ShardedStrategy):
         self._stack: List[int] = []  # trace entry of each module whose forward is running (-1: none)
         self._prefetch = Prefetcher(self._own, self._name, self.check)
         self._total_numel = sum(p._zero.numel for p in module.parameters() if not p._zero.persistent)
+        # leaf modules' gradients are queued together once the leaf's backward is done (below)
+        self._leaf_params: Dict[int, List[torch.nn.Parameter]] = {}
+        self._leaf_of: Dict[int, torch.nn.Module] = {}
+        self._leaf_pending: Dict[int, torch.nn.Module] = {}  # leaves gathered for backward, not yet queued
 
     # -- hooks ------------------------------------------------------------------------------
     def wrap_module(self) -> None:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre))
         self._hooks.append(self.module.register_forward_hook(self._root_post))
+        trained = {id(p) for g in self.groups for p in g["params"]}
         for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward))
+            if z3_leaf_module(m):
+                params = [p for p in self._own(m) if id(p) in trained]
+                if params:
+                    self._leaf_params[id(m)] = params
+                    self._leaf_of.update((id(p), m) for p in params)
+                    self._hooks.append(m.register_full_backward_hook(self._leaf_backward_done))
         for g in self.groups:
             for p in g["params"]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
@@ -234,6 +252,8 @@ class ZeroStage3(ShardedStrategy):
         params = self._own(m)
         self._prefetch.land(params)
         gather(params, check=self.check, what=f"{self._name(m)} ({phase})")
+        if phase == "backward" and id(m) in self._leaf_params:
+            self._leaf_pending[id(m)] = m
         if not (self._trace_ok and self.prefetch_numel > 0):
             return
         room = self.prefetch_numel
@@ -306,7 +326,29 @@ class ZeroStage3(ShardedStrategy):
 
     def _grad_ready(self, p) -> None:
         """Queue this parameter's full gradient (module dtype, padded) and release the parameter;
-        reduce-scatter the queue once it holds reduce_bucket_size elements."""
+        reduce-scatter the queue once it holds reduce_bucket_size elements. A leaf module's
+        parameters wait for the end of the leaf's backward (_queue_leaf)."""
+        if id(p) not in self._leaf_of:
+            self._queue_grad(p)
+
+    def _leaf_backward_done(self, m, grad_input, grad_output) -> None:
+        # Called once the gradients of m's inputs are computed, after every AccumulateGrad of
+        # its parameters (those run as soon as they are ready). With no input that needs a
+        # gradient torch calls it before m's backward instead; after_backward queues m then.
+        if any(g is not None for g in grad_input) and id(m) in self._leaf_pending:
+            self._queue_leaf(self._leaf_pending.pop(id(m)))
+
+    def _queue_leaf(self, m) -> None:
+        """Queue every parameter of leaf m in a fixed order, a zero gradient for those that got
+        none: a router sends tokens to different experts on each rank, and the experts that
+        got no tokens here get no gradient, while every rank's reduce-scatters must hold the
+        same parameters in the same order."""
+        for p in self._leaf_params[id(m)]:
+            if p.grad is None:
+                p.grad = torch.zeros(p._zero.shape, dtype=p.dtype, device=p.device)
+            self._queue_grad(p)
+
+    def _queue_grad(self, p) -> None:
         z = p._zero
         full = torch.zeros(z.chunk * self.world, dtype=p.grad.dtype, device=p.grad.device)  # reduced in module dtype
         full[:z.numel].copy_(p.grad.reshape(-1))
@@ -345,6 +387,8 @@ class ZeroStage3(ShardedStrategy):
 
     def after_backward(self, is_boundary: bool = True) -> None:
         self._prefetch.drop_all()  # gathered for a module that took no part in this backward
+        for m in [self._leaf_pending.pop(k) for k in list(self._leaf_pending)]:  # in backward order
+            self._queue_leaf(m)
         self._flush_grads()
         if self.check is not None:
             self.check("end of backward")
