@@ -9,9 +9,10 @@ has the model); checkpoints are saved after 2 of its 4 steps. One launch per wor
              (tests/data/ds_moe/ckpt_*) resume with DeepSpeed's subsequent losses (1e-5)
     4 ranks: ep 2 x expert-data 2, ZeRO 1, saves; resumed at ep 1 (ZeRO 1) for one step,
              saved again and resumed at ep 4 (ZeRO 2): the uninterrupted losses
-    1 rank:  the 2- and 4-rank checkpoints resume in one process holding all experts
-             (ep 1, the per-rank batches as micro-batches) with the uninterrupted losses;
-             `dslaunch consolidate` / zero_to_fp32 give one full model, ours and DeepSpeed's
+    1 rank:  the 2- and 4-rank checkpoints, ours and DeepSpeed's, resume in one process
+             holding all experts (ep 1, the per-rank batches as micro-batches) with the
+             uninterrupted losses; `dslaunch consolidate` / zero_to_fp32 give one full model;
+             what is refused is one line
 """
 import importlib.util
 import json
@@ -80,6 +81,11 @@ def _one(tmp):
     out = {}
     for name, folder, gas, stage in (("w2_s0", "w2_s0", 2, 0), ("w2_s2", "w2_s2", 2, 2), ("w4", "w4_ep2", 4, 0)):
         out[name] = fx.train(deepspeed, layer, _job(1, 1, stage, gas), 0, load_dir=os.path.join(tmp, folder))["losses"]
+    # DeepSpeed's ep 2 checkpoints in one process holding every expert: DeepSpeed's losses
+    for stage in (0, 2):
+        out[f"ds_s{stage}"] = fx.train(deepspeed, layer, _job(1, 1, stage, 2), 0,
+                                       load_dir=os.path.join(DATA, f"ckpt_ep2_w2_s{stage}"))["losses"]
+    out["errors"] = _errors(deepspeed, layer, tmp)
     # consolidation: the full model equals what one process holding every expert loads
     for name, folder in (("w2_s2", os.path.join(tmp, "w2_s2")), ("w4", os.path.join(tmp, "w4_ep2")),
                          ("ds_s0", os.path.join(DATA, "ckpt_ep2_w2_s0")), ("ds_s2", os.path.join(DATA, "ckpt_ep2_w2_s2"))):
@@ -92,6 +98,29 @@ def _one(tmp):
                          ("zero_to_fp32", get_fp32_state_dict_from_zero_checkpoint(folder))):
             out[f"{how}_{name}"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     return out
+
+
+def _errors(deepspeed, layer, tmp):
+    """One line each: another expert count; a model that is itself the MoE layer."""
+    import torch
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = layer.MoE(fx.H, torch.nn.Linear(fx.H, fx.H), num_experts=2)
+
+    def attempt(model, action):
+        engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                      config=fx.config(_job(1, 1, 0, 2)))[0]
+        try:
+            action(engine)
+        except deepspeed.CheckpointError as exc:
+            return str(exc)
+        return None
+
+    return {"experts": attempt(Two(), lambda e: e.load_checkpoint(os.path.join(tmp, "w2_s0"))),
+            "root": attempt(layer.MoE(fx.H, torch.nn.Linear(fx.H, fx.H), num_experts=2),
+                            lambda e: e.save_checkpoint(os.path.join(tmp, "root")))}
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +170,18 @@ def test_resume_in_one_process_holding_every_expert(runs):
 @pytest.mark.parametrize("name", ["w2_s2", "w4", "ds_s0", "ds_s2"])
 def test_consolidated_full_model(runs, how, name):
     assert runs[1][f"{how}_{name}"] is True
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_deepspeed_checkpoint_resumes_in_one_process_holding_every_expert(runs, stage):
+    assert runs[1][f"ds_s{stage}"] == pytest.approx(EXPECTED[f"ckpt_ep2_w2_s{stage}"]["losses"], abs=TOL)
+
+
+@pytest.mark.timeout(600)
+def test_what_moe_checkpoints_refuse_is_one_line(runs):
+    got = runs[1]["errors"]
+    assert got["experts"].startswith("checkpoint ") and got["experts"].endswith(
+        "w2_s0/global_step2: its MoE layers have [4] experts, this model's [2]"), got
+    assert got["root"].startswith("save_checkpoint: the model itself is an MoE layer; wrap it in a module"), got
+    assert all("\n" not in v for v in got.values())

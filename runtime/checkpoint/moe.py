@@ -199,7 +199,7 @@ def global_shards(ck, saved: SavedExperts, full: Dict[str, torch.Tensor],
     """Every saved optimizer state as name-keyed shards under global expert names.
     group_names(ep_rank, local): each param group's names for a DeepSpeed expp file (which
     records none)."""
-    num = _num_by_prefix(full, saved)
+    num = _num_by_prefix(full, saved, ck.path)
     shards: List[Dict[str, Any]] = []
     if ck.sharded:
         for d in range(ck.world_size):
@@ -228,7 +228,7 @@ def global_shards(ck, saved: SavedExperts, full: Dict[str, torch.Tensor],
     return shards
 
 
-def _num_by_prefix(full: Dict[str, torch.Tensor], saved: SavedExperts) -> Dict[str, int]:
+def _num_by_prefix(full: Dict[str, torch.Tensor], saved: SavedExperts, path: str = "") -> Dict[str, int]:
     """Layer prefix -> its number of experts (prefixes in DeepSpeed's layer order)."""
     order: List[str] = []
     for k in full:
@@ -236,26 +236,26 @@ def _num_by_prefix(full: Dict[str, torch.Tensor], saved: SavedExperts) -> Dict[s
         if m and m.group(1) not in order:
             order.append(m.group(1))
     if len(order) != len(saved.num_experts):
-        raise CheckpointError(f"checkpoint: {len(saved.num_experts)} MoE layers saved but expert weights under "
+        raise CheckpointError(f"checkpoint {path}: {len(saved.num_experts)} MoE layers saved but expert weights under "
                               f"{len(order)} prefixes")
     return dict(zip(order, saved.num_experts))
 
 
 # -- loading into an engine ------------------------------------------------------------------------
-def _engine_renamer(engine, saved: SavedExperts, full):
+def _engine_renamer(ck, engine, saved: SavedExperts, full):
     layers = moe_layers(engine.module)
     if len(layers) != len(saved.num_experts) or any(
             l.num_experts != n for (_, l), n in zip(layers, saved.num_experts)):
-        raise CheckpointError(f"checkpoint: its MoE layers have {saved.num_experts} experts, this model's "
+        raise CheckpointError(f"checkpoint {ck.path}: its MoE layers have {saved.num_experts} experts, this model's "
                               f"{[l.num_experts for _, l in layers]}")
     ep = layers[0][1].ep_size
-    return renamer(_num_by_prefix(full, saved), ep, engine.mesh.rank("expert") if ep > 1 else 0, False)
+    return renamer(_num_by_prefix(full, saved, ck.path), ep, engine.mesh.rank("expert") if ep > 1 else 0, False)
 
 
 def module_state(ck, engine, saved: SavedExperts) -> Dict[str, torch.Tensor]:
     """This rank's module state: the dense weights and its own experts under local ids."""
     full = global_module_state(ck, saved)
-    return rename_state(full, _engine_renamer(engine, saved, full))
+    return rename_state(full, _engine_renamer(ck, engine, saved, full))
 
 
 def _ds_group_names(engine) -> Callable[[int, int], List[List[str]]]:
@@ -292,4 +292,4 @@ def optimizer_shards(ck, engine, saved: SavedExperts) -> List[Dict[str, Any]]:
     """This rank's optimizer state as name-keyed shards under its local expert names."""
     full = global_module_state(ck, saved)
     shards = global_shards(ck, saved, full, _ds_group_names(engine))
-    return rename_shards(shards, _engine_renamer(engine, saved, full))
+    return rename_shards(shards, _engine_renamer(ck, engine, saved, full))

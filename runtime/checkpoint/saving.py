@@ -287,6 +287,10 @@ def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[st
     if not moe.moe_layers(engine.module):
         return {}
     ep = engine.expert_parallel_size
+    if ep > 1 and engine.config.checkpoint.use_node_local_storage:
+        raise CheckpointError("save_checkpoint: checkpoint.use_node_local_storage with MoE ep_size > 1 is not "
+                              "supported (a rank's experts are saved by a rank that may be on another node); "
+                              "save to shared storage")
     first = engine.mesh.rank("expert_data") == 0 if ep > 1 else engine.mesh.rank("data") == 0
     if not first:
         return {}
