@@ -55,6 +55,13 @@ def moe_layers(module: torch.nn.Module) -> List[Tuple[str, Any]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, MoE)]
 
 
+def uses_layout(engine) -> bool:
+    """Whether this engine saves in the MoE layout: MoE layers at ZeRO 0-2 (ZeRO-3 takes
+    MoE only at ep_size 1, where every rank holds every expert, and saves as any model;
+    DeepSpeed refuses MoE with ZeRO-3, so it has no MoE layout to follow there)."""
+    return engine.strategy.stage < 3 and bool(moe_layers(engine.module))
+
+
 def is_expert_key(name: str) -> bool:
     return _KEY.fullmatch(name) is not None
 
@@ -119,11 +126,11 @@ def saved_experts(ck) -> Optional[SavedExperts]:
         if ep == 0:
             raise CheckpointError(f"checkpoint {ck.path}: MoE expert files but no expp_rank optimizer files")
     else:
-        ep = _ep_from_shapes(ck, files, [int(n) for n in num])
+        ep = _ep_from_shapes(ck, [int(n) for n in num])
     return SavedExperts(files, [int(n) for n in num], ep)
 
 
-def _ep_from_shapes(ck, files, num) -> int:
+def _ep_from_shapes(ck, num) -> int:
     """ZeRO 1/2: the saved ep from how many local experts the saved parameter names count."""
     local = 0
     for group in ck.param_shapes():

@@ -209,7 +209,7 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
         params = dict(module.named_parameters(remove_duplicate=False))
         module_state = {k: (torch.empty(0, dtype=v.dtype) if k in params else v) for k, v in module_state.items()}
     sub_group = engine.config.zero_optimization.sub_group_size
-    layers = moe.moe_layers(module)
+    layers = moe.moe_layers(module) if moe.uses_layout(engine) else []
     if layers:  # expert weights go to their own files (moe.py), as DeepSpeed's MoE layout
         module_state = moe.without_experts(module_state)
     state = {
@@ -284,7 +284,7 @@ def _write_rank_files(engine, staging: str, module_state, optim_state, client_st
 def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[str, FileRecord]:
     """MoE layers (moe.py): the first rank of each expert-data-parallel group writes its
     experts' files and, at stage 0, its expert-parallel rank's optimizer file."""
-    if not moe.moe_layers(engine.module):
+    if not moe.uses_layout(engine):
         return {}
     ep = engine.expert_parallel_size
     if ep > 1 and engine.config.checkpoint.use_node_local_storage:
