@@ -1,6 +1,7 @@
 """Make the MoE fixtures in tests/data/ds_moe/ with real DeepSpeed (0.19.8, CPU, gloo).
 
-    /work/ds-venv/bin/python scripts/make_ds_moe_fixtures.py [--only gating|training]
+    /work/ds-venv/bin/python scripts/make_ds_moe_fixtures.py [--only gating|training|checkpoint]
+    /work/ds-venv/bin/python scripts/make_ds_moe_fixtures.py --resume DIR [--stage N]
 
 gating.pt       per GATING_CASES entry: the logits, DeepSpeed's top1/top2/topkgating outputs
                 (l_aux, exp_counts, the routes) for them, under the case's
@@ -287,7 +288,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=["gating", "training", "checkpoint"])
     ap.add_argument("--cases", default=",".join(TRAINING_CASES), help="training cases to (re)make")
+    ap.add_argument("--resume", metavar="DIR", help="only resume the checkpoint in DIR (one dslaunch saved with "
+                    "`train` at ep 2 on 2 ranks) under this Python's engine and print the losses of the steps after it")
+    ap.add_argument("--stage", type=int, default=0, help="ZeRO stage for --resume")
     args = ap.parse_args()
+    if args.resume:
+        print(json.dumps(run(dict(world=2, ep=2, stage=args.stage, k=1, gas=1, load_dir=args.resume))))
+        return
     os.makedirs(OUT, exist_ok=True)
     if args.only in (None, "gating"):
         torch.save({"gating": {n: ds_gating(n) for n in GATING_CASES},
