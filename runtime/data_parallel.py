@@ -300,7 +300,6 @@ class DataParallelStrategy(GradientStrategy):
 
     # -- checkpoints -----------------------------------------------------------------------
     def load_module_state_dict(self, state, strict: bool = True) -> None:
-        self.refuse_axes_in_checkpoint()
         self.module.load_state_dict(state, strict=strict)
         if self.mixed:
             with torch.no_grad():
@@ -311,7 +310,6 @@ class DataParallelStrategy(GradientStrategy):
     def optimizer_state_dict(self):
         # parameter names (each group's, and the masters' order) let another topology or
         # stage re-cut this state by name (checkpoint/parallel.py, reshard.shards_from_stage0)
-        self.refuse_axes_in_checkpoint()
         state = {"optimizer": self.optimizer.state_dict(), "param_names": self._group_names}
         if self.mixed:
             state["fp32_masters"] = [m.detach().clone() for m in self.masters]
@@ -319,7 +317,6 @@ class DataParallelStrategy(GradientStrategy):
         return state
 
     def load_optimizer_state_dict(self, state) -> None:
-        self.refuse_axes_in_checkpoint()
         if isinstance(state, list):
             state = self._state_from_zero_shards(state)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -594,8 +594,7 @@ class DeepSpeedEngine(torch.nn.Module):
                         save_latest: bool = True, allow_pickle: bool = False) -> str:
         """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
         need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
-        self.strategy.refuse_axes_in_checkpoint()  # before any file or folder is made
-        self._refuse_sequence_checkpoint("save_checkpoint")
+        self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
@@ -603,7 +602,6 @@ class DeepSpeedEngine(torch.nn.Module):
                         load_module_only: bool = False, trust_pickle: bool = False):
         """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
         weights_only=True unless trust_pickle=True."""
-        self.strategy.refuse_axes_in_checkpoint()
         self._refuse_sequence_checkpoint("load_checkpoint")
         return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,

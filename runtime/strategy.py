@@ -388,14 +388,6 @@ class GradientStrategy:
     def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def refuse_axes_in_checkpoint(self) -> None:
-        """Checkpoints hold one module state (rank 0's) and re-cut optimizer shards by
-        parameter name; expert parameters differ per expert rank under the same names, so
-        a strategy with such param groups refuses to save or load (DeepSpeed's MoE layout,
-        per-expert files, is not written or read yet)."""
-        self.ctx.refuse_foreign_axes("checkpoint", "saving or loading \"moe\" param groups (MoE experts spread "
-                                                   "over ranks, ep_size > 1) is not supported yet")
-
     def close(self) -> None:
         """Remove hooks; the engine calls this when it is destroyed or replaced."""
 

@@ -1,6 +1,7 @@
 """Make the MoE fixtures in tests/data/ds_moe/ with real DeepSpeed (0.19.8, CPU, gloo).
 
-    /work/ds-venv/bin/python scripts/make_ds_moe_fixtures.py [--only gating|training]
+    /work/ds-venv/bin/python scripts/make_ds_moe_fixtures.py [--only gating|training|checkpoint]
+    /work/ds-venv/bin/python scripts/make_ds_moe_fixtures.py --resume DIR [--stage N]
 
 gating.pt       per GATING_CASES entry: the logits, DeepSpeed's top1/top2/topkgating outputs
                 (l_aux, exp_counts, the routes) for them, under the case's
@@ -11,7 +12,11 @@ gating.pt       per GATING_CASES entry: the logits, DeepSpeed's top1/top2/topkga
 expected.json   per TRAINING_CASES entry: the losses (averaged over ranks, or over the
                 micro-batches of one process) and the tokens routed to each expert (summed
                 over ranks and micro-batches) of `train` below on `world` gloo processes
-                (`--cases a,b` remakes those and keeps the others)
+                (`--cases a,b` remakes those and keeps the others); per CHECKPOINT_CASES
+                entry, the losses of the steps after DeepSpeed resumed its own checkpoint
+ckpt_<case>/    per CHECKPOINT_CASES entry: the checkpoint DeepSpeed saved after SAVE_AT
+                steps of `train` (its MoE layout: expert, expp_rank and model-states files;
+                a zero_to_fp32.py beside the tag would be left out)
 
 `train` is the training script both engines run (tests/test_moe_training.py runs it with
 `import dslaunch.runtime as deepspeed`): dense layer, MoE(num_experts=4, drop_tokens=False,
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -77,6 +83,12 @@ TRAINING_CASES = {
     "ep2_w2_s0_clip": dict(world=2, ep=2, stage=0, k=1, gas=1, clip=0.05),
     "ep2_w2_s2_clip": dict(world=2, ep=2, stage=2, k=1, gas=1, clip=0.05),
     "ep2_w4_s1_clip": dict(world=4, ep=2, stage=1, k=1, gas=1, clip=0.05),
+}
+# DeepSpeed saves after SAVE_AT steps, then resumes from that checkpoint in fresh processes
+SAVE_AT = 2
+CHECKPOINT_CASES = {
+    "ckpt_ep2_w2_s0": dict(world=2, ep=2, stage=0, k=1, gas=1),
+    "ckpt_ep2_w2_s2": dict(world=2, ep=2, stage=2, k=1, gas=1),
 }
 # which one-process case each expert-parallel case must equal
 ONE_PROCESS = {"ep1_w2_s0": "one_k1_gas2", "ep2_w2_s0": "one_k1_gas2", "ep2_w2_s2": "one_k1_gas2",
@@ -199,16 +211,25 @@ def config(job: dict) -> dict:
     return cfg
 
 
-def train(deepspeed, moe_layer, job: dict, rank: int) -> dict:
-    """Run job's steps; returns {"losses", "counts"} (the same on every rank)."""
+def train(deepspeed, moe_layer, job: dict, rank: int, save_dir: str = None, load_dir: str = None,
+          save_at: int = SAVE_AT) -> dict:
+    """Run job's steps; returns {"losses", "counts"} (the same on every rank). With
+    save_dir: save a checkpoint there after `save_at` steps (and go on); with load_dir: load
+    the checkpoint there first and run the steps after the ones it holds."""
     import torch
     import torch.distributed as dist
 
     world, ep, gas = job["world"], job["ep"], job["gas"]
     model = make_model(moe_layer, ep, rank % ep, job["k"])
     engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config(job))[0]
+    first = 0
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
+        first = engine.global_steps
     losses, counts = [], []
-    for step in range(STEPS):
+    for step in range(first, STEPS):
+        if save_dir is not None and step == save_at:
+            engine.save_checkpoint(save_dir)
         total = torch.zeros(1)
         routed = torch.zeros(NUM_EXPERTS, dtype=torch.long)
         for micro in range(gas):
@@ -236,7 +257,7 @@ def worker(rank: int, job: dict) -> None:
     from deepspeed.moe import layer
 
     deepspeed.init_distributed(dist_backend="gloo")
-    result = train(deepspeed, layer, job, rank)
+    result = train(deepspeed, layer, job, rank, job.get("save_dir"), job.get("load_dir"))
     if rank == 0:
         with open(job["result"], "w") as fh:
             json.dump(result, fh)
@@ -265,9 +286,15 @@ def main() -> None:
     import torch
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["gating", "training"])
+    ap.add_argument("--only", choices=["gating", "training", "checkpoint"])
     ap.add_argument("--cases", default=",".join(TRAINING_CASES), help="training cases to (re)make")
+    ap.add_argument("--resume", metavar="DIR", help="only resume the checkpoint in DIR (one dslaunch saved with "
+                    "`train` at ep 2 on 2 ranks) under this Python's engine and print the losses of the steps after it")
+    ap.add_argument("--stage", type=int, default=0, help="ZeRO stage for --resume")
     args = ap.parse_args()
+    if args.resume:
+        print(json.dumps(run(dict(world=2, ep=2, stage=args.stage, k=1, gas=1, load_dir=args.resume))))
+        return
     os.makedirs(OUT, exist_ok=True)
     if args.only in (None, "gating"):
         torch.save({"gating": {n: ds_gating(n) for n in GATING_CASES},
@@ -281,6 +308,30 @@ def main() -> None:
             print(name, expected[name], flush=True)
         with open(path, "w") as fh:
             json.dump(expected, fh, indent=1, sort_keys=True)
+    if args.only in (None, "checkpoint"):
+        path = os.path.join(OUT, "expected.json")
+        expected = json.load(open(path)) if os.path.exists(path) else {}
+        for name, job in CHECKPOINT_CASES.items():
+            folder = os.path.join(OUT, name)
+            shutil.rmtree(folder, ignore_errors=True)
+            whole = run(dict(job, save_dir=folder))
+            if os.path.exists(os.path.join(folder, "zero_to_fp32.py")):
+                os.remove(os.path.join(folder, "zero_to_fp32.py"))
+            resumed = run(dict(job, load_dir=folder))
+            assert resumed["losses"] == pytest_approx(whole["losses"][SAVE_AT:]), (whole, resumed)
+            expected[name] = resumed
+            print(name, sorted(os.listdir(os.path.join(folder, "global_step%d" % SAVE_AT))), resumed, flush=True)
+        with open(path, "w") as fh:
+            json.dump(expected, fh, indent=1, sort_keys=True)
+
+
+def pytest_approx(values):
+    """DeepSpeed's resumed losses equal its uninterrupted ones (1e-6)."""
+    class _Near(list):
+        def __eq__(self, other):
+            return len(other) == len(self) and all(abs(a - b) <= 1e-6 for a, b in zip(self, other))
+
+    return _Near(values)
 
 
 if __name__ == "__main__":

@@ -244,19 +244,3 @@ def test_offload_refuses_a_moe_group_in_one_line(device, tmp_path):
     with pytest.raises(ConfigError, match=rf"^zero_optimization.offload_optimizer \({device}\): a param group "
                                           r"reduces over the 'expert_data' axis[^\n]*$"):
         strategy_for_stage(2)(ctx)
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_checkpoints_refuse_a_moe_group_in_one_line(stage):
-    from dslaunch.runtime.strategy import strategy_for_stage
-    from dslaunch.runtime.strict import ConfigError
-
-    z = strategy_for_stage(stage)(_ctx(stage))
-    pattern = r"^checkpoint: a param group reduces over the 'expert_data' axis[^\n]*not supported yet$"
-    with pytest.raises(ConfigError, match=pattern):
-        z.optimizer_state_dict()
-    with pytest.raises(ConfigError, match=pattern):
-        z.load_optimizer_state_dict({"optimizer": {}})
-    with pytest.raises(ConfigError, match=pattern):
-        z.load_module_state_dict(z.module.state_dict())
-    z.close()

@@ -27,7 +27,7 @@ from .files import write_torch
 from .layout import MANIFEST, model_states_name, read_latest, validate_tag, zero_model_states_name
 from .reader import open_checkpoint
 from .reshard import consolidated_state_dict
-from . import parallel, tensor_slices
+from . import moe, parallel, tensor_slices
 
 
 def _aliases(module_state: Dict[str, torch.Tensor]) -> Dict[str, str]:
@@ -66,6 +66,11 @@ def consolidate_checkpoint(ckpt_dir: str, tag: Optional[str] = None) -> Dict[str
     """The full fp32 state_dict of the checkpoint `ckpt_dir/tag` (tag from `latest`), written
     by dslaunch or by DeepSpeed, any stage and world size."""
     ck = open_checkpoint(resolve_tag(ckpt_dir, tag))
+    experts = moe.saved_experts(ck)
+    if experts is not None:  # MoE: every expert file and every expert-parallel rank's state, by global id
+        module_state = moe.global_module_state(ck, experts)
+        shards = moe.global_shards(ck, experts, module_state) if ck.sharded else []
+        return consolidated_state_dict(shards, module_state, _aliases(module_state))
     if tensor_slices.saved_size(ck) > 1 and not ck.layers:
         # tensor slices assembled into full tensors (fp32 weights from the optimizer state)
         module_state = tensor_slices.module_state(ck, None, 1, 0)

@@ -144,12 +144,15 @@ def zero_optim_states(shard: Dict[str, Any], param_groups: Sequence[Dict[str, An
     groups = shard["groups"]
     out: Dict[str, Any] = {"loss_scaler": loss_scaler, "dynamic_loss_scale": dynamic_loss_scale, "overflow": False}
     if stage in (1, 2):
-        fp32, states, paddings = [], {}, []
+        fp32, states, paddings, counts = [], {}, [], []
         for gi, g in enumerate(groups):
+            # a group is partitioned over its own axis ("moe" groups: the expert-data-parallel one)
+            g_world, g_rank = int(g.get("axis_size", world)), int(g.get("axis_rank", rank))
+            counts.append(g_world)
             slots = stage12_slots(OrderedDict(g["shapes"]))
             total = sum(n for _, n, _ in slots)
-            size = stage12_partition(total, world)
-            lo = rank * size
+            size = stage12_partition(total, g_world)
+            lo = g_rank * size
             if [dict(p) for p in g["pieces"]] != pieces_in(slots, lo, lo + size):
                 raise CheckpointError("internal: this rank's ZeRO partition is not DeepSpeed's; cannot write its format")
             padding = size if total <= lo else max(0, lo + size - total)
@@ -162,7 +165,7 @@ def zero_optim_states(shard: Dict[str, Any], param_groups: Sequence[Dict[str, An
                        [_hyper(param_groups, gi, [gi]) for gi in range(len(groups))], ds_class)},
                    single_partition_of_fp32_groups=fp32, zero_stage=stage, group_paddings=paddings,
                    param_alignment_paddings=[[0] * len(g["shapes"]) for g in groups],
-                   partition_count=[world] * len(groups), ds_version=DS_VERSION)
+                   partition_count=counts, ds_version=DS_VERSION)
         return out
     flats, states, pg = [], {}, []
     for gi, g in enumerate(groups):
@@ -244,7 +247,10 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
                 shapes = OrderedDict(param_shapes[gi])
                 size = fp32.numel() + int(optim["group_paddings"][gi])
                 slots = stage12_slots(shapes, paddings_all[gi] if paddings_all else None)
-                pieces = pieces_in(slots, rank * size, (rank + 1) * size)
+                # a "moe" group's partition index is the rank's in its expert-data-parallel group
+                # (every ep-th rank): partition_count says how many share the group
+                g_rank = rank // (world // int(optim["partition_count"][gi]))
+                pieces = pieces_in(slots, g_rank * size, (g_rank + 1) * size)
                 gstate = base["state"].get(gi, {}) if isinstance(base, dict) else base[gi]
                 state = {k: (_cut(v, pieces) if _partitioned(v, size) or _partitioned(v, fp32.numel()) else v)
                          for k, v in gstate.items()}

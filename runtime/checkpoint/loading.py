@@ -29,7 +29,7 @@ from .files import load_torch
 from .layout import LATEST, model_states_name, read_latest, rng_states_name, validate_tag
 from .reader import Checkpoint, open_checkpoint
 from .saving import CLIENT_STATE_FILE
-from . import optimizer_state, parallel, tensor_slices, universal
+from . import moe, optimizer_state, parallel, tensor_slices, universal
 
 
 @dataclass
@@ -111,8 +111,15 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
           trust_pickle: bool) -> _Loaded:
     rank = engine.global_rank
     ck = open_checkpoint(path, trust_pickle=trust_pickle, placement=parallel.placement(engine))
-    # the module state under this module's names: its own, or rebuilt from a pipeline's layer files
-    module = parallel.module_state(ck, engine)
+    experts = moe.saved_experts(ck)
+    if experts is None and moe.moe_layers(engine.module) and engine.expert_parallel_size > 1:
+        raise CheckpointError(f"checkpoint {path} has no MoE expert files (layer_*_expert_*); this model's experts "
+                              f"are spread over {engine.expert_parallel_size} ranks")
+    if experts is not None and not moe.moe_layers(engine.module):
+        raise CheckpointError(f"checkpoint {path} holds MoE expert files but this model has no MoE layers")
+    # the module state under this module's names: its own, or rebuilt from a pipeline's layer
+    # files, or (MoE) the dense weights and this rank's experts by global expert id
+    module = moe.module_state(ck, engine, experts) if experts is not None else parallel.module_state(ck, engine)
     check_module_shapes(engine.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
     client_state = ck.client_state()
     if ck.manifest is not None and ck.manifest.pickled_client_state:
@@ -120,7 +127,10 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
             raise CheckpointError(f"checkpoint {path}: its client_state was saved with allow_pickle=True and needs "
                                   "pickle to load; pass trust_pickle=True if you trust its source")
         client_state = load_torch(ck.manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True)
-    optim = _optimizer_state(engine, ck) if load_optimizer_states and not load_module_only else None
+    optim = None
+    if load_optimizer_states and not load_module_only:
+        # MoE: every saved optimizer state, renamed to this rank's experts, re-cut by the strategy
+        optim = moe.optimizer_shards(ck, engine, experts) if experts is not None else _optimizer_state(engine, ck)
     # whatever optimizer saved it (DeepSpeed's FusedAdam, its CPU optimizers, torch's), in this one's form
     optim = optimizer_state.to_ours(optim, getattr(engine.strategy, "optimizer", None), f"checkpoint {path}")
     rng = None

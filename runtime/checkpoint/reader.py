@@ -143,7 +143,18 @@ class Checkpoint:
 
     def counters(self, gradient_accumulation_steps: int) -> Dict[str, int]:
         if "counters" in self.dslaunch:
-            return dict(self.dslaunch["counters"])
+            out = dict(self.dslaunch["counters"])
+            try:
+                saved_gas = int((self.model.get("ds_config") or {}).get("gradient_accumulation_steps") or 0)
+            except (TypeError, ValueError, AttributeError):
+                saved_gas = 0
+            if saved_gas and saved_gas != gradient_accumulation_steps:
+                # resumed with another accumulation (another world size, same batch): the micro
+                # steps into the current optimizer step carry over, the finished steps are recounted
+                done = int(out["global_steps"])  # skipped (overflowed) steps included
+                into = int(out["micro_steps"]) - done * saved_gas
+                out["micro_steps"] = done * gradient_accumulation_steps + max(0, into)
+            return out
         steps = int(self.model.get("global_steps", 0))
         return {"global_steps": steps, "micro_steps": steps * gradient_accumulation_steps,
                 "global_samples": int(self.model.get("global_samples", 0)),

@@ -51,7 +51,7 @@ from .manifest import Manifest
 from .optimizer_state import deepspeed_optimizer_of
 from .reshard import tied_aliases
 from .rng import rng_state
-from . import parallel
+from . import moe, parallel
 
 CLIENT_STATE_FILE = "client_state.pt"  # only with allow_pickle=True and objects that need pickle
 
@@ -209,6 +209,9 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
         params = dict(module.named_parameters(remove_duplicate=False))
         module_state = {k: (torch.empty(0, dtype=v.dtype) if k in params else v) for k, v in module_state.items()}
     sub_group = engine.config.zero_optimization.sub_group_size
+    layers = moe.moe_layers(module) if moe.uses_layout(engine) else []
+    if layers:  # expert weights go to their own files (moe.py), as DeepSpeed's MoE layout
+        module_state = moe.without_experts(module_state)
     state = {
         "module": None if parallel.is_pipeline(engine) else module_state,  # pipelines: one file per layer
         "buffer_names": _buffer_names(module),
@@ -235,6 +238,8 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
         "ds_config": engine.config.to_dict(),
         "ds_version": dsformat.DS_VERSION,
     }
+    if layers:
+        state["num_experts"] = [layer.num_experts for _, layer in layers]
     state.update(client_state)
     state["dslaunch"] = {"counters": engine.counters_state(), "loss_scaler": scaler_state,
                          "client_keys": sorted(client_state)}
@@ -266,12 +271,42 @@ def _write_rank_files(engine, staging: str, module_state, optim_state, client_st
         records[name] = write_torch(os.path.join(staging, name), {
             "optimizer_state_dict": optim, "ds_config": engine.config.to_dict(), "ds_version": dsformat.DS_VERSION},
             deepspeed_objects=True)
+    records.update(_write_moe_files(engine, staging, module_state, optim_state))
     if stage == 3 or parallel.writes_model_states(engine, writes_shared):
         name = parallel.zero_model_states_file(engine) if stage == 3 else parallel.model_states_file(engine)
         records[name] = write_torch(os.path.join(staging, name),
                                     _model_states(engine, module_state, optim_state, client_state))
         for name, layer in parallel.layer_files(engine, module_state).items():
             records[name] = write_torch(os.path.join(staging, name), layer)
+    return records
+
+
+def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[str, FileRecord]:
+    """MoE layers (moe.py): the first rank of each expert-data-parallel group writes its
+    experts' files and, at stage 0, its expert-parallel rank's optimizer file."""
+    if not moe.uses_layout(engine):
+        return {}
+    ep = engine.expert_parallel_size
+    if ep > 1 and engine.config.checkpoint.use_node_local_storage:
+        raise CheckpointError("save_checkpoint: checkpoint.use_node_local_storage with MoE ep_size > 1 is not "
+                              "supported (a rank's experts are saved by a rank that may be on another node); "
+                              "save to shared storage")
+    first = engine.mesh.rank("expert_data") == 0 if ep > 1 else engine.mesh.rank("data") == 0
+    if not first:
+        return {}
+    ep_rank = engine.mesh.rank("expert") if ep > 1 else 0
+    records = {}
+    for name, experts in moe.expert_files(engine.module, module_state, ep_rank).items():
+        records[name] = write_torch(os.path.join(staging, name), experts)
+    if engine.strategy.stage == 0:
+        scaler = engine.loss_scaler
+        optimizer = dsformat.stage0_optimizer(
+            optim_state, engine.optimizer.param_groups, engine.compute_dtype != torch.float32,
+            scaler.state_dict() if scaler is not None else None, _dynamic_settings(scaler), engine.global_steps,
+            deepspeed_optimizer_of(engine))
+        name = moe.expp_file_name(ep_rank)
+        records[name] = write_torch(os.path.join(staging, name), {
+            "optimizer": optimizer, "dslaunch": {"param_names": optim_state["param_names"]}})
     return records
 
 

@@ -54,7 +54,6 @@ class ShardedStrategy(GradientStrategy):
         self.listed_names: List[List[str]] = []
 
     def optimizer_state_dict(self) -> Dict[str, Any]:
-        self.refuse_axes_in_checkpoint()
         state = self.shard_state()
         # The groups' hyperparameters (lr, betas, weight_decay, ...), as torch's state_dict keeps
         # them: a scheduler the engine does not own (the HF Trainer's LambdaLR) restores only its
@@ -64,7 +63,6 @@ class ShardedStrategy(GradientStrategy):
         return state
 
     def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
-        self.refuse_axes_in_checkpoint()
         shards = _as_shards(state, self.listed_names, self._module_state)
         self.load_shards(shards)
         saved = shards[0].get("param_groups") if shards else None

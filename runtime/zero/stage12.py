@@ -376,6 +376,7 @@ class _PartitionedStage(ShardedStrategy):
         for gi, g in enumerate(self.groups):
             state = self.host.state_of(gi)
             groups.append({
+                "axis_size": g.axis.size, "axis_rank": g.axis.rank,  # "moe" groups: expert_data's
                 "pieces": pieces_to_dict(g.pieces),
                 "shapes": {s.name: list(s.shape) for s in g.layout.slots},
                 "master": {p.name: g.master[p.offset:p.offset + p.numel].clone() for p in g.pieces},
@@ -415,7 +416,6 @@ class _PartitionedStage(ShardedStrategy):
 
     # -- module state ---------------------------------------------------------------------------
     def load_module_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
-        self.refuse_axes_in_checkpoint()
         self._module_state = state
         # the module's params are views into flat buffers: copy in place to keep them so
         with torch.no_grad():
