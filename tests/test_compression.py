@@ -214,9 +214,7 @@ def _engine_run(section, zero=0, optimizer=("SGD", cm.LR)):
     return engine, config
 
 
-def test_engine_drives_the_schedule_like_a_plain_loop():
-    """deepspeed.initialize steps the schedule: step 0 at initialize, then after each optimizer
-    step; the losses equal a plain torch loop that updates the schedule itself."""
+def engine_schedule_body():
     section = {"sparse_pruning": cm.technique({"method": "l1", "schedule_offset": 2},
                                               g=cm.group({"dense_ratio": 0.5}, ["fc"]))}
     engine, _ = _engine_run(section)
@@ -228,7 +226,18 @@ def test_engine_drives_the_schedule_like_a_plain_loop():
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    return zeros, losses
+
+
+def test_engine_drives_the_schedule_like_a_plain_loop():
+    """deepspeed.initialize steps the schedule: step 0 at initialize, then after each optimizer
+    step; the losses equal a plain torch loop that updates the schedule itself. The engine runs
+    in a process of its own (its process group must not outlive it in pytest's)."""
+    section = {"sparse_pruning": cm.technique({"method": "l1", "schedule_offset": 2},
+                                              g=cm.group({"dense_ratio": 0.5}, ["fc"]))}
+    zeros, losses = run_function(engine_schedule_body, nprocs=1, timeout=120)[0]
     assert zeros == [0, 0, 64]
+    x, y = cm.data(cm.MLP)
     model = cm.fresh(cm.MLP)
     init_compression(model, _config(section))
     assert losses == cm.train(model, x, y, compression_schedule(model).update)
@@ -338,13 +347,24 @@ def test_deepspeed_compression_compress_and_exit_2(deepspeed_compat, tmp_path):
     assert run.stderr.strip().splitlines() == ["error: " + BAD["pattern"][1]]
 
 
+def missing_init_body(section):
+    import dslaunch.runtime as deepspeed
+
+    model = cm.fresh(cm.MLP)
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                             config=_config(section, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    except ConfigError as exc:
+        return str(exc)
+    return "initialize accepted a model without init_compression"
+
+
 def test_zero3_and_missing_init_refused():
     import dslaunch.runtime as deepspeed
 
     section = {"sparse_pruning": cm.technique({}, g=cm.group({"dense_ratio": 0.5}, ["fc1"]))}
     with pytest.raises(ConfigError, match="ZeRO-3 partitions them"):
         deepspeed.DeepSpeedConfig.load(_config(section, zero_optimization={"stage": 3}))
-    model = cm.fresh(cm.MLP)
-    with pytest.raises(ConfigError, match="call deepspeed.compression.compress.init_compression"):
-        deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                             config=_config(section, optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    # initialize starts a process group: in a process of its own, not pytest's
+    assert "call deepspeed.compression.compress.init_compression" in run_function(
+        missing_init_body, nprocs=1, timeout=120, kwargs=dict(section=section))[0]

@@ -223,8 +223,11 @@ def test_comm_collectives_and_zero_init_as_documented():
     assert r0["groups"] == (2, 0, 1, 2, 2) and r1["groups"] == (2, 1, 1, 2, 2)
 
 
-def test_groups_before_an_engine_and_deepspeeds_expert_layout():
+def test_groups_before_an_engine_and_deepspeeds_expert_layout(monkeypatch):
+    from dslaunch.runtime.parallel import current
     from dslaunch.runtime.utils import groups
+
+    monkeypatch.setattr(current, "_mesh", None)  # as in a process that has built no engine
 
     assert groups._get_sequence_parallel_world_size() == 1 and groups._get_data_parallel_rank() == 0
     with pytest.raises(groups.GroupsError, match="no engine has been built yet; call deepspeed.initialize"):

@@ -95,7 +95,8 @@ def cases_body(cases):
 
 def test_hf_llama_sp2_equals_one_process_and_bad_input_is_one_line():
     """One 2-rank launch: the sp=2 run, then each bad input."""
-    ref_losses, ref_weights = train_body(1)
+    # the reference in a process of its own: its engine's process group must not outlive it here
+    ref_losses, ref_weights = run_function(train_body, nprocs=1, timeout=240, kwargs=dict(sp=1))[0]
     results = run_function(cases_body, nprocs=2, timeout=240, kwargs=dict(cases=[dict(sp=2)] + [k for k, _ in BAD]))
     for rank, (good, *bad) in enumerate(results):
         losses, weights = good
@@ -119,7 +120,7 @@ def test_uncaught_refusal_is_one_line_and_exit_2(tmp_path):
         "model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,\n"
         "                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))\n"
         "UlyssesSPAttentionHF.register_with_transformers(model, 'sdpa', 2, 1)\n")
-    # a fresh single process: none of the rendezvous variables an in-process engine above left behind
+    # a fresh single process, without the rendezvous variables of the job running pytest, if any
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
