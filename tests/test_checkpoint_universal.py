@@ -195,6 +195,42 @@ def test_ds_to_universal_bad_input_is_one_line(tmp_path, source, why):
     assert res.exit_code == 2 and "--input_folder" in res.stderr
 
 
+@pytest.mark.parametrize("flag", ["--keep_temp_folder", "--no_strict"])
+def test_ds_to_universal_refuses_flags_that_cannot_apply(tmp_path, flag):
+    from click.testing import CliRunner
+
+    from dslaunch.runtime.checkpoint.ds_to_universal import ds_to_universal, main, parse_arguments
+
+    src = os.path.join(INTEROP, "ds", "s2_fp32", fx.CASES["s2_fp32"].tag)
+    res = CliRunner().invoke(ds_to_universal, ["--input_folder", src, "--output_folder", str(tmp_path / "v"), flag])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"ds_to_universal: {flag}: ") and not (tmp_path / "v").exists()
+    with pytest.raises(SystemExit) as exc:  # DeepSpeed's own entry: parse_arguments() then main(args)
+        main(parse_arguments(["--input_folder", src, "--output_folder", str(tmp_path / "v"), flag]))
+    assert exc.value.code == 2 and not (tmp_path / "v").exists()
+
+
+def test_ds_to_universal_workers_and_injected_state(tmp_path):
+    from dslaunch.runtime.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+    from dslaunch.runtime.checkpoint.ds_to_universal import main, parse_arguments
+    from dslaunch.runtime.checkpoint.universal import convert
+    from dslaunch.runtime.checkpoint import CheckpointError
+
+    src = os.path.join(INTEROP, "dslaunch", "s3_fp32", "global_step3")
+    main(parse_arguments(["--input_folder", src, "--output_folder", str(tmp_path / "one"),
+                          "--num_extract_workers", "1", "--num_merge_workers", "1"]))
+    main(parse_arguments(["--input_folder", src, "--output_folder", str(tmp_path / "many"),
+                          "--num_extract_workers", "3", "--num_merge_workers", "5", "--inject_missing_state"]))
+    _same_universal(_load(str(tmp_path / "one")), _load(str(tmp_path / "many")), 0.0, "threads")
+    states = "mp_rank_00_model_states.pt"
+    plain = torch.load(tmp_path / "one" / states, weights_only=False)
+    injected = torch.load(tmp_path / "many" / states, weights_only=False)
+    assert UNIVERSAL_CHECKPOINT_INFO not in plain
+    assert injected[UNIVERSAL_CHECKPOINT_INFO] == {"universal_checkpoint_version": 0.4}
+    with pytest.raises(CheckpointError, match="--num_merge_workers must be a whole number >= 1, got 0"):
+        convert(src, str(tmp_path / "zero"), merge_workers=0)
+
+
 def test_deepspeed_checkpoint_ds_to_universal_under_the_compat_package(deepspeed_compat, tmp_path):
     res = _cli([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                 os.path.join(INTEROP, "dslaunch", "s3_fp32", "global_step3"), "--output_folder", str(tmp_path / "u")],

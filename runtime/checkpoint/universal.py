@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from .constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
 from .dsformat import DS_KEYS, DS_VERSION, loss_scaler_from_ds
 from .errors import CheckpointError
 from .files import load_torch, os_error, write_torch
@@ -215,7 +217,7 @@ class Converted:
     source_world_size: int
 
 
-def _whole(shards: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+def _whole(shards: List[Dict[str, Any]], workers: int = 1) -> Dict[str, Dict[str, Any]]:
     """name -> {"fp32": whole fp32 weight, <state>: whole tensor, "step": the raw count}."""
     shapes: Dict[str, List[int]] = {}
     keys: Dict[str, set] = {}
@@ -231,8 +233,9 @@ def _whole(shards: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
                             keys.setdefault(n, set()).add(k)
                     elif k == STEP:
                         steps[n] = v
-    out = {}
-    for name, shape in shapes.items():
+
+    def one(name: str) -> Dict[str, Any]:
+        shape = shapes[name]
         numel = int(torch.Size(shape).numel())
         entry = {FP32: torch.zeros(numel, dtype=torch.float32)}
         assemble(shards, 0, "master", [(name, 0, numel, 0)], entry[FP32])
@@ -243,8 +246,11 @@ def _whole(shards: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
             entry[k] = entry[k].view(shape)
         if name in steps and len(entry) > 1:
             entry[STEP] = steps[name]
-        out[name] = entry
-    return out
+        return entry
+
+    # Each parameter is assembled from its own slices, so names are independent work.
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(shapes, pool.map(one, list(shapes))))
 
 
 def _global_state(ck, whole: Dict[str, Dict[str, Any]], hyper: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -300,10 +306,17 @@ def _check_convertible(ck) -> None:
                               "stage 0 too)")
 
 
-def convert(input_folder: str, output_folder: str) -> Converted:
+def convert(input_folder: str, output_folder: str, extract_workers: int = 4, merge_workers: int = 2,
+            inject_missing_state: bool = False) -> Converted:
     """Write the universal layout of the checkpoint in `input_folder` (a tag folder, or a
     save dir whose `latest` names one; dslaunch's or DeepSpeed's, any ZeRO stage and world
-    size) into `output_folder`, and `latest_universal` beside it."""
+    size) into `output_folder`, and `latest_universal` beside it. `extract_workers` threads
+    assemble whole parameters, `merge_workers` threads write their files;
+    `inject_missing_state` adds universal_checkpoint_info to the output's model states when
+    the source has none, as DeepSpeed's converter does."""
+    for flag, n in (("--num_extract_workers", extract_workers), ("--num_merge_workers", merge_workers)):
+        if not isinstance(n, int) or n < 1:
+            raise CheckpointError(f"{flag} must be a whole number >= 1, got {n!r}")
     from .consolidate import resolve_tag
     from .reader import open_checkpoint
     from . import parallel
@@ -313,7 +326,7 @@ def convert(input_folder: str, output_folder: str) -> Converted:
     if os.path.abspath(output_folder) == os.path.abspath(ck.path):
         raise CheckpointError(f"--output_folder {output_folder} is the checkpoint being converted; choose another")
     shards = parallel.all_shards(ck)  # ZeRO files of every rank, or a stage-0 state cut by name
-    whole = _whole(shards)
+    whole = _whole(shards, extract_workers)
     hyper = shards[0].get("param_groups") if shards else None
     if not hyper:
         raise CheckpointError(f"checkpoint {ck.path} records no optimizer param_groups; it cannot be converted")
@@ -332,12 +345,18 @@ def convert(input_folder: str, output_folder: str) -> Converted:
     except OSError as exc:
         raise CheckpointError(f"cannot create {output_folder}: {exc.strerror or exc}") from None
     zero = os.path.join(output_folder, ZERO_DIR)
-    for name, entry in whole.items():
+    def write_param(item) -> None:
+        name, entry = item
         folder = os.path.join(zero, *name.split("/"))
         os.makedirs(folder, exist_ok=True)
         for key, value in entry.items():
             obj = value if key == STEP else {"param": value.detach().clone().contiguous(), "cat_dim": 0}
             write_torch(os.path.join(folder, key + ".pt"), obj, checksum=False)
+
+    with ThreadPoolExecutor(max_workers=merge_workers) as pool:
+        list(pool.map(write_param, whole.items()))  # list(): a failed write raises here
+    if inject_missing_state and UNIVERSAL_CHECKPOINT_INFO not in model:
+        model[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
     write_torch(os.path.join(zero, OPTIMIZER_STATE), _global_state(ck, whole, hyper), deepspeed_objects=True,
                 checksum=False)
     for fname in (model_states_name(), zero_model_states_name(0)):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .layer import MoE, MoEError
+from ..zero.partition import plan_buckets
 
 ParamGroups = Union[Dict[str, Any], Tuple[Dict[str, Any], ...], List[Dict[str, Any]]]
 
@@ -106,21 +107,12 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups: ParamGrou
 
 
 def _cut(params: List[nn.Parameter], limit) -> List[List[nn.Parameter]]:
+    """Consecutive runs of at most `limit` elements: ZeRO's bucket rule, so a group is cut
+    exactly where a bucket would be."""
     if limit is None:
         return [params]
-    out: List[List[nn.Parameter]] = []
-    cur: List[nn.Parameter] = []
-    size = 0
-    for p in params:
-        n = getattr(p, "ds_numel", p.numel())
-        if cur and size + n > limit:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += n
-    if cur:
-        out.append(cur)
-    return out
+    sizes = [getattr(p, "ds_numel", p.numel()) for p in params]
+    return [[params[i] for i in bucket] for bucket in plan_buckets(sizes, int(limit))]
 
 
 def is_moe_param_group(param_group: Dict[str, Any]) -> bool:
