@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
 
 
 def build(layer_mod, args, ep: int, dense: bool):
@@ -135,46 +134,24 @@ def run(rt, layer_mod, args, ep: int, device, dense: bool = False) -> dict:
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
     import importlib
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    name = "deepspeed" if args.as_peer else "dslaunch.runtime"
-    rt = importlib.import_module(name)
+    rt, device = start_rank(rank, world, port, args.as_peer, args.cuda)
     layer_mod = importlib.import_module("deepspeed.moe.layer" if args.as_peer else "dslaunch.runtime.moe.layer")
-    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
-    if args.cuda:
-        torch.cuda.set_device(device)
-    rt.init_distributed("nccl" if args.cuda else "gloo")
     out = {"moe": run(rt, layer_mod, args, world, device)}
     if args.dense:
         out["dense"] = run(rt, layer_mod, args, world, device, dense=True)
-    with open(f"{result_path}.{rank}", "w") as fh:
-        json.dump(out, fh)
+    write_result(result_path, rank, out)
 
 
 def spawn(ep: int, args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result")
-        mp.spawn(worker, args=(ep, port, args, path), nprocs=ep, join=True)
-        return [json.load(open(f"{path}.{r}")) for r in range(ep)]
+    return spawn_ranks(worker, ep, args)
 
 
 def spawn_peer(ep: int, args):
     """spawn() under DeepSpeed's Python, importing deepspeed instead."""
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "bench-moe-peer-ext"))
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        argv = [args.deepspeed_python, os.path.abspath(__file__), "--as-peer", out.name, "--ep", str(ep)]
-        for flag in ("experts", "hidden", "ffn", "layers", "seq", "micro", "k", "steps"):
-            argv += [f"--{flag}", str(getattr(args, flag))]
-        argv += ["--cuda"] if args.cuda else []
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-        return json.load(open(out.name))
+    argv = ["--ep", str(ep)]
+    for flag in ("experts", "hidden", "ffn", "layers", "seq", "micro", "k", "steps"):
+        argv += [f"--{flag}", str(getattr(args, flag))]
+    return run_peer(args.deepspeed_python, __file__, argv + (["--cuda"] if args.cuda else []), "bench-moe-peer-ext")
 
 
 def summary(ranks, key="moe") -> dict:
@@ -183,10 +160,6 @@ def summary(ranks, key="moe") -> dict:
     r0 = rs[0]
     return {"tokens/s": sum(r["tokens"] for r in rs) / step, "a2a": r0["a2a"], "params": r0["params"],
             "grads": r0["grads"], "optim": r0["optim"]}
-
-
-def mib(n: float) -> str:
-    return f"{n / 2 ** 20:.2f}"
 
 
 def main() -> None:

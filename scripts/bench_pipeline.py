@@ -35,12 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ranks import mib as fmt_mib, run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -184,57 +185,30 @@ def run_plain(rt, args, m: int, device) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
-    import importlib
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    rt = importlib.import_module("deepspeed" if args.as_peer else "dslaunch.runtime")
-    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
-    if args.cuda:
-        torch.cuda.set_device(device)
-    rt.init_distributed("nccl" if args.cuda else "gloo")
+    rt, device = start_rank(rank, world, port, args.as_peer, args.cuda)
     rows = [run_plain(rt, args, m, device) if args.plain else run_pipeline(rt, args, world, m, device)
             for m in args.micro]
-    with open(f"{result_path}.{rank}", "w") as fh:
-        json.dump(rows, fh)
+    write_result(result_path, rank, rows)
 
 
 def spawn(world: int, args, plain: bool = False):
     """[rank][micro index] -> result, from `world` fresh processes."""
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     args.plain = plain
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result")
-        mp.spawn(worker, args=(world, port, args, path), nprocs=world, join=True)
-        return [json.load(open(f"{path}.{r}")) for r in range(world)]
+    return spawn_ranks(worker, world, args)
 
 
 def spawn_peer(world: int, args):
     """spawn() run by DeepSpeed's Python (`--peer-python`), importing deepspeed instead."""
-    import subprocess
-    import tempfile
-
-    env = dict(os.environ)
-    # a private extension cache: DeepSpeed builds its CPU comm op at start-up, and a build
-    # killed in the shared default cache leaves a lock every later start waits on forever
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "bench-pipeline-peer-ext"))
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        argv = [args.peer_python, os.path.abspath(__file__), "--as-peer", out.name, "--stages", str(world),
-                "--micro", *map(str, args.micro), "--layers", str(args.layers), "--dim", str(args.dim),
-                "--rows", str(args.rows), "--batches", str(args.batches)] + (["--cuda"] if args.cuda else [])
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(f"error: the DeepSpeed run failed ({args.peer_python}):\n{proc.stderr[-3000:]}")
-        return json.load(open(out.name))
+    argv = ["--stages", str(world), "--micro", *map(str, args.micro), "--layers", str(args.layers), "--dim",
+            str(args.dim), "--rows", str(args.rows), "--batches", str(args.batches)] + (["--cuda"] if args.cuda else [])
+    got = run_peer(args.peer_python, __file__, argv, "bench-pipeline-peer-ext")
+    if isinstance(got, dict) and "error" in got:
+        sys.exit(f"error: the DeepSpeed run failed ({args.peer_python}): {got['error']}")
+    return got
 
 
 def mib(n: float) -> str:
-    return f"{n / 2 ** 20:.1f}"
+    return fmt_mib(n, 1)
 
 
 def main() -> None:

@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
 from bench_pipeline import SavedActivations  # noqa: E402  (the activation counter, shared)
 
 VOCAB = 4096
@@ -99,49 +98,19 @@ def run(rt, args, tp: int, device) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
-    import importlib
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    rt = importlib.import_module("deepspeed" if args.as_peer else "dslaunch.runtime")
-    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
-    if args.cuda:
-        torch.cuda.set_device(device)
-    rt.init_distributed("nccl" if args.cuda else "gloo")
-    out = run(rt, args, world, device)
-    with open(f"{result_path}.{rank}", "w") as fh:
-        json.dump(out, fh)
+    rt, device = start_rank(rank, world, port, args.as_peer, args.cuda)
+    write_result(result_path, rank, run(rt, args, world, device))
 
 
 def spawn(tp: int, args):
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result")
-        mp.spawn(worker, args=(tp, port, args, path), nprocs=tp, join=True)
-        return [json.load(open(f"{path}.{r}")) for r in range(tp)]
+    return spawn_ranks(worker, tp, args)
 
 
 def spawn_peer(tp: int, args):
     """spawn() under DeepSpeed's Python, importing deepspeed instead."""
-    import subprocess
-    import tempfile
-
-    env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "bench-tp-peer-ext"))
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        argv = [args.deepspeed_python, os.path.abspath(__file__), "--as-peer", out.name, "--tp", str(tp),
-                "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
-                "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps)] + \
-            (["--cuda"] if args.cuda else [])
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-        return json.load(open(out.name))
+    argv = ["--tp", str(tp), "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
+            "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps)]
+    return run_peer(args.deepspeed_python, __file__, argv + (["--cuda"] if args.cuda else []), "bench-tp-peer-ext")
 
 
 def summary(ranks) -> dict:
@@ -149,10 +118,6 @@ def summary(ranks) -> dict:
     r0 = ranks[0]
     return {"step": statistics.median(steps), "params": r0["params"], "grads": r0["grads"], "optim": r0["optim"],
             "activations": r0["activations"]}
-
-
-def mib(n: float) -> str:
-    return f"{n / 2 ** 20:.2f}"
 
 
 def main() -> None:

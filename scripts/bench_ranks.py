@@ -1,0 +1,77 @@
+"""The plumbing the multi-rank benchmarks share (bench_tp, bench_moe, bench_pipeline): start
+`world` local ranks, each importing our runtime or, as the peer, DeepSpeed; collect every
+rank's JSON result; and run the same benchmark file under DeepSpeed's Python so the two sides
+take turns on one machine."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import tempfile
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rank(rank: int, world: int, port: int, as_peer: bool, cuda: bool) -> Tuple[object, torch.device]:
+    """Inside a spawned rank: the launcher's environment, one CPU thread (each rank should own
+    a core), the runtime module (`deepspeed` for the peer) with its process group started,
+    and the rank's device."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    rt = importlib.import_module("deepspeed" if as_peer else "dslaunch.runtime")
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    rt.init_distributed("nccl" if cuda else "gloo")
+    return rt, device
+
+
+def write_result(result_path: str, rank: int, out) -> None:
+    with open(f"{result_path}.{rank}", "w") as fh:
+        json.dump(out, fh)
+
+
+def spawn(worker: Callable, world: int, args) -> List:
+    """[rank] -> result: `worker(rank, world, port, args, result_path)` in `world` fresh
+    processes, each writing its result with write_result()."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result")
+        mp.spawn(worker, args=(world, port, args, path), nprocs=world, join=True)
+        results = []
+        for r in range(world):
+            with open(f"{path}.{r}") as fh:
+                results.append(json.load(fh))
+        return results
+
+
+def run_peer(python: str, script: str, argv: Sequence[str], cache_name: str) -> dict:
+    """`script --as-peer OUT argv...` under DeepSpeed's Python; its JSON, or {"error": the last
+    line it printed}."""
+    env = dict(os.environ)
+    # a private extension cache: DeepSpeed builds its CPU comm op at start-up, and a build
+    # killed in the shared default cache leaves a lock every later start waits on forever
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), cache_name))
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        proc = subprocess.run([python, os.path.abspath(script), "--as-peer", out.name, *argv], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            err = proc.stderr.strip()
+            return {"error": err.splitlines()[-1] if err else f"exit {proc.returncode}"}
+        with open(out.name) as fh:
+            return json.load(fh)
+
+
+def mib(n: float, digits: int = 2) -> str:
+    return f"{n / 2 ** 20:.{digits}f}"
