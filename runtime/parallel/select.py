@@ -38,6 +38,10 @@ def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *
         return own
     if mpu is not None:
         mesh = MpuMesh(mpu, global_rank)
+        if tensor > 1 and mesh.size("sequence") > 1 and mesh.size("tensor") == 1:
+            raise MeshError(f"tensor_parallel.autotp_size {tensor} with the mpu's sequence-parallel size "
+                            f"{mesh.size('sequence')} is not supported (an mpu from register_with_transformers has "
+                            "no tensor axis); use sequence_parallel_size with DistributedAttention for tp x sp")
         if tensor > 1 and mesh.size("tensor") != tensor:
             raise MeshError(f"tensor_parallel.autotp_size {tensor} differs from the mpu's tensor-parallel size "
                             f"{mesh.size('tensor')}")
