@@ -533,9 +533,10 @@ class DeepSpeedEngine(torch.nn.Module):
         """The strategy's norm (this replica's share, complete over the data-parallel
         group) summed over the model-parallel group: every stage and tensor slice."""
         norm = self.strategy.global_grad_norm()
-        if mesh_select.norm_sums_over_replica(self.mesh) and comm.is_initialized():
+        axis = mesh_select.norm_axis(self.mesh)
+        if axis is not None and comm.is_initialized():
             sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)  # NCCL moves no CPU tensors
-            comm.all_reduce(sq, group=self.mesh.group("replica"), label="grad norm over model parallel")
+            comm.all_reduce(sq, group=self.mesh.group(axis), label=f"grad norm over {axis}")
             norm = float(sq.sqrt())
         return norm
 

@@ -55,6 +55,47 @@ def make_net():
     return net
 
 
+def make_tp_net():
+    """The same kind of network with separate q, k, v and o projections whose reshapes take
+    the head count from the tensor (-1), so tensor parallelism can shard the projections by
+    heads (TP_SPECS: q, k, v by columns, o by rows) and each tensor rank attends over its
+    share of the heads, which DistributedAttention then splits over the sequence group."""
+    import torch
+
+    class TpNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            hd = DIM // HEADS
+            self.emb = torch.nn.Embedding(VOCAB, DIM)
+            self.pos = torch.nn.Embedding(SEQ, DIM)
+            self.q = torch.nn.Linear(DIM, HEADS * hd)
+            self.k = torch.nn.Linear(DIM, KV_HEADS * hd)
+            self.v = torch.nn.Linear(DIM, KV_HEADS * hd)
+            self.o = torch.nn.Linear(HEADS * hd, DIM)
+            self.head = torch.nn.Linear(DIM, VOCAB)
+            self.attn = None
+
+        def forward(self, tokens, offset):
+            b, s = tokens.shape
+            hd = DIM // HEADS
+            x = self.emb(tokens) + self.pos(torch.arange(offset, offset + s))
+            q, k, v = (proj(x).view(b, s, -1, hd) for proj in (self.q, self.k, self.v))
+            a = self.attn(q, k, v, 0) if self.attn is not None else causal_attention(q, k, v)
+            return self.head(x + self.o(a.reshape(b, s, -1)))
+
+    g = torch.Generator().manual_seed(0)
+    net = TpNet()
+    with torch.no_grad():
+        for _, p in sorted(net.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return net
+
+
+TP_SPECS = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r"^(q|k|v)\.(weight|bias)$"], "partition_type": "column"},
+    {"patterns": [r"^o\.(weight|bias)$"], "partition_type": "row"}]}
+
+
 def batch(step, rows):
     """Inputs and next-token labels of `rows` full sequences."""
     import torch
@@ -64,20 +105,25 @@ def batch(step, rows):
     return t[:, :SEQ], t[:, 1:]
 
 
-def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config=None, init_kwargs=None):
+def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config=None, init_kwargs=None, tp=1,
+          net=None):
     """Train STEPS steps; return (the loss of each step averaged over every rank, the
-    module's weights at the end as one flat list; stages 0-2 keep them whole on every rank)."""
+    module's weights at the end as one flat list; stages 0-2 keep them whole on every rank).
+    tp > 1: `net` (make_tp_net()) sharded by TP_SPECS over tensor groups of tp adjacent
+    ranks (dslaunch only: the weights returned are the shards reassembled)."""
     import torch
     import torch.distributed as dist
 
-    net = make_net()
+    net = make_net() if net is None else net
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dp = world // sp
+    dp = world // (sp * tp)
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
            "gradient_clipping": 1.0,  # explicit: the global norm must count sequence ranks once
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     if sp > 1:
         cfg["sequence_parallel_size"] = sp
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": TP_SPECS}
     cfg.update(extra_config or {})
     if optimizer == "adamw":
         opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.01)
@@ -88,7 +134,8 @@ def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config
     if sp > 1:
         net.attn = attention_cls(causal_attention, group)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    d, r = rank // sp, rank % sp  # DeepSpeed's layout: sequence ranks adjacent
+    # DeepSpeed's layout: tensor ranks adjacent, then sequence ranks, then data replicas
+    d, r = rank // (sp * tp), (rank // tp) % sp
     losses = []
     for step in range(STEPS):
         x, y = batch(step, micro * dp)
@@ -104,5 +151,11 @@ def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config
             dist.all_reduce(mean)
             mean /= world
         losses.append(float(mean))
+    if tp > 1:
+        from dslaunch.runtime.tensor_parallel import full_state_dict
+
+        full = full_state_dict(net)
+        weights = torch.cat([full[n].float().reshape(-1) for n in sorted(full)])
+        return losses, weights.tolist()
     weights = torch.cat([p.detach().float().reshape(-1) for _, p in sorted(net.named_parameters())])
     return losses, weights.tolist() if stage < 3 else None

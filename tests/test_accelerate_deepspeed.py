@@ -92,3 +92,32 @@ def test_accelerate_multinode_deepspeed_launch_over_the_testbed(ns_cluster, ssh_
     assert f"[{h1.ip}:0] rank 0 of 2 on {h1.name}" in res.stdout.splitlines(), res.stdout[-2000:]
     assert f"[{h2.ip}:1] rank 1 of 2 on {h2.name}" in res.stdout.splitlines(), res.stdout[-2000:]
     assert _check(tmp_path, sharded=False)["optimizer"] == "DeepSpeedCPUAdam"
+
+
+SP_JOB = os.path.join(HERE, "workers", "accelerate_sp_job.py")
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_launch_ulysses_sp2_equals_one_process(deepspeed_compat, tmp_path):
+    """`ParallelismConfig(sp_backend="deepspeed", sp_size=2)` under `accelerate launch` on 2
+    processes (tests/workers/accelerate_sp_job.py): Accelerate's version gate (DeepSpeed >=
+    0.18.2) passes, its prepare registers Ulysses with transformers and wraps the loader,
+    each rank trains on half of every sequence, and every step's loss equals a one-process
+    torch run over the whole sequences to 1e-5."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+                               "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+                               "zero_allow_untested_optimizer": True, "steps_per_print": 1000}))
+    # `python -m`: the venv's `accelerate` script may name another interpreter
+    res = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+                          "--deepspeed_config_file", str(cfg), "--num_processes", "2", "--num_machines", "1",
+                          "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no", SP_JOB,
+                          str(tmp_path)], env=deepspeed_compat.env(), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["num_processes"] == 2 and got["sp_world"] == 2 and got["engine"] == "DeepSpeedEngine"
+    assert got["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert got["train_batch_size"] == 2  # one data-parallel rank: the sequence pair shares each batch
+    assert got["shapes"] == [[2, 4]] * 4  # every batch of the loader, half of each sequence per rank
+    assert max(abs(a - b) for a, b in zip(got["losses"], got["ref_losses"])) < TOL, got

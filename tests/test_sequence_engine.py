@@ -95,11 +95,46 @@ def test_sp4_and_sp2_x_dp2_equal_one_process():
     _check(results, cases)
 
 
+def tp_sp_body(cases):
+    """Each (tp, sp, micro, stage, optimizer) case on the tiny network whose q, k, v and o
+    projections tensor parallelism shards by heads (sp_workload.make_tp_net); tp=1, sp=1 is
+    one process over the whole, unsharded network."""
+    import dslaunch.runtime as deepspeed
+    import sp_workload
+    from dslaunch.runtime.sequence import DistributedAttention
+
+    out = []
+    for tp, sp, micro, stage, optimizer in cases:
+        out.append(sp_workload.train(deepspeed, DistributedAttention, sp, micro, stage=stage, optimizer=optimizer,
+                                     tp=tp, net=sp_workload.make_tp_net()))
+    return out
+
+
+def test_tp2_x_sp2_equals_one_process():
+    """4 ranks, tensor 2 x sequence 2 on one mesh: TP shards the heads, Ulysses splits each
+    tensor rank's heads over its sequence group; ZeRO 0 and 2 (sharded over data x
+    sequence), SGD (the reassembled weights check every gradient, clipped at 1.0: the norm
+    counts tensor slices once and sequence ranks once) and AdamW. Equal to one process over
+    the whole sequence and the unsharded network."""
+    cases = [(2, 2, 2, 0, "sgd"), (2, 2, 2, 2, "sgd"), (2, 2, 2, 0, "adamw")]
+    refs = run_function(tp_sp_body, nprocs=1, timeout=240, env={"PYTHONPATH": HERE},
+                        kwargs=dict(cases=[(1, 1, 2, 0, "sgd"), (1, 1, 2, 0, "adamw")]))[0]
+    ref = {"sgd": refs[0], "adamw": refs[1]}
+    results = run_function(tp_sp_body, nprocs=4, timeout=300, env={"PYTHONPATH": HERE}, kwargs=dict(cases=cases))
+    for rank, per_case in enumerate(results):
+        for (tp, sp, micro, stage, optimizer), (losses, weights) in zip(cases, per_case):
+            ref_losses, ref_weights = ref[optimizer]
+            what = (rank, tp, sp, stage, optimizer)
+            assert _close(losses, ref_losses), (what, losses, ref_losses)
+            if optimizer == "sgd":
+                assert _close(weights, ref_weights), what
+
+
 BAD = [
     ({"sequence_parallel_size": 3}, "sequence 3 does not divide world 2"),
     ({"sequence_parallel_size": 0}, "sequence_parallel_size: must be > 0"),
     ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}},
-     "sequence_parallel_size 2 with tensor_parallel.autotp_size 2 is not supported"),
+     "pipe 1 x sequence 2 x tensor 2 = 4 does not divide world 2"),
 ]
 
 

@@ -6,7 +6,8 @@ ranks with the mpu register_with_transformers returns, and in one process over t
 sequence on the same batches: the loss of every step and the weights after step 1 (SGD
 with lr 1: the gradients themselves) must agree to 1e-5 in fp32. The labels are shifted
 before slicing, so a slice's last token learns the next slice's first. A sequence length
-that does not split, and an attention implementation that cannot be wrapped, are one line.
+that does not split, an attention implementation that cannot be wrapped, and AutoTP with the
+mpu (which has no tensor axis; tp x sp is the engine's sequence_parallel_size) are one line.
 """
 from dist_harness import run_function
 
@@ -35,12 +36,13 @@ def _batches(seq=SEQ):
     return out
 
 
-def train_body(sp, seq=SEQ, core="sdpa"):
+def train_body(sp, seq=SEQ, core="sdpa", tp=1):
     """Losses of every step and the flat weights after step 1."""
     import torch
 
     import dslaunch.runtime as deepspeed
     from dslaunch.runtime.sequence import SequenceParallelError
+    from dslaunch.runtime.strict import ConfigError
     from dslaunch.runtime.sequence_parallel.ulysses_sp import (UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
                                                                 sequence_parallel_loss)
 
@@ -52,6 +54,8 @@ def train_body(sp, seq=SEQ, core="sdpa"):
                                                                   micro_batch_size=MICRO, seq_length=seq,
                                                                   seq_length_is_variable=True)
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 1000, "gradient_clipping": 1.0}
+        if tp > 1:
+            cfg["tensor_parallel"] = {"autotp_size": tp}
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                                config=cfg, mpu=mpu)
         batches = _batches(seq)
@@ -75,7 +79,7 @@ def train_body(sp, seq=SEQ, core="sdpa"):
             losses.append(float(loss))
             if step == 0:
                 after_first = torch.cat([p.detach().reshape(-1) for _, p in sorted(model.named_parameters())]).tolist()
-    except SequenceParallelError as exc:
+    except (SequenceParallelError, ConfigError) as exc:
         return str(exc)
     return losses, after_first
 
@@ -86,7 +90,8 @@ def _close(a, b, tol=1e-5):
 
 BAD = [(dict(sp=2, seq=7), "sequence length 7 does not split evenly over sequence parallel size 2"),
        (dict(sp=2, core="eager"), "core_attn_implementation 'eager' cannot be wrapped"),
-       (dict(sp=3), "ulysses: sequence 3 does not divide world 2")]
+       (dict(sp=3), "ulysses: sequence 3 does not divide world 2"),
+       (dict(sp=2, tp=2), "tensor_parallel.autotp_size 2 with the mpu's sequence-parallel size 2 is not supported")]
 
 
 def cases_body(cases):

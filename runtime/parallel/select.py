@@ -26,9 +26,6 @@ def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *
     if expert > 1:
         return _expert_mesh(model, mpu, world_size, distributed, tensor, expert)
     own = getattr(model, "parallel_mesh", None)
-    if sequence > 1 and tensor > 1:
-        raise MeshError(f"sequence_parallel_size {sequence} with tensor_parallel.autotp_size {tensor} is not "
-                        "supported; use one of them")
     if own is not None:
         if mpu is not None:
             raise MeshError("initialize: pass either mpu= or a PipelineModule (whose topology is the mpu), not both")
@@ -41,6 +38,10 @@ def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *
         return own
     if mpu is not None:
         mesh = MpuMesh(mpu, global_rank)
+        if tensor > 1 and mesh.size("sequence") > 1 and mesh.size("tensor") == 1:
+            raise MeshError(f"tensor_parallel.autotp_size {tensor} with the mpu's sequence-parallel size "
+                            f"{mesh.size('sequence')} is not supported (an mpu from register_with_transformers has "
+                            "no tensor axis); use sequence_parallel_size with DistributedAttention for tp x sp")
         if tensor > 1 and mesh.size("tensor") != tensor:
             raise MeshError(f"tensor_parallel.autotp_size {tensor} differs from the mpu's tensor-parallel size "
                             f"{mesh.size('tensor')}")
@@ -82,13 +83,16 @@ def gradient_axis(mesh) -> str:
     return "data_sequence" if mesh.size("sequence") > 1 else "data"
 
 
-def norm_sums_over_replica(mesh) -> bool:
-    """Whether the gradient norm must be summed over the replica axis: only when other
-    ranks hold other parameters (pipeline stages, tensor slices). Sequence ranks hold the
-    same parameters, whose norm the data x sequence reduction already completed."""
-    if mesh.size("sequence") > 1 and mesh.size("pipe") == 1 and mesh.size("tensor") == 1:
-        return False
-    return mesh.size("replica") > 1
+def norm_axis(mesh) -> Optional[str]:
+    """The axis a gradient norm complete over the gradient axis must still be summed over:
+    the ranks holding other parameters (pipeline stages, tensor slices), None when there
+    are none. Sequence ranks hold the same parameters, whose norm the data x sequence
+    reduction already completed, so with a sequence axis it is the tensor axis alone (the
+    replica axis would count every tensor slice once per sequence rank); a pipeline with a
+    sequence axis is refused by mesh_for."""
+    if mesh.size("sequence") > 1:
+        return "tensor" if mesh.size("tensor") > 1 else None
+    return "replica" if mesh.size("replica") > 1 else None
 
 
 def dp_size_source(mesh, mpu, world_source: str, world_size: int) -> str:
