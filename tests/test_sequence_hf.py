@@ -9,6 +9,8 @@ before slicing, so a slice's last token learns the next slice's first. A sequenc
 that does not split, an attention implementation that cannot be wrapped, and AutoTP with the
 mpu (which has no tensor axis; tp x sp is the engine's sequence_parallel_size) are one line.
 """
+import pytest
+
 from dist_harness import run_function
 
 SEQ, VOCAB, MICRO, BATCHES = 8, 64, 2, 4
@@ -131,3 +133,26 @@ def test_uncaught_refusal_is_one_line_and_exit_2(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.strip().splitlines() == ["error: ulysses: sequence 2 does not divide world 1"], res.stderr
+
+
+def test_ulysses_attention_checks_layers_and_heads_against_registration():
+    """The shapes DeepSpeed's constructor takes are checked: a layer index at or past
+    num_hidden_layers, and (fixed length) a head count that differs, are one-line errors."""
+    import torch
+
+    from dslaunch.runtime.sequence import SequenceParallelError
+    from dslaunch.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    attn = UlyssesSPAttentionHF(None, batch_size=2, attn_head_count=4, attn_head_size=8, kv_head_count=2,
+                                num_hidden_layers=2, process_group=None, seq_length_is_variable=False,
+                                global_seq_length=16)
+    layer = torch.nn.Module()
+    q, k = torch.zeros(2, 4, 8, 8), torch.zeros(2, 2, 8, 8)
+    layer.layer_idx = 1
+    attn._check(layer, q, k, sp=2)  # consistent: no error
+    layer.layer_idx = 2
+    with pytest.raises(SequenceParallelError, match="attention layer 2 is past the num_hidden_layers 2"):
+        attn._check(layer, q, k, sp=2)
+    layer.layer_idx = 0
+    with pytest.raises(SequenceParallelError, match="key/value head count 4 differs from the 2"):
+        attn._check(layer, q, torch.zeros(2, 4, 8, 8), sp=2)

@@ -94,10 +94,11 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                  num_hidden_layers: int, process_group, seq_length_is_variable: bool = False,
                  local_seq_length: Optional[int] = None, global_seq_length: Optional[int] = None,
                  disable_in_eval: bool = False, max_length: Optional[int] = None):
-        # DeepSpeed's constructor. DeepSpeed sizes buffers from the shapes; here they are
-        # checked against each call's tensors when the length is fixed (seq_length_is_variable
-        # False), and max_length bounds a variable one. disable_in_eval: in eval mode the
-        # model sees whole sequences, so the core attention runs unwrapped.
+        # DeepSpeed's constructor. DeepSpeed sizes buffers from the shapes (and rotates them
+        # over num_hidden_layers); here they are checked against each call's tensors when the
+        # length is fixed (seq_length_is_variable False), max_length bounds a variable one, and
+        # a layer index at or past num_hidden_layers is refused. disable_in_eval: in eval mode
+        # the model sees whole sequences, so the core attention runs unwrapped.
         super().__init__()
         self.attn = attn
         self.process_group = process_group
@@ -107,14 +108,19 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.local_seq_length, self.max_length = local_seq_length, max_length
         self.disable_in_eval = disable_in_eval
 
-    def _check(self, query, sp: int) -> None:
+    def _check(self, module, query, key, sp: int) -> None:
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and self.num_layers is not None and layer >= self.num_layers:
+            raise SequenceParallelError(f"ulysses: attention layer {layer} is past the num_hidden_layers "
+                                        f"{self.num_layers} given to register_with_transformers")
         length = query.shape[2] * sp
         if self.max_length is not None and length > self.max_length:
             raise SequenceParallelError(f"ulysses: sequence length {length} exceeds max_length {self.max_length}")
         if self.seq_length_is_variable:
             return
         want = {"sequence length": (length, self.seq_length), "batch size": (query.shape[0], self.batch_size),
-                "head size": (query.shape[-1], self.head_size)}
+                "head size": (query.shape[-1], self.head_size), "head count": (query.shape[1], self.num_heads),
+                "key/value head count": (key.shape[1], self.num_kv_heads)}
         for what, (got, expected) in want.items():
             if expected is not None and got != expected:
                 raise SequenceParallelError(f"ulysses: {what} {got} differs from the {expected} given to "
@@ -124,7 +130,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if self.disable_in_eval and not module.training:
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         sp = comm.get_world_size(self.process_group)
-        self._check(query, sp)
+        self._check(module, query, key, sp)
         kv = key.shape[1]
         q = sequence_to_heads(query, self.process_group, seq_dim=2, head_dim=1, kv_heads=kv)
         k = sequence_to_heads(key, self.process_group, seq_dim=2, head_dim=1, kv_heads=kv)
