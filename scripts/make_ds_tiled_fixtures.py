@@ -4,7 +4,8 @@
 
 Runs tests/tiled_workload.py's cases (TiledMLP, sequence_tiled_compute, TiledFusedLogitsLoss
 at shard counts that do and do not divide the rows; fp32, CPU, one process) with
-`deepspeed.runtime.sequence_parallel.ulysses_sp` and records each output and every gradient.
+`deepspeed.runtime.sequence_parallel.ulysses_sp` and records each output and every gradient,
+and the cases where DeepSpeed's gradients are wrong (tiled_workload.DIFFERS).
 tests/test_sequence_tiled.py runs the same cases with dslaunch's module and compares. DeepSpeed
 is run, never imported by the project.
 """
@@ -31,10 +32,12 @@ def main() -> None:
     import tiled_workload
 
     torch.set_num_threads(1)
-    expected = {"deepspeed": deepspeed.__version__, "torch": torch.__version__.split("+")[0], "cases": {}}
-    for name in tiled_workload.CASES:
-        expected["cases"][name] = tiled_workload.run_case(ulysses_sp, name)
-        print(f"{name}: ok", flush=True)
+    expected = {"deepspeed": deepspeed.__version__, "torch": torch.__version__.split("+")[0], "cases": {},
+                "differs": {}}
+    for key, cases in (("cases", tiled_workload.CASES), ("differs", tiled_workload.DIFFERS)):
+        for name in cases:
+            expected[key][name] = tiled_workload.run_case(ulysses_sp, name)
+            print(f"{name}: ok", flush=True)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "expected.json"), "w") as fh:
         json.dump(expected, fh)
