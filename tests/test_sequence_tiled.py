@@ -44,7 +44,7 @@ def test_matches_deepspeed_0_19_8():
             _same(deepspeed, untiled)
 
 
-@pytest.mark.parametrize("shards", [1, 3, 4, 7, 10, 16])  # of 10 tokens: 16 gives 10 slices of one
+@pytest.mark.parametrize("shards", [1, 3, 4, 16])  # of 10 tokens: 4 gives 3, 3, 3, 1; 16 gives 10 of one
 def test_mlp_and_sequence_compute_equal_untiled(shards):
     _same(tw.run_mlp(usp, shards), tw.run_mlp(usp, shards, tiled=False))
     _same(tw.run_sequence_compute(usp, shards), tw.run_sequence_compute(usp, shards, tiled=False))
