@@ -231,3 +231,38 @@ def test_engine_sp2_zero_stages_equal_one_process_untiled():
             losses, diff = out[stage]
             assert max(abs(a - b) for a, b in zip(losses, out["ref"])) < 1e-5, (stage, losses, out["ref"])
             assert diff is None or diff < 1e-5, (stage, diff)
+
+
+def test_hf_llama_with_tiled_mlp_and_loss_equals_untiled():
+    """A tiny Hugging Face Llama, each LlamaMLP's forward through TiledMLP (DeepSpeed's
+    documented use) and the loss through tiled_causal_lm_loss: the loss and every gradient equal
+    the untouched model's own loss (labels shifted by transformers), 13 tokens in 3 slices."""
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, :4] = -100
+    want = model(input_ids=ids, labels=labels).loss
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    def tiled_forward(self, x):
+        return usp.TiledMLP.apply(lambda m, t: m.down_proj(m.act_fn(m.gate_proj(t)) * m.up_proj(t)), self, x, 3,
+                                  [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj)])
+
+    for layer in model.model.layers:
+        layer.mlp.forward = types.MethodType(tiled_forward, layer.mlp)
+    hidden = model.model(input_ids=ids).last_hidden_state
+    loss = usp.tiled_causal_lm_loss(hidden, model.lm_head, 3, labels=labels)
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-6, msg=n)
