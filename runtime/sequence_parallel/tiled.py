@@ -97,7 +97,7 @@ def _spans(length: int, shards: int) -> List[Tuple[int, int]]:
 # -- TiledMLP ---------------------------------------------------------------------------------
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, module, x, shards, n_params, *params):
+    def forward(ctx, fn, module, x, shards, *params):
         ctx.fn, ctx.module, ctx.spans = fn, module, _spans(x.shape[-2], shards)
         ctx.params = params
         ctx.save_for_backward(x)
@@ -125,7 +125,7 @@ class _TiledMLP(torch.autograd.Function):
                 x_grad.narrow(-2, lo, hi - lo).copy_(got[0])
                 got = got[1:]
             _add(p_grads, got)
-        return (None, None, x_grad, None, None) + tuple(p_grads)
+        return (None, None, x_grad, None) + tuple(p_grads)
 
 
 class TiledMLP:
@@ -140,7 +140,7 @@ class TiledMLP:
     @staticmethod
     def apply(fn: Callable, self, x: torch.Tensor, shards: int, compute_params: Optional[Iterable] = None):
         params = _trainable(self, compute_params)
-        return _TiledMLP.apply(fn, self, x, shards, len(params), *params)
+        return _TiledMLP.apply(fn, self, x, shards, *params)
 
 
 # -- SequenceTiledCompute ---------------------------------------------------------------------
