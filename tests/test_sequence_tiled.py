@@ -94,6 +94,23 @@ def test_sequence_compute_loss_form_mean():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_sequence_compute_defaults_mean_over_every_element():
+    """The defaults (output_unshard_dimension 1, "mean"): the mean of the concatenated output,
+    with its gradient 1 / elements (DeepSpeed 0.19.8's backward fails here: narrow() of a 0-dim
+    gradient)."""
+    mlp = tw.make_mlp(0)
+    x, _, _, _ = tw.inputs(1)
+    out = usp.sequence_tiled_compute(lambda x: mlp(x), tw.SEQ, 4, {"x": x}, {}, "x", list(mlp.parameters()))
+    out.backward()
+    got = [out.detach(), x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    want = mlp(x).mean()
+    want.backward()
+    for a, b in zip(got, [want.detach(), x.grad] + [p.grad for p in mlp.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def _lm_loss_reference(head, x, labels):
     logits = head(x).float()
     shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
