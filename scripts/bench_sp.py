@@ -190,13 +190,11 @@ def _peak(fn, device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def tiled(args) -> None:
-    """Untiled against tiled: the MLP, and the LM head + loss."""
+def tiled_rows(args, device) -> list:
+    """Untiled against tiled, the MLP and the LM head + loss at each --seq: rows of (seq, what,
+    how, shards, peak bytes, median step seconds)."""
     from dslaunch.runtime.sequence_parallel.ulysses_sp import TiledMLP, tiled_causal_lm_loss
 
-    device = torch.device("cuda") if args.cuda else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # as each rank of the sp sweep
     torch.manual_seed(0)
     h, inter = args.hidden, 4 * args.hidden
 
@@ -251,6 +249,15 @@ def tiled(args) -> None:
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
             rows.append((seq, what, how, shards if how == "tiled" else 1, peak, statistics.median(times)))
+    return rows
+
+
+def tiled(args) -> None:
+    device = torch.device("cuda") if args.cuda else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as each rank of the sp sweep
+    rows = tiled_rows(args, device)
+    h, inter = args.hidden, 4 * args.hidden
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"tiled compute: hidden {h}, MLP {inter}, vocab {args.vocab}, fp32; {'CUDA' if args.cuda else 'CPU'}; "
           f"load average {load:.1f}; peak = bytes allocated during forward + backward, MiB")

@@ -283,3 +283,35 @@ def test_hf_llama_with_tiled_mlp_and_loss_equals_untiled():
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+
+def test_forward_keeps_only_the_input_for_backward():
+    """What autograd holds between forward and backward (saved-tensor hooks): the untiled MLP its
+    [b, s, 4h]-sized intermediates, TiledMLP x alone; the tiled loss nothing of the logits (its
+    gradients, x's and the head's, are all it keeps). The measured peaks: scripts/bench_sp.py --tiled."""
+    mlp, head = tw.make_mlp(0), tw.make_head(2)
+    x, _, labels, _ = tw.inputs(1, seq=64)
+    live = [0]
+
+    class Held:  # a saved tensor, counted while the graph keeps it
+        def __init__(self, t):
+            self.t, self.n = t, t.numel() * t.element_size()
+            live[0] += self.n
+
+        def __del__(self):
+            live[0] -= self.n
+
+    def held(fn):
+        before = live[0]
+        with torch.autograd.graph.saved_tensors_hooks(Held, lambda h: h.t):
+            out = fn()  # the graph lives as long as its output
+        n = live[0] - before
+        del out
+        return n
+
+    x_bytes = x.numel() * x.element_size()
+    assert held(lambda: mlp(x)) > 4 * x_bytes
+    assert held(lambda: usp.TiledMLP.apply(tw.mlp_forward, mlp, x, 8, list(mlp.parameters()))) == x_bytes
+    assert held(lambda: _lm_loss_reference(head, x, labels)) >= 2 * x.shape[0] * x.shape[1] * tw.VOCAB * 4
+    assert held(lambda: usp.tiled_causal_lm_loss(x, head, 8, labels=labels)) < x_bytes
