@@ -18,6 +18,17 @@ torch's AdamW, ZeRO off; one warm-up step, then `--steps` timed ones. Printed pe
 
 On the CPU each rank runs one thread; sp ranks need sp free cores for the times to mean
 anything, so say the load average with the figures. `--cuda` runs one GPU per rank (NCCL).
+
+    python scripts/bench_sp.py --tiled [--seq 2048 8192] [--hidden 256] [--vocab 8192]
+        [--shards N] [--steps 3] [--cuda]
+
+`--tiled` measures tiled compute instead (one process): a Llama-style gated MLP (intermediate
+4 x `--hidden`) and the LM head + cross-entropy over `--vocab` tokens, each forward + backward
+over one sequence of each length, untiled against TiledMLP / tiled_causal_lm_loss with
+`--shards` slices (default ceil(seq / hidden), DeepSpeed's example's rule). Printed: the peak
+bytes allocated during forward + backward above what was alive before (inputs, weights), from
+the allocator itself (the profiler's memory events on the CPU, torch.cuda.max_memory_allocated
+on CUDA), and the median wall time of `--steps` runs (one CPU thread).
 """
 from __future__ import annotations
 
@@ -152,6 +163,112 @@ def spawn(sp: int, args) -> dict:
         return {int(k): v for k, v in json.load(open(path)).items()}
 
 
+def _peak_cpu(fn) -> int:
+    """Peak bytes the CPU allocator held during fn() above its level at the start: the running
+    sum of the profiler's signed allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def _peak(fn, device) -> int:
+    if device.type != "cuda":
+        return _peak_cpu(fn)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def tiled_rows(args, device) -> list:
+    """Untiled against tiled, the MLP and the LM head + loss at each --seq: rows of (seq, what,
+    how, shards, peak bytes, median step seconds)."""
+    from dslaunch.runtime.sequence_parallel.ulysses_sp import TiledMLP, tiled_causal_lm_loss
+
+    torch.manual_seed(0)
+    h, inter = args.hidden, 4 * args.hidden
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(h, inter, bias=False)
+            self.up_proj = torch.nn.Linear(h, inter, bias=False)
+            self.down_proj = torch.nn.Linear(inter, h, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    mlp, head = MLP().to(device), torch.nn.Linear(h, args.vocab, bias=False).to(device)
+
+    def untiled_loss(x, labels):
+        logits = head(x).float()
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        return torch.nn.functional.cross_entropy(logits.view(-1, args.vocab), shift.reshape(-1))
+
+    rows = []
+    for seq in args.seq:
+        shards = args.shards or -(-seq // h)
+        x = torch.randn(1, seq, h, device=device, requires_grad=True)
+        up = torch.randn(1, seq, h, device=device)
+        labels = torch.randint(0, args.vocab, (1, seq), device=device)
+        runs = {
+            ("mlp", "untiled"): lambda: mlp(x).backward(up),
+            ("mlp", "tiled"): lambda: TiledMLP.apply(lambda m, t: m(t), mlp, x, shards,
+                                                     list(mlp.parameters())).backward(up),
+            ("loss", "untiled"): lambda: untiled_loss(x, labels).backward(),
+            ("loss", "tiled"): lambda: tiled_causal_lm_loss(x, head, shards, labels=labels).backward(),
+        }
+        for (what, how), step in runs.items():
+            def clear():
+                x.grad = None
+                mlp.zero_grad(set_to_none=True)
+                head.zero_grad(set_to_none=True)
+
+            clear()
+            step()  # warm-up
+            clear()
+            peak = _peak(step, device)
+            times = []
+            for _ in range(args.steps):
+                clear()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
+            rows.append((seq, what, how, shards if how == "tiled" else 1, peak, statistics.median(times)))
+    return rows
+
+
+def tiled(args) -> None:
+    device = torch.device("cuda") if args.cuda else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as each rank of the sp sweep
+    rows = tiled_rows(args, device)
+    h, inter = args.hidden, 4 * args.hidden
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"tiled compute: hidden {h}, MLP {inter}, vocab {args.vocab}, fp32; {'CUDA' if args.cuda else 'CPU'}; "
+          f"load average {load:.1f}; peak = bytes allocated during forward + backward, MiB")
+    print(f"{'seq':>6} {'what':>5} {'how':>8} {'shards':>6} {'peak MiB':>9} {'x untiled':>9} {'step s':>8}")
+    base = {}
+    for seq, what, how, shards, peak, t in rows:
+        base.setdefault((seq, what), peak)
+        print(f"{seq:>6} {what:>5} {how:>8} {shards:>6} {peak / 2 ** 20:>9.2f} {peak / base[(seq, what)]:>9.2f} "
+              f"{t:>8.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
@@ -162,7 +279,16 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--tiled", action="store_true", help="measure tiled compute (TiledMLP, the tiled loss) instead")
+    p.add_argument("--vocab", type=int, default=8192, help="--tiled: the LM head's vocabulary")
+    p.add_argument("--shards", type=int, default=0, help="--tiled: slices (default ceil(seq / hidden))")
     args = p.parse_args()
+    if args.tiled:
+        if args.cuda and not torch.cuda.is_available():
+            p.exit(2, "error: --cuda: no GPU visible\n")
+        if args.shards < 0 or args.vocab < 1 or args.hidden < 1 or min(args.seq) < 1:
+            p.exit(2, "error: --tiled needs positive --seq, --hidden, --vocab and --shards\n")
+        return tiled(args)
     for sp in args.sp:
         bad = [s for s in args.seq if s % sp]
         if sp < 1 or bad or max(1, args.heads // 2) < sp or args.hidden % args.heads:

@@ -32,6 +32,8 @@ from .. import comm
 from ..parallel import MeshDims, MeshError, ProcessMesh, topology_for
 from ..sequence import SequenceParallelError, head_splits, heads_to_sequence, sequence_to_heads
 from ..sequence.heads import local_length
+from .tiled import (SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute,  # noqa: F401
+                    tiled_causal_lm_loss)
 
 # core implementations that attend causally over the whole sequence when given no mask
 CORE = ("sdpa", "flash_attention_2", "flash_attention_3")
