@@ -388,7 +388,8 @@ def test_the_op_names_a_wrong_argument_as_its_fake_does():
     from dslaunch.kernels import fused_adam
 
     assert fused_adam._OP.load(), fused_adam._OP.error
-    for change, message in [({"grads": lambda d: [torch.empty(3, device="cpu")]}, "fused adam_step: grads[0] is not on a CUDA"),
+    for change, message in [({"grads": lambda d: [torch.empty(3, device="cpu")]},
+                             "fused adam_step: grads[0] is not on a CUDA"),
                             ({"exp_avgs": lambda d: [torch.empty(3, device=d, dtype=torch.bfloat16)]},
                              "fused adam_step: exp_avgs[0] has dtype bfloat16; expected float32"),
                             ({"exp_avg_sqs": lambda d: [torch.empty(4, device=d)]},
