@@ -251,12 +251,7 @@ def nvcc_check_commands(spec: OpSpec, out_dir: Path, werror: bool = True) -> Lis
 
 def _cpp_extension_build(spec: OpSpec, work: Path, verbose: bool) -> Path:
     """torch.utils.cpp_extension.load() of a spec into `work`; the library's path."""
-    import torch
     from torch.utils import cpp_extension
-
-    if spec.with_cuda and torch.version.cuda is None:
-        raise BuildError(f"building {spec.name} needs a CUDA build of torch; torch {torch.__version__} is CPU-only "
-                         "(`dslaunch build-ops --no-cuda` builds the CPU ops)")
 
     namespace = f"{spec.name}_{secrets.token_hex(4)}"  # this build's own torch op namespace
     try:
@@ -311,6 +306,9 @@ def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> B
     prebuilt = _prebuilt(spec)
     if prebuilt is not None:
         return _built(spec, prebuilt.path.parent.name.rsplit("-", 1)[1], prebuilt, True, t0)
+    if spec.with_cuda and torch.version.cuda is None:  # refused before the cache is touched
+        raise BuildError(f"building {spec.name} needs a CUDA build of torch; torch {torch.__version__} is CPU-only "
+                         "(`dslaunch build-ops --no-cuda` builds the CPU ops)")
     compiler = _compiler_id(spec.with_cuda)
     entry = entry_name(spec)
     key = entry.rsplit("-", 1)[1]
