@@ -75,8 +75,10 @@ inline void check_scalar(const char* op, const char* name, const Tensor& t, cons
          int(b.device), dtype_name(t.scalar_type()), ll(t.numel()), t.is_cuda() ? "on a CUDA device" : "not on CUDA");
 }
 
-// The dtype shared by every tensor of a non-empty list, one of float32/bfloat16/float16.
+// The dtype shared by every tensor of a non-empty list, one of float32/bfloat16/float16
+// (the device is checked first, as the fake implementation does).
 inline ST list_dtype(const char* op, const char* name, const Tensors& ts) {
+  if (!ts[0].is_cuda()) fail("%s: %s[0] is not on a CUDA device; the fused op needs CUDA tensors", op, name);
   const ST t = ts[0].scalar_type();
   if (dtype_code(t) < 0) fail("%s: %s[0] has dtype %s; expected float32, bfloat16 or float16", op, name, dtype_name(t));
   return t;
