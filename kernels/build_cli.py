@@ -1,7 +1,8 @@
 """`dslaunch build-ops`: compile the kernels ahead of time into the shared cache.
 
 Run it once per machine image (or per node before a job) so that no rank pays for a
-build at start-up. Prints what was built, where, for which instruction set and how long
+build at start-up. (`DSLAUNCH_BUILD_OPS=1 pip install --no-build-isolation .` builds them
+into the package instead; an op found there is reported as prebuilt, not built again.) Prints what was built, where, for which instruction set and how long
 it took; a failed build prints the compiler's own error and command and exits 1.
 """
 from __future__ import annotations
@@ -61,7 +62,9 @@ def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
                 sys.exit(1)
             failed = True
             continue
-        if built.cached:
+        if built.extra.get("prebuilt"):
+            how = "prebuilt at install (DSLAUNCH_BUILD_OPS)"
+        elif built.cached:
             how = "cached"
         else:
             how = f"built in {built.extra.get('build_seconds', built.seconds):.1f} s"

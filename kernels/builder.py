@@ -16,9 +16,18 @@ namespace of its own (-DDS_OPS_NS=<name>_<nonce>, read back from the library): a
 may load two builds of one op (two caches, two instruction sets), and torch allows one
 TORCH_LIBRARY per namespace.
 
-The CUDA fused Adam is still compiled with nvcc directly (`compile_commands()`): a CPU-only
-torch cannot build a CUDAExtension (no CUDA_HOME, no c10_cuda), and CI must run the very
-command a GPU machine runs (tests/test_fused_adam.py compiles it with -Werror).
+The CUDA fused Adam is built the same way, `load(..., with_cuda)`: its kernels
+(fused_adam.cu, no torch header) and its torch op (fused_adam_op.cpp, the stable API,
+no CUDA header) in one library. That needs a CUDA build of torch; on a CPU-only torch
+the build is refused in one line, and CI instead compiles both translation units with
+nvcc against torch's headers (`nvcc_check_commands()`, tests/test_fused_adam.py), links
+them and checks the exports, so syntax, symbol and visibility errors still fail there.
+
+Ahead of time (`DSLAUNCH_BUILD_OPS=1 pip install --no-build-isolation .`, aot.py), setup.py
+builds the ops with CppExtension/CUDAExtension into the package's prebuilt/ folder, laid out
+as a cache entry. `build()` looks there first, through the same OpsCache checks
+(ownership, modes, no links, the sha256 in build.json, the exports); a prebuilt op is keyed
+like a cache entry except for the compiler (a machine without one must still use it).
 
 A build lands in `<cache>/<name>-<isa>-<key>/`, where the key hashes everything that
 changes the binary: the sources and headers, the torch version, the compiler and its
@@ -67,9 +76,12 @@ CACHE_ENV = "DSLAUNCH_OPS_CACHE"
 ARCH_ENV = "TORCH_CUDA_ARCH_LIST"  # torch's own variable, so one setting serves both
 DEFAULT_CUDA_ARCHES = ("9.0",)
 
+PREBUILT_DIR = HERE / "prebuilt"  # where setup.py puts the ops it builds ahead of time (aot.py)
+PREBUILT_COMPILER = "prebuilt"  # a prebuilt op's key names no compiler: the machine may have none
+
 __all__ = ["BuildError", "OpSpec", "BuiltOp", "build", "cache_root", "detect_isa", "cpu_flags", "entry_name",
-           "cpu_adam_spec", "cpu_lion_spec", "cpu_adagrad_spec", "CPU_OP_SPECS", "fused_adam_spec",
-           "compile_commands", "nvcc_compile_command"]
+           "prebuilt_entry_name", "cpu_adam_spec", "cpu_lion_spec", "cpu_adagrad_spec", "CPU_OP_SPECS",
+           "fused_adam_spec", "nvcc_check_commands", "nvcc_compile_command"]
 
 
 @dataclass(frozen=True)
@@ -193,56 +205,66 @@ def entry_name(spec: OpSpec) -> str:
     return f"{spec.name}-{spec.isa}-{cache_key(spec, torch.__version__, _compiler_id(spec.with_cuda))}"
 
 
-def compile_commands(spec: OpSpec, out_dir: Path) -> List[List[str]]:
-    """The exact nvcc commands that turn a CUDA spec into `<out_dir>/<name>.so` (CPU specs
-    are built by cpp_extension: `build(..., verbose=True)` shows its commands).
+def prebuilt_entry_name(spec: OpSpec) -> str:
+    """The entry name of a spec's ahead-of-time build: the cache's, with no compiler in the key."""
+    import torch
 
-    Exported entry points are marked visibility("default") in the sources; the CUDA
-    runtime is linked statically so that the library needs no libcudart on the loader's
-    path and cannot pick up a different runtime version than the one it was compiled for.
-    """
-    lib = str(Path(out_dir) / f"{spec.name}.so")
+    return f"{spec.name}-{spec.isa}-{cache_key(spec, torch.__version__, PREBUILT_COMPILER)}"
+
+
+def _torch_includes() -> List[str]:
+    from torch.utils import cpp_extension
+
+    return [f for d in cpp_extension.include_paths() for f in ("-isystem", d)]
+
+
+def _nvcc_source_command(spec: OpSpec, src: Path, obj: Path, werror: bool) -> List[str]:
+    """nvcc compiling one source of a CUDA spec with the flags cpp_extension's build adds
+    (torch's headers, COMMON_NVCC_FLAGS, -fPIC, its C++ standard) and the spec's own; a
+    host-only .cpp goes through nvcc to the host compiler with the spec's cflags."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    strict = ["-Werror", "all-warnings"] if werror else []
+    common = [_nvcc(), "-c", str(src), "-o", str(obj), *_torch_includes(), "-std=c++20",
+              *(f"-I{d}" for d in spec.include_dirs)]
+    if Path(src).suffix == ".cu":
+        return [*common, *COMMON_NVCC_FLAGS, "-Xcompiler", "-fPIC", *spec.cuda_cflags, *strict]
+    host = ["-fPIC", *spec.cflags, "-DDS_OPS_NS=ds_nvcc_check"] + (["-Wall", "-Werror"] if werror else [])
+    return [*common, "-Xcompiler", ",".join(host), *strict]
+
+
+def nvcc_check_commands(spec: OpSpec, out_dir: Path, werror: bool = True) -> List[List[str]]:
+    """The compile-only check of a CUDA spec where torch has no CUDA (CI): nvcc compiles
+    every source against torch's headers, then links them into `<out_dir>/<name>.so`
+    (torch's symbols left undefined, as in any extension) so that the exports can be
+    read. The library is for checking only: it is never cached or loaded."""
     if not spec.with_cuda:
         raise ValueError(f"{spec.name}: a CPU op is built by torch.utils.cpp_extension, not by commands of ours")
     objects, cmds = [], []
     for src in spec.sources:
-        obj = str(Path(out_dir) / (Path(src).stem + ".o"))
-        cmds.append(nvcc_compile_command(Path(obj), spec=spec, source=Path(src)))
-        objects.append(obj)
-    cmds.append([_nvcc(), "-shared", "-cudart", "static", *objects, "-o", lib, *spec.ldflags])
+        obj = Path(out_dir) / (Path(src).name + ".o")
+        cmds.append(_nvcc_source_command(spec, Path(src), obj, werror))
+        objects.append(str(obj))
+    cmds.append([_nvcc(), "-shared", *objects, "-o", str(Path(out_dir) / f"{spec.name}.so"), *spec.ldflags])
     return cmds
 
 
-def _run(spec: OpSpec, cmd: List[str], cwd: Path) -> None:
-    shown = " ".join(cmd)
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
-    except FileNotFoundError:
-        raise BuildError(f"building {spec.name} ({spec.isa}) failed: {cmd[0]}: not found "
-                         f"(set CXX/NVCC or install a compiler)\ncommand: {shown}") from None
-    except subprocess.TimeoutExpired:
-        raise BuildError(f"building {spec.name} ({spec.isa}) failed: {cmd[0]} ran for 30 minutes\ncommand: {shown}"
-                         ) from None
-    if proc.returncode != 0:
-        output = (proc.stdout + proc.stderr).strip()
-        raise BuildError(f"building {spec.name} ({spec.isa}) failed ({cmd[0]} exited {proc.returncode}):\n"
-                         f"{output}\ncommand: {shown}")
-
-
 def _cpp_extension_build(spec: OpSpec, work: Path, verbose: bool) -> Path:
-    """torch.utils.cpp_extension.load() of a CPU spec into `work`; the library's path."""
+    """torch.utils.cpp_extension.load() of a spec into `work`; the library's path."""
     from torch.utils import cpp_extension
 
     namespace = f"{spec.name}_{secrets.token_hex(4)}"  # this build's own torch op namespace
     try:
         path = cpp_extension.load(
             name=spec.name, sources=list(spec.sources), extra_cflags=[*spec.cflags, f"-DDS_OPS_NS={namespace}"],
-            extra_ldflags=list(spec.ldflags), extra_include_paths=list(spec.include_dirs), build_directory=str(work),
+            extra_cuda_cflags=list(spec.cuda_cflags) or None, extra_ldflags=list(spec.ldflags),
+            extra_include_paths=list(spec.include_dirs), build_directory=str(work), with_cuda=spec.with_cuda or None,
             is_python_module=False, verbose=verbose)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         detail = str(e).strip() or type(e).__name__
+        nvcc = f", NVCC={_nvcc()}" if spec.with_cuda else ""
         raise BuildError(f"building {spec.name} ({spec.isa}) failed through torch.utils.cpp_extension "
-                         f"(CXX={_cxx()}, build directory {work}):\n{detail}") from None
+                         f"(CXX={_cxx()}{nvcc}, build directory {work}):\n{detail}") from None
     return Path(path)
 
 
@@ -252,19 +274,10 @@ def _compile(spec: OpSpec, cache: OpsCache, entry: str, torch_version: str, comp
     work = cache.workdir(entry)
     try:
         t0 = time.perf_counter()
-        if spec.with_cuda:
-            cmds = compile_commands(spec, work)
-            for cmd in cmds:
-                if verbose:
-                    print(" ".join(cmd), file=sys.stderr)
-                _run(spec, cmd, work)
-            lib = work / f"{spec.name}.so"
-            how = " && ".join(" ".join(c) for c in cmds)
-        else:
-            lib = _cpp_extension_build(spec, work, verbose)
-            if lib.parent != work:
-                raise BuildError(f"building {spec.name}: cpp_extension wrote {lib} outside {work}")
-            how = f"torch.utils.cpp_extension.load (commands: {work / 'build.ninja'})"
+        lib = _cpp_extension_build(spec, work, verbose)
+        if lib.parent != work:
+            raise BuildError(f"building {spec.name}: cpp_extension wrote {lib} outside {work}")
+        how = f"torch.utils.cpp_extension.load (commands: {work / 'build.ninja'})"
         try:
             check_library(cache.root / entry / lib.name, lib.read_bytes(), None, spec.symbols)
         except Damaged as e:
@@ -272,7 +285,7 @@ def _compile(spec: OpSpec, cache: OpsCache, entry: str, torch_version: str, comp
                              f"built by: {how}") from None
         meta = {"name": spec.name, "isa": spec.isa, "torch": torch_version, "compiler": compiler,
                 "cflags": list(spec.cflags), "cuda_cflags": list(spec.cuda_cflags), "symbols": list(spec.symbols),
-                "built_by": "nvcc" if spec.with_cuda else "torch.utils.cpp_extension",
+                "built_by": "torch.utils.cpp_extension",
                 "build_seconds": round(time.perf_counter() - t0, 2)}
         return cache.publish(entry, work, lib.name, meta)
     finally:
@@ -290,6 +303,12 @@ def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> B
     t0 = time.perf_counter()
     import torch
 
+    prebuilt = _prebuilt(spec)
+    if prebuilt is not None:
+        return _built(spec, prebuilt.path.parent.name.rsplit("-", 1)[1], prebuilt, True, t0)
+    if spec.with_cuda and torch.version.cuda is None:  # refused before the cache is touched
+        raise BuildError(f"building {spec.name} needs a CUDA build of torch; torch {torch.__version__} is CPU-only "
+                         "(`dslaunch build-ops --no-cuda` builds the CPU ops)")
     compiler = _compiler_id(spec.with_cuda)
     entry = entry_name(spec)
     key = entry.rsplit("-", 1)[1]
@@ -325,6 +344,22 @@ def build(spec: OpSpec, root: Optional[Path] = None, verbose: bool = False) -> B
         return built
 
 
+def _prebuilt(spec: OpSpec) -> Optional[Entry]:
+    """The op as built at install time (aot.py), checked as a cache entry is; None when the
+    package has none for this spec (not built ahead of time, another torch or instruction
+    set, changed sources). A damaged one is said once and built instead; an untrusted one
+    (another owner, writable by others, a link) is refused, as in the cache."""
+    entry = prebuilt_entry_name(spec)
+    if not os.path.isdir(PREBUILT_DIR / entry):
+        return None
+    with OpsCache(PREBUILT_DIR) as prebuilt:
+        try:
+            return prebuilt.lookup(entry, spec.symbols)
+        except Damaged as e:
+            print(f"dslaunch: not using the prebuilt {spec.name}, building it: {e}", file=sys.stderr)
+            return None
+
+
 def _built(spec: OpSpec, key: str, found: Entry, cached: bool, t0: float) -> BuiltOp:
     return BuiltOp(spec.name, found.path, spec.isa, key, cached, time.perf_counter() - t0, found.meta, found.sha256)
 
@@ -339,7 +374,7 @@ def cpu_op_spec(name: str, source: str, symbols: Tuple[str, ...], isa: Optional[
     the translation unit that registers it as a torch op, if it has one."""
     isa = isa or detect_isa()
     sources = (source,) if op_source is None else (source, op_source)
-    headers = ("cpu_simd.h",) if op_source is None else ("cpu_simd.h", "cpu_hyper.h", "op_boundary.h")
+    headers = ("cpu_simd.h",) if op_source is None else ("cpu_simd.h", "cpu_hyper.h", "op_boundary.h", "op_common.h")
     return OpSpec(
         name=f"{name}_{isa}",
         sources=tuple(str(HERE / s) for s in sources),  # an absolute `source` stays as it is
@@ -404,31 +439,31 @@ def _gencode(arches: List[str]) -> List[str]:
 
 
 def fused_adam_spec(arches: Optional[List[str]] = None) -> OpSpec:
+    """The CUDA fused Adam: its kernels (fused_adam.cu) and its torch op (fused_adam_op.cpp).
+    cpp_extension adds torch's own nvcc flags (COMMON_NVCC_FLAGS: no half operators, as
+    torch's ops), -fPIC and the C++ standard; the -gencode flags below replace its
+    architecture detection."""
     arches = list(arches) if arches else _arch_list()
-    try:
-        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as torch_flags  # no half operators, as torch's ops
-    except ImportError:
-        torch_flags = []
     return OpSpec(
         name="ds_fused_adam",
-        sources=(str(HERE / "fused_adam.cu"),),
-        cuda_cflags=(*torch_flags, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-Wall,-fvisibility=hidden",
-                     *_gencode(arches)),
+        sources=(str(HERE / "fused_adam.cu"), str(HERE / "fused_adam_op.cpp")),
+        cflags=("-O3", "-fvisibility=hidden"),
+        cuda_cflags=("-O3", "-Xcompiler", "-Wall,-fvisibility=hidden", *_gencode(arches)),
         isa="cuda-" + "-".join(a.replace(".", "").replace("+PTX", "p") for a in arches),
         with_cuda=True,
-        symbols=("ds_fused_adam_step", "ds_fused_nonfinite", "ds_fused_adam_error_string"),
+        symbols=("ds_fused_adam_step", "ds_fused_nonfinite", "ds_fused_upload", "ds_fused_adam_error_string",
+                 "ds_fused_adam_namespace"),
+        headers=tuple(str(HERE / h) for h in ("op_common.h",)),
     )
 
 
 def nvcc_compile_command(out_obj: Path, arch: str = "sm_90", spec: Optional[OpSpec] = None,
                          source: Optional[Path] = None, werror: bool = False) -> List[str]:
-    """The nvcc line that compiles a CUDA source of `spec` (default: fused_adam.cu for
-    `arch`) to an object, as the builder runs it. `werror=True` (CI) also turns every
-    warning into an error; a user's build does not, so a newer nvcc's new warning costs
-    nobody their kernel."""
+    """The nvcc line that compiles one source of `spec` (default: fused_adam.cu for `arch`)
+    to an object with the flags of the cpp_extension build. `werror=True` (CI) also turns
+    every warning into an error; a user's build does not, so a newer nvcc's new warning
+    costs nobody their kernel."""
     if spec is None:
         num = arch[3:] if arch.startswith("sm_") else arch.replace(".", "")
         spec = fused_adam_spec([f"{num[:-1]}.{num[-1]}"])
-    src = source or Path(spec.sources[0])
-    strict = ["-Werror", "all-warnings"] if werror else []
-    return [_nvcc(), "-c", str(src), "-o", str(out_obj), *spec.cuda_cflags, *strict]
+    return _nvcc_source_command(spec, Path(source or spec.sources[0]), Path(out_obj), werror)

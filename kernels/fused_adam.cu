@@ -1,8 +1,10 @@
 // Multi-tensor Adam/AdamW for CUDA: one launch steps every tensor of a parameter group.
 //
 // Like cpu_adam.cpp this file includes no torch headers (nvcc over <torch/extension.h>
-// takes minutes and trips over host-compiler/CUDA version pairs); fused_adam.py hands
-// over a device-resident table of raw pointers and the current stream through a C ABI.
+// takes minutes and trips over host-compiler/CUDA version pairs). Its torch op,
+// fused_adam_op.cpp (compiled into the same library by torch.utils.cpp_extension), checks
+// the tensors, writes the table of their raw pointers and calls the C entry points below
+// with torch's current stream.
 //
 // Per launch: block b finds its tensor by binary search over the table's chunk offsets,
 // reads that tensor's step count from device memory, and updates one chunk. Gradients are
@@ -28,12 +30,12 @@ namespace ds_fused {
 enum : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 constexpr int kThreads = 512;
 
-// One row of the table fused_adam.py builds (8 x int64, same order).
+// One row of the table fused_adam_op.cpp builds (8 x int64, same order).
 struct Entry {
   int64_t param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, numel, chunk_begin;
 };
 
-// Mirrors FusedHyper in fused_adam.py.
+// Mirrors FusedHyper in fused_adam_op.cpp.
 struct Hyper {
   float lr, beta1, beta2, eps, weight_decay;
   int32_t decoupled, amsgrad, maximize, bias_correction;
@@ -203,3 +205,12 @@ DS_EXPORT int ds_fused_nonfinite(const void* table, int n, int64_t blocks, int64
 }
 
 DS_EXPORT const char* ds_fused_adam_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+// Copies the host table (`bytes` of pageable memory) to the device, ordered on `stream`
+// before the launch that reads it. cudaMemcpyAsync returns once a pageable source has been
+// staged, so the caller may free it right away. Returns the cudaError_t.
+DS_EXPORT int ds_fused_upload(void* device_dst, const void* host_src, int64_t bytes, void* stream) {
+  if (bytes <= 0) return 0;
+  return static_cast<int>(cudaMemcpyAsync(device_dst, host_src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
+                                          static_cast<cudaStream_t>(stream)));
+}

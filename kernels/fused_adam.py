@@ -1,10 +1,13 @@
-"""FusedAdam: multi-tensor Adam/AdamW on CUDA through fused_adam.cu.
+"""FusedAdam: multi-tensor Adam/AdamW on CUDA through fused_adam.cu, as torch ops.
 
 One kernel launch steps every tensor of a parameter group that shares a (parameter dtype,
-gradient dtype) pair. The launch reads a device-resident table of pointers, rebuilt only
-when a pointer changes (it is uploaded from pinned memory without a host sync). Step
-counts are device tensors (as in torch's fused/capturable AdamW) that the kernel itself
-increments, so a step issues no host synchronisation at all.
+gradient dtype) pair. The op (fused_adam_op.cpp, built with the kernels by
+torch.utils.cpp_extension) takes the tensors themselves, checks them at the boundary
+(CUDA, one device, dtype, contiguity, sizes: one error naming the argument), writes the
+table of their pointers to the device on the current stream and launches. Step counts are
+device tensors (as in torch's fused/capturable AdamW) that the kernel itself increments,
+so a step issues no host synchronisation at all. The ops have fake implementations (the
+same checks, no computation), so torch.compile can trace a step.
 
 AMP: like torch's fused optimizers, `grad_scale` and `found_inf` are read from the
 attributes torch.amp.GradScaler sets around step() (or passed to step()); the kernel divides gradients by *grad_scale and skips
@@ -20,58 +23,110 @@ kernels with one warning.
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import builder
+from . import builder, torch_ops
 from .loader import LazyOp
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-CHUNK = 1 << 16  # elements per thread block
 
 
-class FusedHyper(ctypes.Structure):
-    """Mirrors `struct Hyper` in fused_adam.cu."""
-
-    _fields_ = [
-        ("lr", ctypes.c_float),
-        ("beta1", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("eps", ctypes.c_float),
-        ("weight_decay", ctypes.c_float),
-        ("decoupled", ctypes.c_int32),
-        ("amsgrad", ctypes.c_int32),
-        ("maximize", ctypes.c_int32),
-        ("bias_correction", ctypes.c_int32),
-    ]
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ds_fused_adam_step.restype = i32
-    lib.ds_fused_adam_step.argtypes = [vp, i32, i64, i64, i32, i32, ctypes.POINTER(FusedHyper), vp, vp, vp, vp]
-    lib.ds_fused_nonfinite.restype = i32
-    lib.ds_fused_nonfinite.argtypes = [vp, i32, i64, i64, i32, vp, vp]
-    lib.ds_fused_adam_error_string.restype = ctypes.c_char_p
-    lib.ds_fused_adam_error_string.argtypes = [i32]
+def _check_list(op: str, name: str, ts: Sequence[torch.Tensor], device: torch.device, numels: List[int],
+                dtype: torch.dtype, optional: bool = False) -> None:
+    """What fused_adam_op.cpp checks of a tensor list, on (fake) tensors, in its words."""
+    if optional and not ts:
+        return
+    if len(ts) != len(numels):
+        raise RuntimeError(f"{op}: {len(numels)} params but {len(ts)} {name}")
+    for i, t in enumerate(ts):
+        if t.device.type != "cuda":
+            raise RuntimeError(f"{op}: {name}[{i}] is not on a CUDA device; the fused op needs CUDA tensors")
+        if t.device != device:
+            raise RuntimeError(f"{op}: {name}[{i}] is on {t.device}, params[0] on {device}; one call steps one device")
+        if t.dtype != dtype:
+            raise RuntimeError(f"{op}: {name}[{i}] has dtype {_name(t.dtype)}; expected {_name(dtype)}")
+        if t.numel() != numels[i]:
+            raise RuntimeError(f"{op}: {name}[{i}] has {t.numel()} elements, the parameter has {numels[i]}")
+        if not t.is_contiguous():
+            raise RuntimeError(f"{op}: {name}[{i}] is not contiguous; the update would be lost in a copy")
+
+
+def _check_scalar(op: str, name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+    if t.device != device or t.dtype != dtype or t.numel() != 1:
+        raise RuntimeError(f"{op}: {name} must be one {_name(dtype)} element on {device} "
+                           f"(got {_name(t.dtype)}, {t.numel()} elements, on {t.device})")
+
+
+def _first(op: str, name: str, ts: Sequence[torch.Tensor]) -> Tuple[torch.device, torch.dtype]:
+    if ts[0].device.type != "cuda":
+        raise RuntimeError(f"{op}: {name}[0] is not on a CUDA device; the fused op needs CUDA tensors")
+    if ts[0].dtype not in _DTYPES:
+        raise RuntimeError(f"{op}: {name}[0] has dtype {_name(ts[0].dtype)}; expected float32, bfloat16 or float16")
+    return ts[0].device, ts[0].dtype
+
+
+def _fake_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, done, grad_scale, found_inf, lr,
+                    beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, bias_correction) -> None:
+    """adam_step on fake tensors (torch.compile): the op's checks, no computation."""
+    op = "fused adam_step"
+    if not params:
+        return
+    device, p_dtype = _first(op, "params", params)
+    numels = [p.numel() for p in params]
+    _check_list(op, "params", params, device, numels, p_dtype)
+    if not grads:
+        raise RuntimeError(f"{op}: {len(params)} params but 0 grads")
+    _check_list(op, "grads", grads, device, numels, _first(op, "grads", grads)[1])
+    for name, ts in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        _check_list(op, name, ts, device, numels, torch.float32)
+    if amsgrad and not max_exp_avg_sqs:
+        raise RuntimeError(f"{op}: amsgrad=True needs max_exp_avg_sqs")
+    _check_list(op, "max_exp_avg_sqs", max_exp_avg_sqs, device, numels, torch.float32, optional=True)
+    if len(steps) != len(params):
+        raise RuntimeError(f"{op}: {len(params)} params but {len(steps)} steps")
+    for i, s in enumerate(steps):
+        _check_scalar(op, f"steps[{i}]", s, device, torch.float32)
+    _check_scalar(op, "done", done, device, torch.int32)
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if t is not None:
+            _check_scalar(op, name, t, device, torch.float32)
+
+
+def _fake_nonfinite(grads, found_inf) -> None:
+    """nonfinite on fake tensors: the op's checks."""
+    op = "fused nonfinite"
+    if not grads:
+        return
+    device, g_dtype = _first(op, "grads", grads)
+    _check_list(op, "grads", grads, device, [g.numel() for g in grads], g_dtype)
+    _check_scalar(op, "found_inf", found_inf, device, torch.float32)
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """The library's two torch ops."""
+
+    adam_step: object
+    nonfinite: object
+
+
+def _bind(lib: ctypes.CDLL) -> FusedOps:
+    return FusedOps(torch_ops.register(lib, "ds_fused_adam", "adam_step", _fake_adam_step),
+                    torch_ops.register(lib, "ds_fused_adam", "nonfinite", _fake_nonfinite))
 
 
 def _no_cuda() -> Optional[str]:
     return None if torch.cuda.is_available() else "torch sees no CUDA device"
 
 
-class _CudaOp(LazyOp):
-    def __init__(self):
-        super().__init__("FusedAdam", builder.fused_adam_spec, _bind, _no_cuda)
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            detail = "unknown dtype" if rc < 0 else self.lib.ds_fused_adam_error_string(rc).decode()
-            raise RuntimeError(f"FusedAdam: {what} failed: {detail}")
-
-
-_OP = _CudaOp()
+_OP = LazyOp("FusedAdam", builder.fused_adam_spec, _bind, _no_cuda)
 
 
 def fused_adam_available() -> bool:
@@ -80,13 +135,15 @@ def fused_adam_available() -> bool:
 
 
 class _Bucket:
-    """Tensors stepped by one launch, with the device table of their pointers."""
+    """Tensors stepped by one launch."""
 
     def __init__(self):
         self.params: List[torch.Tensor] = []
         self.grads: List[torch.Tensor] = []
-        self.rows: List[Tuple[int, ...]] = []
-        self.blocks = 0
+
+    @property
+    def empty(self) -> bool:
+        return all(p.numel() == 0 for p in self.params)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -113,7 +170,6 @@ class FusedAdam(torch.optim.Optimizer):
                     raise TypeError(f"FusedAdam: parameter {i} is {p.dtype} on {p.device}; FusedAdam steps CUDA "
                                     "fp32/bf16/fp16 parameters (use dslaunch.kernels.CPUAdam on the CPU)")
         self.skip_nonfinite = skip_nonfinite
-        self._tables: Dict[tuple, torch.Tensor] = {}
         self._aux: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def describe(self) -> str:
@@ -137,17 +193,6 @@ class FusedAdam(torch.optim.Optimizer):
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
         return state
-
-    def _table(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
-        key = tuple(bucket.rows)
-        table = self._tables.get(key)
-        if table is None:
-            if len(self._tables) > 64:  # pointers churn (e.g. fresh grads every step): keep the cache small
-                self._tables.clear()
-            host = torch.tensor(bucket.rows, dtype=torch.int64).pin_memory()
-            table = host.to(device, non_blocking=True)
-            self._tables[key] = table
-        return table
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None):
@@ -173,15 +218,10 @@ class FusedAdam(torch.optim.Optimizer):
                 g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
                 if not p.is_contiguous():
                     raise ValueError("FusedAdam: a parameter is not contiguous; its update would be lost in a copy")
-                state = self._state_for(p, amsgrad)
+                self._state_for(p, amsgrad)
                 b = buckets.setdefault((p.device, p.dtype, g.dtype), _Bucket())
-                chunks = (p.numel() + CHUNK - 1) // CHUNK
-                vmax = state["max_exp_avg_sq"].data_ptr() if amsgrad else 0
                 b.grads.append(g)  # a contiguous copy must outlive the launch
-                b.rows.append((p.data_ptr(), g.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
-                               vmax, state["step"].data_ptr(), p.numel(), b.blocks))
                 b.params.append(p)
-                b.blocks += chunks
             work += [(group, key, bucket) for key, bucket in buckets.items()]
         # skip_nonfinite: one verdict for the whole step (every group and dtype), as GradScaler's
         # found_inf is, so a NaN in one bucket never lets the others step alone.
@@ -202,13 +242,10 @@ class FusedAdam(torch.optim.Optimizer):
             if device not in flags:
                 flags[device] = self._aux_for(device)[1]
                 flags[device].zero_()
-            if not bucket.blocks:
+            if bucket.empty:
                 continue
             if usable:
-                stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-                rc = _OP.lib.ds_fused_nonfinite(self._table(bucket, device).data_ptr(), len(bucket.rows), bucket.blocks,
-                                                CHUNK, _DTYPES[g_dtype], flags[device].data_ptr(), stream)
-                _OP.check(rc, "the inf/NaN check")
+                _OP.torch_op.nonfinite(bucket.grads, flags[device])
             else:
                 for g in bucket.grads:
                     flags[device].copy_(torch.maximum(flags[device], (~torch.isfinite(g)).any().float().reshape(1)))
@@ -227,34 +264,29 @@ class FusedAdam(torch.optim.Optimizer):
         return self._aux[device]
 
     def _launch(self, group, bucket: _Bucket, device, p_dtype, g_dtype, grad_scale, found_inf) -> None:
-        done = self._aux_for(device)[0]
-        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-        table = self._table(bucket, device)
-        n = len(bucket.rows)
-        if bucket.blocks == 0:  # only empty tensors: nothing to compute, but the counts still advance
+        states = [self.state[p] for p in bucket.params]
+        steps = [st["step"] for st in states]
+        if bucket.empty:  # only empty tensors: nothing to compute, but the counts still advance
             if found_inf is None:
-                torch._foreach_add_([self.state[p]["step"] for p in bucket.params], 1.0)
+                torch._foreach_add_(steps, 1.0)
             else:
-                torch._foreach_add_([self.state[p]["step"] for p in bucket.params], 1.0 - (found_inf != 0).float())
+                torch._foreach_add_(steps, 1.0 - (found_inf != 0).float())
             return
         b1, b2 = group["betas"]
-        hyper = FusedHyper(float(group["lr"]), b1, b2, group["eps"], group["weight_decay"],
-                           int(group.get("decoupled_weight_decay", True)), int(group["amsgrad"]),
-                           int(group.get("maximize", False)), int(group.get("bias_correction", True)))
-        scale_ptr = self._device_scalar(grad_scale, device)
-        inf_ptr = self._device_scalar(found_inf, device)
-        rc = _OP.lib.ds_fused_adam_step(table.data_ptr(), n, bucket.blocks, CHUNK, _DTYPES[p_dtype], _DTYPES[g_dtype],
-                                        ctypes.byref(hyper), scale_ptr, inf_ptr, done.data_ptr(), stream)
-        _OP.check(rc, "the Adam launch")
+        self._device_scalar(grad_scale, device)
+        self._device_scalar(found_inf, device)
+        _OP.torch_op.adam_step(
+            bucket.params, bucket.grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+            [st["max_exp_avg_sq"] for st in states] if group["amsgrad"] else [], steps, self._aux_for(device)[0],
+            grad_scale, found_inf, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+            float(group["weight_decay"]), bool(group.get("decoupled_weight_decay", True)), bool(group["amsgrad"]),
+            bool(group.get("maximize", False)), bool(group.get("bias_correction", True)))
 
     @staticmethod
-    def _device_scalar(t: Optional[torch.Tensor], device) -> Optional[int]:
-        if t is None:
-            return None
-        if t.device != device or t.dtype != torch.float32 or t.numel() != 1:
+    def _device_scalar(t: Optional[torch.Tensor], device) -> None:
+        if t is not None and (t.device != device or t.dtype != torch.float32 or t.numel() != 1):
             raise ValueError(f"FusedAdam: grad_scale/found_inf must be one float32 element on {device}, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-        return t.data_ptr()
 
     def _fallback(self, group, bucket: _Bucket, grad_scale, found_inf) -> None:
         """torch's own single-tensor Adam on fp32 views of the same state, skipped as the

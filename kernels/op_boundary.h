@@ -15,61 +15,12 @@
 // the Python fake implementations (torch_ops.py), which run the same checks.
 #pragma once
 
-#include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/tensor.h>
-
-#include <cstdarg>
-#include <cstdint>
-#include <cstdio>
-#include <stdexcept>
-#include <vector>
-
 #include "cpu_simd.h"
-
-// The op namespace is unique to each build (-DDS_OPS_NS=ds_<isa>_<nonce>): a process may
-// load two builds of one op (two caches, two instruction sets), and torch allows one
-// registration per namespace. The indirection expands the macro before torch pastes it.
-#define DS_OPS_LIBRARY(ns, m) STABLE_TORCH_LIBRARY(ns, m)
-#define DS_OPS_LIBRARY_IMPL(ns, k, m) STABLE_TORCH_LIBRARY_IMPL(ns, k, m)
-#define DS_STR2(x) #x
-#define DS_STR(x) DS_STR2(x)
+#include "op_common.h"
 
 namespace ds {
 
-using torch::stable::Tensor;
-using Tensors = std::vector<Tensor>;
-using ST = torch::headeronly::ScalarType;
-
-// Throws the printf-formatted message (the ops' one way to refuse).
-[[noreturn]] __attribute__((noinline, cold, format(printf, 1, 2))) inline void fail(const char* fmt, ...) {
-  char msg[512];
-  va_list ap;
-  va_start(ap, fmt);
-  std::vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  throw std::runtime_error(msg);
-}
-
-using ll = long long;
-
-inline const char* dtype_name(ST t) {
-  switch (t) {
-    case ST::Float: return "float32";
-    case ST::BFloat16: return "bfloat16";
-    case ST::Half: return "float16";
-    case ST::Double: return "float64";
-    default: return "a dtype other than float32/bfloat16/float16";
-  }
-}
-
-inline int32_t dtype_code(ST t) {
-  switch (t) {
-    case ST::Float: return kF32;
-    case ST::BFloat16: return kBF16;
-    case ST::Half: return kF16;
-    default: return -2;
-  }
-}
+static_assert(kF32 == 0 && kBF16 == 1 && kF16 == 2, "op_common.h's dtype_code must give the kernels' codes");
 
 // Pointers and sizes of one checked call.
 struct Batch {

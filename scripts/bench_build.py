@@ -50,6 +50,7 @@ builder.load(verbose=False)
 print(json.dumps({{"seconds": time.perf_counter() - t0, "cached": None, "isa": type(builder).__module__}}))
 """
 
+DIRECT_REV = "ebf4631"  # the last revision whose builder ran the compiler directly (ctypes, no torch op)
 DS_BUILDERS = {"adam": "CPUAdamBuilder", "lion": "CPULionBuilder", "adagrad": "CPUAdagradBuilder"}
 
 
@@ -92,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", default="adam", help="comma-separated: adam, lion, adagrad")
     ap.add_argument("--repeat", type=int, default=3, help="cold runs of each dslaunch build")
-    ap.add_argument("--before-rev", default="ebf4631", help="the revision to compare with ('' to skip)")
+    ap.add_argument("--before-rev", default=DIRECT_REV, help="the revision to compare with ('' to skip)")
     ap.add_argument("--ds-python", default="/work/ds-venv/bin/python", help="a python with deepspeed ('' to skip)")
     ap.add_argument("--ds-repeat", type=int, default=1)
     args = ap.parse_args()
@@ -109,7 +110,8 @@ def main() -> None:
         for op in ops:
             contenders = [("dslaunch now (cpp_extension, torch op)", sys.executable, "dslaunch.kernels", "")]
             if before is not None:
-                contenders.append((f"dslaunch {args.before_rev} (direct, ctypes)", sys.executable, "kernels_before",
+                how = " (direct, ctypes)" if args.before_rev == DIRECT_REV else ""  # only that revision's builder
+                contenders.append((f"dslaunch {args.before_rev}{how}", sys.executable, "kernels_before",
                                    str(before)))
             print(f"\n== CPU {op}")
             for label, python, package, path in contenders:

@@ -1,6 +1,12 @@
-"""CUDA fused Adam: nvcc must compile the source everywhere (CI has nvcc, no GPU); the
-numerical tests run where a GPU is present and skip cleanly elsewhere."""
+"""CUDA fused Adam: a torch op built by torch.utils.cpp_extension where torch has CUDA.
+
+Two commands, two machines (README, kernels): here (CPU torch, nvcc, no GPU) nvcc compiles
+both translation units against torch's headers with -Werror and links them, and the
+exports are read; on a GPU machine `builder.build()` runs cpp_extension's load(...,
+with_cuda) and the gpu-marked tests below run the op."""
 import copy
+import ctypes
+import re
 import shutil
 import subprocess
 
@@ -8,40 +14,78 @@ import pytest
 import torch
 
 from dslaunch.kernels import builder
+from dslaunch.kernels.elf import exported_functions
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _nvcc_or_skip():
-    nvcc = builder.nvcc_compile_command(builder.HERE / "unused.o")[0]
-    if shutil.which(nvcc) is None:
-        pytest.skip(f"{nvcc} is not installed")
-
-
 @pytest.mark.timeout(300)
-def test_the_builder_links_a_cuda_library_that_exports_its_entry_points(tmp_path):
-    """The same builder.build() the runtime calls on a GPU machine, here without a GPU: the
-    library it links must export every entry point (a hidden one passed an object-file
-    `nm -g` check once and failed with "undefined symbol" on an H100)."""
-    _nvcc_or_skip()
-    built = builder.build(builder.fused_adam_spec(["9.0"]), tmp_path / "cache")
-    assert not built.cached and built.path.name == "ds_fused_adam.so"
-    dynamic = subprocess.run(["nm", "-D", "--defined-only", str(built.path)], capture_output=True, text=True,
-                             check=True).stdout
-    for name in ("ds_fused_adam_step", "ds_fused_nonfinite", "ds_fused_adam_error_string"):
-        assert f" T {name}\n" in dynamic, (name, dynamic)
-    # Static CUDA runtime: nothing to find on the loader path, whatever CUDA torch brought.
-    needed = subprocess.run(["readelf", "-d", str(built.path)], capture_output=True, text=True, check=True).stdout
-    assert "libcudart" not in needed
-    assert builder.build(builder.fused_adam_spec(["9.0"]), tmp_path / "cache").cached
+def test_nvcc_compiles_the_op_and_its_kernels_against_torch_headers_and_links_the_exports(tmp_path):
+    """The compile-only check CI runs without a CUDA torch: fused_adam.cu and
+    fused_adam_op.cpp through nvcc with cpp_extension's flags and -Werror, linked, and every
+    C entry point exported (a hidden one once passed an object-file `nm -g` check and failed
+    with "undefined symbol" on an H100)."""
+    spec = builder.fused_adam_spec(["9.0"])
+    cmds = builder.nvcc_check_commands(spec, tmp_path, werror=True)
+    assert shutil.which(cmds[0][0]), f"{cmds[0][0]} is not installed: CI compiles the CUDA op with it"
+    assert [c[2] for c in cmds[:-1]] == list(spec.sources)
+    for cmd in cmds:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    exported = exported_functions((tmp_path / "ds_fused_adam.so").read_bytes())
+    assert set(spec.symbols) <= exported, sorted(exported)
+    # the same flags as the builder's single-source command (bench and users print it)
+    assert builder.nvcc_compile_command(tmp_path / "fused_adam.cu.o", arch="sm_90", werror=True) == cmds[0]
 
 
-@pytest.mark.timeout(300)
-def test_nvcc_compiles_the_cuda_source_without_warnings(tmp_path):
-    _nvcc_or_skip()
-    cmd = builder.nvcc_compile_command(tmp_path / "fused_adam.o", werror=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+def test_a_cpu_torch_refuses_the_cuda_build_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(builder.BuildError) as e:
+        builder.build(builder.fused_adam_spec(["9.0"]), tmp_path / "cache")
+    assert str(e.value) == (f"building ds_fused_adam needs a CUDA build of torch; torch {torch.__version__} is "
+                            "CPU-only (`dslaunch build-ops --no-cuda` builds the CPU ops)")
+    assert not (tmp_path / "cache").exists()  # refused before the cache is touched
+
+
+def _fake_args(mode, n=3, **change):
+    """adam_step's arguments as fake CUDA tensors (FakeTensorMode makes them without a GPU)."""
+    with mode:
+        cuda = torch.device("cuda", 0)
+        args = dict(params=[torch.empty(n, device=cuda, dtype=torch.bfloat16)],
+                    grads=[torch.empty(n, device=cuda, dtype=torch.bfloat16)],
+                    exp_avgs=[torch.empty(n, device=cuda)], exp_avg_sqs=[torch.empty(n, device=cuda)],
+                    max_exp_avg_sqs=[], steps=[torch.empty((), device=cuda)],
+                    done=torch.empty(1, device=cuda, dtype=torch.int32), grad_scale=None, found_inf=None)
+        args.update({k: v(cuda) for k, v in change.items()})
+    return dict(args, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, amsgrad=False,
+                maximize=False, bias_correction=True)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({}, None),
+    ({"exp_avgs": lambda d: [torch.empty(3, device=d, dtype=torch.bfloat16)]},
+     "fused adam_step: exp_avgs[0] has dtype bfloat16; expected float32"),
+    ({"grads": lambda d: [torch.empty(3, device="cpu")]}, "fused adam_step: grads[0] is not on a CUDA device"),
+    ({"exp_avg_sqs": lambda d: [torch.empty(4, device=d)]},
+     "fused adam_step: exp_avg_sqs[0] has 4 elements, the parameter has 3"),
+    ({"exp_avgs": lambda d: [torch.empty_strided((3,), (2,), device=d)]},
+     "fused adam_step: exp_avgs[0] is not contiguous"),
+    ({"found_inf": lambda d: torch.empty(2, device=d)},
+     "fused adam_step: found_inf must be one float32 element on cuda:0"),
+])
+def test_the_fake_implementation_checks_as_the_op_does(change, message):
+    """What torch.compile runs instead of the kernel: the op's checks, in its words (the
+    gpu-marked test below holds the C++ op to the same messages)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dslaunch.kernels.fused_adam import _fake_adam_step
+
+    args = _fake_args(FakeTensorMode(), **change)
+    if message is None:
+        assert _fake_adam_step(**args) is None
+    else:
+        with pytest.raises(RuntimeError, match="^" + re.escape(message)):
+            _fake_adam_step(**args)
 
 
 def test_fused_adam_refuses_cpu_parameters():
@@ -265,3 +309,92 @@ def test_bias_correction_off_and_deepspeeds_fusedadam_signature():
     torch.testing.assert_close(gpu.detach().cpu(), cpu.detach(), rtol=1e-5, atol=1e-6)
     ours.zero_grad()
     assert gpu.grad is None  # set_grad_none=True, DeepSpeed's default
+
+
+def _kernel_only_library(tmp_path):
+    """fused_adam.cu alone, linked as before this op existed (nvcc, static cudart), for
+    its C entry points through ctypes: the reference the torch op must match bit for bit."""
+    spec = builder.fused_adam_spec()
+    obj, lib = tmp_path / "k.o", tmp_path / "kernel_only.so"
+    for cmd in (builder.nvcc_compile_command(obj, spec=spec), [_nvcc(), "-shared", "-cudart", "static", str(obj),
+                                                                "-o", str(lib)]):
+        subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    return ctypes.CDLL(str(lib))
+
+
+def _nvcc():
+    return builder.nvcc_compile_command(builder.HERE / "unused.o")[0]
+
+
+class _Hyper(ctypes.Structure):  # fused_adam.cu's struct Hyper
+    _fields_ = [(n, ctypes.c_float) for n in ("lr", "beta1", "beta2", "eps", "weight_decay")] + \
+               [(n, ctypes.c_int32) for n in ("decoupled", "amsgrad", "maximize", "bias_correction")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("p_dtype,amsgrad", [(torch.float32, True), (torch.bfloat16, False)])
+def test_the_torch_op_is_bit_identical_to_the_kernel_through_its_c_abi(tmp_path, p_dtype, amsgrad):
+    from dslaunch.kernels import FusedAdam, fused_adam
+
+    lib = _kernel_only_library(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    sizes = [5, 65536 + 7, 1000]
+    p0 = [torch.randn(n, generator=gen).to(p_dtype) for n in sizes]
+    grads = [[torch.randn(n, generator=gen).to(p_dtype) for n in sizes] for _ in range(3)]
+    params = [torch.nn.Parameter(p.cuda()) for p in p0]
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    assert fused_adam._OP.load() and fused_adam._OP.built.extra["built_by"] == "torch.utils.cpp_extension"
+    ref = [p.cuda() for p in p0]
+    m = [torch.zeros(n, device="cuda") for n in sizes]
+    v = [torch.zeros(n, device="cuda") for n in sizes]
+    vmax = [torch.zeros(n, device="cuda") for n in sizes]
+    steps = [torch.zeros((), device="cuda") for _ in sizes]
+    done = torch.zeros(1, dtype=torch.int32, device="cuda")
+    chunk, begin, rows = 1 << 16, 0, []
+    for i, n in enumerate(sizes):
+        rows.append([ref[i].data_ptr(), 0, m[i].data_ptr(), v[i].data_ptr(), vmax[i].data_ptr() if amsgrad else 0,
+                     steps[i].data_ptr(), n, begin])
+        begin += (n + chunk - 1) // chunk
+    code = {torch.float32: 0, torch.bfloat16: 1}[p_dtype]
+    hyper = _Hyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 1, int(amsgrad), 0, 1)
+    vp = ctypes.c_void_p
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.cuda()
+        opt.step()
+        gs = [g.cuda() for g in step_grads]
+        for row, g in zip(rows, gs):
+            row[1] = g.data_ptr()
+        table = torch.tensor(rows, dtype=torch.int64, device="cuda")
+        rc = lib.ds_fused_adam_step(vp(table.data_ptr()), len(rows), ctypes.c_int64(begin), ctypes.c_int64(chunk),
+                                    code, code, ctypes.byref(hyper), None, None, vp(done.data_ptr()),
+                                    vp(torch.cuda.current_stream().cuda_stream))
+        assert rc == 0
+        torch.cuda.synchronize()
+    for i, p in enumerate(params):
+        assert torch.equal(p.detach(), ref[i]), i
+        assert torch.equal(opt.state[p]["exp_avg"], m[i]) and torch.equal(opt.state[p]["exp_avg_sq"], v[i])
+        assert torch.equal(opt.state[p]["step"], steps[i])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_op_names_a_wrong_argument_as_its_fake_does():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dslaunch.kernels import fused_adam
+
+    assert fused_adam._OP.load(), fused_adam._OP.error
+    for change, message in [({"grads": lambda d: [torch.empty(3, device="cpu")]},
+                             "fused adam_step: grads[0] is not on a CUDA"),
+                            ({"exp_avgs": lambda d: [torch.empty(3, device=d, dtype=torch.bfloat16)]},
+                             "fused adam_step: exp_avgs[0] has dtype bfloat16; expected float32"),
+                            ({"exp_avg_sqs": lambda d: [torch.empty(4, device=d)]},
+                             "fused adam_step: exp_avg_sqs[0] has 4 elements, the parameter has 3")]:
+        real = _fake_args(torch.device("cuda"), **change)  # a device context: real tensors
+        fake = _fake_args(FakeTensorMode(), **change)
+        for args in (real, fake):
+            with pytest.raises(RuntimeError, match=re.escape(message)):
+                fused_adam._OP.torch_op.adam_step(**args)
