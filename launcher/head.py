@@ -194,12 +194,15 @@ class Head:
         # A few at a time: opening an SSH session is a round trip each, a thousand in a row add
         # up. Meanwhile the started agents get their pings: starting a thousand takes longer
         # than the heartbeat timeout, after which the first ones would give up on the head.
+        # The pool's threads live until the attempt ends: a process a link starts with a
+        # parent-death signal (pdsh) gets it when the thread that started it exits.
         next_ping = time.monotonic() + self.interval
-        with ThreadPoolExecutor(max_workers=min(START_CONCURRENCY, len(links)) or 1,
-                                thread_name_prefix="dslaunch-start") as pool:
-            starting = {pool.submit(start, i): i for i in range(len(links))}
-            running: List[int] = []
-            todo = set(starting)
+        pool = ThreadPoolExecutor(max_workers=min(START_CONCURRENCY, len(links)) or 1,
+                                  thread_name_prefix="dslaunch-start")
+        starting = {pool.submit(start, i): i for i in range(len(links))}
+        running: List[int] = []
+        todo = set(starting)
+        try:
             while todo:
                 done, todo = wait_futures(todo, timeout=max(0.0, next_ping - time.monotonic()))
                 for fut in done:
@@ -209,6 +212,9 @@ class Head:
                     for i in running:
                         links[i].send(PING)
                     next_ping = time.monotonic() + self.interval
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
         stop_deadline: Optional[float] = None
         # silence is checked on this tick, not after every event: one scan of all hosts per
         # event made each heartbeat round cost N^2 at N hosts
@@ -313,6 +319,7 @@ class Head:
         for link in links:
             link.stop_sending()
             link.close()
+        pool.shutdown(wait=False)
         if failure is not None:
             for node in nodes:  # workers of a lost host: their fate is unknown, never "succeeded"
                 for w in node.workers:

@@ -340,6 +340,8 @@ def plot(rows: List[Figures], path: str) -> None:
     for ax, (title, ys) in zip(axes.flat, panels):
         ax.plot(ns, ys, "o-")
         ax.set_xscale("log", base=2)
+        if not title.startswith("lost"):  # log-log: a straight line of slope 1 is O(N)
+            ax.set_yscale("log")
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_title(title)
         ax.set_xlabel("simulated nodes")
