@@ -25,6 +25,8 @@ import queue
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Callable, Dict, List, Optional, Sequence
 
 from dslaunch.launcher.attempts import AttemptResult, StopSignals, run_attempts
@@ -34,9 +36,17 @@ from dslaunch.launcher.plan import LaunchPlan, NodePlan
 from dslaunch.launcher.protocol import PING, STOP, AgentRequest, decode
 
 
+START_CONCURRENCY = 32  # links started at once (each SSH session open is a network round trip)
+
+
 def heartbeat_interval(timeout: float) -> float:
     """Pings often enough that a few lost to load never look like a silent host."""
     return max(0.2, min(2.0, timeout / 5))
+
+
+def silence_check_interval(interval: float) -> float:
+    """How often the head looks for silent hosts: a lost host is named at most this late."""
+    return min(interval, 0.25)
 
 
 class AgentLink:
@@ -129,13 +139,16 @@ class Head:
         self.output = output
         self._open_links = open_links
         self._err_fd = err_fd
-        self._events: "queue.Queue" = queue.Queue()
+        # SimpleQueue: its put is reentrant, so the signal handler (which runs on the main thread,
+        # possibly inside this queue's get) cannot deadlock on the queue's lock
+        self._events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._signals: Optional[StopSignals] = None
         o = plan.options
         self.timeout = o.heartbeat_timeout
         self.interval = heartbeat_interval(o.heartbeat_timeout)
         # a starting agent may take the SSH connect time on top before its first word
         self.first_timeout = o.heartbeat_timeout + o.ssh_timeout
+        self.check_interval = silence_check_interval(self.interval)
 
     def run(self) -> int:
         def on_signal(signum: int, again: bool) -> None:
@@ -150,7 +163,7 @@ class Head:
         plan, o = self.plan, self.plan.options
         self.output.start_attempt(restart, range(plan.world.world_size))
         # a fresh queue: the last attempt's readers may still post their eofs into theirs
-        events: "queue.Queue" = queue.Queue()
+        events: "queue.SimpleQueue" = queue.SimpleQueue()
         self._events = events
         if self._signals.first is not None:  # a signal that came as the attempts changed over
             events.put((None, {"ev": "signal", "sig": self._signals.first, "again": False}))
@@ -165,15 +178,47 @@ class Head:
             f = host_failure(getattr(exc, "host", nodes[0].target), f"cannot start the node agent: {exc}")
             self.output.failed(f)
             return AttemptResult(f.exit_code, f, None, {}, total)
-        started = time.monotonic()
+        # when each link was started: its first word is due first_timeout after that, not after
+        # the first link's start (starting a thousand links takes longer than the timeout)
+        started = [time.monotonic()] * len(links)
         last_seen = {i: None for i in range(len(links))}
         pending = set(range(len(links)))
-        for i, (link, node) in enumerate(zip(links, nodes)):
+
+        def start(i: int) -> None:
+            link, node = links[i], nodes[i]
             request = AgentRequest(link.host, node.workers, restart, o.kill_grace, self.interval, self.timeout,
                                    node.finished, node.bind_core_list)
-            link.start(lambda ev, i=i: events.put((i, ev)), request)
-        stop_deadline: Optional[float] = None
+            started[i] = time.monotonic()
+            link.start(lambda ev: events.put((i, ev)), request)
+
+        # A few at a time: opening an SSH session is a round trip each, a thousand in a row add
+        # up. Meanwhile the started agents get their pings: starting a thousand takes longer
+        # than the heartbeat timeout, after which the first ones would give up on the head.
+        # The pool's threads live until the attempt ends: a process a link starts with a
+        # parent-death signal (pdsh) gets it when the thread that started it exits.
         next_ping = time.monotonic() + self.interval
+        pool = ThreadPoolExecutor(max_workers=min(START_CONCURRENCY, len(links)) or 1,
+                                  thread_name_prefix="dslaunch-start")
+        starting = {pool.submit(start, i): i for i in range(len(links))}
+        running: List[int] = []
+        todo = set(starting)
+        try:
+            while todo:
+                done, todo = wait_futures(todo, timeout=max(0.0, next_ping - time.monotonic()))
+                for fut in done:
+                    fut.result()  # a link that cannot start fails the launch as before
+                    running.append(starting[fut])
+                if time.monotonic() >= next_ping:
+                    for i in running:
+                        links[i].send(PING)
+                    next_ping = time.monotonic() + self.interval
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
+        stop_deadline: Optional[float] = None
+        # silence is checked on this tick, not after every event: one scan of all hosts per
+        # event made each heartbeat round cost N^2 at N hosts
+        next_check = time.monotonic() + self.check_interval
 
         def stop_all(exclude: Sequence[int] = ()) -> None:
             nonlocal stop_deadline
@@ -188,7 +233,8 @@ class Head:
                 for i in pending:
                     links[i].send(PING)
                 next_ping = now + self.interval
-            wait = next_ping - now if stop_deadline is None else min(next_ping, stop_deadline) - now
+            due = min(next_ping, next_check) if stop_deadline is None else min(next_ping, next_check, stop_deadline)
+            wait = due - now
             try:
                 idx, ev = events.get(timeout=max(0.0, wait))
             except queue.Empty:
@@ -248,10 +294,13 @@ class Head:
                         self.output.failed(failure)
                         stop_all()
             # heartbeats: a host that has been silent too long is lost
-            for i in list(pending):
+            # only once every event that arrived is counted: a backlog (after the start, under
+            # load) holds signs of life; a head that never catches up checks after a timeout anyway
+            check = now >= next_check and (events.empty() or now >= next_check + self.timeout)
+            for i in (list(pending) if check else ()):
                 seen = last_seen[i]
                 limit = self.timeout if seen is not None else self.first_timeout
-                silent = now - (seen if seen is not None else started)
+                silent = now - (seen if seen is not None else started[i])
                 if silent > limit:
                     pending.discard(i)
                     links[i].close()
@@ -260,6 +309,8 @@ class Head:
                                                f"(--heartbeat_timeout {self.timeout:g}; network partition or host down)")
                         self.output.failed(failure)
                         stop_all()
+            if check:
+                next_check = now + self.check_interval
             if stop_deadline is not None and now >= stop_deadline and pending:
                 for i in pending:  # agents that did not finish in time lose their channel: EOF makes them kill
                     self.output.say(f"{links[i].host}: its agent did not report the end in time; closing it")
@@ -268,6 +319,7 @@ class Head:
         for link in links:
             link.stop_sending()
             link.close()
+        pool.shutdown(wait=False)
         if failure is not None:
             for node in nodes:  # workers of a lost host: their fate is unknown, never "succeeded"
                 for w in node.workers:

@@ -211,9 +211,10 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
     env_files = load_env_files(opts.env_file, Path(facts.cwd), Path(facts.home), environ)
     local = [is_local(n.host, facts.hostnames) and not opts.force_multi for n in world.nodes]
     notes: List[str] = []
+    source_of = {h.host: h.source for h in hosts}
     for node, here in zip(world.nodes, local):
         if here and facts.gpu_count and max(node.slots) >= facts.gpu_count:
-            source = next(h.source for h in hosts if h.host == node.host)
+            source = source_of[node.host]
             raise LaunchConfigError(f"{source}: {node.host} would use GPU slot {max(node.slots)} but this machine "
                                     f"has {facts.gpu_count} GPU(s) visible")
     if any(local) and not facts.gpu_count:
