@@ -1,5 +1,5 @@
 // The memory bound of an optimizer step, measured: the same arrays, access pattern,
-// threads, thread split and prefetch as the CPU kernels (kernels/cpu_simd.h), with the
+// threads and chunking as the CPU kernels (kernels/cpu_simd.h), with the
 // arithmetic taken out. Each element reads `reads` fp32 arrays and writes the first
 // `writes` of them back (unchanged: scale is 0 at run time, which the compiler cannot
 // know), e.g. Adam: 4 reads (p, g, m, v), 3 writes (p, m, v). Built and timed by
@@ -16,7 +16,6 @@ void probe_span(float* const* arrays, int reads, int writes, float scale, int64_
   for (; i + S::kWidth <= end; i += S::kWidth) {
     auto sum = S::set1(0.0f);
     for (int a = 0; a < reads; ++a) {
-      DS_PREFETCH_AT(arrays[a], i, 4);
       sum = S::add(sum, S::load(arrays[a] + i));
     }
     for (int a = 0; a < writes; ++a) S::store(arrays[a] + i, S::fma(k, sum, S::load(arrays[a] + i)));

@@ -159,9 +159,14 @@ def test_copy_out_rounds_special_values_like_torch(ops_cache):
         assert torch.equal(out[~expect.isnan()], expect[~expect.isnan()]), dtype
 
 
+# One call walks all tensors' elements in chunks of up to 2**18 (cpu_simd.h): these sizes
+# put tensor boundaries and an empty tensor inside chunks, and a tensor across three chunks.
+MANY_SIZES = [1, 17, 40000, 3, 65537, 0, 1023, 70001, 600011, 0, 5, 262144]
+
+
 def test_many_tensors_in_one_call_equal_one_call_each(ops_cache):
     gen = torch.Generator().manual_seed(11)
-    sizes = [1, 17, 40000, 3, 65537, 0, 1023, 70001]
+    sizes = MANY_SIZES
     ps = [torch.randn(n, generator=gen) for n in sizes]
     gs = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
     single = [t.clone() for t in ps]
