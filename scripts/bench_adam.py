@@ -87,10 +87,16 @@ class Probe:
         self.lib.ds_stream_probe.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                              ctypes.c_float, ctypes.c_int32]
 
-    def runner(self, arrays, writes: int, threads: int):
+    def runner(self, arrays, writes: int, threads: int, scale: float = 0.0):
+        """A call that reads every array and writes the first `writes` back, each element
+        plus scale * (the sum of the arrays' elements): unchanged at scale 0."""
         ptrs = (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays])
         n = arrays[0].numel()
-        return lambda: self.lib.ds_stream_probe(n, ptrs, len(arrays), writes, 0.0, threads)
+
+        def run():
+            if self.lib.ds_stream_probe(n, ptrs, len(arrays), writes, scale, threads) != 0:
+                raise ValueError(f"stream probe: {writes} writes of {len(arrays)} arrays")
+        return run
 
 
 def flat_params(total: int, sizes, grad_scale=1e-2):
