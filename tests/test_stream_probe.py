@@ -21,7 +21,7 @@ def probe(tmp_path_factory):
     return module.Probe(str(tmp_path_factory.mktemp("probe-cache")))
 
 
-@pytest.mark.parametrize("reads,writes", [(4, 3), (3, 2)])  # Adam's pattern; Lion's and Adagrad's
+@pytest.mark.parametrize("reads,writes", [(4, 3), (3, 2), (2, 1)])  # Adam; Lion, Adagrad; any other
 def test_probe_reads_every_array_and_writes_the_first(probe, reads, writes):
     n = 3 * 2**18 + 1001  # several chunks of cpu_simd.h's driver, and a SIMD tail
     gen = torch.Generator().manual_seed(0)
