@@ -273,7 +273,7 @@ def main() -> None:
         for size in [parse_count(s) for s in args.sizes.split(",")]:
             rounds = args.rounds or (21 if size <= 20 * 10**6 else 11)
             for pieces in [int(x) for x in args.tensors.split(",")]:
-                what = f"{size / 1e6:.0f}M parameters in {pieces} tensor(s), median of {rounds} rounds"
+                what = f"{size:,} parameters in {pieces} tensor(s), median of {rounds} rounds"
                 report(what, *bench_cpu(probe, size, pieces, rounds, args.threads, isas, not args.no_default))
                 gc.collect()
                 if args.cuda and torch.cuda.is_available():
