@@ -6,11 +6,9 @@
 // functions marked DS_EXPORT are visible to ctypes.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include <omp.h>
 
@@ -195,35 +193,31 @@ auto pick_span(int32_t grad_dtype, int32_t out_dtype) -> decltype(&Span<kF32, kN
 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kMinParallel = 1 << 15;
-// Work is handed out in chunks of at most this many elements (1 MiB of each fp32 stream);
-// a smaller step is split evenly between the threads.
-constexpr int64_t kChunk = 1 << 18;
-// Chunk boundaries fall on whole cache lines of fp32 (and of bf16 output) data.
+// Thread boundaries fall on whole cache lines of fp32 (and of bf16 output) data.
 constexpr int64_t kAlign = 64;
 
-// All elements of all `n` tensors form one index space, walked in kChunk pieces that the
-// threads take in turn as each finishes its last (one parallel region for 200 small
-// tensors, not 200). Taking chunks rather than one fixed half each: on a shared machine a
-// thread that loses its core for a while no longer holds the whole step back, the other
-// takes over its remaining chunks. fn(t, begin, end) runs a span of tensor t.
+// All elements of all `n` tensors are split into one contiguous range per thread, so 200
+// small tensors cost one parallel region, not 200. fn(t, begin, end) runs a span of tensor t.
+// (Threads taking 1 MiB chunks in turn instead was tried: on the loaded 2-core VM it measured
+// 0.8-0.97x of these fixed ranges in three of four paired runs, so it is not used.)
 template <typename Fn>
 void for_each_span(int64_t n, const int64_t* numels, int num_threads, Fn&& fn) {
-  std::vector<int64_t> starts(n + 1, 0);  // starts[t]: index of tensor t's first element
-  for (int64_t t = 0; t < n; ++t) starts[t + 1] = starts[t] + numels[t];
-  const int64_t total = starts[n];
+  int64_t total = 0;
+  for (int64_t t = 0; t < n; ++t) total += numels[t];
   if (total == 0) return;
-  const int threads = total < kMinParallel || num_threads < 1 ? 1 : num_threads;
-  const int64_t even = (total / threads + kAlign - 1) / kAlign * kAlign;
-  const int64_t chunk = even < kChunk ? even : kChunk;
-  const int64_t chunks = (total + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t lo = c * chunk, hi = lo + chunk < total ? lo + chunk : total;
-    // the last tensor starting at or before lo (empty tensors are skipped over)
-    int64_t t = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
-    for (; t < n && starts[t] < hi; ++t) {
-      const int64_t b = lo > starts[t] ? lo - starts[t] : 0;
-      const int64_t e = hi - starts[t] < numels[t] ? hi - starts[t] : numels[t];
+  int threads = num_threads < 1 ? 1 : num_threads;
+  if (total < kMinParallel) threads = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int nt = omp_get_num_threads();
+    const int tid = omp_get_thread_num();
+    const int64_t per = (total / nt + kAlign - 1) / kAlign * kAlign;
+    int64_t lo = per * tid, hi = per * (tid + 1);
+    if (hi > total) hi = total;
+    int64_t base = 0;  // global index of tensor t's first element
+    for (int64_t t = 0; t < n && base < hi; base += numels[t], ++t) {
+      const int64_t b = lo > base ? lo - base : 0;
+      const int64_t e = hi - base < numels[t] ? hi - base : numels[t];
       if (b < e) fn(t, b, e);
     }
   }

@@ -7,7 +7,7 @@ side by side in one run, against the memory bound measured in the same run.
 
 The bound: scripts/stream_probe.cpp, compiled by the same builder (torch.utils.cpp_extension,
 the best instruction set's flags), streams the very same arrays with the kernels' threads and
-chunking (kernels/cpu_simd.h) but no arithmetic: Adam's pattern reads p, g, m, v and writes p,
+thread split (kernels/cpu_simd.h) but no arithmetic: Adam's pattern reads p, g, m, v and writes p,
 m, v (28 bytes per parameter); Lion's and Adagrad's read p, g and one state and write p and the
 state (20 bytes). A step cannot beat the probe of its pattern by more than noise.
 

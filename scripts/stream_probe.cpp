@@ -1,5 +1,5 @@
 // The memory bound of an optimizer step, measured: the same arrays, access pattern,
-// threads and chunking as the CPU kernels (kernels/cpu_simd.h), with the
+// threads and thread split as the CPU kernels (kernels/cpu_simd.h), with the
 // arithmetic taken out. Each element reads `reads` fp32 arrays and writes the first
 // `writes` of them back (unchanged: scale is 0 at run time, which the compiler cannot
 // know), e.g. Adam: 4 reads (p, g, m, v), 3 writes (p, m, v). Built and timed by

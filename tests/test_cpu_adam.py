@@ -159,8 +159,8 @@ def test_copy_out_rounds_special_values_like_torch(ops_cache):
         assert torch.equal(out[~expect.isnan()], expect[~expect.isnan()]), dtype
 
 
-# One call walks all tensors' elements in chunks of up to 2**18 (cpu_simd.h): these sizes
-# put tensor boundaries and an empty tensor inside chunks, and a tensor across three chunks.
+# One call splits all tensors' elements into one range per thread (cpu_simd.h): these sizes
+# put tensor boundaries and empty tensors inside a thread's range, and a thread boundary inside a tensor.
 MANY_SIZES = [1, 17, 40000, 3, 65537, 0, 1023, 70001, 600011, 0, 5, 262144]
 
 

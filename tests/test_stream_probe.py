@@ -2,7 +2,7 @@
 ops builder) must move exactly the bytes an optimizer step moves, or the "of bound" it prints
 means nothing. With a non-zero scale every written element becomes itself plus scale times the
 sum of all read arrays' elements, so the result shows that every array was read in full and
-exactly the first `writes` were written, across several of the kernels' work chunks.
+exactly the first `writes` were written, by both threads.
 """
 import importlib.util
 from pathlib import Path
@@ -23,7 +23,7 @@ def probe(tmp_path_factory):
 
 @pytest.mark.parametrize("reads,writes", [(4, 3), (3, 2), (2, 1)])  # Adam; Lion, Adagrad; any other
 def test_probe_reads_every_array_and_writes_the_first(probe, reads, writes):
-    n = 3 * 2**18 + 1001  # several chunks of cpu_simd.h's driver, and a SIMD tail
+    n = 3 * 2**18 + 1001  # split between the threads (cpu_simd.h), with a SIMD tail
     gen = torch.Generator().manual_seed(0)
     arrays = [torch.randint(-8, 8, (n,), generator=gen).float() for _ in range(reads)]
     before = [a.clone() for a in arrays]
