@@ -19,9 +19,6 @@ struct AdagradSpan {
     using S = Simd;
     const auto clr = S::set1(h.clr), eps = S::set1(h.eps), wd = S::set1(h.weight_decay);
     for (; i + S::kWidth <= end; i += S::kWidth) {
-      DS_PREFETCH_AT(p, i, 4);
-      DS_PREFETCH_AT(sum, i, 4);
-      DS_PREFETCH_AT(g, i, GD == kF32 ? 4 : 2);
       auto grad = S::template load_grad<GD>(g, i);
       if (h.maximize) grad = S::neg(grad);
       auto param = S::load(p + i);

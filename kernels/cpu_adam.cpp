@@ -54,10 +54,6 @@ static void run(const AdamHyper& h, int64_t begin, int64_t end, float* p, const 
   const auto eps = S::set1(h.eps_scaled), step = S::set1(h.step_scaled);
   const auto wd = S::set1(h.weight_decay), decay = S::set1(h.decay_factor);
   for (; i + S::kWidth <= end; i += S::kWidth) {
-    DS_PREFETCH_AT(p, i, 4);
-    DS_PREFETCH_AT(m, i, 4);
-    DS_PREFETCH_AT(v, i, 4);
-    DS_PREFETCH_AT(g, i, GD == kF32 ? 4 : 2);
     auto param = S::load(p + i);
     auto grad = S::template load_grad<GD>(g, i);
     if (h.maximize) grad = S::neg(grad);

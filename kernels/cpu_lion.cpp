@@ -20,9 +20,6 @@ struct LionSpan {
     const auto lr = S::set1(h.lr), b1 = S::set1(h.beta1), b1c = S::set1(h.beta1_complement);
     const auto b2 = S::set1(h.beta2), b2c = S::set1(h.beta2_complement), decay = S::set1(h.decay_factor);
     for (; i + S::kWidth <= end; i += S::kWidth) {
-      DS_PREFETCH_AT(p, i, 4);
-      DS_PREFETCH_AT(m, i, 4);
-      DS_PREFETCH_AT(g, i, GD == kF32 ? 4 : 2);
       const auto grad = S::template load_grad<GD>(g, i);
       const auto mi = S::load(m + i);
       const auto c = S::fma(b1c, grad, S::mul(b1, mi));

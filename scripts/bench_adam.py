@@ -1,22 +1,27 @@
 #!/usr/bin/env python
-"""CPU optimizer steps: dslaunch's ops against torch's, side by side in one run, against the
-memory bound measured in the same run.
+"""CPU optimizer steps: dslaunch's ops at every instruction set this CPU runs against torch's,
+side by side in one run, against the memory bound measured in the same run.
 
     .venv/bin/python scripts/bench_adam.py [--threads 2] [--sizes 10M,100M] [--tensors 1,200]
-                                           [--optimizers adam,lion,adagrad] [--cuda]
+                                           [--rounds 15] [--isas avx512,avx2] [--no-default] [--cuda]
 
-Adam: dslaunch CPU Adam vs torch.optim.AdamW(fused=True) (and the default AdamW), also
-with a bf16 copy of the new parameters. Lion: dslaunch CPU Lion vs the same maths in torch
-foreach ops (torch has no Lion). Adagrad: dslaunch CPU Adagrad vs torch.optim.Adagrad
-(fused=True and the default). The contenders take turns within every round (best of N),
-so load from other processes on a shared machine hits all of them alike; each row gives
-the wall time and the process CPU time per thread, and the load average is printed with
-every configuration.
+The bound: scripts/stream_probe.cpp, compiled by the same builder (torch.utils.cpp_extension,
+the best instruction set's flags), streams the very same arrays with the kernels' threads and
+thread split (kernels/cpu_simd.h) but no arithmetic: Adam's pattern reads p, g, m, v and writes p,
+m, v (28 bytes per parameter); Lion's and Adagrad's read p, g and one state and write p and the
+state (20 bytes). A step cannot beat the probe of its pattern by more than noise.
 
-The bound: scripts/stream_probe.cpp, built like the kernels, streams the very same arrays
-with the kernels' access pattern, thread split and prefetch but no arithmetic (Adam: read
-p, g, m, v and write p, m, v; Lion/Adagrad: read 3, write 2). A step cannot beat it; "of
-bound" is probe time / step time (the copy-out rows scale the probe by 30/28 bytes).
+Contenders: dslaunch CPU Adam, Lion and Adagrad (one row per instruction set), torch's
+AdamW(fused=True), its Adagrad(fused=True), the Lion maths in torch foreach ops (torch has no
+Lion) and torch's default AdamW, plus Adam writing a bf16 copy of the new parameters in the
+same pass against torch's fused step followed by a copy. Every round runs each contender
+once, in turn, so load from other processes falls on all of them alike. Printed per row: the
+median wall time, "of bound" (the median over rounds of bound time / row time, pairing each
+row with its own pattern's probe in the same round) and "vs fused AdamW" (the same paired
+median of torch AdamW(fused=True) / row: above 1 is faster than torch), from wall time and
+again from process CPU time per thread (which load from other processes disturbs far less).
+Lion and Adagrad move 20 bytes per parameter against AdamW's 28, so their "vs fused AdamW" is
+expected near 1.4 at the bound; "of bound" says how close a kernel is to the machine's limit.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import argparse
 import ctypes
 import gc
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -50,20 +56,25 @@ def split(total: int, pieces: int):
     return sizes
 
 
-def interleaved(fns, iters: int, threads: int, warmup: int = 2):
-    """Best wall and CPU-per-thread time of each fn over `iters` rounds, taking turns."""
+def interleaved(fns, rounds: int, threads: int, warmup: int = 2):
+    """Every fn's wall and CPU-per-thread time in each of `rounds` rounds, taking turns."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    wall = {name: float("inf") for name in fns}
-    cpu = dict(wall)
-    for _ in range(iters):
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
+    for _ in range(rounds):
         for name, fn in fns.items():
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            wall[name] = min(wall[name], time.perf_counter() - t0)
-            cpu[name] = min(cpu[name], (time.process_time() - c0) / threads)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append((time.process_time() - c0) / threads)
     return wall, cpu
+
+
+def paired(numerator, denominator) -> float:
+    """Median over rounds of numerator / denominator, each pair timed in the same round."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 class Probe:
@@ -77,10 +88,16 @@ class Probe:
         self.lib.ds_stream_probe.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
                                              ctypes.c_float, ctypes.c_int32]
 
-    def runner(self, arrays, writes: int, threads: int):
+    def runner(self, arrays, writes: int, threads: int, scale: float = 0.0):
+        """A call that reads every array and writes the first `writes` back, each element
+        plus scale * (the sum of the arrays' elements): unchanged at scale 0."""
         ptrs = (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays])
         n = arrays[0].numel()
-        return lambda: self.lib.ds_stream_probe(n, ptrs, len(arrays), writes, 0.0, threads)
+
+        def run():
+            if self.lib.ds_stream_probe(n, ptrs, len(arrays), writes, scale, threads) != 0:
+                raise ValueError(f"stream probe: {writes} writes of {len(arrays)} arrays")
+        return run
 
 
 def flat_params(total: int, sizes, grad_scale=1e-2):
@@ -105,74 +122,66 @@ def views(flat, sizes):
     return out
 
 
-def bench_adam(probe, total, pieces, iters, threads, do_default):
-    from dslaunch.kernels.cpu_adam import cpu_adam_step
+ADAM_HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+FUSED = "torch AdamW(fused=True)"
+
+
+def bench_cpu(probe, total, pieces, rounds, threads, isas, slow):
+    """All CPU contenders on `total` parameters in `pieces` tensors; rows -> (times, bound row)."""
+    from dslaunch.kernels.cpu_adagrad import CpuAdagradOp, cpu_adagrad_step
+    from dslaunch.kernels.cpu_adam import CpuAdamOp, cpu_adam_step
+    from dslaunch.kernels.cpu_lion import CpuLionOp, cpu_lion_step
+    from dslaunch.kernels.lion import lion_update
 
     sizes = split(total, pieces)
-    hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     flat_p, flat_g, params = flat_params(total, sizes)
-    flat_m, flat_v = torch.zeros(total), torch.zeros(total)
+    flat_m, flat_v, flat_s = torch.zeros(total), torch.zeros(total), torch.zeros(total)
     data, grads = [p.detach() for p in params], [p.grad for p in params]
-    m, v = views(flat_m, sizes), views(flat_v, sizes)
+    m, v, state = views(flat_m, sizes), views(flat_v, sizes), views(flat_s, sizes)
     outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     counter = [0]
 
-    def ours(copy_out=None):
+    def adam(op, copy_out=None):
         counter[0] += 1
-        cpu_adam_step(data, grads, m, v, step=counter[0], copy_out=copy_out, **hp)
+        cpu_adam_step(data, grads, m, v, step=counter[0], copy_out=copy_out, op=op, **ADAM_HP)
 
-    fused = torch.optim.AdamW(params, fused=True, **hp)
+    fused = torch.optim.AdamW(params, fused=True, **ADAM_HP)
+    adagrad_fused = torch.optim.Adagrad(params, lr=1e-3, weight_decay=0.01, fused=True)
 
     def fused_then_copy():
         fused.step()
         torch._foreach_copy_(outs, data)
 
-    fns = {"bound": probe.runner([flat_p, flat_m, flat_v, flat_g], 3, threads),
-           "dslaunch CPU Adam": ours,
-           "torch AdamW(fused=True)": fused.step,
-           "dslaunch CPU Adam + bf16 copy-out": lambda: ours(outs),
-           "torch fused + separate bf16 copy": fused_then_copy}
-    if do_default:
-        default = torch.optim.AdamW(params, **hp)
+    adam28, lion20 = "memory bound, Adam's pattern (probe)", "memory bound, Lion/Adagrad's (probe)"
+    fns = {adam28: probe.runner([flat_p, flat_m, flat_v, flat_g], 3, threads),
+           lion20: probe.runner([flat_p, flat_s, flat_g], 2, threads),
+           FUSED: fused.step}
+    bound = {FUSED: adam28}
+    for isa in isas:
+        ops = CpuAdamOp(isa), CpuLionOp(isa), CpuAdagradOp(isa)
+        for op in ops:
+            if not op.load():
+                raise SystemExit(f"bench_adam: cannot build the {isa} ops: {op.error}")
+        fns[f"dslaunch CPU Adam ({isa})"] = lambda op=ops[0]: adam(op)
+        fns[f"dslaunch CPU Lion ({isa})"] = lambda op=ops[1]: cpu_lion_step(data, grads, state, lr=1e-4,
+                                                                             weight_decay=0.01, op=op)
+        fns[f"dslaunch CPU Adagrad ({isa})"] = lambda op=ops[2]: cpu_adagrad_step(
+            data, grads, state, step=counter[0] + 1, lr=1e-3, weight_decay=0.01, op=op)
+        bound.update({f"dslaunch CPU Adam ({isa})": adam28, f"dslaunch CPU Lion ({isa})": lion20,
+                      f"dslaunch CPU Adagrad ({isa})": lion20})
+    fns["torch Adagrad(fused=True)"] = adagrad_fused.step
+    bound["torch Adagrad(fused=True)"] = lion20
+    best = CpuAdamOp(isas[0])
+    fns[f"dslaunch CPU Adam ({isas[0]}) + bf16 copy-out"] = lambda: adam(best, outs)
+    fns["torch fused AdamW, then bf16 copy"] = fused_then_copy
+    bound.update({f"dslaunch CPU Adam ({isas[0]}) + bf16 copy-out": adam28, "torch fused AdamW, then bf16 copy": adam28})
+    if slow:
+        default = torch.optim.AdamW(params, **ADAM_HP)
         fns["torch AdamW() default (foreach)"] = default.step
-    wall, cpu = interleaved(fns, iters, threads)
-    ratios = {"ours vs torch fused": ("torch AdamW(fused=True)", "dslaunch CPU Adam"),
-              "ours+copy vs fused then copy": ("torch fused + separate bf16 copy",
-                                               "dslaunch CPU Adam + bf16 copy-out")}
-    if do_default:
-        ratios["ours vs torch default"] = ("torch AdamW() default (foreach)", "dslaunch CPU Adam")
-    return wall, cpu, ratios
-
-
-def bench_lion_adagrad(probe, total, pieces, iters, threads):
-    from dslaunch.kernels.cpu_adagrad import cpu_adagrad_step
-    from dslaunch.kernels.cpu_lion import cpu_lion_step
-    from dslaunch.kernels.lion import lion_update
-
-    sizes = split(total, pieces)
-    flat_p, flat_g, params = flat_params(total, sizes)
-    flat_s, flat_m = torch.zeros(total), torch.zeros(total)  # Adagrad's sum, Lion's exp_avg
-    data, grads = [p.detach() for p in params], [p.grad for p in params]
-    state, momentum = views(flat_s, sizes), views(flat_m, sizes)
-    counter = [0]
-
-    def ours_adagrad():
-        counter[0] += 1
-        cpu_adagrad_step(data, grads, state, step=counter[0], lr=1e-3, weight_decay=0.01)
-
-    fused = torch.optim.Adagrad(params, lr=1e-3, weight_decay=0.01, fused=True)
-    default = torch.optim.Adagrad(params, lr=1e-3, weight_decay=0.01)
-    fns = {"bound": probe.runner([flat_p, flat_s, flat_g], 2, threads),
-           "dslaunch CPU Lion": lambda: cpu_lion_step(data, grads, momentum, lr=1e-4, weight_decay=0.01),
-           "torch Lion maths (foreach ops)": lambda: lion_update(data, grads, momentum, 1e-4, 0.9, 0.99, 0.01),
-           "dslaunch CPU Adagrad": ours_adagrad,
-           "torch Adagrad(fused=True)": fused.step,
-           "torch Adagrad() default (foreach)": default.step}
-    wall, cpu = interleaved(fns, iters, threads)
-    ratios = {"Lion: ours vs torch foreach": ("torch Lion maths (foreach ops)", "dslaunch CPU Lion"),
-              "Adagrad: ours vs torch fused": ("torch Adagrad(fused=True)", "dslaunch CPU Adagrad"),
-              "Adagrad: ours vs torch default": ("torch Adagrad() default (foreach)", "dslaunch CPU Adagrad")}
-    return wall, cpu, ratios
+        fns["torch Lion maths (foreach ops)"] = lambda: lion_update(data, grads, state, 1e-4, 0.9, 0.99, 0.01)
+        bound.update({"torch AdamW() default (foreach)": adam28, "torch Lion maths (foreach ops)": lion20})
+    wall, cpu = interleaved(fns, rounds, threads)
+    return wall, cpu, bound
 
 
 def bench_cuda(total: int, pieces: int, iters: int):
@@ -195,8 +204,9 @@ def bench_cuda(total: int, pieces: int, iters: int):
             torch.cuda.synchronize()
         return run
 
-    wall, _ = interleaved({"probe": timed(lambda: probe.mul_(1.0000001)), "dslaunch FusedAdam": timed(ours.step),
-                           "torch AdamW(fused=True)": timed(theirs.step)}, iters, 1)
+    times, _ = interleaved({"probe": timed(lambda: probe.mul_(1.0000001)), "dslaunch FusedAdam": timed(ours.step),
+                            "torch AdamW(fused=True)": timed(theirs.step)}, iters, 1)
+    wall = {name: statistics.median(t) for name, t in times.items()}
     bw = 2 * probe.nbytes / wall.pop("probe")
     return wall, {k: 28 * total / bw for k in wall}, bw
 
@@ -213,55 +223,76 @@ def build_times():
     return cold.isa, cold.extra["build_seconds"], cold.seconds, warm
 
 
-def report(title, wall, cpu, ratios):
-    bound_wall, bound_cpu = wall.pop("bound"), cpu.pop("bound")
+def report(title, wall, cpu, bound):
+    """Wall figures, then the same from process CPU time per thread: under load from other
+    processes the wall time mostly measures scheduling, CPU time much less so."""
     print(f"\n== {title}; load average {os.getloadavg()[0]:.1f}")
-    print(f"   {'':38s} {'wall ms':>8s} {'of bound':>9s} {'cpu ms/thread':>14s} {'of bound':>9s}")
-    print(f"   {'memory bound (stream probe)':38s} {bound_wall * 1e3:8.1f} {'':9s} {bound_cpu * 1e3:14.1f}")
+    print(f"   {'':44s} {'wall ms':>8s} {'of bound':>9s} {'vs fused AdamW':>15s} {'cpu ms':>7s} {'of bound':>9s} "
+          f"{'vs fused AdamW':>15s}")
     for name in wall:
-        scale = 30 / 28 if "copy" in name else 1.0
-        print(f"   {name:38s} {wall[name] * 1e3:8.1f} {100 * scale * bound_wall / wall[name]:8.0f}% "
-              f"{cpu[name] * 1e3:14.1f} {100 * scale * bound_cpu / cpu[name]:8.0f}%")
-    for label, (theirs, ours) in ratios.items():
-        print(f"   {label + ':':38s} {wall[theirs] / wall[ours]:.2f}x wall, {cpu[theirs] / cpu[ours]:.2f}x cpu")
+        row = f"   {name:44s}"
+        for t in (wall, cpu):
+            row += f" {statistics.median(t[name]) * 1e3:{8 if t is wall else 7}.1f}"
+            if name in bound:
+                # a copy-out row moves 30 bytes per parameter against its probe's 28
+                scale = 30 / 28 if "copy" in name else 1.0
+                row += f" {100 * scale * paired(t[bound[name]], t[name]):8.0f}% {paired(t[FUSED], t[name]):14.2f}x"
+            else:
+                row += f" {'':9s} {'':15s}"
+        print(row.rstrip())
 
 
 def main() -> None:
+    from dslaunch.kernels import builder
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="10M,100M")
     ap.add_argument("--tensors", default="1,200")
-    ap.add_argument("--optimizers", default="adam,lion,adagrad")
-    ap.add_argument("--iters", type=int, default=0, help="timed steps per measurement (default: by size)")
+    ap.add_argument("--rounds", type=int, default=0, help="timed rounds per configuration (default: by size)")
+    ap.add_argument("--isas", default="", help="instruction sets of our ops (default: all this CPU runs but scalar)")
     ap.add_argument("--cuda", action="store_true", help="also benchmark FusedAdam on the GPU")
-    ap.add_argument("--no-default", action="store_true", help="skip torch's slow default AdamW")
+    ap.add_argument("--no-default", action="store_true", help="skip torch's slow default AdamW and foreach Lion")
     args = ap.parse_args()
+    runs = [level for level in builder.ISA_LEVELS if builder._ISA_NEEDS[level] <= builder.cpu_flags()]
+    isas = [i for i in args.isas.split(",") if i] or [level for level in runs if level != "scalar"] or ["scalar"]
+    for isa in isas:
+        if isa not in runs:
+            raise SystemExit(f"bench_adam: --isas {isa}: this CPU runs {', '.join(runs)}")
     torch.set_num_threads(args.threads)
-    which = set(args.optimizers.split(","))
 
     isa, build_s, cold_s, warm_s = build_times()
+    flags = builder.cpu_flags()
     print(f"CPU Adam op: instruction set {isa}; cold build {build_s:.2f} s (compile+link; {cold_s:.2f} s with "
           f"cache bookkeeping); cached load {warm_s * 1000:.0f} ms")
+    print(f"CPU {_cpu_model()}; avx2 {'avx2' in flags}, avx512f {'avx512f' in flags}, "
+          f"avx512_bf16 {'avx512_bf16' in flags}; torch's kernels: {torch.backends.cpu.get_cpu_capability()}")
     print(f"threads={args.threads}  torch {torch.__version__}  load average {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as root:
         probe = Probe(root)
         for size in [parse_count(s) for s in args.sizes.split(",")]:
-            iters = args.iters or (10 if size <= 20 * 10**6 else 5)
+            rounds = args.rounds or (21 if size <= 20 * 10**6 else 11)
             for pieces in [int(x) for x in args.tensors.split(",")]:
-                what = f"{size / 1e6:.0f}M parameters in {pieces} tensor(s), best of {iters}"
-                if "adam" in which:
-                    report(f"Adam, {what}", *bench_adam(probe, size, pieces, iters, args.threads,
-                                                        not args.no_default))
-                    gc.collect()
-                if which & {"lion", "adagrad"}:
-                    report(f"Lion and Adagrad, {what}", *bench_lion_adagrad(probe, size, pieces, iters, args.threads))
-                    gc.collect()
+                what = f"{size:,} parameters in {pieces} tensor(s), median of {rounds} rounds"
+                report(what, *bench_cpu(probe, size, pieces, rounds, args.threads, isas, not args.no_default))
+                gc.collect()
                 if args.cuda and torch.cuda.is_available():
                     rows, bound, bw = bench_cuda(size, pieces, 20)
                     print(f"   GPU ({torch.cuda.get_device_name()}), HBM read-write {bw / 1e9:.0f} GB/s:")
                     for name, t in rows.items():
                         print(f"   {name:38s} {t * 1000:8.2f} {100 * bound[name] / t:8.0f}%")
                     print(f"   ours vs torch fused: {rows['torch AdamW(fused=True)'] / rows['dslaunch FusedAdam']:.2f}x")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 if __name__ == "__main__":

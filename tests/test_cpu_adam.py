@@ -159,9 +159,14 @@ def test_copy_out_rounds_special_values_like_torch(ops_cache):
         assert torch.equal(out[~expect.isnan()], expect[~expect.isnan()]), dtype
 
 
+# One call splits all tensors' elements into one range per thread (cpu_simd.h): these sizes
+# put tensor boundaries and empty tensors inside a thread's range, and a thread boundary inside a tensor.
+MANY_SIZES = [1, 17, 40000, 3, 65537, 0, 1023, 70001, 600011, 0, 5, 262144]
+
+
 def test_many_tensors_in_one_call_equal_one_call_each(ops_cache):
     gen = torch.Generator().manual_seed(11)
-    sizes = [1, 17, 40000, 3, 65537, 0, 1023, 70001]
+    sizes = MANY_SIZES
     ps = [torch.randn(n, generator=gen) for n in sizes]
     gs = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
     single = [t.clone() for t in ps]

@@ -17,7 +17,7 @@ from dslaunch.kernels.cpu_adagrad import CPUAdagrad, CpuAdagradOp, cpu_adagrad_s
 from dslaunch.kernels.cpu_lion import CPULion, CpuLionOp, cpu_lion_step
 from dslaunch.kernels.lamb import Lamb
 from dslaunch.kernels.lion import Lion
-from test_cpu_adam import _model, _train
+from test_cpu_adam import MANY_SIZES, _model, _train
 
 SIZES = [0, 1, 7, 1023, 1025, 10**5 + 3]
 ADAGRAD_MODES = {
@@ -111,6 +111,22 @@ def test_half_gradients_and_copy_out(grad_dtype, out_dtype):
     assert torch.equal(a, b) and torch.equal(ma, mb)
     if out_dtype:
         assert torch.equal(out, a.to(out_dtype))
+
+
+def test_many_tensors_in_one_call_equal_one_call_each():
+    gen = torch.Generator().manual_seed(12)
+    ps = [torch.randn(n, generator=gen) for n in MANY_SIZES]
+    gs = [torch.randn(n, generator=gen).bfloat16() for n in MANY_SIZES]
+    for step_fn, kw in ((cpu_lion_step, dict(lr=0.01, weight_decay=0.1)),
+                        (cpu_adagrad_step, dict(step=1, lr=0.05, weight_decay=0.1))):
+        many, single = [t.clone() for t in ps], [t.clone() for t in ps]
+        state, state1 = [torch.zeros(n) for n in MANY_SIZES], [torch.zeros(n) for n in MANY_SIZES]
+        outs = [torch.empty(n, dtype=torch.bfloat16) for n in MANY_SIZES]
+        step_fn(many, gs, state, copy_out=outs, num_threads=2, **kw)
+        for i in range(len(MANY_SIZES)):
+            step_fn(single[i], gs[i], state1[i], num_threads=1, **kw)
+        for a, b, sa, sb, o in zip(many, single, state, state1, outs):
+            assert torch.equal(a, b) and torch.equal(sa, sb) and torch.equal(o, a.bfloat16()), step_fn.__name__
 
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
