@@ -210,29 +210,26 @@ class Tuning:
              f"{', '.join(r.name for r in top)}")
         runs: Dict[str, List[float]] = {r.name: [] for r in top}
         dropped: Dict[str, str] = {}
-        for i in range(1, repeats + 1):
-            for r in top:
-                if r.name in dropped:
-                    continue
-                if time.monotonic() >= self.deadline:
-                    _say(f"the --autotuning_budget of {self.settings.budget_s:g} s ran out during the re-runs")
-                    break
-                out = self._trial(f"{r.name}/rerun{i}", r.candidate.ds_config(self.user, info.dp),
-                                  r.candidate.script_flags(), experiment=False)
-                if out.status == OK:
-                    runs[r.name].append(out.metrics[metric])
-                    shown = f"{runs[r.name][-1]:.4g} {ranking.UNITS[metric]}"
-                else:
-                    dropped[r.name] = f"re-run {i} {out.status}: {out.reason}"
-                    del runs[r.name]
-                    shown = dropped[r.name]
-                _say(f"[re-run {i}/{repeats}] {r.name}: {shown}")
-            else:
+        order = [(i, r) for i in range(1, repeats + 1) for r in top]  # round by round: A B C A B C ...
+        for i, r in order:
+            if r.name in dropped:
                 continue
-            break
+            if time.monotonic() >= self.deadline:
+                _say(f"the --autotuning_budget of {self.settings.budget_s:g} s ran out during the re-runs")
+                break
+            out = self._trial(f"{r.name}/rerun{i}", r.candidate.ds_config(self.user, info.dp),
+                              r.candidate.script_flags(), experiment=False)
+            if out.status == OK:
+                runs[r.name].append(out.metrics[metric])
+                shown = f"{runs[r.name][-1]:.4g} {ranking.UNITS[metric]}"
+            else:
+                dropped[r.name] = f"re-run {i} {out.status}: {out.reason}"
+                del runs[r.name]
+                shown = dropped[r.name]
+            _say(f"[re-run {i}/{repeats}] {r.name}: {shown}")
         rounds = min((len(v) for v in runs.values()), default=0)  # complete rounds only: alike for all
-        if len(runs) < 2 or rounds == 0:
-            _say("too few re-runs to judge: ranked by the tuning runs alone")
+        if len(runs) < 2 or rounds < 2:  # one run each has no spread to tell noise from a difference
+            _say("too few complete rounds of re-runs to judge: ranked by the tuning runs alone")
             return None
         verdict = ranking.judge({n: v[:rounds] for n, v in runs.items()}, metric,
                                 {r.name: r.predicted_bytes or 0 for r in top})
