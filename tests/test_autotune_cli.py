@@ -211,6 +211,7 @@ def test_the_winner_measurably_beats_the_runner_up_when_re_run(tmp_path):
     summary = (results / "summary.txt").read_text()
     assert "tensor parallel (AutoTP, asked in profile_model_info): degree 1 only: degree 2: found no repeated " \
            "blocks" in summary
+    assert (results / "reruns.json").is_file(), r.stderr[-3000:]  # no re-run failed
     verdict = json.loads((results / "reruns.json").read_text())
     assert set(verdict["runs"]) == {"z0_mbs1_gas1", "z0_mbs16_gas1"}
     assert all(len(v) == 2 for v in verdict["runs"].values())
