@@ -194,6 +194,9 @@ class _LaunchCommand(click.Command):
              "run: tune, then train with the best.")
 @option("--autotuning_budget", type=float, default=None,
         help="With --autotuning: seconds the trials may take in all (default 3600).")
+@option("--autotuning_repeats", type=int, default=None,
+        help="With --autotuning: interleaved re-runs of the best 3 trials that decide the winner (default 3; "
+             "0: rank by the single tuning runs).")
 @option("--autotuning_memory_limit", type=str, default=None,
         help="With --autotuning: bytes one rank may use, e.g. 2GiB (default: measured free memory).")
 # -- DeepSpeed options refused (see REFUSED)
@@ -216,7 +219,8 @@ def launch(**params) -> int:
         for name, why in REFUSED.items():
             if params.pop(name) not in (None, False):
                 raise LaunchConfigError(why)
-        tuning = {k: params.pop(k) for k in ("autotuning", "autotuning_budget", "autotuning_memory_limit")}
+        tuning = {k: params.pop(k) for k in ("autotuning", "autotuning_budget", "autotuning_memory_limit",
+                                               "autotuning_repeats")}
         if params.pop("standalone"):
             if params["hostfile"]:
                 raise LaunchConfigError("--standalone means this machine only: drop it or --hostfile")
@@ -224,7 +228,7 @@ def launch(**params) -> int:
                 params["master_port"] = 0
         if tuning["autotuning"] is not None:
             return _autotune(tuning, LaunchOptions(**params))
-        for name in ("autotuning_budget", "autotuning_memory_limit"):
+        for name in ("autotuning_budget", "autotuning_memory_limit", "autotuning_repeats"):
             if tuning[name] is not None:
                 raise LaunchConfigError(f"--{name} needs --autotuning tune|run")
         return run_launch(LaunchOptions(**params))
@@ -234,7 +238,7 @@ def launch(**params) -> int:
 
 
 def _autotune(tuning, opts) -> int:
-    from dslaunch.launcher.autotune.driver import DEFAULT_BUDGET_S, Settings, autotune
+    from dslaunch.launcher.autotune.driver import DEFAULT_BUDGET_S, DEFAULT_REPEATS, Settings, autotune
     from dslaunch.launcher.autotune.memory import parse_bytes
     from dslaunch.launcher.options import check_seconds
 
@@ -243,4 +247,11 @@ def _autotune(tuning, opts) -> int:
         budget = DEFAULT_BUDGET_S
     check_seconds("--autotuning_budget", budget, allow_min=False)
     limit = tuning["autotuning_memory_limit"]
-    return autotune(opts, Settings(tuning["autotuning"], budget, None if limit is None else parse_bytes(limit)))
+    repeats = tuning["autotuning_repeats"]
+    if repeats is None:
+        repeats = DEFAULT_REPEATS
+    if repeats < 0 or repeats == 1:
+        raise LaunchConfigError(f"--autotuning_repeats {repeats}: give 0 (no re-runs) or 2 or more (one re-run "
+                                "has no spread to tell noise from a difference)")
+    return autotune(opts, Settings(tuning["autotuning"], budget, None if limit is None else parse_bytes(limit),
+                                   repeats))

@@ -11,6 +11,11 @@ also counts the inputs each segment keeps and what each segment's recompute save
 backward: the launcher's memory model (launcher/autotune/memory.py activation_model)
 predicts from them the activations with checkpointing on and off.
 
+Where the trial runs at tensor-parallel degree 1, it also asks AutoTP (pure planning, the
+model unchanged) at which degrees dividing the data-parallel ranks it could split the model,
+and how many parameters each split shards: the launcher tunes those degrees
+(tensor_parallel.autotp_size) and its memory model counts the shard.
+
 How the trial stops: when step `end` completes, engine.step() raises TrialComplete. It
 derives from BaseException, not Exception, for the reason SystemExit and
 KeyboardInterrupt do: training loops (the Hugging Face Trainer's among them) catch
@@ -70,6 +75,33 @@ def _host_available() -> Optional[int]:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def autotp_report(model, ranks: int, partition_config=None) -> dict:
+    """{"split": {degree: parameters AutoTP splits}, "refused": why not at the first degree it
+    cannot} over the degrees above 1 that divide `ranks`; the model is only planned, not changed."""
+    from .tensor_parallel import TensorParallelError
+    from .tensor_parallel.autotp import plan_training_shards
+
+    split, refused = {}, ""
+    for degree in (d for d in range(2, ranks + 1) if ranks % d == 0):
+        try:
+            plan = plan_training_shards(model, degree, partition_config)
+        except TensorParallelError as exc:
+            refused = refused or f"degree {degree}: {str(exc).removeprefix('tensor parallel: ')}"
+            continue
+        seen, n = set(), 0
+        for d in plan.decisions:
+            module = model.get_submodule(d.name)
+            # a column layer's bias is split with its outputs; a row layer's is added whole
+            for p in (module.weight, getattr(module, "bias", None) if d.kind == "column" else None):
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    n += p.numel()
+        split[degree] = n
+    if ranks < 2:
+        refused = "a single data-parallel rank: no degree above 1 divides it"
+    return {"split": split, "refused": refused}
 
 
 class TrialProbe:
@@ -228,7 +260,10 @@ class TrialProbe:
             "checkpoint_input_bytes_per_sample": self.kept_bytes / b.micro_batch_per_gpu,
             "checkpoint_segment_bytes_per_sample": [n / b.micro_batch_per_gpu for n in self.segments],
             "measured_bytes": measured, "memory_limit_bytes": limit, "device": e.device.type,
+            "tp": e.config.tensor_parallel.size,
         }
+        if metrics["tp"] == 1:
+            metrics["autotp"] = autotp_report(e.module, e.dp_world_size, e.config.tensor_parallel.partition_config)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.out_dir / f".metrics_rank{e.global_rank}.json.tmp"
         tmp.write_text(json.dumps(metrics, indent=1))

@@ -3,13 +3,14 @@
     python scripts/bench_autotune.py [--results autotuning_results] [--exps autotuning_exps]
                                      [--metric throughput] [--repeat 3]
 
-Reads the trials of a finished `dslaunch --autotuning tune` (each trial's metrics.json and
-its experiment file in exps_dir), takes the best two by the metric, and launches each of
-them again `--repeat` times, alternating (A B A B ...), exactly as the tuner did (the
-experiment's command, a fresh trial folder each time). Prints every run's metric, the
-medians, and whether the winner's median still beats the runner-up's. The tuning itself
-measured each configuration once, over end_profile_step - start_profile_step steps; this is
-the check that the ranking was not noise.
+Reads a finished `dslaunch --autotuning tune`: its winner and runner-up from reruns.json
+(the tuner's judgement of its interleaved re-runs: the runner-up is the best configuration
+measurably slower than the winner), or, when the tuner made no re-runs
+(--autotuning_repeats 0), the best two trials by the metric. Launches each of them again
+`--repeat` times, alternating (A B A B ...), exactly as the tuner did (the experiment's
+command from exps_dir, a fresh trial folder each time). Prints every run's metric, the
+medians, and whether the winner's median still beats the runner-up's (exit 0 if so, 1 if
+not): the check that the tuner's order was not noise.
 """
 from __future__ import annotations
 
@@ -59,9 +60,20 @@ def main() -> int:
     args = ap.parse_args()
     results, exps = Path(args.results), Path(args.exps)
     ranked = trials(results, args.metric)
-    if len(ranked) < 2:
+    tuned = dict(ranked)
+    judged = results / "reruns.json"
+    if judged.is_file():
+        verdict = json.loads(judged.read_text())
+        if verdict["metric"] != args.metric:
+            sys.exit(f"{judged}: the tuner ranked by {verdict['metric']}; pass --metric {verdict['metric']}")
+        if not verdict["runner_up"]:
+            sys.exit(f"{judged}: no configuration was measurably slower than {verdict['winner']}; nothing to compare")
+        a, b = verdict["winner"], verdict["runner_up"]
+    elif len(ranked) >= 2:
+        a, b = ranked[0][0], ranked[1][0]
+    else:
         sys.exit(f"{results}: fewer than two trials ran to the end; nothing to compare")
-    (a, a_tuned), (b, b_tuned) = ranked[:2]
+    a_tuned, b_tuned = tuned[a], tuned[b]
     runs = {a: [], b: []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
@@ -71,8 +83,8 @@ def main() -> int:
                 print(f"run {i + 1}: {name} {value:.4g}", flush=True)
     med = {n: statistics.median(v) for n, v in runs.items()}
     better = med[a] > med[b] if args.metric != "latency" else med[a] < med[b]
-    print(f"winner    {a}: tuned {a_tuned:.4g}, re-run median {med[a]:.4g} {args.metric}")
-    print(f"runner-up {b}: tuned {b_tuned:.4g}, re-run median {med[b]:.4g} {args.metric}")
+    print(f"winner    {a}: tuning run {a_tuned:.4g}, re-run median {med[a]:.4g} {args.metric}")
+    print(f"runner-up {b}: tuning run {b_tuned:.4g}, re-run median {med[b]:.4g} {args.metric}")
     print(f"order holds: {'yes' if better else 'no'}")
     return 0 if better else 1
 

@@ -11,7 +11,7 @@ from dslaunch.launcher.autotune.config import AutotuningConfig
 from dslaunch.launcher.autotune.driver import plan_candidates
 from dslaunch.launcher.autotune.memory import ModelInfo, Precision, activation_model, parse_bytes, predict_bytes
 from dslaunch.launcher.autotune.space import (Candidate, bucket_variants, build_space, micro_batches, spread,
-                                              stages_of)
+                                              stages_of, tp_degrees)
 from dslaunch.launcher.autotune.tuners import (EarlyStopping, GridSearch, ModelBased, RandomSearch, features,
                                                least_squares)
 from dslaunch.launcher.errors import LaunchConfigError
@@ -33,7 +33,7 @@ def test_defaults_are_deepspeeds():
     ({"start_profile_step": 5, "end_profile_step": 5}, "must be greater than start_profile_step"),
     ({"tuner_num_trials": 0}, "autotuning.tuner_num_trials: must be 1 or more"),
     ({"metric_path": "m.json"}, "autotuning.metric_path: written by dslaunch"),
-    ({"mp_size": 2}, "autotuning.mp_size: model parallelism is not tuned"),
+    ({"mp_size": 2}, "autotuning.mp_size: the tensor degree is tuned through tensor_parallel.autotp_size"),
     ({"tuner_typ": "random"}, "autotuning.tuner_typ: unknown key (did you mean 'tuner_type'?)"),
     ({"fast": "yes"}, "autotuning.fast: expected bool"),
     ({"arg_mappings": {"train_micro_batch_size_per_gpu": "batch"}}, "is not a script option"),
@@ -193,6 +193,52 @@ def test_pruning_and_sampling():
     assert reasons["z0_mbs2_gas1"] == "not sampled (num_tuning_micro_batch_sizes 2)"
 
 
+def test_tensor_parallel_degrees_the_model_allows():
+    assert tp_degrees({}, [2, 4]) == [1, 2, 4]
+    assert tp_degrees({}, []) == [1]
+    assert tp_degrees({"tensor_parallel": {"autotp_size": 2}}, []) == [2]  # fixed by the user: as given
+    assert tp_degrees({"tensor_parallel": {"autotp_size": [1, 2]}}, [2, 4]) == [1, 2]
+    with pytest.raises(LaunchConfigError, match="AutoTP cannot split this model at degree 2: degree 2: found no"):
+        tp_degrees({"tensor_parallel": {"autotp_size": [1, 2]}}, [], "degree 2: found no repeated blocks")
+    with pytest.raises(LaunchConfigError, match="tensor_parallel.autotp_size: 'x'"):
+        tp_degrees({"tensor_parallel": {"autotp_size": "x"}}, [2])
+
+
+def test_the_space_keeps_the_global_batch_over_ranks_divided_by_tp():
+    at = AutotuningConfig.from_dict({"max_train_micro_batch_size_per_gpu": 16, "num_tuning_micro_batch_sizes": 2})
+    user = {"train_batch_size": 32, "zero_optimization": {"stage": [0, 3]},
+            "tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"]}]}}}
+    space = build_space(user, at, dp=2, tps=[1, 2])
+    names = [c.name for c in space]
+    assert "z3_mbs16_gas1" in names and not any(n.startswith("z3") and n.endswith("tp2") for n in names)
+    for c in space:
+        cfg = c.ds_config(user, dp=2)
+        assert cfg["train_batch_size"] == 32 == c.micro_batch * c.grad_accum * (2 // c.tp)
+        assert cfg["tensor_parallel"] == {"partition_config": user["tensor_parallel"]["partition_config"],
+                                          "autotp_size": c.tp}
+    assert {c.name for c in space if c.tp == 2 and c.stage == 0} == {"z0_mbs1_gas32_tp2", "z0_mbs2_gas16_tp2",
+                                                                     "z0_mbs4_gas8_tp2", "z0_mbs8_gas4_tp2",
+                                                                     "z0_mbs16_gas2_tp2"}
+    assert "tensor_parallel" not in Candidate(0, 1, 1).ds_config({}, dp=2)  # no section, tp 1: none added
+    with pytest.raises(LaunchConfigError, match="autotp_size 3 does not divide the 2 data-parallel ranks"):
+        build_space(user, at, dp=2, tps=[3])
+    # micro-batch sizes are sampled per degree
+    info = ModelInfo(1000, 10.0, 2, 10**9, on_cpu=True)
+    todo, _ = plan_candidates(space, info, Precision.of({}), at)
+    assert [c.name for c in todo] == ["z0_mbs1_gas16", "z0_mbs16_gas1", "z3_mbs1_gas16", "z3_mbs16_gas1",
+                                      "z0_mbs1_gas32_tp2", "z0_mbs16_gas2_tp2"]
+
+
+def test_the_memory_model_counts_the_tensor_parallel_shard():
+    """P = 1000 parameters of which AutoTP splits S = 800 at tp 2: a rank holds 200 + 400;
+    its ZeRO partitions run over 4 / 2 = 2 data-parallel ranks."""
+    info = ModelInfo(1000, 10.0, 4, 10**9, on_cpu=False, tp_split_params={2: 800})
+    fp32 = Precision.of({})
+    assert predict_bytes(Candidate(0, 1, 1, tp=2), info, fp32) == 600 * 16 + 10
+    assert predict_bytes(Candidate(1, 1, 1, tp=2), info, fp32) == 600 * 8 + 600 * 8 // 2 + 10
+    assert predict_bytes(Candidate(1, 1, 1), info, fp32) == 1000 * 8 + 1000 * 8 // 4 + 10
+
+
 def test_parse_bytes():
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("700000") == 700000 and parse_bytes("1.5MB") == 1500000
     with pytest.raises(LaunchConfigError, match="--autotuning_memory_limit 12XB"):
@@ -261,6 +307,52 @@ def test_summary_ranks_and_explains():
     assert lines[8].endswith("pruned, not launched: predicted > limit")
     assert ranking.best(recs, "latency").name == "z0_mbs1_gas1"  # lower is better
     assert ranking.summary(recs[2:], "throughput").splitlines()[0].startswith("no configuration ran to the end")
+
+
+def test_judge_ranks_by_median_and_calls_a_difference_only_when_the_ranges_do_not_overlap():
+    runs = {"a": [10.0, 11.0, 12.0], "b": [5.0, 6.0, 7.0], "c": [9.0, 11.5, 13.0]}
+    v = ranking.judge(runs, "throughput", {"a": 100, "b": 100, "c": 100})
+    # c has the best median; a overlaps it (tied), equal memory: the better median wins
+    assert (v.winner, v.tied, v.runner_up, v.by_memory) == ("c", ["a"], "b", False)
+    # the tie goes to the lower predicted memory
+    v = ranking.judge(runs, "throughput", {"a": 50, "b": 10, "c": 100})
+    assert (v.winner, v.tied, v.runner_up, v.by_memory) == ("a", ["c"], "b", True)
+    # but never to one measurably slower than another of those tied with the best median: x
+    # overlaps t (the best median) yet every run of x is below every run of y
+    runs = {"t": [8.0, 11.0, 12.0], "y": [10.0, 10.5, 10.8], "x": [8.5, 9.0, 9.5]}
+    v = ranking.judge(runs, "throughput", {"t": 30, "y": 20, "x": 10})
+    assert (v.winner, v.tied, v.runner_up, v.by_memory) == ("y", ["t"], "x", True)
+    # no runner-up when all overlap; latency: lower is better
+    assert ranking.judge({"a": [1.0, 3.0], "b": [2.0, 4.0]}, "throughput", {}).runner_up is None
+    v = ranking.judge({"slow": [2.0, 2.2], "fast": [1.0, 1.1]}, "latency", {})
+    assert (v.winner, v.runner_up, v.medians["fast"]) == ("fast", "slow", pytest.approx(1.05))
+
+
+def test_the_summary_follows_the_judgement():
+    recs = [ranking.TrialRecord(Candidate(0, 16, 1), "ok", 90.0, 4000, 4100),   # fastest once, then slower
+            ranking.TrialRecord(Candidate(0, 8, 1), "ok", 80.0, 3000, 3100),
+            ranking.TrialRecord(Candidate(0, 4, 1), "ok", 70.0, 2000, 2100),
+            ranking.TrialRecord(Candidate(0, 2, 1), "ok", 60.0, 1000, 1100),
+            ranking.TrialRecord(Candidate(1, 1, 1), "crashed", reason="exit code 1: RuntimeError: boom")]
+    v = ranking.judge({"z0_mbs16_gas1": [50.0, 52.0, 51.0], "z0_mbs8_gas1": [60.0, 66.0, 64.0],
+                       "z0_mbs4_gas1": [62.0, 65.0, 63.0]}, "throughput",
+                      {r.name: r.predicted_bytes for r in recs})
+    lines = ranking.summary(recs, "throughput", ["header"], v).splitlines()
+    assert lines[1] == "best: z0_mbs4_gas1 (throughput 63 samples/s, median of 3 interleaved re-runs); tied " \
+                       "within noise with z0_mbs8_gas1"
+    assert lines[2].startswith("runner-up: z0_mbs16_gas1 (throughput 51 samples/s, measurably slower")
+    table = {ln.split()[1]: ln for ln in lines[5:]}
+    assert [ln.split()[1] for ln in lines[5:]] == ["z0_mbs4_gas1", "z0_mbs8_gas1", "z0_mbs16_gas1", "z0_mbs2_gas1",
+                                                  "z1_mbs1_gas1"]
+    assert table["z0_mbs4_gas1"].endswith("best: tied within noise with the highest median (3 interleaved re-runs "
+                                          "62-65); chosen for the lowest predicted memory")
+    assert table["z0_mbs8_gas1"].endswith("tied with z0_mbs4_gas1 within noise (re-runs 60-66 overlap 62-65); "
+                                          "z0_mbs4_gas1 has the lower predicted memory")
+    assert "runner-up: measurably slower: 19.0% less throughput than z0_mbs4_gas1 (re-runs 50-52" in \
+        table["z0_mbs16_gas1"]
+    assert table["z0_mbs2_gas1"].endswith("not re-measured: its one tuning run ranked below the 3 re-measured")
+    assert table["z1_mbs1_gas1"].endswith("crashed: exit code 1: RuntimeError: boom")
+    assert lines[5].split()[2] == "63"  # the median re-run, not the tuning run
 
 
 # ---------------------------------------------------------------- script arguments and outcomes
@@ -388,6 +480,8 @@ def test_the_engine_stops_a_trial_after_end_profile_step(tmp_path):
     # measured on the CPU: parameters and gradients (SGD keeps no state) plus one step's activations
     assert m["measured_bytes"] >= 552 * 4 * 2 + 4 * 160
     assert m["throughput"] == pytest.approx(8 / m["elapsed_s"])
+    assert m["tp"] == 1 and m["autotp"] == {"split": {}, "refused": "a single data-parallel rank: no degree above 1 "
+                                                                    "divides it"}
 
 
 CKPT_JOB = """
@@ -471,11 +565,12 @@ def test_fast_false_tunes_bucket_sizes_around_the_best_within_the_bounds(tmp_pat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "autotuning": {
         "fast": False, "max_train_batch_size": 4, "num_tuning_micro_batch_sizes": 1, "tuner_num_trials": num_trials}}))
-    tuning = Tuning(LaunchOptions(script="t.py", script_args=("--deepspeed_config", "cfg.json")), Settings("tune"), {})
+    tuning = Tuning(LaunchOptions(script="t.py", script_args=("--deepspeed_config", "cfg.json")),
+                    Settings("tune", repeats=0), {})
     tuning.launcher = fake = FakeLauncher()
     assert tuning.tune() == 0
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
-    rows = {ln.split()[1]: ln for ln in summary.splitlines()[5:] if ln.strip()}
+    rows = table_rows(summary)
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     if num_trials == 50:  # the sweep, then one knob at a time around its best (z1_mbs2_gas1)
         assert fake.ran == ["profile_model_info", "z1_mbs2_gas1", "z1_mbs2_gas1_offopt", "z1_mbs2_gas1_rb5e7",
@@ -486,3 +581,57 @@ def test_fast_false_tunes_bucket_sizes_around_the_best_within_the_bounds(tmp_pat
         assert fake.ran == ["profile_model_info", "z1_mbs2_gas1", "z1_mbs2_gas1_offopt", "z1_mbs2_gas1_rb5e7"]
         assert rows["z1_mbs2_gas1_ab1e9"].endswith("not tried: tuner_num_trials 3 reached")
         assert optimal["zero_optimization"] == {"stage": 1}
+
+
+def table_rows(summary):
+    lines = summary.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("#  experiment")) + 1
+    return {ln.split()[1]: ln for ln in lines[start:] if ln.strip()}
+
+
+class NoisyLauncher(FakeLauncher):
+    """Each configuration's throughput is its next scripted value: the tuning run, then its re-runs."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script = {k: list(v) for k, v in script.items()}
+
+    def run(self, exp_dir, ds_config, timeout, flags=None):
+        out = super().run(exp_dir, ds_config, timeout, flags)
+        name = exp_dir.parent.name if exp_dir.name.startswith("rerun") else exp_dir.name
+        self.ran[-1] = f"{name}/{exp_dir.name}" if exp_dir.name.startswith("rerun") else name
+        if name in self.script:
+            value = self.script[name].pop(0)
+            if value is None:
+                return trial.Outcome("crashed", None, "exit code 1: RuntimeError: flaky", 0.1)
+            out.metrics["throughput"] = value
+        return out
+
+
+def test_the_best_are_re_measured_interleaved_and_the_winner_is_the_measurably_fastest(tmp_path, monkeypatch):
+    """mbs 4 wins its one tuning run by luck; interleaved re-runs of the best 3 put mbs 2
+    measurably ahead of it. mbs 8's first re-run crashes: it is left out of the judgement."""
+    from dslaunch.launcher.autotune.driver import Settings, Tuning
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps({"zero_optimization": {"stage": 0}, "autotuning": {
+        "max_train_batch_size": 16, "num_tuning_micro_batch_sizes": 4}}))
+    tuning = Tuning(LaunchOptions(script="t.py", script_args=("--deepspeed_config", "cfg.json")),
+                    Settings("tune", repeats=3), {})
+    tuning.launcher = fake = NoisyLauncher({"z0_mbs4_gas1": [99, 40, 41, 42], "z0_mbs2_gas1": [90, 50, 60, 55],
+                                            "z0_mbs8_gas1": [95, None], "z0_mbs1_gas1": [80]})
+    assert tuning.tune() == 0
+    assert fake.ran[5:] == ["z0_mbs4_gas1/rerun1", "z0_mbs8_gas1/rerun1", "z0_mbs2_gas1/rerun1",
+                            "z0_mbs4_gas1/rerun2", "z0_mbs2_gas1/rerun2", "z0_mbs4_gas1/rerun3", "z0_mbs2_gas1/rerun3"]
+    results = tmp_path / "autotuning_results"
+    verdict = json.loads((results / "reruns.json").read_text())
+    assert (verdict["winner"], verdict["runner_up"], verdict["tied"]) == ("z0_mbs2_gas1", "z0_mbs4_gas1", [])
+    assert verdict["runs"]["z0_mbs2_gas1"] == [50, 60, 55]
+    assert json.loads((results / "ds_config_optimal.json").read_text())["train_micro_batch_size_per_gpu"] == 2
+    summary = (results / "summary.txt").read_text()
+    assert "runner-up: z0_mbs4_gas1 (throughput 41 samples/s, measurably slower" in summary
+    rows = table_rows(summary)
+    assert rows["z0_mbs2_gas1"].split()[2] == "55" and "best: highest median throughput of 3" in rows["z0_mbs2_gas1"]
+    assert "runner-up: measurably slower: 25.5% less throughput" in rows["z0_mbs4_gas1"]
+    assert rows["z0_mbs8_gas1"].endswith("left out of the re-runs: re-run 1 crashed: exit code 1: RuntimeError: flaky")
+    assert rows["z0_mbs1_gas1"].endswith("not re-measured: its one tuning run ranked below the 3 re-measured")

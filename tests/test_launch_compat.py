@@ -188,6 +188,7 @@ def test_force_multi_sends_even_this_machine_through_the_launcher(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--autotuning_budget", "60"], "--autotuning_budget needs --autotuning tune|run"),
+    (["--autotuning_repeats", "2"], "--autotuning_repeats needs --autotuning tune|run"),
     (["--elastic_training"], "--elastic_training: not supported; dslaunch restarts the whole job"),
     (["--min_elastic_nodes", "1"], "--min_elastic_nodes: not supported"),
     (["--no_ssh"], "--no_ssh: dslaunch starts the other nodes itself"),

@@ -21,7 +21,7 @@ REFUSED = {
     "metric_path": "written by dslaunch for each trial (results_dir/<exp>/metrics.json); remove it",
     "model_info_path": "the model profile is measured by dslaunch's first trial; remove it",
     "model_info": "the model profile is measured by dslaunch's first trial; remove it",
-    "mp_size": "model parallelism is not tuned; remove it",
+    "mp_size": "the tensor degree is tuned through tensor_parallel.autotp_size (AutoTP); remove it",
 }
 
 

@@ -12,8 +12,14 @@
    stopping fires or the --autotuning_budget is spent. A trial that fails is recorded with
    its one-line reason and tuning goes on. With `fast` false, the bucket sizes around the
    best candidate are tried next (space.bucket_variants), under the same bounds.
-4. results_dir gets summary.txt, ds_config_optimal.json and cmd_optimal.txt; every trial
-   its own folder (trial.py); exps_dir one JSON per experiment, as DeepSpeed writes.
+4. The best CONFIRM_TOP that ran are re-measured --autotuning_repeats times, interleaved
+   (A B C A B C ...), each re-run a fresh launch in <exp>/rerun<i>/; ranking.judge() picks
+   the winner by their medians and calls a difference real only when the re-runs' ranges
+   do not overlap (a tie within noise goes to the lower predicted memory). One tuning run
+   per configuration is not enough to call one the fastest on a loaded machine.
+5. results_dir gets summary.txt, reruns.json (the re-runs and the judgement),
+   ds_config_optimal.json and cmd_optimal.txt; every trial its own folder (trial.py);
+   exps_dir one JSON per experiment, as DeepSpeed writes.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from dslaunch.launcher.autotune.config import AutotuningConfig, load_user_config
 from dslaunch.launcher.autotune.memory import ModelInfo, Precision, activation_model, mib, predict_bytes
 from dslaunch.launcher.autotune.ranking import NOT_TRIED, OK, PRUNED, TrialRecord
 from dslaunch.launcher.autotune.space import (CHECKPOINTING, Candidate, bucket_variants, build_space,
-                                              checkpointing_options, spread, stages_of)
+                                              checkpointing_options, spread, stages_of, tp_degrees)
 from dslaunch.launcher.autotune.trial import (Outcome, TrialLauncher, config_arg, launcher_argv, mapped_values,
                                               with_config)
 from dslaunch.launcher.autotune.tuners import TUNERS, EarlyStopping
@@ -39,6 +45,8 @@ from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.options import LaunchOptions
 
 DEFAULT_BUDGET_S = 3600.0
+DEFAULT_REPEATS = 3
+CONFIRM_TOP = 3  # how many of the best tuning runs are re-measured
 PROFILE_EXP = "profile_model_info"
 
 
@@ -53,6 +61,7 @@ class Settings:
     mode: str  # "tune" or "run"
     budget_s: float = DEFAULT_BUDGET_S
     memory_limit: Optional[int] = None  # bytes per rank; None: measured by the profile trial
+    repeats: int = DEFAULT_REPEATS  # interleaved re-runs of the best CONFIRM_TOP; 0: none
 
 
 def _say(text: str) -> None:
@@ -72,13 +81,16 @@ def plan_candidates(space: List[Candidate], info: ModelInfo, prec: Precision,
                                        reason=f"predicted {mib(need)} > limit {mib(info.memory_limit)} per rank"))
         else:
             fits.append(c)
-    # micro-batch sizes are sampled per stage and per checkpointing choice: checkpointing on
-    # is what lets the larger ones fit
-    for group in sorted({(c.stage, c.activation_checkpointing is True) for c in fits}):
-        sizes = sorted({c.micro_batch for c in fits if (c.stage, c.activation_checkpointing is True) == group})
+    # micro-batch sizes are sampled per tp degree, stage and checkpointing choice: checkpointing
+    # on is what lets the larger ones fit
+    def group_of(c):
+        return c.tp, c.stage, c.activation_checkpointing is True
+
+    for group in sorted({group_of(c) for c in fits}):
+        sizes = sorted({c.micro_batch for c in fits if group_of(c) == group})
         chosen = set(spread(sizes, at.num_tuning_micro_batch_sizes))
         for c in fits:
-            if (c.stage, c.activation_checkpointing is True) != group:
+            if group_of(c) != group:
                 continue
             if c.micro_batch in chosen:
                 kept.append(c)
@@ -115,9 +127,11 @@ class Tuning:
             if key != CHECKPOINTING:
                 mapped_values({key: "-x"}, Candidate(0, 1, 1).ds_config(self.user, 1))
         self.best: Optional[Candidate] = None
+        self.tps: List[int] = [1]
 
     # -- one experiment, reused when overwrite is false and it already ran -----------------
-    def _trial(self, name: str, ds_config: dict, flags: Optional[Dict[str, str]] = None) -> Outcome:
+    def _trial(self, name: str, ds_config: dict, flags: Optional[Dict[str, str]] = None,
+               experiment: bool = True) -> Outcome:
         exp_dir = (self.results / name).resolve()
         if not self.at.overwrite:
             try:
@@ -128,10 +142,11 @@ class Tuning:
             if same:
                 _say(f"{name}: reusing its earlier outcome (overwrite is false)")
                 return previous
-        self.exps.mkdir(parents=True, exist_ok=True)
-        (self.exps / f"{name}.json").write_text(json.dumps(
-            {"name": name, "ds_config": ds_config, "command": self.launcher.command(exp_dir, ds_config, flags)},
-            indent=2))
+        if experiment:  # (a re-run is the experiment's own command again)
+            self.exps.mkdir(parents=True, exist_ok=True)
+            (self.exps / f"{name}.json").write_text(json.dumps(
+                {"name": name, "ds_config": ds_config, "command": self.launcher.command(exp_dir, ds_config, flags)},
+                indent=2))
         return self.launcher.run(exp_dir, ds_config, timeout=self.deadline - time.monotonic(), flags=flags)
 
     def profile(self) -> ModelInfo:
@@ -154,15 +169,18 @@ class Tuning:
             with_ckpt, without = activation_model(m["forward_saved_bytes_per_sample"],
                                                   m["checkpoint_input_bytes_per_sample"],
                                                   m["checkpoint_segment_bytes_per_sample"])
+        autotp = m.get("autotp") or {}
         return ModelInfo(int(m["params"]), float(m["activation_bytes_per_sample"]), int(m["dp"]), int(limit),
-                         m["device"] == "cpu", with_ckpt, without)
+                         m["device"] == "cpu", with_ckpt, without,
+                         {int(d): int(n) for d, n in (autotp.get("split") or {}).items()}, autotp.get("refused", ""))
 
     def tune(self) -> int:
         start = time.monotonic()
         self.results.mkdir(parents=True, exist_ok=True)
         info = self.profile()
         prec = Precision.of(self.user)
-        space = build_space(self.user, self.at, info.dp)
+        self.tps = tp_degrees(self.user, sorted(info.tp_split_params), info.tp_refusal)
+        space = build_space(self.user, self.at, info.dp, self.tps)
         todo, records = plan_candidates(space, info, prec, self.at)
         _say(f"{len(space)} configurations: {len(todo)} to try, "
              f"{sum(r.status == PRUNED for r in records)} pruned by the memory model "
@@ -176,9 +194,50 @@ class Tuning:
             _say(f"bucket sizes around {top.name}: {len(variants)} more configuration(s)")
             untried, stop_reason = self._sweep(variants, TUNERS["gridsearch"](), ran, info, prec,
                                                best=ranking.score(self.at.metric, top.value))
+        verdict = self._rerun_best(ran, info) if self.settings.repeats else None
         records += ran + [TrialRecord(c, NOT_TRIED, predicted_bytes=predict_bytes(c, info, prec), reason=stop_reason)
                           for c in untried]
-        return self._write(records, info, time.monotonic() - start)
+        return self._write(records, info, time.monotonic() - start, verdict)
+
+    def _rerun_best(self, ran: List[TrialRecord], info: ModelInfo) -> Optional[ranking.Verdict]:
+        """Re-measure the best CONFIRM_TOP interleaved and judge them (ranking.judge)."""
+        metric, repeats = self.at.metric, self.settings.repeats
+        top = [r for r in ranking.ranked(ran, metric) if r.status == OK][:CONFIRM_TOP]
+        if len(top) < 2:
+            _say("fewer than two trials ran to the end: nothing to re-measure")
+            return None
+        _say(f"re-measuring the best {len(top)} interleaved, {repeats} time(s) each: "
+             f"{', '.join(r.name for r in top)}")
+        runs: Dict[str, List[float]] = {r.name: [] for r in top}
+        dropped: Dict[str, str] = {}
+        order = [(i, r) for i in range(1, repeats + 1) for r in top]  # round by round: A B C A B C ...
+        for i, r in order:
+            if r.name in dropped:
+                continue
+            if time.monotonic() >= self.deadline:
+                _say(f"the --autotuning_budget of {self.settings.budget_s:g} s ran out during the re-runs")
+                break
+            out = self._trial(f"{r.name}/rerun{i}", r.candidate.ds_config(self.user, info.dp),
+                              r.candidate.script_flags(), experiment=False)
+            if out.status == OK:
+                runs[r.name].append(out.metrics[metric])
+                shown = f"{runs[r.name][-1]:.4g} {ranking.UNITS[metric]}"
+            else:
+                dropped[r.name] = f"re-run {i} {out.status}: {out.reason}"
+                del runs[r.name]
+                shown = dropped[r.name]
+            _say(f"[re-run {i}/{repeats}] {r.name}: {shown}")
+        rounds = min((len(v) for v in runs.values()), default=0)  # complete rounds only: alike for all
+        if len(runs) < 2 or rounds < 2:  # one run each has no spread to tell noise from a difference
+            _say("too few complete rounds of re-runs to judge: ranked by the tuning runs alone")
+            return None
+        verdict = ranking.judge({n: v[:rounds] for n, v in runs.items()}, metric,
+                                {r.name: r.predicted_bytes or 0 for r in top})
+        verdict.dropped = dropped
+        (self.results / "reruns.json").write_text(json.dumps(
+            {"metric": metric, "winner": verdict.winner, "runner_up": verdict.runner_up, "tied": verdict.tied,
+             "runs": verdict.runs, "medians": verdict.medians, "dropped": dropped}, indent=2) + "\n")
+        return verdict
 
     def _sweep(self, todo: List[Candidate], tuner, ran: List[TrialRecord], info: ModelInfo, prec: Precision,
                best: Optional[float] = None) -> Tuple[List[Candidate], str]:
@@ -212,18 +271,24 @@ class Tuning:
                                  "improve the best")
         return untried, ""
 
-    def _write(self, records: List[TrialRecord], info: ModelInfo, seconds: float) -> int:
+    def _write(self, records: List[TrialRecord], info: ModelInfo, seconds: float,
+               verdict: Optional[ranking.Verdict] = None) -> int:
         header = [f"dslaunch autotuning: metric {self.at.metric}, tuner {self.at.tuner_type}, "
                   f"{sum(r.status not in (PRUNED, NOT_TRIED) for r in records)} trial(s) in {seconds:.0f} s",
                   f"model: {info.params} parameters, {mib(info.activation_bytes_per_sample)} activations per "
                   f"sample, {info.dp} data-parallel rank(s), memory limit {mib(info.memory_limit)} per rank"]
+        header.append(self._tp_line(info))
         if info.checkpointed_bytes_per_sample is not None:
             header.append(f"activation checkpointing (measured in {PROFILE_EXP}): "
                           f"{mib(info.checkpointed_bytes_per_sample)} per sample with it on, "
                           f"{mib(info.plain_bytes_per_sample)} with it off")
-        text = ranking.summary(records, self.at.metric, header)
+        if verdict is None:
+            (self.results / "reruns.json").unlink(missing_ok=True)  # an earlier run's
+        text = ranking.summary(records, self.at.metric, header, verdict)
         (self.results / "summary.txt").write_text(text)
         top = ranking.best(records, self.at.metric)
+        if verdict is not None:
+            top = next(r for r in records if r.name == verdict.winner)
         if top is None:
             _say(f"no configuration ran to the end; see {self.results / 'summary.txt'}")
             return 1
@@ -231,8 +296,21 @@ class Tuning:
         cfg = top.candidate.ds_config(self.user, info.dp)
         (self.results / "ds_config_optimal.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (self.results / "cmd_optimal.txt").write_text(shlex.join(self.optimal_command()) + "\n")
-        _say(f"best: {top.name} ({top.value:.4g} {ranking.UNITS[self.at.metric]}); results in {self.results}/")
+        value = verdict.medians[top.name] if verdict is not None else top.value
+        _say(f"best: {top.name} ({value:.4g} {ranking.UNITS[self.at.metric]}); results in {self.results}/")
         return 0
+
+    def _tp_line(self, info: ModelInfo) -> str:
+        where = f"AutoTP, asked in {PROFILE_EXP}"
+        split = ", ".join(f"degree {d} splits {info.tp_split_params[d]} of {info.params} parameters"
+                          for d in self.tps if d > 1 and d in info.tp_split_params)
+        if len(self.tps) > 1:
+            return f"tensor parallel ({where}): degrees {', '.join(map(str, self.tps))} tuned; {split}"
+        if self.tps != [1]:
+            return f"tensor parallel: degree {self.tps[0]} (fixed by tensor_parallel.autotp_size)" + \
+                (f"; {split}" if split else "")
+        why = f": {info.tp_refusal}" if info.tp_refusal else ""
+        return f"tensor parallel ({where}): degree 1 only{why}"
 
     def optimal_args(self) -> List[str]:
         path = self.results / "ds_config_optimal.json"

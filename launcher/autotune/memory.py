@@ -10,6 +10,11 @@ host *is* the device, so nothing is saved there. Activations are measured, not g
 the bytes autograd saved for backward in one profiled micro-batch, scaled by the
 micro-batch size.
 
+Tensor parallelism (AutoTP, degree t) splits the parameters of the layers it shards: the
+profile trial reports how many parameters AutoTP would split (S of P), so a rank holds
+P - S + S / t of them, and its ZeRO partitions run over the ranks / t data-parallel ranks.
+The activations are those measured at tp 1, an upper bound (column outputs are split too).
+
 Activation checkpointing is modelled from the same profile step (activation_model):
 the profile measures what the forward saved outside checkpointed segments (F), the
 inputs each checkpointed segment kept (K), and, in backward, what each segment's
@@ -21,7 +26,7 @@ against measured bytes is reported for every trial either way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from dslaunch.launcher.autotune.space import Candidate
@@ -45,6 +50,9 @@ class ModelInfo:
     # per sample, with and without activation checkpointing (activation_model); None: not tuned
     checkpointed_bytes_per_sample: Optional[float] = None
     plain_bytes_per_sample: Optional[float] = None
+    # AutoTP: degree -> parameters it splits at that degree (the others stay whole on every rank)
+    tp_split_params: Mapping[int, int] = field(default_factory=dict)
+    tp_refusal: str = ""  # why AutoTP cannot split the model, when it cannot
 
     def activations(self, c: Candidate) -> float:
         """Activation bytes per sample of the micro-batch for candidate c."""
@@ -78,7 +86,9 @@ class Precision:
 
 def predict_bytes(c: Candidate, info: ModelInfo, prec: Precision) -> int:
     """Bytes on one rank's device for candidate c."""
-    p, n = info.params, info.dp
+    n = info.dp // c.tp
+    split = info.tp_split_params.get(c.tp, 0) if c.tp > 1 else 0
+    p = info.params - split + split / c.tp
     params = prec.model_bytes * p / (n if c.stage >= 3 else 1)
     grads = prec.model_bytes * p / (n if c.stage >= 2 else 1)
     optim = (prec.master_bytes + prec.state_bytes) * p / (n if c.stage >= 1 else 1)

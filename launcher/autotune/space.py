@@ -11,6 +11,12 @@ script's --gradient_checkpointing), given `true` or `false` per trial. A config 
 switch it: the `activation_checkpointing` section only says how the checkpoints the model
 itself makes (deepspeed.checkpointing.checkpoint) are kept.
 
+The tensor-parallel degree (AutoTP training, `tensor_parallel.autotp_size`) is a dimension
+when the model allows it: the profile trial asks AutoTP which degrees dividing the ranks it
+can split the model at (tp_degrees), and every degree tuned gets its own micro-batch sizes
+over its data-parallel size, ranks / tp (the global batch, when fixed, is kept over those).
+ZeRO stage 3 is left out with tp above 1: the runtime refuses the pair.
+
 Bucket sizes are tuned, when `fast` is false, after the sweep and only around its best
 candidate (bucket_variants), as DeepSpeed's autotuner tunes its per-stage templates
 around the best micro-batch: one knob at a time over DeepSpeed's values 5e7, 5e8, 1e9,
@@ -47,10 +53,13 @@ class Candidate:
     offload_param: bool = False
     activation_checkpointing: Optional[bool] = None  # None: not tuned, the script does as it does
     buckets: Tuple[Tuple[str, int], ...] = ()  # (zero_optimization key, elements), set by bucket_variants
+    tp: int = 1  # tensor_parallel.autotp_size
 
     @property
     def name(self) -> str:
         parts = [f"z{self.stage}", f"mbs{self.micro_batch}", f"gas{self.grad_accum}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
         if self.offload_optimizer:
             parts.append("offopt")
         if self.offload_param:
@@ -67,12 +76,16 @@ class Candidate:
         return {CHECKPOINTING: "true" if self.activation_checkpointing else "false"}
 
     def train_batch(self, dp: int) -> int:
-        return self.micro_batch * self.grad_accum * dp
+        """The global batch, given the data-parallel size at tp 1 (the ranks' count over tp is this one's)."""
+        return self.micro_batch * self.grad_accum * (dp // self.tp)
 
     def ds_config(self, user: Mapping[str, Any], dp: int) -> Dict[str, Any]:
-        """The user's config with this candidate's values, without the autotuning section."""
+        """The user's config with this candidate's values, without the autotuning section;
+        dp is the data-parallel size at tp 1."""
         cfg = copy.deepcopy(dict(user))
         cfg.pop("autotuning", None)
+        if self.tp > 1 or isinstance(cfg.get("tensor_parallel"), dict):
+            cfg["tensor_parallel"] = {**(cfg.get("tensor_parallel") or {}), "autotp_size": self.tp}
         zero = cfg.get("zero_optimization")
         zero = dict(zero) if isinstance(zero, dict) else {}
         zero["stage"] = self.stage
@@ -99,6 +112,27 @@ def stages_of(user: Mapping[str, Any]) -> List[int]:
     if not stages or any(s not in ALL_STAGES for s in stages):
         raise LaunchConfigError(f"zero_optimization.stage: {stage!r}: give 0-3, a list of them, or \"all\" to tune")
     return sorted(set(stages))
+
+
+def tp_degrees(user: Mapping[str, Any], allowed: Sequence[int], why_not: str = "") -> List[int]:
+    """The tensor-parallel degrees to tune: `tensor_parallel.autotp_size` when given (a
+    number fixes it, a list tunes those), else 1 and every degree the profile trial found
+    AutoTP can split the model at (`allowed`; `why_not`: why no other)."""
+    section = user.get("tensor_parallel")
+    given = section.get("autotp_size") if isinstance(section, dict) else None
+    if given is None:
+        return sorted({1, *allowed})
+    degrees = given if isinstance(given, list) else [given]
+    if not degrees or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in degrees):
+        raise LaunchConfigError(f"tensor_parallel.autotp_size: {given!r}: give a degree, or a list of them to tune")
+    degrees = sorted({max(1, d) for d in degrees})
+    if not isinstance(given, list):
+        return degrees  # fixed by the user: run as given
+    for d in degrees:
+        if d > 1 and d not in allowed:
+            hint = f": {why_not}" if why_not else f" (it can at {', '.join(map(str, allowed))})" if allowed else ""
+            raise LaunchConfigError(f"tensor_parallel.autotp_size: AutoTP cannot split this model at degree {d}{hint}")
+    return degrees
 
 
 def micro_batches(user: Mapping[str, Any], at: AutotuningConfig, dp: int) -> List[tuple]:
@@ -140,17 +174,25 @@ def checkpointing_options(at: AutotuningConfig) -> Tuple[Optional[bool], ...]:
     return (False, True) if CHECKPOINTING in at.arg_mappings else (None,)
 
 
-def build_space(user: Mapping[str, Any], at: AutotuningConfig, dp: int) -> List[Candidate]:
-    """Every candidate, in grid order (stage, then micro-batch, then offload, then checkpointing)."""
+def build_space(user: Mapping[str, Any], at: AutotuningConfig, dp: int,
+                tps: Sequence[int] = (1,)) -> List[Candidate]:
+    """Every candidate, in grid order (tp degree, stage, then micro-batch, then offload, then
+    checkpointing); dp is the data-parallel size at tp 1."""
     out = []
-    for stage in stages_of(user):
-        opts = [(False, False)]
-        if not at.fast and stage >= 1:
-            opts.append((True, False))
-            if stage == 3:
-                opts.append((True, True))
-        for m, g in micro_batches(user, at, dp):
-            out.extend(Candidate(stage, m, g, oo, op, ac) for oo, op in opts for ac in checkpointing_options(at))
+    for tp in tps:
+        if dp % tp:
+            raise LaunchConfigError(f"tensor_parallel.autotp_size {tp} does not divide the {dp} data-parallel ranks")
+        for stage in stages_of(user):
+            if tp > 1 and stage == 3:
+                continue  # the runtime refuses ZeRO-3 with AutoTP
+            opts = [(False, False)]
+            if not at.fast and stage >= 1:
+                opts.append((True, False))
+                if stage == 3:
+                    opts.append((True, True))
+            for m, g in micro_batches(user, at, dp // tp):
+                out.extend(Candidate(stage, m, g, oo, op, ac, tp=tp) for oo, op in opts
+                           for ac in checkpointing_options(at))
     return out
 
 

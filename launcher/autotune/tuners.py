@@ -4,7 +4,7 @@ A tuner sees the candidates not tried yet and the scores of those tried (higher 
 better; a failed trial scores None) and proposes the next one. Random and model_based
 are seeded, so a tuning run is reproducible. model_based fits a least-squares linear
 model of the score on (stage, log2 micro-batch, accumulation, offloads, activation
-checkpointing) to the trials
+checkpointing, log2 tp degree) to the trials
 that ran and proposes the untried candidate it predicts best; it explores at random until
 two trials have succeeded. Early stopping ends the run after `patience` trials in a row
 that did not improve the best score.
@@ -40,7 +40,7 @@ class RandomSearch(Tuner):
 
 def features(c: Candidate) -> List[float]:
     return [1.0, float(c.stage), math.log2(c.micro_batch), math.log2(c.grad_accum), float(c.offload_optimizer),
-            float(c.offload_param), float(bool(c.activation_checkpointing))]
+            float(c.offload_param), float(bool(c.activation_checkpointing)), math.log2(c.tp)]
 
 
 def least_squares(xs: List[List[float]], ys: List[float], ridge: float = 1e-3) -> List[float]:
