@@ -361,10 +361,11 @@ def _effects():
         except Err as exc:
             out[name] = str(exc)
     # bf16.check_grad_overflow (and the old "bfloat16" spelling): an inf loss skips the step, or poisons the
-    # weights (DeepSpeed's behaviour; dslaunch's own nonfinite_check, on by default, is off here to show it)
+    # weights (DeepSpeed's behaviour; dslaunch's own nonfinite_check, on by default, is off here to show it,
+    # and so is clipping, whose norm would see the inf too)
     for check in (True, False):
         e = engine({**base, "bfloat16": {"enabled": True, "check_grad_overflow": check},
-                    "nonfinite_check": {"enabled": check}})
+                    "nonfinite_check": {"enabled": check}, "gradient_clipping": 0.0})
         loss = e(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum() * float("inf")
         e.backward(loss)
         e.step()

@@ -41,7 +41,7 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    type: str = supported(note="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle")
+    type: str = supported(note="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest")
     params: Dict[str, Any] = supported(factory=dict, note="the schedule's arguments, checked by name")
 
 
