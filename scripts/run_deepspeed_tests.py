@@ -106,7 +106,9 @@ def parse_junit(path: str, result: FileResult) -> None:
         if failure is not None or error is not None:
             node = failure if failure is not None else error
             result.failed += 1
-            result.failed_ids.append(f"{case.get('classname', '')}::{case.get('name', '')}")
+            # a collection error has no class: its name is the module
+            result.failed_ids.append(f"{case.get('classname')}::{case.get('name', '')}" if case.get("classname")
+                                     else case.get("name", ""))
             if not case.get("name") or case.get("classname", "") == "":
                 result.collection_errors += 1
             message = node.get("message") or ""

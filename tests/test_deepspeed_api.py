@@ -301,3 +301,39 @@ for _ in range(3):
                          timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stderr.count("hello once") == 1
+
+
+def test_deepspeeds_unit_test_imports_answer_truthfully():
+    """The names DeepSpeed's own unit tests import (scripts/run_deepspeed_tests.py)."""
+    import torch
+
+    import dslaunch.runtime.ops as ops
+    from dslaunch.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from dslaunch.runtime.ops.op_builder import ALL_OPS
+    from dslaunch.runtime.pipe.schedule import TrainSchedule
+    from dslaunch.runtime.precision_config import get_bfloat16_config
+    from dslaunch.runtime.topology import PipelineParallelGrid, _prime_factors
+    from dslaunch.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    # probed once from the builders, as DeepSpeed probes on first access
+    assert ops.__compatible_ops__ == {name: b.is_compatible() for name, b in ALL_OPS.items()}
+    assert ops.__compatible_ops__["cpu_adam"] and not ops.__compatible_ops__["async_io"]
+    # DeepSpeed's optimizer wrappers: nothing here is one, and none is built
+    assert not isinstance(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), DeepSpeedZeroOptimizer)
+    with pytest.raises(TypeError, match="FP16_Optimizer is DeepSpeed's internal optimizer wrapper.*\"fp16\""):
+        FP16_Optimizer(None)
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled
+    assert not get_bfloat16_config({}).enabled
+    assert [_prime_factors(n) for n in (1, 12, 13)] == [[], [2, 2, 3], [13]]
+    with pytest.raises(ValueError):
+        _prime_factors(0)
+    assert PipelineParallelGrid.__module__ == "dslaunch.runtime.parallel.mesh"
+    s = TrainSchedule(micro_batches=4, stages=2, stage_id=1)
+    assert (s.stage, s.num_stages, s.num_micro_batches) == (1, 2, 4)
+    spec = importlib.util.spec_from_file_location("numa", ROOT / "compat/deepspeed/deepspeed/utils/numa.py")
+    numa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numa)
+    assert numa.parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    for bad in ("0,2-6,5-9", "8,2-6", "1,6-2"):
+        with pytest.raises(ValueError):
+            numa.parse_range_list(bad)
