@@ -184,6 +184,9 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
          f"{total.collection_errors} collection errors; {len(purposed)} of the failures are on purpose (below)."
          if ran else "Nothing ran."),
         "",
+        "Reproduce with `python scripts/run_deepspeed_tests.py --deepspeed-src DIR` (a DeepSpeed checkout, fetched "
+        "by hand: DeepSpeed's tests are not on PyPI, and none is copied into this repository).",
+        "",
         "| file | collected | passed | failed | skipped |",
         "|---|---|---|---|---|",
     ]
@@ -210,6 +213,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--files", nargs="*", default=DEFAULT_FILES, help="paths under tests/unit/")
     ap.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--readme", default=None, help="also write the totals into this README's comparison table")
     ap.add_argument("--commit", default=None, help="the checkout's commit, where it is not a git work tree")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per path")
     ap.add_argument("--budget", type=int, default=None, help="seconds for all paths together (a path gets the "
@@ -276,7 +280,38 @@ def from_json(paths: List[str]) -> "tuple[List[FileResult], str]":
     return results, commits.pop()
 
 
+README_ROW = "| DeepSpeed's own unit tests"
+
+
+def readme_row(results: List[FileResult], commit: str) -> str:
+    passed, ran = sum(r.passed for r in results), sum(r.passed + r.failed for r in results)
+    skipped = sum(r.skipped for r in results)
+    share = f"{100.0 * passed / ran:.0f}%" if ran else "-"
+    return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | "
+            f"{passed} of {ran} that ran pass ({share}), {skipped} skipped as in DeepSpeed's CPU CI, over the "
+            f"files for the features dslaunch has, run against the compatibility package on CPU | its `tests/unit` at "
+            f"commit `{commit[:10]}` | | |")
+
+
+def update_readme(path: str, row: str) -> None:
+    """Replace the README's unit-test row (or add it under the API row)."""
+    with open(path) as fh:
+        lines = fh.read().split("\n")
+    at = [i for i, line in enumerate(lines) if line.startswith(README_ROW)]
+    if at:
+        lines[at[0]] = row
+    else:
+        api = [i for i, line in enumerate(lines) if line.startswith("| DeepSpeed's API as scripts import it")]
+        if not api:
+            raise SystemExit(f"run_deepspeed_tests: {path}: no row to replace or to follow")
+        lines.insert(api[0] + 1, row)
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines))
+
+
 def write_table(results: List[FileResult], commit: str, args, reasons: Dict[str, str]) -> int:
+    if getattr(args, "readme", None):
+        update_readme(args.readme, readme_row(results, commit))
     text = render(results, commit, sys.executable, reasons)
     if args.out:
         with open(args.out, "w") as fh:

@@ -42,8 +42,13 @@ def test_table_counts_causes_and_the_failures_on_purpose(tmp_path):
     assert "| `unit.runtime.test_gone` | not provided, because |" in text
     assert "| `unit.runtime.test_a.TestA::test_bad[2]` | differs |" in text
     # the JSON round trip renders the same table
-    s.write_table([r], "abc123", type("A", (), {"out": str(tmp_path / "t.md"), "json": str(tmp_path / "t.json")}),
-                  reasons)
+    readme = tmp_path / "README.md"
+    readme.write_text("| a | b |\n| DeepSpeed's API as scripts import it | x |\n| c | d |\n")
+    s.write_table([r], "abc123", type("A", (), {"out": str(tmp_path / "t.md"), "json": str(tmp_path / "t.json"),
+                                                "readme": str(readme)}), reasons)
+    s.write_table([r], "abc123", type("A", (), {"out": None, "json": None, "readme": str(readme)}), reasons)
+    rows = readme.read_text().split("\n")
+    assert len(rows) == 5 and rows[2].startswith("| DeepSpeed's own unit tests") and "1 of 4 that ran pass" in rows[2]
     again = s.from_json([str(tmp_path / "t.json")])
     assert s.render(*again, "python", reasons) == (tmp_path / "t.md").read_text() == text
 
