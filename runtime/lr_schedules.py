@@ -180,6 +180,15 @@ class OneCycle(_Schedule):
             return self.max_mom * (1.0 + self.decay_mom_rate * decay)
         return self.max_mom - (self.max_mom - self.min_mom) * frac
 
+    def get_mom(self):
+        """DeepSpeed's reading of the momentum now: (first beta, second beta) per param group
+        (the second as the group keeps it; None for a group with a plain momentum), or None
+        when the momentum does not cycle."""
+        if not self.cycle_momentum:
+            return None
+        mom = self.mom_at(self.last_batch_iteration)
+        return [(mom, group["betas"][1] if "betas" in group else None) for group in self.optimizer.param_groups]
+
     def _apply(self) -> None:
         super()._apply()
         if not self.cycle_momentum:

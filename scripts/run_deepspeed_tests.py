@@ -209,7 +209,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--deepspeed-src", help="a DeepSpeed checkout (its tests/unit is used)")
     ap.add_argument("--render-json", nargs="+", default=None, metavar="JSON",
-                    help="run nothing: write the table of earlier runs' --json files (same commit), in order")
+                    help="run nothing: write the table of earlier runs' --json files (same commit), in order; a "
+                         "later file's result for a path replaces an earlier one's")
     ap.add_argument("--files", nargs="*", default=DEFAULT_FILES, help="paths under tests/unit/")
     ap.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -269,15 +270,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def from_json(paths: List[str]) -> "tuple[List[FileResult], str]":
-    results, commits = [], set()
+    results: Dict[str, FileResult] = {}  # a later run of a path replaces an earlier one, in its place
+    commits = set()
     for path in paths:
         with open(path) as fh:
             data = json.load(fh)
         commits.add(data["commit"])
-        results += [FileResult(**r) for r in data["results"]]
+        for r in data["results"]:
+            results[r["path"]] = FileResult(**r)
     if len(commits) != 1:
         raise SystemExit(f"run_deepspeed_tests: the JSON files ran against different commits: {sorted(commits)}")
-    return results, commits.pop()
+    return list(results.values()), commits.pop()
 
 
 README_ROW = "| DeepSpeed's own unit tests"

@@ -188,6 +188,7 @@ def test_schedules_follow_deepspeed_formulas():
     o.step(5)  # DeepSpeed 0.19.8's OneCycle gives 0.64 and momentum 0.84 here, 0.46 at 15, 0.1 at 25
     assert math.isclose(o.get_lr()[0], 0.64) and math.isclose(o.optimizer.param_groups[0]["lr"], 0.64)
     assert math.isclose(o.optimizer.param_groups[0]["momentum"], 0.84)  # momentum cycles inversely
+    assert [(round(m, 12), b) for m, b in o.get_mom()] == [(0.84, None)]  # SGD: no second beta
     o.step(15)
     assert math.isclose(o.get_lr()[0], 0.46)
     o.step(25)

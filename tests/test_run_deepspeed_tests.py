@@ -51,6 +51,12 @@ def test_table_counts_causes_and_the_failures_on_purpose(tmp_path):
     assert len(rows) == 5 and rows[2].startswith("| DeepSpeed's own unit tests") and "1 of 4 that ran pass" in rows[2]
     again = s.from_json([str(tmp_path / "t.json")])
     assert s.render(*again, "python", reasons) == (tmp_path / "t.md").read_text() == text
+    # a later run of the same path replaces the earlier one, in its place
+    rerun = s.FileResult("runtime/", collected=2, passed=2)
+    s.write_table([rerun, s.FileResult("other/")], "abc123",
+                  type("A", (), {"out": None, "json": str(tmp_path / "u.json"), "readme": None}), reasons)
+    merged, _ = s.from_json([str(tmp_path / "t.json"), str(tmp_path / "u.json")])
+    assert [(m.path, m.passed) for m in merged] == [("runtime/", 2), ("other/", 0)]
 
 
 def test_reasons_file_parses_and_bad_lines_name_themselves(tmp_path):
