@@ -188,6 +188,12 @@ REFUSED["deepspeed.DeepSpeedDataLoader"] = "the engine builds its loader from tr
 
 # Provided with a difference the user should know.
 DIFFERENCES: Dict[str, str] = {
+    "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer": "named for isinstance checks (nothing is one: the "
+                                                             "engine keeps fp16 in its strategy); constructing it "
+                                                             "raises with the reason",
+    "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "named for isinstance checks (nothing is one: "
+                                                                      "the engine keeps fp16 in its strategy); "
+                                                                      "constructing it raises with the reason",
     "deepspeed.initialize": "mesh_param=(data, sequence) with a sequence size above 1 is refused in one line; "
                             "pass the Ulysses mpu instead",
     "deepspeed.DeepSpeedConfig": "a typed dataclass of the JSON (unknown keys are errors); the three batch-size "
