@@ -337,3 +337,16 @@ def test_deepspeeds_unit_test_imports_answer_truthfully():
     for bad in ("0,2-6,5-9", "8,2-6", "1,6-2"):
         with pytest.raises(ValueError):
             numa.parse_range_list(bad)
+    spec = importlib.util.spec_from_file_location("runner", ROOT / "compat/deepspeed/deepspeed/launcher/runner.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    assert runner._parse_hostfile(["w1 slots=2", "", "# c", "10.0.0.2 slots=1"]) == {"w1": 2, "10.0.0.2": 1}
+    with pytest.raises(ValueError, match="duplicate host"):
+        runner._parse_hostfile(["w1 slots=2", "w1 slots=1"])
+    hosts = {"w0": [0, 1, 2, 3], "w1": [0, 1, 2, 3]}
+    assert runner.parse_resource_filter(hosts, exclude_str="w0:0,1@w1:3") == {"w0": [2, 3], "w1": [0, 1, 2]}
+    assert runner.parse_resource_filter(hosts, include_str="w1:0,3") == {"w1": [0, 3]}
+    assert runner.parse_resource_filter({"w0": [0, 1]}, exclude_str="w0") == {}  # DeepSpeed's answer
+    for bad in ({"include_str": "A", "exclude_str": "B"}, {"include_str": "jeff"}, {"exclude_str": "w1:4"}):
+        with pytest.raises(ValueError):
+            runner.parse_resource_filter(hosts, **bad)
