@@ -193,7 +193,8 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         "|---|---|---|---|---|",
     ]
     for r in results:
-        note = " (timed out)" if r.timed_out else ""
+        note = (" (not reached: the budget was spent)" if r.timed_out and not r.collected
+                else " (timed out)" if r.timed_out else "")
         lines.append(f"| `{r.path}`{note} | {r.collected} | {r.passed} | {r.failed} | {r.skipped} |")
     if purposed:
         lines += ["", "## Failed on purpose", "", "| test | why dslaunch differs |", "|---|---|"]
