@@ -253,6 +253,10 @@ def test_op_builders_answer_for_our_kernels():
     flat = utils.flatten([torch.ones(2), torch.zeros(3)])
     assert flat.tolist() == [1, 1, 0, 0, 0] and [t.numel() for t in utils.unflatten(flat, [torch.ones(2),
                                                                                           torch.zeros(3)])] == [2, 3]
+    t = torch.arange(6, dtype=torch.float16)
+    b = utils.cast_to_byte_tensor(t)
+    assert b.dtype == torch.uint8 and b.numel() == 12 and b.data_ptr() == t.data_ptr()
+    assert [x.numel() for x in utils.cast_to_byte_tensor([t, torch.ones(3, dtype=torch.int64)])] == [12, 24]
 
 
 def test_partition_uniform_is_deepspeeds():
