@@ -156,7 +156,7 @@ _internal("deepspeed.utils.zero_to_fp32",
 _internal("deepspeed.launcher.runner",
           "Autotuner OpenMPIRunner PDSHRunner SlurmRunner apply_num_nodes_and_gpus encode_world_info "
           "fetch_hostfile get_accelerator parse_args parse_inclusion_exclusion parse_node_config "
-          "parse_node_config_list parse_resource_filter run_autotuning set_log_level_from_string",
+          "parse_node_config_list run_autotuning set_log_level_from_string",
           "an internal of DeepSpeed's launcher; dslaunch's launcher is the `dslaunch` command (and `deepspeed` "
           "through the compatibility package)")
 _internal("deepspeed.runtime.lr_schedules",
