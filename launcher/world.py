@@ -90,7 +90,8 @@ def parse_filter(expr: str, option: str) -> "OrderedDict[str, Optional[List[int]
     return out
 
 
-def _apply_filter(pool: "OrderedDict[str, List[int]]", expr: str, option: str, include: bool) -> "OrderedDict[str, List[int]]":
+def _apply_filter(pool: "OrderedDict[str, List[int]]", expr: str, option: str, include: bool,
+                  allow_empty: bool = False) -> "OrderedDict[str, List[int]]":
     wanted = parse_filter(expr, option)
     for host, slots in wanted.items():
         if host not in pool:
@@ -112,7 +113,7 @@ def _apply_filter(pool: "OrderedDict[str, List[int]]", expr: str, option: str, i
             kept = [] if host in wanted and dropped is None else [s for s in avail if s not in (dropped or [])]
         if kept:
             result[host] = kept
-    if not result:
+    if not result and not allow_empty:  # allow_empty: DeepSpeed's parse_resource_filter (the compat package)
         raise LaunchConfigError(f"{option} {expr!r}: no slots left to run on")
     return result
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's LR schedules by name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle.
+"""DeepSpeed's LR schedules by name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest.
 
 Each schedule is a pure function of the step count (`lr_at(step)`), wrapped in a small
 stateful object with the torch scheduler surface the engine and users touch: step(),
@@ -180,6 +180,15 @@ class OneCycle(_Schedule):
             return self.max_mom * (1.0 + self.decay_mom_rate * decay)
         return self.max_mom - (self.max_mom - self.min_mom) * frac
 
+    def get_mom(self):
+        """DeepSpeed's reading of the momentum now: (first beta, second beta) per param group
+        (the second as the group keeps it; None for a group with a plain momentum), or None
+        when the momentum does not cycle."""
+        if not self.cycle_momentum:
+            return None
+        mom = self.mom_at(self.last_batch_iteration)
+        return [(mom, group["betas"][1] if "betas" in group else None) for group in self.optimizer.param_groups]
+
     def _apply(self) -> None:
         super()._apply()
         if not self.cycle_momentum:
@@ -192,8 +201,42 @@ class OneCycle(_Schedule):
                 group["momentum"] = mom
 
 
+class LRRangeTest(_Schedule):
+    """The learning-rate range test: lr grows from lr_range_test_min_lr by step_rate per
+    step_size steps, continuously or in stairs (lr = min_lr * (1 + rate * interval), the
+    interval counting from the first step, as DeepSpeed's)."""
+
+    def __init__(self, optimizer, lr_range_test_min_lr=1e-3, lr_range_test_step_size: int = 2000,
+                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
+                 last_batch_iteration: int = -1):
+        groups = len(optimizer.param_groups)
+        if isinstance(lr_range_test_min_lr, (list, tuple)):
+            if len(lr_range_test_min_lr) != groups:
+                raise ConfigError(f"scheduler.params.lr_range_test_min_lr: expected {groups} values (one per param "
+                                  f"group), got {len(lr_range_test_min_lr)}")
+            self.min_lr = [float(x) for x in lr_range_test_min_lr]
+        else:
+            self.min_lr = [float(lr_range_test_min_lr)] * groups
+        if isinstance(lr_range_test_step_size, bool) or not isinstance(lr_range_test_step_size, int) \
+                or lr_range_test_step_size <= 0:
+            raise ConfigError("scheduler.params.lr_range_test_step_size: must be a positive integer, got "
+                              f"{lr_range_test_step_size!r}")
+        self.step_size, self.step_rate = lr_range_test_step_size, float(lr_range_test_step_rate)
+        self.staircase = bool(lr_range_test_staircase)
+        super().__init__(optimizer)
+        if last_batch_iteration >= 0:
+            self.step(last_batch_iteration)
+
+    def lr_at(self, step: int, group_index: int) -> float:
+        interval = (step + 1) / self.step_size
+        if self.staircase:
+            interval = math.floor(interval)
+        return self.min_lr[group_index] * (1 + self.step_rate * interval)
+
+
 SCHEDULES: Dict[str, Type[_Schedule]] = {
-    "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle}
+    "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR, "OneCycle": OneCycle,
+    "LRRangeTest": LRRangeTest}
 # DeepSpeed's names for the schedule types and their parameters (scripts and DeepSpeed's own
 # tests build scheduler sections with them).
 LR_SCHEDULE = "lr_schedule"

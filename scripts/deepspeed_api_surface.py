@@ -156,7 +156,7 @@ _internal("deepspeed.utils.zero_to_fp32",
 _internal("deepspeed.launcher.runner",
           "Autotuner OpenMPIRunner PDSHRunner SlurmRunner apply_num_nodes_and_gpus encode_world_info "
           "fetch_hostfile get_accelerator parse_args parse_inclusion_exclusion parse_node_config "
-          "parse_node_config_list parse_resource_filter run_autotuning set_log_level_from_string",
+          "parse_node_config_list run_autotuning set_log_level_from_string",
           "an internal of DeepSpeed's launcher; dslaunch's launcher is the `dslaunch` command (and `deepspeed` "
           "through the compatibility package)")
 _internal("deepspeed.runtime.lr_schedules",
@@ -188,6 +188,12 @@ REFUSED["deepspeed.DeepSpeedDataLoader"] = "the engine builds its loader from tr
 
 # Provided with a difference the user should know.
 DIFFERENCES: Dict[str, str] = {
+    "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer": "named for isinstance checks (nothing is one: the "
+                                                             "engine keeps fp16 in its strategy); constructing it "
+                                                             "raises with the reason",
+    "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "named for isinstance checks (nothing is one: "
+                                                                      "the engine keeps fp16 in its strategy); "
+                                                                      "constructing it raises with the reason",
     "deepspeed.initialize": "mesh_param=(data, sequence) with a sequence size above 1 is refused in one line; "
                             "pass the Ulysses mpu instead",
     "deepspeed.DeepSpeedConfig": "a typed dataclass of the JSON (unknown keys are errors); the three batch-size "

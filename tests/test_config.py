@@ -188,6 +188,7 @@ def test_schedules_follow_deepspeed_formulas():
     o.step(5)  # DeepSpeed 0.19.8's OneCycle gives 0.64 and momentum 0.84 here, 0.46 at 15, 0.1 at 25
     assert math.isclose(o.get_lr()[0], 0.64) and math.isclose(o.optimizer.param_groups[0]["lr"], 0.64)
     assert math.isclose(o.optimizer.param_groups[0]["momentum"], 0.84)  # momentum cycles inversely
+    assert [(round(m, 12), b) for m, b in o.get_mom()] == [(0.84, None)]  # SGD: no second beta
     o.step(15)
     assert math.isclose(o.get_lr()[0], 0.46)
     o.step(25)
@@ -196,6 +197,17 @@ def test_schedules_follow_deepspeed_formulas():
     o2 = OneCycle(_opt(), cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_first_step_size=10)
     o2.load_state_dict(state)
     assert o2.get_lr() == o.get_lr()
+    for staircase, ds in ((False, [0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.045, 0.05]),
+                          (True, [0.01, 0.01, 0.01, 0.01, 0.03, 0.03, 0.03, 0.03, 0.05])):
+        # DeepSpeed 0.19.8's LRRangeTest, same arguments: the lr before and after each of 8 steps
+        opt = _opt()
+        r = build_scheduler(SchedulerConfig("LRRangeTest", {
+            "lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 4, "lr_range_test_step_rate": 2.0,
+            "lr_range_test_staircase": staircase}), opt)
+        lrs = [opt.param_groups[0]["lr"]] + [(r.step(), opt.param_groups[0]["lr"])[1] for _ in range(8)]
+        assert [round(x, 12) for x in lrs] == ds
+    with pytest.raises(ConfigError, match=r"lr_range_test_step_size: must be a positive integer, got 0"):
+        build_scheduler(SchedulerConfig("LRRangeTest", {"lr_range_test_step_size": 0}), _opt())
     with pytest.raises(ConfigError, match=r"scheduler.params: WarmupDecayLR needs total_num_steps"):
         build_scheduler(SchedulerConfig("WarmupDecayLR", {}), _opt())
     with pytest.raises(ConfigError, match=r"scheduler.type: unknown scheduler 'WarmupLr'; did you mean 'WarmupLR'\?"):

@@ -361,10 +361,11 @@ def _effects():
         except Err as exc:
             out[name] = str(exc)
     # bf16.check_grad_overflow (and the old "bfloat16" spelling): an inf loss skips the step, or poisons the
-    # weights (DeepSpeed's behaviour; dslaunch's own nonfinite_check, on by default, is off here to show it)
+    # weights (DeepSpeed's behaviour; dslaunch's own nonfinite_check, on by default, is off here to show it,
+    # and so is clipping, whose norm would see the inf too)
     for check in (True, False):
         e = engine({**base, "bfloat16": {"enabled": True, "check_grad_overflow": check},
-                    "nonfinite_check": {"enabled": check}})
+                    "nonfinite_check": {"enabled": check}, "gradient_clipping": 0.0})
         loss = e(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum() * float("inf")
         e.backward(loss)
         e.step()
@@ -375,7 +376,7 @@ def _effects():
     # compute_grad_norm under stage 1, without clipping (nor nonfinite_check, which takes the norm too)
     for flag in (True, False):
         e = engine({**base, "zero_optimization": {"stage": 1, "compute_grad_norm": flag},
-                    "nonfinite_check": {"enabled": flag}})
+                    "nonfinite_check": {"enabled": flag}, "gradient_clipping": 0.0})
         e.backward(e(torch.randn(4, 8)).pow(2).mean())
         e.step()
         out[f"norm_{flag}"] = e.get_global_grad_norm()

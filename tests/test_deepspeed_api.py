@@ -253,6 +253,10 @@ def test_op_builders_answer_for_our_kernels():
     flat = utils.flatten([torch.ones(2), torch.zeros(3)])
     assert flat.tolist() == [1, 1, 0, 0, 0] and [t.numel() for t in utils.unflatten(flat, [torch.ones(2),
                                                                                           torch.zeros(3)])] == [2, 3]
+    t = torch.arange(6, dtype=torch.float16)
+    b = utils.cast_to_byte_tensor(t)
+    assert b.dtype == torch.uint8 and b.numel() == 12 and b.data_ptr() == t.data_ptr()
+    assert [x.numel() for x in utils.cast_to_byte_tensor([t, torch.ones(3, dtype=torch.int64)])] == [12, 24]
 
 
 def test_partition_uniform_is_deepspeeds():
@@ -301,3 +305,52 @@ for _ in range(3):
                          timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stderr.count("hello once") == 1
+
+
+def test_deepspeeds_unit_test_imports_answer_truthfully():
+    """The names DeepSpeed's own unit tests import (scripts/run_deepspeed_tests.py)."""
+    import torch
+
+    import dslaunch.runtime.ops as ops
+    from dslaunch.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from dslaunch.runtime.ops.op_builder import ALL_OPS
+    from dslaunch.runtime.pipe.schedule import TrainSchedule
+    from dslaunch.runtime.precision_config import get_bfloat16_config
+    from dslaunch.runtime.topology import PipelineParallelGrid, _prime_factors
+    from dslaunch.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    # probed once from the builders, as DeepSpeed probes on first access
+    assert ops.__compatible_ops__ == {name: b.is_compatible() for name, b in ALL_OPS.items()}
+    assert ops.__compatible_ops__["cpu_adam"] and not ops.__compatible_ops__["async_io"]
+    # DeepSpeed's optimizer wrappers: nothing here is one, and none is built
+    assert not isinstance(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), DeepSpeedZeroOptimizer)
+    with pytest.raises(TypeError, match="FP16_Optimizer is DeepSpeed's internal optimizer wrapper.*\"fp16\""):
+        FP16_Optimizer(None)
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled
+    assert not get_bfloat16_config({}).enabled
+    assert [_prime_factors(n) for n in (1, 12, 13)] == [[], [2, 2, 3], [13]]
+    with pytest.raises(ValueError):
+        _prime_factors(0)
+    assert PipelineParallelGrid.__module__ == "dslaunch.runtime.parallel.mesh"
+    s = TrainSchedule(micro_batches=4, stages=2, stage_id=1)
+    assert (s.stage, s.num_stages, s.num_micro_batches) == (1, 2, 4)
+    spec = importlib.util.spec_from_file_location("numa", ROOT / "compat/deepspeed/deepspeed/utils/numa.py")
+    numa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numa)
+    assert numa.parse_range_list("0,2-4,6,8-9") == [0, 2, 3, 4, 6, 8, 9]
+    for bad in ("0,2-6,5-9", "8,2-6", "1,6-2"):
+        with pytest.raises(ValueError):
+            numa.parse_range_list(bad)
+    spec = importlib.util.spec_from_file_location("runner", ROOT / "compat/deepspeed/deepspeed/launcher/runner.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    assert runner._parse_hostfile(["w1 slots=2", "", "# c", "10.0.0.2 slots=1"]) == {"w1": 2, "10.0.0.2": 1}
+    with pytest.raises(ValueError, match="duplicate host"):
+        runner._parse_hostfile(["w1 slots=2", "w1 slots=1"])
+    hosts = {"w0": [0, 1, 2, 3], "w1": [0, 1, 2, 3]}
+    assert runner.parse_resource_filter(hosts, exclude_str="w0:0,1@w1:3") == {"w0": [2, 3], "w1": [0, 1, 2]}
+    assert runner.parse_resource_filter(hosts, include_str="w1:0,3") == {"w1": [0, 3]}
+    assert runner.parse_resource_filter({"w0": [0, 1]}, exclude_str="w0") == {}  # DeepSpeed's answer
+    for bad in ({"include_str": "A", "exclude_str": "B"}, {"include_str": "jeff"}, {"exclude_str": "w1:4"}):
+        with pytest.raises(ValueError):
+            runner.parse_resource_filter(hosts, **bad)

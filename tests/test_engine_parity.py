@@ -192,3 +192,42 @@ def test_two_ranks_match_one_rank_and_resume_exactly(tmp_path):
         assert res["path"].endswith("global_step3")
         assert res["losses"] == two[rank]["uninterrupted"][3:]
         assert torch.equal(res["rng_after_load"], two[rank]["rng_before"])
+
+
+def default_clipping_body():
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    out = {}
+    for name, extra in (("default", {}), ("off", {"gradient_clipping": 0.0})):
+        model = _model(0)
+        cfg = {"train_batch_size": GLOBAL_BATCH, "steps_per_print": 1000,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **extra}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        for step in range(3):
+            x, y = _batch(step)
+            engine.backward(100.0 * torch.nn.functional.mse_loss(engine(x), y))  # gradient norm far above 1
+            engine.step()
+        out[name] = _weights(engine)
+        engine.destroy()
+    # The reference: torch's own loop, clipping the global norm to DeepSpeed's default 1.0.
+    model = _model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step)
+        (100.0 * torch.nn.functional.mse_loss(model(x), y)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    out["reference"] = [p.detach().float().clone() for p in model.parameters()]
+    return out
+
+
+def test_config_without_gradient_clipping_clips_at_deepspeeds_default_one():
+    import torch
+
+    out = run_function(default_clipping_body, nprocs=1, timeout=120)[0]
+    for a, b in zip(out["default"], out["reference"]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    assert not torch.allclose(out["off"][0], out["reference"][0], atol=1e-3)

@@ -101,7 +101,7 @@ def test_module_tree_maps_onto_dslaunch_runtime(probe):
     assert all(probe["same"]), probe["same"]
     # deepspeed.ops.{adam,lion,adagrad}: dslaunch.runtime.ops's classes; deepspeed.checkpointing
     assert all(probe["ops"]), probe["ops"]
-    assert probe["schedules"] == ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"]
+    assert probe["schedules"] == ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     assert probe["env_name"] == ".deepspeed_env"
     assert {"dist_backend", "auto_mpi_discovery", "timeout"} <= set(probe["init_distributed"])
     assert probe["init_kwargs"] and probe["register_external_parameter"]

@@ -253,6 +253,13 @@ def _whole(shards: List[Dict[str, Any]], workers: int = 1) -> Dict[str, Dict[str
         return dict(zip(shapes, pool.map(one, list(shapes))))
 
 
+def _clip_of(ds_config: Optional[Dict[str, Any]]) -> float:
+    """The gradient clipping a DeepSpeed config trained with: DeepSpeed's default (1.0) where it
+    leaves the key out."""
+    value = (ds_config or {}).get("gradient_clipping", 1.0)
+    return float(1.0 if value is None else value)
+
+
 def _global_state(ck, whole: Dict[str, Dict[str, Any]], hyper: List[Dict[str, Any]]) -> Dict[str, Any]:
     """zero/optimizer_state.pt: the ZeRO optimizer's own fields (rank 0's file, its per-rank
     pieces dropped), param_groups, and the stage-3 loader's optimizer_state_dict.state[0].step."""
@@ -269,11 +276,11 @@ def _global_state(ck, whole: Dict[str, Dict[str, Any]], hyper: List[Dict[str, An
             dynamic = {"factor": 2.0, "window": int(fp16.get("loss_scale_window", 1000)),
                        "min_scale": float(fp16.get("min_loss_scale", 1)), "hysteresis": int(fp16.get("hysteresis", 2)),
                        "consecutive_hysteresis": bool(fp16.get("consecutive_hysteresis", False))}
-        clip = float((ck.model.get("ds_config") or {}).get("gradient_clipping", 0.0) or 0.0)
+        clip = _clip_of(ck.model.get("ds_config"))
         out = {"loss_scaler": loss_scaler_record(scaler, dynamic), "dynamic_loss_scale": dynamic is not None,
                "overflow": False, "clip_grad": clip, "zero_stage": 0, "partition_count": [1] * len(hyper)}
     out.setdefault("ds_version", DS_VERSION)
-    out.setdefault("clip_grad", float((ck.model.get("ds_config") or {}).get("gradient_clipping", 0.0) or 0.0))
+    out.setdefault("clip_grad", _clip_of(ck.model.get("ds_config")))
     groups = [dict(g, params=[i]) for i, g in enumerate(hyper)]
     out["param_groups"] = groups
     step = next((e[STEP] for e in whole.values() if STEP in e), None)

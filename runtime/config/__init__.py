@@ -41,7 +41,7 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    type: str = supported(note="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle")
+    type: str = supported(note="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest")
     params: Dict[str, Any] = supported(factory=dict, note="the schedule's arguments, checked by name")
 
 
@@ -61,7 +61,8 @@ class DeepSpeedConfig:
         False, "ZeRO with a client optimizer other than Adam/AdamW/SGD/Adagrad/RMSprop needs this")
     zero_force_ds_cpu_optimizer: bool = supported(
         True, "with offload_optimizer, a client optimizer without a fused CPU step is refused unless false")
-    gradient_clipping: float = supported(0.0, "clip the global gradient norm to this (0 = off)")
+    gradient_clipping: float = supported(
+        1.0, "clip the global gradient norm to this (0 = off; default 1.0, as DeepSpeed)")
     # -- precision -----------------------------------------------------------------------
     fp16: FP16Config = supported(factory=FP16Config, note="")
     bf16: BF16Config = supported(factory=BF16Config, note="")

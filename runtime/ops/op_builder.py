@@ -75,8 +75,20 @@ class AsyncIOBuilder(OpBuilder):
     _why_not = "NVMe offload reads and writes through torch's file I/O, not DeepSpeed's libaio op"
 
 
+def cast_to_byte_tensor(tensors):
+    """The bytes of a contiguous tensor (or of each of a list) as a flat uint8 view of the same
+    memory, as DeepSpeed's utils op returns them."""
+    import torch
+
+    if isinstance(tensors, (list, tuple)):
+        return [cast_to_byte_tensor(t) for t in tensors]
+    if not tensors.is_contiguous():
+        raise ValueError("cast_to_byte_tensor: the tensor must be contiguous (its bytes are viewed, not copied)")
+    return tensors.reshape(-1).view(torch.uint8)
+
+
 class UtilsBuilder(OpBuilder):
-    """flatten/unflatten of tensor lists, which torch provides."""
+    """flatten/unflatten of tensor lists, which torch provides, and the byte view of tensors."""
 
     NAME = "utils"
 
@@ -88,7 +100,8 @@ class UtilsBuilder(OpBuilder):
 
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        return SimpleNamespace(flatten=_flatten_dense_tensors, unflatten=_unflatten_dense_tensors)
+        return SimpleNamespace(flatten=_flatten_dense_tensors, unflatten=_unflatten_dense_tensors,
+                               cast_to_byte_tensor=cast_to_byte_tensor)
 
 
 ALL_OPS = {b.NAME: b() for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder,

@@ -136,19 +136,28 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
-def default_topology(world_size: int) -> PipeDataParallelTopology:
-    """DeepSpeed's grid when none is given: the prime factors of the world size dealt
-    alternately to pipe and data (12 = 2*2*3 -> pipe 6, data 2)."""
-    pp, dp, n, f, i = 1, 1, world_size, 2, 0
+def prime_factors(n: int) -> List[int]:
+    """The prime factors of a positive integer, smallest first (12 -> [2, 2, 3]; 1 -> [])."""
+    if n <= 0:
+        raise ValueError(f"prime factors of {n}: must be a positive integer")
+    out, f = [], 2
     while n > 1:
         while n % f:
             f += 1
         n //= f
+        out.append(f)
+    return out
+
+
+def default_topology(world_size: int) -> PipeDataParallelTopology:
+    """DeepSpeed's grid when none is given: the prime factors of the world size dealt
+    alternately to pipe and data (12 = 2*2*3 -> pipe 6, data 2)."""
+    pp, dp = 1, 1
+    for i, f in enumerate(prime_factors(world_size)):
         if i % 2 == 0:
             pp *= f
         else:
             dp *= f
-        i += 1
     return PipeDataParallelTopology(num_pp=pp, num_dp=dp)
 
 

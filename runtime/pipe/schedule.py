@@ -107,6 +107,19 @@ class PipeSchedule:
         self.prev_stage = stage_id - 1
         self.next_stage = stage_id + 1
 
+    # DeepSpeed's PipeSchedule reads the same three through these names too
+    @property
+    def stage(self) -> int:
+        return self.stage_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.micro_batches
+
     @property
     def is_first_stage(self) -> bool:
         return self.stage_id == 0

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..internals import internal_optimizer
 from ..reduction import GradReduction
 from ..strict import ConfigError
 from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
@@ -689,3 +690,8 @@ def _wrap_outputs(engine, m, out):
             new[i] = w
         return type(out)(new) if isinstance(out, tuple) and type(out) is tuple else (tuple(new) if isinstance(out, tuple) else new)
     return out
+
+
+# DeepSpeed's ZeRO-3 optimizer wrapper, named for isinstance checks only (runtime/internals.py).
+DeepSpeedZeroOptimizer_Stage3 = internal_optimizer(
+    "DeepSpeedZeroOptimizer_Stage3", "ZeRO stage 3 is set by \"zero_optimization.stage\" in the config")

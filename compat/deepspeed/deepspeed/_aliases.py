@@ -41,8 +41,8 @@ EXPLICIT = {
     # DeepSpeed keeps set_autotp_mode in deepspeed.module_inject; only that module's AutoTP mode
     # switch is served (a plain module: deepspeed.module_inject.<anything> is not found)
     "deepspeed.module_inject": "dslaunch.runtime.tensor_parallel.mode",
-    # DeepSpeed's process topology; dslaunch's lives with the mesh
-    "deepspeed.runtime.pipe.topology": "dslaunch.runtime.parallel.layout",
+    # DeepSpeed's process topology and grid; dslaunch's live with the mesh (runtime/parallel/)
+    "deepspeed.runtime.pipe.topology": "dslaunch.runtime.topology",
 }
 
 
