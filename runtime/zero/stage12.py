@@ -17,6 +17,9 @@ Gradient flow:
            are issued strictly in plan order so every rank issues the same collectives
            in the same sequence whatever order its hooks fire in. This happens on every
            micro-step (the price of keeping only a partition), as in DeepSpeed.
+  both     the fp32 gradient partition is freed at the step (zero_grad) and allocated
+           again by the next window's first reduce: between steps no gradient is held,
+           as in DeepSpeed, so the next forward's activations have that room.
 
 Each param group is partitioned over its own axis (ctx.axes: the data axis, or
 expert_data for "moe" groups): its layout, its reduce-to-owner buckets (a bucket never
@@ -119,8 +122,14 @@ class _PartitionedStage(ShardedStrategy):
             master = flat[lo:hi]  # fp32 parameters: this rank's slice of them is the master (one copy)
         else:
             master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
-        grad = pin_host(torch.zeros_like(master, dtype=self.accum_dtype), self.pin) if self.stage == 2 else None
-        return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(axis.rank), axis)
+        return _Group(list(params), list(names), layout, flat, master, None, layout.pieces(axis.rank), axis)
+
+    def _grad_partition(self, g: _Group) -> torch.Tensor:
+        """The group's reduced-gradient partition, allocated (zeroed, beside the master) by the
+        first reduce after the step freed it."""
+        if g.grad is None:
+            g.grad = pin_host(torch.zeros_like(g.master, dtype=self.accum_dtype), self.pin)
+        return g.grad
 
     # -- stage 2: reduce to owner during backward ----------------------------------------
     def _install_hooks(self) -> None:
@@ -172,8 +181,7 @@ class _PartitionedStage(ShardedStrategy):
         axis = self.groups[self._bucket_plan[bi][0][0]].axis
         for gi, pi in self._bucket_plan[bi]:
             g = self.groups[gi]
-            if g.grad is None:  # stage 1: the partition exists from the boundary backward to the step
-                g.grad = torch.zeros_like(g.master, dtype=self.accum_dtype)
+            self._grad_partition(g)  # exists from the window's first reduce (stage 1: the boundary's) to the step
             s = g.layout.slots[pi]
             p = g.params[pi]
             gflat = p.grad.reshape(-1) if p.grad is not None else None
@@ -246,12 +254,13 @@ class _PartitionedStage(ShardedStrategy):
             g, slot = slots[names[id(p)]]
             full = torch.zeros(slot.numel, dtype=torch.float32, device=g.master.device)
             mine = [piece for piece in g.pieces if piece.name == slot.name]
+            grad = self._grad_partition(g)
             for piece in mine:
-                full[piece.start:piece.end] += g.grad[piece.offset:piece.offset + piece.numel]
+                full[piece.start:piece.end] += grad[piece.offset:piece.offset + piece.numel]
             comm.all_reduce(full, group=g.axis.group, label=f"tied grad {slot.name} (data parallel)")
             comm.all_reduce(full, group=group, label=f"tied grad {slot.name}")
             for piece in mine:
-                g.grad[piece.offset:piece.offset + piece.numel].copy_(full[piece.start:piece.end])
+                grad[piece.offset:piece.offset + piece.numel].copy_(full[piece.start:piece.end])
 
     def scale_gradients_(self, factor: float) -> None:
         if factor != 1.0:
@@ -284,13 +293,11 @@ class _PartitionedStage(ShardedStrategy):
                 rows[:, c:c + shard.numel()].copy_(out.view(world, -1))
 
     def zero_grad(self) -> None:
+        # nothing of the gradients is held between steps: the next reduce allocates the partition again
         for g in self.groups:
             for p in g.params:
                 p.grad = None
-            if self.stage == 2:
-                g.grad.zero_()
-            else:
-                g.grad = None
+            g.grad = None
         self._reduced = self.stage == 2
 
     # -- whole-parameter access (zero/fragments.py) -------------------------------------------
@@ -365,9 +372,7 @@ class _PartitionedStage(ShardedStrategy):
         g, s, mine = found
         flat = check_numel("safe_set_full_grad", value, s.numel)
         self.grads_for_access("safe_set_full_grad")
-        if g.grad is None:
-            g.grad = torch.zeros_like(g.master, dtype=self.accum_dtype)
-        self._scatter_pieces(mine, g.grad, flat)
+        self._scatter_pieces(mine, self._grad_partition(g), flat)
 
     # -- checkpoints ------------------------------------------------------------------------
     def shard_state(self) -> Dict[str, Any]:
