@@ -13,7 +13,9 @@ Gradient flow:
            partition that lives until the step; no communication off the boundary.
   stage 2  grads are reduced to their owner during backward, bucket by bucket in
            reverse registration order (about the order backward produces them), and
-           param.grad is freed at once; a rank accumulates only its partition. Buckets
+           param.grad is freed at once; a rank accumulates only its partition. With
+           overlap_comm the reduces are asynchronous: up to two buckets run behind the
+           backward computing the earlier layers, and land in the partition after. Buckets
            are issued strictly in plan order so every rank issues the same collectives
            in the same sequence whatever order its hooks fire in. This happens on every
            micro-step (the price of keeping only a partition), as in DeepSpeed.
@@ -55,6 +57,16 @@ class _Group:
     axis: ReduceAxis  # what the group is partitioned over and its gradients reduced on
 
 
+@dataclass
+class _Inflight:
+    """One owner's share of a bucket, reduced asynchronously: what lands where once it is done."""
+
+    bucket: int
+    work: Optional[Any]  # the collective's handle (None: it ran synchronously)
+    buf: torch.Tensor  # the packed share; on the owner, the sum once work is done
+    spans: List[tuple]  # (group index, start, end in the slot, offset in the partition); empty off the owner
+
+
 def named_trainable(module: torch.nn.Module) -> Dict[int, str]:
     """id(param) -> the first name module.named_parameters() gives it (tied weights
     appear once, under their first name)."""
@@ -63,6 +75,8 @@ def named_trainable(module: torch.nn.Module) -> Dict[int, str]:
 
 class _PartitionedStage(ShardedStrategy):
     """Stages 1 and 2 (`stage` is set by @register_strategy on the subclasses)."""
+
+    _MAX_INFLIGHT = 2  # buckets whose reduces may run behind backward at once
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -103,6 +117,7 @@ class _PartitionedStage(ShardedStrategy):
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
+        self._inflight: List[_Inflight] = []  # reduces issued by the hooks, not yet added to the partition
         self._reduced = self.stage == 2  # stage 1: set once the boundary backward has reduced
         self._install_hooks()
 
@@ -169,14 +184,17 @@ class _PartitionedStage(ShardedStrategy):
             bi = self._bucket_of[(gi, pi)]
             self._pending[bi] -= 1
             while self._next_bucket < len(self._bucket_plan) and self._pending[self._next_bucket] == 0:
-                self._reduce_bucket(self._next_bucket)
+                self._reduce_bucket(self._next_bucket, async_op=True)
                 self._next_bucket += 1
         return hook
 
-    def _reduce_bucket(self, bi: int) -> None:
+    def _reduce_bucket(self, bi: int, async_op: bool = False) -> None:
         """Sum this bucket's gradients over ranks into their owners' partitions. Each
         owner's share is packed contiguously and reduced to it (dist.reduce), so bytes on
-        the wire match a reduce-scatter even though the bucket spans partitions."""
+        the wire match a reduce-scatter even though the bucket spans partitions. async_op
+        (from the hooks, overlap_comm): the reduces run while backward computes the earlier
+        layers; their sums are added to the partition when they land (_land), and at most
+        _MAX_INFLIGHT buckets are in flight, so their buffers stay bounded."""
         by_owner: Dict[int, List[tuple]] = {}
         axis = self.groups[self._bucket_plan[bi][0][0]].axis
         for gi, pi in self._bucket_plan[bi]:
@@ -197,13 +215,25 @@ class _PartitionedStage(ShardedStrategy):
                                                                          device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
             buf = self._reductions[axis.name].outgoing(buf)
-            comm.reduce(buf, group_dst=owner, group=axis.group, label=f"stage2 grads bucket {bi} to {owner}")
-            if owner == axis.rank:
-                pos = 0
-                for gi, _, a, b, off in parts:
-                    grad = self.groups[gi].grad
-                    grad[off:off + b - a] += buf[pos:pos + b - a].to(grad.device, grad.dtype)
-                    pos += b - a
+            work = comm.reduce(buf, group_dst=owner, group=axis.group, async_op=async_op,
+                               label=f"stage2 grads bucket {bi} to {owner}")
+            # the owner adds the sum into its partition; the others keep buf alive until the reduce is done
+            spans = [(gi, a, b, off) for gi, _, a, b, off in parts] if owner == axis.rank else []
+            self._inflight.append(_Inflight(bi, work if async_op else None, buf, spans))
+        self._land(keep=self._MAX_INFLIGHT if async_op else 0)
+
+    def _land(self, keep: int = 0) -> None:
+        """Wait for the oldest reduces until those of at most `keep` buckets are in flight, adding
+        each owner's sum into its partition, in the order they were issued."""
+        while self._inflight and len({f.bucket for f in self._inflight}) > keep:
+            f = self._inflight.pop(0)
+            if f.work is not None:
+                f.work.wait()
+            pos = 0
+            for gi, a, b, off in f.spans:
+                grad = self.groups[gi].grad
+                grad[off:off + b - a] += f.buf[pos:pos + b - a].to(grad.device, grad.dtype)
+                pos += b - a
 
     # -- boundary -------------------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
@@ -215,10 +245,12 @@ class _PartitionedStage(ShardedStrategy):
             self._reduced = True
 
     def _flush_buckets(self) -> None:
-        """Reduce the buckets not yet complete (unused params, or overlap_comm off), in plan order."""
+        """Reduce the buckets not yet complete (unused params, or overlap_comm off), in plan
+        order, and land every reduce still in flight."""
         while self._next_bucket < len(self._bucket_plan):
             self._reduce_bucket(self._next_bucket)
             self._next_bucket += 1
+        self._land()
         self._reset_buckets()
 
     def reduce_gradients(self) -> None:
