@@ -507,12 +507,22 @@ def first_step(c: Optional[Contender]) -> Optional[float]:
     return c.steps[0].get("first_step_done_s") if c is not None and c.steps and not c.failed else None
 
 
-def overhead_ratio(ours, ds, floor):
-    """(ours - floor) / (DeepSpeed - floor): our engine's time above forward + backward alone
-    over DeepSpeed's (None when DeepSpeed's step is not above the floor: the load swamped it)."""
-    if ours is None or ds is None or floor is None or ds <= floor:
+def above_floor(c: Optional[Contender], floor: Optional[Contender], warmup: int) -> Optional[float]:
+    """Median over the timed rounds of (c's step - the floor's step in the same round): the
+    engine's own cost, paired round by round so that load drifting between rounds cancels."""
+    if c is None or floor is None or c.failed or floor.failed:
         return None
-    return (ours - floor) / (ds - floor)
+    n = min(len(c.steps), len(floor.steps))
+    diffs = [c.steps[i]["seconds"] - floor.steps[i]["seconds"] for i in range(warmup, n)]
+    return statistics.median(diffs) if diffs else None
+
+
+def overhead_ratio(ours: Optional[float], ds: Optional[float]) -> Optional[float]:
+    """(ours - floor) / (DeepSpeed - floor), from above_floor (None when DeepSpeed's step is not
+    above the floor: the load swamped it)."""
+    if ours is None or ds is None or ds <= 0:
+        return None
+    return ours / ds
 
 
 def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
@@ -527,9 +537,13 @@ def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
     t = median_time(ours, args.warmup)
     t_ds = median_time(ds, args.warmup) if ds else None
     t_floor = median_time(floor, args.warmup) if floor is not None else None
+    over_ours, over_ds = above_floor(ours, floor, args.warmup), above_floor(ds, floor, args.warmup)
     return {
         "config": row.name, "params": P, "ours_failed": ours.failed, "ds_failed": ds.failed if ds else None,
-        "ours_s": t, "ds_s": t_ds, "overhead_ratio": overhead_ratio(t, t_ds, t_floor),
+        "ours_s": t, "ds_s": t_ds, "ours_above_floor_s": over_ours, "ds_above_floor_s": over_ds,
+        "overhead_ratio": overhead_ratio(over_ours, over_ds),
+        "steps_s": {c.label: [m["seconds"] for m in c.steps] for c in (ours, ds, st0, ref, floor)
+                    if c is not None and not c.failed},
         "st0_s": median_time(st0, args.warmup) if st0 else None,
         "torch_s": median_time(ref, args.warmup) if ref else None, "torch": ref.impl if ref else None,
         "floor_s": t_floor,  # this row's own floor, stepped beside the engines
@@ -560,15 +574,17 @@ def summary(results, args, have_ds) -> List[dict]:
     print()
     print("step time (median s/step) and ratios; < 1 means ours is faster; floor = forward + backward alone "
           "(no engine, no communication, no optimizer) stepped round-robin with the engines in the same row")
-    print(f"{'config':14} {'ours':>7} {'DeepSpeed':>9} {'floor':>7} {'ours/DS':>7} {'(o-f)/(DS-f)':>12} "
-          f"{'vs st0':>7} {'vs torch':>10} {'1st step ours':>13} {'1st step DS':>11}")
+    print(f"{'config':14} {'ours':>7} {'DeepSpeed':>9} {'floor':>7} {'ours/DS':>7} {'o-f':>7} {'DS-f':>7} "
+          f"{'(o-f)/(DS-f)':>12} {'vs st0':>7} {'vs torch':>10} {'1st step ours':>13} {'1st step DS':>11}")
     for r in recs:
         vs_torch = ratio(r["ours_s"], r["torch_s"]) + (f" {r['torch']}" if r["torch"] else "")
         print(f"{r['config']:14} {fmt(r['ours_s']):>7} {fmt(r['ds_s']):>9} {fmt(r['floor_s']):>7} "
-              f"{ratio(r['ours_s'], r['ds_s']):>7} {fmt(r['overhead_ratio'], '.2f'):>12} "
+              f"{ratio(r['ours_s'], r['ds_s']):>7} {fmt(r['ours_above_floor_s']):>7} "
+              f"{fmt(r['ds_above_floor_s']):>7} {fmt(r['overhead_ratio'], '.2f'):>12} "
               f"{ratio(r['ours_s'], r['st0_s']):>7} {vs_torch:>10} {fmt(r['ours_first_s'], '.1f'):>13} "
               f"{fmt(r['ds_first_s'], '.1f'):>11}")
-    print("(o-f)/(DS-f) = our time above the floor over DeepSpeed's (goal <= 0.5)")
+    print("o-f, DS-f = median over rounds of (engine step - floor step in the same round); (o-f)/(DS-f) = "
+          "our engine's own cost over DeepSpeed's (goal <= 0.5)")
     print()
     print(f"bytes per rank (MiB{', on the GPU' if args.cuda else ''}, the rank holding most): between steps "
           f"(after the optimizer step) against f0 = ZeRO's bytes for Adam without gradients; at forward's "
