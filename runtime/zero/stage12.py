@@ -225,6 +225,7 @@ class _PartitionedStage(ShardedStrategy):
     def _land(self, keep: int = 0) -> None:
         """Wait for the oldest reduces until those of at most `keep` buckets are in flight, adding
         each owner's sum into its partition, in the order they were issued."""
+        landed = False
         while self._inflight and len({f.bucket for f in self._inflight}) > keep:
             f = self._inflight.pop(0)
             if f.work is not None:
@@ -234,6 +235,9 @@ class _PartitionedStage(ShardedStrategy):
                 grad = self.groups[gi].grad
                 grad[off:off + b - a] += f.buf[pos:pos + b - a].to(grad.device, grad.dtype)
                 pos += b - a
+            landed = True
+        if landed:
+            comm.release_completed()  # the landed buffers go now, not at the next collective
 
     # -- boundary -------------------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
