@@ -9,6 +9,10 @@ counts ready parameters and launches an asynchronous all-reduce as soon as a buc
 complete, while backward keeps computing the earlier layers (`overlap_comm`). Non-boundary
 micro-steps only accumulate locally: no communication at all.
 
+Between optimizer steps no gradient is held: zero_grad (at the step) frees every bucket's
+storage and sets .grad to None, as DeepSpeed does, so the next forward's activations have
+that room; the next window's first backward allocates the buckets again, zeroed.
+
 With fp16/bf16 the module holds 16-bit weights and this strategy keeps fp32 master copies,
 rewiring the optimizer's param groups to them; reduced 16-bit gradients are converted to
 fp32 once per step, bucket by bucket, each 16-bit bucket freed once converted (param.grad
@@ -78,6 +82,7 @@ class DataParallelStrategy(GradientStrategy):
         for axis in ctx.axes:
             self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
         self.buckets = self._make_buckets(params, max(1, ctx.config.zero.reduce_bucket_size))
+        self._grads_freed = False  # zero_grad frees the buckets; _ensure_grads brings them back
         self.bucket_of: Dict[int, _Bucket] = {}
         self.view_of: Dict[int, torch.Tensor] = {}
         for b in self.buckets:
@@ -146,7 +151,22 @@ class DataParallelStrategy(GradientStrategy):
             b.work = comm.all_reduce(b.wire, group=b.axis.group, async_op=True,
                                      label=f"stage0 grads bucket {b.index}")
 
+    def _ensure_grads(self) -> None:
+        """Gradient buckets are freed at the step (zero_grad) so nothing of them is held between
+        steps; the first backward of the next window (or a step or gradient access with no
+        backward through the engine) allocates them again, zeroed, and points every .grad at its
+        view (a gradient autograd made meanwhile is copied in)."""
+        if not self._grads_freed:
+            return
+        for b in self.buckets:
+            b.flat.untyped_storage().resize_(b.flat.numel() * b.flat.element_size())
+            b.flat.zero_()
+            for p in b.params:
+                self._relink(p)
+        self._grads_freed = False
+
     def before_backward(self, is_boundary: bool) -> None:
+        self._ensure_grads()
         self._boundary = is_boundary
         if is_boundary:
             for b in self.buckets:
@@ -154,6 +174,7 @@ class DataParallelStrategy(GradientStrategy):
 
     # -- boundary --------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
+        self._ensure_grads()
         for b in self.buckets:
             if b.work is None:
                 for p in b.params:
@@ -236,16 +257,15 @@ class DataParallelStrategy(GradientStrategy):
                     torch._foreach_copy_(b.params, b.masters)
 
     def zero_grad(self) -> None:
+        # every bucket freed (mixed precision: already, by reduce_gradients); see _ensure_grads
         for b in self.buckets:
-            nbytes = b.flat.numel() * b.flat.element_size()
-            if b.flat.untyped_storage().nbytes() != nbytes:  # freed by reduce_gradients (mixed precision)
-                b.flat.untyped_storage().resize_(nbytes)
-            b.flat.zero_()
+            b.flat.untyped_storage().resize_(0)
             b.master_flat = None
-            for p, v in zip(b.params, b.views):
-                p.grad = v
+            for p in b.params:
+                p.grad = None
             for m in b.masters:
                 m.grad = None
+        self._grads_freed = True
 
     # -- whole-parameter access (zero/fragments.py): every rank holds every parameter whole --
     def _place(self, p):

@@ -22,12 +22,16 @@ torch.manual_seed(0). DeepSpeed's config "Adam" is AdamW (adam_w_mode), so the D
 FSDP2 references use torch.optim.AdamW with the config's hyperparameters and clip the
 global norm at the config's gradient_clipping.
 
-Memory: at --measure-step the bytes held after backward (before the optimizer step) are
-counted from the live tensors themselves: every tensor the garbage collector can reach,
-plus the .grad of every leaf among them and of the module's parameters (autograd's
-gradients have no Python object until touched), deduplicated by storage, minus what
-existed before the model was built. On CUDA: torch.cuda.memory_allocated() at that point
-and torch.cuda.max_memory_allocated() over the run. Also the peak resident set growth.
+Memory: at --measure-step, bytes are counted from the live tensors themselves: every
+tensor the garbage collector can reach, plus the .grad of every leaf among them and of the
+module's parameters (autograd's gradients have no Python object until touched),
+deduplicated by storage, minus what existed before the model was built, at three points:
+at the end of the last micro-step's forward (plus the activations autograd saved for
+backward, seen through saved_tensors_hooks: forward's peak, transient temporaries aside),
+after its backward (before the optimizer step), and after the step (between steps: what
+the next forward starts from). On CUDA also torch.cuda.max_memory_allocated() over that
+forward, memory_allocated() after backward and after the step, and max_memory_allocated()
+over the run. Also the peak resident set growth.
 """
 from __future__ import annotations
 
@@ -137,9 +141,39 @@ def live_storages(extra=()) -> dict:
     return out
 
 
+class SavedActivations:
+    """Within it, every tensor autograd saves for backward is kept in a list (they stay alive
+    until backward anyway; the list is cleared before backward runs): at the end of forward,
+    their storages plus the live tensors are what the process holds at forward's peak
+    (transient temporaries aside), which the garbage collector alone cannot see."""
+
+    def __init__(self):
+        self.saved = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.saved.append(t)
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def held(baseline, run, extra=()) -> int:
+    """Bytes of live tensor storages (the module's parameters and their .grad included) not
+    in `baseline`."""
+    gc.collect()
+    live = live_storages(list(run.module.parameters()) + list(extra))
+    return sum(v for k, v in live.items() if k not in baseline)
 
 
 # -- the contenders -----------------------------------------------------------------------------
@@ -155,10 +189,11 @@ class EngineRun:
                                                     config=cfg_path)
         self.module = self.engine.module
 
-    def forward_backward(self, x, y, criterion):
-        loss = criterion(self.engine(x).float(), y)
+    def forward(self, x, y, criterion):
+        return criterion(self.engine(x).float(), y)
+
+    def backward(self, loss):
         self.engine.backward(loss)
-        return loss
 
     def step(self):
         self.engine.step()
@@ -191,10 +226,11 @@ class TorchRun:
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]),
                                            eps=opt["eps"], weight_decay=opt["weight_decay"])
 
-    def forward_backward(self, x, y, criterion):
-        loss = criterion(self.module(x).float(), y)
+    def forward(self, x, y, criterion):
+        return criterion(self.module(x).float(), y)
+
+    def backward(self, loss):
         loss.backward()
-        return loss
 
     def step(self):
         if self.clip > 0:
@@ -212,7 +248,7 @@ class ComputeFloor:
         model = model.to(device)
         self.module = model.to(torch.bfloat16) if cfg.get("bf16", {}).get("enabled", False) else model
 
-    forward_backward = TorchRun.forward_backward
+    forward, backward = TorchRun.forward, TorchRun.backward
 
     def step(self):
         for p in self.module.parameters():
@@ -298,16 +334,30 @@ def main(argv=None):
         loss_sum = 0.0
         for i in range(gas):
             x, y = batch(corpus, step * gas + i, rank, micro, args.block, device)
-            loss = run.forward_backward(x, y, criterion)
+            measure = step == args.measure_step and i == gas - 1
+            if measure:
+                if args.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                with SavedActivations() as acts:
+                    loss = run.forward(x, y, criterion)
+                msg["bytes_after_forward"] = held(baseline, run, acts.saved)
+                acts.saved.clear()
+                if args.cuda:
+                    msg["cuda_forward_peak"] = torch.cuda.max_memory_allocated()
+            else:
+                loss = run.forward(x, y, criterion)
+            run.backward(loss)
             loss_sum += loss.item()  # as the seed's loop does (running_loss += loss.item())
-            if step == args.measure_step and i == gas - 1:
-                gc.collect()
-                live = {k: v for k, v in live_storages([p for p in run.module.parameters()]).items()
-                        if k not in baseline}
-                msg["bytes_after_backward"] = sum(live.values())
+            if measure:
+                msg["bytes_after_backward"] = held(baseline, run)
                 if args.cuda:
                     msg["cuda_allocated_after_backward"] = torch.cuda.memory_allocated()
             run.step()
+        if step == args.measure_step:
+            del x, y, loss
+            msg["bytes_between_steps"] = held(baseline, run)
+            if args.cuda:
+                msg["cuda_between_steps"] = torch.cuda.memory_allocated()
         if args.cuda:
             torch.cuda.synchronize()
         msg["seconds"] = time.perf_counter() - t0

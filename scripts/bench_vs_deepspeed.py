@@ -16,14 +16,18 @@ order rotating every step, while the others wait on a pipe: load from the rest o
 machine falls on all of them alike. Contenders: ours; DeepSpeed; our stage 0 (stage 1-3
 rows: the "vs st0" ratio); torch DDP + AdamW (stage-0 rows: the numerics reference and the
 "vs DDP" ratio); torch FSDP2 (stage-3 rows when DeepSpeed is missing); the compute floor
-(stage-0 rows: forward + backward alone on every rank, no communication, no optimizer).
+(every row: forward + backward alone on every rank in the row's dtype, no engine, no
+communication, no optimizer).
 
 Printed per config:
   step time: median seconds per step after warm-up, ours / DeepSpeed, ours / our stage 0,
-             stage 0 / DDP (or stage 3 / FSDP2); for stages 0-2, the compute floor of that
-             dtype / DeepSpeed: the part of DeepSpeed's step that every engine repeats with
-             the same torch kernels (a ratio over 0.9 there makes "0.9x DeepSpeed" out of reach);
-  memory:    bytes per rank held after backward (live tensor storages, see bench_gptlite.py;
+             stage 0 / DDP (or stage 3 / FSDP2), the floor, and (ours - floor) / (DeepSpeed -
+             floor): each engine's own cost above the compute every engine repeats with the
+             same torch kernels (communication, clipping, the optimizer, stage 3's gathers);
+  memory:    bytes per rank between steps (after the optimizer step, against ZeRO's formula
+             without gradients) and at forward's peak (end of forward, the saved activations
+             included; with --cuda max_memory_allocated over the forward), ours and DeepSpeed;
+             bytes per rank held after backward (live tensor storages, see bench_gptlite.py;
              with --cuda torch.cuda.memory_allocated), ours / DeepSpeed, and each over the
              ZeRO formula for that side's gradient-accumulation dtype, plus one
              communication bucket (min(reduce_bucket_size, P) elements) as the allowance;
@@ -269,8 +273,10 @@ def record_step(c: Contender, msgs: Optional[List[dict]]) -> None:
     if msgs:
         m = dict(msgs[0])
         m["seconds"] = max(x["seconds"] for x in msgs)  # the step ends when the slowest rank's does
-        if "bytes_after_backward" in m:
-            m["bytes_after_backward"] = max(x["bytes_after_backward"] for x in msgs)
+        for key in ("bytes_after_forward", "bytes_after_backward", "bytes_between_steps", "cuda_forward_peak",
+                    "cuda_between_steps"):
+            if key in m:
+                m[key] = max(x[key] for x in msgs)  # the rank holding most
         c.steps.append(m)
 
 
@@ -329,10 +335,15 @@ def fmt(x, spec=".3f") -> str:
     return format(x, spec) if x is not None else "-"
 
 
-def mem_of(c: Optional[Contender], cuda: bool) -> Optional[float]:
+def mem_of(c: Optional[Contender], cuda: bool, when: str = "after_backward") -> Optional[float]:
+    """Bytes held at the measured step: `when` after_backward, between_steps (after the
+    optimizer step) or forward (at the end of forward, saved activations included; with
+    --cuda the allocator's peak over that forward)."""
     if c is None or c.failed:
         return None
-    key = "cuda_allocated_after_backward" if cuda else "bytes_after_backward"
+    key = {"after_backward": ("cuda_allocated_after_backward", "bytes_after_backward"),
+           "between_steps": ("cuda_between_steps", "bytes_between_steps"),
+           "forward": ("cuda_forward_peak", "bytes_after_forward")}[when][0 if cuda else 1]
     vals = [m[key] for m in c.steps if key in m]
     return vals[0] if vals else None
 
@@ -463,10 +474,9 @@ def main(argv=None) -> int:
             ref = Contender("torch FSDP2", "fsdp2", sys.executable, ours.cfg_path)
         if ref:
             group.append(ref)
-        floor = Contender("compute floor", "floor", sys.executable, ours.cfg_path) \
-            if row.stage == 0 and row.offload == "none" else None
-        if floor:
-            group.append(floor)
+        # every row: the floor is stepped round-robin with the engines, so it sees the same load
+        floor = Contender("compute floor", "floor", sys.executable, ours.cfg_path)
+        group.append(floor)
         run_group(group, args, corpus, workdir, first=i % len(group))
         results.append((row, ours, ds, st0, ref, floor))
         report_row(row, ours, ds, st0, ref, args, have_ds, floor)
@@ -497,6 +507,24 @@ def first_step(c: Optional[Contender]) -> Optional[float]:
     return c.steps[0].get("first_step_done_s") if c is not None and c.steps and not c.failed else None
 
 
+def above_floor(c: Optional[Contender], floor: Optional[Contender], warmup: int) -> Optional[float]:
+    """Median over the timed rounds of (c's step - the floor's step in the same round): the
+    engine's own cost, paired round by round so that load drifting between rounds cancels."""
+    if c is None or floor is None or c.failed or floor.failed:
+        return None
+    n = min(len(c.steps), len(floor.steps))
+    diffs = [c.steps[i]["seconds"] - floor.steps[i]["seconds"] for i in range(warmup, n)]
+    return statistics.median(diffs) if diffs else None
+
+
+def overhead_ratio(ours: Optional[float], ds: Optional[float]) -> Optional[float]:
+    """(ours - floor) / (DeepSpeed - floor), from above_floor (None when DeepSpeed's step is not
+    above the floor: the load swamped it)."""
+    if ours is None or ds is None or ds <= 0:
+        return None
+    return ours / ds
+
+
 def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
     """One config's figures (None where a contender is missing or failed)."""
     N, cuda = args.nprocs, args.cuda
@@ -507,15 +535,25 @@ def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
     g_ds = accum_bytes(row, "deepspeed", args.grad_accum_dtype)
     bucket = min(args.bucket or 500_000_000, P) * (4 if row.dtype == "fp32" else 2) if P else None
     t = median_time(ours, args.warmup)
+    t_ds = median_time(ds, args.warmup) if ds else None
+    t_floor = median_time(floor, args.warmup) if floor is not None else None
+    over_ours, over_ds = above_floor(ours, floor, args.warmup), above_floor(ds, floor, args.warmup)
     return {
         "config": row.name, "params": P, "ours_failed": ours.failed, "ds_failed": ds.failed if ds else None,
-        "ours_s": t, "ds_s": median_time(ds, args.warmup) if ds else None,
+        "ours_s": t, "ds_s": t_ds, "ours_above_floor_s": over_ours, "ds_above_floor_s": over_ds,
+        "overhead_ratio": overhead_ratio(over_ours, over_ds),
+        "steps_s": {c.label: [m["seconds"] for m in c.steps] for c in (ours, ds, st0, ref, floor)
+                    if c is not None and not c.failed},
         "st0_s": median_time(st0, args.warmup) if st0 else None,
         "torch_s": median_time(ref, args.warmup) if ref else None, "torch": ref.impl if ref else None,
-        # the same dtype's floor (measured in its stage-0 row): stages 1-2 compute what stage 0 does
-        "floor_s": median_time(floor, args.warmup) if floor is not None and row.stage <= 2 else None,
+        "floor_s": t_floor,  # this row's own floor, stepped beside the engines
         "ours_first_s": first_step(ours), "ds_first_s": first_step(ds),
         "ours_bytes": mem_of(ours, cuda), "ds_bytes": mem_of(ds, cuda),
+        "ours_between": mem_of(ours, cuda, "between_steps"), "ds_between": mem_of(ds, cuda, "between_steps"),
+        "ours_forward": mem_of(ours, cuda, "forward"), "ds_forward": mem_of(ds, cuda, "forward"),
+        "floor_forward": mem_of(floor, cuda, "forward"),
+        # between steps no gradient is part of ZeRO's bytes (both sides free them at the step)
+        "between_formula_bytes": formula_bytes(row, P, N, 0, cuda, whole) if P else None,
         "formula_bytes": formula_bytes(row, P, N, g_ours, cuda, whole) if P else None, "grad_bytes": g_ours,
         "ds_formula_bytes": formula_bytes(row, P, N, g_ds, cuda, whole) if P else None, "bucket_bytes": bucket,
         "whole_params": whole,
@@ -530,22 +568,35 @@ def div(a, b):
 
 def summary(results, args, have_ds) -> List[dict]:
     ddp = {r.dtype: ref for r, _, _, _, ref, _ in results if ref is not None and ref.impl == "ddp"}
-    floors = {r.dtype: fl for r, _, _, _, _, fl in results if fl is not None}
-    recs = [record(row, ours, ds, st0, ref, ddp.get(row.dtype), floors.get(row.dtype), args)
-            for row, ours, ds, st0, ref, _ in results]
+    recs = [record(row, ours, ds, st0, ref, ddp.get(row.dtype), floor, args)
+            for row, ours, ds, st0, ref, floor in results]
     mib = lambda x: fmt(x * MB if x else None, ".2f")  # noqa: E731
     print()
-    print("step time (median s/step) and ratios; < 1 means ours is faster")
-    print(f"{'config':14} {'ours':>7} {'DeepSpeed':>9} {'ours/DS':>7} {'vs st0':>7} {'vs torch':>10} "
-          f"{'floor':>7} {'floor/DS':>8} {'1st step ours':>13} {'1st step DS':>11}")
+    print("step time (median s/step) and ratios; < 1 means ours is faster; floor = forward + backward alone "
+          "(no engine, no communication, no optimizer) stepped round-robin with the engines in the same row")
+    print(f"{'config':14} {'ours':>7} {'DeepSpeed':>9} {'floor':>7} {'ours/DS':>7} {'o-f':>7} {'DS-f':>7} "
+          f"{'(o-f)/(DS-f)':>12} {'vs st0':>7} {'vs torch':>10} {'1st step ours':>13} {'1st step DS':>11}")
     for r in recs:
         vs_torch = ratio(r["ours_s"], r["torch_s"]) + (f" {r['torch']}" if r["torch"] else "")
-        print(f"{r['config']:14} {fmt(r['ours_s']):>7} {fmt(r['ds_s']):>9} {ratio(r['ours_s'], r['ds_s']):>7} "
-              f"{ratio(r['ours_s'], r['st0_s']):>7} {vs_torch:>10} {fmt(r['floor_s']):>7} "
-              f"{ratio(r['floor_s'], r['ds_s']):>8} {fmt(r['ours_first_s'], '.1f'):>13} "
+        print(f"{r['config']:14} {fmt(r['ours_s']):>7} {fmt(r['ds_s']):>9} {fmt(r['floor_s']):>7} "
+              f"{ratio(r['ours_s'], r['ds_s']):>7} {fmt(r['ours_above_floor_s']):>7} "
+              f"{fmt(r['ds_above_floor_s']):>7} {fmt(r['overhead_ratio'], '.2f'):>12} "
+              f"{ratio(r['ours_s'], r['st0_s']):>7} {vs_torch:>10} {fmt(r['ours_first_s'], '.1f'):>13} "
               f"{fmt(r['ds_first_s'], '.1f'):>11}")
-    print("floor = forward + backward alone (no communication, no optimizer) with the row's dtype, measured in "
-          "that dtype's stage-0 row: every stage 0-2 engine repeats it, so ours/DS cannot go below floor/DS")
+    print("o-f, DS-f = median over rounds of (engine step - floor step in the same round); (o-f)/(DS-f) = "
+          "our engine's own cost over DeepSpeed's (goal <= 0.5)")
+    print()
+    print(f"bytes per rank (MiB{', on the GPU' if args.cuda else ''}, the rank holding most): between steps "
+          f"(after the optimizer step) against f0 = ZeRO's bytes for Adam without gradients; at forward's "
+          f"peak ({'max_memory_allocated over the forward' if args.cuda else 'end of forward: live tensors plus the activations autograd saved'})")
+    print(f"{'config':14} {'between ours':>12} {'DS':>8} {'f0':>8} {'ours/f0':>7} {'DS/f0':>6} "
+          f"{'fwd peak ours':>13} {'DS':>8} {'ours/DS':>7} {'floor':>8}")
+    for r in recs:
+        f0 = r["between_formula_bytes"]
+        print(f"{r['config']:14} {mib(r['ours_between']):>12} {mib(r['ds_between']):>8} {mib(f0):>8} "
+              f"{ratio(r['ours_between'], f0):>7} {ratio(r['ds_between'], f0):>6} {mib(r['ours_forward']):>13} "
+              f"{mib(r['ds_forward']):>8} {ratio(r['ours_forward'], r['ds_forward']):>7} "
+              f"{mib(r['floor_forward']):>8}")
     print()
     print(f"bytes per rank after backward (MiB){' on the GPU' if args.cuda else ''}; f = ZeRO's bytes for Adam with "
           f"the gradient-accumulation dtype each side uses (g: bytes per gradient element), bkt = one bucket of "

@@ -27,11 +27,16 @@ def test_bench_vs_deepspeed_without_deepspeed(tmp_path):
     assert r["torch"] == "fsdp2" and r["torch_s"] > 0
     # counted bytes: at least the formula, at most the formula plus one bucket (here the whole model)
     assert r["formula_bytes"] * 0.95 <= r["ours_bytes"] <= r["formula_bytes"] + r["bucket_bytes"], r
-    # stage 0: torch DDP as the reference and the compute floor (forward + backward alone) beside it;
-    # stage 3 has no floor (its step must gather parameters)
+    # stage 0: torch DDP as the reference; the compute floor (forward + backward alone) in every row
     r0 = rows["0-fp32"]
     assert r0["torch"] == "ddp" and r0["torch_s"] > 0 and r0["floor_s"] > 0 and r0["dloss_ddp"] < 1e-3, r0
-    assert r["floor_s"] is None
+    assert r["floor_s"] > 0 and r["overhead_ratio"] is None  # no DeepSpeed: no (ours - floor) / (DS - floor)
+    for row in (r0, r):
+        # between steps: the formula without gradients (they are freed at the step), at most one bucket more
+        assert row["between_formula_bytes"] * 0.95 <= row["ours_between"] <= \
+            row["between_formula_bytes"] + row["bucket_bytes"], row
+        # forward's peak holds the saved activations on top of the state, and the floor holds no optimizer state
+        assert row["ours_forward"] > row["ours_between"] and 0 < row["floor_forward"] < row["ours_forward"], row
     assert "compute floor" in proc.stdout
     assert f"worker logs in {tmp_path / 'work'}" in proc.stdout  # nothing left in /tmp
 

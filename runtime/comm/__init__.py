@@ -26,6 +26,7 @@ from .collectives import (ReduceOp, all_gather, all_gather_into_tensor, all_gath
                           all_to_all_single, allgather_fn, barrier, broadcast, broadcast_object_list, comms_logger,
                           force_fallback, gather, has_all_gather_into_tensor, has_reduce_scatter_tensor,
                           inference_all_reduce, irecv, isend, monitored_barrier, recorder, recv, reduce,
+                          release_completed,
                           reduce_scatter, reduce_scatter_fn, reduce_scatter_tensor, scatter, send)
 from .coalesced import P2POp, all_gather_coalesced, all_reduce_coalesced, all_to_all, batch_isend_irecv
 from .groups import (destroy_process_group, get_all_ranks_from_group, get_global_rank, get_rank, get_world_group,

@@ -101,6 +101,13 @@ def _run(op: str, group, nbytes: int, call: Callable[[], Any], async_op: bool, l
     return work
 
 
+def release_completed() -> None:
+    """Drop the handles of completed async collectives now (each keeps its tensors alive until
+    the next collective otherwise): a caller that waited for its buffers frees them at once."""
+    recorder.release_finished()
+    shutdown.prune_works()
+
+
 class _Done:
     """The handle an async op returns when there was nothing to communicate."""
 

@@ -71,14 +71,18 @@ class FlightRecorder:
         self._holding: List[Entry] = []
 
     def begin(self, op: str, group_key: Any, group: str, nbytes: int, label: str = "") -> Entry:
-        if self._holding:
-            self._holding = [e for e in self._holding if not e.finished()]
+        self.release_finished()
         with self._lock:
             seq = self._seq.get(group_key, 0) + 1
             self._seq[group_key] = seq
             e = Entry(seq, op, group, int(nbytes), label or "", time.monotonic())
             self._entries.append(e)
         return e
+
+    def release_finished(self) -> None:
+        """Let go of the completed handles now rather than at the next collective."""
+        if self._holding:
+            self._holding = [e for e in self._holding if not e.finished()]
 
     def end(self, e: Entry, work: Any = None) -> None:
         """Done now, or (async) once `work` completes."""

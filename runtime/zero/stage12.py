@@ -13,10 +13,15 @@ Gradient flow:
            partition that lives until the step; no communication off the boundary.
   stage 2  grads are reduced to their owner during backward, bucket by bucket in
            reverse registration order (about the order backward produces them), and
-           param.grad is freed at once; a rank accumulates only its partition. Buckets
+           param.grad is freed at once; a rank accumulates only its partition. With
+           overlap_comm the reduces are asynchronous: up to two buckets run behind the
+           backward computing the earlier layers, and land in the partition after. Buckets
            are issued strictly in plan order so every rank issues the same collectives
            in the same sequence whatever order its hooks fire in. This happens on every
            micro-step (the price of keeping only a partition), as in DeepSpeed.
+  both     the fp32 gradient partition is freed at the step (zero_grad) and allocated
+           again by the next window's first reduce: between steps no gradient is held,
+           as in DeepSpeed, so the next forward's activations have that room.
 
 Each param group is partitioned over its own axis (ctx.axes: the data axis, or
 expert_data for "moe" groups): its layout, its reduce-to-owner buckets (a bucket never
@@ -52,6 +57,16 @@ class _Group:
     axis: ReduceAxis  # what the group is partitioned over and its gradients reduced on
 
 
+@dataclass
+class _Inflight:
+    """One owner's share of a bucket, reduced asynchronously: what lands where once it is done."""
+
+    bucket: int
+    work: Optional[Any]  # the collective's handle (None: it ran synchronously)
+    buf: torch.Tensor  # the packed share; on the owner, the sum once work is done
+    spans: List[tuple]  # (group index, start, end in the slot, offset in the partition); empty off the owner
+
+
 def named_trainable(module: torch.nn.Module) -> Dict[int, str]:
     """id(param) -> the first name module.named_parameters() gives it (tied weights
     appear once, under their first name)."""
@@ -60,6 +75,8 @@ def named_trainable(module: torch.nn.Module) -> Dict[int, str]:
 
 class _PartitionedStage(ShardedStrategy):
     """Stages 1 and 2 (`stage` is set by @register_strategy on the subclasses)."""
+
+    _MAX_INFLIGHT = 2  # buckets whose reduces may run behind backward at once
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -100,6 +117,7 @@ class _PartitionedStage(ShardedStrategy):
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
+        self._inflight: List[_Inflight] = []  # reduces issued by the hooks, not yet added to the partition
         self._reduced = self.stage == 2  # stage 1: set once the boundary backward has reduced
         self._install_hooks()
 
@@ -119,8 +137,14 @@ class _PartitionedStage(ShardedStrategy):
             master = flat[lo:hi]  # fp32 parameters: this rank's slice of them is the master (one copy)
         else:
             master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
-        grad = pin_host(torch.zeros_like(master, dtype=self.accum_dtype), self.pin) if self.stage == 2 else None
-        return _Group(list(params), list(names), layout, flat, master, grad, layout.pieces(axis.rank), axis)
+        return _Group(list(params), list(names), layout, flat, master, None, layout.pieces(axis.rank), axis)
+
+    def _grad_partition(self, g: _Group) -> torch.Tensor:
+        """The group's reduced-gradient partition, allocated (zeroed, beside the master) by the
+        first reduce after the step freed it."""
+        if g.grad is None:
+            g.grad = pin_host(torch.zeros_like(g.master, dtype=self.accum_dtype), self.pin)
+        return g.grad
 
     # -- stage 2: reduce to owner during backward ----------------------------------------
     def _install_hooks(self) -> None:
@@ -160,20 +184,22 @@ class _PartitionedStage(ShardedStrategy):
             bi = self._bucket_of[(gi, pi)]
             self._pending[bi] -= 1
             while self._next_bucket < len(self._bucket_plan) and self._pending[self._next_bucket] == 0:
-                self._reduce_bucket(self._next_bucket)
+                self._reduce_bucket(self._next_bucket, async_op=True)
                 self._next_bucket += 1
         return hook
 
-    def _reduce_bucket(self, bi: int) -> None:
+    def _reduce_bucket(self, bi: int, async_op: bool = False) -> None:
         """Sum this bucket's gradients over ranks into their owners' partitions. Each
         owner's share is packed contiguously and reduced to it (dist.reduce), so bytes on
-        the wire match a reduce-scatter even though the bucket spans partitions."""
+        the wire match a reduce-scatter even though the bucket spans partitions. async_op
+        (from the hooks, overlap_comm): the reduces run while backward computes the earlier
+        layers; their sums are added to the partition when they land (_land), and at most
+        _MAX_INFLIGHT buckets are in flight, so their buffers stay bounded."""
         by_owner: Dict[int, List[tuple]] = {}
         axis = self.groups[self._bucket_plan[bi][0][0]].axis
         for gi, pi in self._bucket_plan[bi]:
             g = self.groups[gi]
-            if g.grad is None:  # stage 1: the partition exists from the boundary backward to the step
-                g.grad = torch.zeros_like(g.master, dtype=self.accum_dtype)
+            self._grad_partition(g)  # exists from the window's first reduce (stage 1: the boundary's) to the step
             s = g.layout.slots[pi]
             p = g.params[pi]
             gflat = p.grad.reshape(-1) if p.grad is not None else None
@@ -189,13 +215,29 @@ class _PartitionedStage(ShardedStrategy):
                                                                          device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
             buf = self._reductions[axis.name].outgoing(buf)
-            comm.reduce(buf, group_dst=owner, group=axis.group, label=f"stage2 grads bucket {bi} to {owner}")
-            if owner == axis.rank:
-                pos = 0
-                for gi, _, a, b, off in parts:
-                    grad = self.groups[gi].grad
-                    grad[off:off + b - a] += buf[pos:pos + b - a].to(grad.device, grad.dtype)
-                    pos += b - a
+            work = comm.reduce(buf, group_dst=owner, group=axis.group, async_op=async_op,
+                               label=f"stage2 grads bucket {bi} to {owner}")
+            # the owner adds the sum into its partition; the others keep buf alive until the reduce is done
+            spans = [(gi, a, b, off) for gi, _, a, b, off in parts] if owner == axis.rank else []
+            self._inflight.append(_Inflight(bi, work if async_op else None, buf, spans))
+        self._land(keep=self._MAX_INFLIGHT if async_op else 0)
+
+    def _land(self, keep: int = 0) -> None:
+        """Wait for the oldest reduces until those of at most `keep` buckets are in flight, adding
+        each owner's sum into its partition, in the order they were issued."""
+        landed = False
+        while self._inflight and len({f.bucket for f in self._inflight}) > keep:
+            f = self._inflight.pop(0)
+            if f.work is not None:
+                f.work.wait()
+            pos = 0
+            for gi, a, b, off in f.spans:
+                grad = self.groups[gi].grad
+                grad[off:off + b - a] += f.buf[pos:pos + b - a].to(grad.device, grad.dtype)
+                pos += b - a
+            landed = True
+        if landed:
+            comm.release_completed()  # the landed buffers go now, not at the next collective
 
     # -- boundary -------------------------------------------------------------------------
     def before_backward(self, is_boundary: bool) -> None:
@@ -207,10 +249,12 @@ class _PartitionedStage(ShardedStrategy):
             self._reduced = True
 
     def _flush_buckets(self) -> None:
-        """Reduce the buckets not yet complete (unused params, or overlap_comm off), in plan order."""
+        """Reduce the buckets not yet complete (unused params, or overlap_comm off), in plan
+        order, and land every reduce still in flight."""
         while self._next_bucket < len(self._bucket_plan):
             self._reduce_bucket(self._next_bucket)
             self._next_bucket += 1
+        self._land()
         self._reset_buckets()
 
     def reduce_gradients(self) -> None:
@@ -246,12 +290,13 @@ class _PartitionedStage(ShardedStrategy):
             g, slot = slots[names[id(p)]]
             full = torch.zeros(slot.numel, dtype=torch.float32, device=g.master.device)
             mine = [piece for piece in g.pieces if piece.name == slot.name]
+            grad = self._grad_partition(g)
             for piece in mine:
-                full[piece.start:piece.end] += g.grad[piece.offset:piece.offset + piece.numel]
+                full[piece.start:piece.end] += grad[piece.offset:piece.offset + piece.numel]
             comm.all_reduce(full, group=g.axis.group, label=f"tied grad {slot.name} (data parallel)")
             comm.all_reduce(full, group=group, label=f"tied grad {slot.name}")
             for piece in mine:
-                g.grad[piece.offset:piece.offset + piece.numel].copy_(full[piece.start:piece.end])
+                grad[piece.offset:piece.offset + piece.numel].copy_(full[piece.start:piece.end])
 
     def scale_gradients_(self, factor: float) -> None:
         if factor != 1.0:
@@ -284,13 +329,11 @@ class _PartitionedStage(ShardedStrategy):
                 rows[:, c:c + shard.numel()].copy_(out.view(world, -1))
 
     def zero_grad(self) -> None:
+        # nothing of the gradients is held between steps: the next reduce allocates the partition again
         for g in self.groups:
             for p in g.params:
                 p.grad = None
-            if self.stage == 2:
-                g.grad.zero_()
-            else:
-                g.grad = None
+            g.grad = None
         self._reduced = self.stage == 2
 
     # -- whole-parameter access (zero/fragments.py) -------------------------------------------
@@ -365,9 +408,7 @@ class _PartitionedStage(ShardedStrategy):
         g, s, mine = found
         flat = check_numel("safe_set_full_grad", value, s.numel)
         self.grads_for_access("safe_set_full_grad")
-        if g.grad is None:
-            g.grad = torch.zeros_like(g.master, dtype=self.accum_dtype)
-        self._scatter_pieces(mine, g.grad, flat)
+        self._scatter_pieces(mine, self._grad_partition(g), flat)
 
     # -- checkpoints ------------------------------------------------------------------------
     def shard_state(self) -> Dict[str, Any]:

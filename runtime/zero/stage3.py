@@ -14,7 +14,9 @@ Around every module that owns parameters directly:
                 leaf has contributed, so tied and reused parameters are safe to drop.
 
 Every micro-step gathers parameters and reduce-scatters gradients (as in DeepSpeed); the
-boundary adds only the norm and the refresh of persistent parameters.
+boundary adds only the norm and the refresh of persistent parameters. The fp32 gradient
+chunks are freed at the step and allocated again by the next reduce-scatter: between steps
+no gradient is held (as in DeepSpeed), leaving the room to the next forward's activations.
 
 Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
 whole. Optimizer partitions are the concatenation of this rank's chunks per param group.
@@ -167,7 +169,8 @@ class ZeroStage3(ShardedStrategy):
                 if not to_files and z.shard.dtype == torch.float32 and z.shard.device == master.device:
                     # fp32 parameters: the shard is the master (one copy, updated in place by the step)
                     z.shard = view
-            self.groups.append({"params": params, "master": master, "grad": pin_host(torch.zeros_like(master, dtype=accum), pin),
+            # "grad": the reduced gradient chunks, allocated by the window's first reduce-scatter (_grad)
+            self.groups.append({"params": params, "master": master, "grad": None, "grad_dtype": accum, "pin": pin,
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
         if optimizer is not None:
@@ -379,7 +382,7 @@ class ZeroStage3(ShardedStrategy):
         off = 0
         for p, _ in bucket:
             z = p._zero
-            g = self.groups[z.group_index]["grad"]
+            g = self._grad(z.group_index)
             g[z.master_offset:z.master_offset + z.chunk] += part[off:off + z.chunk].to(g.device, g.dtype)
             off += z.chunk
 
@@ -399,12 +402,15 @@ class ZeroStage3(ShardedStrategy):
     # -- boundary -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         for g in self.groups:
-            self.reduction.finish_(g["grad"])
+            if g["grad"] is not None:
+                self.reduction.finish_(g["grad"])
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32)
         skip = self.ctx.norm_exclude
         for g in self.groups:
+            if g["grad"] is None:
+                continue
             if not skip:
                 sq += g["grad"].float().pow(2).sum().cpu()
                 continue
@@ -418,13 +424,15 @@ class ZeroStage3(ShardedStrategy):
     def scale_gradients_(self, factor: float) -> None:
         if factor != 1.0:
             for g in self.groups:
-                g["grad"].mul_(factor)
+                if g["grad"] is not None:
+                    g["grad"].mul_(factor)
 
     def optimizer_step(self) -> None:
         self._prefetch.drop_all()  # no gather may still be reading a shard the step rewrites
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             # a 16-bit partition (grad_accum_dtype) is widened for the step only
-            g["master"].grad = g["grad"] if g["grad"].dtype == g["master"].dtype else g["grad"].to(g["master"].dtype)
+            grad = self._grad(gi)
+            g["master"].grad = grad if grad.dtype == g["master"].dtype else grad.to(g["master"].dtype)
         self.host.step()
         for g in self.groups:
             g["master"].grad = None
@@ -458,10 +466,19 @@ class ZeroStage3(ShardedStrategy):
                 off += z.chunk
 
     def zero_grad(self) -> None:
+        # no gradient is held between steps: the next reduce-scatter allocates the chunks again
         for g in self.groups:
-            g["grad"].zero_()
+            g["grad"] = None
             for p in g["params"]:
                 p.grad = None
+
+    def _grad(self, gi: int) -> torch.Tensor:
+        """Group gi's reduced-gradient chunks (beside its master, in grad_accum_dtype), zeroed
+        when the step (zero_grad) freed them."""
+        g = self.groups[gi]
+        if g["grad"] is None:
+            g["grad"] = pin_host(torch.zeros_like(g["master"], dtype=g["grad_dtype"]), g["pin"])
+        return g["grad"]
 
     def shard_changed(self, p) -> None:
         z = p._zero
@@ -480,7 +497,7 @@ class ZeroStage3(ShardedStrategy):
             return None
         gi = z.group_index
         if key is None:
-            flat = self.groups[gi][part]
+            flat = self._grad(gi) if part == "grad" else self.groups[gi][part]
         else:
             flat = state_tensor(self.host.state_of(gi), key, z.name)
         return flat[z.master_offset:z.master_offset + z.chunk]
