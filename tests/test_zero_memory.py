@@ -57,10 +57,14 @@ def live_bytes(baseline, params) -> int:
 
 
 def baseline_storages():
+    """data_ptr -> storage of every live tensor. The storages are kept so that none of them is
+    freed during the count and its address reused by a new tensor, which the count would then
+    take for a baseline one and leave out."""
     gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {o.untyped_storage().data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
 
 
 def formula(stage, dtype, numels, world, persistence):
