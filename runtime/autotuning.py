@@ -118,6 +118,11 @@ class TrialProbe:
         self._seen: set = set()
         self._params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
         self._baseline = 0  # set by the engine: see baseline()
+        # CPU: live bytes after the last timed step's backward, when the gradients exist (the
+        # step frees them, so a count after it would miss them), and the seconds that count
+        # took, which are not the configuration's and come off the timed span
+        self.held_after_backward: Optional[int] = None
+        self.untimed = 0.0
 
     @staticmethod
     def baseline(model) -> Optional[int]:
@@ -214,6 +219,16 @@ class TrialProbe:
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
 
+    def after_backward(self) -> None:
+        """After each boundary backward: on the CPU, count the live tensors once, in the last
+        timed step, where parameters, gradients and optimizer state are all held."""
+        if self.engine.device.type == "cuda" or self.engine.global_steps != self.end - 1:
+            return
+        t = time.perf_counter()
+        gc.collect()  # tensors only an uncollected reference cycle holds are not the configuration's
+        self.held_after_backward = _live_tensor_bytes()
+        self.untimed += time.perf_counter() - t
+
     def step_done(self) -> None:
         """After each optimizer step: start the clock at `start`, finish at `end`."""
         steps = self.engine.global_steps
@@ -225,7 +240,7 @@ class TrialProbe:
         elif steps >= self.end:
             if steps == self.end:
                 self._sync()
-                self.write(time.perf_counter() - self.t0)
+                self.write(time.perf_counter() - self.t0 - self.untimed)
             from .activation_checkpointing import checkpointing
 
             if checkpointing.observer is self:
@@ -248,7 +263,8 @@ class TrialProbe:
             available = _host_available()
             limit = None if available is None else available // max(1, local)
             gc.collect()  # tensors only an uncollected reference cycle holds are not the configuration's
-            measured = _live_tensor_bytes() - self._baseline + self.peak_saved
+            held = max(_live_tensor_bytes(), self.held_after_backward or 0)
+            measured = held - self._baseline + self.peak_saved
         metrics = {
             "rank": e.global_rank, "steps": steps, "elapsed_s": elapsed,
             "throughput": b.train_batch_size * steps / elapsed, "latency": elapsed / steps,

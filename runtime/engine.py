@@ -428,6 +428,8 @@ class DeepSpeedEngine(torch.nn.Module):
                 self.strategy.after_backward(boundary)
         if boundary:
             self.strategy.open_grad_window()  # safe_get_full_grad reads them until step()
+            if self._trial is not None:
+                self._trial.after_backward()  # the gradients are held now; the step frees them
         self._memory("after backward")
         return loss
 
