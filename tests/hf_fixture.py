@@ -57,3 +57,16 @@ def tiny_gpt2(tmp_path_factory) -> Path:
                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
+
+
+def tiny_llama(vocab: int = 64, kv_heads: int = 2, attn: str = "sdpa", seed: int = 0):
+    """The suite's tiny Llama (2 layers, hidden 32, 4 heads, untied embeddings), seeded: the
+    model the tensor- and sequence-parallel tests shard and compare with one process."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads,
+                                        max_position_embeddings=32, tie_word_embeddings=False,
+                                        attn_implementation=attn))

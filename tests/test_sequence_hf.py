@@ -12,19 +12,9 @@ mpu (which has no tensor axis; tp x sp is the engine's sequence_parallel_size) a
 import pytest
 
 from dist_harness import run_function
+from hf_fixture import tiny_llama
 
 SEQ, VOCAB, MICRO, BATCHES = 8, 64, 2, 4
-
-
-def _llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg)
 
 
 def _batches(seq=SEQ):
@@ -48,7 +38,7 @@ def train_body(sp, seq=SEQ, core="sdpa", tp=1):
     from dslaunch.runtime.sequence_parallel.ulysses_sp import (UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter,
                                                                 sequence_parallel_loss)
 
-    model = _llama()
+    model = tiny_llama(VOCAB)
     mpu = None
     try:
         if sp > 1:

@@ -256,13 +256,9 @@ def test_hf_llama_with_tiled_mlp_and_loss_equals_untiled():
     the untouched model's own loss (labels shifted by transformers), 13 tokens in 3 slices."""
     import types
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_fixture import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
-                      attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama(64)
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[1, :4] = -100

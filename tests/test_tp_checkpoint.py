@@ -8,18 +8,9 @@ import os
 import pytest
 
 from dist_harness import run_function
+from hf_fixture import tiny_llama
 
 SEQ, VOCAB, MICRO = 8, 64, 2
-
-
-def _llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                                        tie_word_embeddings=False, attn_implementation="eager"))
 
 
 def _tokens(step):
@@ -37,7 +28,7 @@ def run_body(tp, stage, first, steps, load=None, save=None, full_out=None):
     import dslaunch.runtime as deepspeed
     from dslaunch.runtime import comm
 
-    net = _llama()
+    net = tiny_llama(VOCAB, kv_heads=4, attn="eager")
     world = comm.get_world_size()
     dp = world // tp
     cfg = {"train_batch_size": MICRO, "steps_per_print": 1000, "gradient_clipping": 1.0,

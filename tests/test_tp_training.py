@@ -9,21 +9,11 @@ micro-batch; data-parallel ranks get different ones. Bad input is one line.
 import pytest
 
 from dist_harness import RankFailed, run_function
+from hf_fixture import tiny_llama
 
 SEQ = 8
 VOCAB = 64
 STEPS = 4
-
-
-def _llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      tie_word_embeddings=False, attn_implementation="eager")
-    return LlamaForCausalLM(cfg)
 
 
 def _gpt2():
@@ -36,7 +26,7 @@ def _gpt2():
     return GPT2LMHeadModel(cfg)
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2}
+MODELS = {"llama": lambda: tiny_llama(VOCAB, attn="eager"), "gpt2": _gpt2}
 
 
 def _tokens(step, rows):
@@ -157,7 +147,7 @@ def bad_config_body(extra, stage=0):
     import dslaunch.runtime as deepspeed
     from dslaunch.runtime import ConfigError
 
-    net = _llama()
+    net = tiny_llama(VOCAB, attn="eager")
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": stage}}
     cfg.update(extra)
@@ -192,7 +182,7 @@ def tp_model_init_body():
 
     import dslaunch.runtime as deepspeed
 
-    net = deepspeed.tp_model_init(_llama(), tp_size=2, dtype=torch.float32)
+    net = deepspeed.tp_model_init(tiny_llama(VOCAB, attn="eager"), tp_size=2, dtype=torch.float32)
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
     rows = torch.utils.data.TensorDataset(torch.arange(16))
