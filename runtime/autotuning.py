@@ -115,6 +115,9 @@ class TrialProbe:
         self.forward_saved = 0
         self.kept_bytes = 0
         self.segments: list = []
+        # micro-batches whose activations are held at once: 1, or a pipeline stage's buffers
+        # (1F1B keeps up to stages - stage_id forwards waiting for their backward)
+        self.in_flight = 1
         self._seen: set = set()
         self._params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
         self._baseline = 0  # set by the engine: see baseline()
@@ -149,9 +152,9 @@ class TrialProbe:
 
     @property
     def peak_saved(self) -> int:
-        """Activation bytes one micro-batch holds at its peak: what the forward saved and the
-        segments kept, plus the largest segment's recompute in backward."""
-        return self.forward_saved + self.kept_bytes + max(self.segments, default=0)
+        """Activation bytes at their peak: what each micro-batch in flight saved and its
+        segments kept, plus the largest segment's recompute in backward (one at a time)."""
+        return (self.forward_saved + self.kept_bytes) * self.in_flight + max(self.segments, default=0)
 
     def _measuring(self) -> bool:
         # the activations of one step: the last one before the timed steps, so that the hooks
@@ -276,7 +279,7 @@ class TrialProbe:
             "checkpoint_input_bytes_per_sample": self.kept_bytes / b.micro_batch_per_gpu,
             "checkpoint_segment_bytes_per_sample": [n / b.micro_batch_per_gpu for n in self.segments],
             "measured_bytes": measured, "memory_limit_bytes": limit, "device": e.device.type,
-            "tp": e.config.tensor_parallel.size,
+            "tp": e.config.tensor_parallel.size, "micro_batches_in_flight": self.in_flight,
         }
         if metrics["tp"] == 1:
             metrics["autotp"] = autotp_report(e.module, e.dp_world_size, e.config.tensor_parallel.partition_config)

@@ -21,6 +21,7 @@ gather-around-forward hooks assume one forward then its backward, which 1F1B int
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -147,7 +148,10 @@ class PipelineEngine(DeepSpeedEngine):
         self.module.train()
         self._compute_loss = True
         start = time.perf_counter()
-        losses = self._exec_schedule(S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id))
+        sched = S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        if self._trial is not None:
+            self._trial.in_flight = sched.activations_in_flight()
+        losses = self._exec_schedule(sched)
         self.agg_train_loss = self._aggregate_loss(losses, self.micro_batches)
         self.step_timings["total"] = time.perf_counter() - start
         self._meter.add_loss(float(self.agg_train_loss))
@@ -256,7 +260,9 @@ class PipelineEngine(DeepSpeedEngine):
     def _forward(self, cmd) -> None:
         b = cmd.buffer_id
         x = self._buf["inputs"][b]
-        with self._meter.timed("forward"):
+        # an autotuning trial counts what one training micro-batch saves for backward
+        probe = self._trial.forward() if self._trial is not None and torch.is_grad_enabled() else nullcontext()
+        with self._meter.timed("forward"), probe:
             out = self.module(x)
         if not self.is_last_stage():
             self._buf["outputs"][b] = out
@@ -293,6 +299,8 @@ class PipelineEngine(DeepSpeedEngine):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 self._grads = None
             self.strategy.after_backward(boundary)
+        if boundary and self._trial is not None:
+            self._trial.after_backward()  # the batch's gradients are held now; the step frees them
         self._boundary_flag = False
         self._buf["outputs"][b] = None
         self._backwards += 1

@@ -148,9 +148,13 @@ class PipeSchedule:
 
 
 class TrainSchedule(PipeSchedule):
+    def activations_in_flight(self) -> int:
+        """Micro-batches whose activations stage s holds at once: p - s (fewer if the batch
+        is smaller)."""
+        return min(self.stages - self.stage_id, self.micro_batches)
+
     def num_pipe_buffers(self) -> int:
-        # activations alive at once on stage s: p - s (fewer if the batch is smaller)
-        return max(2, min(self.stages - self.stage_id, self.micro_batches))
+        return max(2, self.activations_in_flight())
 
     def step_work(self, step: int):
         """(micro-batch, is_forward) this stage computes at `step`; the micro-batch may be
