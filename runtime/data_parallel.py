@@ -82,7 +82,6 @@ class DataParallelStrategy(GradientStrategy):
         for axis in ctx.axes:
             self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
         self.buckets = self._make_buckets(params, max(1, ctx.config.zero.reduce_bucket_size))
-        self._grads_freed = False  # zero_grad frees the buckets; _ensure_grads brings them back
         self.bucket_of: Dict[int, _Bucket] = {}
         self.view_of: Dict[int, torch.Tensor] = {}
         for b in self.buckets:
@@ -156,14 +155,12 @@ class DataParallelStrategy(GradientStrategy):
         steps; the first backward of the next window (or a step or gradient access with no
         backward through the engine) allocates them again, zeroed, and points every .grad at its
         view (a gradient autograd made meanwhile is copied in)."""
-        if not self._grads_freed:
-            return
         for b in self.buckets:
-            b.flat.untyped_storage().resize_(b.flat.numel() * b.flat.element_size())
-            b.flat.zero_()
-            for p in b.params:
-                self._relink(p)
-        self._grads_freed = False
+            if b.flat.untyped_storage().nbytes() == 0 and b.flat.numel():  # freed (zero_grad, or mixed precision's reduce)
+                b.flat.untyped_storage().resize_(b.flat.numel() * b.flat.element_size())
+                b.flat.zero_()
+                for p in b.params:
+                    self._relink(p)
 
     def before_backward(self, is_boundary: bool) -> None:
         self._ensure_grads()
@@ -265,7 +262,6 @@ class DataParallelStrategy(GradientStrategy):
                 p.grad = None
             for m in b.masters:
                 m.grad = None
-        self._grads_freed = True
 
     # -- whole-parameter access (zero/fragments.py): every rank holds every parameter whole --
     def _place(self, p):
