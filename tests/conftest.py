@@ -3,8 +3,15 @@
 Under CI=true a skipped test is a failure, except tests marked `gpu`: CI has no GPU, but
 it has everything else the suite needs (a compiler, sshd, network namespaces), so a skip
 there would hide a missing piece instead of testing it.
+
+Nothing the suite starts may outlive it: every process started from this one inherits a
+session token in its environment, and a process still carrying it once the session is
+over (every fixture torn down) fails the run, named with its command line, and is killed.
 """
 import os
+import signal
+import time
+import uuid
 
 import pytest
 
@@ -12,6 +19,10 @@ from cluster_fixture import ns_cluster, ssh_home  # noqa: F401  (the multi-host 
 from hf_fixture import deepspeed_compat, tiny_gpt2  # noqa: F401  (the deepspeed compatibility package, issue #14)
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+SESSION_VAR = "DSLAUNCH_TEST_SESSION"
+os.environ[SESSION_VAR] = SESSION = uuid.uuid4().hex
+# multiprocessing's helper processes live as long as this process does, by design
+_LONG_LIVED_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,3 +47,48 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, which must run this test: {reason}"
+
+
+def _left_behind():
+    """(pid, command line) of every process but this one that carries this session's token."""
+    marker = f"{SESSION_VAR}={SESSION}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                if marker not in fh.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue  # gone meanwhile, or a zombie
+        if cmd and not any(h in cmd for h in _LONG_LIVED_HELPERS):
+            found.append((int(name), cmd))
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every fixture is torn down by now: whatever still carries the token was orphaned.
+    A few seconds' grace for processes already on their way out."""
+    deadline = time.monotonic() + 10
+    left = _left_behind()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _left_behind()
+    if not left:
+        return
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    lines = "\n".join(f"  pid {pid}: {cmd[:300]}" for pid, cmd in left)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"{len(left)} process(es) started by the suite outlived it (killed now):\n{lines}"
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(message, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
