@@ -1,7 +1,7 @@
-"""The plumbing the multi-rank benchmarks share (bench_tp, bench_moe, bench_pipeline): start
-`world` local ranks, each importing our runtime or, as the peer, DeepSpeed; collect every
-rank's JSON result; and run the same benchmark file under DeepSpeed's Python so the two sides
-take turns on one machine."""
+"""The plumbing the multi-rank scripts share (the benchmarks bench_tp, bench_moe,
+bench_pipeline, and the make_ds_*_fixtures scripts): start `world` local ranks, each importing
+our runtime or, as the peer, DeepSpeed; collect every rank's JSON result; and run the same
+file under DeepSpeed's Python so the two sides take turns on one machine."""
 from __future__ import annotations
 
 import importlib
@@ -54,6 +54,27 @@ def spawn(worker: Callable, world: int, args) -> List:
             with open(f"{path}.{r}") as fh:
                 results.append(json.load(fh))
         return results
+
+
+def run_script_ranks(python: str, script: str, job: dict, world: int, cwd: str, timeout: float = 600,
+                     quiet: bool = False, capture: bool = False):
+    """`python script --worker RANK JOB` for each of `world` ranks, JOB the job as JSON plus a
+    free `port` and the `result` path rank 0 writes its JSON to; returns that JSON. A failure
+    stops the script, or with capture returns the last line rank 0 wrote to stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(job, port=free_port(), result=os.path.join(tmp, "result.json"))
+        err = [open(os.path.join(tmp, f"err{r}"), "w+") if capture else None for r in range(world)]
+        procs = [subprocess.Popen([python, script, "--worker", str(r), json.dumps(job)], cwd=cwd, stderr=err[r],
+                                  stdout=subprocess.DEVNULL if quiet else None) for r in range(world)]
+        codes = [p.wait(timeout=timeout) for p in procs]
+        if any(codes):
+            if capture:
+                err[0].seek(0)
+                lines = [ln.strip() for ln in err[0].read().splitlines() if ln.strip()]
+                return lines[-1] if lines else f"exit codes {codes}"
+            raise SystemExit(f"{os.path.basename(script)} {job}: exit codes {codes}")
+        with open(job["result"]) as fh:
+            return json.load(fh)
 
 
 def run_peer(python: str, script: str, argv: Sequence[str], cache_name: str) -> dict:

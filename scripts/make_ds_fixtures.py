@@ -31,11 +31,11 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 from typing import NamedTuple
+
+from bench_ranks import run_script_ranks  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -234,29 +234,10 @@ def worker(rank: int, job: dict) -> None:
     dist.barrier()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(python: str, job: dict, capture: bool = False) -> list:
     """The losses of one run of `worker` on job["world"] processes; with capture, a failure
     returns the last line rank 0 wrote to stderr instead of stopping the script."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job = dict(job, port=_port(), result=os.path.join(tmp, "losses.json"))
-        err = [open(os.path.join(tmp, f"err{r}"), "w+") if capture else None for r in range(job["world"])]
-        procs = [subprocess.Popen([python, __file__, "--worker", str(r), json.dumps(job)], cwd=ROOT, stderr=err[r])
-                 for r in range(job["world"])]
-        codes = [p.wait(timeout=600) for p in procs]
-        if any(codes):
-            if capture:
-                err[0].seek(0)
-                lines = [ln.strip() for ln in err[0].read().splitlines() if ln.strip()]
-                return lines[-1] if lines else f"exit codes {codes}"
-            raise SystemExit(f"{job['engine']} {job}: exit codes {codes}")
-        with open(job["result"]) as fh:
-            return json.load(fh)
+    return run_script_ranks(python, __file__, job, job["world"], ROOT, capture=capture)
 
 
 def zero_to_fp32(ds_python: str, ckpt: str, out: str) -> None:

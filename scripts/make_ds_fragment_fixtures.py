@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
+
+from bench_ranks import free_port  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -169,12 +170,6 @@ def worker(rank: int, job: dict) -> None:
     dist.barrier()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ds-python", required=True, help="a python with DeepSpeed 0.19.8 installed")
@@ -187,7 +182,7 @@ def main() -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        job = {"port": _port(), "result": os.path.join(tmp, "out"), "cases": list(CASES)}
+        job = {"port": free_port(), "result": os.path.join(tmp, "out"), "cases": list(CASES)}
         procs = [subprocess.Popen([args.ds_python, __file__, "--ds-python", args.ds_python, "--worker", str(r),
                                    json.dumps(job)], cwd=tmp) for r in range(WORLD)]
         codes = [p.wait(timeout=1200) for p in procs]

@@ -32,10 +32,9 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
+
+from bench_ranks import run_script_ranks  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -264,22 +263,8 @@ def worker(rank: int, job: dict) -> None:
     dist.barrier()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(job: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        job = dict(job, port=_port(), result=os.path.join(tmp, "result.json"))
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), json.dumps(job)], cwd=ROOT,
-                                  stdout=subprocess.DEVNULL) for r in range(job["world"])]
-        codes = [p.wait(timeout=600) for p in procs]
-        if any(codes):
-            raise SystemExit(f"{job}: exit codes {codes}")
-        with open(job["result"]) as fh:
-            return json.load(fh)
+    return run_script_ranks(sys.executable, __file__, job, job["world"], ROOT, quiet=True)
 
 
 def main() -> None:

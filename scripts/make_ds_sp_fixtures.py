@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
+
+from bench_ranks import spawn, write_result  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -60,21 +61,11 @@ def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
         init["mpu"] = parallel_state_sp
     losses, _ = sp_workload.train(deepspeed, DistributedAttention, sp, MICRO, stage=job["stage"],
                                   optimizer=job["optimizer"], init_kwargs=init)
-    if rank == 0:
-        with open(out, "w") as fh:
-            json.dump(losses, fh)
+    write_result(out, rank, losses)
 
 
 def run_here(job: dict) -> list:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "losses.json")
-        mp.spawn(worker, args=(job["sp"], port, job, out), nprocs=job["sp"], join=True)
-        return json.load(open(out))
+    return spawn(worker, job["sp"], job)[0]  # rank 0's losses
 
 
 def main() -> None:

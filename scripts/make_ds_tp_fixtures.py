@@ -22,14 +22,15 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_ranks import spawn, write_result  # noqa: E402  (the local-ranks plumbing the scripts share)
 from make_ds_fixtures import _tidy  # noqa: E402  (the interop fixtures' clean-up of a saved checkpoint)
+
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "tests", "data", "ds_autotp")
 CASES = {"tp2_s0_fp32": 0, "tp2_s1_fp32": 1}
@@ -113,21 +114,11 @@ def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
     rt = importlib.import_module(job["module"])
     rt.init_distributed("gloo")
     losses = train(rt, job["stage"], job["tp"], 0, STEPS, save=job.get("save"))
-    if rank == 0:
-        with open(out, "w") as fh:
-            json.dump(losses, fh)
+    write_result(out, rank, losses)
 
 
 def run_here(job: dict) -> list:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "losses.json")
-        mp.spawn(worker, args=(WORLD, port, job, out), nprocs=WORLD, join=True)
-        return json.load(open(out))
+    return spawn(worker, WORLD, job)[0]  # rank 0's losses
 
 
 def main() -> None:
