@@ -29,6 +29,7 @@ returned and every other agent process has exited.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -94,6 +95,10 @@ class Zygote:
 
 
 def _zygote_loop(ctl: socket.socket, log_dir: str) -> None:
+    # every object the zygote holds is the agents' shared, copy-on-write memory: moved out of
+    # the collector's reach, an agent's garbage collections no longer write to (and so copy)
+    # each page of it; a real agent has its own memory, so this only keeps the simulation honest
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -157,6 +162,14 @@ class SimLink(AgentLink):
             self._traffic.add_rx(len(raw))
             yield raw
 
+    def write_nowait(self, data: bytes) -> int:
+        try:
+            n = self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        self._traffic.add_tx(n)
+        return n
+
     def write(self, data: bytes) -> None:
         self._sock.sendall(data)
         self._traffic.add_tx(len(data))
@@ -186,11 +199,12 @@ class TimedOutput(JobOutput):
     """The head's JobOutput, noting when the head declared the failure (the console prints it later)."""
 
     failed_at: Optional[float] = None
+    failed_cpu: Optional[float] = None
     failure_text = ""
 
     def failed(self, failure) -> None:
         if self.failed_at is None:
-            self.failed_at = time.monotonic()
+            self.failed_at, self.failed_cpu = time.monotonic(), _cpu()
             self.failure_text = failure.reason
         super().failed(failure)
 
@@ -229,6 +243,9 @@ class Figures:
     head_fds: int
     detect_s: float  # one agent frozen -> the head names its host lost
     teardown_s: float  # that detection -> the head returned and every other agent exited
+    head_return_s: float  # that detection -> the head returned (its part of the teardown)
+    start_cpu_s: float  # head CPU seconds spent during start_s
+    teardown_cpu_s: float  # head CPU seconds from the detection until the head returned
     exit_code: int
 
 
@@ -274,7 +291,7 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
             marks["gave_up"] = time.monotonic()
             os.kill(os.getpid(), signal.SIGTERM)  # the head's own stop path
             return
-        marks["up"] = time.monotonic()
+        marks["up"], marks["up_cpu"] = time.monotonic(), _cpu()
         time.sleep(max(1.0, head.interval * 2))  # let start-up traffic drain
         cpu0, rx0, tx0, w0 = _cpu(), traffic.rx, traffic.tx, time.monotonic()
         time.sleep(window_s)
@@ -292,16 +309,18 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
         victim["pid"] = lost.pid
         marks["frozen"] = time.monotonic()
 
-    marks["start"] = time.monotonic()
+    marks["start"], marks["start_cpu"] = time.monotonic(), _cpu()
     driver = threading.Thread(target=drive, daemon=True, name="bench-driver")
     driver.start()
     code = head.run()
-    returned = time.monotonic()
+    returned, returned_cpu = time.monotonic(), _cpu()
     output.close(timeout=10)
     driver.join(timeout=5)
     others = [link.pid for link in links if link.pid is not None and link.pid != victim.get("pid")]
-    while any(_alive(p) for p in others) and time.monotonic() - returned < 30:
-        time.sleep(0.01)
+    while others and time.monotonic() - returned < 30:  # each pid is looked at until it is gone, not each poll
+        others = [p for p in others if _alive(p)]
+        if others:
+            time.sleep(0.01)
     gone = time.monotonic()
     if "pid" in victim:
         os.kill(victim["pid"], signal.SIGKILL)
@@ -316,7 +335,8 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
                            f" (exit {code}, {console.up}/{console.workers} up)")
     return Figures(n, heartbeat_timeout, head.interval, marks["up"] - marks["start"], marks["cpu"], marks["bytes"],
                    marks["rss"], marks["threads"], marks["fds"], output.failed_at - marks["frozen"],
-                   gone - output.failed_at, code)
+                   gone - output.failed_at, returned - output.failed_at, marks["up_cpu"] - marks["start_cpu"],
+                   returned_cpu - output.failed_cpu, code)
 
 
 def _cpu() -> float:
