@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence
 
 from dslaunch.launcher import agent as agent_module
 # what agent.run imports when a request arrives: loaded once in the zygote, not in each agent
-from dslaunch.launcher import local, machine, plan, supervisor  # noqa: F401
+from dslaunch.launcher import local, machine, plan, reaper, supervisor  # noqa: F401
 from dslaunch.launcher.head import AgentLink, Head
 from dslaunch.launcher.machine import MachineFacts
 from dslaunch.launcher.options import LaunchOptions
@@ -245,6 +245,7 @@ class Figures:
     teardown_s: float  # that detection -> the head returned and every other agent exited
     head_return_s: float  # that detection -> the head returned (its part of the teardown)
     start_cpu_s: float  # head CPU seconds spent during start_s
+    agents_start_cpu_s: float  # CPU seconds of every agent process and its children (watchdog, worker) when all were up
     teardown_cpu_s: float  # head CPU seconds from the detection until the head returned
     exit_code: int
 
@@ -292,6 +293,7 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
             os.kill(os.getpid(), signal.SIGTERM)  # the head's own stop path
             return
         marks["up"], marks["up_cpu"] = time.monotonic(), _cpu()
+        marks["agents_cpu"] = sum(_tree_cpu(link.pid) for link in links)
         time.sleep(max(1.0, head.interval * 2))  # let start-up traffic drain
         cpu0, rx0, tx0, w0 = _cpu(), traffic.rx, traffic.tx, time.monotonic()
         time.sleep(window_s)
@@ -336,7 +338,20 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
     return Figures(n, heartbeat_timeout, head.interval, marks["up"] - marks["start"], marks["cpu"], marks["bytes"],
                    marks["rss"], marks["threads"], marks["fds"], output.failed_at - marks["frozen"],
                    gone - output.failed_at, returned - output.failed_at, marks["up_cpu"] - marks["start_cpu"],
+                   marks["agents_cpu"],
                    returned_cpu - output.failed_cpu, code)
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of pid and every process below it (those reaped count through cutime/cstime)."""
+    total = 0
+    for p in [pid] + reaper.descendants(pid):
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                total += sum(int(v) for v in f.read().rsplit(b")", 1)[1].split()[11:15])
+        except (OSError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu() -> float:
@@ -351,14 +366,18 @@ def plot(rows: List[Figures], path: str) -> None:
     import matplotlib.pyplot as plt
 
     ns = [r.nodes for r in rows]
-    panels = [("start-up (s)", [r.start_s for r in rows]), ("teardown (s)", [r.teardown_s for r in rows]),
-              ("lost node detected (s)", [r.detect_s for r in rows]),
-              ("head CPU (s per s)", [r.head_cpu_per_s for r in rows]),
-              ("heartbeat traffic (kB/s)", [r.heartbeat_bytes_per_s / 1e3 for r in rows]),
-              ("head RSS (MB)", [r.head_rss_mb for r in rows])]
+    # (title, [(label, values)]): wall seconds beside the CPU seconds that load distorts less
+    panels = [("start-up (s)", [("wall", [r.start_s for r in rows]), ("head CPU", [r.start_cpu_s for r in rows]),
+                                ("agents' CPU", [r.agents_start_cpu_s for r in rows])]),
+              ("teardown (s)", [("wall", [r.teardown_s for r in rows]), ("head CPU", [r.teardown_cpu_s for r in rows])]),
+              ("lost node detected (s)", [("", [r.detect_s for r in rows])]),
+              ("head CPU (s per s)", [("", [r.head_cpu_per_s for r in rows])]),
+              ("heartbeat traffic (kB/s)", [("", [r.heartbeat_bytes_per_s / 1e3 for r in rows])]),
+              ("head RSS (MB)", [("", [r.head_rss_mb for r in rows])])]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
-    for ax, (title, ys) in zip(axes.flat, panels):
-        ax.plot(ns, ys, "o-")
+    for ax, (title, series) in zip(axes.flat, panels):
+        for label, ys in series:
+            ax.plot(ns, ys, "o-", label=label or None)
         ax.set_xscale("log", base=2)
         if not title.startswith("lost"):  # log-log: a straight line of slope 1 is O(N)
             ax.set_yscale("log")
@@ -368,6 +387,7 @@ def plot(rows: List[Figures], path: str) -> None:
         ax.grid(alpha=0.3)
         if title.startswith("lost"):
             ax.axhline(rows[0].heartbeat_timeout_s, color="r", ls="--", label="--heartbeat_timeout")
+        if len(series) > 1 or title.startswith("lost"):
             ax.legend()
     fig.suptitle("dslaunch head driving N real node agents (simulated transport, 2-core machine)")
     fig.tight_layout()
