@@ -29,7 +29,6 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 from dslaunch.launcher.attempts import AttemptResult, StopSignals, run_attempts
@@ -258,18 +257,24 @@ class Head:
         next_ping = time.monotonic() + self.interval
         pool = ThreadPoolExecutor(max_workers=min(START_CONCURRENCY, len(links)) or 1,
                                   thread_name_prefix="dslaunch-start")
-        starting = {pool.submit(start, i): i for i in range(len(links))}
+        # each start reports on this queue as it ends: waiting on all the pending futures at
+        # once (concurrent.futures.wait) costs O(pending) per completion, O(N^2) for N links
+        started_q: "queue.SimpleQueue" = queue.SimpleQueue()
+        for i in range(len(links)):
+            pool.submit(start, i).add_done_callback(lambda fut, i=i: started_q.put((i, fut)))
         running: List[int] = []
-        todo = set(starting)
         try:
-            while todo:
-                done, todo = wait_futures(todo, timeout=max(0.0, next_ping - time.monotonic()))
-                for fut in done:
+            while len(running) < len(links):
+                try:
+                    i, fut = started_q.get(timeout=max(0.0, next_ping - time.monotonic()))
+                except queue.Empty:
+                    pass
+                else:
                     fut.result()  # a link that cannot start fails the launch as before
-                    running.append(starting[fut])
+                    running.append(i)
                 if time.monotonic() >= next_ping:
-                    for i in running:
-                        links[i].send(PING)
+                    for j in running:
+                        links[j].send(PING)
                     next_ping = time.monotonic() + self.interval
         except BaseException:
             pool.shutdown(wait=False)
