@@ -33,6 +33,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 from dslaunch.launcher.attempts import AttemptResult, StopSignals, run_attempts
 from dslaunch.launcher.failure import Failure, host_failure
+from dslaunch.launcher.line_reader import shared_reader
 from dslaunch.launcher.output import STDERR, STDOUT, JobOutput, OutputLine
 from dslaunch.launcher.plan import LaunchPlan, NodePlan
 from dslaunch.launcher.protocol import PING, STOP, AgentRequest, decode
@@ -136,10 +137,11 @@ class AgentLink:
             self._send_wake.notify()
 
     def read_events(self, stream, post: Callable[[dict], None]) -> None:
-        """Reader-thread body for a stream of JSON event lines; ends with an eof event."""
+        """Reader-thread body for a stream of JSON event lines; ends with an eof event.
+        (For a transport that is a file descriptor, watch_events shares one thread instead.)"""
         try:
             for raw in stream:
-                post(decode(raw) or {"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")})
+                post(_event(raw))
         except Exception:
             pass
         post({"ev": "eof"})
@@ -148,9 +150,26 @@ class AgentLink:
     def read_errors(stream, post: Callable[[dict], None]) -> None:
         try:
             for raw in stream:
-                post({"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")})
+                post(_agent_err(raw))
         except Exception:
             pass
+
+    @staticmethod
+    def watch_events(fd: int, post: Callable[[dict], None]) -> None:
+        """read_events for a pipe or socket, on the process's one link reader thread."""
+        shared_reader().add(fd, lambda raw: post(_event(raw)), lambda: post({"ev": "eof"}))
+
+    @staticmethod
+    def watch_errors(fd: int, post: Callable[[dict], None]) -> None:
+        shared_reader().add(fd, lambda raw: post(_agent_err(raw)), lambda: None)
+
+
+def _event(raw: bytes) -> dict:
+    return decode(raw) or _agent_err(raw)
+
+
+def _agent_err(raw: bytes) -> dict:
+    return {"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")}
 
 
 class LocalLink(AgentLink):
@@ -166,8 +185,8 @@ class LocalLink(AgentLink):
         self.proc = subprocess.Popen(self._argv, cwd=self._workdir, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         os.set_blocking(self.proc.stdin.fileno(), False)  # written raw: write_nowait, or write() below
-        for target, stream in ((self.read_events, self.proc.stdout), (self.read_errors, self.proc.stderr)):
-            threading.Thread(target=target, args=(stream, post), daemon=True, name=f"dslaunch-{self.host}").start()
+        self.watch_events(self.proc.stdout.fileno(), post)
+        self.watch_errors(self.proc.stderr.fileno(), post)
         self.send(request.to_line())
 
     def write_nowait(self, data: bytes) -> int:

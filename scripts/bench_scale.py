@@ -52,7 +52,8 @@ from dslaunch.launcher.machine import MachineFacts
 from dslaunch.launcher.options import LaunchOptions
 from dslaunch.launcher.output import JobOutput
 from dslaunch.launcher.plan import build_plan
-from dslaunch.launcher.protocol import AgentRequest
+from dslaunch.launcher.line_reader import shared_reader
+from dslaunch.launcher.protocol import AgentRequest, decode
 
 WORKER_SLEEP_S = 600  # a worker outlives any run; the head's stop is what ends it
 
@@ -153,14 +154,13 @@ class SimLink(AgentLink):
     def start(self, post, request: AgentRequest) -> None:
         self.pid = self._zygote.spawn(self._far.fileno())
         self._far.close()
-        threading.Thread(target=self.read_events, args=(self._lines(), post), daemon=True,
-                         name=f"dslaunch-{self.host}").start()
-        self.send(request.to_line())
-
-    def _lines(self):
-        for raw in self._sock.makefile("rb"):
+        def line(raw: bytes) -> None:
             self._traffic.add_rx(len(raw))
-            yield raw
+            post(decode(raw) or {"ev": "agent_err", "text": raw.decode("utf-8", "replace")})
+
+        # the head's one reader thread for every link, as LocalLink's pipes use it
+        shared_reader().add(self._sock.fileno(), line, lambda: post({"ev": "eof"}))
+        self.send(request.to_line())
 
     def write_nowait(self, data: bytes) -> int:
         try:

@@ -100,3 +100,30 @@ def test_sends_to_a_dead_agent_are_dropped_quietly(tmp_path):
         assert not link._sender.is_alive()
     link.close()
     assert os.get_blocking(link.proc.stdout.fileno())  # only stdin was made non-blocking
+
+
+def test_one_reader_thread_cuts_many_streams_into_the_lines_file_iteration_gives(tmp_path):
+    """The shared LineReader against the per-link threads it replaced, which iterated the stream
+    as a file: same lines (the last one may lack its newline), then one eof per stream."""
+    from dslaunch.launcher.line_reader import LineReader
+
+    reader = LineReader(name="test-links-in")
+    chunks = [b"a", b"lpha\nbe", b"ta\n", b"\n", b"gam", b"ma\ndelta"]  # lines split across writes
+    pipes = [os.pipe() for _ in range(3)]
+    got = {i: [] for i in range(3)}
+    ended = {i: threading.Event() for i in range(3)}
+    for i, (r, _) in enumerate(pipes):
+        reader.add(r, got[i].append, ended[i].set)
+    for chunk in chunks:
+        for i, (_, w) in enumerate(pipes):
+            os.write(w, b"%d:" % i + chunk)
+    for _, w in pipes:
+        os.close(w)
+    for i, (r, _) in enumerate(pipes):
+        assert ended[i].wait(60)
+        os.close(r)
+        reference = tmp_path / f"s{i}"
+        reference.write_bytes(b"".join(b"%d:" % i + c for c in chunks))
+        with open(reference, "rb") as f:
+            assert got[i] == list(f)
+    assert [t.name for t in threading.enumerate()].count("test-links-in") == 1
