@@ -127,3 +127,30 @@ def test_one_reader_thread_cuts_many_streams_into_the_lines_file_iteration_gives
         with open(reference, "rb") as f:
             assert got[i] == list(f)
     assert [t.name for t in threading.enumerate()].count("test-links-in") == 1
+
+
+def test_a_closed_fd_whose_number_is_reused_ends_the_old_stream(tmp_path):
+    """A link's fd closed under the reader (epoll forgets it, the selector's map does not) and its
+    number reused by the next link: the old stream ends with its eof, the new one is read."""
+    from dslaunch.launcher.line_reader import LineReader
+
+    reader = LineReader(name="test-links-reuse")
+    old_r, old_w = os.pipe()
+    old_lines, old_end = [], threading.Event()
+    first = threading.Event()
+    reader.add(old_r, lambda raw: (old_lines.append(raw), first.set()), old_end.set)
+    os.write(old_w, b"one\n")
+    assert first.wait(60)  # registered and read
+    os.close(old_r)  # no EOF is ever reported for it: epoll drops a closed fd silently
+    os.close(old_w)  # (after the read end: the reader must never see the old pipe ready again)
+    new_r, new_w = os.pipe()
+    if new_r != old_r:
+        os.dup2(new_r, old_r)
+        os.close(new_r)
+    new_lines, new_end = [], threading.Event()
+    reader.add(old_r, new_lines.append, new_end.set)
+    os.write(new_w, b"two\nthree")
+    os.close(new_w)
+    assert new_end.wait(60) and old_end.is_set()
+    os.close(old_r)
+    assert old_lines == [b"one\n"] and new_lines == [b"two\n", b"three"]
