@@ -24,7 +24,9 @@ head CPU seconds per second and heartbeat bytes per second (both directions, all
 over a steady window, head RSS, threads and open fds, seconds to detect one lost node
 (one agent frozen with SIGSTOP: a silent host, as a partition or a dead machine looks,
 so only the heartbeat can find it), and teardown: from that detection until the head has
-returned and every other agent process has exited.
+returned and every other agent process has exited. Beside the wall seconds, which the load of
+other jobs on the machine stretches, CPU seconds: the head's during the start and the teardown,
+and the agents' (each agent's process tree) by the time every worker was up.
 """
 from __future__ import annotations
 
