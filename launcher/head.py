@@ -17,20 +17,23 @@ Keeping the job whole:
   naming it. The agent, missing the head's pings as long, kills its own workers;
 - SIGINT/SIGTERM/SIGHUP to the head: the same stop everywhere, exit 128+N;
 - --max_restarts restarts the whole job on every node (attempts.run_attempts).
-Sending never blocks the loop: every link has its own sender thread.
+Sending never blocks the loop: what a link cannot take at once, its sender thread writes.
 """
 from __future__ import annotations
 
+import collections
+import os
 import queue
+import select
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 from dslaunch.launcher.attempts import AttemptResult, StopSignals, run_attempts
 from dslaunch.launcher.failure import Failure, host_failure
+from dslaunch.launcher.line_reader import shared_reader
 from dslaunch.launcher.output import STDERR, STDOUT, JobOutput, OutputLine
 from dslaunch.launcher.plan import LaunchPlan, NodePlan
 from dslaunch.launcher.protocol import PING, STOP, AgentRequest, decode
@@ -50,47 +53,95 @@ def silence_check_interval(interval: float) -> float:
 
 
 class AgentLink:
-    """One node agent's channel. Subclasses start the agent and feed its output to post();
-    send() only queues, a thread per link does the writing (a partitioned link may block)."""
+    """One node agent's channel. Subclasses start the agent and feed its output to post().
+
+    send() never blocks the caller: a transport that can take the bytes at once
+    (write_nowait) gets them on the caller's thread; whatever it cannot take, and every
+    later send until that backlog is written, goes to the link's sender thread, started
+    the first time it is needed, which does the blocking writes (a partitioned link may
+    block). A thread per link that wakes for every ping was most of the head's CPU at a
+    thousand hosts, so the thread is kept for links that need it.
+    """
 
     def __init__(self, host: str):
         self.host = host
-        self._outbox: "queue.Queue[Optional[bytes]]" = queue.Queue()
+        self._send_lock = threading.Lock()
+        self._send_wake = threading.Condition(self._send_lock)
+        # chunks not yet written, in order; the head of the deque stays there while the
+        # sender thread writes it, so a send meanwhile knows it must queue behind it
+        self._outbox: Deque[bytes] = collections.deque()
+        self._sender: Optional[threading.Thread] = None
+        self._sending_stopped = False
+        self._send_failed = False
         self._post: Optional[Callable[[dict], None]] = None
-        threading.Thread(target=self._send_loop, daemon=True, name=f"dslaunch-send-{host}").start()
 
     def start(self, post: Callable[[dict], None], request: AgentRequest) -> None:
         """Start the agent, hand it the request; events (parsed or {"ev": "agent_err"}) go to post."""
         raise NotImplementedError
 
     def write(self, data: bytes) -> None:
+        """Write all of data, blocking as long as the transport needs (the sender thread's call)."""
         raise NotImplementedError
+
+    def write_nowait(self, data: bytes) -> Optional[int]:
+        """Write what the transport takes without blocking; how many bytes that was (0: none
+        now). None: this transport cannot tell, so every send goes through the sender thread."""
+        return None
 
     def close(self) -> None:
         """End the channel: the agent sees EOF and stops its workers."""
         raise NotImplementedError
 
     def send(self, data: bytes) -> None:
-        self._outbox.put(data)
+        with self._send_lock:
+            if self._sending_stopped or self._send_failed:
+                return
+            if not self._outbox:
+                try:
+                    taken = self.write_nowait(data)
+                except Exception:
+                    self._send_failed = True  # a dead link ends in an eof event from its reader
+                    return
+                if taken is not None:
+                    data = data[taken:]
+                    if not data:
+                        return
+            self._outbox.append(data)
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, daemon=True, name=f"dslaunch-send-{self.host}")
+                self._sender.start()
+            self._send_wake.notify()
 
     def _send_loop(self) -> None:
         while True:
-            data = self._outbox.get()
-            if data is None:
-                return
+            with self._send_lock:
+                while not self._outbox and not self._sending_stopped:
+                    self._send_wake.wait()
+                if not self._outbox:
+                    return
+                data = self._outbox[0]
             try:
                 self.write(data)
             except Exception:
-                return  # a dead link ends in an eof event from its reader
+                with self._send_lock:
+                    self._send_failed = True
+                    self._outbox.clear()
+                return
+            with self._send_lock:
+                self._outbox.popleft()
 
     def stop_sending(self) -> None:
-        self._outbox.put(None)
+        """What was sent is still written; later sends are dropped."""
+        with self._send_lock:
+            self._sending_stopped = True
+            self._send_wake.notify()
 
     def read_events(self, stream, post: Callable[[dict], None]) -> None:
-        """Reader-thread body for a stream of JSON event lines; ends with an eof event."""
+        """Reader-thread body for a stream of JSON event lines; ends with an eof event.
+        (For a transport that is a file descriptor, watch_events shares one thread instead.)"""
         try:
             for raw in stream:
-                post(decode(raw) or {"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")})
+                post(_event(raw))
         except Exception:
             pass
         post({"ev": "eof"})
@@ -99,9 +150,26 @@ class AgentLink:
     def read_errors(stream, post: Callable[[dict], None]) -> None:
         try:
             for raw in stream:
-                post({"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")})
+                post(_agent_err(raw))
         except Exception:
             pass
+
+    @staticmethod
+    def watch_events(fd: int, post: Callable[[dict], None]) -> None:
+        """read_events for a pipe or socket, on the process's one link reader thread."""
+        shared_reader().add(fd, lambda raw: post(_event(raw)), lambda: post({"ev": "eof"}))
+
+    @staticmethod
+    def watch_errors(fd: int, post: Callable[[dict], None]) -> None:
+        shared_reader().add(fd, lambda raw: post(_agent_err(raw)), lambda: None)
+
+
+def _event(raw: bytes) -> dict:
+    return decode(raw) or _agent_err(raw)
+
+
+def _agent_err(raw: bytes) -> dict:
+    return {"ev": "agent_err", "text": raw.decode("utf-8", "replace").rstrip("\n")}
 
 
 class LocalLink(AgentLink):
@@ -116,13 +184,22 @@ class LocalLink(AgentLink):
     def start(self, post: Callable[[dict], None], request: AgentRequest) -> None:
         self.proc = subprocess.Popen(self._argv, cwd=self._workdir, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for target, stream in ((self.read_events, self.proc.stdout), (self.read_errors, self.proc.stderr)):
-            threading.Thread(target=target, args=(stream, post), daemon=True, name=f"dslaunch-{self.host}").start()
+        os.set_blocking(self.proc.stdin.fileno(), False)  # written raw: write_nowait, or write() below
+        self.watch_events(self.proc.stdout.fileno(), post)
+        self.watch_errors(self.proc.stderr.fileno(), post)
         self.send(request.to_line())
 
+    def write_nowait(self, data: bytes) -> int:
+        try:
+            return os.write(self.proc.stdin.fileno(), data)
+        except BlockingIOError:
+            return 0
+
     def write(self, data: bytes) -> None:
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
+        view = memoryview(data)
+        while view:
+            select.select([], [self.proc.stdin.fileno()], [])
+            view = view[self.write_nowait(view):]
 
     def close(self) -> None:
         if self.proc is not None:
@@ -199,18 +276,24 @@ class Head:
         next_ping = time.monotonic() + self.interval
         pool = ThreadPoolExecutor(max_workers=min(START_CONCURRENCY, len(links)) or 1,
                                   thread_name_prefix="dslaunch-start")
-        starting = {pool.submit(start, i): i for i in range(len(links))}
+        # each start reports on this queue as it ends: waiting on all the pending futures at
+        # once (concurrent.futures.wait) costs O(pending) per completion, O(N^2) for N links
+        started_q: "queue.SimpleQueue" = queue.SimpleQueue()
+        for i in range(len(links)):
+            pool.submit(start, i).add_done_callback(lambda fut, i=i: started_q.put((i, fut)))
         running: List[int] = []
-        todo = set(starting)
         try:
-            while todo:
-                done, todo = wait_futures(todo, timeout=max(0.0, next_ping - time.monotonic()))
-                for fut in done:
+            while len(running) < len(links):
+                try:
+                    i, fut = started_q.get(timeout=max(0.0, next_ping - time.monotonic()))
+                except queue.Empty:
+                    pass
+                else:
                     fut.result()  # a link that cannot start fails the launch as before
-                    running.append(starting[fut])
+                    running.append(i)
                 if time.monotonic() >= next_ping:
-                    for i in running:
-                        links[i].send(PING)
+                    for j in running:
+                        links[j].send(PING)
                     next_ping = time.monotonic() + self.interval
         except BaseException:
             pool.shutdown(wait=False)

@@ -63,7 +63,11 @@ def make_child_setup(death_signal: int = signal.SIGTERM, cpus: Optional[Iterable
 
 
 def _parent_map() -> Dict[int, List[int]]:
-    """ppid -> [pid] for every process, from /proc/*/stat (what psutil does, without importing it)."""
+    """ppid -> [pid] for every process, from /proc/*/stat (what psutil does, without importing it).
+
+    The fallback for kernels without /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN):
+    it reads every process on the machine, so a walk costs O(processes), not O(subtree).
+    """
     kids: Dict[int, List[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -78,21 +82,67 @@ def _parent_map() -> Dict[int, List[int]]:
     return kids
 
 
+_children_files: Optional[bool] = None  # does this kernel have /proc/PID/task/TID/children?
+
+
+def _has_children_files() -> bool:
+    global _children_files
+    if _children_files is None:
+        _children_files = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    return _children_files
+
+
+def _direct_children(pid: int) -> List[int]:
+    """pid's children from the kernel's own lists: one small file per thread of pid.
+
+    A child hangs on the list of the thread that forked it (or, when that thread exited, of
+    another thread of the process; orphans re-parented to a subreaper likewise), so every
+    thread's list is read. A pid that is gone has no children.
+    """
+    out: List[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out.extend(int(k) for k in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def children(pid: int) -> List[int]:
+    if _has_children_files():
+        return _direct_children(pid)
     return _parent_map().get(pid, [])
 
 
 def descendants(pid: int, exclude: Iterable[int] = ()) -> List[int]:
-    """Every process below `pid`, except the subtrees rooted at the pids in `exclude`."""
-    kids = _parent_map()
+    """Every process below `pid`, except the subtrees rooted at the pids in `exclude`.
+
+    Walks down from pid through the kernel's per-thread children lists, so the cost is the
+    size of pid's subtree, not of the machine's process table: a node agent tearing down
+    its few workers reads a few files, however many other processes the host runs. (With N
+    simulated agents on one host, a scan of all of /proc per walk made teardown O(N^2).)
+    """
+    if _has_children_files():
+        kids_of = _direct_children
+    else:
+        table = _parent_map()
+        kids_of = lambda p: table.get(p, [])  # noqa: E731
     skip = set(exclude)
     out: List[int] = []
-    todo = [k for k in kids.get(pid, []) if k not in skip]
+    seen = {pid}
+    todo = [k for k in kids_of(pid) if k not in skip]
     while todo:
         p = todo.pop()
-        if p not in out:
-            out.append(p)
-            todo.extend(k for k in kids.get(p, []) if k not in skip)
+        if p in seen:
+            continue
+        seen.add(p)
+        out.append(p)
+        todo.extend(k for k in kids_of(p) if k not in skip)
     return out
 
 

@@ -24,11 +24,14 @@ head CPU seconds per second and heartbeat bytes per second (both directions, all
 over a steady window, head RSS, threads and open fds, seconds to detect one lost node
 (one agent frozen with SIGSTOP: a silent host, as a partition or a dead machine looks,
 so only the heartbeat can find it), and teardown: from that detection until the head has
-returned and every other agent process has exited.
+returned and every other agent process has exited. Beside the wall seconds, which the load of
+other jobs on the machine stretches, CPU seconds: the head's during the start and the teardown,
+and the agents' (each agent's process tree) by the time every worker was up.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -45,13 +48,14 @@ from typing import Dict, List, Optional, Sequence
 
 from dslaunch.launcher import agent as agent_module
 # what agent.run imports when a request arrives: loaded once in the zygote, not in each agent
-from dslaunch.launcher import local, machine, plan, supervisor  # noqa: F401
+from dslaunch.launcher import local, machine, plan, reaper, supervisor  # noqa: F401
 from dslaunch.launcher.head import AgentLink, Head
 from dslaunch.launcher.machine import MachineFacts
 from dslaunch.launcher.options import LaunchOptions
 from dslaunch.launcher.output import JobOutput
 from dslaunch.launcher.plan import build_plan
-from dslaunch.launcher.protocol import AgentRequest
+from dslaunch.launcher.line_reader import shared_reader
+from dslaunch.launcher.protocol import AgentRequest, decode
 
 WORKER_SLEEP_S = 600  # a worker outlives any run; the head's stop is what ends it
 
@@ -94,6 +98,10 @@ class Zygote:
 
 
 def _zygote_loop(ctl: socket.socket, log_dir: str) -> None:
+    # every object the zygote holds is the agents' shared, copy-on-write memory: moved out of
+    # the collector's reach, an agent's garbage collections no longer write to (and so copy)
+    # each page of it; a real agent has its own memory, so this only keeps the simulation honest
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -148,14 +156,21 @@ class SimLink(AgentLink):
     def start(self, post, request: AgentRequest) -> None:
         self.pid = self._zygote.spawn(self._far.fileno())
         self._far.close()
-        threading.Thread(target=self.read_events, args=(self._lines(), post), daemon=True,
-                         name=f"dslaunch-{self.host}").start()
+        def line(raw: bytes) -> None:
+            self._traffic.add_rx(len(raw))
+            post(decode(raw) or {"ev": "agent_err", "text": raw.decode("utf-8", "replace")})
+
+        # the head's one reader thread for every link, as LocalLink's pipes use it
+        shared_reader().add(self._sock.fileno(), line, lambda: post({"ev": "eof"}))
         self.send(request.to_line())
 
-    def _lines(self):
-        for raw in self._sock.makefile("rb"):
-            self._traffic.add_rx(len(raw))
-            yield raw
+    def write_nowait(self, data: bytes) -> int:
+        try:
+            n = self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        self._traffic.add_tx(n)
+        return n
 
     def write(self, data: bytes) -> None:
         self._sock.sendall(data)
@@ -186,11 +201,12 @@ class TimedOutput(JobOutput):
     """The head's JobOutput, noting when the head declared the failure (the console prints it later)."""
 
     failed_at: Optional[float] = None
+    failed_cpu: Optional[float] = None
     failure_text = ""
 
     def failed(self, failure) -> None:
         if self.failed_at is None:
-            self.failed_at = time.monotonic()
+            self.failed_at, self.failed_cpu = time.monotonic(), _cpu()
             self.failure_text = failure.reason
         super().failed(failure)
 
@@ -229,6 +245,10 @@ class Figures:
     head_fds: int
     detect_s: float  # one agent frozen -> the head names its host lost
     teardown_s: float  # that detection -> the head returned and every other agent exited
+    head_return_s: float  # that detection -> the head returned (its part of the teardown)
+    start_cpu_s: float  # head CPU seconds spent during start_s
+    agents_start_cpu_s: float  # CPU seconds of every agent process and its children (watchdog, worker) when all were up
+    teardown_cpu_s: float  # head CPU seconds from the detection until the head returned
     exit_code: int
 
 
@@ -274,7 +294,8 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
             marks["gave_up"] = time.monotonic()
             os.kill(os.getpid(), signal.SIGTERM)  # the head's own stop path
             return
-        marks["up"] = time.monotonic()
+        marks["up"], marks["up_cpu"] = time.monotonic(), _cpu()
+        marks["agents_cpu"] = sum(_tree_cpu(link.pid) for link in links)
         time.sleep(max(1.0, head.interval * 2))  # let start-up traffic drain
         cpu0, rx0, tx0, w0 = _cpu(), traffic.rx, traffic.tx, time.monotonic()
         time.sleep(window_s)
@@ -292,16 +313,18 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
         victim["pid"] = lost.pid
         marks["frozen"] = time.monotonic()
 
-    marks["start"] = time.monotonic()
+    marks["start"], marks["start_cpu"] = time.monotonic(), _cpu()
     driver = threading.Thread(target=drive, daemon=True, name="bench-driver")
     driver.start()
     code = head.run()
-    returned = time.monotonic()
+    returned, returned_cpu = time.monotonic(), _cpu()
     output.close(timeout=10)
     driver.join(timeout=5)
     others = [link.pid for link in links if link.pid is not None and link.pid != victim.get("pid")]
-    while any(_alive(p) for p in others) and time.monotonic() - returned < 30:
-        time.sleep(0.01)
+    while others and time.monotonic() - returned < 30:  # each pid is looked at until it is gone, not each poll
+        others = [p for p in others if _alive(p)]
+        if others:
+            time.sleep(0.01)
     gone = time.monotonic()
     if "pid" in victim:
         os.kill(victim["pid"], signal.SIGKILL)
@@ -316,7 +339,21 @@ def run_once(n: int, zygote: Zygote, *, heartbeat_timeout: float, window_s: floa
                            f" (exit {code}, {console.up}/{console.workers} up)")
     return Figures(n, heartbeat_timeout, head.interval, marks["up"] - marks["start"], marks["cpu"], marks["bytes"],
                    marks["rss"], marks["threads"], marks["fds"], output.failed_at - marks["frozen"],
-                   gone - output.failed_at, code)
+                   gone - output.failed_at, returned - output.failed_at, marks["up_cpu"] - marks["start_cpu"],
+                   marks["agents_cpu"],
+                   returned_cpu - output.failed_cpu, code)
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of pid and every process below it (those reaped count through cutime/cstime)."""
+    total = 0
+    for p in [pid] + reaper.descendants(pid):
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                total += sum(int(v) for v in f.read().rsplit(b")", 1)[1].split()[11:15])
+        except (OSError, ValueError):
+            continue
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu() -> float:
@@ -331,14 +368,18 @@ def plot(rows: List[Figures], path: str) -> None:
     import matplotlib.pyplot as plt
 
     ns = [r.nodes for r in rows]
-    panels = [("start-up (s)", [r.start_s for r in rows]), ("teardown (s)", [r.teardown_s for r in rows]),
-              ("lost node detected (s)", [r.detect_s for r in rows]),
-              ("head CPU (s per s)", [r.head_cpu_per_s for r in rows]),
-              ("heartbeat traffic (kB/s)", [r.heartbeat_bytes_per_s / 1e3 for r in rows]),
-              ("head RSS (MB)", [r.head_rss_mb for r in rows])]
+    # (title, [(label, values)]): wall seconds beside the CPU seconds that load distorts less
+    panels = [("start-up (s)", [("wall", [r.start_s for r in rows]), ("head CPU", [r.start_cpu_s for r in rows]),
+                                ("agents' CPU", [r.agents_start_cpu_s for r in rows])]),
+              ("teardown (s)", [("wall", [r.teardown_s for r in rows]), ("head CPU", [r.teardown_cpu_s for r in rows])]),
+              ("lost node detected (s)", [("", [r.detect_s for r in rows])]),
+              ("head CPU (s per s)", [("", [r.head_cpu_per_s for r in rows])]),
+              ("heartbeat traffic (kB/s)", [("", [r.heartbeat_bytes_per_s / 1e3 for r in rows])]),
+              ("head RSS (MB)", [("", [r.head_rss_mb for r in rows])])]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
-    for ax, (title, ys) in zip(axes.flat, panels):
-        ax.plot(ns, ys, "o-")
+    for ax, (title, series) in zip(axes.flat, panels):
+        for label, ys in series:
+            ax.plot(ns, ys, "o-", label=label or None)
         ax.set_xscale("log", base=2)
         if not title.startswith("lost"):  # log-log: a straight line of slope 1 is O(N)
             ax.set_yscale("log")
@@ -348,6 +389,7 @@ def plot(rows: List[Figures], path: str) -> None:
         ax.grid(alpha=0.3)
         if title.startswith("lost"):
             ax.axhline(rows[0].heartbeat_timeout_s, color="r", ls="--", label="--heartbeat_timeout")
+        if len(series) > 1 or title.startswith("lost"):
             ax.legend()
     fig.suptitle("dslaunch head driving N real node agents (simulated transport, 2-core machine)")
     fig.tight_layout()

@@ -188,6 +188,15 @@ class PdshLink(AgentLink):
             f.write(body)
         self.group.link_started()
 
+    def write_nowait(self, data: bytes) -> int:
+        """Once the agent has connected back; before that, the sender thread waits for it."""
+        if not self.connected.is_set() or self.sock is None:
+            return 0
+        try:
+            return self.sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+
     def write(self, data: bytes) -> None:
         if not self.connected.wait(CONNECT_TIMEOUT) or self.sock is None:
             raise ConnectionError("the agent never connected back")

@@ -19,6 +19,9 @@ from dslaunch.launcher.protocol import AgentRequest
 
 
 class SshLink(AgentLink):
+    """No write_nowait: paramiko's send may wait for a rekey or a full socket even when the
+    channel's window is open, so every send goes through the link's sender thread."""
+
     def __init__(self, host: str, client, python: str, workdir: str):
         super().__init__(host)
         self._client = client
