@@ -101,8 +101,6 @@ def test_deepspeed_import_paths_take_deepspeeds_signatures():
     opt = DeepSpeedCPUAdam([p], 0.1, True, (0.9, 0.999), 1e-8, 0.0, False, False)
     opt.step()
     assert opt.param_groups[0]["decoupled_weight_decay"] is False and float(p.detach()[0]) == pytest.approx(0.9, abs=1e-6)
-    with pytest.raises(ValueError, match="fp32_optimizer_states"):
-        DeepSpeedCPULion([p], fp32_optimizer_states=False)
     with pytest.raises(ValueError, match="no AMSGrad"):
         DeepSpeedCPUAdagrad([p], amsgrad=True)
     lion = FusedLion([p], 0.1, (0.9, 0.999), 0.0, False)
