@@ -246,6 +246,8 @@ def adam_undo_step(params: List[torch.Tensor], grads: List[torch.Tensor], states
       m_prev = (m - (1-beta1) g') / beta1,  v_prev = (v - (1-beta2) g'^2) / beta2
     with g' the gradient the step used (negated for maximize; plus wd * p_prev in Adam's L2
     form). A moment's rounding may leave v_prev a hair below zero: it is clamped at zero.
+    Undoing several steps compounds rounding where a gradient was far smaller than a later
+    one (its square is lost in the later one's rounding of v), as it does in DeepSpeed's op.
     AMSGrad's running maximum cannot be undone, and beta = 0 leaves nothing to divide by:
     both are refused with ValueError."""
     beta1, beta2 = group["betas"]
