@@ -135,3 +135,27 @@ def test_fp32_parameters_take_the_fast_path_and_dslaunchs_cpuadam_still_refuses_
     low.grad = torch.randn(4).bfloat16()
     with pytest.raises(TypeError, match="parameter 0 is torch.bfloat16 on cpu"):
         CPUAdam([low]).step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepspeeds_fused_adam_steps_cpu_parameters_as_cpu_adam_does(dtype):
+    """deepspeed.ops.adam.FusedAdam on CPU tensors (DeepSpeed's CPU accelerator builds it from
+    its CPU Adam kernel): DeepSpeedCPUAdam's bits, with fp32 moments; torch.amp's grad_scale
+    and found_inf are honoured as on the GPU."""
+    from dslaunch.runtime.ops.adam import FusedAdam
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(45).to(dtype))
+    b = torch.nn.Parameter(a.detach().clone())
+    fused, cpu = FusedAdam([a], lr=1e-2, weight_decay=0.1), DeepSpeedCPUAdam([b], lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        g = torch.randn(45).to(dtype)
+        a.grad, b.grad = (g * 4).clone(), g.clone()
+        fused.step(grad_scale=torch.full((1,), 4.0))
+        cpu.step()
+    assert torch.equal(a, b) and a.dtype == dtype
+    assert fused.state[a]["exp_avg"].dtype == torch.float32 and int(fused.state[a]["step"]) == 3
+    torch.testing.assert_close(fused.state[a]["exp_avg_sq"], cpu.state[b]["exp_avg_sq"], rtol=0, atol=0)
+    before = a.detach().clone()
+    fused.step(found_inf=torch.ones(1))  # an overflowed step: nothing moves, the count included
+    assert torch.equal(a, before) and int(fused.state[a]["step"]) == 3

@@ -1,4 +1,5 @@
-"""`deepspeed.ops.adam`: DeepSpeedCPUAdam (the C++ SIMD CPU kernel) and FusedAdam (CUDA)."""
+"""`deepspeed.ops.adam`: DeepSpeedCPUAdam (the C++ SIMD CPU kernel) and FusedAdam (CUDA, or the
+CPU kernel for CPU parameters)."""
 from __future__ import annotations
 
 from typing import Hashable
@@ -82,11 +83,14 @@ class DeepSpeedCPUAdam(CPUAdam):
 
 
 class FusedAdam(SetGradNone, _FusedAdam):
-    """Multi-tensor Adam/AdamW on CUDA parameters, DeepSpeed's signature."""
+    """Multi-tensor Adam/AdamW, DeepSpeed's signature: CUDA parameters by the fused CUDA op,
+    CPU parameters by the CPU Adam op (DeepSpeed's CPU accelerator builds its FusedAdam from
+    its CPU Adam kernel too). Moments are fp32 for every parameter dtype, where DeepSpeed's
+    FusedAdam keeps them in the parameter's."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         decoupled_weight_decay=adam_w_mode, bias_correction=bias_correction)
+                         decoupled_weight_decay=adam_w_mode, bias_correction=bias_correction, cpu_params=True)
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
