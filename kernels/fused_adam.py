@@ -179,9 +179,17 @@ class FusedAdam(torch.optim.Optimizer):
 
     def describe(self) -> str:
         """What steps the parameters (the engine's start-up line shows it)."""
-        if _OP.load():
-            return f"dslaunch FusedAdam (CUDA, {_OP.built.isa})"
-        return "torch's Adam kernels (the dslaunch FusedAdam op is unavailable)"
+        devices = {p.device.type for g in self.param_groups for p in g["params"]}
+        parts = []
+        if devices - {"cpu"} or not devices:
+            parts.append(f"dslaunch FusedAdam (CUDA, {_OP.built.isa})" if _OP.load()
+                         else "torch's Adam kernels (the dslaunch FusedAdam op is unavailable)")
+        if "cpu" in devices:
+            from .cpu_adam import _OP as CPU_OP
+
+            parts.append(f"dslaunch CPU Adam ({CPU_OP.built.isa}) for CPU parameters" if CPU_OP.load()
+                         else "torch's fused CPU Adam (the dslaunch CPU Adam op is unavailable)")
+        return "; ".join(parts)
 
     def _state_for(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]

@@ -153,7 +153,7 @@ def test_deepspeeds_fused_adam_steps_cpu_parameters_as_cpu_adam_does(dtype):
         a.grad, b.grad = (g * 4).clone(), g.clone()
         fused.step(grad_scale=torch.full((1,), 4.0))
         cpu.step()
-    assert torch.equal(a, b) and a.dtype == dtype
+    assert torch.equal(a, b) and a.dtype == dtype and "dslaunch CPU Adam" in fused.describe()
     assert fused.state[a]["exp_avg"].dtype == torch.float32 and int(fused.state[a]["step"]) == 3
     torch.testing.assert_close(fused.state[a]["exp_avg_sq"], cpu.state[b]["exp_avg_sq"], rtol=0, atol=0)
     before = a.detach().clone()
