@@ -162,7 +162,12 @@ class CPUOptimizer(torch.optim.Optimizer):
                 if w is not p:
                     p.detach().copy_(w)
                 for k, t in zip(keys, s32):
-                    if t is not st[k]:
+                    if t is st[k]:
+                        continue
+                    if self.fp32_optimizer_states:
+                        # torch's load_state_dict casts moments to the parameter's dtype: keep them fp32
+                        st[k] = t
+                    else:
                         st[k].copy_(t)
 
     def describe(self) -> str:

@@ -159,3 +159,20 @@ def test_deepspeeds_fused_adam_steps_cpu_parameters_as_cpu_adam_does(dtype):
     before = a.detach().clone()
     fused.step(found_inf=torch.ones(1))  # an overflowed step: nothing moves, the count included
     assert torch.equal(a, before) and int(fused.state[a]["step"]) == 3
+
+
+def test_fp32_moments_stay_fp32_after_load_state_dict():
+    """torch's load_state_dict casts a bf16 parameter's moments to bf16; with
+    fp32_optimizer_states=True the next step keeps them fp32 again, as the first step made them
+    (the loaded values are what the cast left: the step goes on from those)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(40).bfloat16())
+    opt = DeepSpeedCPUAdam([p])
+    p.grad = torch.randn(40).bfloat16()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    cast = opt.state[p]["exp_avg"]
+    assert cast.dtype == torch.bfloat16  # torch's cast
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and opt.state[p]["exp_avg_sq"].dtype == torch.float32
+    assert int(opt.state[p]["step"]) == 2
