@@ -232,3 +232,49 @@ class CPUAdam(CPUOptimizer):
 
     def _update(self, params, grads, states, step, group):
         _update(params, grads, states, step, group, True, self.op, self.num_threads)
+
+
+def adam_undo_step(params: List[torch.Tensor], grads: List[torch.Tensor], states: Dict[str, List[torch.Tensor]],
+                   step: int, group: dict, decoupled_default: bool = True) -> None:
+    """Undo the Adam(W) step numbered `step` (the count that step produced), in place on fp32
+    tensors: given the parameters, moments and the gradient after that step, recover them as
+    they were before it (to fp32 rounding). DeepSpeed's ZeRO-3 offload rolls a sub-group back
+    with this when a step must not have happened (DeepSpeedCPUAdam.rollback_subgroup).
+
+    The inverse of the kernel's update, term by term, with the group's own hyperparameters:
+      p_prev = (p + lr * m_hat / (sqrt(v_hat) + eps)) / (1 - lr*wd)   (AdamW; Adam: no divide)
+      m_prev = (m - (1-beta1) g') / beta1,  v_prev = (v - (1-beta2) g'^2) / beta2
+    with g' the gradient the step used (negated for maximize; plus wd * p_prev in Adam's L2
+    form). A moment's rounding may leave v_prev a hair below zero: it is clamped at zero.
+    Undoing several steps compounds rounding where a gradient was far smaller than a later
+    one (its square is lost in the later one's rounding of v), as it does in DeepSpeed's op.
+    AMSGrad's running maximum cannot be undone, and beta = 0 leaves nothing to divide by:
+    both are refused with ValueError."""
+    beta1, beta2 = group["betas"]
+    if group.get("amsgrad", False):
+        raise ValueError("adam_undo_step: amsgrad=True cannot be undone (the running maximum of exp_avg_sq "
+                         "forgets what it replaced)")
+    if beta1 == 0.0 or beta2 == 0.0:
+        raise ValueError(f"adam_undo_step: betas {tuple(group['betas'])}: a step with beta 0 forgets the moments "
+                         "and cannot be undone")
+    if step < 1:
+        raise ValueError(f"adam_undo_step: step must be >= 1 (the count the undone step produced), got {step}")
+    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    decoupled = group.get("decoupled_weight_decay", decoupled_default)
+    if group.get("bias_correction", True):
+        bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    else:
+        bc1 = bc2 = 1.0
+    for p, g, m, v in zip(params, grads, states["exp_avg"], states["exp_avg_sq"]):
+        g = g.to(torch.float32).view_as(p)
+        if group.get("maximize", False):
+            g = -g
+        m, v = m.view_as(p), v.view_as(p)
+        update = (lr / bc1) * m / (v.sqrt() / bc2 ** 0.5 + eps)
+        p.add_(update)
+        if decoupled:
+            p.div_(1.0 - lr * wd)
+        else:
+            g = g + wd * p
+        m.sub_((1.0 - beta1) * g).div_(beta1)
+        v.sub_((1.0 - beta2) * g * g).div_(beta2).clamp_(min=0.0)

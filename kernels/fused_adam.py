@@ -17,7 +17,9 @@ given (e.g. under a hand-written loss scaler): one verdict for the whole step, e
 and dtype, on the device; the torch fallback honours it the same way.
 
 States are fp32 whatever the parameter dtype (fp32, bf16, fp16); the state_dict has
-torch.optim.AdamW's keys. Without a usable CUDA op the step falls back to torch's Adam
+torch.optim.AdamW's keys. `cpu_params=True` (what `deepspeed.ops.adam.FusedAdam` passes, as
+DeepSpeed's CPU accelerator builds its FusedAdam from its CPU Adam kernel) also steps CPU
+parameters, with the CPU Adam op: the same maths and state, bf16/fp16 rounded back. Without a usable CUDA op the step falls back to torch's Adam
 kernels with one warning.
 """
 from __future__ import annotations
@@ -153,7 +155,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 decoupled_weight_decay: bool = True, bias_correction: bool = True, skip_nonfinite: bool = False):
+                 decoupled_weight_decay: bool = True, bias_correction: bool = True, skip_nonfinite: bool = False,
+                 cpu_params: bool = False):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"FusedAdam: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -166,17 +169,27 @@ class FusedAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             for i, p in enumerate(group["params"]):
-                if p.device.type != "cuda" or p.dtype not in _DTYPES:
+                on_cpu = cpu_params and p.device.type == "cpu"
+                if (p.device.type != "cuda" and not on_cpu) or p.dtype not in _DTYPES:
                     raise TypeError(f"FusedAdam: parameter {i} is {p.dtype} on {p.device}; FusedAdam steps CUDA "
                                     "fp32/bf16/fp16 parameters (use dslaunch.kernels.CPUAdam on the CPU)")
         self.skip_nonfinite = skip_nonfinite
+        self.cpu_params = cpu_params
         self._aux: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def describe(self) -> str:
         """What steps the parameters (the engine's start-up line shows it)."""
-        if _OP.load():
-            return f"dslaunch FusedAdam (CUDA, {_OP.built.isa})"
-        return "torch's Adam kernels (the dslaunch FusedAdam op is unavailable)"
+        devices = {p.device.type for g in self.param_groups for p in g["params"]}
+        parts = []
+        if devices - {"cpu"} or not devices:
+            parts.append(f"dslaunch FusedAdam (CUDA, {_OP.built.isa})" if _OP.load()
+                         else "torch's Adam kernels (the dslaunch FusedAdam op is unavailable)")
+        if "cpu" in devices:
+            from .cpu_adam import _OP as CPU_OP
+
+            parts.append(f"dslaunch CPU Adam ({CPU_OP.built.isa}) for CPU parameters" if CPU_OP.load()
+                         else "torch's fused CPU Adam (the dslaunch CPU Adam op is unavailable)")
+        return "; ".join(parts)
 
     def _state_for(self, p: torch.Tensor, amsgrad: bool) -> dict:
         state = self.state[p]
@@ -203,9 +216,7 @@ class FusedAdam(torch.optim.Optimizer):
         # torch.amp.GradScaler sets these attributes around step() for fused optimizers.
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
-        usable = _OP.load()
-        if not usable:
-            _OP.warn_fallback("torch's Adam kernels", stacklevel=3)
+        usable = None  # the CUDA op, loaded when a CUDA parameter is stepped
         work = []  # (group, (device, param dtype, grad dtype), bucket) for the whole step
         for group in self.param_groups:
             amsgrad = group["amsgrad"]
@@ -223,12 +234,18 @@ class FusedAdam(torch.optim.Optimizer):
                 b.grads.append(g)  # a contiguous copy must outlive the launch
                 b.params.append(p)
             work += [(group, key, bucket) for key, bucket in buckets.items()]
+        if any(device.type == "cuda" for _, (device, _, _), _ in work):
+            usable = _OP.load()
+            if not usable:
+                _OP.warn_fallback("torch's Adam kernels", stacklevel=3)
         # skip_nonfinite: one verdict for the whole step (every group and dtype), as GradScaler's
         # found_inf is, so a NaN in one bucket never lets the others step alone.
         flags = self._nonfinite_flags(work, usable) if found_inf is None and self.skip_nonfinite else None
         for group, (device, p_dtype, g_dtype), bucket in work:
             skip = flags[device] if flags is not None else found_inf
-            if usable:
+            if device.type == "cpu":
+                self._cpu_step(group, bucket, grad_scale, skip)
+            elif usable:
                 self._launch(group, bucket, device, p_dtype, g_dtype, grad_scale, skip)
             else:
                 self._fallback(group, bucket, grad_scale, skip)
@@ -244,7 +261,7 @@ class FusedAdam(torch.optim.Optimizer):
                 flags[device].zero_()
             if bucket.empty:
                 continue
-            if usable:
+            if usable and device.type == "cuda":
                 _OP.torch_op.nonfinite(bucket.grads, flags[device])
             else:
                 for g in bucket.grads:
@@ -281,6 +298,31 @@ class FusedAdam(torch.optim.Optimizer):
             grad_scale, found_inf, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
             float(group["weight_decay"]), bool(group.get("decoupled_weight_decay", True)), bool(group["amsgrad"]),
             bool(group.get("maximize", False)), bool(group.get("bias_correction", True)))
+
+    def _cpu_step(self, group, bucket: _Bucket, grad_scale, found_inf) -> None:
+        """CPU parameters (cpu_params=True, as DeepSpeed's CPU accelerator builds its FusedAdam
+        from its CPU Adam kernel): the CPU Adam op, the same maths and state; a bf16/fp16
+        parameter is stepped on an fp32 copy and written back rounded in the op's pass."""
+        from .cpu_adam import cpu_adam_step
+
+        if found_inf is not None and bool(found_inf.item()):
+            return
+        states = [self.state[p] for p in bucket.params]
+        steps = [st["step"] for st in states]
+        torch._foreach_add_(steps, 1.0)
+        if bucket.empty:
+            return
+        low = bucket.params[0].dtype != torch.float32
+        params = [p.detach().float() if low else p.detach() for p in bucket.params]
+        grads = bucket.grads if grad_scale is None else [g.float() / grad_scale for g in bucket.grads]
+        b1, b2 = group["betas"]
+        cpu_adam_step(params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                      step=steps, lr=float(group["lr"]), betas=(b1, b2), eps=group["eps"],
+                      weight_decay=group["weight_decay"],
+                      decoupled_weight_decay=group.get("decoupled_weight_decay", True), amsgrad=group["amsgrad"],
+                      max_exp_avg_sqs=[st["max_exp_avg_sq"] for st in states] if group["amsgrad"] else None,
+                      maximize=group.get("maximize", False), bias_correction=group.get("bias_correction", True),
+                      copy_out=[p.detach() for p in bucket.params] if low else None)
 
     @staticmethod
     def _device_scalar(t: Optional[torch.Tensor], device) -> None:

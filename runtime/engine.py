@@ -140,6 +140,11 @@ class DeepSpeedEngine(torch.nn.Module):
             # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow);
             # Accelerate reads it so that a scheduler it steps skips that step too.
             self.optimizer.overflow = False
+            # DeepSpeed's engine.optimizer under ZeRO or fp16 is a wrapper whose .optimizer is the
+            # optimizer that steps (scripts reach the base optimizer through it); dslaunch does not
+            # wrap, so the optimizer that steps is its own .optimizer (unless it has one already).
+            if not hasattr(self.optimizer, "optimizer"):
+                self.optimizer.optimizer = self.optimizer
         if self.seq_parallel_size > 1 and self.optimizer is not None and any(
                 g.get("moe", False) for g in self.optimizer.param_groups):
             raise ConfigError(f"sequence_parallel_size {self.seq_parallel_size} with \"moe\" param groups (expert "

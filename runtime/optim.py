@@ -6,7 +6,7 @@ picks the implementation, as DeepSpeed does:
   type                          offload_optimizer cpu/nvme   CUDA, no offload   CPU, no offload
   Adam (AdamW unless            CPUAdam (C++ SIMD kernel)    FusedAdam (CUDA)   CPUAdam (C++ SIMD kernel)
     adam_w_mode false), AdamW
-  Lion                          CPULion (C++ SIMD kernel)    Lion (torch ops)   Lion (torch ops)
+  Lion                          DeepSpeedCPULion (C++ SIMD)  FusedLion (torch ops, as Lion)
   Adagrad                       CPUAdagrad (C++ SIMD)        torch.optim.Adagrad
   Lamb                          Lamb (torch ops, DeepSpeed's FusedLamb maths) everywhere
   CPUAdam / DeepSpeedCPUAdam, CPULion / DeepSpeedCPULion, CPUAdagrad / DeepSpeedCPUAdagrad,
@@ -44,9 +44,12 @@ class OptimizerTarget:
 
 
 def _only_fp32_states(fp32_optimizer_states: bool) -> None:
+    # DeepSpeedCPUAdam(..., fp32_optimizer_states=False) keeps a bf16/fp16 parameter's moments in
+    # its dtype when a script steps such parameters itself; the engine's optimizer always steps
+    # fp32 masters, whose moments are fp32 either way, so the key would do nothing here.
     if not fp32_optimizer_states:
-        raise ConfigError("optimizer.params.fp32_optimizer_states: false (bf16/fp16 moments) is not supported; "
-                          "optimizer states are fp32 here")
+        raise ConfigError("optimizer.params.fp32_optimizer_states: false (bf16/fp16 moments) would do nothing: "
+                          "the engine's optimizer steps fp32 master parameters, whose moments are fp32")
 
 
 def _adam_impl(params, target: OptimizerTarget, adam_w_mode: bool, torch_adam: bool, **kw):
@@ -91,6 +94,7 @@ def _cpu_adam(params, target, lr: float = 1e-3, bias_correction: bool = True, be
     from dslaunch.runtime.ops.adam import DeepSpeedCPUAdam
 
     _refuse_cuda_without_offload("CPUAdam", target)
+    _only_fp32_states(fp32_optimizer_states)
     return DeepSpeedCPUAdam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
                             fp32_optimizer_states)
 
@@ -114,10 +118,13 @@ def _refuse_cuda_without_offload(name: str, target: OptimizerTarget) -> None:
 
 
 def _lion(params, target, lr: float = 1e-3, betas=(0.9, 0.999), weight_decay: float = 0.0):
-    from dslaunch.kernels import CPULion, Lion
+    # DeepSpeed's classes, as DeepSpeed builds them for type Lion: the CPU kernel under offload,
+    # else FusedLion (here torch ops on any device, set_grad_none as DeepSpeed's)
+    from dslaunch.runtime.ops.lion import DeepSpeedCPULion, FusedLion
 
-    cls = CPULion if target.offload else Lion
-    return cls(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    if target.offload:
+        return DeepSpeedCPULion(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+    return FusedLion(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
 
 
 def _cpu_lion(params, target, lr: float = 1e-3, betas=(0.9, 0.999), weight_decay: float = 0.0,
@@ -125,6 +132,7 @@ def _cpu_lion(params, target, lr: float = 1e-3, betas=(0.9, 0.999), weight_decay
     from dslaunch.runtime.ops.lion import DeepSpeedCPULion
 
     _refuse_cuda_without_offload("CPULion", target)
+    _only_fp32_states(fp32_optimizer_states)
     return DeepSpeedCPULion(params, lr, betas, weight_decay, fp32_optimizer_states)
 
 
@@ -151,6 +159,7 @@ def _cpu_adagrad(params, target, lr: float = 1e-2, eps: float = 1e-10, weight_de
     from dslaunch.runtime.ops.adagrad import DeepSpeedCPUAdagrad
 
     _refuse_cuda_without_offload("CPUAdagrad", target)
+    _only_fp32_states(fp32_optimizer_states)
     return DeepSpeedCPUAdagrad(params, lr, eps, weight_decay, amsgrad, fp32_optimizer_states)
 
 

@@ -245,7 +245,8 @@ def test_op_builders_answer_for_our_kernels():
                                                  UtilsBuilder)
 
     assert CPUAdamBuilder().is_compatible() and CPUAdamBuilder().load().__name__ == "dslaunch.kernels.cpu_adam"
-    assert FusedAdamBuilder().is_compatible() == torch.cuda.is_available()
+    # FusedAdam runs everywhere: the CUDA op with a GPU, the CPU Adam op steps its CPU parameters without one
+    assert FusedAdamBuilder().is_compatible()
     assert not FusedLambBuilder().is_compatible() and not AsyncIOBuilder().is_compatible()
     with pytest.raises(RuntimeError, match="FusedLambBuilder: the fused_lamb op cannot run here"):
         FusedLambBuilder().load()

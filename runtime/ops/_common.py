@@ -1,10 +1,4 @@
-"""Argument checks the DeepSpeed-named optimizers share."""
-
-
-def fp32_states_only(cls: str, fp32_optimizer_states: bool) -> None:
-    if not fp32_optimizer_states:
-        raise ValueError(f"{cls}: fp32_optimizer_states=False (moments in the parameter dtype) is not supported; "
-                         "optimizer states are fp32 here")
+"""Argument handling the DeepSpeed-named optimizers share."""
 
 
 class SetGradNone:

@@ -56,8 +56,20 @@ class CPULionBuilder(OpBuilder):
 
 
 class FusedAdamBuilder(OpBuilder):
+    """With a GPU, the fused CUDA op; without one, the CPU Adam op, which steps FusedAdam's CPU
+    parameters (as DeepSpeed's CPU accelerator answers with its CPU build of FusedAdam)."""
+
     NAME, _module, _probe = "fused_adam", "fused_adam", "fused_adam_available"
-    _why_not = "it needs a CUDA device and nvcc"
+    _why_not = "it needs nvcc with a GPU, or the CPU Adam op without one"
+
+    def _available(self) -> bool:
+        import torch
+
+        if torch.cuda.is_available():
+            return super()._available()
+        from dslaunch.kernels.cpu_adam import cpu_adam_available
+
+        return cpu_adam_available()
 
 
 class FusedLambBuilder(OpBuilder):
