@@ -27,6 +27,7 @@ from .compiling import compile_module
 from .compression import compression_schedule
 from .config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
+from .fp16 import loss_scaler as fp16_optimizer_view
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_scheduler
 from .optim import OptimizerTarget, build_optimizer
@@ -151,6 +152,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
+        if self.loss_scaler is not None and self.optimizer is not None:
+            fp16_optimizer_view.expose_on_optimizer(self.optimizer, self.loss_scaler)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
         self.training_dataloader = None
