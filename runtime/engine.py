@@ -603,6 +603,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
 
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """DeepSpeed's name for making the saved zero_to_fp32.py executable, where a file
+        share that refuses it is logged, not raised."""
+        checkpoint.saving.make_executable(dst)
+
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, trust_pickle: bool = False):
