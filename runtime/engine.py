@@ -27,6 +27,7 @@ from .compiling import compile_module
 from .compression import compression_schedule
 from .config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
+from .fp16 import loss_scaler as fp16_optimizer_view
 from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_scheduler
 from .optim import OptimizerTarget, build_optimizer
@@ -156,6 +157,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
+        if self.loss_scaler is not None and self.optimizer is not None:
+            fp16_optimizer_view.expose_on_optimizer(self.optimizer, self.loss_scaler)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
         self.training_dataloader = None
@@ -604,6 +607,11 @@ class DeepSpeedEngine(torch.nn.Module):
         need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
         self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """DeepSpeed's name for making the saved zero_to_fp32.py executable, where a file
+        share that refuses it is logged, not raised."""
+        checkpoint.saving.make_executable(dst)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -137,7 +137,7 @@ _internal("deepspeed.runtime.utils",
           "get_norm_with_moe_layers_fast get_only_unique_item get_tensor_bytes get_weight_norm has_inf_or_nan "
           "is_invalid_grad_norm is_moe_param is_optimized_parameter is_transformers_cache "
           "mask_nan_or_inf_with_val_inplace maybe_loss_for_backward memory_status noop_context noop_decorator "
-          "offload_adam_states partition_balanced partition_uniform prefix_sum_inc register_output_backward_hooks "
+          "offload_adam_states partition_uniform prefix_sum_inc register_output_backward_hooks "
           "reload_adam_states transpose",
           "an internal of DeepSpeed's engine and optimizers")
 _internal("deepspeed.comm",
@@ -148,9 +148,8 @@ _internal("deepspeed.comm",
           "deepspeed.comm's own logging and back-end plumbing; dslaunch's comm logs through the comms_logger "
           "config and reads ranks from the launcher's contract variables")
 _internal("deepspeed.utils.zero_to_fp32",
-          "GatheredTensor atoi natural_keys get_checkpoint_files get_model_state_file get_model_state_files "
-          "get_optim_files parse_model_states parse_optim_states to_torch_tensor zero3_partitioned_param_info "
-          "zero_model_state",
+          "GatheredTensor atoi natural_keys get_model_state_file parse_model_states parse_optim_states to_torch_tensor "
+          "zero3_partitioned_param_info zero_model_state",
           "an internal of DeepSpeed's recovery script; its entry points (get_fp32_state_dict_from_zero_checkpoint, "
           "convert_zero_checkpoint_to_*state_dict, load_state_dict_from_zero_checkpoint) are provided")
 _internal("deepspeed.launcher.runner",

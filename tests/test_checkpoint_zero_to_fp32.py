@@ -157,3 +157,34 @@ def test_exclude_frozen_parameters_leaves_out_what_was_frozen(tmp_path):
     assert sorted(whole) == sorted(saved) and whole["0.weight"].tolist() == saved["0.weight"]
     trainable = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), exclude_frozen_parameters=True)
     assert sorted(trainable) == ["0.bias", "1.bias", "1.weight"]
+
+
+def test_get_optim_files_lists_a_tag_folder_in_rank_order(tmp_path):
+    from dslaunch.runtime.checkpoint.zero_to_fp32 import get_model_state_files, get_optim_files
+
+    names = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(12)]
+    for name in reversed(names):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"")
+    # rank 10 after rank 9 (DeepSpeed 0.19.8's get_optim_files gives this order: natural keys)
+    assert get_optim_files(str(tmp_path)) == [str(tmp_path / n) for n in names]
+    assert get_model_state_files(str(tmp_path)) == [str(tmp_path / "mp_rank_00_model_states.pt")]
+    with pytest.raises(FileNotFoundError, match=r"no \*_optim_states.pt files in "):
+        get_optim_files(str(tmp_path / "missing"))
+
+
+def test_recovery_script_made_executable_or_logged_where_a_share_refuses(tmp_path, caplog):
+    import logging
+    import stat
+
+    from dslaunch.runtime.checkpoint.saving import make_executable
+
+    script = tmp_path / "zero_to_fp32.py"
+    script.write_text("")
+    script.chmod(0o644)
+    make_executable(str(script))
+    assert stat.S_IMODE(script.stat().st_mode) == 0o755
+    # a share that refuses chmod (here: no such file) costs the bit, not the save
+    with caplog.at_level(logging.INFO, logger="dslaunch.runtime"):
+        make_executable(str(tmp_path / "gone" / "zero_to_fp32.py"))
+    assert "could not make" in caplog.text and "python zero_to_fp32.py" in caplog.text

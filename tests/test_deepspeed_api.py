@@ -355,3 +355,33 @@ def test_deepspeeds_unit_test_imports_answer_truthfully():
     for bad in ({"include_str": "A", "exclude_str": "B"}, {"include_str": "jeff"}, {"exclude_str": "w1:4"}):
         with pytest.raises(ValueError):
             runner.parse_resource_filter(hosts, **bad)
+
+
+REFUSED_MODULES = '''
+import importlib, json
+out = {}
+for name in ("deepspeed.runtime.fp16.onebit.adam", "deepspeed.runtime.fp16.onebit.lamb",
+             "deepspeed.launcher.multinode_runner"):
+    try:
+        importlib.import_module(name)
+        out[name] = None
+    except ImportError as exc:
+        out[name] = [type(exc).__name__, str(exc)]
+print(json.dumps(out))
+'''
+
+
+def test_modules_dslaunch_lacks_refuse_in_one_line(deepspeed_compat):
+    """DeepSpeed's 1-bit optimizers and its launcher's command builders: importing them is an
+    ImportError naming what is missing and what to use instead (not a bare ModuleNotFoundError)."""
+    res = subprocess.run([sys.executable, "-c", REFUSED_MODULES], env=deepspeed_compat.env(), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    for name in ("deepspeed.runtime.fp16.onebit.adam", "deepspeed.runtime.fp16.onebit.lamb"):
+        kind, message = out[name]
+        assert kind == "ImportError" and "\n" not in message
+        assert message.startswith("deepspeed.runtime.fp16.onebit (OnebitAdam, ZeroOneAdam, OnebitLamb) is not "
+                                  "provided") and "use Adam" in message
+    kind, message = out["deepspeed.launcher.multinode_runner"]
+    assert kind == "ImportError" and "\n" not in message and "deepspeed --launcher NAME" in message

@@ -200,3 +200,22 @@ def test_checkpoint_forms_load_into_a_meta_model(tmp_path):
         deepspeed.init_inference(build("gpt2"), dtype=torch.float, checkpoint=str(tmp_path / "mega.json"))
     with pytest.raises(CheckpointError, match="missing.pt: checkpoint file not found"):
         deepspeed.init_inference(build("gpt2"), dtype=torch.float, checkpoint=str(tmp_path / "missing.pt"))
+
+
+def test_on_device_cpu_casts_the_dtype_and_keeps_ties():
+    """OnDevice(dtype=torch.half, device="cpu"), as DeepSpeed's test_init_on_device builds a
+    model: parameters already on the device still take the dtype; a tied weight stays one tensor."""
+    import dslaunch.runtime as ds
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.wte.weight
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    with ds.OnDevice(dtype=torch.half, device="cpu"):
+        model = Tied()
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.half)}
+    assert model.head.weight is model.wte.weight and model.steps.dtype == torch.long

@@ -69,7 +69,12 @@ def engine_overflow_body():
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_num_steps": 10,
                                                            "warmup_type": "linear"}},
            "fp16": {"enabled": True, "initial_scale_power": 4, "hysteresis": 1, "loss_scale_window": 2}}
-    engine, _, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, optim, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    # DeepSpeed's names on the optimizer initialize returns: its fp16 wrapper's loss_scale_config,
+    # its ZeRO optimizer's loss_scaler and dynamic_loss_scale, all views of the engine's scaler
+    config, scaler = optim.loss_scale_config, optim.loss_scaler
+    views = [(optim.dynamic_loss_scale, config.dynamic_loss_scale, config.use_grad_scaling, config.scale_window,
+              config.min_loss_scale, config.scale_factor, scaler.scale_window, scaler.delayed_shift)]
     poison = {1: float("inf"), 2: float("nan")}
     trace = []
     for step in range(5):
@@ -83,11 +88,24 @@ def engine_overflow_body():
         changed = not torch.equal(before, model.weight.detach())
         assert engine.was_step_applied() == changed
         trace.append((engine.loss_scale(), engine.skipped_steps, sched.last_batch_iteration, changed))
-    return trace
+        assert config.cur_scale == scaler.cur_scale == scaler.loss_scale == engine.loss_scale()
+        views.append((config.cur_iter, config.last_overflow_iter, scaler.cur_iter, scaler.last_overflow_iter))
+    config.cur_scale = 64.0  # written through the view: the engine scales the next loss by it
+    views.append(engine.loss_scale())
+
+    # a static scale: DeepSpeed's ZeRO optimizer says dynamic_loss_scale False, loss_scaler.loss_scale
+    static = torch.nn.Linear(4, 1)
+    _, optim, _, _ = deepspeed.initialize(model=static, model_parameters=static.parameters(), config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "fp16": {"enabled": True, "loss_scale": 138.0}, "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True})
+    views.append((optim.dynamic_loss_scale, optim.loss_scaler.loss_scale, optim.loss_scaler.dynamic,
+                  optim.loss_scale_config.dynamic_loss_scale, optim.loss_scale_config.scale_window))
+    return trace, views
 
 
 def test_engine_skips_poisoned_steps_and_backs_off():
-    trace = run_function(engine_overflow_body, nprocs=1, timeout=60)[0]
+    trace, views = run_function(engine_overflow_body, nprocs=1, timeout=60)[0]
     # (scale, skipped, scheduler's last_batch_iteration (-1 before its first step, as
     # DeepSpeed's), weights changed)
     assert trace == [
@@ -96,4 +114,12 @@ def test_engine_skips_poisoned_steps_and_backs_off():
         (4.0, 2, 0, False),    # nan: same
         (4.0, 2, 1, True),
         (4.0, 2, 2, True),     # DeepSpeed 0.19 grows only after window (2) clean steps past the first
+    ]
+    assert views == [
+        (True, True, True, 2, 1.0, 2.0, 2, 1),
+        # (cur_iter, last_overflow_iter) of loss_scale_config and loss_scaler after each step:
+        # DeepSpeed 0.19.8's DynamicLossScaler(16, 2, 1, 1) given the same overflow flags
+        (1, -1, 1, -1), (2, 1, 2, 1), (3, 2, 3, 2), (4, 2, 4, 2), (5, 2, 5, 2),
+        64.0,
+        (False, 138.0, False, False, None),
     ]

@@ -112,6 +112,18 @@ def test_partitions_match_deepspeed():
         assert partition_uniform(len(rec["weights"]), rec["num_parts"]) == rec["uniform"], rec
 
 
+def test_runtime_utils_partition_balanced_is_deepspeeds():
+    """`deepspeed.runtime.utils.partition_balanced` (its import path maps to dslaunch.runtime.utils)
+    is the pipeline's partitioner; cuts as DeepSpeed 0.19.8's function gives them, fewer items
+    than parts included."""
+    from dslaunch.runtime import utils
+
+    cases = [([1, 2, 1], 4, [0, 1, 2, 3, 3]), ([1, 1, 1, 1, 1], 4, [0, 2, 3, 4, 5]),
+             ([1, 1, 1, 1, 0, 1], 4, [0, 2, 3, 5, 6]), ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 4, [0, 5, 6, 8, 10])]
+    for weights, parts, ds in cases:
+        assert utils.partition_balanced(weights=weights, num_parts=parts) == ds
+
+
 def test_partition_methods_and_errors():
     class Block:
         pass

@@ -164,7 +164,14 @@ class DeepSpeedAccelerator:
         return psutil.virtual_memory().available
 
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        return tensor.pin_memory() if self._cuda else tensor
+        """Pinned on CUDA, counted by deepspeed.utils.pin_memory_tracker; the CPU has nothing to pin."""
+        if not self._cuda:
+            return tensor
+        from ..utils.pin_memory_tracker import track_pinned_memory
+
+        pinned = tensor.pin_memory()
+        track_pinned_memory(pinned.nbytes)
+        return pinned
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if self._cuda else False

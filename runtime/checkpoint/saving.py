@@ -31,8 +31,10 @@ so a test can kill the process there.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import sys
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional
@@ -118,7 +120,18 @@ def _write_recovery_script(save_dir: str) -> None:
         script = fh.read()
     path = os.path.join(save_dir, RECOVERY_SCRIPT)
     write_bytes(path, script)
-    os.chmod(path, 0o755)
+    make_executable(path)
+
+
+def make_executable(path: str) -> None:
+    """Add the execute bit to the recovery script. A file share that refuses permission
+    changes (Azure Files, some NFS exports) costs only the bit: the script still runs with
+    `python zero_to_fp32.py`, so the save goes on, with one line in the log."""
+    try:
+        os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC | stat.S_IXGRP | stat.S_IXOTH)
+    except (FileNotFoundError, PermissionError) as exc:
+        logging.getLogger("dslaunch.runtime").info(
+            f"save_checkpoint: could not make {path} executable ({exc}); run it with `python {RECOVERY_SCRIPT}`")
 
 
 def _remove_leftovers(save_dir: str) -> None:

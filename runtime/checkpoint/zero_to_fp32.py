@@ -17,7 +17,8 @@ dslaunch installed (`dslaunch consolidate` is the same tool).
 The same module is `deepspeed.utils.zero_to_fp32` under the compatibility package, with
 DeepSpeed's functions: get_fp32_state_dict_from_zero_checkpoint,
 convert_zero_checkpoint_to_fp32_state_dict, convert_zero_checkpoint_to_state_dict (any of
-fp32/fp16/bf16) and load_state_dict_from_zero_checkpoint.
+fp32/fp16/bf16) and load_state_dict_from_zero_checkpoint, and the file listings
+get_optim_files / get_model_state_files (a tag folder's files in rank order).
 """
 import argparse
 import json
@@ -45,6 +46,32 @@ def parse_size(size) -> int:
     if m is None or m.group(2) not in _UNITS:
         raise _checkpoint_error(f"max_shard_size {size!r} is not a size such as 5GB or 500MB")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _natural_key(name: str):
+    """"zero_pp_rank_10_..." after "zero_pp_rank_9_...": digit runs compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def get_checkpoint_files(checkpoint_dir, glob_pattern):
+    """The files of one checkpoint tag folder matching glob_pattern, in rank order (digit runs
+    compared as numbers, as DeepSpeed's script sorts them); none is a FileNotFoundError."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, glob_pattern)), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"no {glob_pattern} files in {checkpoint_dir}")
+    return files
+
+
+def get_optim_files(checkpoint_dir):
+    """A tag folder's ZeRO optimizer-state files (*_optim_states.pt), in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir):
+    """A tag folder's model-state files (*_model_states.pt), in rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False,

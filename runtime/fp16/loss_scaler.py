@@ -14,6 +14,7 @@ import torch
 
 from ..loss_scaler import DynamicLossScaler as _Dynamic
 from ..loss_scaler import LossScaleStuck
+from ..loss_scaler import StaticLossScaler as _Static
 
 # DeepSpeed's keys of `dynamic_loss_args` (CreateLossScaler)
 INITIAL_LOSS_SCALE = "init_scale"
@@ -35,8 +36,29 @@ def has_inf_or_nan(x: torch.Tensor, j=None) -> bool:
 
 class LossScalerBase:
     def __init__(self, cur_scale):
-        self.cur_scale = cur_scale
+        self._machine = _Static(cur_scale)
         self.dynamic = False
+
+    # the scale lives in the state machine, so a view over the engine's (`over`) reads it live
+    cur_scale = property(lambda self: self._machine.state.scale,
+                         lambda self, v: setattr(self._machine.state, "scale", v))
+
+    @classmethod
+    def over(cls, machine):
+        """This class's DeepSpeed interface over an existing state machine (the engine's
+        scaler), sharing its state: what DeepSpeed's ZeRO optimizer holds as `loss_scaler`."""
+        view = cls.__new__(cls)
+        view._machine = machine
+        view.dynamic = machine.dynamic
+        if machine.dynamic:
+            view.scale_factor = machine.factor
+            view.scale_window = machine.window
+            view.min_scale = machine.min_scale
+            view.delayed_shift = machine.hysteresis
+            view.consecutive_hysteresis = machine.consecutive_hysteresis
+            view.raise_error_at_min_scale = machine.raise_at_min_scale
+            view.dtype = torch.half
+        return view
 
     @property
     def loss_scale(self):
@@ -86,8 +108,6 @@ class DynamicLossScaler(LossScalerBase):
         self.dtype = dtype
 
     # DeepSpeed's attribute names, read from (and written to) the one state machine
-    cur_scale = property(lambda self: self._machine.state.scale,
-                         lambda self, v: setattr(self._machine.state, "scale", v))
     cur_iter = property(lambda self: self._machine.state.iteration)
     last_overflow_iter = property(lambda self: self._machine.state.last_overflow_iter)
     cur_hysteresis = property(lambda self: self._machine.state.hysteresis_left)
@@ -101,6 +121,43 @@ class DynamicLossScaler(LossScalerBase):
         self._machine.update(bool(overflow))
 
 
+class LossScaleView:
+    """What DeepSpeed's fp16 optimizer wrappers (FP16_Optimizer, FP16_UnfusedOptimizer) hold
+    as `loss_scale_config`, read live from the engine's scaler: `dynamic_loss_scale`,
+    `cur_scale` (settable), `cur_iter` (optimizer steps taken, skipped ones included),
+    `last_overflow_iter`, `scale_factor`, `scale_window`, `min_loss_scale` (the last four None
+    for a static scale, as DeepSpeed's are)."""
+
+    use_grad_scaling = True  # fp16 only: bf16 and fp32 engines have no loss scale
+
+    def __init__(self, machine):
+        self._machine = machine
+
+    dynamic_loss_scale = property(lambda self: self._machine.dynamic)
+    cur_scale = property(lambda self: self._machine.state.scale,
+                         lambda self, v: setattr(self._machine.state, "scale", v))
+    cur_iter = property(lambda self: self._machine.state.iteration)
+    last_overflow_iter = property(lambda self: self._machine.state.last_overflow_iter
+                                  if self._machine.dynamic else None)
+    scale_factor = property(lambda self: self._machine.factor if self._machine.dynamic else None)
+    scale_window = property(lambda self: self._machine.window if self._machine.dynamic else None)
+    min_loss_scale = property(lambda self: self._machine.min_scale if self._machine.dynamic else None)
+
+    def __repr__(self) -> str:
+        return (f"LossScaleView(dynamic_loss_scale={self.dynamic_loss_scale}, cur_scale={self.cur_scale}, "
+                f"cur_iter={self.cur_iter})")
+
+
+def expose_on_optimizer(optimizer, machine) -> None:
+    """Give the optimizer an fp16 engine returns DeepSpeed's loss-scale attributes, all views
+    of the engine's one scaler: `loss_scale_config` (its fp16 wrappers'), `loss_scaler` and
+    `dynamic_loss_scale` (its ZeRO optimizers'). Scripts and DeepSpeed's own tests read them
+    from the optimizer deepspeed.initialize returns."""
+    optimizer.loss_scale_config = LossScaleView(machine)
+    optimizer.loss_scaler = (DynamicLossScaler if machine.dynamic else LossScaler).over(machine)
+    optimizer.dynamic_loss_scale = bool(machine.dynamic)
+
+
 def CreateLossScaler(dtype, static_loss_scale, dynamic_scaling, dynamic_loss_args):
     """DeepSpeed's factory: dynamic scaling for fp16 when asked, else a static scale (1 for
     other dtypes)."""
@@ -111,6 +168,6 @@ def CreateLossScaler(dtype, static_loss_scale, dynamic_scaling, dynamic_loss_arg
     return LossScaler(scale=static_loss_scale if dtype == torch.half else 1.0)
 
 
-__all__ = ["LossScalerBase", "LossScaler", "DynamicLossScaler", "CreateLossScaler", "LossScaleStuck",
+__all__ = ["LossScaleView", "expose_on_optimizer", "LossScalerBase", "LossScaler", "DynamicLossScaler", "CreateLossScaler", "LossScaleStuck",
            "has_inf_or_nan", "to_python_float", "INITIAL_LOSS_SCALE", "SCALE_WINDOW", "DELAYED_SHIFT",
            "CONSECUTIVE_HYSTERESIS", "MIN_LOSS_SCALE"]

@@ -27,10 +27,12 @@ class OnDevice:
         dtype, device = self.dtype, self.device
 
         def register_parameter(module, name, param):
-            # A parameter already on the device is registered as it is: re-wrapping it would
-            # untie weights a model shares on purpose (an LM head tied to its embedding).
-            if param is not None and param.device != device:
-                data = param.data.to(device=device, dtype=dtype if dtype and param.is_floating_point() else None)
+            # A parameter already on the device in the dtype is registered as it is:
+            # re-wrapping it would untie weights a model shares on purpose (an LM head tied to
+            # its embedding). One on the device in another dtype (device="cpu") is cast.
+            want = dtype if dtype is not None and param is not None and param.is_floating_point() else None
+            if param is not None and (param.device != device or (want is not None and param.dtype != want)):
+                data = param.data.to(device=device, dtype=want)
                 param = nn.Parameter(data, requires_grad=param.requires_grad)
             original(module, name, param)
 

@@ -3,7 +3,8 @@ its import line becomes `dslaunch.runtime`. `zero_to_fp32` is the checkpoint pac
 consolidation module (the script save_checkpoint ships), registered under this name too so
 `from dslaunch.runtime.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint`
 finds the same module object. The helpers DeepSpeed keeps in `deepspeed.runtime.utils`
-(which the compatibility package maps here too) live in helpers.py and partitioned.py; the
+(which the compatibility package maps here too) live in helpers.py and partitioned.py
+(partition_balanced is the pipeline's layer partitioner, pipe/partition.py); the
 tensor-fragment calls (safe_get_full_fp32_param and friends) are dslaunch.runtime.zero.fragments'.
 """
 import sys
@@ -17,11 +18,12 @@ from ..zero.fragments import (
 )
 from .helpers import clip_grad_norm_, is_model_parallel_parameter, move_to_device, see_memory_usage, set_random_seed
 from .partitioned import PartitionedTensor, partition_uniform
+from ..pipe.partition import partition_balanced
 
 sys.modules[__name__ + ".zero_to_fp32"] = zero_to_fp32
 
 __all__ = ["zero_to_fp32", "clip_grad_norm_", "is_model_parallel_parameter", "move_to_device", "see_memory_usage",
-           "set_random_seed", "PartitionedTensor", "partition_uniform",
+           "set_random_seed", "PartitionedTensor", "partition_uniform", "partition_balanced",
            "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
            "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
