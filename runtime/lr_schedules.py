@@ -43,9 +43,12 @@ def _set_lr(group: Dict, lr: float) -> None:
         group["lr"] = lr
 
 
-def _positive_steps(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"scheduler.params.{name}: must be a positive integer, got {value!r}")
+def _warmup_steps(value) -> int:
+    """DeepSpeed 0.19.8 refuses 0 too; it stays accepted here (as DeepSpeed before 0.19.8, a
+    warmup of at most 2 steps) because the Hugging Face Trainer fills "auto" with 0 when no
+    warmup is asked for."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"scheduler.params.warmup_num_steps: must be a whole number of steps, got {value!r}")
     return value
 
 
@@ -110,7 +113,7 @@ class WarmupLR(_Schedule):
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
-        self.warmup_num_steps = max(2, _positive_steps("warmup_num_steps", warmup_num_steps))
+        self.warmup_num_steps = max(2, _warmup_steps(warmup_num_steps))
         self.warmup_type = _check_warmup_type(warmup_type)
         super().__init__(optimizer)
         if last_batch_iteration >= 0:
@@ -150,7 +153,7 @@ class WarmupCosineLR(_Schedule):
                  cos_min_ratio: float = 0.0001, warmup_type: str = "log", last_batch_iteration: int = -1):
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
-        self.warmup_num_steps = max(2, _positive_steps("warmup_num_steps", warmup_num_steps))
+        self.warmup_num_steps = max(2, _warmup_steps(warmup_num_steps))
         self.warmup_type = _check_warmup_type(warmup_type)
         self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
         for g, lr in zip(optimizer.param_groups, self.base_lrs):

@@ -77,6 +77,11 @@ def test_warmup_lr_defaults_to_each_groups_lr_and_fills_a_tensor_lr():
     assert opt.param_groups[0]["lr"] is lr  # filled in place: the caller's tensor follows the schedule
     _same(got, DS["cosine_tensor"])
     assert c.get_lr_ratio() * 0.1 == pytest.approx(got[-1])
+    # 0 (the Hugging Face Trainer's "auto" without warmup) stays accepted, where DeepSpeed 0.19.8
+    # refuses it: a warmup of 2 steps, as DeepSpeed before
+    z = WarmupLR(_two_groups(), warmup_num_steps=0, warmup_type="linear")
+    z.step(1)
+    assert z.get_lr() == pytest.approx([0.05, 0.1])
 
 
 @pytest.mark.parametrize("make, message", [
@@ -84,8 +89,8 @@ def test_warmup_lr_defaults_to_each_groups_lr_and_fills_a_tensor_lr():
     (lambda o: OneCycle(o, 0.1, 1.0, cycle_second_step_size=-1), "cycle_second_step_size: must be 0 or more"),
     (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_stair_count=-2), "cycle_first_stair_count: must be a whole"),
     (lambda o: OneCycle(o, [0.1, 0.2, 0.3], 1.0), r"cycle_min_lr: expected 2 values \(one per param group\), got 3"),
-    (lambda o: WarmupLR(o, warmup_num_steps=-5), "warmup_num_steps: must be a positive integer, got -5"),
-    (lambda o: WarmupDecayLR(o, total_num_steps=10, warmup_num_steps=None), "warmup_num_steps: must be a positive"),
+    (lambda o: WarmupLR(o, warmup_num_steps=-5), "warmup_num_steps: must be a whole number of steps, got -5"),
+    (lambda o: WarmupDecayLR(o, total_num_steps=10, warmup_num_steps=None), "warmup_num_steps: must be a whole number of steps, got None"),
 ])
 def test_bad_schedule_arguments_are_one_line(make, message):
     with pytest.raises(ConfigError, match=message):
