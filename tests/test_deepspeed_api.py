@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_harness import run_function
 
@@ -354,3 +355,22 @@ def test_deepspeeds_unit_test_imports_answer_truthfully():
     for bad in ({"include_str": "A", "exclude_str": "B"}, {"include_str": "jeff"}, {"exclude_str": "w1:4"}):
         with pytest.raises(ValueError):
             runner.parse_resource_filter(hosts, **bad)
+
+
+def test_deprecated_deepscale_config_flag_names_the_config(tmp_path):
+    """--deepscale_config (DeepSpeed's deprecated name, which it still reads) gives the config
+    as --deepspeed_config does; both at once is one line."""
+    import argparse
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime import ConfigError
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2, "steps_per_print": 10 ** 9,
+                                "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}))
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", str(path)])
+    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=torch.nn.Linear(2, 1))
+    assert engine.train_batch_size() == 2 and optimizer.param_groups[0]["lr"] == 0.5
+    both = argparse.Namespace(deepscale_config=str(path), deepspeed_config=str(path))
+    with pytest.raises(ConfigError, match="config: given both as --deepscale_config and --deepspeed_config"):
+        deepspeed.initialize(args=both, model=torch.nn.Linear(2, 1))
