@@ -236,6 +236,14 @@ class DeepSpeedConfig:
         return self.zero_optimization  # always a ZeroConfig after parsing
 
     @property
+    def monitor_config(self):
+        """The four monitor sections together, as DeepSpeed's config gives them (for
+        deepspeed.monitor.monitor.MonitorMaster)."""
+        from ..monitor.config import DeepSpeedMonitorConfig
+
+        return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
+
+    @property
     def quiet(self) -> bool:
         """log_level asks for warnings and errors only."""
         return self.log_level is not None and LOG_LEVELS.index(self.log_level.lower()) > LOG_LEVELS.index("info")
