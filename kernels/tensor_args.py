@@ -124,8 +124,18 @@ def step_args(op: str, step: StepCount, n: int):
     return 0, steps
 
 
-@torch.compiler.assume_constant_result
+# The mark torch.compiler.assume_constant_result sets. That decorator imports torch._dynamo
+# first, which costs seconds (2.4 s idle on the 2-core CI machine, 8 s loaded) in every process
+# that builds a CPU optimizer, torch.compile or not; setting the mark directly costs nothing, and
+# dynamo reads it when it meets the function. tests/test_kernel_torch_ops.py checks the name
+# against torch's decorator and that a fullgraph compile of step() still traces through it.
+DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
+
+
 def default_threads() -> int:
     """torch's intra-op thread count, the ops' default (a constant to torch.compile, which
     cannot trace torch.get_num_threads())."""
     return torch.get_num_threads()
+
+
+setattr(default_threads, DYNAMO_CONSTANT_MARK, True)

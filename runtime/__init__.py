@@ -113,11 +113,14 @@ def log_dist(message: str, ranks=None, level: int = 20) -> None:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's --deepspeed and --deepspeed_config (and tolerate --local_rank from older launchers)."""
+    """Add DeepSpeed's --deepspeed and --deepspeed_config, their deprecated --deepscale names (as
+    DeepSpeed still does), and tolerate --local_rank from older launchers."""
     group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     group.add_argument("--deepspeed", default=False, action="store_true",
                        help="enable DeepSpeed (kept for compatibility; the engine is always used)")
     group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON (or YAML) config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated name of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated name of --deepspeed_config")
     if not any("--local_rank" in a.option_strings for a in parser._actions):
         group.add_argument("--local_rank", type=int, default=-1, help="local rank passed by a launcher")
     return parser

@@ -49,6 +49,12 @@ def _config_source(args, config, config_params):
     if config is None:
         config = config_params
     from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    old_name = getattr(args, "deepscale_config", None) if args is not None else None  # DeepSpeed's deprecated flag
+    if old_name is not None:
+        if from_args is not None:
+            raise ConfigError("config: given both as --deepscale_config and --deepspeed_config; pass one "
+                              "(--deepscale_config is the deprecated name)")
+        from_args = old_name
     if config is not None and from_args is not None:
         raise ConfigError("config: given both as initialize(config=...) and --deepspeed_config; pass one")
     source = config if config is not None else from_args

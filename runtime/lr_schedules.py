@@ -17,7 +17,39 @@ import inspect
 import math
 from typing import Dict, List, Type
 
+import torch
+
 from .strict import ConfigError, suggest
+
+
+def _per_group(optimizer, value, name: str) -> List[float]:
+    """A scalar for every param group, or a list with one value per group (DeepSpeed's
+    "float or list" parameters)."""
+    groups = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != groups:
+            raise ConfigError(f"scheduler.params.{name}: expected {groups} values (one per param group), "
+                              f"got {len(value)}")
+        return [float(v) for v in value]
+    return [float(value)] * groups
+
+
+def _set_lr(group: Dict, lr: float) -> None:
+    """A tensor lr (torch optimizers accept one) is filled in place, so a caller holding it
+    sees the schedule, as DeepSpeed's update_lr does; a number is replaced."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+def _warmup_steps(value) -> int:
+    """DeepSpeed 0.19.8 refuses 0 too; it stays accepted here (as DeepSpeed before 0.19.8, a
+    warmup of at most 2 steps) because the Hugging Face Trainer fills "auto" with 0 when no
+    warmup is asked for."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"scheduler.params.warmup_num_steps: must be a whole number of steps, got {value!r}")
+    return value
 
 
 def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -40,8 +72,9 @@ class _Schedule:
     def _apply(self) -> None:
         self._last_lr = []
         for i, group in enumerate(self.optimizer.param_groups):
-            group["lr"] = self.lr_at(self.last_batch_iteration, i)
-            self._last_lr.append(group["lr"])
+            lr = self.lr_at(self.last_batch_iteration, i)
+            _set_lr(group, lr)
+            self._last_lr.append(lr)
 
     def step(self, last_batch_iteration=None) -> None:
         self.last_batch_iteration = (self.last_batch_iteration + 1 if last_batch_iteration is None
@@ -69,12 +102,18 @@ def _check_warmup_type(warmup_type: str) -> str:
 
 
 class WarmupLR(_Schedule):
-    """warmup_min_lr -> warmup_max_lr over warmup_num_steps (log or linear), then flat."""
+    """warmup_min_lr -> warmup_max_lr over warmup_num_steps (log or linear), then flat. Each
+    bound is a number or one per param group; warmup_max_lr defaults to each group's own lr
+    (as DeepSpeed 0.19)."""
 
-    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
-        self.min_lr, self.max_lr = float(warmup_min_lr), float(warmup_max_lr)
-        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        if warmup_max_lr is None:
+            warmup_max_lr = [float(group["lr"]) for group in optimizer.param_groups]
+        self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
+        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
+        self.warmup_num_steps = max(2, _warmup_steps(warmup_num_steps))
         self.warmup_type = _check_warmup_type(warmup_type)
         super().__init__(optimizer)
         if last_batch_iteration >= 0:
@@ -85,17 +124,17 @@ class WarmupLR(_Schedule):
 
     def lr_at(self, step: int, group_index: int) -> float:
         if step < 0:
-            return self.min_lr  # before the first step
-        return self.min_lr + (self.max_lr - self.min_lr) * self.gamma(step)
+            return self.min_lrs[group_index]  # before the first step
+        return self.min_lrs[group_index] + self.delta_lrs[group_index] * self.gamma(step)
 
 
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps."""
 
-    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr=0.0, warmup_max_lr=0.001,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
         self.total_num_steps = int(total_num_steps)
-        if self.total_num_steps < warmup_num_steps:
+        if isinstance(warmup_num_steps, int) and self.total_num_steps < warmup_num_steps:
             raise ConfigError(f"scheduler.params.total_num_steps: {total_num_steps} is less than "
                               f"warmup_num_steps {warmup_num_steps}")
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
@@ -114,9 +153,9 @@ class WarmupCosineLR(_Schedule):
                  cos_min_ratio: float = 0.0001, warmup_type: str = "log", last_batch_iteration: int = -1):
         self.total_num_steps = int(total_num_steps)
         self.warmup_min_ratio, self.cos_min_ratio = float(warmup_min_ratio), float(cos_min_ratio)
-        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        self.warmup_num_steps = max(2, _warmup_steps(warmup_num_steps))
         self.warmup_type = _check_warmup_type(warmup_type)
-        self.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+        self.base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
         for g, lr in zip(optimizer.param_groups, self.base_lrs):
             g.setdefault("initial_lr", lr)
         super().__init__(optimizer)
@@ -136,49 +175,90 @@ class WarmupCosineLR(_Schedule):
     def lr_at(self, step: int, group_index: int) -> float:
         return self.base_lrs[group_index] * self.ratio(step)
 
+    def get_lr_ratio(self) -> float:
+        """The ratio of each group's initial lr in effect now (DeepSpeed's name)."""
+        return self.ratio(self.last_batch_iteration)
+
 
 class OneCycle(_Schedule):
-    """Linear rise cycle_min_lr -> cycle_max_lr, fall back, then decay; momentum cycles inversely.
+    """Linear rise cycle_min_lr -> cycle_max_lr over cycle_first_step_size steps, fall back over
+    cycle_second_step_size, then decay (decay_lr_rate per decay_step_size steps); momentum
+    cycles inversely. A stair count holds lr and momentum flat on that many stairs across its
+    half of the cycle (0: continuous). Bounds are a number or one per param group.
     Unlike DeepSpeed's, cycling the momentum keeps each group's second beta (DeepSpeed's
     OneCycle sets it to 0.99) and starts from cycle_max_mom (DeepSpeed's from cycle_min_mom
     for the first step only)."""
 
-    def __init__(self, optimizer, cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
-                 cycle_first_step_size: int = 2000, cycle_second_step_size=None, decay_step_size: int = 0,
-                 cycle_momentum: bool = True, cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9,
-                 decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
-        self.min_lr, self.max_lr, self.decay_lr_rate = float(cycle_min_lr), float(cycle_max_lr), float(decay_lr_rate)
-        self.first = int(cycle_first_step_size)
-        self.second = int(cycle_second_step_size) if cycle_second_step_size is not None else self.first
-        self.decay_step_size = int(decay_step_size)
+    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate: float = 0.0,
+                 cycle_first_step_size=2000, cycle_second_step_size=None, cycle_first_stair_count: int = 0,
+                 cycle_second_stair_count=None, decay_step_size=0, cycle_momentum: bool = True,
+                 cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
+        self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
+        self.decay_lr_rate, self.decay_mom_rate = float(decay_lr_rate), float(decay_mom_rate)
+        self.first_step_size = float(cycle_first_step_size)
+        self.second_step_size = (float(cycle_second_step_size) if cycle_second_step_size is not None
+                                 else self.first_step_size)
+        if not self.first_step_size > 0:
+            raise ConfigError("scheduler.params.cycle_first_step_size: must be positive, got "
+                              f"{cycle_first_step_size!r}")
+        if not self.second_step_size >= 0:
+            raise ConfigError("scheduler.params.cycle_second_step_size: must be 0 or more, got "
+                              f"{cycle_second_step_size!r}")
+        self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size
+        self.first_stair_count = self._stairs("cycle_first_stair_count", cycle_first_stair_count)
+        self.second_stair_count = (self.first_stair_count if cycle_second_stair_count is None
+                                   else self._stairs("cycle_second_stair_count", cycle_second_stair_count))
+        self.decay_step_size = float(decay_step_size)
+        if self.decay_step_size < 0:
+            raise ConfigError(f"scheduler.params.decay_step_size: must be 0 (no decay) or more, got {decay_step_size!r}")
         self.cycle_momentum = cycle_momentum
-        self.min_mom, self.max_mom, self.decay_mom_rate = float(cycle_min_mom), float(cycle_max_mom), float(decay_mom_rate)
         super().__init__(optimizer)
         if last_batch_iteration >= 0:
             self.step(last_batch_iteration)
 
+    @staticmethod
+    def _stairs(name: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"scheduler.params.{name}: must be a whole number of stairs (0: continuous), "
+                              f"got {value!r}")
+        return value
+
     def _phase(self, step: int):
-        """(fraction of the way from min to max lr, decay intervals after the cycle).
-        DeepSpeed's OneCycle places iteration k at point k + 1 of the cycle."""
-        step += 1
-        if step < self.first:
-            return step / self.first, 0.0
-        if step < self.first + self.second:
-            return 1.0 - (step - self.first) / self.second, 0.0
-        after = step - self.first - self.second
-        return 0.0, (after / self.decay_step_size if self.decay_step_size else 0.0)
+        """(fraction of the way from min to max, decay intervals after the cycle). DeepSpeed's
+        OneCycle places iteration k at point k + 1 of the cycle; the cycle's last point is its
+        start again. A stair count floors the fraction to its stairs, from the whole-step
+        position (not from the fraction, which may land a rounding error under a stair)."""
+        at = step + 1
+        if at > self.total_size:
+            after = at - self.total_size
+            return 0.0, (after / self.decay_step_size if self.decay_step_size else 0.0)
+        if at == self.total_size:
+            return 0.0, 0.0
+        if at <= self.first_step_size:
+            pos, size, stairs = at, self.first_step_size, self.first_stair_count
+        else:
+            pos, size, stairs = self.total_size - at, self.second_step_size, self.second_stair_count
+        if stairs:
+            return math.floor(pos * stairs / size) / stairs, 0.0
+        return pos / size, 0.0
 
     def lr_at(self, step: int, group_index: int) -> float:
         frac, decay = self._phase(step)
+        lo, hi = self.min_lrs[group_index], self.max_lrs[group_index]
         if decay:
-            return self.min_lr / (1.0 + self.decay_lr_rate * decay)
-        return self.min_lr + (self.max_lr - self.min_lr) * frac
+            return lo / (1.0 + self.decay_lr_rate * decay)
+        return lo + (hi - lo) * frac
 
-    def mom_at(self, step: int) -> float:
+    def mom_at(self, step: int, group_index: int = 0) -> float:
         frac, decay = self._phase(step)
+        lo, hi = self.min_moms[group_index], self.max_moms[group_index]
         if decay:
-            return self.max_mom * (1.0 + self.decay_mom_rate * decay)
-        return self.max_mom - (self.max_mom - self.min_mom) * frac
+            return hi * (1.0 + self.decay_mom_rate * decay)
+        return hi - (hi - lo) * frac
 
     def get_mom(self):
         """DeepSpeed's reading of the momentum now: (first beta, second beta) per param group
@@ -186,15 +266,15 @@ class OneCycle(_Schedule):
         when the momentum does not cycle."""
         if not self.cycle_momentum:
             return None
-        mom = self.mom_at(self.last_batch_iteration)
-        return [(mom, group["betas"][1] if "betas" in group else None) for group in self.optimizer.param_groups]
+        return [(self.mom_at(self.last_batch_iteration, i), group["betas"][1] if "betas" in group else None)
+                for i, group in enumerate(self.optimizer.param_groups)]
 
     def _apply(self) -> None:
         super()._apply()
         if not self.cycle_momentum:
             return
-        mom = self.mom_at(self.last_batch_iteration)
-        for group in self.optimizer.param_groups:
+        for i, group in enumerate(self.optimizer.param_groups):
+            mom = self.mom_at(self.last_batch_iteration, i)
             if "betas" in group:
                 group["betas"] = (mom, group["betas"][1])
             elif "momentum" in group:

@@ -1,9 +1,11 @@
-"""How every stage averages gradients over the data-parallel group: the config's
-prescale_gradients, gradient_predivide_factor and communication_data_type, in one place.
+"""How every stage averages (or sums) gradients over the data-parallel group: the config's
+prescale_gradients, gradient_predivide_factor, gradient_allreduce_op and
+communication_data_type, in one place.
 
 DeepSpeed's arithmetic, for N data-parallel ranks and predivide factor f:
   default (postscale)   g / f summed over ranks, then multiplied by f / N
   prescale_gradients    g / N summed over ranks
+  gradient_allreduce_op "sum": g summed over ranks, divided by nothing
 With f = 1 (the default) that is the plain sum divided by N afterwards, which is what
 every stage did before these keys existed; the divisions are kept as divisions (not
 multiplications by a reciprocal) so the default stays bit-identical to torch DDP's mean.
@@ -29,7 +31,9 @@ class GradReduction:
 
     @classmethod
     def from_config(cls, config, world: int) -> "GradReduction":
-        if config.prescale_gradients:
+        if config.gradient_allreduce_op == "sum":
+            pre, post = 1.0, 1.0  # the plain sum (the config refuses prescaling and a predivide factor with it)
+        elif config.prescale_gradients:
             pre, post = float(world), 1.0
         else:
             f = float(config.gradient_predivide_factor)

@@ -167,6 +167,40 @@ def test_bandwidth_formulas_and_table():
     assert log.total_operations() == 3
 
 
+def test_comms_logger_under_deepspeeds_names():
+    """DeepSpeed's CommsLogger API on the same logger: the comms_dict layout (parallel lists
+    in record order), the per-size summary with 10%-trimmed means, and the switches. The
+    numbers are real DeepSpeed 0.19.8's for the same records."""
+    from dslaunch.runtime.comm.logger import CommsLogger, trim_mean
+
+    log = CommsLogger()
+    log.configure(enabled=True)
+    log.record("all_reduce", "all_reduce", 1024, 0.002, "world", 2)
+    log.record("all_reduce", "all_reduce", 1024, 0.004, "world", 2)
+    raw = log.get_raw_data()["all_reduce"][1024]
+    assert raw[0] == 2 and raw[1] == pytest.approx([2.0, 4.0])  # count, then latencies in ms, in record order
+    latencies = [float(x) for x in (5, 1, 9, 2, 8, 3, 7, 4, 6, 10, 100)]
+    algbws = [float(x) for x in range(11, 0, -1)]
+    log.comms_dict = {"all_reduce": {1024: [11, list(latencies), list(algbws), [2 * a for a in algbws]]}}
+    summary = log.get_operation_summary("all_reduce")[1024]
+    # DeepSpeed 0.19.8, same comms_dict: count 11, total 155.0, avg latency 6.0, tput 6.0, busbw 12.0
+    assert (summary["count"], summary["total_latency_ms"], summary["avg_latency_ms"], summary["tput_avg_gbps"],
+            summary["busbw_avg_gbps"]) == (11, 155.0, 6.0, 6.0, 12.0)
+    assert log.get_raw_data()["all_reduce"][1024][1] == latencies  # summarising sorted copies only
+    assert log.get_operation_summary("broadcast") is None
+    assert log.get_total_operations() == 11 and log.get_operation_names() == ["all_reduce"]
+    assert trim_mean([3.0, 1.0, 2.0, 50.0], 0.25) == 2.5  # DeepSpeed's trim_mean gives 2.5
+    log.stop_profiling_comms()
+    assert log.prof_all is False and not log.wants("all_reduce", False)
+    log.start_profiling_op(["all_reduce", "broadcast"])
+    log.stop_profiling_op(["broadcast"])
+    assert log.prof_ops == ["all_reduce"] and log.wants("all_reduce", False)
+    log.start_profiling_comms()
+    assert log.wants("barrier", False)
+    log.reset_data()
+    assert not log.has_data()
+
+
 LOGGER_SCRIPT = r'''
 import torch
 import dslaunch.runtime as deepspeed

@@ -8,6 +8,7 @@ import pytest
 
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.config import table
+from dslaunch.runtime.config.zero import ZeroConfig
 from dslaunch.runtime.strict import ConfigError, key_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -130,6 +131,23 @@ def test_deepspeed_spellings_without_stage3_prefix():
     cfg = DeepSpeedConfig.load({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 123,
                                                       "param_persistence_threshold": 7}})
     assert cfg.zero.stage3_prefetch_bucket_size == 123 and cfg.zero.stage3_param_persistence_threshold == 7
+
+
+def test_deepspeed_zero_config_takes_deepspeeds_spellings_and_attribute_names():
+    """deepspeed.runtime.zero.config.DeepSpeedZeroConfig(**section), as DeepSpeed's model: the
+    stage3_ prefix or not, and the deprecated fp16 name, all read back under DeepSpeed's
+    attribute gather_16bit_weights_on_model_save; parsed strictly."""
+    from dslaunch.runtime.zero.config import DeepSpeedZeroConfig
+
+    for key in ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                "stage3_gather_fp16_weights_on_model_save"):
+        cfg = DeepSpeedZeroConfig(**{key: True})
+        assert cfg.gather_16bit_weights_on_model_save is True
+        assert isinstance(cfg, ZeroConfig) and isinstance(cfg, DeepSpeedZeroConfig)
+    assert DeepSpeedZeroConfig().gather_16bit_weights_on_model_save is False
+    assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size=100).reduce_bucket_size == 100
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage: must be 0, 1, 2 or 3, got 7"):
+        DeepSpeedZeroConfig(stage=7)
 
 
 def test_deprecated_cpu_offload_maps_like_deepspeed():

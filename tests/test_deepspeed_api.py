@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_harness import run_function
 
@@ -385,3 +386,22 @@ def test_modules_dslaunch_lacks_refuse_in_one_line(deepspeed_compat):
                                   "provided") and "use Adam" in message
     kind, message = out["deepspeed.launcher.multinode_runner"]
     assert kind == "ImportError" and "\n" not in message and "deepspeed --launcher NAME" in message
+
+
+def test_deprecated_deepscale_config_flag_names_the_config(tmp_path):
+    """--deepscale_config (DeepSpeed's deprecated name, which it still reads) gives the config
+    as --deepspeed_config does; both at once is one line."""
+    import argparse
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime import ConfigError
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2, "steps_per_print": 10 ** 9,
+                                "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}))
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", str(path)])
+    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=torch.nn.Linear(2, 1))
+    assert engine.train_batch_size() == 2 and optimizer.param_groups[0]["lr"] == 0.5
+    both = argparse.Namespace(deepscale_config=str(path), deepspeed_config=str(path))
+    with pytest.raises(ConfigError, match="config: given both as --deepscale_config and --deepspeed_config"):
+        deepspeed.initialize(args=both, model=torch.nn.Linear(2, 1))

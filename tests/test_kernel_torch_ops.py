@@ -146,3 +146,25 @@ def test_torch_compile_traces_the_optimizer_step_whole_and_matches_eager(make):
         for key, value in eager.state[p].items():
             assert torch.equal(value, compiled.state[q][key]), key
     assert float(compiled.state[next(compiled_model.parameters())]["step"]) == 3.0
+
+
+def test_default_threads_carries_torch_compiles_constant_mark_without_importing_dynamo():
+    """The ops' default thread count is marked constant for torch.compile (the fullgraph test
+    above traces through it) with the mark torch's own decorator sets, and importing the
+    kernels does not import torch._dynamo (seconds in every process that builds an optimizer)."""
+    import subprocess
+    import sys
+
+    from dslaunch.kernels import tensor_args
+
+    def probe():
+        return 1
+
+    torch.compiler.assume_constant_result(probe)
+    assert getattr(probe, tensor_args.DYNAMO_CONSTANT_MARK) is True
+    assert getattr(tensor_args.default_threads, tensor_args.DYNAMO_CONSTANT_MARK) is True
+    code = ("import sys, dslaunch.kernels.cpu_adam, dslaunch.kernels.cpu_lion, dslaunch.kernels.cpu_adagrad; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -130,3 +130,41 @@ def test_enabled_monitor_without_its_package_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning: wandb.enabled: the wandb package is not installed; no events "
                                                "go to wandb")
+
+
+def test_deepspeeds_monitor_classes_write_through_the_same_sinks(tmp_path, monkeypatch):
+    """deepspeed.monitor.monitor's classes, built from DeepSpeedConfig.monitor_config as a
+    DeepSpeed script builds them: MonitorMaster opens every enabled section and its events
+    land as the engine's own (TensorBoard scalars, CSV rows, wandb.log, comet metrics); a
+    disabled section opens nothing."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dslaunch.runtime.monitor.config import DeepSpeedMonitorConfig
+    from dslaunch.runtime.monitor.monitor import MonitorMaster, TensorBoardMonitor, csvMonitor
+
+    wandb, comet = _fake_wandb(), _fake_comet()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "comet_ml", comet)
+    cfg = DeepSpeedConfig.load({
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "job"},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"},
+        "wandb": {"enabled": True, "project": "p"}, "comet": {"enabled": True, "samples_log_interval": 16}})
+    master = MonitorMaster(cfg.monitor_config)
+    assert master.enabled and master.comet_monitor.samples_log_interval == 16
+    events = [(TRAIN_LOSS, 0.5, 8), (LR, 0.25, 8)]
+    master.write_events(events)
+    master.tb_monitor.flush()
+    acc = EventAccumulator(str(tmp_path / "tb" / "job"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars(TRAIN_LOSS)] == [(8, 0.5)]
+    with open(tmp_path / "csv" / "job" / "Train_Samples_train_loss.csv") as fh:
+        assert list(csv.reader(fh)) == [["step", "train_loss"], ["8", "0.5"]]
+    assert ("log", {TRAIN_LOSS: 0.5}, 8) in wandb.calls
+    assert [c[1:] for c in comet.calls if c[0] == "metric"] == [(TRAIN_LOSS, 0.5, 8), (LR, 0.25, 8)]
+    assert master.comet_monitor.experiment is not None
+    defaults = DeepSpeedMonitorConfig()
+    assert not defaults.enabled
+    off = TensorBoardMonitor(defaults.tensorboard)
+    off.write_events(events)
+    assert off.sink is None and not off.enabled and off.job_name == "DeepSpeedJobName"
+    assert csvMonitor(defaults.csv_monitor).sink is None

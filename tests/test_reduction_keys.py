@@ -1,11 +1,12 @@
 """The reduction keys through the config, at every ZeRO stage, on 2 gloo ranks:
-prescale_gradients, gradient_predivide_factor, communication_data_type and
-data_types.grad_accum_dtype do what DeepSpeed documents.
+prescale_gradients, gradient_predivide_factor, gradient_allreduce_op, communication_data_type
+and data_types.grad_accum_dtype do what DeepSpeed documents.
 
 Every gradient collective's input is recorded (dslaunch.runtime.comm wrapped), so the
 effect is seen where it happens: with predivide factor f each rank hands the sum g / f
 (with prescaling g / N) where the default hands g, and the mean comes out the same (the
-factors here are powers of two, so exactly the same losses); communication_data_type
+factors here are powers of two, so exactly the same losses); with gradient_allreduce_op
+"sum" the reduced gradients are N times the mean ones, exactly; communication_data_type
 is the dtype on the wire; grad_accum_dtype is the dtype of the stage-1/2/3 partitions.
 """
 import pytest
@@ -51,6 +52,16 @@ def _train(stage, extra, bf16=False, steps=2):
         g = torch.Generator().manual_seed(7 + rank)
         losses = []
         s = engine.strategy
+        reduced = []
+        if stage < 3 and not bf16:  # the first step's reduced gradients, as step() reduces them (before clipping)
+            reduce = s.reduce_gradients
+
+            def keep_reduced():
+                reduce()
+                if not reduced:
+                    reduced.extend(t.detach().clone() for t in ([b.flat for b in s.buckets] if stage == 0 else
+                                                                 [grp.grad for grp in s.groups]))
+            s.reduce_gradients = keep_reduced
         for _ in range(steps):
             x = torch.randn(4, 6, generator=g).to(engine.compute_dtype if bf16 else torch.float32)
             y = torch.randint(0, 3, (4,), generator=g)
@@ -61,7 +72,8 @@ def _train(stage, extra, bf16=False, steps=2):
                 if stage == 3 else []
             engine.step()
             losses.append(float(loss))
-        return {"losses": losses, "wire": seen, "partition_dtypes": sorted({str(t.dtype) for t in parts})}
+        return {"losses": losses, "wire": seen, "partition_dtypes": sorted({str(t.dtype) for t in parts}),
+                "reduced": reduced}
     finally:
         for name, fn in originals.items():
             setattr(comm, name, fn)
@@ -73,6 +85,8 @@ def _matrix():
         out[(stage, "default")] = _train(stage, {})
         out[(stage, "predivide")] = _train(stage, {"gradient_predivide_factor": 4.0})
         out[(stage, "prescale")] = _train(stage, {"prescale_gradients": True})
+        if stage < 3:
+            out[(stage, "sum")] = _train(stage, {"gradient_allreduce_op": "sum"})
         out[(stage, "comm bf16")] = _train(stage, {"communication_data_type": "bf16"})
         out[(stage, "bf16 model")] = _train(stage, {}, bf16=True)
         out[(stage, "bf16 model, comm fp32")] = _train(stage, {"communication_data_type": "fp32"}, bf16=True)
@@ -95,6 +109,14 @@ def test_reduction_keys_at_every_stage():
                     assert torch.equal(got, plain / divisor), (stage, name, rank)
                 # the mean is unchanged: powers of two divide exactly
                 assert run["losses"] == base["losses"], (stage, name)
+            if stage < 3:  # gradient_allreduce_op "sum": each rank hands g, and the sum is not divided
+                run = res[(stage, "sum")]
+                first = len(base["wire"]) // 2  # the first of the two steps: same parameters in both runs
+                for got, plain in zip(run["wire"][:first], base["wire"][:first]):
+                    assert torch.equal(got, plain), (stage, rank)
+                assert len(run["reduced"]) == len(base["reduced"]) > 0
+                for summed, mean in zip(run["reduced"], base["reduced"]):
+                    assert torch.equal(summed, mean * 2), (stage, rank)
             assert {t.dtype for t in base["wire"]} == {torch.float32}
             assert {t.dtype for t in res[(stage, "comm bf16")]["wire"]} == {torch.bfloat16}
             assert res[(stage, "comm bf16")]["losses"] == pytest.approx(base["losses"], abs=2e-2)
@@ -110,6 +132,11 @@ def test_reduction_keys_at_every_stage():
 @pytest.mark.parametrize("cfg, message", [
     ({"prescale_gradients": True, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor: has no effect"),
     ({"gradient_predivide_factor": 0}, "gradient_predivide_factor: must be > 0"),
+    ({"gradient_allreduce_op": "max"}, "Invalid gradient_allreduce_op 'max': use 'mean' or 'sum'"),
+    ({"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}},
+     "gradient_allreduce_op: \"sum\" is not supported with ZeRO stage 3"),
+    ({"gradient_allreduce_op": "Sum", "prescale_gradients": True}, "prescale_gradients: has no effect with"),
+    ({"gradient_allreduce_op": "sum", "gradient_predivide_factor": 2.0}, "gradient_predivide_factor: has no effect"),
     ({"communication_data_type": "int8"}, "communication_data_type: unknown dtype 'int8'"),
     ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}},
      "data_types.grad_accum_dtype: stage 1 accumulates gradients in the model dtype (bf16)"),

@@ -97,12 +97,60 @@ class CommsLogger:
                   f"{size_text(nbytes)} | algbw (Gbps): {alg:.2f} | busbw (Gbps): {bus:.2f}", file=sys.stderr,
                   flush=True)
 
+    # -- switches (DeepSpeed's names) ---------------------------------------------------------
+    def start_profiling_comms(self) -> None:
+        self.prof_all = True
+
+    def stop_profiling_comms(self) -> None:
+        self.prof_all = False
+
+    def start_profiling_op(self, op_name_list) -> None:
+        self.prof_ops = sorted(set(self.prof_ops) | set(op_name_list))
+
+    def stop_profiling_op(self, op_name_list) -> None:
+        self.prof_ops = [op for op in self.prof_ops if op not in op_name_list]
+
     # -- queries (DeepSpeed's names) ----------------------------------------------------------
     def has_data(self) -> bool:
         return bool(self.data)
 
     def reset(self) -> None:
         self.data.clear()
+
+    reset_data = reset
+
+    @property
+    def comms_dict(self) -> Dict[str, Dict[int, list]]:
+        """The records in DeepSpeed's layout, {name: {size: [count, latencies_ms, algbws, busbws]}},
+        the i-th entry of each list from the i-th recorded op (the lists are the stored ones)."""
+        return {name: {size: [st.count, st.latencies_ms, st.algbw, st.busbw] for size, st in sizes.items()}
+                for name, sizes in self.data.items()}
+
+    @comms_dict.setter
+    def comms_dict(self, records: Dict[str, Dict[int, list]]) -> None:
+        self.data = {name: {int(size): OpStats(int(count), list(lat), list(alg), list(bus))
+                            for size, (count, lat, alg, bus) in sizes.items()}
+                     for name, sizes in records.items()}
+
+    def get_raw_data(self) -> Dict[str, Dict[int, list]]:
+        return self.comms_dict
+
+    def get_operation_names(self) -> List[str]:
+        return list(self.data)
+
+    def get_total_operations(self) -> int:
+        return self.total_operations()
+
+    def get_operation_summary(self, operation_name: str) -> Optional[Dict[int, Dict[str, Any]]]:
+        """DeepSpeed's per-size summary of one op: averages are 10%-trimmed means (of sorted
+        copies: the stored lists keep their order), as DeepSpeed's; None for an op never seen."""
+        sizes = self.data.get(operation_name)
+        if sizes is None:
+            return None
+        return {size: {"count": st.count, "total_latency_ms": sum(st.latencies_ms),
+                       "avg_latency_ms": trim_mean(st.latencies_ms, 0.1), "tput_avg_gbps": trim_mean(st.algbw, 0.1),
+                       "busbw_avg_gbps": trim_mean(st.busbw, 0.1), "msg_size_bytes": size,
+                       "msg_size_str": size_text(size)} for size, st in sizes.items()}
 
     def operation_names(self) -> List[str]:
         return sorted(self.data)
@@ -137,6 +185,19 @@ class CommsLogger:
                     row.insert(7, f"{stragglers.get(name, {}).get(size, 0.0):.2f}")
                 rows.append(row)
         return _table(cols, rows)
+
+
+def trim_mean(data: Sequence[float], trim_fraction: float) -> float:
+    """The mean of `data` without its round(n * trim_fraction) smallest and largest values
+    (DeepSpeed's trim_mean); `data` itself is left as it is."""
+    if not 0.0 <= trim_fraction <= 1.0:
+        raise ValueError(f"trim_mean: trim_fraction must be in [0, 1], got {trim_fraction}")
+    if not data:
+        return 0
+    ordered = sorted(data)
+    k = int(round(len(ordered) * trim_fraction))
+    kept = ordered[k:len(ordered) - k]
+    return sum(kept) / len(kept) if kept else 0.0
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -78,7 +78,8 @@ class DeepSpeedConfig:
                                                       "(data-parallel size / this) after, at every stage")
     communication_data_type: Optional[str] = supported(None, "dtype gradients are summed in (fp32, fp16, bf16); "
                                                              "default the model dtype, as DeepSpeed")
-    gradient_allreduce_op: Any = refused("only \"mean\" gradient averaging is supported", "mean")
+    gradient_allreduce_op: str = supported("mean", "\"mean\" averages gradients over the data-parallel ranks, "
+                                                   "\"sum\" sums them (stages 0-2; any case, as DeepSpeed)")
     disable_allgather: Any = refused("broadcast-based parameter sync is not supported; remove it", False)
     # -- ZeRO ----------------------------------------------------------------------------
     zero_optimization: Union[bool, ZeroConfig] = supported(factory=ZeroConfig, note="true = stage 1 (legacy form)")
@@ -179,6 +180,7 @@ class DeepSpeedConfig:
                               "then divided by the data-parallel size before the sum); set one of the two")
         if self.communication_data_type is not None:
             dtype_named("communication_data_type", self.communication_data_type, COMM_DTYPES)
+        self._check_allreduce_op()
         accum = self.grad_accum_dtype
         if accum is None:
             return
@@ -195,6 +197,25 @@ class DeepSpeedConfig:
         if accum not in (model, torch.float32):
             raise ConfigError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model; use fp32 or "
                               f"{name[model]}")
+
+    def _check_allreduce_op(self) -> None:
+        op = self.gradient_allreduce_op.lower() if isinstance(self.gradient_allreduce_op, str) else None
+        if op not in ALLREDUCE_OPS:
+            raise ConfigError(f"Invalid gradient_allreduce_op {self.gradient_allreduce_op!r}: use "
+                              f"{' or '.join(repr(o) for o in ALLREDUCE_OPS)}")
+        self.gradient_allreduce_op = op
+        if op != "sum":
+            return
+        if self.zero.stage == 3:
+            raise ConfigError("gradient_allreduce_op: \"sum\" is not supported with ZeRO stage 3 (as in DeepSpeed); "
+                              "use \"mean\" or stage 0-2")
+        # a sum divides by nothing: accepting these would ignore them (DeepSpeed ignores them silently)
+        if self.prescale_gradients:
+            raise ConfigError("prescale_gradients: has no effect with gradient_allreduce_op \"sum\" (nothing is "
+                              "divided); set one of the two")
+        if self.gradient_predivide_factor != 1.0:
+            raise ConfigError("gradient_predivide_factor: has no effect with gradient_allreduce_op \"sum\" "
+                              "(nothing is divided); set one of the two")
 
     @property
     def communication_dtype(self):
@@ -213,6 +234,14 @@ class DeepSpeedConfig:
     @property
     def zero(self) -> ZeroConfig:
         return self.zero_optimization  # always a ZeroConfig after parsing
+
+    @property
+    def monitor_config(self):
+        """The four monitor sections together, as DeepSpeed's config gives them (for
+        deepspeed.monitor.monitor.MonitorMaster)."""
+        from ..monitor.config import DeepSpeedMonitorConfig
+
+        return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
     @property
     def quiet(self) -> bool:
@@ -300,6 +329,7 @@ MUON_OPTIMIZER = "muon"
 # DeepSpeed accepts exactly these spellings for communication_data_type (any case).
 COMM_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ALLREDUCE_OPS = ("mean", "sum")
 __all__ = ["DeepSpeedConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
            "OffloadOptimizerConfig", "OffloadParamConfig", "OffloadDevice", "BatchSizes", "resolve_batch_sizes",
            "ConfigError"]

@@ -182,6 +182,11 @@ class ZeroConfig:
                     target.pin_memory = True
 
     @property
+    def gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's attribute name for stage3_gather_16bit_weights_on_model_save."""
+        return self.stage3_gather_16bit_weights_on_model_save
+
+    @property
     def offload_optimizer_device(self) -> str:
         return self.offload_optimizer.device if self.offload_optimizer else "none"
 

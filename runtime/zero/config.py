@@ -11,7 +11,24 @@ from typing import Any, Dict
 from ..config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 from ..strict import parse_dataclass
 
-DeepSpeedZeroConfig = ZeroConfig
+
+
+class _ParsedByName(type):
+    """`DeepSpeedZeroConfig(**section)` builds the section as DeepSpeed's pydantic model does,
+    taking every spelling it takes (stage3_ prefixes or not, the deprecated fp16 name), through
+    the strict parser; an instance of ZeroConfig is an instance of it."""
+
+    def __call__(cls, **section):
+        return parse_dataclass(ZeroConfig, section, "zero_optimization")
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, ZeroConfig)
+
+
+class DeepSpeedZeroConfig(metaclass=_ParsedByName):
+    """DeepSpeed's name for the `zero_optimization` section (dslaunch's ZeroConfig)."""
+
+
 DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
 DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
 
