@@ -35,8 +35,6 @@ import subprocess
 import sys
 from typing import NamedTuple
 
-from bench_ranks import run_script_ranks  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "tests", "data", "ds_interop")
@@ -237,6 +235,7 @@ def worker(rank: int, job: dict) -> None:
 def run(python: str, job: dict, capture: bool = False) -> list:
     """The losses of one run of `worker` on job["world"] processes; with capture, a failure
     returns the last line rank 0 wrote to stderr instead of stopping the script."""
+    from bench_ranks import run_script_ranks  # on sys.path when run as a script (tests import this file without it)
     return run_script_ranks(python, __file__, job, job["world"], ROOT, capture=capture)
 
 

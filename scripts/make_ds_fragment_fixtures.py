@@ -24,8 +24,6 @@ import subprocess
 import sys
 import tempfile
 
-from bench_ranks import free_port  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "tests", "data", "ds_fragments", "fragments.pt")
@@ -182,6 +180,7 @@ def main() -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
+        from bench_ranks import free_port  # on sys.path when run as a script (tests import this file without it)
         job = {"port": free_port(), "result": os.path.join(tmp, "out"), "cases": list(CASES)}
         procs = [subprocess.Popen([args.ds_python, __file__, "--ds-python", args.ds_python, "--worker", str(r),
                                    json.dumps(job)], cwd=tmp) for r in range(WORLD)]

@@ -30,8 +30,6 @@ import json
 import os
 import sys
 
-from bench_ranks import run_script_ranks  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "tests", "data", "ds_hf_moe")
@@ -218,6 +216,7 @@ def worker(rank: int, job: dict) -> None:
 
 
 def run(job: dict) -> dict:
+    from bench_ranks import run_script_ranks  # on sys.path when run as a script (tests import this file without it)
     return run_script_ranks(sys.executable, __file__, job, job["world"], ROOT, quiet=True)
 
 

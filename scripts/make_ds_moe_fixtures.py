@@ -34,8 +34,6 @@ import os
 import shutil
 import sys
 
-from bench_ranks import run_script_ranks  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 OUT = os.path.join(ROOT, "tests", "data", "ds_moe")
@@ -264,6 +262,7 @@ def worker(rank: int, job: dict) -> None:
 
 
 def run(job: dict) -> dict:
+    from bench_ranks import run_script_ranks  # on sys.path when run as a script (tests import this file without it)
     return run_script_ranks(sys.executable, __file__, job, job["world"], ROOT, quiet=True)
 
 

@@ -24,8 +24,6 @@ import subprocess
 import sys
 import tempfile
 
-from bench_ranks import spawn, write_result  # the local-ranks plumbing the scripts share (scripts/ is on sys.path)
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TESTS = os.path.join(ROOT, "tests")
@@ -61,10 +59,12 @@ def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
         init["mpu"] = parallel_state_sp
     losses, _ = sp_workload.train(deepspeed, DistributedAttention, sp, MICRO, stage=job["stage"],
                                   optimizer=job["optimizer"], init_kwargs=init)
+    from bench_ranks import write_result  # on sys.path when run as a script (tests import this file without it)
     write_result(out, rank, losses)
 
 
 def run_here(job: dict) -> list:
+    from bench_ranks import spawn  # on sys.path when run as a script (tests import this file without it)
     return spawn(worker, job["sp"], job)[0]  # rank 0's losses
 
 

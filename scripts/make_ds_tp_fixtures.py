@@ -28,7 +28,6 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_ranks import spawn, write_result  # noqa: E402  (the local-ranks plumbing the scripts share)
 from make_ds_fixtures import _tidy  # noqa: E402  (the interop fixtures' clean-up of a saved checkpoint)
 
 ROOT = os.path.dirname(HERE)
@@ -114,10 +113,12 @@ def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
     rt = importlib.import_module(job["module"])
     rt.init_distributed("gloo")
     losses = train(rt, job["stage"], job["tp"], 0, STEPS, save=job.get("save"))
+    from bench_ranks import write_result  # on sys.path when run as a script (tests import this file without it)
     write_result(out, rank, losses)
 
 
 def run_here(job: dict) -> list:
+    from bench_ranks import spawn
     return spawn(worker, WORLD, job)[0]  # rank 0's losses
 
 
