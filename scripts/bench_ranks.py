@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))  # every address, as the TCPStore listens
         return s.getsockname()[1]
 
 

@@ -10,6 +10,7 @@ over (every fixture torn down) fails the run, named with its command line, and i
 """
 import os
 import signal
+import sys
 import time
 import uuid
 
@@ -37,6 +38,19 @@ def _children_use_the_sessions_temporary_folder(tmp_path_factory):
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_outlives_its_test():
+    """A test that calls initialize() in this process starts the single-process default group;
+    it ends with the test, so a later test that expects none (fake groups, no rendezvous)
+    sees the same process whatever ran before it."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from dist_harness import teardown
+
+        teardown()
 
 
 @pytest.hookimpl(hookwrapper=True)

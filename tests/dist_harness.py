@@ -60,8 +60,9 @@ class RankRun:
 
 
 def free_port() -> int:
+    # every address, as the rank-0 TCPStore listens (see runtime/comm/backend.py _free_port)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

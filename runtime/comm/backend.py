@@ -35,8 +35,11 @@ def world_source() -> str:
 
 
 def _free_port() -> int:
+    # bound on every address, as the TCPStore will listen: a port free on 127.0.0.1 alone may
+    # be held on another address (gloo listens on the host's own), and the store then fails
+    # with EADDRINUSE
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
