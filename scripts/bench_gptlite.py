@@ -168,12 +168,29 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def comm_segments() -> dict:
+    """{storage pointer: bytes} of dslaunch's shared-memory communication segments (one per
+    same-host group, runtime/comm/shm.py): transport buffers, like gloo's and NCCL's own,
+    which no tensor shows; they are counted on their own, not as the engine's bytes."""
+    shm = sys.modules.get("dslaunch.runtime.comm.shm")
+    if shm is None:
+        return {}
+    out = {}
+    for entry in list(shm._segments.values()):
+        seg = entry[1]
+        if seg is not None:
+            st = seg.mem.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
 def held(baseline, run, extra=()) -> int:
     """Bytes of live tensor storages (the module's parameters and their .grad included) not
-    in `baseline`."""
+    in `baseline`, communication segments aside (comm_segments)."""
     gc.collect()
     live = live_storages(list(run.module.parameters()) + list(extra))
-    return sum(v for k, v in live.items() if k not in baseline)
+    skip = comm_segments()
+    return sum(v for k, v in live.items() if k not in baseline and k not in skip)
 
 
 # -- the contenders -----------------------------------------------------------------------------
@@ -356,6 +373,7 @@ def main(argv=None):
         if step == args.measure_step:
             del x, y, loss
             msg["bytes_between_steps"] = held(baseline, run)
+            msg["comm_segment_bytes"] = sum(comm_segments().values())
             if args.cuda:
                 msg["cuda_between_steps"] = torch.cuda.memory_allocated()
         if args.cuda:

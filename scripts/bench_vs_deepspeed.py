@@ -557,6 +557,8 @@ def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
         "formula_bytes": formula_bytes(row, P, N, g_ours, cuda, whole) if P else None, "grad_bytes": g_ours,
         "ds_formula_bytes": formula_bytes(row, P, N, g_ds, cuda, whole) if P else None, "bucket_bytes": bucket,
         "whole_params": whole,
+        "ours_comm_segment_bytes": next((m["comm_segment_bytes"] for m in ours.steps if "comm_segment_bytes" in m),
+                                        None) if not ours.failed else None,
         "ours_peak": peak_of(ours, cuda), "ds_peak": peak_of(ds, cuda),
         "dloss_ds": loss_diff(ours, ds), "dloss_ddp": loss_diff(ours, ddp) if row.dtype == "fp32" else None,
     }
@@ -614,6 +616,10 @@ def summary(results, args, have_ds) -> List[dict]:
               f"{fmt(r['dloss_ds'], '.1e'):>10} {fmt(r['dloss_ddp'], '.1e'):>11}")
     print(f"peak = {'torch.cuda.max_memory_allocated over the run' if args.cuda else 'growth of the resident set (ru_maxrss) over the run, everything included'}; "
           f"|dloss| = max over steps of |rank-0 loss difference| (DDP: fp32 rows, torch.optim.AdamW)")
+    seg = max((r["ours_comm_segment_bytes"] or 0 for r in recs), default=0)
+    if seg:
+        print(f"not counted above: dslaunch's shared-memory segment for same-host collectives, {mib(seg)} MiB per "
+              f"group (mapped by every rank of it; a transport buffer, as gloo's and NCCL's own, which no tensor shows)")
     for r in recs:
         if r["whole_params"]:
             print(f"stage 3 keeps {r['whole_params']} of {r['params']} parameters whole (at most the persistence "

@@ -9,6 +9,9 @@ Point-to-point records carry the peer's global rank as their third field.
 
 Calls go through `torch.distributed.<name>` at call time everywhere in dslaunch, so
 wrapping the module attributes sees them all; torch's internal calls are not counted.
+Collectives of same-host groups that run through shared memory (dslaunch.runtime.comm.shm)
+never reach torch.distributed: the segment's methods are wrapped too, and record under the
+name of the torch.distributed function they stand for.
 """
 from __future__ import annotations
 
@@ -21,11 +24,15 @@ NAMES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_ten
          "barrier", "all_gather_object", "broadcast_object_list", "gather", "scatter", "send", "recv", "isend",
          "irecv", "batch_isend_irecv")
 
+SHM_NAMES = {"all_reduce": "all_reduce", "reduce": "reduce", "all_gather_into": "all_gather_into_tensor",
+             "reduce_scatter": "reduce_scatter_tensor"}
+
 
 class CollectiveRecorder:
     def __init__(self):
         self.records: List[Tuple[str, Tuple[int, ...], Optional[int]]] = []
         self._saved = {}
+        self._saved_shm = {}
 
     def _wrap(self, name, fn):
         def wrapper(*args, **kwargs):
@@ -39,18 +46,35 @@ class CollectiveRecorder:
             return fn(*args, **kwargs)
         return wrapper
 
+    def _wrap_shm(self, name, fn):
+        def wrapper(seg, *args, **kwargs):
+            self.records.append((name, tuple(seg.ranks), None))
+            return fn(seg, *args, **kwargs)
+        return wrapper
+
     def install(self) -> "CollectiveRecorder":
+        from dslaunch.runtime.comm.shm import Segment
+
         for name in NAMES:
             fn = getattr(dist, name, None)
             if fn is not None:
                 self._saved[name] = fn
                 setattr(dist, name, self._wrap(name, fn))
+        for method, name in SHM_NAMES.items():
+            fn = getattr(Segment, method)
+            self._saved_shm[method] = fn
+            setattr(Segment, method, self._wrap_shm(name, fn))
         return self
 
     def uninstall(self) -> None:
+        from dslaunch.runtime.comm.shm import Segment
+
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
+        for method, fn in self._saved_shm.items():
+            setattr(Segment, method, fn)
         self._saved.clear()
+        self._saved_shm.clear()
 
     def mark(self) -> int:
         return len(self.records)

@@ -104,12 +104,20 @@ def parity_body(ckpt_dir=None):
         calls.append((engine.micro_steps, torch._C._current_graph_task_id() != -1))
         return real(*a, **k)
 
+    from dslaunch.runtime.comm.shm import Segment
+
+    real_shm = Segment.all_reduce  # a same-host group's big all-reduces run through shared memory
+
+    def counting_shm(*a, **k):
+        calls.append((engine.micro_steps, torch._C._current_graph_task_id() != -1))
+        return real_shm(*a, **k)
+
     engine = _engine(4, 0.0, dist.get_world_size())
-    dist.all_reduce = counting
+    dist.all_reduce, Segment.all_reduce = counting, counting_shm
     try:
         _train(engine, 2)
     finally:
-        dist.all_reduce = real
+        dist.all_reduce, Segment.all_reduce = real, real_shm
     out["allreduce_micro_steps"] = sorted({m for m, _ in calls})
     out["allreduce_in_backward"] = [inside for _, inside in calls]
     out["n_buckets"] = len(engine.strategy.buckets)

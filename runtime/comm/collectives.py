@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import shutdown, watchdog
+from . import shm, shutdown, watchdog
 from .flight import FlightRecorder
 from .groups import get_global_rank, get_rank, get_world_size, group_name, is_initialized
 from .logger import CommsLogger
@@ -129,11 +129,31 @@ def _solo(group) -> bool:
     return not is_initialized() or get_world_size(group) == 1
 
 
+def _shm_call(seg, async_op: bool, fn, *args) -> Callable[[], Any]:
+    """The call _run makes for a collective through the group's shared segment (shm.py): it
+    is done when it returns, so an async caller gets a handle that is already complete."""
+    def call():
+        with seg.lock:
+            fn(*args)
+        return _local(async_op)
+    return call
+
+
+def _group_rank(group, global_rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return global_rank
+    return dist.get_group_rank(group, global_rank)
+
+
 # -- reductions ------------------------------------------------------------------------------
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, label=None, prof=False, log_name=None,
                debug=None):
     if _solo(group):
         return _local(async_op)
+    seg = shm.segment_for(group, tensor, op=op)
+    if seg is not None:
+        return _run("all_reduce", group, _nbytes(tensor), _shm_call(seg, async_op, seg.all_reduce, tensor, op),
+                    async_op, label, prof, log_name, debug)
     return _run("all_reduce", group, _nbytes(tensor),
                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, label, prof,
                 log_name, debug, device_tensor=tensor)
@@ -148,6 +168,11 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
            log_name=None, debug=None):
     if _solo(group):
         return _local(async_op)
+    seg = shm.segment_for(group, tensor, op=op)
+    if seg is not None:
+        root = group_dst if group_dst is not None else _group_rank(group, dst)
+        return _run("reduce", group, _nbytes(tensor), _shm_call(seg, async_op, seg.reduce, tensor, root, op),
+                    async_op, label, prof, log_name, debug)
     return _run("reduce", group, _nbytes(tensor),
                 lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op, group_dst=group_dst),
                 async_op, label, prof, log_name, debug, device_tensor=tensor)
@@ -160,6 +185,12 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if _solo(group):
         output.copy_(input.view(-1)[:output.numel()].view_as(output))
         return _local(async_op)
+
+    seg = shm.segment_for(group, output, input, op=op)
+    if seg is not None and input.numel() == seg.world * output.numel():
+        return _run("reduce_scatter_tensor", group, _nbytes(input),
+                    _shm_call(seg, async_op, seg.reduce_scatter, output, input, op), async_op, label, prof,
+                    log_name, debug)
 
     def call():
         native = _native("reduce_scatter_single", "reduce_scatter_tensor")
@@ -198,6 +229,12 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     if _solo(group):
         output_tensor.view(-1)[:input_tensor.numel()].copy_(input_tensor.view(-1))
         return _local(async_op)
+
+    seg = shm.segment_for(group, input_tensor, output_tensor)
+    if seg is not None and output_tensor.numel() == seg.world * input_tensor.numel():
+        return _run("all_gather_into_tensor", group, _nbytes(output_tensor),
+                    _shm_call(seg, async_op, seg.all_gather_into, output_tensor, input_tensor), async_op, label,
+                    prof, log_name, debug)
 
     def call():
         native = _native("all_gather_single", "all_gather_into_tensor")

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from . import shutdown
+from . import shm, shutdown
 
 _names: Dict[int, str] = {}  # id(group) -> name for records (the group itself is not kept alive here)
 
@@ -92,8 +92,10 @@ def destroy_process_group(group=None) -> None:
 
         watchdog.stop()
         _names.clear()
+        shm.forget_all()
         dist.destroy_process_group()
         return
     shutdown.forget_group(group)
+    shm.forget(group)
     _names.pop(id(group), None)
     dist.destroy_process_group(group)

@@ -197,6 +197,9 @@ def _sync_device() -> None:
 def _destroy_groups() -> None:
     import torch.distributed as dist
 
+    from . import shm
+
+    shm.forget_all()
     groups, _groups[:] = list(reversed(_groups)), []
     if not (dist.is_available() and dist.is_initialized()):
         _dead_groups.extend(groups)

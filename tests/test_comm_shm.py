@@ -1,0 +1,156 @@
+"""dslaunch.runtime.comm.shm: collectives of same-host gloo groups through shared memory.
+
+Each op, through dslaunch.runtime.comm with the transport on, against the same op with it
+off (DSLAUNCH_SHM_COMM=0, plain gloo) on the same inputs: bit for bit on 2 ranks (a sum of
+two is the same in any order), and on 3 ranks exactly for integers, MAX and MIN and to
+rounding for float sums (gloo's ring adds in another order). Sizes cross the region size,
+so every op runs in several chunks; a subgroup whose group ranks differ from its global
+ranks is covered. Also: the segment's file is gone once set up; a group where one rank
+cannot map the segment stays on gloo on every rank; a peer that exits mid-wait is named.
+"""
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dist_harness import run_function
+
+OPS = ("all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _inputs(rank, world, numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype)
+
+
+def _run_op(comm, name, x, group, world, op, root):
+    if name == "all_reduce":
+        t = x.clone()
+        comm.all_reduce(t, op=op, group=group)
+        return t
+    if name == "reduce":
+        t = x.clone()
+        comm.reduce(t, group_dst=root, op=op, group=group)
+        return t
+    if name == "all_gather_into_tensor":
+        out = torch.empty(world * x.numel(), dtype=x.dtype)
+        comm.all_gather_into_tensor(out, x, group=group)
+        return out
+    n = x.numel() // world
+    out = torch.empty(n, dtype=x.dtype)
+    comm.reduce_scatter_tensor(out, x[:n * world].contiguous(), op=op, group=group)
+    return out
+
+
+def _ops_against_gloo(subgroup):
+    import torch.distributed as dist
+    from dslaunch.runtime import comm
+    from dslaunch.runtime.comm import shm
+
+    group = None
+    if subgroup:  # ranks {0, 2} and {1, 3}: group ranks differ from global ranks
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group = groups[dist.get_rank() % 2]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    big = shm.region_bytes(world) // 4 * 2 + 37  # float32 elements: three chunks (more for reduce_scatter)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        for numel in (9000 * world, big * world):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+                for name in OPS:
+                    if name == "all_gather_into_tensor" and op != dist.ReduceOp.SUM:
+                        continue
+                    cases.append((dtype, numel, op, name))
+    out = {"used": [], "mismatch": [], "max_err": 0.0}
+    for i, (dtype, numel, op, name) in enumerate(cases):
+        x = _inputs(dist.get_rank(), world, numel, dtype, i)
+        root = i % world
+        os.environ[shm.ENV] = "1"
+        out["used"].append(shm.segment_for(group, x, op=op) is not None)
+        mine = _run_op(comm, name, x, group, world, op, root)
+        os.environ[shm.ENV] = "0"
+        ref = _run_op(comm, name, x, group, world, op, root)
+        if name == "reduce" and rank != root:
+            continue  # off the root the buffer's contents are unspecified (gloo leaves partial sums)
+        exact = world == 2 or not dtype.is_floating_point or op != dist.ReduceOp.SUM
+        if exact:
+            if not torch.equal(mine, ref):
+                out["mismatch"].append((str(dtype), numel, str(op), name))
+        else:
+            err = float((mine.double() - ref.double()).abs().max() / ref.double().abs().max())
+            out["max_err"] = max(out["max_err"], err)
+    os.environ[shm.ENV] = "1"
+    out["pid"] = os.getpid()
+    out["files"] = glob.glob("/dev/shm/dslaunch-comm-*")
+    return out
+
+
+@pytest.mark.parametrize("nprocs,subgroup", [(2, False), (3, False), (4, True)])
+def test_every_op_equals_gloo(nprocs, subgroup):
+    results = run_function(_ops_against_gloo, nprocs=nprocs, kwargs={"subgroup": subgroup}, timeout=300)
+    for r, res in enumerate(results):
+        assert all(res["used"]), f"rank {r}: a call went to gloo"
+        assert res["mismatch"] == [], f"rank {r}: {res['mismatch'][:5]}"
+        assert res["max_err"] < 1e-2 if nprocs > 2 else res["max_err"] == 0.0  # bf16 sums of 3: rounding only
+    # each segment was unlinked as soon as every rank had mapped it (its name has its creator's pid)
+    pids = [f"-{res['pid']}-" for res in results]
+    for files in [res["files"] for res in results] + [glob.glob("/dev/shm/dslaunch-comm-*")]:
+        assert not [f for f in files if any(p in f for p in pids)]
+
+
+def _one_rank_cannot_map():
+    import torch.distributed as dist
+    from dslaunch.runtime import comm
+    from dslaunch.runtime.comm import shm
+
+    if dist.get_rank() == 1:
+        real = shm.Segment.__init__
+
+        def refuse(self, *a, **k):
+            if not k.get("create", a[-1] if a else False):
+                raise OSError("no common /dev/shm")
+            real(self, *a, **k)
+        shm.Segment.__init__ = refuse
+    x = torch.full((50000,), float(dist.get_rank() + 1))
+    comm.all_reduce(x)
+    return shm.segment_for(None, x) is None, float(x[0])
+
+
+def test_a_group_where_one_rank_cannot_map_stays_on_gloo_everywhere():
+    assert run_function(_one_rank_cannot_map, nprocs=2) == [(True, 3.0), (True, 3.0)]
+
+
+def _all_reduce_after_opt_out():
+    import torch.distributed as dist
+    from dslaunch.runtime import comm
+    from dslaunch.runtime.comm import shm
+
+    x = torch.full((50000,), float(dist.get_rank() + 1))
+    comm.all_reduce(x)
+    return shm.segment_for(None, x) is None, shm._segments == {}, float(x[0])
+
+
+def test_opt_out_keeps_gloo():
+    results = run_function(_all_reduce_after_opt_out, nprocs=2, env={"DSLAUNCH_SHM_COMM": "0"})
+    assert results == [(True, True, 3.0), (True, True, 3.0)]
+
+
+def test_a_peer_that_exits_is_named(tmp_path):
+    from dslaunch.runtime.comm import shm
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    path = str(tmp_path / "seg")
+    token = b"t" * 16
+    seg = shm.Segment(path, token, 0, 2, (0, 5), "world", create=True)
+    seg.pids[1] = gone.pid  # rank 1 (global 5) "mapped" the segment and then exited
+    start = time.monotonic()
+    with pytest.raises(shm.PeerExited, match=rf"rank 5 \(pid {gone.pid}\) of group world exited during all_reduce"):
+        seg.all_reduce(torch.ones(100000), torch.distributed.ReduceOp.SUM)
+    assert time.monotonic() - start < 10
