@@ -11,8 +11,9 @@ less time than gloo for the megabyte-sized gradient buckets ZeRO reduces.
 Which groups: decided once per group, at its first collective that could go this way, by
 all of its ranks together (all_gather_object over the group, so every rank takes the same
 path): the group's rank 0 creates the segment with a random token and reserves its pages
-(posix_fallocate: a full /dev/shm is an error now, not a SIGBUS later); every rank maps it
-and checks the token; only when every rank could, the group uses it. The file is unlinked
+(posix_fallocate: a full /dev/shm is an error now, not a SIGBUS later); every rank maps it,
+checks the token and that it sees every peer's pid; only when every rank could, the group
+uses it. DSLAUNCH_SHM_COMM must therefore be the same on every rank, as launchers set it. The file is unlinked
 as soon as all have mapped it, so nothing is left in /dev/shm even if a rank is killed.
 Ranks on different hosts (or in containers without a common /dev/shm) fail the check and
 the group stays on gloo.
@@ -281,8 +282,8 @@ def _setup(group) -> Optional[Segment]:
             seg = None
             _unlink(path)
     seen = [None] * world
-    _c10d.all_gather_object(seen, offer, group=group)
-    path, token = seen[0] if seen[0] is not None else (None, None)
+    _c10d.all_gather_object(seen, (offer, os.getpid()), group=group)
+    path, token = seen[0][0] if seen[0][0] is not None else (None, None)
     if rank != 0:
         seg = None
         if path is not None:
@@ -290,8 +291,10 @@ def _setup(group) -> Optional[Segment]:
                 seg = Segment(path, token, rank, world, ranks, name, create=False)
             except (OSError, RuntimeError):
                 seg = None
+    # every peer's pid must be one this rank sees (not another pid namespace sharing /dev/shm),
+    # or a live peer would be taken for one that exited
     ok = [None] * world
-    _c10d.all_gather_object(ok, seg is not None, group=group)
+    _c10d.all_gather_object(ok, seg is not None and all(_alive(pid) for _, pid in seen), group=group)
     if rank == 0 and path is not None:
         _unlink(path)  # every rank has it mapped (or gave up): the name is no longer needed
     return seg if all(ok) else None
