@@ -159,8 +159,11 @@ class DataParallelStrategy(GradientStrategy):
             if b.flat.untyped_storage().nbytes() == 0 and b.flat.numel():  # freed (zero_grad, or mixed precision's reduce)
                 b.flat.untyped_storage().resize_(b.flat.numel() * b.flat.element_size())
                 b.flat.zero_()
-                for p in b.params:
-                    self._relink(p)
+                for p, view in zip(b.params, b.views):
+                    if p.grad is None:
+                        p.grad = view  # zeroed with the bucket
+                    else:
+                        self._relink(p)
 
     def before_backward(self, is_boundary: bool) -> None:
         self._ensure_grads()

@@ -25,9 +25,10 @@ what every rank passes alike (sizes, dtypes, op), so all ranks of a group agree 
 Sums run in group-rank order in the tensor's dtype: with two ranks that is bit for bit
 gloo's result (a + b == b + a); with more it can differ from gloo's ring in the last bit.
 
-Synchronisation: each rank's counter lives on its own cache line; a wait spins briefly,
-then yields, then sleeps in growing steps up to 1 ms, so ranks that oversubscribe the
-cores do not take the time of the rank they wait for. Data is written before the counter
+Synchronisation: each rank's counter lives on its own cache line; a wait polls briefly,
+then sleeps in the kernel on the counter of the rank it waits for (futex(2)), which that
+rank wakes when it counts in: no core is burnt waiting, so ranks that oversubscribe the
+cores do not take the time of the rank they wait for, and no wake-up comes late. Data is written before the counter
 and read after it: x86-64 keeps stores in order and loads in order, which is what makes
 that safe, so the transport is used on x86-64 only. Regions alternate between two halves
 by the parity of the wait that publishes them: a region is written again two waits later,
@@ -40,6 +41,7 @@ DSLAUNCH_SHM_COMM=0 keeps every group on gloo.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import secrets
@@ -98,6 +100,7 @@ class Segment:
         self.mem = mem
         words = mem[:head].view(torch.int64).view(-1, _LINE // 8)
         self.counters = words[1:1 + world, 0]
+        self.counters_ptr = self.counters.data_ptr()  # futexes wait on the low 32 bits of each
         self.pids = words[1 + world:1 + 2 * world, 0]
         self.pids[rank] = os.getpid()
         self.data_at = head
@@ -123,13 +126,16 @@ class Segment:
         self.seq += 1
         k = self.seq
         self.counters[self.rank] = k
-        spins, delay, check = 0, 20e-6, None
-        while int(self.counters.min()) < k:
+        _futex(self._addr(self.rank), _FUTEX_WAKE, _INT_MAX)
+        spins, check = 0, None
+        while True:
+            now_at = self.counters.tolist()  # one read of every counter: the check and the wait agree
+            seen = min(now_at)
+            if seen >= k:
+                return
+            behind = now_at.index(seen)
             spins += 1
-            if spins < 64:
-                continue
-            if spins < 256:
-                os.sched_yield()
+            if spins < 32:
                 continue
             now = time.monotonic()
             if check is None:
@@ -137,8 +143,12 @@ class Segment:
             elif now >= check:
                 self._check_peers(k, what)
                 check = now + 1.0
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            # sleep in the kernel until the rank behind moves its counter (it wakes us), or a
+            # second passes (then see whether it is still alive)
+            _futex(self._addr(behind), _FUTEX_WAIT, seen & 0xFFFFFFFF, _SECOND)
+
+    def _addr(self, rank: int) -> int:
+        return self.counters_ptr + rank * _LINE
 
     def _check_peers(self, k: int, what: str) -> None:
         for r in range(self.world):
@@ -212,6 +222,26 @@ class Segment:
             combine(mine[0], mine[1], out=dst[lo:lo + n])
             for r in range(2, self.world):
                 combine(dst[lo:lo + n], mine[r], out=dst[lo:lo + n])
+
+
+# futex(2) on the counters: a waiting rank sleeps in the kernel and the rank it waits for
+# wakes it when it counts in (the memory is shared, so the futex is too: no FUTEX_PRIVATE).
+_FUTEX_WAIT, _FUTEX_WAKE, _INT_MAX = 0, 1, 2 ** 31 - 1
+_SYS_FUTEX = 202  # x86-64
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_SECOND = ctypes.byref(_Timespec(1, 0))
+_libc = ctypes.CDLL(None, use_errno=True)  # calls release the GIL while the kernel sleeps
+_libc.syscall.restype = ctypes.c_long
+
+
+def _futex(addr: int, op: int, val: int, timeout=None) -> None:
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(op), ctypes.c_int(val),
+                  timeout, None, ctypes.c_int(0))
 
 
 def _alive(pid: int) -> bool:
