@@ -48,8 +48,11 @@ class TrialComplete(BaseException):
 
 
 def _live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage alive in this process (CPU or device)."""
-    seen, total = set(), 0
+    """Bytes of every distinct tensor storage alive in this process (CPU or device), the
+    communication segments of same-host groups aside (comm/shm.py: transport buffers)."""
+    from .comm import shm
+
+    seen, total = {(torch.device("cpu"), ptr) for ptr in shm.buffer_pointers()}, 0
     with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module objects warns
         warnings.simplefilter("ignore")
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]

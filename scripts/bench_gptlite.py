@@ -175,13 +175,8 @@ def comm_segments() -> dict:
     shm = sys.modules.get("dslaunch.runtime.comm.shm")
     if shm is None:
         return {}
-    out = {}
-    for entry in list(shm._segments.values()):
-        seg = entry[1]
-        if seg is not None:
-            st = seg.mem.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
+    return {ptr: seg.mem.untyped_storage().nbytes() for ptr, seg in
+            ((e[1].mem.untyped_storage().data_ptr(), e[1]) for e in list(shm._segments.values()) if e[1] is not None)}
 
 
 def held(baseline, run, extra=()) -> int:

@@ -31,7 +31,8 @@ comm = deepspeed.comm
 timeout = float(os.environ["COMMS_TIMEOUT"])
 if case == "sleep":  # the engine, with the timeout from the config
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
+    width = int(os.environ.get("HANG_WIDTH", "4"))  # 128: a 64 KiB bucket, reduced through shared memory
+    model = torch.nn.Linear(width, width)
     cfg = {"train_micro_batch_size_per_gpu": 2, "comms_timeout": timeout,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -63,7 +64,7 @@ for i in range(3):
 
 def step():
     if case == "sleep":
-        loss = engine(torch.ones(2, 4)).sum()
+        loss = engine(torch.ones(2, width)).sum()
         if rank == 1:
             time.sleep(600)  # stuck in user code, inside a training step
         engine.backward(loss)
@@ -77,16 +78,19 @@ def step():
         comm.all_gather_into_tensor(torch.empty(8), torch.ones(4), group=None, label="stage3 gather blocks.2")
 
 
+if case == "sleep" and os.environ.get("HANG_AFTER_STEP"):  # one whole step first: the segment is set up
+    engine.backward(engine(torch.ones(2, width)).sum())
+    engine.step()
 print(f"HANG-START {time.time()}", flush=True)
 step()
 print("not reached", flush=True)
 '''
 
 
-def _run(tmp_path, case):
+def _run(tmp_path, case, **extra):
     script = tmp_path / "hang.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, COMMS_TIMEOUT=str(TIMEOUT_S), HANG_CASE=case, OMP_NUM_THREADS="1")
+    env = dict(os.environ, COMMS_TIMEOUT=str(TIMEOUT_S), HANG_CASE=case, OMP_NUM_THREADS="1", **extra)
     p = subprocess.run([DSLAUNCH, "--num_gpus", "2", "--master_port", "0", str(script)], capture_output=True,
                        text=True, timeout=150, env=env)
     ended = time.time()
@@ -116,6 +120,27 @@ def test_a_rank_asleep_in_a_step_ends_the_job_with_both_stacks(tmp_path):
                      r"[0-9.]+ s ago; main thread at hang.py:\d+ in step\), rank 0 in all_reduce #6 on world "
                      r"\(stage0 grads bucket 0\) for [0-9.]+ s", out), out[-3000:]
     assert "dslaunch: rank 0 failed first" in out and "exit" in out.split("failed first", 1)[1].splitlines()[0]
+    assert "not reached" not in out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("after_step", [False, True], ids=["setting-up", "set-up"])
+def test_a_rank_asleep_while_the_other_waits_in_shared_memory(tmp_path, after_step):
+    """The bucket is 64 KiB: its all-reduce goes through the group's shared segment
+    (comm/shm.py), which the first such call sets up with the other rank (rank 1 never comes)
+    or, after a whole step, waits on rank 1's counter in the kernel: the watchdog ends both."""
+    extra = {"HANG_WIDTH": "128"}
+    if after_step:
+        extra["HANG_AFTER_STEP"] = "1"
+    rc, out, after = _run(tmp_path, "sleep", **extra)
+    assert rc == 124, out[-4000:]
+    assert after < TIMEOUT_S + 10, f"the job ended {after:.1f} s after the hang began\n{out[-3000:]}"
+    r0, r1 = _rank_lines(out, 0), _rank_lines(out, 1)
+    assert "--- rank 0: Python stacks ---" in r0 and "--- rank 1: Python stacks ---" in r1
+    assert "time.sleep(600)" in r1
+    seq = 7 if after_step else 6  # a whole step first: its all_reduce
+    assert re.search(rf"rank 0 in all_reduce #{seq} on world \(stage0 grads bucket 0\) for [0-9.]+ s", out), \
+        out[-3000:]
     assert "not reached" not in out
 
 

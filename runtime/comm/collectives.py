@@ -129,12 +129,18 @@ def _solo(group) -> bool:
     return not is_initialized() or get_world_size(group) == 1
 
 
-def _shm_call(seg, async_op: bool, fn, *args) -> Callable[[], Any]:
-    """The call _run makes for a collective through the group's shared segment (shm.py): it
-    is done when it returns, so an async caller gets a handle that is already complete."""
+def _shm_or(group, method: str, args: tuple, fallback: Callable[[], Any], async_op: bool) -> Callable[[], Any]:
+    """The call _run makes for a collective that shm.fits: through the group's shared segment
+    (shm.py), or `fallback` (gloo) where the group has none. The first such call on a group
+    sets its segment up with the group's other ranks in here, inside the recorded op, so a
+    rank that never arrives is the watchdog's like any other. Through the segment the op is
+    done when it returns: an async caller gets a handle that is already complete."""
     def call():
+        seg = shm.segment(group)
+        if seg is None:
+            return fallback()
         with seg.lock:
-            fn(*args)
+            getattr(seg, method)(*args)
         return _local(async_op)
     return call
 
@@ -150,13 +156,13 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, label=None, 
                debug=None):
     if _solo(group):
         return _local(async_op)
-    seg = shm.segment_for(group, tensor, op=op)
-    if seg is not None:
-        return _run("all_reduce", group, _nbytes(tensor), _shm_call(seg, async_op, seg.all_reduce, tensor, op),
-                    async_op, label, prof, log_name, debug)
-    return _run("all_reduce", group, _nbytes(tensor),
-                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, label, prof,
-                log_name, debug, device_tensor=tensor)
+    def call():
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    if shm.fits(tensor, op=op):
+        call = _shm_or(group, "all_reduce", (tensor, op), call, async_op)
+    return _run("all_reduce", group, _nbytes(tensor), call, async_op, label, prof, log_name, debug,
+                device_tensor=tensor)
 
 
 def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, label=None, prof=False,
@@ -168,14 +174,14 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
            log_name=None, debug=None):
     if _solo(group):
         return _local(async_op)
-    seg = shm.segment_for(group, tensor, op=op)
-    if seg is not None:
+    def call():
+        return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op, group_dst=group_dst)
+
+    if shm.fits(tensor, op=op):
         root = group_dst if group_dst is not None else _group_rank(group, dst)
-        return _run("reduce", group, _nbytes(tensor), _shm_call(seg, async_op, seg.reduce, tensor, root, op),
-                    async_op, label, prof, log_name, debug)
-    return _run("reduce", group, _nbytes(tensor),
-                lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op, group_dst=group_dst),
-                async_op, label, prof, log_name, debug, device_tensor=tensor)
+        call = _shm_or(group, "reduce", (tensor, root, op), call, async_op)
+    return _run("reduce", group, _nbytes(tensor), call, async_op, label, prof, log_name, debug,
+                device_tensor=tensor)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False, label=None, prof=False,
@@ -185,12 +191,6 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     if _solo(group):
         output.copy_(input.view(-1)[:output.numel()].view_as(output))
         return _local(async_op)
-
-    seg = shm.segment_for(group, output, input, op=op)
-    if seg is not None and input.numel() == seg.world * output.numel():
-        return _run("reduce_scatter_tensor", group, _nbytes(input),
-                    _shm_call(seg, async_op, seg.reduce_scatter, output, input, op), async_op, label, prof,
-                    log_name, debug)
 
     def call():
         native = _native("reduce_scatter_single", "reduce_scatter_tensor")
@@ -205,6 +205,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
         output.copy_(buf.view(-1)[r * n:(r + 1) * n].view_as(output))
         return _local(async_op)
 
+    if shm.fits(output, input, op=op) and input.numel() == get_world_size(group) * output.numel():
+        call = _shm_or(group, "reduce_scatter", (output, input, op), call, async_op)
     return _run("reduce_scatter_tensor", group, _nbytes(input), call, async_op, label, prof, log_name, debug,
                 device_tensor=output)
 
@@ -230,12 +232,6 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
         output_tensor.view(-1)[:input_tensor.numel()].copy_(input_tensor.view(-1))
         return _local(async_op)
 
-    seg = shm.segment_for(group, input_tensor, output_tensor)
-    if seg is not None and output_tensor.numel() == seg.world * input_tensor.numel():
-        return _run("all_gather_into_tensor", group, _nbytes(output_tensor),
-                    _shm_call(seg, async_op, seg.all_gather_into, output_tensor, input_tensor), async_op, label,
-                    prof, log_name, debug)
-
     def call():
         native = _native("all_gather_single", "all_gather_into_tensor")
         if _native_ok["all_gather"] and native is not None:
@@ -246,6 +242,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
         dist.all_gather(list(output_tensor.view(-1).chunk(get_world_size(group))), input_tensor.view(-1), group=group)
         return _local(async_op)
 
+    if shm.fits(input_tensor, output_tensor) and output_tensor.numel() == get_world_size(group) * input_tensor.numel():
+        call = _shm_or(group, "all_gather_into", (output_tensor, input_tensor), call, async_op)
     return _run("all_gather_into_tensor", group, _nbytes(output_tensor), call, async_op, label, prof, log_name,
                 debug, device_tensor=output_tensor)
 

@@ -269,20 +269,21 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _eligible(group, *tensors) -> bool:
+def fits(*tensors, op=None) -> bool:
+    """Whether a collective on these tensors (and reduction op) would go through a group's
+    segment: depends only on what every rank passes alike, so all ranks agree."""
+    if not enabled() or (op is not None and op not in _ops()):
+        return False
     for t in tensors:
         if t.device.type != "cpu" or t.dtype not in _DTYPES or t.is_sparse or not t.is_contiguous():
             return False
     return tensors[0].numel() * tensors[0].element_size() >= MIN_BYTES
 
 
-def segment_for(group, *tensors, op=None) -> Optional[Segment]:
-    """The group's segment when this call can go through shared memory, else None (gloo).
-    The first call on a group sets it up with the group's other ranks (see the docstring)."""
-    if op is not None and op not in _ops():
-        return None
-    if not enabled() or not _eligible(group, *tensors):
-        return None
+def segment(group) -> Optional[Segment]:
+    """The group's segment, or None when it has none (it stays on gloo). The first call on a
+    group sets it up with the group's other ranks (see the module docstring): every rank of
+    the group must make it, as it makes the collective it is for."""
     g = group if group is not None else dist.group.WORLD
     found = _segments.get(id(g))
     if found is not None and found[0] is g:
@@ -291,6 +292,11 @@ def segment_for(group, *tensors, op=None) -> Optional[Segment]:
         seg = _setup(g)
         _segments[id(g)] = [g, seg]  # the group is kept, so its id cannot be reused while here
     return seg
+
+
+def segment_for(group, *tensors, op=None) -> Optional[Segment]:
+    """The segment a collective on these tensors would use, or None (gloo)."""
+    return segment(group) if fits(*tensors, op=op) else None
 
 
 def _setup(group) -> Optional[Segment]:
@@ -335,6 +341,12 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def buffer_pointers() -> set:
+    """Data pointers of every segment this process maps: transport buffers (as NCCL's and
+    gloo's own, which no tensor shows), left out where live tensor bytes are counted."""
+    return {entry[1].mem.untyped_storage().data_ptr() for entry in list(_segments.values()) if entry[1] is not None}
 
 
 def forget(group) -> None:
