@@ -44,7 +44,10 @@ def build_model(dim: int, layers: int) -> torch.nn.Module:
 
 
 def storages(extra=()):
-    """{storage pointer: bytes} over every tensor the GC tracks (plus `extra`)."""
+    """{storage pointer: bytes} over every tensor the GC tracks (plus `extra`), dslaunch's
+    shared-memory communication segments aside (transport buffers, runtime/comm/shm.py)."""
+    shm = sys.modules.get("dslaunch.runtime.comm.shm")
+    skip = shm.buffer_pointers() if shm is not None else set()
     out = {}
     for obj in list(gc.get_objects()) + list(extra):
         try:
@@ -53,7 +56,7 @@ def storages(extra=()):
             if type(obj).__name__ == "DTensor":
                 obj = obj.to_local()
             st = obj.untyped_storage()
-            if st.nbytes():
+            if st.nbytes() and st.data_ptr() not in skip:
                 out[st.data_ptr()] = st.nbytes()
         except Exception:
             continue

@@ -42,7 +42,10 @@ class Net(torch.nn.Module):
 
 
 def live_bytes(baseline, params) -> int:
-    """Bytes of the storages of every live tensor (and every parameter's .grad) not in `baseline`."""
+    """Bytes of the storages of every live tensor (and every parameter's .grad) not in `baseline`,
+    the shared-memory communication segments aside (transport buffers, comm/shm.py)."""
+    from dslaunch.runtime.comm import shm
+
     gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on torch's deprecated module attributes warns
@@ -51,7 +54,7 @@ def live_bytes(baseline, params) -> int:
     seen = {}
     for t in tensors:
         st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in baseline:
+        if st.nbytes() and st.data_ptr() not in baseline and st.data_ptr() not in shm.buffer_pointers():
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
