@@ -26,9 +26,10 @@ Sums run in group-rank order in the tensor's dtype: with two ranks that is bit f
 gloo's result (a + b == b + a); with more it can differ from gloo's ring in the last bit.
 
 Synchronisation: each rank's counter lives on its own cache line; a wait polls briefly,
-then sleeps in the kernel on the counter of the rank it waits for (futex(2)), which that
-rank wakes when it counts in: no core is burnt waiting, so ranks that oversubscribe the
-cores do not take the time of the rank they wait for, and no wake-up comes late. Data is written before the counter
+yields its core a few hundred times (a rank queued behind it runs), then sleeps in the
+kernel on the counter of the rank it waits for (futex(2)), which that rank wakes when it
+counts in: ranks that oversubscribe the cores do not take the time of the rank they wait
+for, and no wake-up comes late. Data is written before the counter
 and read after it: x86-64 keeps stores in order and loads in order, which is what makes
 that safe, so the transport is used on x86-64 only. Regions alternate between two halves
 by the parity of the wait that publishes them: a region is written again two waits later,
@@ -135,7 +136,10 @@ class Segment:
                 return
             behind = now_at.index(seen)
             spins += 1
-            if spins < 32:
+            if spins < _SPINS:
+                continue
+            if spins < _SPINS + _YIELDS:  # the peer is usually on another core and nearly there
+                os.sched_yield()
                 continue
             now = time.monotonic()
             if check is None:
@@ -227,6 +231,9 @@ class Segment:
 # futex(2) on the counters: a waiting rank sleeps in the kernel and the rank it waits for
 # wakes it when it counts in (the memory is shared, so the futex is too: no FUTEX_PRIVATE).
 _FUTEX_WAIT, _FUTEX_WAKE, _INT_MAX = 0, 1, 2 ** 31 - 1
+# Before sleeping a wait polls, then yields the core (to a rank queued on it) this many times:
+# a futex sleep and wake-up costs ~0.2 ms here, more than a peer on another core takes to arrive.
+_SPINS, _YIELDS = 64, 256
 _SYS_FUTEX = 202  # x86-64
 
 
