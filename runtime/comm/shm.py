@@ -2,21 +2,21 @@
 
 gloo moves a CPU tensor between two processes on one machine through loopback TCP: the
 bytes are copied into the kernel and out again, and each op wakes gloo's own threads on
-both sides. Here every rank of the group maps one segment of /dev/shm; a collective copies
-this rank's tensor into its region of the segment, waits until every rank's counter in the
+both sides. Here every rank of the group maps one shared segment; a collective copies this
+rank's tensor into its region of the segment, waits until every rank's counter in the
 segment says it has done the same, and reads the others' regions directly (one copy in,
-one out, no thread of anyone else to wake). On the 2-core benchmark machine that is 5-10x
-less time than gloo for the megabyte-sized gradient buckets ZeRO reduces.
+one out, no thread of anyone else to wake). On the 2-core benchmark machine that is 2.4-3.9x
+less time than gloo for the megabyte-sized buckets ZeRO moves (scripts/bench_comm.py).
 
 Which groups: decided once per group, at its first collective that could go this way, by
 all of its ranks together (all_gather_object over the group, so every rank takes the same
-path): the group's rank 0 creates the segment with a random token and reserves its pages
-(posix_fallocate: a full /dev/shm is an error now, not a SIGBUS later); every rank maps it,
-checks the token and that it sees every peer's pid; only when every rank could, the group
-uses it. DSLAUNCH_SHM_COMM must therefore be the same on every rank, as launchers set it. The file is unlinked
-as soon as all have mapped it, so nothing is left in /dev/shm even if a rank is killed.
-Ranks on different hosts (or in containers without a common /dev/shm) fail the check and
-the group stays on gloo.
+path): the group's rank 0 creates the segment as an anonymous file (memfd_create) with a
+random token and reserves its pages (posix_fallocate: no room is an error now, not a SIGBUS
+later); every rank opens it through /proc/<rank 0's pid>/fd/<fd>, maps it, and checks the
+token and that it sees every peer's pid; only when every rank could, the group uses it.
+DSLAUNCH_SHM_COMM must therefore be the same on every rank, as launchers set it. The file
+has no name, so nothing is left behind however a rank ends. Ranks on different hosts (or in
+other pid namespaces) fail the check and the group stays on gloo.
 
 Which calls: all_reduce, reduce, all_gather_into_tensor and reduce_scatter_tensor on CPU
 tensors of a gloo group, of at least MIN_BYTES (below that gloo's latency is as good), in
@@ -59,7 +59,7 @@ MIN_BYTES = 32 * 1024
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 _LINE = 64  # bytes: one counter per cache line, so ranks do not write the same line
 _TOKEN = 16
-_BUDGET = 16 << 20  # bytes of /dev/shm per group at most (the data regions and results)
+_BUDGET = 16 << 20  # bytes of shared memory per group at most (the data regions and results)
 _REGION_MAX = 1 << 20  # as fast as 4 MiB for megabyte buckets here; 512 KiB was 3x slower
 
 
@@ -88,13 +88,16 @@ class Segment:
         self.region = region_bytes(world)
         head = _LINE + 2 * world * _LINE  # token; a counter per rank; a pid per rank
         self.size = head + 2 * world * self.region + 2 * self.region
-        if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = None
+        if create:  # an anonymous file: it has no name to leave behind, whoever dies when
+            self.fd = os.memfd_create("dslaunch-comm", os.MFD_CLOEXEC)
             try:
-                os.posix_fallocate(fd, 0, self.size)
-                os.pwrite(fd, token, 0)
-            finally:
-                os.close(fd)
+                os.posix_fallocate(self.fd, 0, self.size)
+                os.pwrite(self.fd, token, 0)
+            except OSError:
+                self.close_fd()
+                raise
+            path = f"/proc/{os.getpid()}/fd/{self.fd}"  # how the other ranks open it too
         mem = torch.from_file(path, shared=True, size=self.size, dtype=torch.uint8)
         if bytes(mem[:_TOKEN].tolist()) != token:
             raise OSError(f"{path}: not the segment rank 0 made")
@@ -108,6 +111,14 @@ class Segment:
         self.result_at = head + 2 * world * self.region
         self.seq = 0
         self.lock = threading.Lock()
+        self._fence = threading.Lock()
+        self.path = path
+
+    def close_fd(self) -> None:
+        """Rank 0 keeps the file open until every rank has mapped it; then the mappings hold it."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     # -- layout ------------------------------------------------------------------------------
     def _data(self, half: int, rank: int, dtype, n: int) -> torch.Tensor:
@@ -126,6 +137,11 @@ class Segment:
         """Count this rank in; return once every rank of the group has come this far."""
         self.seq += 1
         k = self.seq
+        # A locked instruction (taking an uncontended lock) before the counter: x86 keeps ordinary
+        # stores in order, but a large copy may use non-temporal stores, which only a fence or a
+        # locked instruction orders before the counter's store.
+        with self._fence:
+            pass
         self.counters[self.rank] = k
         _futex(self._addr(self.rank), _FUTEX_WAKE, _INT_MAX)
         spins, check = 0, None
@@ -317,13 +333,11 @@ def _setup(group) -> Optional[Segment]:
     offer = None
     if rank == 0:
         token = secrets.token_bytes(_TOKEN)
-        path = f"/dev/shm/dslaunch-comm-{os.getpid()}-{secrets.token_hex(6)}"
         try:
-            seg = Segment(path, token, rank, world, ranks, name, create=True)
-            offer = (path, token)
-        except OSError:
+            seg = Segment("", token, rank, world, ranks, name, create=True)
+            offer = (seg.path, token)
+        except (OSError, RuntimeError):
             seg = None
-            _unlink(path)
     seen = [None] * world
     _c10d.all_gather_object(seen, (offer, os.getpid()), group=group)
     path, token = seen[0][0] if seen[0][0] is not None else (None, None)
@@ -334,20 +348,13 @@ def _setup(group) -> Optional[Segment]:
                 seg = Segment(path, token, rank, world, ranks, name, create=False)
             except (OSError, RuntimeError):
                 seg = None
-    # every peer's pid must be one this rank sees (not another pid namespace sharing /dev/shm),
+    # every peer's pid must be one this rank sees (not another pid namespace),
     # or a live peer would be taken for one that exited
     ok = [None] * world
     _c10d.all_gather_object(ok, seg is not None and all(_alive(pid) for _, pid in seen), group=group)
-    if rank == 0 and path is not None:
-        _unlink(path)  # every rank has it mapped (or gave up): the name is no longer needed
+    if rank == 0 and seg is not None:
+        seg.close_fd()  # every rank has it mapped (or gave up)
     return seg if all(ok) else None
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def buffer_pointers() -> set:
