@@ -173,10 +173,7 @@ def comm_segments() -> dict:
     same-host group, runtime/comm/shm.py): transport buffers, like gloo's and NCCL's own,
     which no tensor shows; they are counted on their own, not as the engine's bytes."""
     shm = sys.modules.get("dslaunch.runtime.comm.shm")
-    if shm is None:
-        return {}
-    return {ptr: seg.mem.untyped_storage().nbytes() for ptr, seg in
-            ((e[1].mem.untyped_storage().data_ptr(), e[1]) for e in list(shm._segments.values()) if e[1] is not None)}
+    return shm.buffer_pointers() if shm is not None else {}
 
 
 def held(baseline, run, extra=()) -> int:

@@ -153,9 +153,14 @@ KILLED_IN_SETUP = r"""
 import os, sys, time, torch
 import torch.distributed as dist
 from dslaunch.runtime import comm
+from dslaunch.runtime.comm import shm
 dist.init_process_group("gloo")
+made = shm.Segment.__init__
+def tell(self, *args, **kwargs):  # says when the segment exists, so the kill lands after it
+    made(self, *args, **kwargs)
+    print("made", self.path, self.size, flush=True)
+shm.Segment.__init__ = tell
 if dist.get_rank() == 0:
-    print("setting up", flush=True)
     comm.all_reduce(torch.ones(100000), group=None)  # makes the segment, then waits for rank 1
 else:
     time.sleep(600)  # never comes
@@ -180,8 +185,11 @@ def test_ranks_killed_during_set_up_leave_nothing_behind(tmp_path):
                                        MASTER_PORT=port, OMP_NUM_THREADS="1"))
              for r in range(2)]
     try:
-        assert procs[0].stdout.readline().strip() == "setting up"
-        time.sleep(2)  # inside the set-up exchange by now
+        said = procs[0].stdout.readline().split()
+        assert said[0] == "made", said
+        path, size = said[1], int(said[2])
+        assert os.stat(path).st_size == size  # the segment exists while rank 0 waits in the exchange
+        time.sleep(0.2)
         assert procs[0].poll() is None
     finally:
         for p in procs:

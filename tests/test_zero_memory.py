@@ -51,10 +51,10 @@ def live_bytes(baseline, params) -> int:
         warnings.simplefilter("ignore")  # isinstance() on torch's deprecated module attributes warns
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     tensors += [p for p in params] + [p.grad for p in params if p.grad is not None]
-    seen = {}
+    seen, transport = {}, shm.buffer_pointers()
     for t in tensors:
         st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in baseline and st.data_ptr() not in shm.buffer_pointers():
+        if st.nbytes() and st.data_ptr() not in baseline and st.data_ptr() not in transport:
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 

@@ -179,14 +179,18 @@ class Segment:
                 raise PeerExited(f"rank {self.ranks[r]} (pid {pid}) of group {self.name} exited during {what}")
 
     # -- collectives -------------------------------------------------------------------------
+    def _chunks(self, total: int, step: int):
+        """(offset, length, half) of each piece of `total` elements at most `step` long: the
+        half is the one the piece's first wait publishes, which the caller copies into."""
+        step = max(1, step)
+        for lo in range(0, total, step):
+            yield lo, min(step, total - lo), self._next_half()
+
     def all_reduce(self, t: torch.Tensor, op) -> None:
         combine = _ops()[op]
         flat = t.view(-1)
-        step = self.region // t.element_size()
-        for lo in range(0, flat.numel(), step):
-            chunk = flat[lo:lo + step]
-            n = chunk.numel()
-            half = self._next_half()
+        for lo, n, half in self._chunks(flat.numel(), self.region // t.element_size()):
+            chunk = flat[lo:lo + n]
             self._data(half, self.rank, t.dtype, n).copy_(chunk)
             self.wait_all("all_reduce")
             # each rank combines its slice of the chunk into the result region of this half
@@ -203,11 +207,8 @@ class Segment:
     def reduce(self, t: torch.Tensor, dst: int, op) -> None:
         combine = _ops()[op]
         flat = t.view(-1)
-        step = self.region // t.element_size()
-        for lo in range(0, flat.numel(), step):
-            chunk = flat[lo:lo + step]
-            n = chunk.numel()
-            half = self._next_half()
+        for lo, n, half in self._chunks(flat.numel(), self.region // t.element_size()):
+            chunk = flat[lo:lo + n]
             self._data(half, self.rank, t.dtype, n).copy_(chunk)
             self.wait_all("reduce")
             if self.rank == dst:
@@ -217,12 +218,8 @@ class Segment:
 
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         src, rows = inp.reshape(-1), out.view(self.world, -1)
-        step = self.region // inp.element_size()
-        for lo in range(0, src.numel(), step):
-            chunk = src[lo:lo + step]
-            n = chunk.numel()
-            half = self._next_half()
-            self._data(half, self.rank, inp.dtype, n).copy_(chunk)
+        for lo, n, half in self._chunks(src.numel(), self.region // inp.element_size()):
+            self._data(half, self.rank, inp.dtype, n).copy_(src[lo:lo + n])
             self.wait_all("all_gather_into_tensor")
             for r in range(self.world):
                 rows[r, lo:lo + n].copy_(self._data(half, r, inp.dtype, n))
@@ -231,11 +228,8 @@ class Segment:
         combine = _ops()[op]
         blocks, dst = inp.reshape(self.world, -1), out.view(-1)
         step = self.region // (inp.element_size() * self.world)
-        for lo in range(0, dst.numel(), max(1, step)):
-            cols = blocks[:, lo:lo + step]
-            n = cols.shape[1]
-            half = self._next_half()
-            self._data(half, self.rank, inp.dtype, self.world * n).view(self.world, n).copy_(cols)
+        for lo, n, half in self._chunks(dst.numel(), step):
+            self._data(half, self.rank, inp.dtype, self.world * n).view(self.world, n).copy_(blocks[:, lo:lo + n])
             self.wait_all("reduce_scatter_tensor")
             mine = [self._data(half, r, inp.dtype, self.world * n).view(self.world, n)[self.rank]
                     for r in range(self.world)]
@@ -357,10 +351,11 @@ def _setup(group) -> Optional[Segment]:
     return seg if all(ok) else None
 
 
-def buffer_pointers() -> set:
-    """Data pointers of every segment this process maps: transport buffers (as NCCL's and
-    gloo's own, which no tensor shows), left out where live tensor bytes are counted."""
-    return {entry[1].mem.untyped_storage().data_ptr() for entry in list(_segments.values()) if entry[1] is not None}
+def buffer_pointers() -> Dict[int, int]:
+    """{data pointer: bytes} of every segment this process maps: transport buffers (as NCCL's
+    and gloo's own, which no tensor shows), left out where live tensor bytes are counted."""
+    storages = (entry[1].mem.untyped_storage() for entry in list(_segments.values()) if entry[1] is not None)
+    return {st.data_ptr(): st.nbytes() for st in storages}
 
 
 def forget(group) -> None:
