@@ -21,8 +21,8 @@ from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback,
-                          default_threads, fp32_views, step_args)
+from .tensor_args import (StepCount, TensorOrList, as_list, check_flat_args, check_steps, copy_out_after_fallback,
+                          default_threads, fp32_views, run_checked, step_args)
 
 
 def _fake(params, grads, sums, copy_out, steps, step, lr, lr_decay, eps, weight_decay, maximize,
@@ -56,26 +56,30 @@ def cpu_adagrad_step(params: TensorOrList, grads: TensorOrList, sums: TensorOrLi
                      op: Optional[CpuAdagradOp] = None) -> None:
     """One Adagrad step, in place (see cpu_adam_step for the layout rules). step: the count
     including this update (1 on the first call), or one float32 step tensor per parameter."""
-    args = check_flat_args("cpu_adagrad_step", params, grads, {"sums": sums}, copy_out)
+    op = op or _OP
+    ps = as_list(params)
+    if ps and op.load():
+        count, steps = (step, []) if isinstance(step, int) else (0, list(step))
+        run_checked(lambda: op.torch_op(ps, as_list(grads), as_list(sums), as_list(copy_out) or [], steps, count,
+                                        float(lr), float(lr_decay), float(eps), float(weight_decay), bool(maximize),
+                                        num_threads or default_threads()),
+                    lambda: step_args("cpu_adagrad_step", step,
+                                      check_flat_args("cpu_adagrad_step", ps, grads, {"sums": sums}, copy_out).n))
+        return
+    args = check_flat_args("cpu_adagrad_step", ps, grads, {"sums": sums}, copy_out)
     count, step_tensors = step_args("cpu_adagrad_step", step, args.n)
     if args.n == 0:
         return
-    op = op or _OP
-    if not op.load():
-        op.warn_fallback("torch.optim.Adagrad's kernel (slower)")
-        from torch.optim.adagrad import adagrad
+    op.warn_fallback("torch.optim.Adagrad's kernel (slower)")
+    from torch.optim.adagrad import adagrad
 
-        grads32, st = fp32_views(args)
-        # torch's single-tensor Adagrad adds the 1 (to copies: the caller's step tensors stay as they are)
-        steps = ([s - 1 for s in step_tensors] if step_tensors
-                 else [torch.tensor(float(count - 1)) for _ in args.params])
-        adagrad(args.params, grads32, st["sums"], steps, foreach=False, lr=lr, weight_decay=weight_decay,
-                lr_decay=lr_decay, eps=eps, maximize=maximize)
-        copy_out_after_fallback(args)
-        return
-    op.torch_op(args.params, args.grads, args.states["sums"], args.outs or [], step_tensors, count, float(lr),
-                float(lr_decay), float(eps), float(weight_decay), bool(maximize),
-                num_threads or default_threads())
+    grads32, st = fp32_views(args)
+    # torch's single-tensor Adagrad adds the 1 (to copies: the caller's step tensors stay as they are)
+    steps = ([s - 1 for s in step_tensors] if step_tensors
+             else [torch.tensor(float(count - 1)) for _ in args.params])
+    adagrad(args.params, grads32, st["sums"], steps, foreach=False, lr=lr, weight_decay=weight_decay,
+            lr_decay=lr_decay, eps=eps, maximize=maximize)
+    copy_out_after_fallback(args)
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:

@@ -26,8 +26,8 @@ from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .fused_step import FusedCPUStep, KernelUnavailable
 from .loader import LazyOp
-from .tensor_args import (StepCount, TensorOrList, check_flat_args, check_steps, copy_out_after_fallback,
-                          default_threads, fp32_views, step_args)
+from .tensor_args import (StepCount, TensorOrList, as_list, check_flat_args, check_steps, copy_out_after_fallback,
+                          default_threads, fp32_views, run_checked, step_args)
 
 
 def _fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copy_out, steps, step, lr, beta1, beta2, eps,
@@ -119,24 +119,27 @@ def cpu_adam_step(
     """
     if amsgrad and max_exp_avg_sqs is None:
         raise ValueError("cpu_adam_step: amsgrad=True needs max_exp_avg_sqs")
-    args = check_flat_args("cpu_adam_step", params, grads,
-                           {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs,
-                            "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None}, copy_out)
-    count, steps = step_args("cpu_adam_step", step, args.n)
     beta1, beta2 = betas
+    op = op or _OP
+    states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None}
+    ps = as_list(params)
+    if ps and op.load():
+        count, steps = (step, []) if isinstance(step, int) else (0, list(step))
+        run_checked(lambda: op.torch_op(ps, as_list(grads), as_list(exp_avgs), as_list(exp_avg_sqs),
+                                        as_list(states["max_exp_avg_sqs"]) or [], as_list(copy_out) or [], steps,
+                                        count, float(lr), float(beta1), float(beta2), float(eps),
+                                        float(weight_decay), bool(decoupled_weight_decay), bool(amsgrad),
+                                        bool(maximize), bool(bias_correction), num_threads or default_threads()),
+                    lambda: step_args("cpu_adam_step", step,
+                                      check_flat_args("cpu_adam_step", ps, grads, states, copy_out).n))
+        return
+    args = check_flat_args("cpu_adam_step", ps, grads, states, copy_out)
+    count, steps = step_args("cpu_adam_step", step, args.n)
     if args.n == 0:
         return
-    op = op or _OP
-    if not op.load():
-        op.warn_fallback("torch.optim.AdamW(fused=True) (slower)")
-        _torch_step(args, count, steps, lr, betas, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize,
-                    bias_correction)
-        return
-    st = args.states
-    op.torch_op(args.params, args.grads, st["exp_avgs"], st["exp_avg_sqs"], st.get("max_exp_avg_sqs", []),
-                args.outs or [], steps, count, float(lr), float(beta1), float(beta2), float(eps),
-                float(weight_decay), bool(decoupled_weight_decay), bool(amsgrad), bool(maximize),
-                bool(bias_correction), num_threads or default_threads())
+    op.warn_fallback("torch.optim.AdamW(fused=True) (slower)")
+    _torch_step(args, count, steps, lr, betas, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize,
+                bias_correction)
 
 
 def _torch_step(args, step, step_tensors, lr, betas, eps, weight_decay, decoupled, amsgrad, maximize,

@@ -21,7 +21,8 @@ import torch
 from . import builder, torch_ops
 from .cpu_optimizer import CPUOptimizer
 from .loader import LazyOp
-from .tensor_args import TensorOrList, check_flat_args, copy_out_after_fallback, default_threads, fp32_views
+from .tensor_args import (TensorOrList, as_list, check_flat_args, copy_out_after_fallback, default_threads, fp32_views,
+                          run_checked)
 
 
 def _fake(params, grads, exp_avgs, copy_out, lr, beta1, beta2, weight_decay, num_threads) -> None:
@@ -52,21 +53,24 @@ def cpu_lion_step(params: TensorOrList, grads: TensorOrList, exp_avgs: TensorOrL
                   op: Optional[CpuLionOp] = None) -> None:
     """One Lion step, in place, over one tensor or a list (see cpu_adam_step for the layout
     rules; Lion keeps one state, exp_avg)."""
-    args = check_flat_args("cpu_lion_step", params, grads, {"exp_avgs": exp_avgs}, copy_out)
     beta1, beta2 = betas
+    op = op or _OP
+    ps = as_list(params)
+    if ps and op.load():
+        run_checked(lambda: op.torch_op(ps, as_list(grads), as_list(exp_avgs), as_list(copy_out) or [], float(lr),
+                                        float(beta1), float(beta2), float(weight_decay),
+                                        num_threads or default_threads()),
+                    lambda: check_flat_args("cpu_lion_step", ps, grads, {"exp_avgs": exp_avgs}, copy_out))
+        return
+    args = check_flat_args("cpu_lion_step", ps, grads, {"exp_avgs": exp_avgs}, copy_out)
     if args.n == 0:
         return
-    op = op or _OP
-    if not op.load():
-        op.warn_fallback("torch's Lion maths (slower)")
-        from .lion import lion_update
+    op.warn_fallback("torch's Lion maths (slower)")
+    from .lion import lion_update
 
-        grads32, st = fp32_views(args)
-        lion_update(args.params, grads32, st["exp_avgs"], lr, beta1, beta2, weight_decay)
-        copy_out_after_fallback(args)
-        return
-    op.torch_op(args.params, args.grads, args.states["exp_avgs"], args.outs or [], float(lr), float(beta1),
-                float(beta2), float(weight_decay), num_threads or default_threads())
+    grads32, st = fp32_views(args)
+    lion_update(args.params, grads32, st["exp_avgs"], lr, beta1, beta2, weight_decay)
+    copy_out_after_fallback(args)
 
 
 def _init_state(p: torch.Tensor, group: dict) -> Dict[str, torch.Tensor]:

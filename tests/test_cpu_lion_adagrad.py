@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dslaunch.kernels import builder
-from dslaunch.kernels.cpu_adagrad import CPUAdagrad, CpuAdagradOp, cpu_adagrad_step
-from dslaunch.kernels.cpu_lion import CPULion, CpuLionOp, cpu_lion_step
+from dslaunch.kernels.cpu_adagrad import CPUAdagrad, CpuAdagradOp, cpu_adagrad_available, cpu_adagrad_step
+from dslaunch.kernels.cpu_lion import CPULion, CpuLionOp, cpu_lion_available, cpu_lion_step
 from dslaunch.kernels.lamb import Lamb
 from dslaunch.kernels.lion import Lion
 from test_cpu_adam import MANY_SIZES, _model, _train
@@ -200,3 +200,26 @@ def test_lamb_follows_deepspeeds_fused_lamb_formula():
     torch.testing.assert_close(p.detach().double(), w, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="gradient_clipping"):
         Lamb([p], max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("which", ["lion", "adagrad"])
+def test_bad_tensors_are_refused_by_name_before_any_is_stepped(which):
+    """The op refuses first (in C++); the error is still the named ValueError/TypeError, and
+    no tensor of the call was updated."""
+    assert (cpu_lion_available if which == "lion" else cpu_adagrad_available)()  # the op's path, not the fallback
+    def step(ps, gs, states):
+        if which == "lion":
+            cpu_lion_step(ps, gs, states, lr=0.1)
+        else:
+            cpu_adagrad_step(ps, gs, states, step=1, lr=0.1)
+
+    p, g = torch.zeros(8), torch.ones(8)
+    with pytest.raises(ValueError, match=r"grads\[1\] is not contiguous"):
+        step([p, p.clone()], [g, torch.ones(16)[::2]], [torch.zeros(8), torch.zeros(8)])
+    with pytest.raises(TypeError, match=r"grads\[1\] has dtype float16"):
+        step([p, p.clone()], [g, g.half()], [torch.zeros(8), torch.zeros(8)])
+    with pytest.raises(ValueError, match="2 params but 1 grads"):
+        step([p, p.clone()], [g], [torch.zeros(8), torch.zeros(8)])
+    assert torch.equal(p, torch.zeros(8))  # the first parameter, good on its own, was not stepped
+    step([p], [g], [torch.zeros(8)])
+    assert not torch.equal(p, torch.zeros(8))
