@@ -2,7 +2,8 @@
 step time against sequence length, at sp = 1, 2, 4.
 
     python scripts/bench_sp.py [--sp 1 2 4] [--seq 256 512 1024] [--hidden 128] [--heads 8]
-        [--layers 2] [--micro 1] [--steps 3] [--cuda]
+        [--layers 2] [--micro 1] [--steps 3] [--rounds 1]
+        [--deepspeed-python /work/ds-venv/bin/python|none] [--cuda]
 
 The model is a stack of `--layers` causal attention blocks (`--heads` query heads, half as
 many key/value heads, an MLP of 4 x `--hidden`) with an LM head, its attention wrapped in
@@ -15,6 +16,13 @@ torch's AdamW, ZeRO off; one warm-up step, then `--steps` timed ones. Printed pe
   the CPU; on CUDA torch.cuda.max_memory_allocated over the step, everything);
 * each figure's ratio to sp = 1 at the same length: activations per rank should fall by sp
   (the attention's whole-sequence q, k, v come in 1/sp of the heads).
+
+With `--deepspeed-python`, DeepSpeed's Ulysses trains the same model on the same slices in
+turn with ours (the same file run by that Python, importing deepspeed and
+deepspeed.sequence.layer.DistributedAttention, its parallel_state_sp groups as the mpu: in
+0.19.8 `initialize(mesh_param=...)` never reduces gradients over the sequence ranks), each
+side `--rounds` times, the fastest round kept; the table then adds DeepSpeed's step time and
+activations and ours over DeepSpeed's.
 
 On the CPU each rank runs one thread; sp ranks need sp free cores for the times to mean
 anything, so say the load average with the figures. `--cuda` runs one GPU per rank (NCCL).
@@ -35,28 +43,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pipeline import SavedActivations  # noqa: E402  (the activation counter, shared)
+from bench_ranks import run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
 
 VOCAB = 1024
 
 
-def build_model(args):
-    from dslaunch.runtime.sequence import DistributedAttention
-
+def build_model(args, attention_cls):
     torch.manual_seed(0)
     hd, kv = args.hidden // args.heads, max(1, args.heads // 2)
 
-    def attention(q, k, v):  # [b, s, h, d], causal, GQA
+    def attention(q, k, v, *unused):  # [b, s, h, d], causal, GQA
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2)
@@ -96,23 +100,31 @@ def build_model(args):
 
         def use_group(self, group):
             for blk in self.blocks:
-                blk.attn = DistributedAttention(attention, group)
+                blk.attn = attention_cls(attention, group)
 
     return Net()
 
 
-def run(args, sp: int, seq: int, device) -> dict:
-    import dslaunch.runtime as ds
-    from dslaunch.runtime import comm
+def run(rt, attention_cls, args, sp: int, seq: int, device) -> dict:
+    import torch.distributed as dist
 
-    net = build_model(args)
+    net = build_model(args, attention_cls).to(device)
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "steps_per_print": 10 ** 9}
+    init = {}
     if sp > 1:
         cfg["sequence_parallel_size"] = sp
-    engine, _, _, _ = ds.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4), config=cfg)
+        if rt.__name__ == "deepspeed":  # its own Ulysses groups as the mpu (see the module docstring)
+            from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+            if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # once per process (one run per --seq)
+                parallel_state_sp.initialize_sequence_parallel(sp)
+            init["mpu"] = parallel_state_sp
+    engine, _, _, _ = rt.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4), config=cfg,
+                                    **init)
+    r, chunk = 0, seq // sp
     if sp > 1:
         net.use_group(engine.seq_parallel_group)
-    r, chunk = engine.mesh.rank("sequence"), seq // sp
+        r = dist.get_rank(engine.seq_parallel_group)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (args.micro, seq + 1), generator=g)
     x = tokens[:, r * chunk:(r + 1) * chunk].to(device)
@@ -130,7 +142,8 @@ def run(args, sp: int, seq: int, device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        comm.all_reduce(took, op=comm.ReduceOp.MAX, group=comm.get_world_group(), label="bench step time")
+        # the benchmark's own reduce, on the world group by name, outside either engine
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
         if i:  # the first step warms up
             times.append(float(took))
         peak = max(peak, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.peak)
@@ -138,29 +151,26 @@ def run(args, sp: int, seq: int, device) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if args.cuda else torch.device("cpu")
-    if args.cuda:
-        torch.cuda.set_device(device)
-    import dslaunch.runtime as ds
+    import importlib
 
-    ds.init_distributed("nccl" if args.cuda else "gloo")
-    out = {seq: run(args, world, seq, device) for seq in args.seq}
-    if rank == 0:
-        with open(result_path, "w") as fh:
-            json.dump(out, fh)
+    rt, device = start_rank(rank, world, port, args.as_peer, args.cuda)
+    layer = importlib.import_module("deepspeed.sequence.layer" if args.as_peer else "dslaunch.runtime.sequence")
+    out = {seq: run(rt, layer.DistributedAttention, args, world, seq, device) for seq in args.seq}
+    write_result(result_path, rank, out)
 
 
 def spawn(sp: int, args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        mp.spawn(worker, args=(sp, port, args, path), nprocs=sp, join=True)
-        return {int(k): v for k, v in json.load(open(path)).items()}
+    """{seq: rank 0's result} for sp ranks of this side."""
+    return {int(k): v for k, v in spawn_ranks(worker, sp, args)[0].items()}
+
+
+def spawn_peer(sp: int, args) -> dict:
+    """spawn() under DeepSpeed's Python; {seq: result}, or {"error": why}."""
+    argv = ["--sp", str(sp), "--seq", *map(str, args.seq)]
+    for flag in ("hidden", "heads", "layers", "micro", "steps"):
+        argv += [f"--{flag}", str(getattr(args, flag))]
+    got = run_peer(args.deepspeed_python, __file__, argv + (["--cuda"] if args.cuda else []), "bench-sp-peer-ext")
+    return got if "error" in got else {int(k): v for k, v in got.items()}
 
 
 def _peak_cpu(fn) -> int:
@@ -278,7 +288,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="turns per side (the fastest is kept)")
+    p.add_argument("--deepspeed-python", default="none",
+                   help="a Python with DeepSpeed installed, to run its Ulysses beside ours ('none': ours only)")
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--as-peer", default=None, help=argparse.SUPPRESS)
     p.add_argument("--tiled", action="store_true", help="measure tiled compute (TiledMLP, the tiled loss) instead")
     p.add_argument("--vocab", type=int, default=8192, help="--tiled: the LM head's vocabulary")
     p.add_argument("--shards", type=int, default=0, help="--tiled: slices (default ceil(seq / hidden))")
@@ -297,17 +311,45 @@ def main() -> None:
     if args.cuda and torch.cuda.device_count() < max(args.sp):
         sys.exit(f"error: --cuda needs {max(args.sp)} GPUs for --sp {max(args.sp)}; "
                  f"{torch.cuda.device_count()} visible")
-    results = {sp: spawn(sp, args) for sp in args.sp}
+    if args.as_peer:  # the DeepSpeed side, one sp per call
+        with open(args.as_peer, "w") as fh:
+            json.dump(spawn(args.sp[0], args), fh)
+        return
+    peer = args.deepspeed_python not in ("", "none")
+    results, theirs = {}, {}
+    for sp in args.sp:
+        ours_runs, peer_runs = [], []
+        for _ in range(args.rounds):  # the sides take turns, so load from elsewhere falls on both
+            ours_runs.append(spawn(sp, args))
+            if peer:
+                peer_runs.append(spawn_peer(sp, args))
+        results[sp] = {seq: min((r[seq] for r in ours_runs), key=lambda v: v["step_s"]) for seq in args.seq}
+        ok = [r for r in peer_runs if "error" not in r]
+        if ok:
+            theirs[sp] = {seq: min((r[seq] for r in ok), key=lambda v: v["step_s"]) for seq in args.seq}
+        elif peer_runs:
+            theirs[sp] = peer_runs[0]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Ulysses: {args.layers} blocks of width {args.hidden}, {args.heads} heads, micro {args.micro}; "
           f"{'CUDA' if args.cuda else 'CPU'}; load average {load:.1f}; activations are rank 0's, MiB")
-    print(f"{'seq':>6} {'sp':>3} {'step s':>8} {'x sp1':>6} {'activ MiB':>10} {'x sp1':>6}")
+    head = f"{'seq':>6} {'sp':>3} {'step s':>8} {'x sp1':>6} {'activ MiB':>10} {'x sp1':>6}"
+    if theirs:
+        head += f" {'DS step s':>10} {'DS activ':>9} {'ours/DS step':>12} {'ours/DS activ':>13}"
+    print(head)
     for seq in args.seq:
         base = results[args.sp[0]][seq]
         for sp in args.sp:
             r = results[sp][seq]
-            print(f"{seq:>6} {sp:>3} {r['step_s']:>8.3f} {r['step_s'] / base['step_s']:>6.2f} "
-                  f"{r['activations'] / 2 ** 20:>10.2f} {r['activations'] / base['activations']:>6.2f}")
+            line = (f"{seq:>6} {sp:>3} {r['step_s']:>8.3f} {r['step_s'] / base['step_s']:>6.2f} "
+                    f"{r['activations'] / 2 ** 20:>10.2f} {r['activations'] / base['activations']:>6.2f}")
+            other = theirs.get(sp)
+            if other is not None and "error" in other:
+                line += f"  DeepSpeed did not run: {other['error']}"
+            elif other is not None:
+                d = other[seq]
+                line += (f" {d['step_s']:>10.3f} {d['activations'] / 2 ** 20:>9.2f} {r['step_s'] / d['step_s']:>12.2f} "
+                         f"{r['activations'] / d['activations']:>13.2f}")
+            print(line)
 
 
 if __name__ == "__main__":

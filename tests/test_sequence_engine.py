@@ -167,3 +167,19 @@ def refusal_body(bad, tmp):
     except CheckpointError as exc:
         out.append(str(exc))
     return out
+
+
+def test_bench_sp_sweep_runs_and_halves_activations_at_sp_2():
+    """scripts/bench_sp.py's sp sweep (our side; DeepSpeed's is the same code under its Python):
+    it runs, and rank 0's activations at sp 2 are about half of sp 1's."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_sp.py"), "--sp", "1", "2", "--seq", "64",
+                          "--hidden", "32", "--heads", "4", "--layers", "1", "--steps", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [ln.split() for ln in out.stdout.splitlines() if ln.strip().startswith("64 ")]
+    assert [r[1] for r in rows] == ["1", "2"], out.stdout
+    assert 0.45 < float(rows[1][5]) < 0.6, out.stdout  # activations x sp1
