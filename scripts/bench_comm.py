@@ -8,8 +8,9 @@ alternating round by round so load falls on both alike, every round after a barr
 rank 0 prints the median and the minimum of each, and gloo's median over the segment's.
 The ops are those ZeRO runs: all_reduce of --numel float32 (stage 0's bucket), reduce of
 each half to its owner (stage 1-2's bucket), all_gather_into_tensor of the halves (their
-parameters), reduce_scatter_tensor, and an all_reduce of one scalar (the gradient norm;
-below the transport's 32 KiB floor, so both columns are gloo).
+parameters), reduce_scatter_tensor, an even all_to_all_single of 512 KiB (an MoE layer's
+dispatch of 8 x 64 tokens x 256 wide, or a Ulysses head exchange), and an all_reduce of one
+scalar (the gradient norm; below the transport's 32 KiB floor, so both columns are gloo).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def ops(comm, numel: int, world: int, rank: int):
     full, part = torch.randn(numel), torch.randn(numel // world)
     out, rs = torch.empty(world * (numel // world)), torch.empty(numel // world)
     n = numel // world
+    tokens = torch.randn(world * (131072 // world))  # 512 KiB of float32
+    routed = torch.empty_like(tokens)
 
     def reduce_halves():
         for owner in range(world):
@@ -40,6 +43,8 @@ def ops(comm, numel: int, world: int, rank: int):
         f"all_gather_into_tensor {n * 4 / 2**20:.1f} MiB each": lambda: comm.all_gather_into_tensor(out, part, group=None),
         f"reduce_scatter_tensor {numel * 4 / 2**20:.1f} MiB": lambda: comm.reduce_scatter_tensor(rs, full[:world * n],
                                                                                                  group=None),
+        f"all_to_all_single {tokens.numel() * 4 / 2**10:.0f} KiB": lambda: comm.all_to_all_single(routed, tokens,
+                                                                                                group=None),
         "all_reduce of one scalar": lambda: comm.all_reduce(torch.zeros(()), group=None),
     }
 

@@ -16,8 +16,9 @@ ZeRO off; one warm-up step, then `--steps` timed ones. DeepSpeed (the same file 
 
 * tokens/s: every rank's tokens over the median (over steps) of the slowest rank's step;
 * a2a MiB: bytes rank 0 sends to other ranks in all-to-alls per step (forward dispatch and
-  combine, and their two backward all-to-alls), counted at torch.distributed.all_to_all_single
-  on both sides (input bytes x (n - 1) / n);
+  combine, and their two backward all-to-alls), counted where each side calls
+  all_to_all_single (torch.distributed's for DeepSpeed, dslaunch.runtime.comm's for ours; input
+  bytes x (n - 1) / n);
 * params/grads/optim MiB per rank (rank 0's tensors), and the same for the dense model of
   the same active size (each MoE replaced by k experts' worth: one expert with ffn x k).
 
@@ -27,6 +28,7 @@ anything, so say the load average with the figures. `--cuda` runs one GPU per ra
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -82,20 +84,23 @@ def _bytes(tensors) -> int:
 
 
 class A2ACounter:
-    """Bytes sent to other ranks by torch.distributed.all_to_all_single (both engines end there)."""
+    """Bytes sent to other ranks by all_to_all_single: torch.distributed's for DeepSpeed, and
+    dslaunch.runtime.comm's for ours (same-host groups carry it through shared memory, past
+    torch.distributed)."""
 
-    def __init__(self):
+    def __init__(self, rt):
         import torch.distributed as dist
 
         self.sent = 0
-        self._orig = dist.all_to_all_single
+        where = dist if rt.__name__ == "deepspeed" else importlib.import_module("dslaunch.runtime.comm")
+        self._orig = where.all_to_all_single
 
         def counted(output, input, *a, group=None, **kw):
             n = dist.get_world_size(group)
             self.sent += input.numel() * input.element_size() * (n - 1) // n
             return self._orig(output, input, *a, group=group, **kw)
 
-        dist.all_to_all_single = counted
+        where.all_to_all_single = counted
 
 
 def run(rt, layer_mod, args, ep: int, device, dense: bool = False) -> dict:
@@ -109,7 +114,7 @@ def run(rt, layer_mod, args, ep: int, device, dense: bool = False) -> dict:
     g = torch.Generator().manual_seed(1 + engine.global_rank if hasattr(engine, "global_rank") else 1)
     x = torch.randn(args.micro, args.seq, args.hidden, generator=g).to(device)
     y = torch.randn(args.micro, args.seq, args.hidden, generator=g).to(device)
-    counter = A2ACounter()
+    counter = A2ACounter(rt)
     times, sent = [], []
     grads = 0
     for i in range(args.steps + 1):
@@ -132,8 +137,6 @@ def run(rt, layer_mod, args, ep: int, device, dense: bool = False) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
-    import importlib
-
     rt, device = start_rank(rank, world, port, args.as_peer, args.cuda)
     layer_mod = importlib.import_module("deepspeed.moe.layer" if args.as_peer else "dslaunch.runtime.moe.layer")
     out = {"moe": run(rt, layer_mod, args, world, device)}

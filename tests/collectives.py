@@ -25,7 +25,7 @@ NAMES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_ten
          "irecv", "batch_isend_irecv")
 
 SHM_NAMES = {"all_reduce": "all_reduce", "reduce": "reduce", "all_gather_into": "all_gather_into_tensor",
-             "reduce_scatter": "reduce_scatter_tensor"}
+             "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
 
 
 class CollectiveRecorder:

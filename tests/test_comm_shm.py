@@ -3,7 +3,8 @@
 Each op, through dslaunch.runtime.comm with the transport on, against the same op with it
 off (DSLAUNCH_SHM_COMM=0, plain gloo) on the same inputs: bit for bit on 2 ranks (a sum of
 two is the same in any order), and on 3 ranks exactly for integers, MAX and MIN and to
-rounding for float sums (gloo's ring adds in another order). Sizes cross the region size,
+rounding for float sums (gloo's ring adds in another order); all_to_all_single with even splits
+(uneven ones stay on gloo: test_sequence_attention's uneven heads). Sizes cross the region size,
 so every op runs in several chunks; a subgroup whose group ranks differ from its global
 ranks is covered. Also: ranks killed while setting the segment up leave nothing in /dev/shm (it is an
 anonymous file); a group where one rank
@@ -19,7 +20,7 @@ import torch
 
 from dist_harness import run_function
 
-OPS = ("all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+OPS = ("all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
 
 def _inputs(rank, world, numel, dtype, seed):
@@ -41,6 +42,10 @@ def _run_op(comm, name, x, group, world, op, root):
     if name == "all_gather_into_tensor":
         out = torch.empty(world * x.numel(), dtype=x.dtype)
         comm.all_gather_into_tensor(out, x, group=group)
+        return out
+    if name == "all_to_all_single":
+        out = torch.empty_like(x)
+        comm.all_to_all_single(out, x, group=group)
         return out
     n = x.numel() // world
     out = torch.empty(n, dtype=x.dtype)
@@ -64,15 +69,23 @@ def _ops_against_gloo(subgroup):
         for numel in (9000 * world, big * world):
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
                 for name in OPS:
-                    if name == "all_gather_into_tensor" and op != dist.ReduceOp.SUM:
+                    if name in ("all_gather_into_tensor", "all_to_all_single") and op != dist.ReduceOp.SUM:
                         continue
                     cases.append((dtype, numel, op, name))
-    out = {"used": [], "mismatch": [], "max_err": 0.0}
+    out = {"used": [], "mismatch": [], "max_err": 0.0, "a2a": [0, 0]}  # [cases, calls through the segment]
+    through = shm.Segment.all_to_all
+
+    def counted(self, *args):
+        out["a2a"][1] += 1
+        return through(self, *args)
+
+    shm.Segment.all_to_all = counted
     for i, (dtype, numel, op, name) in enumerate(cases):
+        out["a2a"][0] += name == "all_to_all_single"
         x = _inputs(dist.get_rank(), world, numel, dtype, i)
         root = i % world
         os.environ[shm.ENV] = "1"
-        out["used"].append(shm.segment_for(group, x, op=op) is not None)
+        out["used"].append(shm.segment_for(group, x, op=None if name == "all_to_all_single" else op) is not None)
         mine = _run_op(comm, name, x, group, world, op, root)
         os.environ[shm.ENV] = "0"
         ref = _run_op(comm, name, x, group, world, op, root)
@@ -94,6 +107,7 @@ def test_every_op_equals_gloo(nprocs, subgroup):
     results = run_function(_ops_against_gloo, nprocs=nprocs, kwargs={"subgroup": subgroup}, timeout=300)
     for r, res in enumerate(results):
         assert all(res["used"]), f"rank {r}: a call went to gloo"
+        assert res["a2a"][0] == res["a2a"][1] > 0, f"rank {r}: all-to-alls {res['a2a']} (cases, through the segment)"
         assert res["mismatch"] == [], f"rank {r}: {res['mismatch'][:5]}"
         assert res["max_err"] < 1e-2 if nprocs > 2 else res["max_err"] == 0.0  # bf16 sums of 3: rounding only
 

@@ -298,9 +298,15 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if _solo(group):
         output.copy_(input)
         return _local(async_op)
-    return _run("all_to_all_single", group, _nbytes(input),
-                lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                               async_op=async_op), async_op, label, prof, log_name, debug,
+    def call():
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=async_op)
+
+    # even splits only: those every rank passes alike (see shm.py)
+    if output_split_sizes is None and input_split_sizes is None and shm.fits(output, input) \
+            and input.dim() > 0 and input.shape[0] % get_world_size(group) == 0 and output.numel() == input.numel():
+        call = _shm_or(group, "all_to_all", (output, input), call, async_op)
+    return _run("all_to_all_single", group, _nbytes(input), call, async_op, label, prof, log_name, debug,
                 device_tensor=output)
 
 

@@ -18,10 +18,12 @@ DSLAUNCH_SHM_COMM must therefore be the same on every rank, as launchers set it.
 has no name, so nothing is left behind however a rank ends. Ranks on different hosts (or in
 other pid namespaces) fail the check and the group stays on gloo.
 
-Which calls: all_reduce, reduce, all_gather_into_tensor and reduce_scatter_tensor on CPU
-tensors of a gloo group, of at least MIN_BYTES (below that gloo's latency is as good), in
-float32/64, bfloat16, float16, int32 or int64, with SUM, MAX or MIN. Everything decides on
-what every rank passes alike (sizes, dtypes, op), so all ranks of a group agree on the path.
+Which calls: all_reduce, reduce, all_gather_into_tensor, reduce_scatter_tensor and
+all_to_all_single with even splits (no split sizes given) on CPU tensors of a gloo group, of
+at least MIN_BYTES (below that gloo's latency is as good), in float32/64, bfloat16, float16,
+int32 or int64, with SUM, MAX or MIN. Everything decides on what every rank passes alike
+(sizes, dtypes, op), so all ranks of a group agree on the path: uneven all-to-alls stay on
+gloo, since one rank's split sizes may be even where another's are not.
 Sums run in group-rank order in the tensor's dtype: with two ranks that is bit for bit
 gloo's result (a + b == b + a); with more it can differ from gloo's ring in the last bit.
 
@@ -236,6 +238,18 @@ class Segment:
             combine(mine[0], mine[1], out=dst[lo:lo + n])
             for r in range(2, self.world):
                 combine(dst[lo:lo + n], mine[r], out=dst[lo:lo + n])
+
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Even splits: block r of `inp` (its r-th 1/world) goes to group rank r, and block r
+        of `out` comes from group rank r."""
+        blocks, rows = inp.reshape(self.world, -1), out.view(self.world, -1)
+        step = self.region // (inp.element_size() * self.world)
+        for lo, n, half in self._chunks(blocks.shape[1], step):
+            self._data(half, self.rank, inp.dtype, self.world * n).view(self.world, n).copy_(blocks[:, lo:lo + n])
+            self.wait_all("all_to_all_single")
+            for r in range(self.world):
+                rows[r, lo:lo + n].copy_(self._data(half, r, inp.dtype, self.world * n).view(self.world, n)[self.rank])
 
 
 # futex(2) on the counters: a waiting rank sleeps in the kernel and the rank it waits for

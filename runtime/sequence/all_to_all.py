@@ -26,6 +26,15 @@ def _place(group):
     return comm.get_world_size(group), comm.get_rank(group)
 
 
+def _sizes(out_splits: List[int], in_splits: List[int]):
+    """(output_split_sizes, input_split_sizes): None for both when the heads split evenly (the
+    even all-to-all, which same-host groups run through shared memory), else the lists.
+    `splits` is the same on every rank, so every rank of the group makes the same choice."""
+    if len(set(out_splits)) == 1 and len(set(in_splits)) == 1:
+        return None, None
+    return list(out_splits), list(in_splits)
+
+
 def _seq_in_rest(seq_dim: int, head_dim: int) -> int:
     """Where the sequence is once the head dimension has been moved to the front."""
     return seq_dim if seq_dim < head_dim else seq_dim - 1
@@ -37,8 +46,7 @@ def _to_heads(x: torch.Tensor, group, seq_dim: int, head_dim: int, splits: List[
     front = x.movedim(head_dim, 0).contiguous()  # [H, *rest], rest holding s/p
     rest = front.shape[1:]
     out = torch.empty((sp * mine, *rest), dtype=x.dtype, device=x.device)
-    comm.all_to_all_single(out, front, output_split_sizes=[mine] * sp, input_split_sizes=list(splits), group=group,
-                           label="ulysses sequence->heads")
+    comm.all_to_all_single(out, front, *_sizes([mine] * sp, splits), group=group, label="ulysses sequence->heads")
     s = _seq_in_rest(seq_dim, head_dim)
     # block j came from sequence rank j: its slice of the sequence, for this rank's heads
     y = out.view(sp, mine, *rest).movedim(0, 1 + s).flatten(1 + s, 2 + s)
@@ -54,8 +62,8 @@ def _to_sequence(y: torch.Tensor, group, seq_dim: int, head_dim: int, splits: Li
     blocks = front.unflatten(1 + s, (sp, full // sp)).movedim(1 + s, 0).contiguous()  # [sp, H_r, *rest(s/p)]
     rest = blocks.shape[2:]
     out = torch.empty((sum(splits), *rest), dtype=y.dtype, device=y.device)
-    comm.all_to_all_single(out, blocks.flatten(0, 1), output_split_sizes=list(splits), input_split_sizes=[mine] * sp,
-                           group=group, label="ulysses heads->sequence")
+    comm.all_to_all_single(out, blocks.flatten(0, 1), *_sizes(splits, [mine] * sp), group=group,
+                           label="ulysses heads->sequence")
     return out.movedim(0, head_dim).contiguous()
 
 
