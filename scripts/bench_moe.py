@@ -37,7 +37,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
+from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, take_turns, write_result  # noqa: E402
 
 
 def build(layer_mod, args, ep: int, dense: bool):
@@ -198,16 +198,17 @@ def main() -> None:
     peer = args.deepspeed_python not in ("", "none")
     ours, dense, theirs = {}, {}, {}
     for ep in args.ep:
-        runs, peer_runs = [], []
-        for _ in range(args.rounds):
+        def ours_run():
             got = spawn(ep, args)
-            runs.append((summary(got), summary(got, "dense")))
-            if peer:
-                other = spawn_peer(ep, args)
-                peer_runs.append(other if isinstance(other, dict) else summary(other))
-        ours[ep], dense[ep] = max(runs, key=lambda r: r[0]["tokens/s"])
-        ok = [r for r in peer_runs if "error" not in r]
-        theirs[ep] = max(ok, key=lambda r: r["tokens/s"]) if ok else (peer_runs[0] if peer_runs else None)
+            return summary(got), summary(got, "dense")
+
+        def peer_run():
+            got = spawn_peer(ep, args)
+            return got if isinstance(got, dict) else summary(got)
+
+        (ours[ep], dense[ep]), theirs[ep] = take_turns(
+            args.rounds, ours_run, peer_run if peer else None,
+            lambda runs: max(runs, key=lambda r: r[0]["tokens/s"]), lambda runs: max(runs, key=lambda r: r["tokens/s"]))
     print(f"load average {os.getloadavg()[0]:.1f}; {args.layers} MoE layers, {args.experts} experts "
           f"{args.hidden}->{args.ffn}->{args.hidden}, k {args.k}, seq {args.seq}, micro {args.micro} per rank; "
           f"{'CUDA' if args.cuda else 'CPU'}; bytes are rank 0's, MiB")

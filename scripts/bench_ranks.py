@@ -10,7 +10,7 @@ import os
 import socket
 import subprocess
 import tempfile
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -92,6 +92,21 @@ def run_peer(python: str, script: str, argv: Sequence[str], cache_name: str) -> 
             return {"error": err.splitlines()[-1] if err else f"exit {proc.returncode}"}
         with open(out.name) as fh:
             return json.load(fh)
+
+
+def take_turns(rounds: int, ours: Callable[[], object], peer: Optional[Callable[[], dict]],
+               best: Callable[[list], object], best_peer: Optional[Callable[[list], dict]] = None
+               ) -> Tuple[object, Optional[dict]]:
+    """Run our side and the peer `rounds` times each, alternating, so load from elsewhere falls
+    on both; returns (best(our runs), best_peer (default best) of the peer runs that ran), the
+    peer's as its first {"error": ...} when none ran, or None without a peer."""
+    mine, theirs = [], []
+    for _ in range(rounds):
+        mine.append(ours())
+        if peer is not None:
+            theirs.append(peer())
+    ok = [r for r in theirs if "error" not in r]
+    return best(mine), ((best_peer or best)(ok) if ok else (theirs[0] if theirs else None))
 
 
 def mib(n: float, digits: int = 2) -> str:

@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pipeline import SavedActivations  # noqa: E402  (the activation counter, shared)
-from bench_ranks import run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
+from bench_ranks import run_peer, spawn as spawn_ranks, start_rank, take_turns, write_result  # noqa: E402
 
 VOCAB = 1024
 
@@ -318,17 +318,13 @@ def main() -> None:
     peer = args.deepspeed_python not in ("", "none")
     results, theirs = {}, {}
     for sp in args.sp:
-        ours_runs, peer_runs = [], []
-        for _ in range(args.rounds):  # the sides take turns, so load from elsewhere falls on both
-            ours_runs.append(spawn(sp, args))
-            if peer:
-                peer_runs.append(spawn_peer(sp, args))
-        results[sp] = {seq: min((r[seq] for r in ours_runs), key=lambda v: v["step_s"]) for seq in args.seq}
-        ok = [r for r in peer_runs if "error" not in r]
-        if ok:
-            theirs[sp] = {seq: min((r[seq] for r in ok), key=lambda v: v["step_s"]) for seq in args.seq}
-        elif peer_runs:
-            theirs[sp] = peer_runs[0]
+        def fastest(runs):  # per --seq, the fastest round
+            return {seq: min((r[seq] for r in runs), key=lambda v: v["step_s"]) for seq in args.seq}
+
+        results[sp], other = take_turns(args.rounds, lambda: spawn(sp, args),
+                                        (lambda: spawn_peer(sp, args)) if peer else None, fastest)
+        if other is not None:
+            theirs[sp] = other
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"Ulysses: {args.layers} blocks of width {args.hidden}, {args.heads} heads, micro {args.micro}; "
           f"{'CUDA' if args.cuda else 'CPU'}; load average {load:.1f}; activations are rank 0's, MiB")

@@ -32,7 +32,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
+from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, take_turns, write_result  # noqa: E402
 from bench_pipeline import SavedActivations  # noqa: E402  (the activation counter, shared)
 
 VOCAB = 4096
@@ -145,15 +145,12 @@ def main() -> None:
     peer = args.deepspeed_python not in ("", "none")
     ours, theirs = {}, {}
     for tp in args.tp:
-        runs, peer_runs = [], []
-        for _ in range(args.rounds):
-            runs.append(summary(spawn(tp, args)))
-            if peer:
-                got = spawn_peer(tp, args)
-                peer_runs.append(got if isinstance(got, dict) else summary(got))
-        ours[tp] = min(runs, key=lambda r: r["step"])
-        ok = [r for r in peer_runs if "error" not in r]
-        theirs[tp] = min(ok, key=lambda r: r["step"]) if ok else (peer_runs[0] if peer_runs else None)
+        def peer_run():
+            got = spawn_peer(tp, args)
+            return got if isinstance(got, dict) else summary(got)
+
+        ours[tp], theirs[tp] = take_turns(args.rounds, lambda: summary(spawn(tp, args)), peer_run if peer else None,
+                                          lambda runs: min(runs, key=lambda r: r["step"]))
     base = ours[args.tp[0]]
     print(f"load average {os.getloadavg()[0]:.1f}; Llama {args.layers}x{args.hidden}, {args.heads} heads, "
           f"seq {args.seq}, micro {args.micro}; {'CUDA' if args.cuda else 'CPU'}; bytes are rank 0's, MiB")

@@ -6,9 +6,9 @@ two is the same in any order), and on 3 ranks exactly for integers, MAX and MIN 
 rounding for float sums (gloo's ring adds in another order); all_to_all_single with even splits
 (uneven ones stay on gloo: test_sequence_attention's uneven heads). Sizes cross the region size,
 so every op runs in several chunks; a subgroup whose group ranks differ from its global
-ranks is covered. Also: ranks killed while setting the segment up leave nothing in /dev/shm (it is an
-anonymous file); a group where one rank
-cannot map the segment stays on gloo on every rank; a peer that exits mid-wait is named.
+ranks is covered. Also: ranks killed while setting the segment up leave nothing in /dev/shm
+(it is an anonymous file); a group where one rank cannot map the segment stays on gloo on
+every rank; a peer that exits mid-wait is named.
 """
 import os
 import subprocess

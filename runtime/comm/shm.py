@@ -226,30 +226,36 @@ class Segment:
             for r in range(self.world):
                 rows[r, lo:lo + n].copy_(self._data(half, r, inp.dtype, n))
 
+    def _blocks(self, half: int, rank: int, dtype, n: int) -> torch.Tensor:
+        """Rank `rank`'s region of `half` as `world` rows of n elements: row r is meant for group rank r."""
+        return self._data(half, rank, dtype, self.world * n).view(self.world, n)
+
+    def _scatter_in(self, inp: torch.Tensor, what: str):
+        """Copy block r of `inp` (its r-th 1/world) into row r of this rank's region, chunk by
+        chunk; yields (offset, length, half) once every rank's rows of that chunk are in."""
+        blocks = inp.reshape(self.world, -1)
+        step = self.region // (inp.element_size() * self.world)
+        for lo, n, half in self._chunks(blocks.shape[1], step):
+            self._blocks(half, self.rank, inp.dtype, n).copy_(blocks[:, lo:lo + n])
+            self.wait_all(what)
+            yield lo, n, half
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
         combine = _ops()[op]
-        blocks, dst = inp.reshape(self.world, -1), out.view(-1)
-        step = self.region // (inp.element_size() * self.world)
-        for lo, n, half in self._chunks(dst.numel(), step):
-            self._data(half, self.rank, inp.dtype, self.world * n).view(self.world, n).copy_(blocks[:, lo:lo + n])
-            self.wait_all("reduce_scatter_tensor")
-            mine = [self._data(half, r, inp.dtype, self.world * n).view(self.world, n)[self.rank]
-                    for r in range(self.world)]
+        dst = out.view(-1)
+        for lo, n, half in self._scatter_in(inp, "reduce_scatter_tensor"):
+            mine = [self._blocks(half, r, inp.dtype, n)[self.rank] for r in range(self.world)]
             combine(mine[0], mine[1], out=dst[lo:lo + n])
             for r in range(2, self.world):
                 combine(dst[lo:lo + n], mine[r], out=dst[lo:lo + n])
 
-
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Even splits: block r of `inp` (its r-th 1/world) goes to group rank r, and block r
         of `out` comes from group rank r."""
-        blocks, rows = inp.reshape(self.world, -1), out.view(self.world, -1)
-        step = self.region // (inp.element_size() * self.world)
-        for lo, n, half in self._chunks(blocks.shape[1], step):
-            self._data(half, self.rank, inp.dtype, self.world * n).view(self.world, n).copy_(blocks[:, lo:lo + n])
-            self.wait_all("all_to_all_single")
+        rows = out.view(self.world, -1)
+        for lo, n, half in self._scatter_in(inp, "all_to_all_single"):
             for r in range(self.world):
-                rows[r, lo:lo + n].copy_(self._data(half, r, inp.dtype, self.world * n).view(self.world, n)[self.rank])
+                rows[r, lo:lo + n].copy_(self._blocks(half, r, inp.dtype, n)[self.rank])
 
 
 # futex(2) on the counters: a waiting rank sleeps in the kernel and the rank it waits for
