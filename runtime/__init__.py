@@ -11,7 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import accelerator
+from dslaunch.compat import paths as _paths
+
+_paths.install()  # DeepSpeed's module paths (and the runtime's former ones): compat/paths.py
+
+from . import accelerator  # noqa: E402
 from .checkpoint import CheckpointError
 from .comm import init_distributed
 from .config import DeepSpeedConfig
@@ -43,6 +47,15 @@ __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedE
            "PipelineModule", "PipelineEngine", "get_accelerator", "load_ds_config", "log_dist",
            "sequence", "SequenceParallelError"]
 
+
+
+def __getattr__(name):
+    """A top-level path of the alias table (`deepspeed.monitor`, `deepspeed.ops`, ...), imported
+    on first use as DeepSpeed imports them."""
+    module = _paths.top_level(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return module
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
