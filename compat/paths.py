@@ -53,13 +53,54 @@ Entry = Union[str, Names, Refused]
 
 # Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
 PATHS: Dict[str, Entry] = {
-    # -- DeepSpeed's names for modules that live elsewhere here --------------------------------
-    "checkpointing": "activation_checkpointing.checkpointing",  # deepspeed.checkpointing
+    # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
+    "accelerator": "core.accelerator",  # deepspeed.accelerator
+    "activation_checkpointing": "train.activation_checkpointing",  # deepspeed.runtime.activation_checkpointing
+    "checkpoint": "train.checkpoint",  # deepspeed.checkpoint
+    "checkpointing": "train.activation_checkpointing.checkpointing",  # deepspeed.checkpointing
+    "comm": "core.comm",  # deepspeed.comm
+    "compression": "train.compression",  # deepspeed.compression
+    "config": "core.config",  # deepspeed.runtime.config
+    "dataloader": "train.dataloader",  # deepspeed.runtime.dataloader
+    "elasticity": "core.config.elasticity",  # deepspeed.elasticity
+    "engine": "train.engine",  # deepspeed.runtime.engine
+    "lr_schedules": "train.lr_schedules",  # deepspeed.runtime.lr_schedules
     # DeepSpeed keeps set_autotp_mode in deepspeed.module_inject; only that module's AutoTP mode
     # switch is served (a plain module: deepspeed.module_inject.<anything> is not found)
     "module_inject": "tensor_parallel.mode",
+    "monitor": "train.monitor",  # deepspeed.monitor
+    "monitor.config": "core.config.monitor",  # deepspeed.monitor.config: the sections live with the config
+    "ops": "train.ops",  # deepspeed.ops
+    "pipe.engine": "train.pipe_engine",  # deepspeed.runtime.pipe.engine
     "pipe.topology": "topology",  # DeepSpeed's process topology and grid; ours live with the mesh
-    "utils.zero_to_fp32": "checkpoint.zero_to_fp32",  # the consolidation script save_checkpoint ships
+    "profiling": "train.profiling",  # deepspeed.profiling
+    "sequence_parallel.ulysses_sp": "sequence.ulysses_sp",  # deepspeed.runtime.sequence_parallel.ulysses_sp
+    "utils.groups": "core.parallel.groups",  # deepspeed.utils.groups: answered by the mesh
+    "utils.pin_memory_tracker": "core.accelerator.pin_memory_tracker",  # deepspeed.utils.pin_memory_tracker
+    "utils.zero_to_fp32": "train.checkpoint.zero_to_fp32",  # the consolidation script save_checkpoint ships
+    # -- the runtime's own former paths (before core/, the strategies and train/) --------------
+    "autotuning": "train.autotuning",
+    "checkpoint.errors": "core.errors",
+    "checkpoint.reshard": "zero.reshard",
+    "compiling": "train.compiling",
+    "data_parallel": "zero.stage0",
+    "inference.plan": "tensor_parallel.plan",
+    "inference.structure": "tensor_parallel.structure",
+    "internals": "core.internals",
+    "loss_scaler": "core.loss_scaler",
+    "model_export": "train.model_export",
+    "nonfinite": "core.nonfinite",
+    "optim": "train.optim",
+    "optimizer_policy": "train.optimizer_policy",
+    "parallel": "core.parallel",
+    "precision": "core.precision",
+    "progress": "train.progress",
+    "reduction": "core.reduction",
+    "sequence_parallel.tiled": "sequence.tiled",
+    "strategy": "core.strategy",
+    "strict": "core.strict",
+    "utils.helpers": "train.helpers",
+    "utils.partitioned": "pipe.partitioned",
 }
 
 
@@ -161,7 +202,8 @@ class AliasFinder(importlib.abc.MetaPathFinder):
             return None
         if spec is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(dest),
+        # the real file as origin: runpy makes it sys.argv[0] under `python -m <alias>`
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(dest), origin=spec.origin,
                                               is_package=spec.submodule_search_locations is not None)
 
 

@@ -15,23 +15,23 @@ from dslaunch.compat import paths as _paths
 
 _paths.install()  # DeepSpeed's module paths (and the runtime's former ones): compat/paths.py
 
-from . import accelerator  # noqa: E402
-from .checkpoint import CheckpointError
-from .comm import init_distributed
-from .config import DeepSpeedConfig
-from .engine import DeepSpeedEngine
-from .loss_scaler import LossScaleStuck
-from .nonfinite import NonFiniteError
-from .strategy import GradientStrategy, StrategyContext, register_strategy
-from .strict import ConfigError
+from .core import accelerator  # noqa: E402
+from .train.checkpoint import CheckpointError
+from .core.comm import init_distributed
+from .core.config import DeepSpeedConfig
+from .train.engine import DeepSpeedEngine
+from .core.loss_scaler import LossScaleStuck
+from .core.nonfinite import NonFiniteError
+from .core.strategy import GradientStrategy, StrategyContext, register_strategy
+from .core.strict import ConfigError
 from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 1-3
 from .inference import InferenceEngine, OnDevice, init_inference
-from .activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
-from . import elasticity  # deepspeed.elasticity.compute_elastic_config
+from .train.activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
+from .core.config import elasticity  # deepspeed.elasticity.compute_elastic_config
 from . import pipe  # deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec
 from .pipe import PipelineModule  # deepspeed.PipelineModule
-from .pipe.engine import PipelineEngine  # deepspeed.PipelineEngine
-from .accelerator import get_accelerator  # deepspeed.get_accelerator
+from .train.pipe_engine import PipelineEngine  # deepspeed.PipelineEngine
+from .core.accelerator import get_accelerator  # deepspeed.get_accelerator
 from . import tensor_parallel  # deepspeed.runtime.tensor_parallel
 from . import sequence  # deepspeed.sequence.layer.DistributedAttention
 from .sequence import SequenceParallelError
@@ -72,7 +72,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _check_mesh_param(mesh_param)
     if dist_init_required is not False and distributed_port is not None:
         init_distributed(distributed_port=distributed_port)
-    from .pipe.engine import PipelineEngine
+    from .train.pipe_engine import PipelineEngine
     from .pipe.module import PipelineModule
 
     cls = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine
@@ -88,7 +88,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 def _check_mesh_param(mesh_param) -> None:
     if mesh_param is None:
         return
-    from . import comm
+    from .core import comm
 
     if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mesh_param)):
@@ -105,7 +105,7 @@ def _check_mesh_param(mesh_param) -> None:
 def load_ds_config(config) -> dict:
     """The config as a dict: a dict as given, else the JSON/YAML file at that path (DeepSpeed's
     helper; errors are one line naming the file)."""
-    from .strict import load_file
+    from .core.strict import load_file
 
     if isinstance(config, dict):
         return config
@@ -118,7 +118,7 @@ def log_dist(message: str, ranks=None, level: int = 20) -> None:
     """Log `message` on the listed ranks only (all ranks for None or [-1]), as DeepSpeed does."""
     import logging
 
-    from . import comm
+    from .core import comm
 
     rank = comm.get_rank() if comm.is_initialized() else 0
     if ranks is None or -1 in ranks or rank in ranks:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .config import BF16Config, DeepSpeedConfig, FP16Config
+from .core.config import BF16Config, DeepSpeedConfig, FP16Config
 
 
 def get_bfloat16_config(param_dict: Dict[str, Any]) -> BF16Config:

@@ -46,7 +46,7 @@ def build_model(dim: int, layers: int) -> torch.nn.Module:
 def storages(extra=()):
     """{storage pointer: bytes} over every tensor the GC tracks (plus `extra`), dslaunch's
     shared-memory communication segments aside (transport buffers, runtime/comm/shm.py)."""
-    shm = sys.modules.get("dslaunch.runtime.comm.shm")
+    shm = sys.modules.get("dslaunch.runtime.core.comm.shm")
     skip = shm.buffer_pointers() if shm is not None else {}
     out = {}
     for obj in list(gc.get_objects()) + list(extra):

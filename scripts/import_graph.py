@@ -216,14 +216,19 @@ class Measure:
 
 
 def measure(graph: Graph) -> Measure:
-    units = sorted({unit_of(graph, n) for n in graph.files if n != graph.package})
+    # the package's own __init__ (the public face, which imports everything) and the floor
+    # packages' (docstrings) are no units
+    skip = {graph.package} | {f"{graph.package}.{f}" for f in FLOOR_PACKAGES}
+    units = sorted({unit_of(graph, n) for n in graph.files if n not in skip})
     unit_load: Dict[str, Set[str]] = defaultdict(set)
     unit_deferred: Dict[str, Set[str]] = defaultdict(set)
     for kind, edges, into in (("load", graph.load, unit_load), ("deferred", graph.deferred, unit_deferred)):
         for src, targets in edges.items():
-            if src == graph.package:
-                continue  # the package's own __init__ is the public face, above every floor
+            if src in skip:
+                continue
             for dst in targets:
+                if dst in skip:
+                    continue
                 a, b = unit_of(graph, src), unit_of(graph, dst)
                 if a != b:
                     into[a].add(b)

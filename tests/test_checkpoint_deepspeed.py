@@ -288,7 +288,7 @@ def test_consolidation_matches_deepspeeds_zero_to_fp32_both_ways():
 
 
 def test_shipped_zero_to_fp32_script_reads_a_deepspeed_checkpoint(tmp_path):
-    script = os.path.join(ROOT, "runtime", "checkpoint", "zero_to_fp32.py")
+    script = os.path.join(ROOT, "runtime", "train", "checkpoint", "zero_to_fp32.py")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(os.path.join(DATA, "ds", "s3_bf16"), ckpt)
     proc = subprocess.run([sys.executable, script, str(ckpt), str(tmp_path / "out")], capture_output=True, text=True,

@@ -73,7 +73,7 @@ def test_functions_give_what_deepspeeds_give(tmp_path, case):
 
 
 def test_shipped_script_takes_deepspeeds_arguments_and_bad_input_is_one_line(tmp_path):
-    script = os.path.join(ROOT, "runtime", "checkpoint", "zero_to_fp32.py")
+    script = os.path.join(ROOT, "runtime", "train", "checkpoint", "zero_to_fp32.py")
     ckpt = os.path.join(DATA, "dslaunch", "s2_fp32")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, script, ckpt, str(out), "-t", "global_step3", "--max_shard_size", "1GB",

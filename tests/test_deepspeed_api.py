@@ -333,7 +333,7 @@ def test_deepspeeds_unit_test_imports_answer_truthfully():
     assert [_prime_factors(n) for n in (1, 12, 13)] == [[], [2, 2, 3], [13]]
     with pytest.raises(ValueError):
         _prime_factors(0)
-    assert PipelineParallelGrid.__module__ == "dslaunch.runtime.parallel.mesh"
+    assert PipelineParallelGrid.__module__ == "dslaunch.runtime.core.parallel.mesh"
     s = TrainSchedule(micro_batches=4, stages=2, stage_id=1)
     assert (s.stage, s.num_stages, s.num_micro_batches) == (1, 2, 4)
     spec = importlib.util.spec_from_file_location("numa", ROOT / "compat/deepspeed/deepspeed/utils/numa.py")

@@ -12,9 +12,9 @@ import math
 
 import torch
 
-from ..loss_scaler import DynamicLossScaler as _Dynamic
-from ..loss_scaler import LossScaleStuck
-from ..loss_scaler import StaticLossScaler as _Static
+from ..core.loss_scaler import DynamicLossScaler as _Dynamic
+from ..core.loss_scaler import LossScaleStuck
+from ..core.loss_scaler import StaticLossScaler as _Static
 
 # DeepSpeed's keys of `dynamic_loss_args` (CreateLossScaler)
 INITIAL_LOSS_SCALE = "init_scale"

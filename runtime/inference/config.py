@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..strict import ConfigError, load_file, parse_dataclass, suggest
+from ..core.strict import ConfigError, load_file, parse_dataclass, suggest
 
 # DeepSpeed's DtypeEnum spellings.
 _DTYPE_NAMES = {

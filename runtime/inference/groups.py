@@ -49,13 +49,13 @@ def resolve_tp_group(cfg: InferenceConfig) -> TPGroup:
     if wanted == 1:
         return TPGroup(None, 1, 0, "tp_size 1")
     if not dist.is_initialized():
-        from ..comm import init_distributed
+        from ..core.comm import init_distributed
 
         init_distributed()
     world = dist.get_world_size()
     if world % wanted:
         raise InferenceConfigError(f"init_inference: tp_size={wanted} does not divide the world size {world}")
-    from ..parallel import PipeModelDataParallelTopology, PipelineParallelGrid
+    from ..core.parallel import PipeModelDataParallelTopology, PipelineParallelGrid
 
     grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=wanted, num_dp=world // wanted))
     source = "all ranks" if wanted == world else f"topology model axis, {world // wanted} replicas of {wanted} ranks"

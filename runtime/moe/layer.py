@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..strict import ConfigError
+from ..core.strict import ConfigError
 from . import gating
 from .experts import Experts
 
@@ -46,7 +46,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group, label: str, x: torch.Tensor) -> torch.Tensor:
-        from .. import comm
+        from ..core import comm
 
         ctx.group, ctx.label = group, label
         x = x.contiguous()
@@ -93,7 +93,7 @@ class TopKGate(nn.Module):
         self.ep_group = None
 
     def _agree_max(self, local: torch.Tensor) -> torch.Tensor:
-        from .. import comm
+        from ..core import comm
 
         comm.all_reduce(local, op=comm.ReduceOp.MAX, group=self.ep_group, label="moe capacity (max over experts)")
         return local

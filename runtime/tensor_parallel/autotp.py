@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import comm
+from ..core import comm
 from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer,
                      VocabParallelEmbedding, VocabParallelLMHead)
 from .shard import TensorParallelError, linear_shape
@@ -125,7 +125,7 @@ def parse_partition_config(config: Any) -> PartitionConfig:
         return config
     if not isinstance(config, dict):
         raise _fail(f"partition_config must be a dict, got {type(config).__name__}")
-    from ..strict import suggest
+    from ..core.strict import suggest
 
     for key in config:
         if key not in CONFIG_KEYS:
@@ -259,7 +259,7 @@ def _tied_partner(model: nn.Module, module: nn.Module) -> Optional[str]:
 
 
 def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> TrainingShardPlan:
-    from ..inference.plan import HEAD_DIM_ATTRS, ShardPlan, _divide_attrs
+    from .plan import HEAD_DIM_ATTRS, ShardPlan, _divide_attrs
 
     if cfg.tp_size is not None and cfg.tp_size != tp:
         raise _fail(f"partition_config.tp_size is {cfg.tp_size} but the tensor-parallel size is {tp}")
@@ -368,7 +368,7 @@ def _divide_attrs_checked(module, owner, tp, width, scratch, divide) -> None:
 
 def _plan_structural(model: nn.Module, tp: int) -> TrainingShardPlan:
     from ..inference.config import InferenceConfigError
-    from ..inference.plan import Style, plan_tensor_parallel
+    from .plan import Style, plan_tensor_parallel
 
     try:
         inf = plan_tensor_parallel(model, tp)

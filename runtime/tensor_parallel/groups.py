@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from .. import comm
+from ..core import comm
 from .shard import TensorParallelError
 
 

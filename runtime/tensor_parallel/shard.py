@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..strict import ConfigError
+from ..core.strict import ConfigError
 
 
 class TensorParallelError(ConfigError):

@@ -9,15 +9,15 @@ tensor-fragment calls (safe_get_full_fp32_param and friends) are dslaunch.runtim
 """
 import sys
 
-from ..checkpoint import zero_to_fp32
+from ..train.checkpoint import zero_to_fp32
 from ..zero.fragments import (
     safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_fp32_param,
     safe_get_local_grad, safe_get_local_optimizer_state, safe_set_full_fp32_param, safe_set_full_grad,
     safe_set_full_optimizer_state, safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
-from .helpers import clip_grad_norm_, is_model_parallel_parameter, move_to_device, see_memory_usage, set_random_seed
-from .partitioned import PartitionedTensor, partition_uniform
+from ..train.helpers import clip_grad_norm_, is_model_parallel_parameter, move_to_device, see_memory_usage, set_random_seed
+from ..pipe.partitioned import PartitionedTensor, partition_uniform
 from ..pipe.partition import partition_balanced
 
 sys.modules[__name__ + ".zero_to_fp32"] = zero_to_fp32

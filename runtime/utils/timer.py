@@ -1,4 +1,4 @@
 """`deepspeed.utils.timer`: DeepSpeed's trimmed mean (the comms logger's averages)."""
-from ..comm.logger import trim_mean
+from ..core.comm.logger import trim_mean
 
 __all__ = ["trim_mean"]

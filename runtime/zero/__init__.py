@@ -5,8 +5,8 @@ stage12.py, ZeroStage3 in stage3.py). DeepSpeed's user-facing names live here to
 `zero.Init()` builds a model directly partitioned and `zero.GatheredParameters(params,
 modifier_rank=None)` gives temporary full access.
 """
-from ..checkpoint import CheckpointError
-from ..checkpoint.reshard import consolidated_state_dict, tied_aliases
+from ..train.checkpoint import CheckpointError
+from .reshard import consolidated_state_dict, tied_aliases
 from .hook_scope import register_external_parameter, unregister_external_parameter
 from .params import GatheredParameters, Init, ZeroParamStatus
 from .stage12 import ZeroStage1, ZeroStage2

@@ -8,8 +8,8 @@ from __future__ import annotations
 from enum import Enum, IntEnum
 from typing import Any, Dict
 
-from ..config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
-from ..strict import parse_dataclass
+from ..core.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from ..core.strict import parse_dataclass
 
 
 

@@ -37,7 +37,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..strategy import FragmentError, owner_of
+from ..core.strategy import FragmentError, owner_of
 
 __all__ = ["FragmentError", "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",

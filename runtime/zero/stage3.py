@@ -28,11 +28,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..internals import internal_optimizer
-from ..reduction import GradReduction
-from ..strict import ConfigError
-from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
-from .. import comm
+from ..core.internals import internal_optimizer
+from ..core.reduction import GradReduction
+from ..core.strict import ConfigError
+from ..core.strategy import StrategyContext, check_numel, register_strategy, state_tensor
+from ..core import comm
 from . import hook_scope
 from .hook_scope import hooked_modules, module_params, unmarked_expert_lists, z3_leaf_module
 from .offload import OptimizerHost, make_host, pin_host
@@ -653,7 +653,7 @@ class ZeroStage3(ShardedStrategy):
                 "groups": groups}
 
     def load_shards(self, shards, load_optimizer: bool = True) -> None:
-        from ..checkpoint.reshard import assemble
+        from .reshard import assemble
 
         for gi, g in enumerate(self.groups):
             want = [(p.name, p.start, p.end, p.offset) for p in g["pieces"]]

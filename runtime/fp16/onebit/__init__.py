@@ -6,7 +6,7 @@ NCCL/MPI compressed back-ends), which dslaunch does not implement; the config's
 (runtime/optim.py). Importing this package (or .adam, .zoadam, .lamb under it) says so in
 one line instead of a bare ModuleNotFoundError.
 """
-from ...optim import REFUSED
+from ...train.optim import REFUSED
 
 raise ImportError(f"deepspeed.runtime.fp16.onebit (OnebitAdam, ZeroOneAdam, OnebitLamb) is not provided: "
                   f"{REFUSED['onebitadam']} or Lamb")
