@@ -36,7 +36,8 @@ PACKAGE = "dslaunch.runtime"
 @dataclass(frozen=True)
 class Names:
     """A module made of names found elsewhere: {name: "module" or "module:attribute"}, module
-    paths relative to dslaunch.runtime (the attribute defaults to the name)."""
+    paths relative to dslaunch.runtime; the attribute defaults to the name, and a package's
+    submodule of that name is imported when the package has no such attribute yet."""
 
     doc: str
     names: Dict[str, str] = field(default_factory=dict)
@@ -44,14 +45,36 @@ class Names:
 
 @dataclass(frozen=True)
 class Refused:
-    """A module dslaunch does not provide; `reason` is the whole ImportError message."""
+    """A module dslaunch does not provide: the ImportError message is `reason`, followed by
+    the string `detail` names ("module:attribute"), when the why is kept beside the code."""
 
     reason: str
+    detail: Optional[str] = None
+
+    def message(self) -> str:
+        if self.detail is None:
+            return self.reason
+        return f"{self.reason}: {_attribute(self.detail, '')}"
 
 
 Entry = Union[str, Names, Refused]
 
 # Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
+_FRAGMENTS = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+              "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
+              "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+              "safe_get_local_grad", "safe_set_local_grad", "safe_update_full_grad_vectorized")
+_TOPOLOGY = Names(
+    "DeepSpeed's topology module (deepspeed.runtime.pipe.topology); the mesh lives in core/parallel/.",
+    {"MeshError": "core.parallel.dims", "GroupFactory": "core.parallel.layout",
+     "PipeDataParallelTopology": "core.parallel.layout", "PipeModelDataParallelTopology": "core.parallel.layout",
+     "ProcessTopology": "core.parallel.layout", "TopologyError": "core.parallel.layout",
+     "default_topology": "core.parallel.layout", "prime_factors": "core.parallel.layout",
+     "_prime_factors": "core.parallel.layout:prime_factors",  # DeepSpeed's private name, which its tests import
+     "topology_for": "core.parallel.layout", "PipelineParallelGrid": "core.parallel.mesh",
+     "ProcessMesh": "core.parallel.mesh", "data_parallel_grid": "core.parallel.mesh", "new_group": "core.parallel.mesh",
+     "MpuGrid": "core.parallel.mpu", "MpuMesh": "core.parallel.mpu"})
+
 PATHS: Dict[str, Entry] = {
     # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
     "accelerator": "core.accelerator",  # deepspeed.accelerator
@@ -64,25 +87,67 @@ PATHS: Dict[str, Entry] = {
     "dataloader": "train.dataloader",  # deepspeed.runtime.dataloader
     "elasticity": "core.config.elasticity",  # deepspeed.elasticity
     "engine": "train.engine",  # deepspeed.runtime.engine
+    "fp16": Names("deepspeed.runtime.fp16: where DeepSpeed's scripts import its loss scalers from.",
+                  {"loss_scaler": "core"}),  # the module core/loss_scaler.py
+    "fp16.fused_optimizer": Names("DeepSpeed's fp16 optimizer wrapper, named for isinstance checks only.",
+                                  {"FP16_Optimizer": "core.internals"}),
+    "fp16.loss_scaler": "core.loss_scaler",  # the engine's scaler is DeepSpeed's classes
+    "fp16.onebit": Refused("deepspeed.runtime.fp16.onebit (OnebitAdam, ZeroOneAdam, OnebitLamb) is not provided",
+                           "train.optim:ONE_BIT_PACKAGE"),
+    "fp16.unfused_optimizer": Names("DeepSpeed's unfused fp16 optimizer wrapper, named for isinstance checks only.",
+                                    {"FP16_UnfusedOptimizer": "core.internals"}),
     "lr_schedules": "train.lr_schedules",  # deepspeed.runtime.lr_schedules
     # DeepSpeed keeps set_autotp_mode in deepspeed.module_inject; only that module's AutoTP mode
     # switch is served (a plain module: deepspeed.module_inject.<anything> is not found)
     "module_inject": "tensor_parallel.mode",
     "monitor": "train.monitor",  # deepspeed.monitor
+    "monitor.comet": Names("deepspeed.monitor.comet", {"CometMonitor": "train.monitor.monitor"}),
     "monitor.config": "core.config.monitor",  # deepspeed.monitor.config: the sections live with the config
+    "monitor.csv_monitor": Names("deepspeed.monitor.csv_monitor", {"csvMonitor": "train.monitor.monitor"}),
+    "monitor.tensorboard": Names("deepspeed.monitor.tensorboard", {"TensorBoardMonitor": "train.monitor.monitor"}),
+    "monitor.wandb": Names("deepspeed.monitor.wandb", {"WandbMonitor": "train.monitor.monitor"}),
     "ops": "train.ops",  # deepspeed.ops
     "pipe.engine": "train.pipe_engine",  # deepspeed.runtime.pipe.engine
-    "pipe.topology": "topology",  # DeepSpeed's process topology and grid; ours live with the mesh
+    "pipe.topology": _TOPOLOGY,
+    "precision_config": Names("deepspeed.runtime.precision_config: one precision section of a config dict, parsed.",
+                              {"get_bfloat16_config": "core.config", "get_float16_config": "core.config"}),
     "profiling": "train.profiling",  # deepspeed.profiling
-    "sequence_parallel.ulysses_sp": "sequence.ulysses_sp",  # deepspeed.runtime.sequence_parallel.ulysses_sp
+    "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
+    # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
+    "utils": Names("deepspeed.runtime.utils / deepspeed.utils: the helpers scripts call, each dslaunch's own.",
+                   {"zero_to_fp32": "train.checkpoint", "clip_grad_norm_": "train.helpers",
+                    "is_model_parallel_parameter": "train.helpers", "move_to_device": "train.helpers",
+                    "see_memory_usage": "train.helpers", "set_random_seed": "train.helpers",
+                    "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
+                    "partition_balanced": "pipe.partition", **{name: "zero.fragments" for name in _FRAGMENTS}}),
+    "utils.comms_logging": Names("deepspeed.utils.comms_logging: the comms logger deepspeed.comm records into.",
+                                 {"CommsLogger": "core.comm.logger", "bandwidths_gbps": "core.comm.logger",
+                                  "bus_factor": "core.comm.logger"}),
     "utils.groups": "core.parallel.groups",  # deepspeed.utils.groups: answered by the mesh
     "utils.pin_memory_tracker": "core.accelerator.pin_memory_tracker",  # deepspeed.utils.pin_memory_tracker
+    "utils.timer": Names("deepspeed.utils.timer: the trimmed mean of the comms logger's averages.",
+                         {"trim_mean": "core.comm.logger"}),
     "utils.zero_to_fp32": "train.checkpoint.zero_to_fp32",  # the consolidation script save_checkpoint ships
+    "zero.config": Names("deepspeed.runtime.zero.config: DeepSpeed's names for the zero_optimization schema.",
+                         {name: "core.config.zero" for name in (
+                             "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig",
+                             "DeepSpeedZeroOffloadParamConfig", "ZeroStageEnum", "OffloadDeviceEnum",
+                             "get_zero_config")}),
+    "zero.offload_config": Names("deepspeed.runtime.zero.offload_config: DeepSpeed's names for the offload sections.",
+                                 {name: "core.config.zero" for name in (
+                                     "OffloadDeviceEnum", "DeepSpeedZeroOffloadOptimizerConfig",
+                                     "DeepSpeedZeroOffloadParamConfig")}),
+    "zero.partition_parameters": Names("deepspeed.runtime.zero.partition_parameters: ZeRO-3's parameter names.",
+                                       {"GatheredParameters": "zero.params", "Init": "zero.params",
+                                        "ZeroParamStatus": "zero.params"}),
+    "zero.stage_1_and_2": Names("DeepSpeed's ZeRO-1/2 optimizer wrapper, named for isinstance checks only.",
+                                {"DeepSpeedZeroOptimizer": "core.internals"}),
     # -- the runtime's own former paths (before core/, the strategies and train/) --------------
     "autotuning": "train.autotuning",
     "checkpoint.errors": "core.errors",
     "checkpoint.reshard": "zero.reshard",
     "compiling": "train.compiling",
+    "consolidate": "train.checkpoint.consolidate",  # python -m dslaunch.runtime.consolidate
     "data_parallel": "zero.stage0",
     "inference.plan": "tensor_parallel.plan",
     "inference.structure": "tensor_parallel.structure",
@@ -96,9 +161,9 @@ PATHS: Dict[str, Entry] = {
     "precision": "core.precision",
     "progress": "train.progress",
     "reduction": "core.reduction",
-    "sequence_parallel.tiled": "sequence.tiled",
     "strategy": "core.strategy",
     "strict": "core.strict",
+    "topology": _TOPOLOGY,
     "utils.helpers": "train.helpers",
     "utils.partitioned": "pipe.partitioned",
 }
@@ -130,8 +195,15 @@ def resolve(rel: str) -> Optional[str]:
 
 
 def _attribute(spec: str, name: str):
+    """The object `spec` names: "module:attribute", or "module" for its attribute `name` (a
+    submodule when the module has no such attribute)."""
     module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(f"{PACKAGE}.{module}"), attr or name)
+    base = importlib.import_module(f"{PACKAGE}.{module}")
+    attr = attr or name
+    try:
+        return getattr(base, attr)
+    except AttributeError:
+        return importlib.import_module(f"{base.__name__}.{attr}")
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -192,7 +264,7 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         if isinstance(found, Names):
             return importlib.machinery.ModuleSpec(fullname, _NamesLoader(rel, found), is_package=is_package(rel))
         if isinstance(found, Refused):
-            return importlib.machinery.ModuleSpec(fullname, _RefusingLoader(found.reason))
+            return importlib.machinery.ModuleSpec(fullname, _RefusingLoader(found.message()))
         dest = resolve(rel)
         if dest is None or dest == fullname:
             return None

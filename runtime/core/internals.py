@@ -25,3 +25,11 @@ def internal_optimizer(name: str, replacement: str) -> type:
     """A refusing class named `name` (so messages and reprs read as DeepSpeed's)."""
     return type(name, (DeepSpeedInternalOptimizer,), {"_replacement": replacement, "__doc__":
                                                       f"DeepSpeed's {name}; not built here ({replacement})."})
+
+
+# The wrappers scripts import by DeepSpeed's module paths (compat/paths.py names them):
+# deepspeed.runtime.fp16.fused_optimizer, .fp16.unfused_optimizer, .zero.stage_1_and_2.
+FP16_Optimizer = internal_optimizer("FP16_Optimizer", "fp16 training is set by \"fp16\" in the config")
+FP16_UnfusedOptimizer = internal_optimizer("FP16_UnfusedOptimizer", "fp16 training is set by \"fp16\" in the config")
+DeepSpeedZeroOptimizer = internal_optimizer(
+    "DeepSpeedZeroOptimizer", "ZeRO stages 1 and 2 are set by \"zero_optimization.stage\" in the config")

@@ -28,8 +28,7 @@ from .compiling import compile_module
 from .compression import compression_schedule
 from ..core.config import DeepSpeedConfig, resolve_batch_sizes
 from .dataloader import DistributedDataLoader
-from ..fp16 import loss_scaler as fp16_optimizer_view
-from ..core.loss_scaler import make_loss_scaler
+from ..core.loss_scaler import expose_on_optimizer, make_loss_scaler
 from .lr_schedules import build_scheduler
 from .optim import OptimizerTarget, build_optimizer
 from .optimizer_policy import check_optimizer
@@ -165,7 +164,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
         if self.loss_scaler is not None and self.optimizer is not None:
-            fp16_optimizer_view.expose_on_optimizer(self.optimizer, self.loss_scaler)
+            expose_on_optimizer(self.optimizer, self.loss_scaler)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
 
         self.training_dataloader = None

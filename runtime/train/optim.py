@@ -205,6 +205,8 @@ OPTIMIZERS: Dict[str, Callable] = {
 _ONE_BIT = ("1-bit optimizers compress gradients inside their own error-compensated all-reduce (DeepSpeed's "
             "NCCL/MPI compressed back-ends), which this runtime does not implement; use {0} (same maths, "
             "uncompressed communication)")
+# why deepspeed.runtime.fp16.onebit (its three 1-bit optimizers' package) is refused on import
+ONE_BIT_PACKAGE = _ONE_BIT.format("Adam") + " or Lamb"
 REFUSED: Dict[str, str] = {
     "onebitadam": _ONE_BIT.format("Adam"),
     "zerooneadam": _ONE_BIT.format("Adam"),

@@ -318,6 +318,20 @@ def _deepspeed_style_init(self, config=None, mpu=None, mesh_device=None, **field
 
 DeepSpeedConfig.__init__ = _deepspeed_style_init
 
+def get_bfloat16_config(param_dict: Dict[str, Any]) -> BF16Config:
+    """The `bf16` section of a config dict, parsed exactly as a full config would (same checks,
+    same defaults, the old "bfloat16" spelling included): DeepSpeed's scripts and tests read one
+    section without building a whole config (`deepspeed.runtime.precision_config`)."""
+    section = {k: param_dict[k] for k in ("bf16", "bfloat16") if k in param_dict}
+    return DeepSpeedConfig.from_dict(section).bf16
+
+
+def get_float16_config(param_dict: Dict[str, Any]) -> FP16Config:
+    """The `fp16` section of a config dict, parsed as get_bfloat16_config parses `bf16`."""
+    section = {"fp16": param_dict["fp16"]} if "fp16" in param_dict else {}
+    return DeepSpeedConfig.from_dict(section).fp16
+
+
 # DeepSpeed's names for the `optimizer.type` values (scripts compare against them).
 ADAGRAD_OPTIMIZER = "adagrad"
 ADAM_OPTIMIZER = "adam"

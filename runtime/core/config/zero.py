@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from enum import Enum, IntEnum
+from typing import Any, Dict, Literal, Optional
 
-from ..strict import ConfigError, disabled, refused, supported
+from ..strict import ConfigError, disabled, parse_dataclass, refused, supported
 from .checks import positive
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -198,3 +199,49 @@ class ZeroConfig:
         """enable_sanity_checks, unless DSLAUNCH_ZERO3_CHECK says otherwise."""
         env = os.environ.get("DSLAUNCH_ZERO3_CHECK", "")
         return self.enable_sanity_checks if env == "" else env != "0"
+
+
+# -- DeepSpeed's names for this schema (deepspeed.runtime.zero.config and .offload_config) ----
+# Scripts that build or read the section under those names get these classes (the paths are
+# entries of compat/paths.py).
+
+class _ParsedByName(type):
+    """`DeepSpeedZeroConfig(**section)` builds the section as DeepSpeed's pydantic model does,
+    taking every spelling it takes (stage3_ prefixes or not, the deprecated fp16 name), through
+    the strict parser; an instance of ZeroConfig is an instance of it."""
+
+    def __call__(cls, **section):
+        return parse_dataclass(ZeroConfig, section, "zero_optimization")
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, ZeroConfig)
+
+
+class DeepSpeedZeroConfig(metaclass=_ParsedByName):
+    """DeepSpeed's name for the `zero_optimization` section (dslaunch's ZeroConfig)."""
+
+
+DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
+DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
+
+
+class ZeroStageEnum(IntEnum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+class OffloadDeviceEnum(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+def get_zero_config(param_dict: Dict[str, Any]) -> ZeroConfig:
+    """The parsed `zero_optimization` section of a whole config dict (stage 0 if absent)."""
+    section = param_dict.get("zero_optimization", {})
+    if isinstance(section, bool):  # DeepSpeed's legacy `"zero_optimization": true` is stage 1
+        section = {"stage": 1 if section else 0}
+    return parse_dataclass(ZeroConfig, section, "zero_optimization")
