@@ -11,6 +11,9 @@ every stage did before these keys existed; the divisions are kept as divisions (
 multiplications by a reciprocal) so the default stays bit-identical to torch DDP's mean.
 A predivide factor keeps large sums inside fp16's range; the price is the extra rounding.
 
+plan_buckets groups consecutive tensors into the buckets a reduction sends together (the ZeRO
+stages' gradient buckets, MoE's expert parameter groups).
+
 communication_data_type is the dtype the sum runs in (default: the gradients' own, the
 model dtype, as DeepSpeed); a bucket is cast to it before the collective and the result
 cast back where the stage keeps it.
@@ -18,7 +21,7 @@ cast back where the stage keeps it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -54,3 +57,23 @@ class GradReduction:
         if self.post_divisor != 1.0:
             t.div_(self.post_divisor)
         return t
+
+
+def plan_buckets(sizes: Sequence[int], bucket_numel: int) -> List[List[int]]:
+    """Group consecutive item indices into buckets of at most bucket_numel elements; an
+    item larger than the bucket gets a bucket of its own. Order is preserved because
+    ranks must issue collectives in the same order."""
+    if bucket_numel < 1:
+        raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
+    buckets: List[List[int]] = []
+    cur: List[int] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        if cur and filled + n > bucket_numel:
+            buckets.append(cur)
+            cur, filled = [], 0
+        cur.append(i)
+        filled += n
+    if cur:
+        buckets.append(cur)
+    return buckets

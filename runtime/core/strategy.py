@@ -7,9 +7,12 @@ gradients are reduced to, where the fp32 master weights and optimizer state live
 module's parameters are refreshed after a step, and (stage 3) how parameters are gathered
 around forward. `zero_optimization.stage` picks the strategy class from a registry:
 
-    stage 0  dslaunch.runtime.data_parallel.DataParallelStrategy  (bucketed all-reduce)
+    stage 0  dslaunch.runtime.zero.stage0.DataParallelStrategy  (bucketed all-reduce)
     stage 1, 2  dslaunch.runtime.zero.stage12.ZeroStage1 / ZeroStage2
-    stage 3  dslaunch.runtime.zero.stage3.ZeroStage3  (imported lazily on first use)
+    stage 3  dslaunch.runtime.zero.stage3.ZeroStage3
+
+The strategies register themselves when dslaunch.runtime.zero is imported (the engine does);
+nothing here names them.
 
 Every collective a strategy runs is on `ctx.group`, the data-parallel group (from the
 engine's topology: the world without pipeline or mpu, the ranks holding the same
@@ -86,16 +89,17 @@ Contract details:
 """
 from __future__ import annotations
 
-import importlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Type
 
 import torch
 import torch.distributed as dist
 
-from .config import DeepSpeedConfig
 from .strict import ConfigError
+
+if TYPE_CHECKING:  # the strategies read the parsed config the engine hands them; they never parse one
+    from .config import DeepSpeedConfig
 
 
 DATA_AXIS = "data"
@@ -137,7 +141,7 @@ class StrategyContext:
     world_size: int  # of the data-parallel group
     group: Optional[Any] = None  # the data-parallel process group (None only when world_size is 1)
     norm_exclude: FrozenSet[int] = frozenset()  # id(param)s left out of global_grad_norm
-    mesh: Optional[Any] = None  # the engine's ProcessMesh (or mpu adapter): where non-data axes come from
+    mesh: Optional[Any] = None  # the engine's ProcessMesh (or MpuMesh): where non-data axes come from
     axes: List[ReduceAxis] = field(init=False)  # one per optimizer param group (see the module docstring)
 
     def __post_init__(self):
@@ -152,12 +156,9 @@ class StrategyContext:
         """The mesh axis `name` as a ReduceAxis ("data": the context's own group)."""
         if name == DATA_AXIS or self.mesh is None:
             return self.data_axis
-        from .parallel.dims import MeshError
-
-        try:
-            size = self.mesh.size(name)
-        except MeshError:  # an mpu object describes no experts: expert-parallel size 1, experts on the data axis
+        if not self.mesh.describes(name):  # an mpu object describes no experts: experts on the data axis
             return self.data_axis
+        size = self.mesh.size(name)
         # Expert gradients are summed over their replicas and divided by the data-parallel
         # size, as DeepSpeed does: an expert already received every token of its expert-
         # parallel group through the all-to-all, so this is the average over all ranks and
@@ -168,14 +169,9 @@ class StrategyContext:
     def expert_axis(self) -> Optional[ReduceAxis]:
         """The "expert" axis (ranks holding different experts), when the mesh has one over
         more than one rank: a norm over expert parameters sums their squares over it."""
-        if self.mesh is None:
+        if self.mesh is None or not self.mesh.describes("expert"):
             return None
-        from .parallel.dims import MeshError
-
-        try:
-            size = self.mesh.size("expert")
-        except MeshError:
-            return None
+        size = self.mesh.size("expert")
         return ReduceAxis("expert", self.mesh.group("expert"), self.mesh.rank("expert"), size) if size > 1 else None
 
     def axis_for_params(self) -> Dict[int, ReduceAxis]:
@@ -392,10 +388,9 @@ class GradientStrategy:
         """Remove hooks; the engine calls this when it is destroyed or replaced."""
 
 
+# Filled by @register_strategy as the strategies are imported (dslaunch.runtime.zero registers
+# stages 0-3; the engine imports it). This module names none of them: core stands below them.
 _REGISTRY: Dict[int, Type[GradientStrategy]] = {}
-# Modules imported on demand so that their @register_strategy decorators run.
-_PROVIDERS = {0: "dslaunch.runtime.zero.stage0", 1: "dslaunch.runtime.zero.stage12",
-              2: "dslaunch.runtime.zero.stage12", 3: "dslaunch.runtime.zero.stage3"}
 
 
 def register_strategy(stage: int) -> Callable[[Type[GradientStrategy]], Type[GradientStrategy]]:
@@ -408,12 +403,6 @@ def register_strategy(stage: int) -> Callable[[Type[GradientStrategy]], Type[Gra
 
 
 def strategy_for_stage(stage: int) -> Type[GradientStrategy]:
-    if stage not in _REGISTRY and stage in _PROVIDERS:
-        try:
-            importlib.import_module(_PROVIDERS[stage])
-        except ModuleNotFoundError as exc:
-            if exc.name != _PROVIDERS[stage]:
-                raise
     if stage not in _REGISTRY:
         raise ConfigError(f"zero_optimization.stage: stage {stage} is not available in this build "
                           f"(no strategy registered for it; available: {sorted(_REGISTRY) or [0]})")

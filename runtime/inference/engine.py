@@ -127,7 +127,7 @@ class InferenceEngine(nn.Module):
             (_recompute_rotary(model, device) if needed else set())
         missing = [name for name, t in needed if id(t) not in filled]
         if missing:
-            from ..train.checkpoint import CheckpointError
+            from ..core.errors import CheckpointError
 
             where = "the checkpoint lacks" if config.checkpoint is not None else "no checkpoint= given for"
             raise CheckpointError(f"init_inference: {where} {len(missing)} tensors of a meta-device model, "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .layer import MoE, MoEError
-from ..zero.partition import plan_buckets
+from ..core.reduction import plan_buckets
 
 ParamGroups = Union[Dict[str, Any], Tuple[Dict[str, Any], ...], List[Dict[str, Any]]]
 

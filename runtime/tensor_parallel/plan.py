@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..core.strict import ConfigError
 from .shard import even_range, vocab_range
-from ..inference.config import InferenceConfigError
 from .structure import (Block, LinearInfo, block_items, block_linears, find_blocks, lm_head, norm_width,
                         parent_name, token_embedding)
 
@@ -106,6 +106,14 @@ def split_ranges(shard: LayerShard, tp: int, rank: int) -> List[Tuple[int, int]]
 
 
 # ---------------------------------------------------------------- planning
+
+class InferenceConfigError(ConfigError):
+    """A bad init_inference argument, phrased as the one line the user sees (exit 2 uncaught).
+
+    Defined with the planner, which checks what the model-facing arguments ask for
+    (injection_policy, a tp size the layers can be split by); inference/config.py raises it
+    for the rest of init_inference's arguments."""
+
 
 def _fail(msg: str) -> InferenceConfigError:
     return InferenceConfigError(f"tensor parallel: {msg}")

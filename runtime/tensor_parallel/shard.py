@@ -15,11 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..core.strict import ConfigError
-
-
-class TensorParallelError(ConfigError):
-    """Something tensor parallelism cannot split, phrased as one line (exit 2 from a script)."""
+from ..core.config.partition import TensorParallelError  # noqa: F401  (defined with its config key's schema)
 
 
 def even_range(size: int, tp: int, rank: int) -> Tuple[int, int]:

@@ -39,6 +39,10 @@ from typing import Optional
 
 import torch
 
+from ..core.comm import shm
+from ..tensor_parallel import TensorParallelError
+from ..tensor_parallel.autotp import plan_training_shards
+
 TRIAL_DIR_VAR = "DSLAUNCH_TRIAL_DIR"  # launcher/autotune/trial.py TRIAL_DIR_VAR
 TRIAL_STEPS_VAR = "DSLAUNCH_TRIAL_STEPS"  # launcher/autotune/trial.py TRIAL_STEPS_VAR
 
@@ -50,8 +54,6 @@ class TrialComplete(BaseException):
 def _live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process (CPU or device), the
     communication segments of same-host groups aside (comm/shm.py: transport buffers)."""
-    from ..core.comm import shm
-
     seen, total = {(torch.device("cpu"), ptr) for ptr in shm.buffer_pointers()}, 0
     with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module objects warns
         warnings.simplefilter("ignore")
@@ -83,9 +85,6 @@ def _host_available() -> Optional[int]:
 def autotp_report(model, ranks: int, partition_config=None) -> dict:
     """{"split": {degree: parameters AutoTP splits}, "refused": why not at the first degree it
     cannot} over the degrees above 1 that divide `ranks`; the model is only planned, not changed."""
-    from ..tensor_parallel import TensorParallelError
-    from ..tensor_parallel.autotp import plan_training_shards
-
     split, refused = {}, ""
     for degree in (d for d in range(2, ranks + 1) if ranks % d == 0):
         try:
@@ -129,6 +128,7 @@ class TrialProbe:
         # took, which are not the configuration's and come off the timed span
         self.held_after_backward: Optional[int] = None
         self.untimed = 0.0
+        self._checkpointing = None
 
     @staticmethod
     def baseline(model) -> Optional[int]:
@@ -141,16 +141,19 @@ class TrialProbe:
         return _live_tensor_bytes() - sum(params.values())
 
     @classmethod
-    def from_env(cls, engine, baseline: Optional[int] = None) -> Optional["TrialProbe"]:
+    def from_env(cls, engine, baseline: Optional[int] = None, checkpointing=None) -> Optional["TrialProbe"]:
+        """The probe of this trial, or None outside one. `checkpointing`, the engine's
+        activation-checkpointing module, reports what each checkpointed segment keeps and
+        recomputes to its `observer`: the probe is that observer until the trial ends."""
         out = os.environ.get(TRIAL_DIR_VAR)
         if not out:
             return None
         start, _, end = os.environ.get(TRIAL_STEPS_VAR, "").partition(":")
         probe = cls(engine, out, int(start), int(end))
         probe._baseline = baseline or 0
-        from .activation_checkpointing import checkpointing
-
-        checkpointing.observer = probe
+        probe._checkpointing = checkpointing
+        if checkpointing is not None:
+            checkpointing.observer = probe
         return probe
 
     @property
@@ -247,10 +250,8 @@ class TrialProbe:
             if steps == self.end:
                 self._sync()
                 self.write(time.perf_counter() - self.t0 - self.untimed)
-            from .activation_checkpointing import checkpointing
-
-            if checkpointing.observer is self:
-                checkpointing.observer = None
+            if self._checkpointing is not None and self._checkpointing.observer is self:
+                self._checkpointing.observer = None
             # again at every later step, should a bare `except:` in the script have caught it
             raise TrialComplete(f"autotuning trial measured steps {self.start + 1}-{self.end}")
 

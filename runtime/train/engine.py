@@ -5,7 +5,7 @@ scaling, accumulation counting, clipping arithmetic, LR schedule, logging, check
 files) and delegates gradient reduction, optimizer stepping and parameter sync to the
 GradientStrategy chosen by zero_optimization.stage (see strategy.py for the call order).
 
-Where each rank sits comes from `self.mesh` (runtime/parallel/): a PipelineModule's mesh,
+Where each rank sits comes from `self.mesh` (runtime/core/parallel/): a PipelineModule's mesh,
 an `mpu=` object's groups, or a mesh over the world from the config's degrees. Gradients,
 shards, the initial weight broadcast and the data sampler use its `data` axis; the
 batch-size rule uses the data-parallel size; the gradient norm is summed over its `replica`
@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import checkpoint, model_export
+from .. import zero  # noqa: F401  (registers the ZeRO stages 0-3, the strategies strategy_for_stage picks)
 from ..core import comm
 from ..core.parallel import current as parallel_current
 from ..core.parallel import select as mesh_select
@@ -103,7 +104,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self.config = DeepSpeedConfig.load(source)
         if dist_init_required is not False:
             comm.init_distributed()
-        comm.configure(deepspeed_config=self.config)  # comms_logger and comms_timeout
+        section = self.config.comms_logger
+        comm.configure(enabled=section.enabled, prof_all=section.prof_all, prof_ops=section.prof_ops,
+                       verbose=section.verbose, debug=section.debug, timeout=self.config.comms_timeout)
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.local_rank = comm.local_rank()
@@ -160,7 +163,7 @@ class DeepSpeedEngine(torch.nn.Module):
                               compute_dtype=self.compute_dtype, rank=self._grad_rank, world_size=self._grad_world,
                               group=self.seq_data_parallel_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
                               mesh=self.mesh)
-        self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
+        self.strategy = strategy_for_stage(self.config.zero_optimization.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
         if self.loss_scaler is not None and self.optimizer is not None:
@@ -188,7 +191,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
         self._setup_reporting()
         # under `dslaunch --autotuning`: measure this trial's profile steps, then stop it cleanly
-        self._trial = TrialProbe.from_env(self, trial_baseline)
+        self._trial = TrialProbe.from_env(self, trial_baseline, checkpointing)
         # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
         checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
         self._compiled_with: Optional[Dict[str, Any]] = None
@@ -202,7 +205,7 @@ class DeepSpeedEngine(torch.nn.Module):
         from .. import tensor_parallel
 
         tp = self.config.tensor_parallel
-        if self.config.zero.stage == 3:
+        if self.config.zero_optimization.stage == 3:
             raise ConfigError(f"tensor_parallel.autotp_size {tp.size} with zero_optimization.stage 3 is not "
                               "supported; use ZeRO stage 0, 1 or 2 with tensor parallelism")
         if tp.dtype is not None:
@@ -342,7 +345,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if callable(optimizer):
             return moe_utils.check_moe_param_groups(optimizer(params), model)
         if self.config.optimizer is None:
-            if self.config.zero.stage == 3:
+            if self.config.zero_optimization.stage == 3:
                 return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
             raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
         if moe_utils.moe_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
@@ -379,7 +382,7 @@ class DeepSpeedEngine(torch.nn.Module):
         return self.config.bf16.enabled
 
     def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
+        return self.config.zero_optimization.stage
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
@@ -543,7 +546,8 @@ class DeepSpeedEngine(torch.nn.Module):
         c = self.config
         return (self.loss_scaler is not None or c.gradient_clipping > 0
                 or (c.bf16.enabled and c.bf16.check_grad_overflow)
-                or (c.zero.stage in (1, 2) and c.zero.compute_grad_norm) or self._nonfinite is not None)
+                or (c.zero_optimization.stage in (1, 2) and c.zero_optimization.compute_grad_norm)
+                or self._nonfinite is not None)
 
     def _global_grad_norm(self) -> float:
         """The strategy's norm (this replica's share, complete over the data-parallel
@@ -560,17 +564,15 @@ class DeepSpeedEngine(torch.nn.Module):
         self.strategy.zero_grad()
         self.strategy.close_grad_window()
 
+    # A ConfigError, the one-line usage error (PipelineError is one too): the engine imports
+    # nothing of the pipeline; pipe_engine.py builds on the engine, not the other way round.
     def train_batch(self, data_iter=None):
-        from ..pipe.module import PipelineError
-
-        raise PipelineError("train_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
-                            "PipelineModule); train with engine(batch), engine.backward(loss), engine.step()")
+        raise ConfigError("train_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
+                          "PipelineModule); train with engine(batch), engine.backward(loss), engine.step()")
 
     def eval_batch(self, data_iter=None, *args, **kwargs):
-        from ..pipe.module import PipelineError
-
-        raise PipelineError("eval_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
-                            "PipelineModule); evaluate with engine(batch) under torch.no_grad()")
+        raise ConfigError("eval_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
+                          "PipelineModule); evaluate with engine(batch) under torch.no_grad()")
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -637,13 +639,13 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # -- Hugging Face Trainer / Accelerate -----------------------------------------------------
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self.config.zero.stage3_gather_16bit_weights_on_model_save
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """Collective: the full state_dict on rank 0 (CPU, compute dtype), None elsewhere."""
-        if self.config.zero.stage != 3:
+        if self.config.zero_optimization.stage != 3:
             raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage is "
-                             f"{self.config.zero.stage})")
+                             f"{self.config.zero_optimization.stage})")
         return model_export.gathered_state_dict(self.module, exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",

@@ -40,7 +40,7 @@ class OptimizerTarget:
 
     @classmethod
     def of(cls, config, device: torch.device) -> "OptimizerTarget":
-        return cls(offload=config.zero.offload_optimizer_device != "none", cuda=device.type == "cuda")
+        return cls(offload=config.zero_optimization.offload_optimizer_device != "none", cuda=device.type == "cuda")
 
 
 def _only_fp32_states(fp32_optimizer_states: bool) -> None:

@@ -19,7 +19,7 @@ ZERO_TESTED_OPTIMIZERS = {"Adam", "AdamW", "CPUAdam", "FusedAdam", "DeepSpeedCPU
 
 def check_optimizer(optimizer: torch.optim.Optimizer, config) -> None:
     name = type(optimizer).__name__
-    zero = config.zero
+    zero = config.zero_optimization
     if zero.stage >= 1 and name not in ZERO_TESTED_OPTIMIZERS and not config.zero_allow_untested_optimizer:
         raise ConfigError(f"zero_allow_untested_optimizer: ZeRO stage {zero.stage} is not tested with {name} "
                           f"(tested: {', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); add "

@@ -50,7 +50,7 @@ class PipelineEngine(DeepSpeedEngine):
                                 "optimizer; use fewer stages or partition_method=\"parameters\"")
         # refused before the engine builds anything (every rank reads the same config)
         source = _config_source(kwargs.get("args"), kwargs.get("config"), kwargs.get("config_params"))
-        if DeepSpeedConfig.load(source).zero.stage == 3:
+        if DeepSpeedConfig.load(source).zero_optimization.stage == 3:
             raise ConfigError("zero_optimization.stage: ZeRO stage 3 cannot run under pipeline parallelism "
                               "(each stage already holds only its layers, and stage 3's gather-around-forward "
                               "does not follow 1F1B's interleaved micro-batches); use stage 1 or 2")

@@ -1,5 +1,9 @@
 """Reading ZeRO shards back: any saved world size and stage into any current one.
 
+The shard arithmetic of the ZeRO stages: the stages call it to resume (assemble,
+shards_from_stage0, whole_optimizer_state) and checkpoint/ calls it to write, consolidate
+and convert files; it knows nothing of files or of the engine.
+
 A shard (PartitionedOptimizer.shard_state / the stage-3 equivalent) holds, per param
 group, the pieces this rank owned as {"name", "start", "end"} in the parameter's
 flattened coordinates, the full shape of every parameter, and tensors keyed by
@@ -14,21 +18,10 @@ from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 import torch
 
 from ..core.errors import CheckpointError
+from .partition import coverage_gaps as _gaps
+from .partition import pieces_from_dict as _pieces
 
 Key = Union[str, Tuple[str, str]]
-
-
-def _pieces(rows):
-    # imported here: dslaunch.runtime.zero imports this module while it initialises
-    from .partition import pieces_from_dict
-
-    return pieces_from_dict(rows)
-
-
-def _gaps(spans, numel):
-    from .partition import coverage_gaps
-
-    return coverage_gaps(spans, numel)
 
 
 def _tensors(group: Dict[str, Any], key: Key) -> Dict[str, torch.Tensor]:

@@ -37,7 +37,8 @@ import torch
 from ..core import comm
 from ..core.reduction import GradReduction
 from ..core.strategy import (DATA_AXIS, GradientStrategy, ReduceAxis, StrategyContext, check_numel, register_strategy,
-                       state_tensor)
+                             state_tensor)
+from .reshard import whole_optimizer_state
 
 
 @dataclass
@@ -73,7 +74,7 @@ class DataParallelStrategy(GradientStrategy):
                 params.append(p)
         self.params = params
         self.mixed = ctx.compute_dtype != torch.float32
-        self.overlap = ctx.config.zero.overlap_comm and ctx.distributed
+        self.overlap = ctx.config.zero_optimization.overlap_comm and ctx.distributed
         self._boundary = False
         self._hooks = []
         self.reduction = GradReduction.from_config(ctx.config, ctx.world_size)
@@ -81,7 +82,7 @@ class DataParallelStrategy(GradientStrategy):
         self._reductions = {DATA_AXIS: self.reduction}
         for axis in ctx.axes:
             self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
-        self.buckets = self._make_buckets(params, max(1, ctx.config.zero.reduce_bucket_size))
+        self.buckets = self._make_buckets(params, max(1, ctx.config.zero_optimization.reduce_bucket_size))
         self.bucket_of: Dict[int, _Bucket] = {}
         self.view_of: Dict[int, torch.Tensor] = {}
         for b in self.buckets:
@@ -347,8 +348,6 @@ class DataParallelStrategy(GradientStrategy):
     def _state_from_zero_shards(self, shards):
         """Every saved rank's ZeRO shard re-cut into whole tensors, in the form
         optimizer_state_dict() returns: a torch optimizer state_dict (plus fp32 masters)."""
-        from .reshard import whole_optimizer_state
-
         saved = self.optimizer.state_dict()  # current hyperparameters and parameter indices
         numels = {}
         for pg, names in zip(self.optimizer.param_groups, self._group_names):

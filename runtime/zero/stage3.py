@@ -40,6 +40,7 @@ from .params import gather, is_partitioned, is_present, partition_param, release
 from .partition import Piece, param_shard, pieces_to_dict
 from .prefetch import ModuleTrace, Prefetcher
 from .sharded import ShardedStrategy, offload_optimizer
+from .reshard import assemble
 
 
 class RankDivergenceError(RuntimeError):
@@ -653,8 +654,6 @@ class ZeroStage3(ShardedStrategy):
                 "groups": groups}
 
     def load_shards(self, shards, load_optimizer: bool = True) -> None:
-        from .reshard import assemble
-
         for gi, g in enumerate(self.groups):
             want = [(p.name, p.start, p.end, p.offset) for p in g["pieces"]]
             assemble(shards, gi, "master", want, g["master"])

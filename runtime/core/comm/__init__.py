@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any, Dict, Optional
 
+from ..strict import ConfigError
 from . import shutdown, watchdog
 from .backend import default_backend, get_local_rank, init_distributed, local_rank, world_source
 from .collectives import (ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
@@ -46,18 +47,27 @@ __all__ = [
 
 
 def configure(deepspeed_config=None, enabled: Optional[bool] = None, prof_all: Optional[bool] = None,
-              prof_ops=None, verbose: Optional[bool] = None, debug: Optional[bool] = None) -> None:
-    """deepspeed.comm.configure: the comms logger from a config (its `comms_logger` section;
-    its `comms_timeout` sets the watchdog) and/or from explicit arguments, which win."""
-    if deepspeed_config is not None:
-        from ..config import DeepSpeedConfig
+              prof_ops=None, verbose: Optional[bool] = None, debug: Optional[bool] = None,
+              timeout: Optional[float] = None) -> None:
+    """deepspeed.comm.configure: the comms logger and the collective watchdog's timeout, from
+    plain values (the engine passes its config's `comms_logger` section and `comms_timeout`).
 
-        cfg = DeepSpeedConfig.load(deepspeed_config)
-        c = cfg.comms_logger
-        comms_logger.configure(c.enabled, c.verbose, c.prof_all, c.prof_ops, c.debug)
-        if cfg.comms_timeout is not None:
-            watchdog.set_timeout(cfg.comms_timeout)
+    `deepspeed_config`, DeepSpeed's first parameter, is a parsed config
+    (`DeepSpeedConfig(...)`): its `comms_logger` section and `comms_timeout` are read by
+    attribute, as DeepSpeed reads its config's comms section (this package knows no config
+    schema and imports none); explicit values win over it."""
+    if deepspeed_config is not None:
+        section = getattr(deepspeed_config, "comms_logger", None)
+        if section is None or not hasattr(deepspeed_config, "comms_timeout"):
+            raise ConfigError(f"comm.configure: deepspeed_config must be a parsed config (DeepSpeedConfig(...)), "
+                              f"got {type(deepspeed_config).__name__}; or pass enabled=/prof_all=/prof_ops=/"
+                              "verbose=/debug= directly")
+        comms_logger.configure(section.enabled, section.verbose, section.prof_all, section.prof_ops, section.debug)
+        if deepspeed_config.comms_timeout is not None:
+            watchdog.set_timeout(deepspeed_config.comms_timeout)
     comms_logger.configure(enabled, verbose, prof_all, prof_ops, debug)
+    if timeout is not None:
+        watchdog.set_timeout(timeout)
 
 
 def set_timeout(seconds: float) -> None:

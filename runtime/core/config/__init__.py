@@ -20,6 +20,8 @@ from .checks import positive
 from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
 from .compression import CompressionConfig
 from .compute import ActivationCheckpointingConfig, CompileConfig
+from .elasticity.elasticity import engine_batch_sizes
+from .monitor import DeepSpeedMonitorConfig
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
                       WandbConfig)
 from .parallel import ElasticityConfig, PipelineConfig, TensorParallelConfig
@@ -161,11 +163,11 @@ class DeepSpeedConfig:
         check_precision(self.fp16, self.bf16, self.torch_autocast)
         self._check_reduction()
         if self.allgather_size is not None:
-            if not self.zero.legacy_bool:
+            if not self.zero_optimization.legacy_bool:
                 raise ConfigError("allgather_size: only read with the legacy \"zero_optimization\": true form; "
                                   "use zero_optimization.allgather_bucket_size")
-            self.zero.allgather_bucket_size = self.allgather_size
-        if self.compression_training.enabled and self.zero.stage == 3:
+            self.zero_optimization.allgather_bucket_size = self.allgather_size
+        if self.compression_training.enabled and self.zero_optimization.stage == 3:
             raise ConfigError("compression_training: works with ZeRO stages 0-2 (masks on the full parameters); "
                               "ZeRO-3 partitions them, so use stage 2 or remove compression_training")
         if self.log_level is not None and self.log_level.lower() not in LOG_LEVELS:
@@ -188,12 +190,12 @@ class DeepSpeedConfig:
 
         model = torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16.enabled else torch.float32
         name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-        if self.zero.stage <= 1 and accum != model:
+        if self.zero_optimization.stage <= 1 and accum != model:
             # stages 0-1 accumulate the full gradients in param.grad, in the model dtype (DeepSpeed
             # refuses other mixes at stage 0 too)
-            raise ConfigError(f"data_types.grad_accum_dtype: stage {self.zero.stage} accumulates gradients in the "
-                              f"model dtype ({name[model]}); {name[accum]} accumulation needs zero_optimization "
-                              "stage 2 or 3, or remove the key")
+            raise ConfigError(f"data_types.grad_accum_dtype: stage {self.zero_optimization.stage} accumulates "
+                              f"gradients in the model dtype ({name[model]}); {name[accum]} accumulation needs "
+                              "zero_optimization stage 2 or 3, or remove the key")
         if accum not in (model, torch.float32):
             raise ConfigError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model; use fp32 or "
                               f"{name[model]}")
@@ -206,7 +208,7 @@ class DeepSpeedConfig:
         self.gradient_allreduce_op = op
         if op != "sum":
             return
-        if self.zero.stage == 3:
+        if self.zero_optimization.stage == 3:
             raise ConfigError("gradient_allreduce_op: \"sum\" is not supported with ZeRO stage 3 (as in DeepSpeed); "
                               "use \"mean\" or stage 0-2")
         # a sum divides by nothing: accepting these would ignore them (DeepSpeed ignores them silently)
@@ -232,15 +234,9 @@ class DeepSpeedConfig:
         return dtype_named("data_types.grad_accum_dtype", self.data_types.grad_accum_dtype)
 
     @property
-    def zero(self) -> ZeroConfig:
-        return self.zero_optimization  # always a ZeroConfig after parsing
-
-    @property
     def monitor_config(self):
         """The four monitor sections together, as DeepSpeed's config gives them (for
         deepspeed.monitor.monitor.MonitorMaster)."""
-        from .monitor import DeepSpeedMonitorConfig
-
         return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
     @property
@@ -303,13 +299,11 @@ def _deepspeed_style_init(self, config=None, mpu=None, mesh_device=None, **field
     _schema_init(self, **{f.name: getattr(parsed, f.name) for f in dataclasses.fields(DeepSpeedConfig) if f.init})
     if self.train_batch_size is None and self.train_micro_batch_size_per_gpu is None:
         return  # nothing to resolve (an inference or partial config)
-    from .. import comm
-
     dp, source = 1, "no process group"
     if mpu is not None:
         dp, source = mpu.get_data_parallel_world_size(), "mpu"
-    elif comm.is_initialized():
-        dp, source = comm.get_world_size(), "world size"
+    elif _world_size() is not None:
+        dp, source = _world_size(), "world size"
     sizes = resolve_batch_sizes(self, dp, source)
     self.train_batch_size = sizes.train_batch_size
     self.train_micro_batch_size_per_gpu = sizes.micro_batch_per_gpu
@@ -317,6 +311,14 @@ def _deepspeed_style_init(self, config=None, mpu=None, mesh_device=None, **field
 
 
 DeepSpeedConfig.__init__ = _deepspeed_style_init
+
+
+def _world_size() -> Optional[int]:
+    """The default process group's size, or None before torch.distributed is up. Asked of
+    torch.distributed itself: the config is below the communication layer and imports none of it."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
 
 def get_bfloat16_config(param_dict: Dict[str, Any]) -> BF16Config:
     """The `bf16` section of a config dict, parsed exactly as a full config would (same checks,
@@ -376,8 +378,6 @@ def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "wo
     the elastic batch sizes for this data-parallel size are used instead (deepspeed.elasticity).
     """
     if cfg.elasticity.enabled:
-        from .elasticity.elasticity import engine_batch_sizes
-
         return BatchSizes(*engine_batch_sizes(cfg, dp_size))
     tb, mb, gas = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
     world_size = dp_size

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .. import comm
+from ..comm import shutdown
 from .dims import MeshDims, MeshError
 from .layout import (GroupFactory, PipeDataParallelTopology, ProcessTopology, default_topology, expert_comm_lists)
 
@@ -45,9 +47,6 @@ def new_group(ranks: Sequence[int], name: Optional[str] = None):
     default group, not a copy. Groups are made by dslaunch.runtime.comm, which destroys them
     at exit."""
     import torch.distributed as dist
-
-    from .. import comm
-    from ..comm import shutdown
 
     ranks = sorted(int(r) for r in ranks)
     if ranks == list(range(dist.get_world_size())):
@@ -92,8 +91,6 @@ class ProcessMesh:
         self._factory = group_factory  # None: new_group above (named, destroyed at exit)
         self._groups: Dict[Tuple[int, ...], Any] = {}
         if group_factory is None:
-            from ..comm import shutdown
-
             # This dict holds only pybind objects, so the garbage collector does not track
             # it and the exit handler cannot find the groups in it: drop them explicitly.
             shutdown.register_owner(self._release_groups)
@@ -184,6 +181,10 @@ class ProcessMesh:
     def ranks(self, axis: str) -> List[int]:
         """The global ranks of this rank's group along `axis`, in group-rank order."""
         return list(self._mine[self._check(axis)])
+
+    def describes(self, axis: str) -> bool:
+        """Whether `axis` is one of this mesh's (every axis of AXES is)."""
+        return axis in self._mine
 
     def size(self, axis: str) -> int:
         return len(self._mine[self._check(axis)])

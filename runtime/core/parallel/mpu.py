@@ -74,6 +74,10 @@ class MpuMesh:
             return self._axis("data", which)
         return (None, 1, 0)[which]  # the mpu has no such axis: size 1
 
+    def describes(self, axis: str) -> bool:
+        """Whether the mpu object answers for `axis` (it describes no expert parallelism)."""
+        return axis in ("tensor", "world") or axis in self._GETTERS
+
     def group(self, axis: str):
         return self._axis(axis, 0)
 

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...core.config import DeepSpeedConfig
 from ...core.strict import ConfigError
 from . import rng, saved
 from .rng import (CudaRNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed,
@@ -64,8 +65,6 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     global state
     new = Settings(mpu=mpu_ if mpu_ is not None else state.mpu)
     if deepspeed_config is not None:
-        from ...core.config import DeepSpeedConfig
-
         section = DeepSpeedConfig.load(deepspeed_config).activation_checkpointing
         new.partition_activations = section.partition_activations
         new.contiguous_memory_optimization = section.contiguous_memory_optimization

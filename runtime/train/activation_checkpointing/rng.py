@@ -13,6 +13,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ...core import comm
+from ...tensor_parallel.groups import current_group
+
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
@@ -106,16 +109,12 @@ def model_parallel_reconfigure_tp_seed(seed: int, mpu=None, tp_group=None) -> No
 
 def _tp_rank(mpu, tp_group=None) -> int:
     if tp_group is not None:
-        from ...core import comm
-
         return comm.get_rank(tp_group)
     if mpu is None:
         from . import checkpointing
 
         mpu = checkpointing.state.mpu
     if mpu is None:
-        from ...tensor_parallel.groups import current_group
-
         current = current_group()
         return current.rank if current is not None else 0
     getter = getattr(mpu, "get_tensor_model_parallel_rank", None) or getattr(mpu, "get_model_parallel_rank")

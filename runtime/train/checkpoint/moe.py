@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ...core.errors import CheckpointError
+from ...moe.layer import MoE
 from ...zero.reshard import shards_from_stage0
 from .dsformat import stage0_from_ds
 
@@ -50,8 +51,6 @@ def expp_file_name(ep_rank: int) -> str:
 
 def moe_layers(module: torch.nn.Module) -> List[Tuple[str, Any]]:
     """(name, layer) of every MoE layer, in DeepSpeed's numbering order."""
-    from ...moe.layer import MoE
-
     return [(n, m) for n, m in module.named_modules() if isinstance(m, MoE)]
 
 

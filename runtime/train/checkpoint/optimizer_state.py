@@ -105,7 +105,7 @@ def deepspeed_optimizer_of(engine) -> Optional[str]:
     cfg = engine.config.optimizer
     if cfg is None:
         return None
-    return deepspeed_optimizer(cfg.type, cfg.params, engine.config.zero.offload_optimizer_device != "none")
+    return deepspeed_optimizer(cfg.type, cfg.params, engine.config.zero_optimization.offload_optimizer_device != "none")
 
 
 # -- reading --------------------------------------------------------------------------------

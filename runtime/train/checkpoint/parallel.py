@@ -28,6 +28,8 @@ from typing import Any, Dict, List
 import torch
 
 from ...core.errors import CheckpointError
+from ...pipe.module import PipelineError, PipelineModule, to_layers_prefixes
+from ...zero.reshard import shards_from_stage0
 from . import tensor_slices
 from .layout import layer_states_name, model_states_name, optim_states_name, slice_rank, zero_model_states_name
 
@@ -63,8 +65,6 @@ def placement(engine) -> Placement:
 
 
 def _pipeline_module(engine):
-    from ...pipe.module import PipelineModule
-
     return engine.module if isinstance(engine.module, PipelineModule) else None
 
 
@@ -136,8 +136,6 @@ def target_prefixes(engine, ck) -> Dict[int, str]:
     pipe = _pipeline_module(engine)
     if pipe is not None:
         return pipe.layer_state_prefixes(own=True)
-    from ...pipe.module import PipelineError, to_layers_prefixes
-
     try:
         return to_layers_prefixes(engine.module)
     except PipelineError:
@@ -177,8 +175,6 @@ def module_state(ck, engine, everything: bool = False) -> Dict[str, torch.Tensor
 
 
 def _stage0_as_shard(ck, state: Dict[str, Any], module: Dict[str, torch.Tensor]) -> List[Dict[str, Any]]:
-    from ...zero.reshard import shards_from_stage0
-
     names = state.get("param_names")
     if names is None:
         raise CheckpointError(f"checkpoint {ck.path}: its optimizer state has no parameter names, so it cannot be "

@@ -22,19 +22,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ...core.errors import CheckpointError
+from ...tensor_parallel.layers import ParamShard, TensorParallelLayer
 from ...zero.reshard import whole_optimizer_state
-
-
-def _shard_type():
-    from ...tensor_parallel.layers import ParamShard
-
-    return ParamShard
 
 
 def shard_specs(module: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
     """name -> the ParamShard fields of every tensor-parallel parameter of `module` (saved)."""
-    from ...tensor_parallel.layers import TensorParallelLayer
-
     out = {}
     for mname, mod in module.named_modules(remove_duplicate=False):
         if isinstance(mod, TensorParallelLayer):
@@ -47,7 +40,6 @@ def shard_specs(module: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
 
 
 def _specs(saved: Dict[str, Dict[str, Any]], module: Optional[torch.nn.Module]):
-    ParamShard = _shard_type()
     merged = dict(saved or {})
     if module is not None:
         merged.update(shard_specs(module))
@@ -103,7 +95,6 @@ def _infer_specs(per_slice: List[Dict[str, torch.Tensor]], module: Optional[torc
     Megatron cut so), its rows padded only by a vocabulary split."""
     if module is None or len(per_slice) == 1:
         return
-    ParamShard = _shard_type()
     full = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     tp = len(per_slice)
     for name, local in per_slice[0].items():

@@ -11,12 +11,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Optional, Sequence
 
+from ...core import comm
 from .sink import Event, MetricsSink
 
 
 def _rank() -> int:
-    from ...core import comm
-
     return comm.get_rank() if comm.is_initialized() else 0
 
 

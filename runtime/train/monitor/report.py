@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from ...core.parallel.dims import MeshError
+
 _DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -29,7 +31,7 @@ def optimizer_kernel(optimizer, strategy) -> str:
 
 def startup_line(engine) -> str:
     c, b = engine.config, engine.batch
-    z = c.zero
+    z = c.zero_optimization
     dtype = _DTYPE.get(engine.compute_dtype, str(engine.compute_dtype))
     if engine.compute_dtype != torch.float32:
         dtype += " compute, fp32 masters"
@@ -51,8 +53,6 @@ def startup_line(engine) -> str:
 
 def _expert_size(engine) -> int:
     """The mesh's expert-parallel size (MoE layers with ep_size > 1), else 1."""
-    from ...core.parallel.dims import MeshError
-
     mesh = getattr(engine, "mesh", None)
     try:
         return mesh.size("expert") if mesh is not None else 1
