@@ -206,6 +206,20 @@ def _attribute(spec: str, name: str):
         return importlib.import_module(f"{base.__name__}.{attr}")
 
 
+class _AliasSpec(importlib.machinery.ModuleSpec):
+    """An alias's spec. Its `parent` is the real module's package: runpy (`python -m <alias>`)
+    resolves the real code's relative imports against it. An import never reads it (the real
+    module keeps its own __package__)."""
+
+    def __init__(self, name: str, loader, target: str, **kwargs):
+        super().__init__(name, loader, **kwargs)
+        self.target = target
+
+    @property
+    def parent(self):
+        return self.target if self.submodule_search_locations is not None else self.target.rpartition(".")[0]
+
+
 class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str):
         self.target = target
@@ -275,8 +289,8 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         if spec is None:
             return None
         # the real file as origin: runpy makes it sys.argv[0] under `python -m <alias>`
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(dest), origin=spec.origin,
-                                              is_package=spec.submodule_search_locations is not None)
+        return _AliasSpec(fullname, _AliasLoader(dest), dest, origin=spec.origin,
+                          is_package=spec.submodule_search_locations is not None)
 
 
 _FINDER = AliasFinder()
