@@ -17,7 +17,6 @@ needed here).
   DeepSpeed's zero_to_fp32, and DeepSpeed's zero_to_fp32 of ours equals ours.
 - DeepSpeed's pickled classes load through inert stand-ins; anything else is still refused.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -28,12 +27,11 @@ import pytest
 import torch
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "ds_interop")
-_spec = importlib.util.spec_from_file_location("make_ds_fixtures", os.path.join(ROOT, "scripts", "make_ds_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_fixtures")
 
 with open(os.path.join(DATA, "expected.json")) as _fh:
     EXPECTED = json.load(_fh)

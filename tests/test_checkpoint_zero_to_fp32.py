@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from script_modules import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "ds_interop")
 
@@ -63,11 +65,7 @@ def test_functions_give_what_deepspeeds_give(tmp_path, case):
         _equal(merged, ref)
         assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in ref.values())
 
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("fx", os.path.join(ROOT, "scripts", "make_ds_fixtures.py"))
-        fx = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fx)
+        fx = load_script("make_ds_fixtures")
         model = load_state_dict_from_zero_checkpoint(fx.make_model(), ckpt)
         _equal({k: v.detach() for k, v in model.state_dict().items()}, ref)
 

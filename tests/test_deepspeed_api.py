@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = json.loads((ROOT / "tests" / "data" / "deepspeed_api.json").read_text())
 
 
 def _surface():
-    spec = importlib.util.spec_from_file_location("deepspeed_api_surface", ROOT / "scripts" / "deepspeed_api_surface.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("deepspeed_api_surface")
 
 
 def test_every_row_is_what_the_package_does(deepspeed_compat):

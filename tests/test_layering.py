@@ -10,7 +10,6 @@ the import graph's numbers measured from outside.
 - scripts/import_graph.py's four numbers stay within the goals: at most 7 floors, at most 6
   arrows up, no import loop across packages, no function-level import that hides one.
 """
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("launcher", "runtime", "kernels", "compat")
@@ -87,11 +88,7 @@ def test_the_engine_contract_names_the_engine(tmp_path):
 
 
 def _import_graph():
-    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while being made
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("import_graph")
 
 
 def test_the_import_graph_meets_its_goals():
