@@ -2,7 +2,7 @@
 
 Where the group comes from, in order:
 1. `tensor_parallel={"tp_group": group}`: that group;
-2. `mpu=` / `tensor_parallel={"mpu": grid}`: a topology grid's (runtime/topology.py
+2. `mpu=` / `tensor_parallel={"mpu": grid}`: a topology grid's (runtime/core/parallel/
    PipelineParallelGrid) tensor-parallel axis, or a Megatron-style mpu's model-parallel group;
 3. otherwise the `model` axis of PipeModelDataParallelTopology(num_pp=1, num_mp=tp_size,
    num_dp=world/tp_size): tp_size consecutive ranks, all ranks when tp_size is the world size,

@@ -310,7 +310,7 @@ class PipelineModule(nn.Module):
 
     @property
     def parallel_mesh(self) -> PipelineParallelGrid:
-        """The process mesh this module was cut for: the engine runs on it (runtime/parallel/select.py)."""
+        """The process mesh this module was cut for: the engine runs on it (runtime/core/parallel/select.py)."""
         return self._grid
 
     def num_pipeline_stages(self) -> int:

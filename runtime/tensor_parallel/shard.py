@@ -1,7 +1,7 @@
 """The shard maths of tensor parallelism: which rows or columns of a full tensor a rank keeps.
 
 Pure functions on sizes, shared by the training layers (layers.py), the automatic sharding
-(autotp.py) and inference (runtime/inference/plan.py re-exports them):
+(autotp.py) and the inference planner (plan.py):
 - an even split of a dimension (heads, MLP width, a row-parallel input) must divide by tp;
 - a fused output ([q|k|v], [gate|up], grouped-query [q|k|v] of unequal widths) is split part
   by part, so every rank holds whole heads of each part, in the original part order;

@@ -1,4 +1,4 @@
-"""Rank 0's progress line, one metrics sink among the others (runtime/monitor/).
+"""Rank 0's progress line, one metrics sink among the others (runtime/train/monitor/).
 
 Every `steps_per_print` steps: the step (with the total and an ETA when the run's total
 is known: engine.set_train_steps(n), or a scheduler with total_num_steps; else the position

@@ -111,7 +111,7 @@ class DeepSpeedConfig:
     compile: CompileConfig = supported(factory=CompileConfig, note="")
     compression_training: CompressionConfig = supported(
         factory=CompressionConfig, note="pruning and quantization-aware training (init_compression / "
-                                        "redundancy_clean, runtime/compression/)")
+                                        "redundancy_clean, runtime/train/compression/)")
     # -- layout --------------------------------------------------------------------------
     elasticity: ElasticityConfig = supported(factory=ElasticityConfig, note="")
     pipeline: PipelineConfig = supported(factory=PipelineConfig, note="")

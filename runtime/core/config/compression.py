@@ -1,4 +1,4 @@
-"""`compression_training`: pruning and quantization-aware training (runtime/compression/).
+"""`compression_training`: pruning and quantization-aware training (runtime/train/compression/).
 
 The section keeps DeepSpeed's layout: one block per technique, each with `shared_parameters`
 (on/off, schedule, method) and `different_groups` (named groups of module-name patterns with

@@ -1,6 +1,6 @@
 """`deepspeed.monitor.config`: the monitor sections of the config under DeepSpeed's names.
 
-The sections are dslaunch's (runtime/config/observe.py); DeepSpeedMonitorConfig groups the
+The sections are dslaunch's (runtime/core/config/observe.py); DeepSpeedMonitorConfig groups the
 four, as `DeepSpeedConfig.monitor_config` returns them, with DeepSpeed's `enabled` (any on).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a run reports: monitors (`tensorboard`, `wandb`, `csv_monitor`, `comet`), the
 `flops_profiler`, `timers`, and the logging keys' sections. Rank 0 writes all of them
-(runtime/monitor/, runtime/profiling/)."""
+(runtime/train/monitor/, runtime/train/profiling/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -56,7 +56,7 @@ class BF16Config:
 
 @dataclass
 class NonFiniteCheckConfig:
-    """dslaunch's own (DeepSpeed applies NaN updates in fp32/bf16): see runtime/nonfinite.py."""
+    """dslaunch's own (DeepSpeed applies NaN updates in fp32/bf16): see runtime/core/nonfinite.py."""
 
     enabled: bool = supported(True, "fp32/bf16: a NaN/inf global gradient norm skips the step and the progress "
                                     "line says so at once; it takes the norm at every step, whatever compute_grad_norm says "

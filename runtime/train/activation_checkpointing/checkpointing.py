@@ -128,7 +128,7 @@ def _say(name: str, phase: str, seconds: float) -> None:
         print(f"activation checkpoint {name}: {phase} {seconds * 1000:.2f} ms", file=sys.stdout, flush=True)
 
 
-# Set by an autotuning trial's probe (runtime/autotuning.py): told the inputs each segment
+# Set by an autotuning trial's probe (runtime/train/autotuning.py): told the inputs each segment
 # keeps (observer.kept(tensors)) and wrapped around each recompute (observer.recompute()),
 # so the profile step measures what checkpointing saves. None outside a trial.
 observer: Any = None
