@@ -196,8 +196,8 @@ def _frozen(module: torch.nn.Module) -> List[str]:
 def _dynamic_settings(scaler) -> Optional[Dict[str, Any]]:
     if scaler is None or not getattr(scaler, "dynamic", False):
         return None
-    return {"factor": scaler.factor, "window": scaler.window, "min_scale": scaler.min_scale,
-            "hysteresis": scaler.hysteresis, "consecutive_hysteresis": scaler.consecutive_hysteresis}
+    return {"factor": scaler.scale_factor, "window": scaler.scale_window, "min_scale": scaler.min_scale,
+            "hysteresis": scaler.delayed_shift, "consecutive_hysteresis": scaler.consecutive_hysteresis}
 
 
 def _fragment(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
