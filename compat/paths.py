@@ -59,7 +59,7 @@ class Refused:
 
 Entry = Union[str, Names, Refused]
 
-# Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
+# the names of deepspeed.utils' tensor-fragment calls (zero/fragments.py)
 _FRAGMENTS = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
               "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
               "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
@@ -75,6 +75,7 @@ _TOPOLOGY = Names(
      "ProcessMesh": "core.parallel.mesh", "data_parallel_grid": "core.parallel.mesh", "new_group": "core.parallel.mesh",
      "MpuGrid": "core.parallel.mpu", "MpuMesh": "core.parallel.mpu"})
 
+# Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
 PATHS: Dict[str, Entry] = {
     # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
     "accelerator": "core.accelerator",  # deepspeed.accelerator
@@ -167,10 +168,6 @@ PATHS: Dict[str, Entry] = {
     "utils.helpers": "train.helpers",
     "utils.partitioned": "pipe.partitioned",
 }
-
-
-def entry(rel: str) -> Optional[Entry]:
-    return PATHS.get(rel)
 
 
 def is_package(rel: str) -> bool:

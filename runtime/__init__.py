@@ -16,7 +16,7 @@ from dslaunch.compat import paths as _paths
 _paths.install()  # DeepSpeed's module paths (and the runtime's former ones): compat/paths.py
 
 from .core import accelerator  # noqa: E402
-from .train.checkpoint import CheckpointError
+from .core.errors import CheckpointError
 from .core.comm import init_distributed
 from .core.config import DeepSpeedConfig
 from .train.engine import DeepSpeedEngine
@@ -24,7 +24,7 @@ from .core.loss_scaler import LossScaleStuck
 from .core.nonfinite import NonFiniteError
 from .core.strategy import GradientStrategy, StrategyContext, register_strategy
 from .core.strict import ConfigError
-from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 1-3
+from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 0-3
 from .inference import InferenceEngine, OnDevice, init_inference
 from .train.activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
 from .core.config import elasticity  # deepspeed.elasticity.compute_elastic_config
