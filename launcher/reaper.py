@@ -192,6 +192,20 @@ def alive(pid: int) -> bool:
             return False
 
 
+_PF_EXITING = 0x4  # include/linux/sched.h: the task has begun to exit
+
+
+def exiting(pid: int) -> bool:
+    """True once pid has begun to exit (or is a zombie): the kernel sets PF_EXITING before it
+    closes the process's files, so a peer that saw its sockets close finds it exiting here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 def signal_name(sig: int) -> str:
     try:
         return signal.Signals(sig).name
