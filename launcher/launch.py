@@ -86,6 +86,9 @@ def launch(opts: LaunchOptions) -> int:
         text = json.dumps(plan_to_dict(plan, info), indent=2) if opts.json else format_plan(plan, info)
         sys.stdout.write(text + "\n")
         return 0
+    from dslaunch.launcher.keeper import fork_keeper
+
+    fork_keeper(opts.kill_grace)  # from here on this is the job process, below a keeper (keeper.py)
     output = JobOutput(sys.stdout.buffer, err, opts.log_dir, plan.run_id)
     err_fd = _fileno(err)
     code = 1

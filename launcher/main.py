@@ -36,6 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         command = _load(SUBCOMMANDS[args[0]][0])
         command.main(args=args[1:], prog_name=f"dslaunch {args[0]}")
     else:
+        from dslaunch.launcher import keeper
+
+        keeper.enable()  # this process is a launch: it may become the job's keeper (keeper.py)
         _load(LAUNCH_COMMAND).main(args=args, prog_name="dslaunch")
 
 

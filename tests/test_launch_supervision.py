@@ -2,6 +2,7 @@
 crash, a rank killed by a signal, SIGINT, SIGTERM, or SIGKILL to the launcher, including
 children that left the worker's process group and orphaned grandchildren."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -138,3 +139,70 @@ def test_second_sigint_kills_at_once(launched, tmp_path):
     assert proc.returncode == 130 and time.monotonic() - t0 < 10
     assert "dslaunch: received SIGINT: stopping the workers (again to kill them at once" in err.decode()
     assert survivors(pids, within=5) == [], describe(pids)
+
+
+# A worker whose child leaves its session and drops its environment (no job marker for the
+# watchdog to find it by), then waits.
+ESCAPER = """
+import os, subprocess, sys, time
+child = subprocess.Popen(["setsid", "env", "-i", "sleep", "120"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(child.pid))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+
+def kill(pids):
+    """A failed test leaves nothing running (what it describes is already gone)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return []
+
+
+def start_escaper(launched, tmp_path):
+    script = tmp_path / "escaper.py"
+    script.write_text(ESCAPER)
+    pidfile = tmp_path / "grandchild"
+    proc = subprocess.Popen([*DSLAUNCH, "--kill_grace", "1", "--master_port", "0", "--no_local_rank", str(script),
+                             str(pidfile)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    launched.append(proc)
+    deadline = time.monotonic() + 30
+    while not pidfile.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the worker did not start its child"
+        time.sleep(0.02)
+    grandchild = psutil.Process(int(pidfile.read_text()))
+    while grandchild.cmdline() != ["sleep", "120"]:  # setsid and env exec it in the same process
+        assert time.monotonic() < deadline, grandchild.cmdline()
+        time.sleep(0.02)
+    assert grandchild.environ() == {}  # no job marker for the watchdog to find it by
+    grandchild = grandchild.pid
+    return proc, {grandchild, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_to_launcher_ends_a_grandchild_that_left_with_setsid_and_no_environment(launched, tmp_path):
+    proc, pids = start_escaper(launched, tmp_path)
+    proc.kill()
+    proc.wait()
+    left = survivors(pids, within=10)
+    assert left == [], describe(left) + kill(left)
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_to_the_job_process_leaves_nothing_and_is_named(launched, tmp_path):
+    """The launcher's own pid is the keeper; the process that supervises the workers is its
+    one child. A SIGKILL of that one: the keeper ends what it left and says so."""
+    proc, pids = start_escaper(launched, tmp_path)
+    job = psutil.Process(proc.pid).children()
+    assert len(job) == 1
+    job[0].kill()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 137, err
+    assert f"dslaunch: the job process {job[0].pid} was killed by SIGKILL; ended the" in err.decode()
+    left = survivors(pids, within=5)
+    assert left == [], describe(left) + kill(left)
