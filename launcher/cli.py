@@ -104,6 +104,31 @@ def _show_version(ctx, _param, value):
         ctx.exit(0)
 
 
+def _from_environment(ctx, param) -> str:
+    """The DSLAUNCH_* variable `param` got its value from, or "" (the command line, a default):
+    an error in a value nobody typed must say where it came from."""
+    if ctx is None or param is None or param.name is None:
+        return ""
+    if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.ENVIRONMENT:
+        return ""
+    if isinstance(param.envvar, str):
+        return param.envvar
+    return f"{ENV_PREFIX}_{param.name.upper()}"
+
+
+def _with_variable(message: str) -> str:
+    """A LaunchConfigError about an option ("--kill_grace -1: ...") whose value came from the
+    environment names the variable too."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return message
+    for param in ctx.command.params:
+        var = _from_environment(ctx, param)
+        if var and any(message.startswith(f"{o} ") or message.startswith(f"{o}:") for o in param.opts):
+            return f"{var} in the environment: {message}"
+    return message
+
+
 class _LaunchCommand(click.Command):
     def main(self, args=None, prog_name=None, **extra):
         try:
@@ -116,6 +141,12 @@ class _LaunchCommand(click.Command):
             hint = HINTS.get(e.option_name)
             msg = f"{e.option_name}: {hint}" if hint else f"{e.format_message()} (see {prog_name} --help)"
             click.echo(f"dslaunch: error: {msg}", err=True)
+            sys.exit(2)
+        except click.BadParameter as e:
+            var = _from_environment(e.ctx, e.param)
+            hint = "" if e.ctx is None else f" (see {e.ctx.command_path} --help)"
+            msg = f"{var} in the environment ({e.param.opts[0]}): {e.message}" if var else e.format_message()
+            click.echo(f"dslaunch: error: {msg}{hint}", err=True)
             sys.exit(2)
         except click.UsageError as e:
             hint = "" if e.ctx is None else f" (see {e.ctx.command_path} --help)"
@@ -233,7 +264,7 @@ def launch(**params) -> int:
                 raise LaunchConfigError(f"--{name} needs --autotuning tune|run")
         return run_launch(LaunchOptions(**params))
     except LaunchConfigError as e:
-        click.echo(f"dslaunch: error: {e}", err=True)
+        click.echo(f"dslaunch: error: {_with_variable(str(e))}", err=True)
         return e.exit_code
 
 

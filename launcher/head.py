@@ -229,6 +229,7 @@ class Head:
 
     def run(self) -> int:
         def on_signal(signum: int, again: bool) -> None:
+            self.output.stopping(signum)
             self._events.put((None, {"ev": "signal", "sig": signum, "again": again}))
 
         with StopSignals(on_signal, self._err_fd, self.plan.options.kill_grace) as signals:

@@ -9,6 +9,7 @@ are printed as one line on stderr with exit status 2 instead of a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import accelerator
@@ -128,9 +129,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _one_line_errors(previous):
     def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt) and os.environ.get("DSLAUNCH_RUN_ID"):
+            # Ctrl-C, passed on to every rank by dslaunch, which says so once: no traceback per
+            # rank. Python still runs the exit handlers and ends by SIGINT, as after any Ctrl-C.
+            return
         if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError, SequenceParallelError)):
-            import os
-
             # sys.__stderr__: torch.distributed's own excepthook swaps sys.stderr for a buffer.
             print(f"error: {exc}", file=sys.__stderr__)
             sys.__stderr__.flush()

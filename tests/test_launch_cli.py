@@ -133,6 +133,22 @@ def test_usage_errors_are_one_line_exit_2(tmp_path, args, message):
     assert out == ""
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"DSLAUNCH_NUM_GPUS": "abc"}, "DSLAUNCH_NUM_GPUS in the environment (--num_gpus): 'abc' is not a valid integer."),
+    ({"DSLAUNCH_KILL_GRACE": "-1"}, "DSLAUNCH_KILL_GRACE in the environment: --kill_grace -1: must be 0 or more"),
+    ({"DSLAUNCH_MASTER_PORT": "99999"},
+     "DSLAUNCH_MASTER_PORT in the environment: --master_port 99999: not a TCP port (0 picks a free one)"),
+])
+def test_a_bad_value_from_the_environment_names_the_variable(tmp_path, env, message):
+    (tmp_path / "x.py").write_text("")
+    code, out, err = cli(["--dry_run", "x.py"], env=env, cwd=tmp_path)
+    assert code == 2 and f"dslaunch: error: {message}" in err and len(err.strip().splitlines()) == 1, err
+    # the same value typed on the command line: the option is named, as before
+    name = next(iter(env)).removeprefix("DSLAUNCH_").lower()
+    code, out, err = cli([f"--{name}", env[next(iter(env))], "--dry_run", "x.py"], cwd=tmp_path)
+    assert code == 2 and "in the environment" not in err, err
+
+
 def test_every_option_reads_its_environment_variable_and_the_command_line_wins():
     """Generic over launch.params, so options added later are covered too."""
     def sample(opt):

@@ -206,3 +206,35 @@ def test_sigkill_to_the_job_process_leaves_nothing_and_is_named(launched, tmp_pa
     assert f"dslaunch: the job process {job[0].pid} was killed by SIGKILL; ended the" in err.decode()
     left = survivors(pids, within=5)
     assert left == [], describe(left) + kill(left)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("runtime", [False, True], ids=["plain", "runtime"])
+def test_ctrl_c_is_the_launchers_lines_not_a_traceback_per_rank(launched, tmp_path, runtime):
+    """SIGINT reaches every rank through the launcher: each raises KeyboardInterrupt. The
+    console shows the launcher's lines only (a script using dslaunch.runtime prints no
+    traceback at all; a plain one's is kept in its log file)."""
+    script = tmp_path / "wait.py"
+    script.write_text(("import dslaunch.runtime\n" if runtime else "") +
+                      "import time\nprint('ready', flush=True)\ntime.sleep(100)\n")
+    proc = subprocess.Popen([*DSLAUNCH, "--num_gpus", "2", "--master_port", "0", "--log_dir", str(tmp_path / "logs"),
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    launched.append(proc)
+    logs = [tmp_path / "logs" / f"rank_{r}.log" for r in (0, 1)]
+    deadline = time.monotonic() + 90
+    while not all(p.exists() and "ready" in p.read_text() for p in logs):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    err = err.decode()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert [line for line in err.splitlines() if "GPU" not in line] == [
+        "dslaunch: received SIGINT: stopping the workers (again to kill them at once, else SIGKILL after 5s)",
+        "dslaunch: stopped by SIGINT; all 2 worker(s) ended"]
+    kept = [p.read_text() for p in logs]
+    if runtime:
+        assert all("Traceback" not in k for k in kept), kept
+    else:
+        assert all(k.rstrip().endswith("KeyboardInterrupt") for k in kept), kept
