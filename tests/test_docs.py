@@ -239,6 +239,31 @@ def test_readme_links_resolve():
             assert anchor in _anchors(target), f"README links to {link}: no such heading in {target.name}"
 
 
+def test_readme_first_steps_work_as_typed():
+    """What a new user reads before the first command: where `dslaunch` is after set-up, that
+    scripts/test.sh installs system packages as root, and a quick start whose lines run the
+    train.py shown below them as it is (it takes no arguments)."""
+    text = (ROOT / "README.md").read_text()
+    first = text[:text.index("## Quick start")]
+    assert "source .venv/bin/activate" in first and ".venv/bin/dslaunch" in first
+    assert "as root" in first
+    for package in ("OpenSSH server", "pdsh", "Open MPI", "Slurm", "munge"):
+        assert package in first, package
+    quick = text.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    for line in quick.splitlines():
+        command = line.split("#")[0].split()
+        if "train.py" in command:
+            assert command[-1] == "train.py", f"the quick start's train.py takes no arguments: {line}"
+
+
+def test_no_stray_file_is_tracked_at_the_top():
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {path for path in tracked.splitlines() if "/" not in path}
+    assert top <= {".gitignore", "README.md", "mkdocs.yml", "pyproject.toml", "setup.py"}, top
+
+
 def test_readme_stays_short_and_keeps_the_two_commands():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200
