@@ -234,8 +234,11 @@ def test_bind_cores_pins_every_thread_and_save_pid(tmp_path):
 def test_torchrun_spellings(tmp_path):
     for spelling in ("--nproc_per_node", "--nproc-per-node"):
         assert json.loads(cli([spelling, "3"], tmp_path)[1])["world_size"] == 3
-    code, out, err = cli(["--master-port", "1234", "--master-addr", "127.0.0.2"], tmp_path)
-    assert (json.loads(out)["master_port"], json.loads(out)["master_addr"]) == (1234, "127.0.0.2")
+    from dist_harness import free_port
+
+    port = free_port()  # a dry run refuses a port in use on this machine: no fixed one
+    code, out, err = cli(["--master-port", str(port), "--master-addr", "127.0.0.2"], tmp_path)
+    assert (json.loads(out)["master_port"], json.loads(out)["master_addr"]) == (port, "127.0.0.2")
     assert json.loads(cli(["--standalone"], tmp_path)[1])["master_port"] != 29500  # a free port
     assert "--standalone means this machine only" in refused(["--standalone"], tmp_path, ONE)
     assert "--nnodes: dslaunch starts every node from one machine" in refused(["--nnodes", "2"], tmp_path)
