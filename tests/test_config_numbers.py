@@ -88,6 +88,11 @@ def test_a_dict_from_a_script_is_held_to_the_same_rules():
         DeepSpeedConfig.load({"train_batch_size": 2, "gradient_clipping": 10 ** 400})
     with pytest.raises(ConfigError, match=r"^config: train_batch_size: 1(0)+ is out of range \(a 64-bit integer\)$"):
         DeepSpeedConfig.load({"train_batch_size": 10 ** 20})
+    with pytest.raises(ConfigError, match=r"^config: fp16.initial_scale_power: must be between -126 and 127, "
+                                          r"got 2000$"):
+        DeepSpeedConfig.load({"train_batch_size": 2, "fp16": {"enabled": True, "initial_scale_power": 2000}})
+    with pytest.raises(ConfigError, match=r"^config: fp16.loss_scale: must be between 0 and 3.4\d*e\+38, got 1e\+300$"):
+        DeepSpeedConfig.load({"train_batch_size": 2, "fp16": {"enabled": True, "loss_scale": 1e300}})
     looped: dict = {"train_batch_size": 2}
     looped["optimizer"] = {"type": "Adam", "params": {"x": looped}}  # refers to itself: no RecursionError
     with pytest.raises(ConfigError, match=f"nested more than {MAX_DEPTH} deep"):
