@@ -8,7 +8,8 @@ engine replays the run that scripts/make_ds_compression_fixtures.py recorded wit
 init_compression, deepspeed.initialize, the training steps, redundancy_clean. Prints, per run,
 the largest relative difference of the losses, the largest absolute difference of the cleaned
 weights and of the cleaned model's output, and whether the pruning masks as trained (which
-weights, rows and heads were kept) and the cleaned shapes are the same. tests/test_compression.py asserts the same comparison (`replay`).
+weights, rows and heads were kept) and the cleaned shapes are the same.
+tests/test_compression.py asserts the same comparison (`replay`).
 No DeepSpeed is needed.
 """
 from __future__ import annotations
