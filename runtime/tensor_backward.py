@@ -2,29 +2,30 @@
 and `engine.scale(loss).backward()` in place of `engine.backward(loss)` (DeepSpeed 0.19).
 
 `engine(batch)` returns its outputs through `OutputGrads.wrap`: every output tensor that
-needs a gradient is handed back as an alias (a view of itself) with a hook on it. The
-first gradient that reaches one of these aliases in a backward pass runs the engine's
-backward prologue (the strategy learns whether this micro-step ends an accumulation
-window) and queues the epilogue on the autograd engine, which runs it once the whole
-backward pass is done (reductions at the boundary, bucket flushes, the gradient window);
-every gradient that reaches an alias is divided by the gradient accumulation steps on
-its way in, as engine.backward divides the loss.
+needs a gradient is handed back as an alias, the output of a small autograd function
+(`_OutputAlias`: the same storage, a node of its own). The first gradient that reaches one
+of these nodes in a backward pass runs the engine's backward prologue (the strategy learns
+whether this micro-step ends an accumulation window) and queues the epilogue on the
+autograd engine, which runs it once the whole backward pass is done (reductions at the
+boundary, bucket flushes, the gradient window); every gradient that reaches one is divided
+by the gradient accumulation steps on its way in, as engine.backward divides the loss.
 
 Why an alias and not a hook on the output itself (DeepSpeed hooks the outputs): a model
 that returns both a loss and the logits it was computed from (a Hugging Face model's
 ModelOutput) would have the loss's gradient divided at the loss and again at the logits,
-1/gas^2 in all (DeepSpeed 0.19.8 trains so with `loss.backward()` and accumulation). The
-alias receives only what the script's own graph sends it, so each gradient is divided
-once, whatever the script does with the outputs.
+1/gas^2 in all (DeepSpeed 0.19.8 trains so with `loss.backward()` and accumulation at ZeRO
+1 and 2). The alias receives only what the script's own graph sends it, so each gradient
+is divided once, whatever the script does with the outputs, in place or not.
 
 While any engine's `engine.backward()` runs (the module-level count below), the aliases
 neither divide nor start a prologue of their own engine: engine.backward scaled the loss
 and runs its own prologue and epilogue. Another engine whose outputs take part in that
-loss still runs its prologue and epilogue from its hooks, without dividing, as in
+loss still runs its prologue and epilogue from its aliases, without dividing, as in
 DeepSpeed (two engines, one combined loss, `engine_a.backward(loss)`).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from typing import Any, Callable, Optional
@@ -75,8 +76,26 @@ def _graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+class _OutputAlias(torch.autograd.Function):
+    """An output's alias: the same storage and version counter (so autograd still sees an
+    in-place change of it), but a node of its own in the graph, which receives exactly the
+    gradient the script's graph sends to the output. Not a view: a script may change the
+    alias in place (`loss *= k`) and this node still receives the gradient, of the value it
+    had; a view's hook would be dropped by that change."""
+
+    @staticmethod
+    def forward(ctx, t, owner):
+        ctx.owner = owner
+        return t.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        owner = ctx.owner()
+        return (grad if owner is None else owner._on_grad(grad)), None
+
+
 class OutputGrads:
-    """One engine's output aliases. `started(task)` runs the prologue and returns the epilogue
+    """One engine's output aliases. `started()` runs the prologue and returns the epilogue
     to queue; `divisor()` is the gradient accumulation steps; `own_backward()` says whether
     this engine's own engine.backward() is running."""
 
@@ -88,7 +107,7 @@ class OutputGrads:
         self._task: Optional[int] = None  # the backward pass whose prologue ran (its epilogue is queued)
 
     def wrap(self, out: Any) -> Any:
-        """`out` with every tensor that needs a gradient replaced by its hooked alias (inside
+        """`out` with every tensor that needs a gradient replaced by its alias (inside
         tuples, lists, dicts and Hugging Face ModelOutputs; other objects are returned as they
         are, as DeepSpeed leaves them unhooked)."""
         if _functorch_transforming():
@@ -106,9 +125,11 @@ class OutputGrads:
                 for k, v in changed.items():
                     out[k] = v
                 return out
-            new = out.copy()
-            new.update(changed)
-            return new
+            if type(out) in (dict, collections.OrderedDict):
+                return type(out)(changed)
+            for k, v in changed.items():  # another mapping type: its items are set in place
+                out[k] = v
+            return out
         if isinstance(out, (tuple, list)):
             items = [self._wrap(v) for v in out]
             if all(a is b for a, b in zip(items, out)):
@@ -121,15 +142,7 @@ class OutputGrads:
         return out
 
     def _alias(self, t: torch.Tensor) -> torch.Tensor:
-        alias = t.view_as(t)
-        ref = weakref.ref(self)  # the alias must not keep the engine alive
-
-        def hook(grad):
-            me = ref()
-            return grad if me is None else me._on_grad(grad)
-
-        alias.register_hook(hook)
-        return alias
+        return _OutputAlias.apply(t, weakref.ref(self))  # weak: the alias must not keep the engine alive
 
     def _on_grad(self, grad: torch.Tensor) -> torch.Tensor:
         if engine_backward_running():
