@@ -66,6 +66,33 @@ def _matrix() -> List[dict]:
 CASES: Dict[str, dict] = {case_name(c): c for c in _matrix()}
 
 
+def twin(name: str, **change) -> str:
+    """The name of the case `name` with some fields changed."""
+    return case_name(dict(CASES[name], **change))
+
+
+def _differs() -> Dict[str, tuple]:
+    out = {}
+    for name, c in CASES.items():
+        if c["variant"] == "nested" and c["style"] == "tensor" and c["stage"] in (1, 2):
+            out[name] = (twin(name, style="engine"), "DeepSpeed divides the gradient by gas at the loss and again "
+                                                     "at the output it was computed from")
+        if c["variant"] == "static" and c["style"] == "tensor":
+            out[name] = (twin(name, variant="plain"), "DeepSpeed trains an unscaled loss under a static fp16 scale")
+        if c["stage"] == 0 and c["dtype"] == "fp16" and c["style"] == "engine":
+            out[name] = (twin(name, stage=1), "DeepSpeed's stage-0 fp16 engine.backward leaves the loss unscaled "
+                                              "and its FP16_UnfusedOptimizer divides the gradients by the scale")
+        if c["stage"] == 0 and c["dtype"] == "bf16" and c["style"] == "engine":
+            out[name] = (twin(name, stage=1), "DeepSpeed's stage-0 bf16 path (FP16_UnfusedOptimizer) disagrees with "
+                                              "its own ZeRO-1 on this script")
+    return out
+
+
+# Where DeepSpeed 0.19.8's own answer is wrong: name -> (the case whose DeepSpeed answer this
+# one must give instead, why). tests/test_pytorch_style_backward.py checks both halves.
+DEEPSPEED_DIFFERS: Dict[str, tuple] = _differs()
+
+
 def make_model(seed: int = 0, hidden: int = 16, nested: bool = False):
     import torch
 

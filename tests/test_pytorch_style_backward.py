@@ -8,13 +8,15 @@ same script under DeepSpeed and recorded tests/data/ds_pystyle/expected.json. Lo
 equal DeepSpeed's within the dtype's tolerance (TOL: 1e-6 in fp32), and where DeepSpeed
 stops, we stop with its error (its message inside ours, its exception type among ours).
 
-Where DeepSpeed's answer is wrong or missing, the case is listed with its reason and must
-give the answer DeepSpeed gives on the path it gets right:
+Where DeepSpeed's answer is wrong or missing, the case is listed with its reason
+(pystyle_workload.DEEPSPEED_DIFFERS) and must give the answer DeepSpeed gives on the path it
+gets right:
   - ZeRO stage 0: DeepSpeed refuses PyTorch-style backward ("Direct calls to tensor.backward()
     are not supported ... ZeRO stage 0"); here it trains, with DeepSpeed's ZeRO-1 losses of the
     same case (the same arithmetic: in fp32 DeepSpeed's stage-0 and stage-1 engine.backward
     losses are equal). Its 16-bit stage-0 engine.backward disagrees with its own ZeRO-1 on this
-    script from the first update on, so those are held to ZeRO-1 as well.
+    script from the first update on (in fp16 it leaves the loss unscaled and divides the
+    gradients by the loss scale), so those are held to ZeRO-1 as well.
   - A model that returns (loss, output): DeepSpeed hooks both outputs and divides the loss's
     gradient by the accumulation steps at the loss and again at the output (1/gas^2) at ZeRO 1
     and 2; here it is divided once, giving engine.backward's losses.
@@ -39,21 +41,8 @@ import pystyle_workload as W  # noqa: E402  (tests/ is on sys.path under pytest)
 STAGE0_REFUSED = "Direct calls to tensor.backward() are not supported"
 
 
-def _twin(name: str, **change) -> str:
-    c = dict(W.CASES[name], **change)
-    return W.case_name(c)
-
-
-# name -> (the case whose DeepSpeed answer this one must give, why DeepSpeed's own differs)
-DIFFERS = {}
-for _n, _c in W.CASES.items():
-    if _c["variant"] == "nested" and _c["style"] == "tensor" and _c["stage"] in (1, 2):
-        DIFFERS[_n] = (_twin(_n, style="engine"), "DeepSpeed divides the gradient by gas at the loss and again at "
-                                                  "the output it was computed from")
-    if _c["variant"] == "static" and _c["style"] == "tensor":
-        DIFFERS[_n] = (_twin(_n, variant="plain"), "DeepSpeed trains an unscaled loss under a static fp16 scale")
-    if _c["stage"] == 0 and _c["dtype"] != "fp32" and _c["style"] == "engine":
-        DIFFERS[_n] = (_twin(_n, stage=1), "DeepSpeed's 16-bit stage-0 path disagrees with its ZeRO-1 here")
+_twin = W.twin
+DIFFERS = W.DEEPSPEED_DIFFERS  # name -> (the case whose DeepSpeed answer this one must give, why)
 
 
 def _expected():
