@@ -187,7 +187,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_applied = False
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
-        # PyTorch-style backward (tensor_backward.py): the outputs of forward() are hooked aliases
+        # PyTorch-style backward (tensor_backward.py): forward() returns its outputs as aliases whose
+        # gradients run this engine's backward prologue and epilogue
         self._own_backward = 0  # this engine's engine.backward() calls in progress
         self._scale_called = False  # engine.scale(loss) since the last backward the script started itself
         self._no_sync = False  # inside no_sync(): backward reduces nothing

@@ -135,7 +135,10 @@ class OutputGrads:
             if all(a is b for a, b in zip(items, out)):
                 return out
             if isinstance(out, list):
-                return type(out)(items) if type(out) is list else items
+                if type(out) is list:
+                    return items
+                out[:] = items  # another list type: its items are set in place
+                return out
             if hasattr(out, "_fields"):  # a namedtuple
                 return type(out)(*items)
             return tuple(items) if type(out) is tuple else type(out)(items)
