@@ -332,5 +332,6 @@ def test_crafted_param_shapes_are_refused_before_anything_is_allocated(tmp_path,
         consolidate.main(args=[str(ck), str(tmp_path / "o.pt")], prog_name="dslaunch consolidate")
     lines = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith(f"dslaunch consolidate: checkpoint {ck}/global_step3: param_shapes: ") and why in lines[0]
+    assert lines[0].startswith(f"dslaunch consolidate: checkpoint {ck}/global_step3: param_shapes: ")
+    assert why in lines[0]
     assert not (tmp_path / "o.pt").exists()

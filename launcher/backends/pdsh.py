@@ -15,10 +15,10 @@ every local user in /proc/*/cmdline, on the head and on each node. So:
 - the file also holds a TCP port on the head and a one-time token: the agent connects back
   (to the address in $SSH_CONNECTION, i.e. the head as the node sees it) and the heartbeat
   pings and the stop travel over that socket, since pdsh has no stdin to carry them. The
-  token itself never crosses the network: each side proves it knows it with an HMAC of
-  the other side's fresh nonce (protocol.py), the agent first, and the agent runs nothing
-  until the head has proved it, so a listener that took the port over gets no token and
-  starts no worker.
+  token itself never crosses the network: each side proves it knows it with an HMAC,
+  keyed by the token, of a fresh nonce the agent picks (protocol.py), the agent first;
+  the agent runs nothing until the head has proved it, so a listener that took the port
+  over gets no token and starts no worker.
 The agents' events come back through pdsh's `host: line` output and are demultiplexed per
 node; supervision is then the same Head as for ssh.
 """
@@ -97,6 +97,7 @@ class _PdshGroup:
         self.port = self.server.getsockname()[1]
         self.proc: Optional[subprocess.Popen] = None
         self._started = 0
+        self._finished = False
         self._lock = threading.Lock()
 
     def request_path(self, index: int) -> str:
@@ -178,6 +179,10 @@ class _PdshGroup:
             link.connected.set()
 
     def finish(self) -> None:
+        with self._lock:  # the last two links may close at once: the folder's descriptor is closed once
+            if self._finished:
+                return
+            self._finished = True
         self.server.close()
         if self.proc is not None and self.proc.poll() is None:
             try:
