@@ -15,10 +15,15 @@ from typing import List, Optional, Sequence, Tuple
 
 from dslaunch.launcher.errors import LaunchConfigError
 
+# Linux numbers CPUs below NR_CPUS, at most 8192 (CONFIG_MAXSMP); the bound also keeps a
+# range such as 0-100000000 from being expanded into a hundred million numbers
+MAX_CORE = 8191
+
 
 def parse_core_list(text: str, option: str = "--bind_core_list") -> List[int]:
-    """"0,2-4,7" -> [0, 2, 3, 4, 7]; order kept, duplicates refused."""
+    """"0,2-4,7" -> [0, 2, 3, 4, 7]; order kept, duplicates refused, no number above MAX_CORE."""
     cores: List[int] = []
+    seen = set()
     for part in text.split(","):
         part = part.strip()
         lo, dash, hi = part.partition("-")
@@ -27,9 +32,13 @@ def parse_core_list(text: str, option: str = "--bind_core_list") -> List[int]:
         first, last = int(lo), int(hi) if dash else int(lo)
         if last < first:
             raise LaunchConfigError(f"{option} {text!r}: range {part!r} runs backwards")
+        if last > MAX_CORE:
+            raise LaunchConfigError(f"{option} {text!r}: core {last} is beyond {MAX_CORE}, the highest CPU number "
+                                    "Linux can have")
         for c in range(first, last + 1):
-            if c in cores:
+            if c in seen:
                 raise LaunchConfigError(f"{option} {text!r}: core {c} named twice")
+            seen.add(c)
             cores.append(c)
     return cores
 

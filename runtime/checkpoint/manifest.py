@@ -13,9 +13,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict
 
+from dslaunch.launcher.bounded_read import read_bounded
+
 from .errors import CheckpointError
 from .files import CHECKSUM, FileRecord, file_record
 from .layout import MANIFEST
+
+MANIFEST_LIMIT = 64 << 20  # a few hundred bytes per file listed: room for a hundred thousand files
 
 FORMAT = "dslaunch-checkpoint/2"
 
@@ -46,9 +50,8 @@ class Manifest:
             raise CheckpointError(f"checkpoint {path} does not exist")
         mpath = os.path.join(path, MANIFEST)
         try:
-            with open(mpath) as fh:
-                d = json.load(fh)
-        except (OSError, ValueError):
+            d = json.loads(read_bounded(mpath, MANIFEST_LIMIT, "checkpoint manifest", CheckpointError))
+        except (OSError, ValueError, RecursionError):  # read_bounded's own refusals pass through
             raise CheckpointError(f"checkpoint {path} is incomplete or damaged: "
                                   f"{MANIFEST} is missing or unreadable") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
