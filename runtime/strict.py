@@ -28,8 +28,10 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from dslaunch.launcher.errors import OneLineMessage
 
-class ConfigError(ValueError):
+
+class ConfigError(OneLineMessage, ValueError):
     """A config problem, already phrased as the one line the user should see."""
 
 
