@@ -4,6 +4,7 @@ side by side in one run, against the memory bound measured in the same run.
 
     .venv/bin/python scripts/bench_adam.py [--threads 2] [--sizes 10M,100M] [--tensors 1,200]
                                            [--rounds 15] [--isas avx512,avx2] [--no-default] [--cuda]
+    .venv/bin/python scripts/bench_adam.py --cuda-only [--dtypes fp32,bf16] [--deepspeed] [--json FILE]
 
 The bound: scripts/stream_probe.cpp, compiled by the same builder (torch.utils.cpp_extension,
 the best instruction set's flags), streams the very same arrays with the kernels' threads and
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import os
 import statistics
 import tempfile
@@ -184,19 +186,45 @@ def bench_cpu(probe, total, pieces, rounds, threads, isas, slow):
     return wall, cpu, bound
 
 
-def bench_cuda(total: int, pieces: int, iters: int):
-    """GPU: FusedAdam vs torch AdamW(fused=True), with the HBM bound from x.mul_ on the device."""
+def deepspeed_fused_adam():
+    """DeepSpeed's FusedAdam class when a real DeepSpeed is importable (not dslaunch's
+    compatibility package), else None; it JIT-builds its CUDA op on first use."""
+    try:
+        import deepspeed
+        from deepspeed.ops.adam import FusedAdam as DSFusedAdam
+    except Exception:
+        return None
+    return None if hasattr(deepspeed, "_aliases") else DSFusedAdam
+
+
+def bench_cuda(total: int, pieces: int, iters: int, dtype=torch.float32, with_deepspeed: bool = False):
+    """GPU: FusedAdam vs torch AdamW(fused=True) (and DeepSpeed's FusedAdam when asked and
+    importable), parameters and gradients in `dtype`, fp32 states; each round steps every
+    contender once, in turn. The HBM bound comes from x.mul_ on the device in the same rounds;
+    Adam moves 2 (dtype bytes) x 2 (p read+write) + grad read + 16 bytes of fp32 states."""
     from dslaunch.kernels import FusedAdam
 
     sizes = split(total, pieces)
-    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-2
-    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for q, p in zip(clones, params):
-        q.grad = p.grad
-    ours, theirs = FusedAdam(params, lr=1e-3), torch.optim.AdamW(clones, lr=1e-3, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base = [torch.randn(n, device="cuda", generator=gen).to(dtype) for n in sizes]
+    grads = [(torch.randn(n, device="cuda", generator=gen) * 1e-2).to(dtype) for n in sizes]
+
+    def fresh():
+        ps = [torch.nn.Parameter(b.clone()) for b in base]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        return ps
+
+    fns = {}
+    ours = FusedAdam(fresh(), lr=1e-3, weight_decay=1e-2)
+    theirs = torch.optim.AdamW(fresh(), lr=1e-3, weight_decay=1e-2, fused=True)
+    fns["dslaunch FusedAdam"] = ours.step
+    fns["torch AdamW(fused=True)"] = theirs.step
+    DS = deepspeed_fused_adam() if with_deepspeed else None
+    if DS is not None:
+        fns["DeepSpeed FusedAdam"] = DS(fresh(), lr=1e-3, weight_decay=1e-2, adam_w_mode=True).step
     probe = torch.ones(4 * total, device="cuda")
+    fns["probe"] = lambda: probe.mul_(1.0000001)
 
     def timed(fn):
         def run():
@@ -204,11 +232,36 @@ def bench_cuda(total: int, pieces: int, iters: int):
             torch.cuda.synchronize()
         return run
 
-    times, _ = interleaved({"probe": timed(lambda: probe.mul_(1.0000001)), "dslaunch FusedAdam": timed(ours.step),
-                            "torch AdamW(fused=True)": timed(theirs.step)}, iters, 1)
+    times, _ = interleaved({k: timed(f) for k, f in fns.items()}, iters, 1)
     wall = {name: statistics.median(t) for name, t in times.items()}
     bw = 2 * probe.nbytes / wall.pop("probe")
-    return wall, {k: 28 * total / bw for k in wall}, bw
+    per_param = 2 * (torch.finfo(dtype).bits // 8) + torch.finfo(dtype).bits // 8 + 16
+    return wall, {k: per_param * total / bw for k in wall}, bw
+
+
+def cuda_rows(sizes, tensors, dtypes, rounds, with_deepspeed):
+    """Every (size, tensors, dtype) case on the GPU: printed, and returned as JSON-ready rows."""
+    out = []
+    for size in sizes:
+        for pieces in tensors:
+            for dtype in dtypes:
+                rows, bound, bw = bench_cuda(size, pieces, rounds, dtype, with_deepspeed)
+                print(f"\n== GPU ({torch.cuda.get_device_name()}): {size:,} {str(dtype)[6:]} parameters in {pieces} "
+                      f"tensor(s), median of {rounds} rounds; HBM read-write {bw / 1e9:.0f} GB/s")
+                for name, t in rows.items():
+                    print(f"   {name:38s} {t * 1000:8.3f} ms {100 * bound[name] / t:6.0f}% of bound")
+                ratio = rows["torch AdamW(fused=True)"] / rows["dslaunch FusedAdam"]
+                print(f"   ours vs torch fused: {ratio:.2f}x (above 1: faster)")
+                rec = {"params": size, "tensors": pieces, "dtype": str(dtype)[6:], "rounds": rounds,
+                       "hbm_gbps": bw / 1e9, "ms": {k: v * 1e3 for k, v in rows.items()},
+                       "of_bound": {k: bound[k] / v for k, v in rows.items()}, "ours_vs_torch_fused": ratio}
+                if "DeepSpeed FusedAdam" in rows:
+                    rec["ours_vs_deepspeed"] = rows["DeepSpeed FusedAdam"] / rows["dslaunch FusedAdam"]
+                    print(f"   ours vs DeepSpeed FusedAdam: {rec['ours_vs_deepspeed']:.2f}x")
+                out.append(rec)
+                gc.collect()
+                torch.cuda.empty_cache()
+    return out
 
 
 def build_times():
@@ -253,7 +306,23 @@ def main() -> None:
     ap.add_argument("--isas", default="", help="instruction sets of our ops (default: all this CPU runs but scalar)")
     ap.add_argument("--cuda", action="store_true", help="also benchmark FusedAdam on the GPU")
     ap.add_argument("--no-default", action="store_true", help="skip torch's slow default AdamW and foreach Lion")
+    ap.add_argument("--cuda-only", action="store_true", help="only the GPU rows (implies --cuda)")
+    ap.add_argument("--dtypes", default="fp32", help="parameter dtypes of the GPU rows: fp32,bf16,fp16")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="GPU rows also step DeepSpeed's FusedAdam, when a real DeepSpeed is importable")
+    ap.add_argument("--json", default="", help="write the GPU rows to this file")
     args = ap.parse_args()
+    if args.cuda_only:
+        dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes.split(",")]
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_adam: --cuda-only: torch sees no CUDA device")
+        rows = cuda_rows([parse_count(s) for s in args.sizes.split(",")], [int(x) for x in args.tensors.split(",")],
+                         dtypes, args.rounds or 20, args.deepspeed)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "deepspeed": bool(args.deepspeed and deepspeed_fused_adam()), "rows": rows}, fh, indent=1)
+        return
     runs = [level for level in builder.ISA_LEVELS if builder._ISA_NEEDS[level] <= builder.cpu_flags()]
     isas = [i for i in args.isas.split(",") if i] or [level for level in runs if level != "scalar"] or ["scalar"]
     for isa in isas:
@@ -277,11 +346,7 @@ def main() -> None:
                 report(what, *bench_cpu(probe, size, pieces, rounds, args.threads, isas, not args.no_default))
                 gc.collect()
                 if args.cuda and torch.cuda.is_available():
-                    rows, bound, bw = bench_cuda(size, pieces, 20)
-                    print(f"   GPU ({torch.cuda.get_device_name()}), HBM read-write {bw / 1e9:.0f} GB/s:")
-                    for name, t in rows.items():
-                        print(f"   {name:38s} {t * 1000:8.2f} {100 * bound[name] / t:8.0f}%")
-                    print(f"   ours vs torch fused: {rows['torch AdamW(fused=True)'] / rows['dslaunch FusedAdam']:.2f}x")
+                    cuda_rows([size], [pieces], [torch.float32], 20, args.deepspeed)
 
 
 def _cpu_model() -> str:

@@ -295,6 +295,9 @@ def main(argv=None):
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--summary-json", default="",
+                    help="without the benchmark protocol: also write every step's seconds and loss, the parameter "
+                         "count and the peak memories (GPU allocator, host resident set) to this file")
     args = ap.parse_args(argv)
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -328,7 +331,7 @@ def main(argv=None):
     bench = os.environ.get("BENCH_FD")
     report = os.fdopen(int(bench), "w", buffering=1) if bench else None
     step = 0
-    losses = []
+    losses, step_seconds = [], []
     while True:
         if report is not None:
             cmd = sys.stdin.readline().strip()
@@ -373,6 +376,7 @@ def main(argv=None):
         msg["seconds"] = time.perf_counter() - t0
         msg["loss"] = loss_sum / gas
         losses.append(msg["loss"])
+        step_seconds.append(msg["seconds"])
         if step == 0:
             msg["first_step_done_s"] = time.time() - spawned
             msg["params"], msg["param_numels"] = n_params, numels
@@ -387,6 +391,12 @@ def main(argv=None):
         report.close()
     elif rank == 0:
         print(f"{args.impl}: losses " + " ".join(f"{v:.4f}" for v in losses), flush=True)
+        if args.summary_json:
+            summary = dict(final, impl=args.impl, params=n_params, losses=losses, step_seconds=step_seconds,
+                           tokens_per_step=micro * gas * args.block * int(os.environ.get("WORLD_SIZE", "1")),
+                           peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            with open(args.summary_json, "w") as fh:
+                json.dump(summary, fh)
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -383,6 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated rows, e.g. 0-fp32,2-bf16-cpu")
     ap.add_argument("--deepspeed-python", default=os.environ.get("DEEPSPEED_PYTHON", sys.executable))
     ap.add_argument("--torch-refs", action="store_true", help="FSDP2 in stage-3 rows even with DeepSpeed")
+    ap.add_argument("--lean", action="store_true",
+                    help="only ours, DeepSpeed and the compute floor (no stage-0 or torch references): for large models")
     ap.add_argument("--cuda", action="store_true", help="NCCL on one GPU per rank; device memory")
     ap.add_argument("--json", default="", help="also write every row's figures to this file")
     ap.add_argument("--workdir", default="",
@@ -464,11 +466,13 @@ def main(argv=None) -> int:
         if ds:
             group.append(ds)
         st0 = Contender("dslaunch stage 0", "dslaunch", sys.executable, cfg_file(Row(0, row.dtype), "st0")) \
-            if row.stage > 0 else None
+            if row.stage > 0 and not args.lean else None
         if st0:
             group.append(st0)
         ref = None
-        if row.stage == 0 and row.dtype == "fp32":
+        if args.lean:
+            pass
+        elif row.stage == 0 and row.dtype == "fp32":
             ref = Contender("torch DDP", "ddp", sys.executable, ours.cfg_path)
         elif row.stage == 3 and row.offload == "none" and (not have_ds or args.torch_refs):
             ref = Contender("torch FSDP2", "fsdp2", sys.executable, ours.cfg_path)

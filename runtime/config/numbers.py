@@ -147,7 +147,7 @@ FLAG = Flag()
 # Every argument of the optimizers built by name (runtime/optim.py: DeepSpeed's and torch.optim's).
 OPTIMIZER_PARAMS: Dict[str, Any] = {
     "lr": NON_NEGATIVE,
-    "weight_decay": NON_NEGATIVE,
+    "weight_decay": Num(low=0, optional=True),  # null: the class's own default (Adam with torch_adam)
     "eps": NON_NEGATIVE,
     "betas": Pair(BETA, BETA),
     "momentum": NON_NEGATIVE,  # SGD, RMSprop
