@@ -47,9 +47,9 @@ def parse_nnodes(text: str) -> Tuple[int, int]:
     node count started by one torchrun per node, which dslaunch does from one machine."""
     lo, colon, hi = text.partition(":")
     if not colon:
-        raise LaunchConfigError(f"--nnodes {text}: dslaunch starts every node from one machine: list the hosts in "
-                                "--hostfile (--num_nodes N uses the first N) and run dslaunch once; "
-                                "--nnodes MIN:MAX makes the job elastic")
+        raise LaunchConfigError("--nnodes: dslaunch starts every node from one machine: list the hosts in "
+                                "--hostfile (--num_nodes N uses the first N) and run dslaunch once "
+                                "(--nnodes MIN:MAX: an elastic job of MIN to MAX hosts)")
     try:
         return int(lo), int(hi)
     except ValueError:
@@ -71,12 +71,12 @@ def resolve_spec(min_nodes: Optional[int], max_nodes: Optional[int], pool: int,
     for name, value in (("--min_nodes", lo), ("--max_nodes", hi)):
         if value < 1:
             raise LaunchConfigError(f"{name} {value}: must be at least 1")
-    if lo > hi:
-        raise LaunchConfigError(f"--min_nodes {lo} is above --max_nodes {hi}")
     if lo > pool:
         raise LaunchConfigError(f"--min_nodes {lo}: the hostfile lists only {pool} host(s)")
     if hi > pool:
         raise LaunchConfigError(f"--max_nodes {hi}: the hostfile lists only {pool} host(s)")
+    if lo > hi:
+        raise LaunchConfigError(f"--min_nodes {lo} is above --max_nodes {hi}")
     return ElasticSpec(lo, hi)
 
 

@@ -70,7 +70,7 @@ else:
             return F.mse_loss(self.seq(inputs), target)
 
     engine, _, loader, _ = deepspeed.initialize(model=Net(), config=config, training_data=data)
-    acc = 0.0
+    acc, mean = 0.0, None
     for inputs, target in loader:
         if engine.micro_steps % engine.gradient_accumulation_steps() == 0:
             wait_for(engine.global_steps + 1)
@@ -80,10 +80,12 @@ else:
         if engine.is_gradient_accumulation_boundary():
             mean = torch.tensor([acc / engine.gradient_accumulation_steps()])
             deepspeed.comm.all_reduce(mean, group=engine.dp_group, label="test: step loss")
-            if rank == 0:
-                print(f"step {engine.global_steps + 1} loss {float(mean) / engine.dp_world_size:.10f} "
-                      f"world {engine.world_size}", flush=True)
             acc = 0.0
         engine.step()
+        if mean is not None:  # printed once the step is done
+            if rank == 0:
+                print(f"step {engine.global_steps} loss {float(mean) / engine.dp_world_size:.10f} "
+                      f"world {engine.world_size}", flush=True)
+            mean = None
         if engine.global_steps >= total:
             break
