@@ -19,7 +19,7 @@ A worker that stops for a resize (after saving) exits with RESIZE_EXIT_CODE.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dslaunch.launcher.errors import LaunchConfigError
@@ -82,28 +82,57 @@ def resolve_spec(min_nodes: Optional[int], max_nodes: Optional[int], pool: int,
 
 @dataclass(frozen=True)
 class Facts:
-    """What the runtime reported about the job's batch: for each world size it can run at,
-    (micro batch, accumulation steps). Empty: nothing reported (a script without the
-    runtime, or not started yet); then every world size is tried."""
+    """What the runtime reported about the job's batch, in one of two forms:
+    - a rule (no `elasticity` section): the global batch, the micro batch and the model-parallel
+      degree; a world size can run when its data ranks (world / model) split the batch into
+      whole micro batches, with accumulation batch / (micro x data ranks);
+    - `sizes` (an `elasticity` section): world size -> (micro batch, accumulation), the sizes
+      its rules allow.
+    Neither: nothing reported (a script without the runtime, or not started yet); then every
+    world size is tried."""
 
-    sizes: Mapping[int, Tuple[int, int]]
+    sizes: Mapping[int, Tuple[int, int]] = field(default_factory=dict)
+    batch: Optional[int] = None
+    micro: Optional[int] = None
+    model: int = 1
 
     @classmethod
     def from_report(cls, report: Optional[Mapping]) -> "Facts":
+        report = dict(report or {})
         sizes: Dict[int, Tuple[int, int]] = {}
-        for k, v in dict((report or {}).get("sizes") or {}).items():
+        for k, v in dict(report.get("sizes") or {}).items():
             try:
                 sizes[int(k)] = (int(v[0]), int(v[1]))
             except (TypeError, ValueError, IndexError):
                 continue
-        return cls(sizes)
+        try:
+            batch, micro, model = int(report["batch"]), int(report["micro"]), int(report.get("model", 1))
+        except (KeyError, TypeError, ValueError):
+            return cls(sizes)
+        if batch < 1 or micro < 1 or model < 1:
+            return cls(sizes)
+        return cls(sizes, batch, micro, model)
+
+    def _split(self, world: int) -> Optional[Tuple[int, int]]:
+        if self.batch is not None:
+            if world % self.model or self.batch % (self.micro * (world // self.model)):
+                return None
+            return self.micro, self.batch // (self.micro * (world // self.model))
+        return self.sizes.get(world)
 
     def allows(self, world: int) -> bool:
-        return not self.sizes or world in self.sizes
+        return (self.batch is None and not self.sizes) or self._split(world) is not None
 
     def accumulation(self, world: int) -> Optional[int]:
-        got = self.sizes.get(world)
+        got = self._split(world)
         return got[1] if got else None
+
+    def describe(self) -> str:
+        if self.batch is not None:
+            model = f" (model-parallel degree {self.model})" if self.model > 1 else ""
+            return f"the global batch {self.batch} must split into micro batches of {self.micro} per data rank{model}"
+        return "the config's elasticity section allows world sizes " + (", ".join(str(w) for w in sorted(self.sizes))
+                                                                         or "none")
 
 
 @dataclass(frozen=True)
@@ -132,10 +161,8 @@ def why_no_choice(candidates: Sequence[str], slots: Mapping[str, int], spec: Ela
         return f"{len(candidates)} host(s) left, below --min_nodes {spec.min_nodes}"
     worlds = sorted({sum(slots[h] for h in candidates[:k])
                      for k in range(spec.min_nodes, min(spec.max_nodes, len(candidates)) + 1)})
-    valid = ", ".join(str(w) for w in sorted(facts.sizes)) or "none"
     return (f"the batch allows no world size of {', '.join(str(w) for w in worlds)} rank(s) on the hosts left "
-            f"(it allows {valid}: the global batch must split into whole micro batches per data-parallel rank, "
-            "or the config's elasticity section must list the size)")
+            f"({facts.describe()})")
 
 
 def steps(n: Optional[int]) -> str:

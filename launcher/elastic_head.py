@@ -35,7 +35,7 @@ from dslaunch.launcher import elastic
 from dslaunch.launcher.attempts import StopSignals
 from dslaunch.launcher.control import ControlServer, Request
 from dslaunch.launcher.elastic import Facts, choose_hosts, in_order, resume_clause, steps
-from dslaunch.launcher.failure import Failure
+from dslaunch.launcher.failure import HOST_FAILURE_CODE, Failure
 from dslaunch.launcher.head import AgentLink, Head
 from dslaunch.launcher.output import AttemptSummary
 from dslaunch.launcher.plan import LaunchPlan, NodePlan
@@ -237,25 +237,29 @@ class ElasticHead(Head):
                 if self._stop_probing.is_set():
                     return
                 ok = self._probe(target)
+                msg = None
                 with self._lock:
                     away = self._away[target]
                     if not ok:
                         away.seen_down = True
-                        continue
-                    if target in self._leaving and not away.seen_down:
-                        continue  # still shutting down: not back until it was gone
-                    self._leaving.discard(target)
-                    self._back.add(target)
-                    if self._every:
-                        self._ask("grow")
-                        nxt = elastic.steps(-(-self.step // self._every) * self._every) if self.step else "?"
-                        msg = f"{_name(target)} answers again: it joins at the next checkpoint (step {nxt})"
+                    elif target in self._leaving and not away.seen_down:
+                        pass  # it is still shutting down: back only once it was gone
                     else:
-                        msg = f"{_name(target)} answers again: it joins when the job next restarts (no --checkpoint_dir)"
-                if len(self._back) >= room:
-                    todo = []
-                self.output.say(msg)
-                self._wake()
+                        self._leaving.discard(target)
+                        self._back.add(target)
+                        if self._every:
+                            self._ask("grow")
+                            nxt = steps(-(-self.step // self._every) * self._every) if self.step else "?"
+                            msg = f"{_name(target)} answers again: it joins at the next checkpoint (step {nxt})"
+                        else:
+                            msg = (f"{_name(target)} answers again: it joins when the job next restarts "
+                                   "(no --checkpoint_dir)")
+                    full = len(self._back) >= room
+                if msg is not None:
+                    self.output.say(msg)
+                    self._wake()
+                if full:
+                    break
 
     # -- the job -----------------------------------------------------------------------------
     def run(self) -> int:
@@ -351,7 +355,7 @@ class ElasticHead(Head):
             choice = choose_hosts(candidates, slots, self.spec, facts)
             if choice is None:
                 self.output.say(f"{event}; {elastic.why_no_choice(candidates, slots, self.spec, facts)}: giving up")
-                return result.exit_code if result.failure is not None else 255
+                return elastic_failure_code(result)
             joined = {t for t in choice.hosts if t not in current}
             with self._lock:
                 self._back -= set(choice.hosts)
@@ -366,3 +370,11 @@ class ElasticHead(Head):
             self.output.say(f"{event}; " + resume_clause(len(choice.hosts), self.spec.max_nodes, saved,
                                                          bool(o.checkpoint_dir), gas))
             self.plan = self._rebuild(choice.hosts)
+
+
+def elastic_failure_code(result) -> int:
+    """The exit code of a job that cannot go on: a lost host's (255, as ssh), else the
+    failed worker's, else 255 (a drain that left too few hosts)."""
+    if result.lost or result.failure is None:
+        return HOST_FAILURE_CODE
+    return result.failure.exit_code

@@ -75,12 +75,17 @@ class ResizeDriver:
         return cls(engine, env) if env.active else None
 
     def facts(self) -> dict:
+        """What the launcher needs to plan only sizes this job can run at (launcher/elastic.py Facts)."""
         e = self.engine
         if self.env.base_world is None:
             return {}
-        table = resize_batch.world_table(e.config, e.world_size, e.dp_world_size, self.env.base_world,
-                                         self.env.max_world or max(e.world_size, self.env.base_world))
-        return {"sizes": {str(w): list(v) for w, v in table.items()}}
+        model = e.world_size // e.dp_world_size
+        if e.config.elasticity.enabled:
+            table = resize_batch.world_table(e.config, e.world_size, e.dp_world_size, self.env.base_world,
+                                             self.env.max_world or max(e.world_size, self.env.base_world))
+            return {"sizes": {str(w): list(v) for w, v in table.items()}, "model": model}
+        b = e.batch
+        return {"batch": b.train_batch_size, "micro": b.micro_batch_per_gpu, "model": model}
 
     # -- initialize() ------------------------------------------------------------------------
     def resume(self) -> None:
