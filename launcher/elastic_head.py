@@ -251,6 +251,9 @@ class ElasticHead(Head):
                             self._ask("grow")
                             nxt = steps(-(-self.step // self._every) * self._every) if self.step else "?"
                             msg = f"{_name(target)} answers again: it joins at the next checkpoint (step {nxt})"
+                        elif self.plan.options.checkpoint_dir:
+                            self._ask("grow")  # no periodic checkpoints: the runtime saves at the next step
+                            msg = f"{_name(target)} answers again: it joins after a checkpoint at the next step"
                         else:
                             msg = (f"{_name(target)} answers again: it joins when the job next restarts "
                                    "(no --checkpoint_dir)")

@@ -60,9 +60,9 @@ def test_the_cli_spellings_reach_the_same_options(tmp_path):
     (tmp_path / "hosts").write_text("a slots=2\nb slots=2\nc slots=2\n")
     (tmp_path / "t.py").write_text("")
 
-    def plan(*args):
+    def plan(*args, env=None):
         r = CliRunner().invoke(launch, ["-H", str(tmp_path / "hosts"), "--dry_run", "--json", *args, str(tmp_path / "t.py")],
-                               prog_name="dslaunch")
+                               prog_name="dslaunch", env=env)
         return r.exit_code, (json.loads(r.stdout) if r.exit_code == 0 else r.stderr)
 
     for args in (["--min_nodes", "2", "--max_nodes", "3"], ["--nnodes", "2:3"],
@@ -75,6 +75,8 @@ def test_the_cli_spellings_reach_the_same_options(tmp_path):
     assert d["num_nodes"] == 2 and d["elastic"]["min_nodes"] == 1
     assert env["DSLAUNCH_SAVE_DIR"] == str(tmp_path / "ck") or env["DSLAUNCH_SAVE_DIR"].endswith("/ck")
     assert (env["DSLAUNCH_SAVE_EVERY"], env["DSLAUNCH_BASE_WORLD_SIZE"], env["DSLAUNCH_MAX_WORLD_SIZE"]) == ("5", "4", "4")
+    code, d = plan(env={"DSLAUNCH_MIN_NODES": "2", "DSLAUNCH_CHECKPOINT_DIR": "/ck", "DSLAUNCH_CHECKPOINT_EVERY": "7"})
+    assert code == 0 and d["elastic"] == {"min_nodes": 2, "max_nodes": 3, "checkpoint_dir": "/ck", "checkpoint_every": 7}
     code, err = plan("--nnodes", "1:3", "--min_nodes", "2")
     assert code == 2 and "--nnodes 1:3 and --min_nodes 2 disagree" in err
     code, err = plan("--min_nodes", "2", "--launcher", "pdsh")
