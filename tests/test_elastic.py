@@ -427,3 +427,124 @@ def test_agent_forwards_progress_and_drain_and_sigterm_asks_to_leave():
         if agent.poll() is None:
             agent.kill()
         agent.wait()
+
+
+# ------------------------------------------------------------------------ the head's decisions, scripted
+
+class _Said:
+    def __init__(self):
+        self.lines = []
+
+    def say(self, text):
+        self.lines.append(text)
+
+    def summary(self, s):
+        self.lines.append(f"summary: {s.failure.describe()}")
+
+    def start_attempt(self, *a):
+        pass
+
+
+def _scripted_head(tmp_path, results, min_nodes=1, probe=lambda t: False):
+    from dslaunch.launcher.elastic_head import ElasticHead
+    from dslaunch.launcher.machine import MachineFacts
+    from dslaunch.launcher.options import LaunchOptions
+    from dslaunch.launcher.plan import build_plan
+
+    (tmp_path / "hosts").write_text("h1 slots=2\nh2 slots=2\nh3 slots=2\n")
+    facts = MachineFacts(0, None, 2, ("box",), python="/usr/bin/python3", cwd=str(tmp_path), home=str(tmp_path))
+    opts = LaunchOptions("t.py", hostfile=str(tmp_path / "hosts"), min_nodes=min_nodes, max_restarts=1,
+                         checkpoint_dir="ck", checkpoint_every=4, master_port=29999)
+    plan = build_plan(opts, facts, {}, run_id="r")
+
+    def rebuild(targets):
+        return build_plan(opts, facts, {}, run_id="r", only_hosts=list(targets), base_world=6)
+
+    class Head(ElasticHead):
+        def _attempt(self, restart):
+            self.ran.append(tuple(n.target for n in self.plan.nodes))
+            step = results.pop(0)
+            return step(self) if callable(step) else step
+
+    head = Head(plan, lambda nodes: [], _Said(), None, rebuild=rebuild,
+                pool=lambda: [("h1", 2), ("h2", 2), ("h3", 2)], probe=probe)
+    head.ran = []
+    head.facts = Facts.from_report({"batch": 12, "micro": 1, "model": 1})
+    return head
+
+
+class _NoSignal:
+    first = None
+
+
+def test_the_head_shrinks_on_a_loss_restarts_on_a_failure_and_gives_up_below_min(tmp_path):
+    from dslaunch.launcher.attempts import AttemptResult
+    from dslaunch.launcher.failure import Failure, host_failure
+
+    def lost(host, why, step, saved):
+        def result(head):
+            head.step, head.saved = step, saved
+            f = host_failure(host, why)
+            return AttemptResult(255, f, None, {}, 6, lost={host: why})
+        return result
+
+    crash = Failure(0, "h1:0", 3)
+    head = _scripted_head(tmp_path, [
+        lost("h3", "lost: nothing from its agent for 10s (--heartbeat_timeout 10; ...)", 1240, 1200),
+        AttemptResult(3, crash, None, {}, 4),  # a worker failed on a host that is still there: same hosts
+        lost("h2", "lost its node agent (the connection dropped or the agent died)", 1300, 1296),
+        lost("h1", "lost its node agent (the connection dropped or the agent died)", 1310, 1300),
+    ])
+    assert head._run(_NoSignal()) == 255
+    assert head.ran == [("h1", "h2", "h3"), ("h1", "h2"), ("h1", "h2"), ("h1",)]
+    said = head.output.lines
+    assert "host h3 lost at step 1,240 (no heartbeat for 10 s); resuming on 2 of 3 hosts from step 1,200, " \
+           "accumulation 2 -> 3" in said
+    assert "summary: h1:0 failed first: exited with code 3" in said and "restarting every worker (restart 1 of 1)" in said
+    assert "host h2 lost at step 1,300 (its agent's connection dropped); resuming on 1 of 3 hosts from step " \
+           "1,296, accumulation 3 -> 6" in said
+    assert said[-1] == "host h1 lost at step 1,310 (its agent's connection dropped); 0 host(s) left, below " \
+                       "--min_nodes 1: giving up"
+
+
+def test_the_head_drops_a_drained_host_and_takes_back_one_that_answers(tmp_path):
+    from dslaunch.launcher.attempts import AttemptResult
+    from dslaunch.launcher.control import Request
+
+    def drained(head):
+        ok, text = head._control(Request("drain", "h2"))
+        assert ok and text == "draining h2: the job saves at the next step boundary and goes on on 2 host(s)"
+        assert head._control(Request("drain", "h9"))[1] == "h9: not a host of job r (its hosts: h1, h2, h3)"
+        assert head._control(Request("undrain", "h3"))[1] == "h3 is not drained"
+        head.step = head.saved = 77
+        return AttemptResult(0, None, None, {}, 6, resized=True)
+
+    def grown(head):
+        assert head._control(Request("drain", "h1"))[1] == "draining h1 would leave 1 host(s), below --min_nodes 2"
+        assert head._control(Request("undrain", "h2"))[0]
+        head._back.add("h2")
+        head.step = head.saved = 80
+        return AttemptResult(0, None, None, {}, 4, resized=True)
+
+    head = _scripted_head(tmp_path, [drained, grown, AttemptResult(0, None, None, {}, 6)], min_nodes=2)
+    assert head._run(_NoSignal()) == 0
+    assert head.ran == [("h1", "h2", "h3"), ("h1", "h3"), ("h1", "h2", "h3")]
+    said = head.output.lines
+    assert "host h2 drained at step 77; resuming on 2 of 3 hosts from step 77, accumulation 2 -> 3" in said
+    assert "h2 is back; growing to 3 hosts at step 80; resuming on 3 of 3 hosts from step 80, accumulation 3 -> 2" \
+        in said
+
+
+def test_the_head_plans_only_sizes_the_batch_allows(tmp_path):
+    from dslaunch.launcher.attempts import AttemptResult
+    from dslaunch.launcher.failure import host_failure
+
+    def lost_h3(head):
+        head.facts = Facts.from_report({"sizes": {"6": [1, 2], "2": [1, 6]}})  # an elasticity section's list
+        head.step, head.saved = 9, 8
+        return AttemptResult(255, host_failure("h3", "x"), None, {}, 6, lost={"h3": "x"})
+
+    head = _scripted_head(tmp_path, [lost_h3, AttemptResult(0, None, None, {}, 2)])
+    assert head._run(_NoSignal()) == 0
+    assert head.ran[-1] == ("h1",)  # 4 ranks are not allowed; 2 are
+    assert "host h3 lost at step 9 (x); resuming on 1 of 3 hosts from step 8, accumulation 2 -> 6" in head.output.lines
