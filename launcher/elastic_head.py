@@ -83,6 +83,8 @@ class ElasticHead(Head):
         self._leaving: Set[str] = set()  # asked to leave (SIGTERM to its agent)
         self._back: Set[str] = set()  # answered again: join at the next resize
         self._asks: List[bytes] = []  # requests for every agent, sent on the loop's next turn
+        self._unasked: Set[int] = set()  # links that have not yet passed the last request to their workers
+        self._notes: List[str] = []  # said once they all have
         self._resize: Optional[str] = None  # "drain" | "grow": what the workers were asked to stop for
         self._asked_at: Optional[float] = None
         self._forced = False
@@ -151,15 +153,22 @@ class ElasticHead(Head):
                 return False, (f"draining {request.host} would leave {len(left)} host(s), below --min_nodes "
                                f"{self.spec.min_nodes}")
             self._drained.add(target)
-            self._ask("drain")
+            how = self._how()
+            self._ask("drain", f"draining {_name(target)} (dslaunch drain): the job {how} and goes on without it")
         self._wake()
-        how = "saves at the next step boundary" if self.plan.options.checkpoint_dir else \
-            "stops at the next step boundary (no --checkpoint_dir: steps since the script's own checkpoint are redone)"
+        if not self.plan.options.checkpoint_dir:
+            how += " (no --checkpoint_dir: steps since the script's own checkpoint are redone)"
         return True, f"draining {request.host}: the job {how} and goes on on {len(left)} host(s)"
 
-    def _ask(self, what: str) -> None:
-        """Under the lock: ask every agent's workers to stop for a resize (a drain wins)."""
-        if self._resize == "drain" or (self._resize == what):
+    def _how(self) -> str:
+        return "saves at the next step boundary" if self.plan.options.checkpoint_dir else "stops at the next step boundary"
+
+    def _ask(self, what: str, note: str) -> None:
+        """Under the lock: ask every agent's workers to stop for a resize (a drain wins over a
+        grow). `note` is said once every agent has passed the request to its workers: from then
+        on the workers act on it at their next optimizer step."""
+        self._notes.append(note)
+        if self._resize == "drain" or self._resize == what:
             return
         self._resize = what
         self._asks.append(DRAIN if what == "drain" else GROW)
@@ -184,19 +193,28 @@ class ElasticHead(Head):
                 if host in self._leaving:
                     return
                 self._leaving.add(host)
-                self._ask("drain")
-            how = "saves at" if self.plan.options.checkpoint_dir else "stops at"
-            self.output.say(f"host {_name(host)} is leaving (its agent got SIGTERM): the job {how} the next step "
-                            "boundary and goes on without it")
+                self._ask("drain", f"host {_name(host)} is leaving (its agent got SIGTERM): the job {self._how()} "
+                          "and goes on without it")
+        elif kind == "asked" and idx is not None:
+            with self._lock:
+                self._unasked.discard(idx)
 
     def _elastic_tick(self, links, pending, stop_all) -> None:
         with self._lock:
             asks, self._asks = self._asks, []
+            if asks:
+                self._unasked = set(pending)
+            self._unasked &= set(pending)
+            notes = []
+            if not self._unasked:
+                notes, self._notes = self._notes, []
             overdue = (self._resize == "drain" and not self._resized and not self._forced
                        and self._asked_at is not None and time.monotonic() - self._asked_at > DRAIN_TIMEOUT_S)
         for data in asks:
             for i in pending:
                 links[i].send(data)
+        for note in notes:
+            self.output.say(note)
         if overdue:
             self._forced = self._resized = True
             self.output.say(f"the workers did not stop for the drain within {DRAIN_TIMEOUT_S:g} s (a script "
@@ -248,19 +266,20 @@ class ElasticHead(Head):
                         self._leaving.discard(target)
                         self._back.add(target)
                         if self._every:
-                            self._ask("grow")
-                            nxt = steps(-(-self.step // self._every) * self._every) if self.step else "?"
-                            msg = f"{_name(target)} answers again: it joins at the next checkpoint (step {nxt})"
-                        elif self.plan.options.checkpoint_dir:
-                            self._ask("grow")  # no periodic checkpoints: the runtime saves at the next step
-                            msg = f"{_name(target)} answers again: it joins after a checkpoint at the next step"
+                            # the workers act on it at their next step at the earliest
+                            nxt = steps(-(-(self.step + 1) // self._every) * self._every) if self.step else "?"
+                            self._ask("grow", f"{_name(target)} answers again: it joins at the next checkpoint "
+                                              f"(step {nxt})")
+                        elif self.plan.options.checkpoint_dir:  # no periodic checkpoints: saved at the next step
+                            self._ask("grow", f"{_name(target)} answers again: it joins after a checkpoint at the "
+                                              "next step")
                         else:
                             msg = (f"{_name(target)} answers again: it joins when the job next restarts "
                                    "(no --checkpoint_dir)")
                     full = len(self._back) >= room
                 if msg is not None:
                     self.output.say(msg)
-                    self._wake()
+                self._wake()
                 if full:
                     break
 
@@ -315,6 +334,7 @@ class ElasticHead(Head):
                 for t in out:
                     self._away[t] = _Away("leaving" if t in self._leaving else "drained")
                 self._resize = self._asked_at = None
+                self._notes, self._unasked = [], set()  # the attempt's end says what became of them
                 if result.lost:
                     lost = [t for t in current if t in result.lost]
                     now = time.monotonic()

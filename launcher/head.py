@@ -230,7 +230,7 @@ class Head:
     elastic = False  # ElasticHead (elastic_head.py) re-plans between attempts
 
     def _elastic_event(self, idx, ev, links) -> None:
-        """An agent's progress or its `leaving`, or a wake-up (idx None) (elastic jobs)."""
+        """An agent's progress, `leaving` or `asked`, or a wake-up (idx None) (elastic jobs)."""
 
     def _elastic_tick(self, links, pending, stop_all) -> None:
         """Each turn of the loop: send what control requests asked for (elastic jobs)."""
@@ -350,7 +350,7 @@ class Head:
                             links[i].close()  # agents kill at once on EOF
                     stop_all()
                     continue
-                if idx is None or kind in ("progress", "leaving"):  # elastic: wake-ups, progress, leaving
+                if idx is None or kind in ("progress", "leaving", "asked"):  # elastic: wake-ups, progress, ...
                     self._elastic_event(idx, ev, links)
                     continue
                 host = links[idx].host

@@ -14,6 +14,7 @@
                     {"ev": "progress", "step": 120, "saved": 100, "facts": {...}}
                                                              elastic: what the workers' runtime reported
                     {"ev": "leaving"}                        elastic: the agent got SIGTERM (host going away)
+                    {"ev": "asked", "cmd": "drain"}          elastic: the request is with every worker
 
 Either side that hears nothing from the other for heartbeat_timeout seconds gives up
 on it: the head declares the host lost, the agent kills its workers. Anything that does

@@ -40,12 +40,16 @@ class WorkerChannel:
         threading.Thread(target=self._read, daemon=True, name="dslaunch-agent-workers").start()
 
     def request(self, cmd: str) -> None:
+        """Pass a request to every worker that said hello (and keep it for those that will), then
+        tell the head: once it is told, every worker has the request queued on its socket and acts
+        on it at its next optimizer step."""
         with self._lock:
             if cmd not in self._requests:
                 self._requests.append(cmd)
             addresses = list(self._workers)
         for addr in addresses:
             self._send(addr, cmd)
+        self._emit({"ev": "asked", "cmd": cmd, "workers": len(addresses)})
 
     def _send(self, addr, cmd: str) -> None:
         try:

@@ -177,6 +177,7 @@ def main() -> None:
         at_step(7 * every - 3)
         t0 = time.monotonic()
         subprocess.run(DSLAUNCH + ["drain", h[2].name, "--job", run_id], env=env, check=True, capture_output=True)
+        job.wait_for(rf"dslaunch: draining {h[2].name} \(dslaunch drain\)")
         step_until(r"drain requested: saving at step")
         record(f"drain {h[2].name}", "dslaunch drain", t0, 7 * every - 3, 4, 7 * every + 1)
         at_step(7 * every + 1)

@@ -419,6 +419,7 @@ def test_agent_forwards_progress_and_drain_and_sigterm_asks_to_leave():
         until(lambda ev: ev["ev"] == "leaving")  # the workers keep running: the head decides
         agent.stdin.write(b'{"cmd": "drain"}\n')
         agent.stdin.flush()
+        assert until(lambda ev: ev["ev"] == "asked") == {"ev": "asked", "cmd": "drain", "workers": 2}
         done = until(lambda ev: ev["ev"] == "done")
         got = [ev["data"] for ev in events if ev["ev"] == "line" and ev["data"].startswith("got")]
         assert got and all(g == "got ['drain']\n" for g in got)
