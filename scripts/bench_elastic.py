@@ -135,15 +135,11 @@ def main() -> None:
             job.set_pace(n)
             job.wait_for(rf"\] step {n} loss ")
 
-        def step_until(pattern: str) -> None:
-            """Let the job take one step at a time until the line comes (a request reaches the
-            runtime at a step boundary: a held job would never take it)."""
-            while True:
-                n = job.steps[-1][0] + 1
-                job.set_pace(n)
-                _, line = job.wait_for(rf"{pattern}|\] step {n} loss ")
-                if re.search(pattern, line):
-                    return
+        def next_step_says(pattern: str) -> None:
+            """Allow one more step and wait for the line it brings: the head said every host's
+            workers have the request, so they act on it at that step."""
+            job.set_pace(job.steps[-1][0] + 1)
+            job.wait_for(pattern)
 
         def record(name: str, note: str, t0: float, at: int, world: int, pace: int) -> None:
             job.set_pace(pace)
@@ -163,7 +159,7 @@ def main() -> None:
         subprocess.run(["ip", "link", "set", "dev", h[2].veth, "up"], check=True)
         t0 = time.monotonic()
         job.wait_for(rf"{h[2].name} answers again")
-        step_until(r"a host joins: stopping after the checkpoint")
+        next_step_says(r"a host joins: stopping after the checkpoint")
         record(f"{h[2].name} returns", "link up: joins at the next checkpoint", t0, 3 * every - 1, 6, 5 * every - 2)
         at_step(5 * every - 2)
         tb.crash_host(1)
@@ -172,19 +168,19 @@ def main() -> None:
         tb.restart_host(1)
         t0 = time.monotonic()
         job.wait_for(rf"{h[1].name} answers again")
-        step_until(r"a host joins: stopping after the checkpoint")
+        next_step_says(r"a host joins: stopping after the checkpoint")
         record(f"{h[1].name} returns", "sshd back: joins at the next checkpoint", t0, 6 * every - 1, 6, 7 * every - 3)
         at_step(7 * every - 3)
         t0 = time.monotonic()
         subprocess.run(DSLAUNCH + ["drain", h[2].name, "--job", run_id], env=env, check=True, capture_output=True)
         job.wait_for(rf"dslaunch: draining {h[2].name} \(dslaunch drain\)")
-        step_until(r"drain requested: saving at step")
+        next_step_says(r"drain requested: saving at step")
         record(f"drain {h[2].name}", "dslaunch drain", t0, 7 * every - 3, 4, 7 * every + 1)
         at_step(7 * every + 1)
         subprocess.run(DSLAUNCH + ["undrain", h[2].name, "--job", run_id], env=env, check=True, capture_output=True)
         t0 = time.monotonic()
         job.wait_for(rf"{h[2].name} answers again")
-        step_until(r"a host joins: stopping after the checkpoint")
+        next_step_says(r"a host joins: stopping after the checkpoint")
         record(f"undrain {h[2].name}", "dslaunch undrain: joins at the next checkpoint", t0, 7 * every + 1, 6, steps)
         code = job.proc.wait(timeout=600)
         while True:
