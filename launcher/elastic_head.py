@@ -257,9 +257,11 @@ class ElasticHead(Head):
                 ok = self._probe(target)
                 msg = None
                 with self._lock:
-                    away = self._away[target]
+                    away = self._away.setdefault(target, _Away("new"))
                     if not ok:
                         away.seen_down = True
+                    elif target in self._current() or target in self._drained:
+                        pass  # re-planned or drained meanwhile
                     elif target in self._leaving and not away.seen_down:
                         pass  # it is still shutting down: back only once it was gone
                     else:
