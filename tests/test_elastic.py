@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -549,3 +550,29 @@ def test_the_head_plans_only_sizes_the_batch_allows(tmp_path):
     assert head._run(_NoSignal()) == 0
     assert head.ran[-1] == ("h1",)  # 4 ranks are not allowed; 2 are
     assert "host h3 lost at step 9 (x); resuming on 1 of 3 hosts from step 8, accumulation 2 -> 6" in head.output.lines
+
+
+# ------------------------------------------------------------------------ --checkpoint_dir on one machine
+
+@pytest.mark.timeout(600)
+def test_a_restarted_job_resumes_from_its_last_checkpoint(tmp_path):
+    """Not elastic: `--checkpoint_dir --checkpoint_every 2 --max_restarts 1` on 2 local workers;
+    a rank dies as step 5 begins; the restart resumes from step 4 (initialize() loads it, the
+    loader goes on from its offset) and every step's loss is the one-process run's."""
+    worker = str(Path(__file__).with_name("workers") / "elastic_job.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ref = subprocess.run([sys.executable, worker, "zero2", "6"], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    want = {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss (\S+) world 1$", ref.stdout, re.M)}
+    res = subprocess.run([sys.executable, "-m", "dslaunch.launcher", "--num_gpus", "2", "--checkpoint_dir", "ck",
+                          "--checkpoint_every", "2", "--max_restarts", "1", worker, "zero2", "6"],
+                         capture_output=True, text=True, cwd=tmp_path, env={**env, "CRASH_AT": "5"}, timeout=500)
+    assert res.returncode == 0, res.stderr
+    got = [(int(s), float(v)) for s, v in re.findall(r"^\[rank 0\] step (\d+) loss (\S+) world 2$", res.stdout,
+                                                        re.M)]
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6]  # step 5 never finished the first time
+    assert all(abs(v - want[s]) < 1e-5 for s, v in got)
+    assert "restarting every worker (restart 1 of 1)" in res.stderr
+    assert f"dslaunch: resumed from {tmp_path / 'ck' / 'global_step4'} at step 4 on 2 rank(s)" in res.stderr
+    assert sorted(os.listdir(tmp_path / "ck")) == ["global_step4", "global_step6", "latest", "zero_to_fp32.py"]

@@ -10,7 +10,8 @@ CASES
 
 Rank 0 prints `step N loss L world W` for every optimizer step, L the mean loss over the
 global batch (the same at every world size, up to the order of the sums). With PACE_FILE,
-rank 0 starts step N only once the file holds a number >= N (the test paces the job).
+rank 0 starts step N only once the file holds a number >= N (the test paces the job). With
+$CRASH_AT=N, the last rank of the job's first attempt exits 1 as step N begins.
 """
 import os
 import sys
@@ -28,6 +29,10 @@ rank = int(os.environ.get("RANK", "0"))
 
 
 def wait_for(step: int) -> None:
+    if os.environ.get("CRASH_AT") == str(step) and os.environ.get("DSLAUNCH_RESTART_COUNT") == "0" \
+            and rank == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+        print(f"rank {rank} crashes at step {step}", file=sys.stderr, flush=True)
+        os._exit(1)
     if pace is None or rank != 0:
         return
     while True:
