@@ -43,8 +43,10 @@ def cluster(tmp_path_factory):
 
 def reference(case, steps, tmp_path):
     """Every step's loss from one process (the same global batch)."""
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, WORKER, case, str(steps)], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
     out = {}
     for line in res.stdout.splitlines():
