@@ -69,11 +69,6 @@ class ResizeDriver:
         if self.link is not None:
             self.link.send({"hello": True, "facts": self.facts()})
 
-    @classmethod
-    def from_env(cls, engine) -> Optional["ResizeDriver"]:
-        env = ResizeEnv.from_environ()
-        return cls(engine, env) if env.active else None
-
     def facts(self) -> dict:
         """What the launcher needs to plan only sizes this job can run at (launcher/elastic.py Facts)."""
         e = self.engine
