@@ -35,8 +35,6 @@ EXAMPLES = [
 
 # torchrun options whose meaning differs from ours: refused with what to use instead
 HINTS = {
-    "--nnodes": "dslaunch starts every node from one machine: list the hosts in --hostfile "
-                "(--num_nodes N uses the first N) and run dslaunch once",
     "--node_rank": "node ranks follow the hostfile order: run dslaunch once, on one machine, with --hostfile",
     "--node-rank": "node ranks follow the hostfile order: run dslaunch once, on one machine, with --hostfile",
     "--rdzv-endpoint": "use --master_addr / --master_port",
@@ -47,10 +45,6 @@ HINTS = {
 
 # DeepSpeed options dslaunch refuses rather than accept and ignore: param name -> why
 REFUSED = {
-    "elastic_training": "--elastic_training: not supported; dslaunch restarts the whole job on the same nodes "
-                        "(--max_restarts N), it does not change the number of nodes",
-    "min_elastic_nodes": "--min_elastic_nodes: not supported (no --elastic_training)",
-    "max_elastic_nodes": "--max_elastic_nodes: not supported (no --elastic_training)",
     "no_ssh": "--no_ssh: dslaunch starts the other nodes itself; to run one node's workers without SSH, "
               "use a hostfile naming only this machine",
 }
@@ -219,6 +213,20 @@ class _LaunchCommand(click.Command):
 @option("--skip_check", "--no_ssh_check", is_flag=True, default=False, help="Skip the preflight check before a multi-node launch.")
 @option("--heartbeat_timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, show_default=True,
         help="Seconds of silence after which the head declares a host lost and an agent its head.")
+# -- elastic jobs (docs/elastic.md)
+@option("--min_nodes", "--min_elastic_nodes", type=int, default=None,
+        help="Elastic: go on after losing hosts while at least N remain (re-planned, resumed from the last "
+             "checkpoint).")
+@option("--max_nodes", "--max_elastic_nodes", type=int, default=None,
+        help="Elastic: run on at most N hosts of the hostfile; hosts that answer again join up to N "
+             "(default: every host).")
+@option("--elastic_training", is_flag=True, default=False,
+        help="DeepSpeed's spelling: an elastic job (--min_nodes 1 unless given).")
+@option("--nnodes", type=str, default=None, help="torchrun's spelling: MIN:MAX is --min_nodes MIN --max_nodes MAX.")
+@option("--checkpoint_dir", type=str, default=None,
+        help="The runtime saves here (every --checkpoint_every steps, and before a host leaves) and resumes from "
+             "the latest complete checkpoint here when the job starts.")
+@option("--checkpoint_every", type=int, default=None, help="With --checkpoint_dir: save every N optimizer steps.")
 # -- autotuning (docs/autotuning.md)
 @option("--autotuning", type=click.Choice(["tune", "run"]), default=None,
         help="tune: try configurations from the config's `autotuning` section and write the results; "
@@ -231,9 +239,6 @@ class _LaunchCommand(click.Command):
 @option("--autotuning_memory_limit", type=str, default=None,
         help="With --autotuning: bytes one rank may use, e.g. 2GiB (default: measured free memory).")
 # -- DeepSpeed options refused (see REFUSED)
-@option("--elastic_training", is_flag=True, default=False, help="Refused: the node count is fixed.")
-@option("--min_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
-@option("--max_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
 @option("--no_ssh", is_flag=True, default=False, help="Refused: dslaunch starts the other nodes itself.")
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -250,6 +255,7 @@ def launch(**params) -> int:
         for name, why in REFUSED.items():
             if params.pop(name) not in (None, False):
                 raise LaunchConfigError(why)
+        _elastic_spellings(params)
         tuning = {k: params.pop(k) for k in ("autotuning", "autotuning_budget", "autotuning_memory_limit",
                                                "autotuning_repeats")}
         if params.pop("standalone"):
@@ -266,6 +272,21 @@ def launch(**params) -> int:
     except LaunchConfigError as e:
         click.echo(f"dslaunch: error: {_with_variable(str(e))}", err=True)
         return e.exit_code
+
+
+def _elastic_spellings(params) -> None:
+    """DeepSpeed's --elastic_training and torchrun's --nnodes MIN:MAX, as --min_nodes/--max_nodes."""
+    from dslaunch.launcher.elastic import parse_nnodes
+
+    nnodes = params.pop("nnodes")
+    if nnodes is not None:
+        lo, hi = parse_nnodes(nnodes)
+        for name, value in (("min_nodes", lo), ("max_nodes", hi)):
+            if params[name] is not None and params[name] != value:
+                raise LaunchConfigError(f"--nnodes {nnodes} and --{name} {params[name]} disagree: give one")
+            params[name] = value
+    if params.pop("elastic_training") and params["min_nodes"] is None and params["max_nodes"] is None:
+        params["min_nodes"] = 1
 
 
 def _autotune(tuning, opts) -> int:

@@ -189,8 +189,8 @@ def test_force_multi_sends_even_this_machine_through_the_launcher(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--autotuning_budget", "60"], "--autotuning_budget needs --autotuning tune|run"),
     (["--autotuning_repeats", "2"], "--autotuning_repeats needs --autotuning tune|run"),
-    (["--elastic_training"], "--elastic_training: not supported; dslaunch restarts the whole job"),
-    (["--min_elastic_nodes", "1"], "--min_elastic_nodes: not supported"),
+    (["--elastic_training"], "--min_nodes: an elastic job needs a --hostfile listing its hosts"),
+    (["--nnodes", "1:x"], "--nnodes 1:x: expected MIN:MAX, two whole numbers"),
     (["--no_ssh"], "--no_ssh: dslaunch starts the other nodes itself"),
     (["--bind_cores_to_rank", "--bind_core_list", "0", "--num_gpus", "2"],
      "--bind_cores_to_rank: 1 core(s) cannot give each of 2 local ranks one of its own"),
