@@ -169,6 +169,14 @@ def signal_processes(pids: Iterable[int], sig: int) -> None:
             pass
 
 
+def group_of(pid: int) -> Optional[int]:
+    """pid's process group, or None when it is gone."""
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
 def signal_groups(pgids: Iterable[int], sig: int) -> None:
     for pgid in pgids:
         try:

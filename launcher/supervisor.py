@@ -446,10 +446,14 @@ class Supervisor:
         return time.monotonic()
 
     def _signal_everything(self, sig: int) -> None:
-        """Signal every worker's group, every descendant, and every adopted orphan."""
+        """Signal every worker's group, every descendant, and every adopted orphan.
+
+        A process in one of the signalled groups is not signalled a second time: a second
+        SIGINT that lands after the first was handled raises a second KeyboardInterrupt,
+        inside the worker's exit handlers."""
         live = [w.proc.pid for w in self._workers if w.proc is not None]
         reaper.signal_groups(live, sig)
-        reaper.signal_processes(self._job_descendants(), sig)
+        reaper.signal_processes([p for p in self._job_descendants() if reaper.group_of(p) not in live], sig)
 
     def _job_descendants(self) -> List[int]:
         skip = {self._watchdog.pid} if self._watchdog is not None else set()

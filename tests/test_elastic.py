@@ -468,7 +468,7 @@ def _scripted_head(tmp_path, results, min_nodes=1, probe=lambda t: False):
     (tmp_path / "hosts").write_text("h1 slots=2\nh2 slots=2\nh3 slots=2\n")
     facts = MachineFacts(0, None, 2, ("box",), python="/usr/bin/python3", cwd=str(tmp_path), home=str(tmp_path))
     opts = LaunchOptions("t.py", hostfile=str(tmp_path / "hosts"), min_nodes=min_nodes, max_restarts=1,
-                         checkpoint_dir="ck", checkpoint_every=4, master_port=29999)
+                         checkpoint_dir="ck", checkpoint_every=4, master_port=0)
     plan = build_plan(opts, facts, {}, run_id="r")
 
     def rebuild(targets):

@@ -161,7 +161,7 @@ def test_a_bad_value_from_the_environment_names_the_variable(tmp_path, env, mess
     assert code == 2 and "in the environment" not in err, err
 
 
-def test_every_option_reads_its_environment_variable_and_the_command_line_wins():
+def test_every_option_reads_its_environment_variable_and_the_command_line_wins(monkeypatch):
     """Generic over launch.params, so options added later are covered too."""
     def sample(opt):
         """(env text, command-line text, parsed env value, parsed command-line value)."""
@@ -182,19 +182,16 @@ def test_every_option_reads_its_environment_variable_and_the_command_line_wins()
         if opt.is_flag:
             ctx = launch.make_context("dslaunch", ["x.py"])
             assert ctx.params[opt.name] is False
-            os.environ[var] = "1"
-            try:
+            with monkeypatch.context() as m:
+                m.setenv(var, "1")
                 assert launch.make_context("dslaunch", ["x.py"]).params[opt.name] is True, var
-            finally:
-                del os.environ[var]
             continue
         env_text, cmd_text, env_val, cmd_val = sample(opt)
-        os.environ[var] = env_text
-        try:
+        # monkeypatch puts back what the session set (DSLAUNCH_MASTER_PORT=0, conftest.py)
+        with monkeypatch.context() as m:
+            m.setenv(var, env_text)
             assert launch.make_context("dslaunch", ["x.py"]).params[opt.name] == env_val, var
             assert launch.make_context("dslaunch", [opt.opts[-1], cmd_text, "x.py"]).params[opt.name] == cmd_val, var
-        finally:
-            del os.environ[var]
 
 
 def test_env_var_reaches_the_plan():
