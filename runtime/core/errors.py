@@ -9,6 +9,8 @@ arithmetic) and inference raise it as well as checkpoint/.
 """
 from __future__ import annotations
 
+from dslaunch.launcher.errors import OneLineMessage
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(OneLineMessage, RuntimeError):
     pass
