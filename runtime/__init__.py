@@ -80,7 +80,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = cls(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                  training_data=training_data, lr_scheduler=lr_scheduler, config=config, config_params=config_params,
                  collate_fn=collate_fn, dist_init_required=dist_init_required, mpu=mpu)
-    if engine._resize is not None:  # --checkpoint_dir: resume from its latest complete checkpoint
+    if engine._resize_env.active:
+        # --checkpoint_dir / an elastic launch: save every N steps, stop for a resize, and resume
+        # now from the latest complete checkpoint (train/resize_driver.py)
+        from .train.resize_driver import ResizeDriver
+
+        engine._resize = ResizeDriver(engine, engine._resize_env)
         engine._resize.resume()
     total = getattr(engine.lr_scheduler, "total_num_steps", None)  # WarmupDecayLR, WarmupCosineLR
     if isinstance(total, int) and total > 0:

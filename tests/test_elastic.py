@@ -22,7 +22,7 @@ from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import DistributedDataLoader, ResumableSampler
 from dslaunch.runtime.train.resize import batch as rbatch
 from dslaunch.runtime.train.resize import contract
-from dslaunch.runtime.train.resize.driver import next_save, stale_tags
+from dslaunch.runtime.train.resize_driver import next_save, stale_tags
 from dslaunch.runtime.strict import ConfigError
 
 

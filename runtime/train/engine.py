@@ -44,7 +44,6 @@ from ..core.nonfinite import NonFiniteGuard
 from .progress import ProgressLog
 from .resize import batch as resize_batch
 from .resize.contract import ResizeEnv
-from .resize.driver import ResizeDriver
 from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
 from ..core.strict import ConfigError
 from .tensor_backward import SCALE_REQUIRED, BackwardUsageError, OutputGrads, engine_backward
@@ -130,7 +129,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._grad_rank, self._grad_world = self.mesh.rank(grad_axis), self.mesh.size(grad_axis)
         # in a resizable job the configured global batch holds at every size (resize/batch.py)
         self._resize_env = ResizeEnv.from_environ()
-        self._resize: Optional[ResizeDriver] = None  # made last, once the engine is whole
+        self._resize = None  # the ResizeDriver initialize() attaches (resize_driver.py)
         self.batch = resize_batch.batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
             self.mesh, mpu, comm.world_source(), self.world_size), self.world_size, self._resize_env.base_world)
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
@@ -211,8 +210,6 @@ class DeepSpeedEngine(torch.nn.Module):
         self._compiled_with: Optional[Dict[str, Any]] = None
         if self.config.compile.enabled:
             self.compile()
-        # --checkpoint_dir / an elastic launch: save every N steps, stop for a resize (resize/driver.py)
-        self._resize = ResizeDriver(self, self._resize_env) if self._resize_env.active else None
 
     def _apply_tensor_parallel(self, model, optimizer, model_parameters):
         """AutoTP training: shard the model's layers over the mesh's tensor axis (unless the

@@ -120,7 +120,7 @@ class PipelineEngine(DeepSpeedEngine):
             self.data_iterator = RepeatingLoader(loader)
 
     def _restart_data_iterator(self) -> None:
-        """After a checkpoint moved the engine's loader (resize/driver.py resume): read on from
+        """After a checkpoint moved the engine's loader (resize_driver.py resume): read on from
         its new position; an iterator the script set is the script's."""
         if isinstance(self.data_iterator, RepeatingLoader) and self.data_iterator.loader is self.training_dataloader:
             self.data_iterator = RepeatingLoader(self.training_dataloader)

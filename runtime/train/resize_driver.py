@@ -1,5 +1,8 @@
 """What the engine does at each optimizer step and at initialize() in a resizable job.
 
+initialize() attaches it to the engine it built (the engine imports no checkpoint policy of
+its own: it calls the driver it was given).
+
 At initialize() (resume): when $DSLAUNCH_SAVE_DIR holds a complete checkpoint (`latest`),
 every rank loads it, at whatever world size this attempt has: ZeRO state, optimizer state
 and tensor slices are re-cut by the checkpoint loader, the counters and the data loader's
@@ -30,12 +33,12 @@ from typing import List, Optional
 import torch
 
 from ...core import comm
-from ..checkpoint.agree import agree
-from ..checkpoint.files import remove_tree
-from ..checkpoint.layout import read_latest
-from . import batch as resize_batch
-from .contract import RESIZE_EXIT_CODE, ResizeEnv
-from .link import AgentLink
+from .checkpoint.agree import agree
+from .checkpoint.files import remove_tree
+from .checkpoint.layout import read_latest
+from .resize import batch as resize_batch
+from .resize.contract import RESIZE_EXIT_CODE, ResizeEnv
+from .resize.link import AgentLink
 
 KEEP = 2  # newest global_stepN checkpoints kept in the save directory
 _TAG = re.compile(r"^global_step(\d+)$")
