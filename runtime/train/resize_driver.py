@@ -32,7 +32,7 @@ from typing import List, Optional
 
 import torch
 
-from ...core import comm
+from ..core import comm
 from .checkpoint.agree import agree
 from .checkpoint.files import remove_tree
 from .checkpoint.layout import read_latest
