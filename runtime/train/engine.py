@@ -524,7 +524,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def no_sync(self):
         """Backward inside the block reduces nothing: gradients accumulate on each rank, and the
         next backward outside it (or the step) reduces them all. ZeRO stages 0 and 1 only."""
-        stage = self.config.zero.stage
+        stage = self.config.zero_optimization.stage
         if stage >= 2:
             raise BackwardUsageError(f"no_sync context manager is incompatible with gradient partitioning logic of "
                                      f"ZeRO stage {stage}: every backward reduces each gradient to the rank that "
