@@ -10,6 +10,10 @@
 #include "op_common.h"
 
 extern "C" {
+// torch's C shim (torch/csrc/inductor/aoti_torch/c/shim.h, declared there only under USE_CUDA,
+// exported by libtorch_cuda since torch 2.2): the current stream of a device as a cudaStream_t.
+// Used instead of the stable API's Stream::nativeHandle(), which torch 2.11 lacks.
+int32_t aoti_torch_get_current_cuda_stream(int32_t device_index, void** ret_stream);
 int ds_quant_cuda_quantize(const void* x, int dtype, int64_t n, int64_t groups, int bits, int8_t* q, float* scales,
                            void* stream);
 int ds_quant_cuda_dequantize(const int8_t* q, const float* scales, int64_t n, int64_t groups, int bits, void* out,
@@ -48,6 +52,12 @@ inline void check_packed(const char* op, const Tensor& q, const Tensor& scales, 
     fail("%s: q has %lld bytes; %lld elements at %lld bits take %lld", op, ll(q.numel()), ll(n), ll(bits), ll(bytes));
 }
 
+inline void* current_stream(const char* op, int32_t device) {
+  void* stream = nullptr;
+  if (aoti_torch_get_current_cuda_stream(device, &stream) != 0) fail("%s: no current stream for cuda:%d", op, int(device));
+  return stream;
+}
+
 inline void check_rc(const char* op, int rc) {
   if (rc != 0) fail("%s: launch failed: %s", op, rc < 0 ? "unknown dtype or bit width" : ds_quant_cuda_error_string(rc));
 }
@@ -62,7 +72,7 @@ void quantize_into(Tensor x, Tensor q, Tensor scales, int64_t bits, int64_t num_
   check_layout(op, x.numel(), scales.numel(), bits);
   check_packed(op, q, scales, x.numel(), bits, device);
   torch::stable::accelerator::DeviceGuard guard(device);
-  void* stream = torch::stable::accelerator::getCurrentStream(device).nativeHandle();
+  void* stream = current_stream(op, device);
   check_rc(op, ds_quant_cuda_quantize(x.data_ptr(), code, x.numel(), scales.numel(), static_cast<int>(bits),
                                       static_cast<int8_t*>(q.data_ptr()), static_cast<float*>(scales.data_ptr()),
                                       stream));
@@ -79,7 +89,7 @@ void dequantize_into(Tensor q, Tensor scales, Tensor out, int64_t bits, int64_t 
   check_layout(op, out.numel(), scales.numel(), bits);
   check_packed(op, q, scales, out.numel(), bits, device);
   torch::stable::accelerator::DeviceGuard guard(device);
-  void* stream = torch::stable::accelerator::getCurrentStream(device).nativeHandle();
+  void* stream = current_stream(op, device);
   check_rc(op, ds_quant_cuda_dequantize(static_cast<const int8_t*>(q.data_ptr()),
                                         static_cast<const float*>(scales.data_ptr()), out.numel(), scales.numel(),
                                         static_cast<int>(bits), out.data_ptr(), code, stream));

@@ -2,11 +2,13 @@
 GPU) against the plain-torch specification (kernels/quantize_ref.py) bit for bit, and the
 specification against DeepSpeed 0.19.8's kernel arithmetic worked by hand.
 
-DeepSpeed's quantizer has no CPU build, so its bytes cannot be produced here; the worked
+DeepSpeed's quantizer has no CPU build, so its bytes cannot be produced here: the worked
 examples below follow its CUDA source (csrc/includes/quantization_utils.h: scale =
 2^bits / (2 * absmax), __float2int_rn, clamp, the stored 1/scale; PackedInt4's nibble order;
-CUDAQuantizer's block count) and the GPU check (scripts/gpu/zeropp_check.py) compares
-against DeepSpeed's own compiled kernel on a GPU."""
+CUDAQuantizer's block count), and tests/data/ds_zeropp/cuda_quantizer.pt holds what its own
+kernels, compiled with its flags, gave on an H200 (scripts/zeropp_gpu_check.py --record):
+the CPU op is replayed against those bytes."""
+import pathlib
 import shutil
 import subprocess
 
@@ -123,6 +125,57 @@ def test_deepspeeds_qwz_block_count():
         assert n % (8 * g) == 0 and n // g < 16000
     with pytest.raises(ValueError, match="multiple of 8"):
         ref.qwz_groups(12)
+
+
+DS_CUDA = torch.load(pathlib.Path(__file__).parent / "data/ds_zeropp/cuda_quantizer.pt")
+
+
+def _ulps(a, b):
+    return int((a.contiguous().view(torch.int32).long() - b.contiguous().view(torch.int32).long()).abs().max())
+
+
+def test_deepspeeds_cuda_kernels_give_our_bytes_up_to_their_fast_math_scales():
+    """DeepSpeed's own CUDA quantizer on an H200 (recorded): every int8 and int4 byte the CPU
+    op writes for the same fp16 input is DeepSpeed's; its scales (1/scale, a division
+    compiled with --use_fast_math) are within 2 ulps of the IEEE ones; and dequantizing
+    DeepSpeed's bytes gives DeepSpeed's fp16 values bit for bit."""
+    cases = [c for c in DS_CUDA["cases"] if c["kind"] == "quantize"]
+    assert DS_CUDA["deepspeed"] == "0.19.8" and len(cases) == 8
+    for c in cases:
+        q, s = quantize(c["x"], c["groups"], c["bits"])
+        _same(q, c["q"])
+        assert _ulps(s, c["scales"]) <= 2
+        _same(dequantize(c["q"], c["scales"], c["bits"], torch.float16), c["dequantized"])
+
+
+def test_deepspeeds_cuda_swizzle_and_reduction_are_what_qgz_and_the_fixture_run_compute():
+    """qgZ's first stage (our blocks moved into DeepSpeed's swizzled order, zeropp._swizzle)
+    gives DeepSpeed's swizzle_quant bytes; scripts/ds_cpu_quantizer.py (what DeepSpeed's
+    fixture run used in place of its CUDA kernels) gives its swizzle_quant and
+    quantized_reduction bytes; scales within 2 ulps (fast math)."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
+    import ds_cpu_quantizer as dsq
+
+    from dslaunch.runtime.zero.zeropp import _swizzle
+
+    cases = [c for c in DS_CUDA["cases"] if c["kind"] == "swizzle"]
+    assert len(cases) == 4
+    hosts = local = 2
+    for c in cases:
+        for x, ds_q, ds_s in zip(c["x"], c["q"], c["scales"]):
+            q, s = quantize(x, c["groups"], 4)
+            _same(_swizzle(q, hosts, local).reshape(-1), ds_q)
+            assert _ulps(_swizzle(s, hosts, local).reshape(-1), ds_s) <= 2
+            eq, es = dsq.swizzle_quant(x, c["groups"], 4, dsq.Symmetric, 1, hosts, local)
+            _same(eq, ds_q)
+            assert _ulps(es, ds_s) <= 2
+        got_q = torch.cat([q.chunk(local)[0] for q in c["q"]])
+        got_s = torch.cat([s.chunk(local)[0] for s in c["scales"]])
+        rq, rs = dsq.quantized_reduction(got_q, got_s, c["groups"], c["groups"] // local, 4, dsq.Symmetric, local)
+        _same(rq.reshape(-1), c["reduced_q"])
+        assert _ulps(rs, c["reduced_scales"]) <= 2
 
 
 def test_bad_layouts_are_refused_in_one_line():
