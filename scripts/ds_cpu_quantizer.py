@@ -90,16 +90,17 @@ def swizzle_quant(input_vals: torch.Tensor, groups: int, num_bits: int, quant_ty
     partitions = nodes * devices_per_node
     per_partition = groups // partitions
     contiguous = per_partition // pipeline_size
-    out_q = torch.empty_like(q)
-    out_s = torch.empty_like(s)
+    src, dst = [], []
     for z in range(partitions):  # the kernel's grid: (contiguous, pipeline_size, partitions)
         for y in range(pipeline_size):
             output_partition = y * partitions + (z % devices_per_node) * nodes + z // devices_per_node
             for x in range(contiguous):
-                src = x + y * contiguous + z * contiguous * pipeline_size
-                dst = output_partition * contiguous + x
-                out_q[dst] = q[src]
-                out_s[dst] = s[src]
+                src.append(x + y * contiguous + z * contiguous * pipeline_size)
+                dst.append(output_partition * contiguous + x)
+    out_q = torch.empty_like(q)
+    out_s = torch.empty_like(s)
+    out_q[dst] = q[src]
+    out_s[dst] = s[src]
     return [_pack(out_q, num_bits), out_s]
 
 

@@ -90,7 +90,7 @@ def _run(op: str, group, nbytes: int, call: Callable[[], Any], async_op: bool, l
             comms_logger.record(name, op, nbytes, time.perf_counter() - start, gname, get_world_size(group),
                                 debug or (_caller() if comms_logger.debug else None))
             peer = group_key[2] if isinstance(group_key, tuple) and group_key[:1] == ("p2p",) else None
-            comms_logger.traffic.record(op, gname, nbytes, get_rank(), _members(group), peer)
+            comms_logger.traffic.record(op, gname, nbytes, get_rank(), get_all_ranks_from_group(group), peer)
             recorder.end(entry)
         elif async_op and work is not None:
             recorder.end(entry, work)
@@ -101,19 +101,6 @@ def _run(op: str, group, nbytes: int, call: Callable[[], Any], async_op: bool, l
         recorder.fail(entry, exc)
         raise
     return work
-
-
-_member_cache: dict = {}
-
-
-def _members(group) -> List[int]:
-    """The global ranks of `group` (cached: the traffic count asks on every profiled op)."""
-    key = id(group) if group is not None else None
-    found = _member_cache.get(key)
-    if found is None or found[0] is not group:
-        found = (group, get_all_ranks_from_group(group))
-        _member_cache[key] = found
-    return found[1]
 
 
 def release_completed() -> None:

@@ -275,7 +275,8 @@ def _source(p, training: bool):
         return kind, pp.hpz_group, pp.hpz, pp.secondary_width(z.chunk), z.secondary
     if z.packed is not None:
         return "packed", z.group, z.world, z.chunk, z.packed
-    return ("quant" if training and z.quantize else "plain"), z.group, z.world, z.chunk, None
+    # one rank gathers nothing: nothing to quantize (DeepSpeed does not gather then either)
+    return ("quant" if training and z.quantize and z.world > 1 else "plain"), z.group, z.world, z.chunk, None
 
 
 _LEGS = {"plain": _PlainLeg, "quant": _QuantLeg, "packed": _PackedLeg}

@@ -287,7 +287,7 @@ class ZeroPP:
         self.split = discover(group, ranks) if world > 1 else None
         self.hpz_group, self.hpz, self.hpz_rank = None, 1, 0
         self.qgz: Optional[QuantizedReduceScatter] = None
-        if settings.hpz > 1:
+        if min(settings.hpz, world) > 1:  # DeepSpeed caps the size at the world (one rank: hpZ is off)
             self._make_hpz(ranks, new_group)
         if settings.quantize_gradients and self.split is not None and self.split.n_hosts > 1:
             self._make_qgz(ranks, new_group)
@@ -296,16 +296,16 @@ class ZeroPP:
                   "reduce-scatter (as in DeepSpeed)", file=sys.stderr, flush=True)
 
     def _make_hpz(self, ranks: List[int], new_group) -> None:
-        size = self.settings.hpz
+        size = min(self.settings.hpz, self.world)
         key = "zero_optimization.zero_hpz_partition_size"
         if self.world % size:
-            raise ConfigError(f"{key}={size}: does not divide the {self.world} data-parallel ranks")
+            raise ConfigError(f"{key}={self.settings.hpz}: does not divide the {self.world} data-parallel ranks")
         lists = [ranks[i:i + size] for i in range(0, len(ranks), size)]
         for block in lists:
             on = sorted({self.split.host_of(r) for r in block}) if self.split is not None else []
             if len(on) > 1:
                 per = max(len(b) for b in self.split.per_host())
-                raise ConfigError(f"{key}={size}: ranks {block[0]}-{block[-1]} span hosts {', '.join(on)}; hpZ's "
+                raise ConfigError(f"{key}={self.settings.hpz}: ranks {block[0]}-{block[-1]} span hosts {', '.join(on)}; hpZ's "
                                   f"second partition must stay inside one host (at most {per} ranks here)")
         me = comm.get_rank()
         for block in lists:  # every rank creates every group, in the same order
