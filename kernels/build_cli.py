@@ -25,7 +25,7 @@ from . import builder
               help=f"Build cache (default: ${builder.CACHE_ENV} or ~/.cache/dslaunch/ops).")
 @click.option("-v", "--verbose", is_flag=True, help="Show the compiler commands as they run.")
 def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
-    """Build the kernels (CPU Adam, Lion, Adagrad, the ZeRO++ quantizer; CUDA fused Adam and quantizer on GPU machines)."""
+    """Build the kernels (CPU Adam, Lion, Adagrad, ZeRO++'s quantizer; on GPU machines the CUDA ones too)."""
     try:
         level = builder.detect_isa() if isa == "auto" else isa
     except ValueError as e:

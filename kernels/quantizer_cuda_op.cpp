@@ -54,12 +54,14 @@ inline void check_packed(const char* op, const Tensor& q, const Tensor& scales, 
 
 inline void* current_stream(const char* op, int32_t device) {
   void* stream = nullptr;
-  if (aoti_torch_get_current_cuda_stream(device, &stream) != 0) fail("%s: no current stream for cuda:%d", op, int(device));
+  if (aoti_torch_get_current_cuda_stream(device, &stream) != 0)
+    fail("%s: no current stream for cuda:%d", op, int(device));
   return stream;
 }
 
 inline void check_rc(const char* op, int rc) {
-  if (rc != 0) fail("%s: launch failed: %s", op, rc < 0 ? "unknown dtype or bit width" : ds_quant_cuda_error_string(rc));
+  if (rc != 0)
+    fail("%s: launch failed: %s", op, rc < 0 ? "unknown dtype or bit width" : ds_quant_cuda_error_string(rc));
 }
 
 void quantize_into(Tensor x, Tensor q, Tensor scales, int64_t bits, int64_t num_threads) {

@@ -97,7 +97,8 @@ def main() -> None:
                 rel = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))
                 print(f"{name:16s} largest relative loss difference {rel:.2e}")
             else:
-                print(f"{name:16s} dslaunch: {ours.get('error', 'trains')} | DeepSpeed: {theirs.get('error', 'trains')}")
+                print(f"{name:16s} dslaunch: {ours.get('error', 'trains')} | "
+                      f"DeepSpeed: {theirs.get('error', 'trains')}")
         return
     if not args.ds_python:
         p.error("--ds-python is required (or --compare)")

@@ -99,8 +99,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     ok = quantizer_available(dev)
-    print(json.dumps({"dslaunch CUDA op": "built" if ok else _CUDA_OP.error, "seconds": round(time.perf_counter() - t0, 1)}),
-          flush=True)
+    print(json.dumps({"dslaunch CUDA op": "built" if ok else _CUDA_OP.error,
+                      "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     t0 = time.perf_counter()
     ds = dsq if args.cpu_dry_run else build_deepspeed(Path(args.ds_csrc))
     print(json.dumps({"DeepSpeed quantizer": "built", "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
@@ -136,8 +136,9 @@ def main() -> int:
             rq, rs = ref.quantize(x, groups, 4)
             eq, es = dsq.swizzle_quant(x, groups, 4, dsq.Symmetric, 1, hosts, local)
             rows.append(compare(f"swizzle_quant {shape} rank {r}", {
-                "q vs spec + swizzle": (q, _swizzle(rq, hosts, local)), "scales vs spec + swizzle":
-                (s, _swizzle(rs, hosts, local)), "q vs ds_cpu_quantizer": (q, eq), "scales vs ds_cpu_quantizer": (s, es)}))
+                "q vs spec + swizzle": (q, _swizzle(rq, hosts, local)),
+                "scales vs spec + swizzle": (s, _swizzle(rs, hosts, local)),
+                "q vs ds_cpu_quantizer": (q, eq), "scales vs ds_cpu_quantizer": (s, es)}))
         # the intra-host all-to-all, then DeepSpeed's dequantize-sum-requantize on rank 0
         got_q = torch.cat([q.chunk(local)[0] for q, _ in outs])
         got_s = torch.cat([s.reshape(-1).chunk(local)[0] for _, s in outs])

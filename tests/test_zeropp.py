@@ -51,7 +51,19 @@ def _names_of_hosts(rank):
     os.environ["NODE_RANK"] = str(rank // work.PER_HOST)
 
 
-def _cases_job():
+# dslaunch only (no DeepSpeed recording): the shards offloaded to host memory or to files must not
+# change a bit; bf16 quantizes bf16 weights (read as fp16) and bf16 gradients (in fp32)
+ZPP = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}
+LOCAL_CASES = {
+    "zeropp_offload_param": {"zero": {**ZPP, "offload_param": {"device": "cpu"}}, "gas": 1, "offload": False},
+    "zeropp_nvme_param": {"zero": {**ZPP, "offload_param": {"device": "nvme", "nvme_path": "NVME"}}, "gas": 1,
+                          "offload": False},
+    "zero3_bf16": {"zero": {}, "gas": 1, "offload": False, "bf16": True},
+    "zeropp_bf16": {"zero": dict(ZPP), "gas": 1, "offload": False, "bf16": True},
+}
+
+
+def _cases_job(nvme):
     """Every workload case under dslaunch, with the comms logger's traffic report of each."""
     import torch.distributed as dist
 
@@ -60,7 +72,9 @@ def _cases_job():
 
     rank = dist.get_rank()
     out = {}
-    for name, case in work.CASES.items():
+    local = {n: dict(c, zero={k: (dict(v, nvme_path=nvme) if k == "offload_param" and v.get("nvme_path") else v)
+                              for k, v in c["zero"].items()}) for n, c in LOCAL_CASES.items()}
+    for name, case in {**work.CASES, **local}.items():
         comm.reset_log()
         result = work.run_case(ds, case, rank, comms_logger=True)
         report = comm.traffic_report()
@@ -75,8 +89,19 @@ def _cases_job():
 
 
 @pytest.fixture(scope="module")
-def cases():
-    return run_function(_cases_job, nprocs=work.WORLD, timeout=900)[0]
+def cases(tmp_path_factory):
+    nvme = str(tmp_path_factory.mktemp("nvme"))
+    return run_function(_cases_job, nprocs=work.WORLD, kwargs={"nvme": nvme}, timeout=900)[0]
+
+
+@pytest.mark.timeout(1000)
+def test_zeropp_with_parameter_offload_and_in_bf16(cases):
+    """Parameter shards in host memory or in files: the same bits as without; bf16 (weights
+    quantized through fp16, gradients in fp32) within bf16's own distance of plain ZeRO-3 bf16."""
+    assert cases["zeropp_offload_param"]["losses"] == cases["zeropp"]["losses"]
+    assert cases["zeropp_nvme_param"]["losses"] == cases["zeropp"]["losses"]
+    for a, b in zip(cases["zeropp_bf16"]["losses"], cases["zero3_bf16"]["losses"]):
+        assert abs(a - b) <= 2e-2 * abs(b)
 
 
 @pytest.mark.timeout(1000)

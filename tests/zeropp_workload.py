@@ -71,8 +71,11 @@ def config(case: dict) -> dict:
         optimizer = {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}}  # CPU Adam under offload
     else:
         optimizer = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}}
-    return {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": case["gas"],
-            "optimizer": optimizer, "zero_optimization": zero}
+    cfg = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": case["gas"],
+           "optimizer": optimizer, "zero_optimization": zero}
+    if case.get("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def batches(rank: int, gas: int):

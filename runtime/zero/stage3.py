@@ -202,7 +202,8 @@ class ZeroStage3(ShardedStrategy):
 
             self.swapper = ParamSwapper(offload_param.nvme_path, self.rank)
             # shards kept as int8 blocks (frozen weights) stay in memory
-            self.swapper.attach(p._zero for p in module.parameters() if not p._zero.persistent and p._zero.packed is None)
+            self.swapper.attach(p._zero for p in module.parameters()
+                                if not p._zero.persistent and p._zero.packed is None)
         self.host: Optional[OptimizerHost] = None if optimizer is None else \
             make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
         self._hooks = []

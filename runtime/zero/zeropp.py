@@ -113,19 +113,18 @@ class Packed:
         return self.q.numel() + 4 * self.scales.numel()
 
 
-class QuantizedAllGather:
-    """One qwZ all-gather of equal flat buffers over `group` (`rows` ranks): int8 blocks and
-    their scales as two all-gathers (DeepSpeed's two), `values()` the (rows, n) result."""
+class _BlocksAllGather:
+    """Every rank's int8 blocks and fp32 scales over `group` (`rows` ranks), as two all-gathers
+    (DeepSpeed's two), possibly still running (async_op) until `wait`."""
 
-    def __init__(self, local: torch.Tensor, group, rows: int, dtype: torch.dtype, label: str, async_op: bool):
-        self.n, self.rows, self.dtype = local.numel(), rows, dtype
-        q, s = qwz_quantize(local)
-        self.q_out = torch.empty(rows * q.numel(), dtype=torch.int8, device=local.device)
-        self.s_out = torch.empty(rows * s.numel(), dtype=torch.float32, device=local.device)
-        self._keep = (q, s)
-        self.works = [comm.all_gather_into_tensor(self.q_out, q, group=group, label=f"{label} (int8)", async_op=async_op),
-                      comm.all_gather_into_tensor(self.s_out, s, group=group, label=f"{label} (scales)",
-                                                  async_op=async_op)]
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, group, rows: int, label: str, async_op: bool):
+        self.rows = rows
+        self.q_out = torch.empty(rows * q.numel(), dtype=torch.int8, device=q.device)
+        self.s_out = torch.empty(rows * s.numel(), dtype=torch.float32, device=q.device)
+        self._keep = (q, s)  # alive until the collectives are done
+        self.works = [
+            comm.all_gather_into_tensor(self.q_out, q, group=group, label=f"{label} (int8)", async_op=async_op),
+            comm.all_gather_into_tensor(self.s_out, s, group=group, label=f"{label} (scales)", async_op=async_op)]
 
     def wait(self) -> None:
         for w in self.works:
@@ -133,6 +132,15 @@ class QuantizedAllGather:
                 w.wait()
         self.works = []
         self._keep = None
+
+
+class QuantizedAllGather(_BlocksAllGather):
+    """One qwZ all-gather of equal flat buffers over `group` (`rows` ranks); `values()` is the
+    (rows, n) result in `dtype`."""
+
+    def __init__(self, local: torch.Tensor, group, rows: int, dtype: torch.dtype, label: str, async_op: bool):
+        self.n, self.dtype = local.numel(), dtype
+        super().__init__(*qwz_quantize(local), group, rows, label, async_op)
 
     def values(self) -> torch.Tensor:
         self.wait()
@@ -141,27 +149,14 @@ class QuantizedAllGather:
         return full[:, :self.n].to(self.dtype)
 
 
-class PackedAllGather:
+class PackedAllGather(_BlocksAllGather):
     """All-gather of `Packed` shards as they are (frozen weights): each rank's bytes are the
     concatenation of its shards' blocks, each shard dequantized in its own blocks on arrival."""
 
     def __init__(self, packs: Sequence[Packed], group, rows: int, device: torch.device, label: str, async_op: bool):
-        self.packs, self.rows = list(packs), rows
-        q = torch.cat([p.q.to(device) for p in packs])
-        s = torch.cat([p.scales.to(device) for p in packs])
-        self.q_out = torch.empty(rows * q.numel(), dtype=torch.int8, device=device)
-        self.s_out = torch.empty(rows * s.numel(), dtype=torch.float32, device=device)
-        self._keep = (q, s)
-        self.works = [comm.all_gather_into_tensor(self.q_out, q, group=group, label=f"{label} (int8)", async_op=async_op),
-                      comm.all_gather_into_tensor(self.s_out, s, group=group, label=f"{label} (scales)",
-                                                  async_op=async_op)]
-
-    def wait(self) -> None:
-        for w in self.works:
-            if w is not None:
-                w.wait()
-        self.works = []
-        self._keep = None
+        self.packs = list(packs)
+        super().__init__(torch.cat([p.q.to(device) for p in packs]), torch.cat([p.scales.to(device) for p in packs]),
+                         group, rows, label, async_op)
 
     def rows_of(self, i: int) -> List[torch.Tensor]:
         """Pack i's values from every rank, in rank order."""
@@ -305,8 +300,9 @@ class ZeroPP:
             on = sorted({self.split.host_of(r) for r in block}) if self.split is not None else []
             if len(on) > 1:
                 per = max(len(b) for b in self.split.per_host())
-                raise ConfigError(f"{key}={self.settings.hpz}: ranks {block[0]}-{block[-1]} span hosts {', '.join(on)}; hpZ's "
-                                  f"second partition must stay inside one host (at most {per} ranks here)")
+                raise ConfigError(f"{key}={self.settings.hpz}: ranks {block[0]}-{block[-1]} span hosts "
+                                  f"{', '.join(on)}; hpZ's second partition must stay inside one host (at most {per} "
+                                  "ranks here)")
         me = comm.get_rank()
         for block in lists:  # every rank creates every group, in the same order
             g = new_group(block, name="hpZ " + ",".join(map(str, block)))
