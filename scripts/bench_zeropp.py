@@ -211,6 +211,9 @@ def _run_job(tb, env, work: Path, impl: str, variant: str, args, ds_python: str)
     out = work / f"{impl}-{variant}.json"
     shape_file = work / f"{impl}-{variant}.shape"
     host_file = work / f"{impl}-{variant}.tx"
+    # a previous round's files would let the workers skip the limit (and pass off its results)
+    for stale in [out, shape_file, Path(f"{shape_file}.done")] + [Path(f"{host_file}.{n}") for n in range(len(tb.hosts))]:
+        stale.unlink(missing_ok=True)
     job = {"impl": impl, "variant": variant, "out": str(out), "count_steps": args.count_steps,
            "timed_steps": args.timed_steps, "shape_file": str(shape_file), "host_file": str(host_file)}
     cmd = [sys.executable, "-m", "dslaunch.launcher", "--hostfile", str(hostfile), "--no_local_rank",
@@ -236,6 +239,8 @@ def _run_job(tb, env, work: Path, impl: str, variant: str, args, ds_python: str)
         raise SystemExit(f"{impl} {variant}: the job failed ({proc.returncode}):\n{stderr[-3000:]}")
     result = json.loads(out.read_text())
     result["wire"] = sum(int(Path(f"{host_file}.{n}").read_text()) for n in range(len(tb.hosts))) / args.timed_steps
+    if not qdisc:
+        raise SystemExit(f"{impl} {variant}: the workers never asked for the link limit")
     result["qdisc"] = qdisc
     return result
 
