@@ -502,10 +502,9 @@ def _zero_section(config) -> dict:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        import json
+        from ..strict import load_file  # bounded, regular files only, one-line errors
 
-        with open(config) as fh:
-            config = json.load(fh)
+        config = load_file(os.fspath(config))
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
     return zero if isinstance(zero, dict) else {}
 
