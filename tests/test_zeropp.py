@@ -246,7 +246,7 @@ def _ds_all_to_all_quant_reduce(grads, hosts, local):
 def _qgz_check(shapes):
     import torch.distributed as dist
 
-    from dslaunch.runtime.parallel.mesh import new_group
+    from dslaunch.runtime.core.parallel.mesh import new_group
     from dslaunch.runtime.zero.zeropp import QuantizedReduceScatter, qgz_blocks
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -326,7 +326,7 @@ def _refusal(zero, hosts_of):
     import torch.distributed as dist
 
     import dslaunch.runtime as ds
-    from dslaunch.runtime.strict import ConfigError
+    from dslaunch.runtime.core.strict import ConfigError
 
     rank = dist.get_rank()
     os.environ["NODE_RANK"] = str(hosts_of[rank])
@@ -364,8 +364,8 @@ def test_layouts_zeropp_cannot_use_are_refused_in_one_line(ranks, i):
 
 def test_torch_autocast_with_qwz_is_refused_as_deepspeed_refuses_it():
     """DeepSpeed 0.19.8 asserts "Cannot enable both torch autocast and zero quantized weights"."""
-    from dslaunch.runtime.config import DeepSpeedConfig
-    from dslaunch.runtime.strict import ConfigError
+    from dslaunch.runtime.core.config import DeepSpeedConfig
+    from dslaunch.runtime.core.strict import ConfigError
 
     with pytest.raises(ConfigError) as e:
         DeepSpeedConfig.load({"train_batch_size": 4, "torch_autocast": {"enabled": True},
@@ -378,8 +378,8 @@ def test_torch_autocast_with_qwz_is_refused_as_deepspeed_refuses_it():
 
 
 def test_zeropp_below_stage_3_is_refused_in_one_line():
-    from dslaunch.runtime.config import DeepSpeedConfig
-    from dslaunch.runtime.strict import ConfigError
+    from dslaunch.runtime.core.config import DeepSpeedConfig
+    from dslaunch.runtime.core.strict import ConfigError
 
     for key, value in (("zero_quantized_weights", True), ("zero_quantized_gradients", True),
                        ("zero_quantized_nontrainable_weights", True), ("zero_hpz_partition_size", 8)):
@@ -393,7 +393,7 @@ def test_zeropp_below_stage_3_is_refused_in_one_line():
 
 def test_zero_init_takes_the_quantization_flags_and_refuses_a_foreign_hpz_group():
     from dslaunch.runtime import zero
-    from dslaunch.runtime.strict import ConfigError
+    from dslaunch.runtime.core.strict import ConfigError
 
     with pytest.raises(ConfigError, match=r"zero.Init\(zero_param_parallel_group=...\): not supported; set "
                                           r"zero_optimization.zero_hpz_partition_size"):
@@ -445,7 +445,7 @@ def test_on_two_hosts_zeropp_sends_less_between_them(ns_cluster, ssh_home, tmp_p
 
 def test_the_traffic_model_counts_what_each_rank_delivers_to_each_peer():
     """comm/traffic.py on made-up records: 4 ranks on hosts a, a, b, b."""
-    from dslaunch.runtime.comm.traffic import TrafficCounter, TrafficReport, per_peer_bytes
+    from dslaunch.runtime.core.comm.traffic import TrafficCounter, TrafficReport, per_peer_bytes
 
     assert per_peer_bytes("all_gather_into_tensor", 400, 4) == 100  # its own quarter of the output
     assert per_peer_bytes("reduce_scatter_tensor", 400, 4) == 100  # each peer's quarter of the input

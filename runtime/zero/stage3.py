@@ -32,11 +32,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..internals import internal_optimizer
-from ..reduction import GradReduction
-from ..strict import ConfigError
-from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
-from .. import comm
+from ..core.internals import internal_optimizer
+from ..core.reduction import GradReduction
+from ..core.strict import ConfigError
+from ..core.strategy import StrategyContext, check_numel, register_strategy, state_tensor
+from ..core import comm
 from . import hook_scope
 from .hook_scope import hooked_modules, module_params, unmarked_expert_lists, z3_leaf_module
 from .offload import OptimizerHost, make_host, pin_host
@@ -44,6 +44,7 @@ from .params import gather, is_partitioned, is_present, pack_shard, partition_pa
 from .partition import Piece, param_shard, pieces_to_dict
 from .prefetch import ModuleTrace, Prefetcher
 from .sharded import ShardedStrategy, offload_optimizer
+from .reshard import assemble
 from .zeropp import ZeroPP, ZeroPPSettings, qgz_blocks
 
 
@@ -129,7 +130,7 @@ class ZeroStage3(ShardedStrategy):
         if pp.any:  # collective: the hosts of the data-parallel ranks, hpZ's and qgZ's groups
             make = ctx.mesh.new_group if ctx.mesh is not None and hasattr(ctx.mesh, "new_group") else None
             if make is None:
-                from ..parallel.mesh import new_group as make
+                from ..core.parallel.mesh import new_group as make
             self.zeropp = ZeroPP(pp, group, self.world, self.rank, make)
         # A module already driven by another stage-3 engine (the HF Trainer's forward-only engine
         # for evaluate(), then train()'s own): this engine takes it over, the other's hooks go.
@@ -716,8 +717,6 @@ class ZeroStage3(ShardedStrategy):
                 "groups": groups}
 
     def load_shards(self, shards, load_optimizer: bool = True) -> None:
-        from ..checkpoint.reshard import assemble
-
         for gi, g in enumerate(self.groups):
             want = [(p.name, p.start, p.end, p.offset) for p in g["pieces"]]
             assemble(shards, gi, "master", want, g["master"])

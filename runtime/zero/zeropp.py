@@ -33,7 +33,7 @@ qgZ   Each weight's gradient (2-D or more, elements a multiple of twice the worl
       own dtype (DeepSpeed's kernel reads any gradient's bytes as fp16); all of a bucket's
       gradients share one all-to-all per stage (DeepSpeed issues two per gradient).
 
-Hosts come from the launcher (runtime/parallel/hosts.py): the data-parallel ranks split into
+Hosts come from the launcher (runtime/core/parallel/hosts.py): the data-parallel ranks split into
 equal runs of consecutive ranks per host.
 """
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import comm
-from ..strict import ConfigError
+from ..core import comm
+from ..core.strict import ConfigError
 from dslaunch.kernels import quantize_ref
 from dslaunch.kernels.quantizer import dequantize, quantize
 
@@ -274,7 +274,7 @@ class ZeroPP:
     hpZ and qgZ groups, and the settings. Collective: every data-parallel rank builds it."""
 
     def __init__(self, settings: ZeroPPSettings, group, world: int, rank: int, new_group):
-        from ..parallel.hosts import discover
+        from ..core.parallel.hosts import discover
 
         self.settings = settings
         self.world, self.rank = world, rank
