@@ -168,6 +168,10 @@ class DeepSpeedConfig:
                               f"(or Infinity for never), got {self.steps_per_print}")
         positive(path, "comms_timeout", self.comms_timeout)
         check_precision(self.fp16, self.bf16, self.torch_autocast)
+        if self.torch_autocast.enabled and self.zero_optimization.zero_quantized_weights:
+            # DeepSpeed asserts the same when it sets up autocast
+            raise ConfigError("torch_autocast.enabled: cannot be combined with zero_optimization.zero_quantized_weights "
+                              "(as in DeepSpeed); choose one")
         self._check_reduction()
         if self.allgather_size is not None:
             if not self.zero_optimization.legacy_bool:
