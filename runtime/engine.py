@@ -125,6 +125,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self.batch = resolve_batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
             self.mesh, mpu, comm.world_source(), self.world_size))
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.config.expert_parallel.enabled:  # AutoEP: this rank's experts take the blocks' place
+            from .moe import autoep
+
+            optimizer, model_parameters = autoep.attach(self._autoep_plan, self.config, model, self.mesh, optimizer,
+                                                        model_parameters)
         if self.config.tensor_parallel.size > 1:  # AutoTP; a model with its own mesh may be split already
             optimizer, model_parameters = self._apply_tensor_parallel(model, optimizer, model_parameters)
 
@@ -262,10 +267,16 @@ class DeepSpeedEngine(torch.nn.Module):
         return optimizer, model_parameters
 
     def _make_mesh(self, model, mpu):
-        from .moe.utils import expert_parallel_size
+        from .moe.utils import expert_parallel_size, moe_layers
 
         try:
             expert = expert_parallel_size(model)
+            if self.config.expert_parallel.enabled:  # AutoEP: checked now, the blocks swapped once the mesh exists
+                from .moe import autoep
+
+                native = bool(moe_layers(model))
+                self._autoep_plan = autoep.plan(self.config, model, mpu, self.world_size, native)
+                expert = self._autoep_plan.ep_size
             mesh = mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
                                         tensor=self.config.tensor_parallel.size, expert=expert,
                                         sequence=self.config.sequence_parallel_size)
@@ -273,8 +284,6 @@ class DeepSpeedEngine(torch.nn.Module):
             raise ConfigError(str(exc)) from None
         self.expert_parallel_size = expert
         if expert > 1:
-            from .moe.utils import moe_layers
-
             for layer in moe_layers(model):
                 layer.set_expert_group(mesh.group("expert"))
         return mesh
@@ -353,7 +362,7 @@ class DeepSpeedEngine(torch.nn.Module):
             if self.config.zero.stage == 3:
                 return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
             raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
-        if moe_utils.moe_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
+        if moe_utils.expert_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
             params = moe_utils.configure_moe_param_groups(list(params))
         return moe_utils.check_moe_param_groups(
             build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device)), model)
