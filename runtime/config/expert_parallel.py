@@ -40,11 +40,10 @@ class ExpertParallelConfig:
     """DeepSpeed's `expert_parallel` section (AutoEP)."""
 
     enabled: bool = supported(False, "swap the model's MoE blocks for expert-parallel layers at initialize")
-    autoep_size: int = supported(1, "expert-parallel degree: ranks sharing one copy of the experts (the mesh's expert "
-                                    "axis); must divide the world and every MoE layer's expert count")
+    autoep_size: int = supported(1, "expert-parallel degree: the ranks one copy of the experts is spread over (the mesh's "
+                                    "expert axis); must divide the world and every MoE layer's expert count")
     expert_tensor_parallel_size: Any = refused(
-        "expert_parallel.expert_tensor_parallel_size is reserved for expert-internal tensor parallelism, which "
-        "DeepSpeed 0.19.8 does not support either; use 1", 1)
+        "reserved for expert-internal tensor parallelism, which DeepSpeed 0.19.8 does not support either; use 1", 1)
     validate_folding_routing: Any = refused(FOLDING, False)
     async_split_plan: Any = refused(
         "overlapping the split-size copy with token packing (CUDA streams) is not implemented; the split sizes are "

@@ -198,9 +198,10 @@ def _rebuild(layer: AutoEPMoELayer, full: Dict[str, torch.Tensor], key: str) -> 
     return value.contiguous()
 
 
-def hf_state_dict(module: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+def hf_state_dict(module: nn.Module, exclude_frozen: bool = False) -> Optional[Dict[str, torch.Tensor]]:
     """Collective over rank 0's expert-parallel group (the other ranks call it too and get None):
-    the state dict of the model before the swap, with the experts trained here, on CPU, on rank 0."""
+    the state dict of the model before the swap, with the experts trained here, on CPU, on rank 0.
+    `exclude_frozen`: without the parameters that do not train (requires_grad false)."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -212,12 +213,14 @@ def hf_state_dict(module: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
     if rank != 0:
         return None
     by_name = dict(layers)
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     out: Dict[str, torch.Tensor] = OrderedDict()
     done = set()
     for key, value in module.state_dict().items():
         owner = next((n for n in by_name if key.startswith(n + ".")), None)
         if owner is None:
-            out[key] = value.detach().to("cpu", copy=True)
+            if key not in frozen:
+                out[key] = value.detach().to("cpu", copy=True)
             continue
         if owner in done:
             continue
@@ -226,8 +229,10 @@ def hf_state_dict(module: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         local = layer.state_dict()
         for rel in layer.source_layout.keys:
             if rel in layer.source_layout.expert_keys:
-                out[f"{owner}.{rel}"] = _rebuild(layer, full[owner], rel)
-            else:
+                role = layer.source_layout.expert_keys[rel][0]
+                if f"{owner}.experts.{'w1' if role == 'w13' else role}" not in frozen:
+                    out[f"{owner}.{rel}"] = _rebuild(layer, full[owner], rel)
+            elif f"{owner}.{rel}" not in frozen:
                 out[f"{owner}.{rel}"] = local[rel].detach().to("cpu", copy=True)
     return out
 
