@@ -46,6 +46,7 @@ class AutoEPMoELayer(nn.Module):
         self.top_k = spec.top_k
         self.ep_group_name = f"ep_size_{ep_size}"
         self.combine_impl = combine_impl
+        self.source_layout = None  # the block's state-dict layout, set by convert.swap (for hf_state_dict)
         # the block's own children, under their own names (state-dict keys stay Hugging Face's)
         self.add_module(spec.router_name, router)
         self.add_module("experts", experts)
