@@ -27,6 +27,7 @@ Cases:
   {m}_ep1         AutoEP with autoep_size 1 on one process (2 parts)
   {m}_ep2_s{Z}    2 ranks, autoep_size 2, ZeRO Z (0, 1, 2)
   {m}_ep4_s2      4 ranks, autoep_size 4, ZeRO 2
+  {m}_ep4_s{0,1}  the same at ZeRO 0 and 1, for Mixtral and DeepSeek-V3 (EP4_ALL_STAGES)
   mixtral_w4_ep2_s1   4 ranks, autoep_size 2 (two expert-data-parallel replicas), ZeRO 1
 A case's losses are averaged over ranks or micro-batches. DeepSpeed's ZeRO-0 runs with expert
 parallelism differ from its one-process run (its ZeRO-0 gradient norm under expert parallelism;
@@ -46,6 +47,7 @@ OUT = os.path.join(ROOT, "tests", "data", "ds_autoep")
 VOCAB, HIDDEN, EXPERTS, TOP_K, SEQ, ROWS, STEPS = 64, 32, 4, 2, 8, 2, 3
 RIGGED_EXPERT = 3
 EP_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+EP4_ALL_STAGES = ("mixtral", "deepseek_v3")
 ONE_MODELS = ("deepseek_v2", "qwen3_5_moe", "minimax_m3", "olmoe_aux")
 # DeepSpeed has no OLMoE preset; every other model is found by model_type
 PRESET = {"olmoe": "mixtral", "olmoe_aux": "mixtral"}
@@ -65,6 +67,9 @@ for _m in EP_MODELS:
     for _z in (0, 1, 2):
         CASES[f"{_m}_ep2_s{_z}"] = dict(model=_m, world=2, gas=1, stage=_z, ep=2)
     CASES[f"{_m}_ep4_s2"] = dict(model=_m, world=4, gas=1, stage=2, ep=4)
+for _m in EP4_ALL_STAGES:  # ep 4 at every stage for two families (the others at ZeRO 2 only: test time)
+    for _z in (0, 1):
+        CASES[f"{_m}_ep4_s{_z}"] = dict(model=_m, world=4, gas=1, stage=_z, ep=4)
 CASES["mixtral_w4_ep2_s1"] = dict(model="mixtral", world=4, gas=1, stage=1, ep=2)
 
 

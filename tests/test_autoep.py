@@ -11,8 +11,8 @@ its router is rigged so that even ranks send expert 3 no tokens at every step.
     1 rank:  every model unmodified (the references), and with autoep_size 1
     2 ranks: autoep_size 2 at ZeRO 0, 1, 2 (5 models); the gathered model saved with
              save_pretrained; a model AutoEP cannot split, refused
-    4 ranks: autoep_size 4 at ZeRO 2 (5 models); autoep_size 2 x 2 replicas at ZeRO 1 (Mixtral);
-             save_pretrained
+    4 ranks: autoep_size 4 at ZeRO 2 (5 models) and at ZeRO 0 and 1 (Mixtral, DeepSeek-V3);
+             autoep_size 2 x 2 replicas at ZeRO 1 (Mixtral); save_pretrained
 
 Every run's losses equal its one-process reference to 1e-5 (fp32) and DeepSpeed's run of the
 same case, except DeepSpeed's ZeRO-0 runs with expert parallelism, which differ from its own
