@@ -1,7 +1,11 @@
 """Make tests/data/ds_autoep/expected.json with real DeepSpeed (0.19.8, CPU, gloo): the losses of
 tiny Hugging Face MoE models trained with AutoEP (the `expert_parallel` config section).
 
-    python scripts/make_ds_autoep_fixtures.py [--cases a,b]     # DeepSpeed's Python, transformers 5.17.0
+    DS_ACCELERATOR=cpu python scripts/make_ds_autoep_fixtures.py [--cases a,b]
+
+with a Python that has DeepSpeed 0.19.8 and transformers 5.17.0 (the DeepSpeed venv has no
+transformers; a venv whose .pth file adds the DeepSpeed venv's site-packages, with
+transformers installed into it, keeps that venv unchanged).
 
 `train` is the training script both engines run (tests/test_autoep.py runs it with
 `import dslaunch.runtime as deepspeed`). The models are transformers' own classes built from

@@ -30,9 +30,9 @@ UNSET = "<preset>"
 
 DEEPEP = "DeepEP is not part of dslaunch (tokens move with all-to-all over the expert group)"
 FOLDING = "only read by AutoEP + AutoTP folding, which is not supported here (AutoEP runs with tensor_parallel off)"
-# DeepSpeed's words (it names the value; the key table here cannot)
-LOAD_BALANCE = ("load_balance_coeff is not supported in this AutoEP build (would register expert_bias and route "
-                "through unsupported auxiliary-loss-free load balancing). Set load_balance_coeff to null or omit the key.")
+# DeepSpeed 0.19.8 refuses every non-null value too
+LOAD_BALANCE = ("auxiliary-loss-free load balancing (a per-expert routing bias learned from the load) is not "
+                "supported, as in DeepSpeed 0.19.8; set load_balance_coeff to null or remove it")
 
 
 @dataclass
