@@ -20,6 +20,10 @@ from dslaunch.launcher.errors import LaunchConfigError
 MAX_CORE = 8191
 
 
+def _whole(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 def parse_core_list(text: str, option: str = "--bind_core_list") -> List[int]:
     """"0,2-4,7" -> [0, 2, 3, 4, 7]; order kept, duplicates refused, no number above MAX_CORE."""
     cores: List[int] = []
@@ -27,7 +31,8 @@ def parse_core_list(text: str, option: str = "--bind_core_list") -> List[int]:
     for part in text.split(","):
         part = part.strip()
         lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or len(part) > 13:
+        # isascii: str.isdigit() also takes superscripts and other scripts' digits, which int() refuses
+        if not _whole(lo) or (dash and not _whole(hi)) or len(part) > 13:
             raise LaunchConfigError(f"{option} {text!r}: {part!r} is not a core number or range like 2-5")
         first, last = int(lo), int(hi) if dash else int(lo)
         if last < first:

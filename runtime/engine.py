@@ -25,7 +25,7 @@ from .parallel import current as parallel_current
 from .parallel import select as mesh_select
 from .compiling import compile_module
 from .compression import compression_schedule
-from .config import DeepSpeedConfig, resolve_batch_sizes
+from .config import DeepSpeedConfig
 from .dataloader import DistributedDataLoader
 from .fp16 import loss_scaler as fp16_optimizer_view
 from .loss_scaler import make_loss_scaler
@@ -41,6 +41,9 @@ from .monitor import report
 from .monitor.sink import TRAIN_LOSS
 from .nonfinite import NonFiniteGuard
 from .progress import ProgressLog
+from .resize import batch as resize_batch
+from .resize.contract import ResizeEnv
+from .resize.driver import ResizeDriver
 from .strategy import FragmentError, StrategyContext, strategy_for_stage
 from .strict import ConfigError
 from .tensor_backward import SCALE_REQUIRED, BackwardUsageError, OutputGrads, engine_backward
@@ -122,8 +125,11 @@ class DeepSpeedEngine(torch.nn.Module):
         grad_axis = mesh_select.gradient_axis(self.mesh)
         self.seq_data_parallel_group = self.mesh.group(grad_axis)
         self._grad_rank, self._grad_world = self.mesh.rank(grad_axis), self.mesh.size(grad_axis)
-        self.batch = resolve_batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
-            self.mesh, mpu, comm.world_source(), self.world_size))
+        # in a resizable job the configured global batch holds at every size (resize/batch.py)
+        self._resize_env = ResizeEnv.from_environ()
+        self._resize: Optional[ResizeDriver] = None  # made last, once the engine is whole
+        self.batch = resize_batch.batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
+            self.mesh, mpu, comm.world_source(), self.world_size), self.world_size, self._resize_env.base_world)
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
         if self.config.expert_parallel.enabled:  # AutoEP: this rank's experts take the blocks' place
             from .moe import autoep
@@ -207,6 +213,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._compiled_with: Optional[Dict[str, Any]] = None
         if self.config.compile.enabled:
             self.compile()
+        # --checkpoint_dir / an elastic launch: save every N steps, stop for a resize (resize/driver.py)
+        self._resize = ResizeDriver(self, self._resize_env) if self._resize_env.active else None
 
     def _apply_tensor_parallel(self, model, optimizer, model_parameters):
         """AutoTP training: shard the model's layers over the mesh's tensor axis (unless the
@@ -427,6 +435,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # -- training ---------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._resize is not None:
+            self._resize.check_stop()
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         try:
@@ -554,6 +564,8 @@ class DeepSpeedEngine(torch.nn.Module):
             self.micro_steps += 1
         if boundary:
             self._report_step()
+            if self._resize is not None:
+                self._resize.after_step()
         self._memory("after step")
 
     def _report_step(self) -> None:
@@ -675,17 +687,22 @@ class DeepSpeedEngine(torch.nn.Module):
 
     # -- checkpoints -------------------------------------------------------------------------
     def counters_state(self) -> Dict[str, int]:
+        loader = self.training_dataloader if isinstance(self.training_dataloader, DistributedDataLoader) else None
         return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                 "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
-                "dataloader_epoch": self.training_dataloader.epoch if self.training_dataloader else 0}
+                # the accumulation the micro steps count in (another world size may resume with another)
+                "gradient_accumulation_steps": self.batch.gradient_accumulation_steps,
+                "dataloader_epoch": loader.epoch if loader else 0,
+                "dataloader_offset": loader.offset() if loader else 0}
 
     def load_counters_state(self, state: Dict[str, int]) -> None:
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         self.global_samples = state["global_samples"]
         self.skipped_steps = state["skipped_steps"]
-        if self.training_dataloader is not None:
-            self.training_dataloader.set_epoch(state.get("dataloader_epoch", 0))
+        if isinstance(self.training_dataloader, DistributedDataLoader):
+            self.training_dataloader.load_state_dict({"epoch": state.get("dataloader_epoch", 0),
+                                                      "offset": state.get("dataloader_offset", 0)})
         self._update_compression()
 
     def get_sequence_parallel_group(self):

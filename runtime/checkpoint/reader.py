@@ -156,7 +156,9 @@ class Checkpoint:
         if "counters" in self.dslaunch:
             out = dict(self.dslaunch["counters"])
             try:
-                saved_gas = int((self.model.get("ds_config") or {}).get("gradient_accumulation_steps") or 0)
+                # the accumulation the job ran with (recorded since resizable jobs), else the config's
+                saved_gas = int(out.pop("gradient_accumulation_steps", 0) or
+                                (self.model.get("ds_config") or {}).get("gradient_accumulation_steps") or 0)
             except (TypeError, ValueError, AttributeError):
                 saved_gas = 0
             if saved_gas and saved_gas != gradient_accumulation_steps:
