@@ -27,7 +27,7 @@ from .presets import PRESETS, AutoEPError
 def save_pretrained(model_or_engine: Any, save_directory: str, **kwargs) -> bool:
     """Collective (every rank calls it): rank 0 writes `save_directory` with the Hugging Face
     model's save_pretrained, given the gathered state dict; returns whether this rank wrote."""
-    from ... import comm
+    from ...core import comm
 
     module = getattr(model_or_engine, "module", model_or_engine)
     state = hf_state_dict(module)

@@ -47,10 +47,10 @@ def plan(config, model: nn.Module, mpu, world: int, native_moe: bool) -> Plan:
     if config.sequence_parallel_size > 1:
         raise AutoEPError(f"expert_parallel: AutoEP with sequence_parallel_size {config.sequence_parallel_size} is "
                           "not supported")
-    if config.zero.stage == 3:
+    if config.zero_optimization.stage == 3:
         raise AutoEPError("expert_parallel: AutoEP at ZeRO stage 3 is not supported (DeepSpeed 0.19.8 partitions each "
                           "expert over its expert-data-parallel group; here expert parameters need stage 0, 1 or 2)")
-    if config.zero.offload_optimizer_device != "none" or config.zero.offload_param_device != "none":
+    if config.zero_optimization.offload_optimizer_device != "none" or config.zero_optimization.offload_param_device != "none":
         raise AutoEPError("expert_parallel: AutoEP with ZeRO offload is not supported (expert parameters reduce over "
                           "their expert-data-parallel group, which the offloaded optimizer does not); remove the "
                           "offload section")

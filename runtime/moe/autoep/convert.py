@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...config.expert_parallel import ExpertParallelConfig
+from ...core.config.expert_parallel import ExpertParallelConfig
 from .detect import LayerSpec, expert_weight
 from .experts import GroupedExperts
 from .layer import AutoEPMoELayer
@@ -175,7 +175,7 @@ def autoep_layers(module: nn.Module) -> List[Tuple[str, AutoEPMoELayer]]:
 
 
 def _gathered(layer: AutoEPMoELayer, p: torch.Tensor) -> torch.Tensor:
-    from ... import comm
+    from ...core import comm
 
     local = p.detach().contiguous()
     if layer.ep_size == 1:
@@ -239,6 +239,6 @@ def hf_state_dict(module: nn.Module, exclude_frozen: bool = False) -> Optional[D
 
 def _holds_rank0(layer: AutoEPMoELayer) -> bool:
     """Whether this rank is in global rank 0's expert group (the ranks that gather for it)."""
-    from ... import comm
+    from ...core import comm
 
     return layer.ep_size > 1 and 0 in comm.get_all_ranks_from_group(layer.ep_group)

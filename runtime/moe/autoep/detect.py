@@ -31,7 +31,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...config.expert_parallel import ExpertParallelConfig
+from ...core.config.expert_parallel import ExpertParallelConfig
 from .experts import ACTIVATIONS
 from .presets import AutoEPError, Preset, candidates, known_model_type
 from .routing import RoutingRule

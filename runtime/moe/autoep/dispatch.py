@@ -31,7 +31,7 @@ class SplitPlan:
 
 def plan(counts: torch.Tensor, ep_size: int, group, label: str) -> SplitPlan:
     """counts [experts]: this rank's rows per global expert (collective over `group`)."""
-    from ... import comm
+    from ...core import comm
 
     local = counts.numel() // ep_size
     matrix = counts.reshape(ep_size, local)
@@ -53,7 +53,7 @@ class AllToAllV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, send: List[int], recv: List[int], group, label: str) -> torch.Tensor:
-        from ... import comm
+        from ...core import comm
 
         ctx.send, ctx.recv, ctx.group, ctx.label = send, recv, group, label
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))

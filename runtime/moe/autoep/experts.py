@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ...config.expert_parallel import EXPERT_ACTIVATIONS
+from ...core.config.expert_parallel import EXPERT_ACTIVATIONS
 
 GROUP_ROWS = 16  # torch._grouped_mm reads each group at a 16-byte-aligned stride
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-from ...config.expert_parallel import PRESET_NAMES, UNSET, ExpertParallelConfig
-from ...strict import ConfigError
+from ...core.config.expert_parallel import PRESET_NAMES, UNSET, ExpertParallelConfig
+from ...core.strict import ConfigError
 
 
 class AutoEPError(ConfigError):
