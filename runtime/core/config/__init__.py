@@ -21,6 +21,7 @@ from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
 from .compression import CompressionConfig
 from .compute import ActivationCheckpointingConfig, CompileConfig
 from .elasticity.elasticity import engine_batch_sizes
+from .expert_parallel import ExpertParallelConfig
 from .monitor import DeepSpeedMonitorConfig
 from .numbers import check_optimizer_params, check_scheduler_params
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
@@ -129,9 +130,7 @@ class DeepSpeedConfig:
         "the Ulysses all-to-alls send activations in their own dtype (no separate communication dtype); remove it",
         "fp32")
     tensor_parallel: TensorParallelConfig = supported(factory=TensorParallelConfig, note="")
-    expert_parallel: Any = refused(
-        "AutoEP (swapping Hugging Face MoE blocks for expert-parallel layers) is not implemented; remove it: "
-        "HF MoE models train with every expert on each rank (at ZeRO-3 with set_z3_leaf_modules)", disabled)
+    expert_parallel: ExpertParallelConfig = supported(factory=ExpertParallelConfig, note="")
     use_data_before_expert_parallelism: Any = refused(
         "expert groups are laid out only DeepSpeed's default way (expert-parallel ranks consecutive); remove it", False)
     hybrid_engine: Any = refused("the RLHF hybrid engine is not supported; remove it", disabled)
