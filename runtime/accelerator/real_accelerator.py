@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .cpu_devices import cpu_device_count
+
 
 class DeepSpeedAccelerator:
     """One accelerator, CUDA or CPU (DeepSpeed's name for the interface)."""
@@ -46,7 +48,8 @@ class DeepSpeedAccelerator:
             torch.cuda.set_device(device_index)
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else 1
+        """CUDA's GPU count; on the CPU, LOCAL_SIZE, else the NUMA node count (cpu_devices.py)."""
+        return torch.cuda.device_count() if self._cuda else cpu_device_count()
 
     def is_available(self) -> bool:
         return True
