@@ -17,13 +17,13 @@ from ..zero.fragments import (
     safe_update_full_grad_vectorized,
 )
 from .helpers import clip_grad_norm_, is_model_parallel_parameter, move_to_device, see_memory_usage, set_random_seed
-from .partitioned import PartitionedTensor, partition_uniform
+from .partitioned import PartitionedTensor, partition_uniform, prefix_sum_inc
 from ..pipe.partition import partition_balanced
 
 sys.modules[__name__ + ".zero_to_fp32"] = zero_to_fp32
 
 __all__ = ["zero_to_fp32", "clip_grad_norm_", "is_model_parallel_parameter", "move_to_device", "see_memory_usage",
-           "set_random_seed", "PartitionedTensor", "partition_uniform", "partition_balanced",
+           "set_random_seed", "PartitionedTensor", "partition_uniform", "partition_balanced", "prefix_sum_inc",
            "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
            "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
