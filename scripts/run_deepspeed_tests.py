@@ -41,7 +41,9 @@ import argparse
 import ast
 import collections
 import json
+import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -94,6 +96,7 @@ class FileResult:
     failed: int = 0
     skipped: int = 0
     collection_errors: int = 0  # tests of this file counted as failed because it failed to import
+    not_run: int = 0  # collected here, outside a --sample
     timed_out: bool = False
     causes: Dict[str, int] = field(default_factory=dict)
     skips: Dict[str, int] = field(default_factory=dict)
@@ -221,12 +224,91 @@ def load_reference(path: str, commit: str) -> Tuple[Optional[Dict[str, int]], st
 # -- running -----------------------------------------------------------------------------------
 
 def pytest_command(python: str, paths: List[str], junit: str, workers: int, test_timeout: int) -> List[str]:
-    cmd = [python, "-m", "pytest", *[os.path.join("unit", p) if p not in (".", "") else "unit/" for p in paths],
+    """`paths` under unit/, or test ids (`unit/...::...`) as pytest names them."""
+    cmd = [python, "-m", "pytest", *[p if p.startswith("unit/") else os.path.join("unit", p)
+                                     if p not in (".", "") else "unit/" for p in paths],
            "-p", "no:cacheprovider", "-p", "no:randomly", "--continue-on-collection-errors", "--forked",
            "--junitxml", junit, "-o", "junit_family=xunit1", f"--timeout={test_timeout}", "-q"]
     if workers > 0:
         cmd += ["-n", str(workers)]
     return cmd
+
+
+COLLECT_PLUGIN = '''
+import json, os
+
+_errors = {}
+
+def pytest_collectreport(report):
+    if report.failed:
+        text = str(report.longrepr)
+        raised = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+        _errors[report.nodeid] = raised[-1] if raised else text.strip().splitlines()[-1:] and text.strip().splitlines()[-1]
+
+def pytest_collection_finish(session):
+    with open(os.environ["DS_COLLECTION_OUT"], "w") as fh:
+        json.dump({"items": [item.nodeid for item in session.items], "errors": _errors}, fh)
+'''
+
+
+def collect_tree(python: str, tests_dir: str, paths: List[str], env: Dict[str, str], workdir: str,
+                 timeout: int) -> Tuple[List[str], Dict[str, str]]:
+    """pytest's collection of `paths` here: the test ids, and each file that failed to import
+    with its exception line."""
+    plugin_dir = os.path.join(workdir, "plugin")
+    os.makedirs(plugin_dir, exist_ok=True)
+    with open(os.path.join(plugin_dir, "ds_unit_collect.py"), "w") as fh:
+        fh.write(COLLECT_PLUGIN)
+    out = os.path.join(workdir, "collection.json")
+    cenv = dict(env, DS_COLLECTION_OUT=out, PYTHONPATH=os.pathsep.join([plugin_dir, env.get("PYTHONPATH", "")]))
+    cmd = [python, "-m", "pytest", *[os.path.join("unit", p) if p not in (".", "") else "unit/" for p in paths],
+           "--collect-only", "-p", "no:cacheprovider", "-p", "no:randomly", "--continue-on-collection-errors",
+           "-p", "ds_unit_collect"]
+    subprocess.run(cmd, cwd=tests_dir, env=cenv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=timeout)
+    with open(out) as fh:
+        data = json.load(fh)
+    return data["items"], data["errors"]
+
+
+def sample_results(items: List[str], errors: Dict[str, str], reference: Optional[Dict[str, int]],
+                   count_file) -> Dict[str, FileResult]:
+    """Per-file results of a collection alone: every collected test not run, every file that
+    failed to import counted as failures of its reference tests."""
+    results: Dict[str, FileResult] = {}
+    for nodeid in items:
+        rel = nodeid.split("::")[0]
+        rel = rel[len("unit/"):] if rel.startswith("unit/") else rel
+        r = results.setdefault(rel, FileResult(rel))
+        r.collected += 1
+        r.not_run += 1
+    for nodeid, message in errors.items():
+        rel = nodeid[len("unit/"):] if nodeid.startswith("unit/") else nodeid
+        r = results.setdefault(rel, FileResult(rel))
+        n = (reference or {}).get(rel) or (count_file(rel) if count_file else 0) or 1
+        r.collected += n
+        r.failed += n
+        r.collection_errors += n
+        r.failed_ids.append(rel[:-3].replace("/", ".") if rel.endswith(".py") else rel)
+        cause = cause_of(message)
+        r.causes[cause] = r.causes.get(cause, 0) + n
+    return results
+
+
+def fold_sample(results: Dict[str, FileResult], junit: str) -> None:
+    """The sample's junit report into collection-only results: each reported test leaves not_run."""
+    ran = parse_junit(junit)
+    for rel, r in ran.items():
+        base = results.setdefault(rel, FileResult(rel))
+        moved = r.passed + r.failed + r.skipped
+        base.not_run = max(0, base.not_run - moved)
+        base.collected = max(base.collected, moved)
+        for f in ("passed", "failed", "skipped"):
+            setattr(base, f, getattr(base, f) + getattr(r, f))
+        base.failed_ids += r.failed_ids
+        for src, dst in ((r.causes, base.causes), (r.skips, base.skips)):
+            for k, v in src.items():
+                dst[k] = dst.get(k, 0) + v
 
 
 def run_tree(python: str, tests_dir: str, paths: List[str], env: Dict[str, str], workers: int, test_timeout: int,
@@ -305,6 +387,9 @@ def on_purpose(results: List[FileResult], reasons: Dict[str, str]) -> List[tuple
     return out
 
 
+COUNTS = ("collected", "passed", "failed", "skipped", "collection_errors", "not_run")
+
+
 def directory_of(rel: str) -> str:
     return rel.rsplit("/", 1)[0] if "/" in rel else "."
 
@@ -313,7 +398,7 @@ def by_directory(results: List[FileResult]) -> List[FileResult]:
     dirs: Dict[str, FileResult] = {}
     for r in sorted(results, key=lambda r: r.path):
         d = dirs.setdefault(directory_of(r.path), FileResult(directory_of(r.path)))
-        for f in ("collected", "passed", "failed", "skipped", "collection_errors"):
+        for f in COUNTS:
             setattr(d, f, getattr(d, f) + getattr(r, f))
         d.timed_out = d.timed_out or r.timed_out
     return [dirs[k] for k in sorted(dirs)]
@@ -322,9 +407,53 @@ def by_directory(results: List[FileResult]) -> List[FileResult]:
 def totals(results: List[FileResult]) -> FileResult:
     total = FileResult("total")
     for r in results:
-        for f in ("collected", "passed", "failed", "skipped", "collection_errors"):
+        for f in COUNTS:
             setattr(total, f, getattr(total, f) + getattr(r, f))
     return total
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> Tuple[float, float]:
+    """The 95% Wilson interval of a proportion k/n."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def estimate(total: FileResult) -> Tuple[float, float, float]:
+    """A sample's whole-tree share passed of those that run: (estimate, low, high). The sampled
+    tests stand for every test that collects; files that fail to import count exactly."""
+    n = total.passed + (total.failed - total.collection_errors) + total.skipped
+    collectable = total.collected - total.collection_errors
+
+    def share(pass_fraction: float) -> float:
+        skip_fraction = total.skipped / n
+        passed = pass_fraction * collectable
+        ran = (1 - skip_fraction) * collectable + total.collection_errors
+        return passed / ran if ran else 0.0
+
+    lo, hi = wilson(total.passed, n)
+    return share(total.passed / n), share(lo), share(hi)
+
+
+def headline(total: FileResult, import_failed: int) -> str:
+    ran = total.passed + total.failed
+    if not ran:
+        return "Nothing ran."
+    if total.not_run:
+        sampled = total.passed + total.failed - total.collection_errors + total.skipped
+        est, lo, hi = estimate(total)
+        return (f"**Whole tree: {total.collected} tests; {total.collection_errors} of them are in {import_failed} "
+                f"files that fail to import (each counted as a failure). A uniform random sample of {sampled} of the "
+                f"{total.collected - total.collection_errors} tests that collect ran: {total.passed} passed, "
+                f"{total.failed - total.collection_errors} failed, {total.skipped} skipped. Estimated share of the "
+                f"whole tree that passes, of the tests that run: {100 * est:.1f}% (95% interval {100 * lo:.1f}-"
+                f"{100 * hi:.1f}%)**")
+    return (f"**{total.passed} of {ran} passed ({100.0 * total.passed / ran:.1f}%)**, {total.failed} failed "
+            f"({total.collection_errors} of them in {import_failed} files that fail to import), {total.skipped} "
+            "skipped")
 
 
 def render(results: List[FileResult], commit: str, python: str, reasons: Optional[Dict[str, str]] = None,
@@ -344,24 +473,22 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         "DeepSpeed's own skips on a CPU (below, by reason). Every failure on purpose is counted as a failure "
         "and listed with its reason.",
         "",
-        (f"**{total.passed} of {ran} passed ({100.0 * total.passed / ran:.1f}%)**, {total.failed} failed "
-         f"({total.collection_errors} of them in {import_failed} files that fail to import), {total.skipped} "
-         f"skipped; {sum(n for _, _, n in purposed)} of the failures are on purpose (below)."
-         if ran else "Nothing ran."),
+        headline(total, import_failed) + (f"; {sum(n for _, _, n in purposed)} of the failures are on purpose "
+                                          "(below)." if ran else ""),
         "",
         "Reproduce with `python scripts/run_deepspeed_tests.py --deepspeed-src DIR` (a DeepSpeed checkout, fetched "
         "by hand: DeepSpeed's tests are not on PyPI, and none is copied into this repository).",
         "",
-        "| directory | collected | passed | failed | skipped | collection errors | passed of ran |",
-        "|---|---|---|---|---|---|---|",
+        "| directory | collected | passed | failed | skipped | collection errors | not run (outside the sample) | "
+        "passed of ran |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for d in by_directory(results):
+    for d in by_directory(results) + [total]:
         note = " (timed out)" if d.timed_out else ""
         share = f"{100.0 * d.passed / (d.passed + d.failed):.0f}%" if d.passed + d.failed else "-"
-        lines.append(f"| `{d.path}/`{note} | {d.collected} | {d.passed} | {d.failed} | {d.skipped} | "
-                     f"{d.collection_errors} | {share} |")
-    lines.append(f"| **total** | {total.collected} | {total.passed} | {total.failed} | {total.skipped} | "
-                 f"{total.collection_errors} | {100.0 * total.passed / ran:.1f}% |" if ran else "")
+        name = "**total**" if d is total else f"`{d.path}/`{note}"
+        lines.append(f"| {name} | {d.collected} | {d.passed} | {d.failed} | {d.skipped} | "
+                     f"{d.collection_errors} | {d.not_run} | {share} |")
     if purposed:
         lines += ["", "## Failed on purpose", "", "| test | tests | why dslaunch differs |", "|---|---|---|"]
         lines += [f"| `{t}` | {n} | {why.replace('|', '/')} |" for t, why, n in purposed]
@@ -410,6 +537,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                               "so the most ranks a test may start")
     ap.add_argument("--test-timeout", type=int, default=600, help="seconds per test (a hang is one failure)")
     ap.add_argument("--timeout", type=int, default=6 * 3600, help="seconds for the whole run")
+    ap.add_argument("--sample", type=int, default=None, metavar="N",
+                    help="collect the whole of --paths, then run a uniform random sample of N of the tests that "
+                         "collect (files that fail to import still count all their tests); the table estimates the "
+                         "whole tree's share from it")
+    ap.add_argument("--seed", type=int, default=0, help="the --sample's random seed")
     ap.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     ap.add_argument("--log", default=None, help="write pytest's output here")
@@ -459,15 +591,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         if err:
             print(f"run_deepspeed_tests: {err}", file=sys.stderr)
             return 1
-        env = dict(os.environ, PYTHONPATH=site, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
+        # the caller's PYTHONPATH stays behind the package folder (a snapshot of dslaunch, say)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([site] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+                   CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
                    LOCAL_SIZE=str(args.local_size), DS_UNITTEST_TIMEOUT=str(args.test_timeout),
                    HF_HOME=os.path.join(tmp, "hf_home"), HF_HUB_OFFLINE="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        junit, timed_out = run_tree(sys.executable, tests_dir, args.paths, env, args.workers, args.test_timeout,
-                                    args.timeout, tmp, args.log)
         results: Dict[str, FileResult] = {}
-        if junit:
-            parse_junit(junit, results, reference, count_file)
+        if args.sample is not None:
+            items, errors = collect_tree(sys.executable, tests_dir, args.paths, env, tmp, args.timeout)
+            results = sample_results(items, errors, reference, count_file)
+            # in random order, so that a run cut short by --timeout leaves a uniform sample of what it reached
+            chosen = random.Random(args.seed).sample(items, min(args.sample, len(items)))
+            junit, timed_out = (run_tree(sys.executable, tests_dir, chosen, env, args.workers, args.test_timeout,
+                                         args.timeout, tmp, args.log) if chosen else (None, False))
+            if junit:
+                fold_sample(results, junit)
+        else:
+            junit, timed_out = run_tree(sys.executable, tests_dir, args.paths, env, args.workers,
+                                        args.test_timeout, args.timeout, tmp, args.log)
+            if junit:
+                parse_junit(junit, results, reference, count_file)
         if reference is None:  # at an unrecorded commit, the syntax tree says which files hold tests
             reference = {}
             for dirpath, _, files in os.walk(unit):
@@ -482,6 +626,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"collected {t.collected}, passed {t.passed}, failed {t.failed} ({t.collection_errors} in files that fail "
           f"to import), skipped {t.skipped}" + (" (timed out)" if timed_out else ""), flush=True)
     settings = f"LOCAL_SIZE={args.local_size}, {args.workers} workers, {args.test_timeout} s per test"
+    if args.sample is not None:
+        settings += f"; a uniform random sample of {args.sample} of the tests that collect (seed {args.seed}) ran"
     return write_table(out, commit, counting, settings, args, reasons)
 
 
@@ -508,6 +654,13 @@ def readme_row(results: List[FileResult], commit: str) -> str:
     t = totals(results)
     ran = t.passed + t.failed
     share = f"{100.0 * t.passed / ran:.1f}%" if ran else "-"
+    if t.not_run:
+        est, lo, hi = estimate(t)
+        return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | whole `tests/unit` "
+                f"tree, multi-rank tests included: {t.collected} tests, {t.collection_errors} in files that fail to "
+                f"import (counted as failures); from a random sample of the rest, an estimated {100 * est:.0f}% "
+                f"(95% interval {100 * lo:.0f}-{100 * hi:.0f}%) of the tests that run pass; run against the "
+                f"compatibility package on CPU | its `tests/unit` at commit `{commit[:10]}` | | |")
     return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | "
             f"{t.passed} of {ran} pass ({share}) over the whole `tests/unit` tree, multi-rank tests included "
             f"(every test of a file that fails to import counted as a failure), {t.skipped} skipped by DeepSpeed's "

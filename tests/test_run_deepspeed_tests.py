@@ -60,8 +60,9 @@ def test_table_counts_causes_skips_and_the_failures_on_purpose(tmp_path):
     text = s.render(out, "abc123", "python", reasons, "the reference", "LOCAL_SIZE=4")
     assert "commit `abc123`" in text and "**2 of 14 passed (14.3%)**" in text
     assert "12 failed (7 of them in 1 files that fail to import)" in text and "9 of the failures are on purpose" in text
-    assert "| `runtime/` | 11 | 1 | 9 | 1 | 7 | 10% |" in text
-    assert "| `ops/adam/` | 4 | 1 | 3 | 0 | 0 | 25% |" in text
+    assert "| `runtime/` | 11 | 1 | 9 | 1 | 7 | 0 | 10% |" in text
+    assert "| `ops/adam/` | 4 | 1 | 3 | 0 | 0 | 0 | 25% |" in text
+    assert "| **total** | 15 | 2 | 12 | 1 | 7 | 0 | 14% |" in text
     assert "| `unit.runtime.test_gone` | 7 | not provided, because |" in text
     assert "| `unit.runtime.test_a.TestA::test_bad[2]` | 1 | differs |" in text
     assert "| 1 | Skipping test because not enough GPUs are available: N required, N available |" in text
@@ -81,6 +82,32 @@ def test_table_counts_causes_skips_and_the_failures_on_purpose(tmp_path):
     s.write_table([rerun], "abc123", "the reference", "", _args(json=str(tmp_path / "u.json")), reasons)
     merged = s.from_json([str(tmp_path / "t.json"), str(tmp_path / "u.json")])[0]
     assert {m.path: m.passed for m in merged}["runtime/test_gone.py"] == 7 and len(merged) == 4
+
+
+def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
+    s = _script()
+    items = [f"unit/runtime/test_a.py::TestA::test_{i}" for i in range(8)] + ["unit/ops/adam/test_x.py::test_y"]
+    results = s.sample_results(items, {"unit/runtime/test_gone.py": "ModuleNotFoundError: No module named 'x'"},
+                               REFERENCE, None)
+    assert results["runtime/test_gone.py"].failed == 7 and results["runtime/test_a.py"].not_run == 8
+    junit = tmp_path / "s.xml"
+    junit.write_text("""<testsuites><testsuite>
+<testcase classname="unit.runtime.test_a.TestA" name="test_0" file="unit/runtime/test_a.py"/>
+<testcase classname="unit.runtime.test_a.TestA" name="test_1" file="unit/runtime/test_a.py"/>
+<testcase classname="unit.runtime.test_a.TestA" name="test_2" file="unit/runtime/test_a.py"><failure message="x"/>
+</testcase><testcase classname="unit.runtime.test_a.TestA" name="test_3" file="unit/runtime/test_a.py">
+<skipped message="no"/></testcase></testsuite></testsuites>""")
+    s.fold_sample(results, str(junit))
+    a = results["runtime/test_a.py"]
+    assert (a.collected, a.passed, a.failed, a.skipped, a.not_run) == (8, 2, 1, 1, 4)
+    total = s.totals(list(results.values()))
+    # 9 tests collect, 7 fail to import; of 4 sampled, 2 pass and 1 skips: 4.5 of 9 pass, 6.75 + 7 run
+    est, lo, hi = s.estimate(total)
+    assert est == pytest.approx(4.5 / 13.75) and lo < est < hi
+    text = s.render(sorted(results.values(), key=lambda r: r.path), "abc", "py", {}, "", "")
+    assert "Whole tree: 16 tests; 7 of them are in 1 files that fail to import" in text
+    assert "A uniform random sample of 4 of the 9 tests that collect ran: 2 passed, 1 failed, 1 skipped" in text
+    assert "| `runtime/` | 15 | 2 | 8 | 1 | 7 | 4 | 20% |" in text
 
 
 def test_syntax_tree_count_expands_literal_parametrize():
