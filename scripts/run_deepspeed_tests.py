@@ -289,7 +289,7 @@ def sample_results(items: List[str], errors: Dict[str, str], reference: Optional
         r.collected += n
         r.failed += n
         r.collection_errors += n
-        r.failed_ids.append(rel[:-3].replace("/", ".") if rel.endswith(".py") else rel)
+        r.failed_ids.append(module_id(rel))
         cause = cause_of(message)
         r.causes[cause] = r.causes.get(cause, 0) + n
     return results
@@ -372,7 +372,7 @@ def complete(results: Dict[str, FileResult], reference: Optional[Dict[str, int]]
             continue
         r = results[rel] = FileResult(rel, collected=n, failed=n, timed_out=timed_out)
         r.causes["not reached: the run's time limit was spent" if timed_out else "not collected here"] = n
-        r.failed_ids.append(rel[:-3].replace("/", ".") if rel.endswith(".py") else rel)
+        r.failed_ids.append(module_id(rel))
 
 
 def on_purpose(results: List[FileResult], reasons: Dict[str, str]) -> List[tuple]:
@@ -388,6 +388,11 @@ def on_purpose(results: List[FileResult], reasons: Dict[str, str]) -> List[tuple
 
 
 COUNTS = ("collected", "passed", "failed", "skipped", "collection_errors", "not_run")
+
+
+def module_id(rel: str) -> str:
+    """A file's dotted name as junit names a module that fails to collect (unit.runtime.test_x)."""
+    return "unit." + (rel[:-3] if rel.endswith(".py") else rel).replace("/", ".")
 
 
 def directory_of(rel: str) -> str:

@@ -90,6 +90,7 @@ def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
     results = s.sample_results(items, {"unit/runtime/test_gone.py": "ModuleNotFoundError: No module named 'x'"},
                                REFERENCE, None)
     assert results["runtime/test_gone.py"].failed == 7 and results["runtime/test_a.py"].not_run == 8
+    assert results["runtime/test_gone.py"].failed_ids == ["unit.runtime.test_gone"]  # as the reasons name it
     junit = tmp_path / "s.xml"
     junit.write_text("""<testsuites><testsuite>
 <testcase classname="unit.runtime.test_a.TestA" name="test_0" file="unit/runtime/test_a.py"/>
