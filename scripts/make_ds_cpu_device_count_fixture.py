@@ -5,6 +5,8 @@ answers for each LOCAL_SIZE / `numactl --hardware` case of CASES.
 
 Each case runs in a fresh process with a fake `numactl` first on PATH that prints the case's
 output (or no numactl at all), so the answer is DeepSpeed's own reading of that output.
+Also the dtypes it reports (is_fp16_supported, is_bf16_supported, supported_dtypes) with
+oneDNN's fp16 answer on the recording machine, which they follow from.
 Where DeepSpeed raises (numactl output without an `available:` line leaves its node count
 unset), the case records the error; dslaunch answers 1 there, as for no numactl.
 tests/test_accelerator_cpu_devices.py replays the cases against dslaunch's accelerator.
@@ -70,10 +72,18 @@ def run_case(local_size, numactl_out):
 def main() -> None:
     import deepspeed
 
+    import torch
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
     cases = {name: {"local_size": ls, "numactl": out, "device_count": run_case(ls, out)}
              for name, (ls, out) in CASES.items()}
+    # the dtypes it reports on this machine, beside oneDNN's fp16 answer they follow from
+    accel = CPU_Accelerator()
+    dtypes = {"mkldnn_fp16": bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()),
+              "is_fp16_supported": accel.is_fp16_supported(), "is_bf16_supported": accel.is_bf16_supported(),
+              "supported_dtypes": [str(d) for d in accel.supported_dtypes()]}
     with open(OUT, "w") as fh:
-        json.dump({"deepspeed": deepspeed.__version__, "cases": cases}, fh, indent=1)
+        json.dump({"deepspeed": deepspeed.__version__, "cases": cases, "dtypes": dtypes}, fh, indent=1)
         fh.write("\n")
     for name, case in cases.items():
         print(name, case["device_count"])

@@ -63,3 +63,26 @@ def test_parse_numactl_hardware():
     assert nodes == [[0, 1], []]
     assert numa_device_count(nodes) == 1
     assert parse_numactl_hardware("") == [] and numa_device_count([]) == 1
+
+
+def test_dtypes_as_deepspeed_reports_them(monkeypatch):
+    """DeepSpeed's CPU accelerator lists fp16 where oneDNN has native fp16 kernels; the fixture
+    holds its answers on the recording machine, with oneDNN's answer there. Ours follow the same
+    rule for either answer of oneDNN (None where DeepSpeed says no is False here)."""
+    import torch
+
+    from dslaunch.runtime.accelerator import cpu_devices
+    from dslaunch.runtime.accelerator.real_accelerator import DeepSpeedAccelerator
+
+    with open(DATA) as fh:
+        ds = json.load(fh)["dtypes"]
+    cpu = DeepSpeedAccelerator(cuda=False)
+    for fp16 in (False, True):
+        monkeypatch.setattr(cpu_devices.torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16)
+        ours = [str(d) for d in cpu.supported_dtypes()]
+        assert cpu.is_fp16_supported() is fp16 and cpu.is_bf16_supported() is True
+        if fp16 == ds["mkldnn_fp16"]:
+            assert ours == ds["supported_dtypes"] and bool(ds["is_fp16_supported"]) is fp16
+        assert ours == ["torch.float32", "torch.bfloat16"] + (["torch.float16"] if fp16 else [])
+    assert torch.float16 not in DeepSpeedAccelerator(cuda=False).supported_dtypes() or \
+        torch.ops.mkldnn._is_mkldnn_fp16_supported()

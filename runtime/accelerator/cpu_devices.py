@@ -17,6 +17,8 @@ import os
 import subprocess
 from typing import List
 
+import torch
+
 
 def parse_numactl_hardware(text: str) -> List[List[int]]:
     """The core list of each node in `numactl --hardware` output, in node order."""
@@ -75,3 +77,14 @@ def cpu_device_count() -> int:
     if local_size > 0:
         return local_size
     return numa_device_count(get_numa_cores())
+
+
+def cpu_fp16_supported() -> bool:
+    """Whether the CPU accelerator reports fp16 as supported: DeepSpeed's CPU accelerator asks
+    oneDNN whether this processor has native fp16 kernels (AVX512-FP16/AMX-FP16), and so do we,
+    so scripts that choose fp16 or bf16 from the answer choose as they would under DeepSpeed.
+    (DeepSpeed answers None rather than False where oneDNN says no.)"""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
