@@ -481,8 +481,11 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         headline(total, import_failed) + (f"; {sum(n for _, _, n in purposed)} of the failures are on purpose "
                                           "(below)." if ran else ""),
         "",
-        "Reproduce with `python scripts/run_deepspeed_tests.py --deepspeed-src DIR` (a DeepSpeed checkout, fetched "
-        "by hand: DeepSpeed's tests are not on PyPI, and none is copied into this repository).",
+        "Reproduce with `python scripts/run_deepspeed_tests.py --deepspeed-src DIR` for a full run of the tree "
+        "(hours on a 2-core machine: about 2,000 tests that collect, most of them multi-rank), or add "
+        "`--sample N --seed S` for the sampled estimate; DIR is a DeepSpeed checkout, fetched by hand (DeepSpeed's "
+        "tests are not on PyPI, and none is copied into this repository). `--render-json` rebuilds this page from "
+        "a run's `--json`, merging runs per file.",
         "",
         "| directory | collected | passed | failed | skipped | collection errors | not run (outside the sample) | "
         "passed of ran |",
@@ -554,12 +557,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                     "runs (default: a temporary folder, removed)")
     ap.add_argument("--readme", default=None, help="also write the totals into this README's comparison table")
     ap.add_argument("--commit", default=None, help="the checkout's commit, where it is not a git work tree")
+    ap.add_argument("--settings", default=None, help="with --render-json: the run's settings as the table states "
+                                                     "them, in place of those recorded in the JSON")
     ap.add_argument("--reasons", default=REASONS_FILE, help="the tests failed on purpose, with the reasons")
     ap.add_argument("--collection", default=COLLECTION_FILE, help="each file's test count under DeepSpeed's own package")
     args = ap.parse_args(argv)
     reasons = load_reasons(args.reasons)
     if args.render_json:
-        return write_table(*from_json(args.render_json), args, reasons)
+        results, commit, counting, settings = from_json(args.render_json)
+        return write_table(results, commit, counting, args.settings or settings, args, reasons)
     if not args.deepspeed_src:
         print("run_deepspeed_tests: --deepspeed-src DIR (or --render-json) is required", file=sys.stderr)
         return 2
@@ -630,7 +636,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     t = totals(out)
     print(f"collected {t.collected}, passed {t.passed}, failed {t.failed} ({t.collection_errors} in files that fail "
           f"to import), skipped {t.skipped}" + (" (timed out)" if timed_out else ""), flush=True)
-    settings = f"LOCAL_SIZE={args.local_size}, {args.workers} workers, {args.test_timeout} s per test"
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+    settings = (f"dslaunch at commit `{head}`, {os.cpu_count()} CPU cores, LOCAL_SIZE={args.local_size}, "
+                f"{args.workers} pytest-xdist workers, {args.test_timeout} s per test")
     if args.sample is not None:
         settings += f"; a uniform random sample of {args.sample} of the tests that collect (seed {args.seed}) ran"
     return write_table(out, commit, counting, settings, args, reasons)
