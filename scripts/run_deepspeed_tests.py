@@ -215,8 +215,9 @@ def load_reference(path: str, commit: str) -> Tuple[Optional[Dict[str, int]], st
             data = json.load(fh)
         recorded = data.get("commit", "")
         if recorded and commit and (recorded.startswith(commit) or commit.startswith(recorded)):
-            return data["files"], (f"pytest's collection of the same commit with DeepSpeed "
-                                   f"{data.get('deepspeed', '?')} importable (tests/data/deepspeed_unit_collection.json)")
+            version = data.get("deepspeed", "?")
+            return data["files"], (f"pytest's collection of the same commit with DeepSpeed {version} importable "
+                                   "(tests/data/deepspeed_unit_collection.json)")
     return None, ("the file's syntax tree (test functions and methods times their literal parametrize lists), "
                   "as no collection under DeepSpeed's own package is recorded for this commit")
 
@@ -243,7 +244,8 @@ def pytest_collectreport(report):
     if report.failed:
         text = str(report.longrepr)
         raised = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
-        _errors[report.nodeid] = raised[-1] if raised else text.strip().splitlines()[-1:] and text.strip().splitlines()[-1]
+        lines = text.strip().splitlines()
+        _errors[report.nodeid] = raised[-1] if raised else (lines[-1] if lines else "collection failed")
 
 def pytest_collection_finish(session):
     with open(os.environ["DS_COLLECTION_OUT"], "w") as fh:
@@ -560,7 +562,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--settings", default=None, help="with --render-json: the run's settings as the table states "
                                                      "them, in place of those recorded in the JSON")
     ap.add_argument("--reasons", default=REASONS_FILE, help="the tests failed on purpose, with the reasons")
-    ap.add_argument("--collection", default=COLLECTION_FILE, help="each file's test count under DeepSpeed's own package")
+    ap.add_argument("--collection", default=COLLECTION_FILE,
+                    help="each file's test count under DeepSpeed's own package")
     args = ap.parse_args(argv)
     reasons = load_reasons(args.reasons)
     if args.render_json:

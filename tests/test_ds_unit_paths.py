@@ -108,4 +108,5 @@ def test_forced_cpu_optimizer_refusal_is_zero_runtime_exception():
     from dslaunch.runtime.optimizer_policy import ForcedCPUOptimizerError
     from dslaunch.runtime.zero.utils import ZeRORuntimeException
 
-    assert issubclass(ForcedCPUOptimizerError, ConfigError) and issubclass(ForcedCPUOptimizerError, ZeRORuntimeException)
+    assert issubclass(ForcedCPUOptimizerError, ConfigError)
+    assert issubclass(ForcedCPUOptimizerError, ZeRORuntimeException)
