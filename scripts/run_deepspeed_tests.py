@@ -471,7 +471,7 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
     lines = [
         "# DeepSpeed's unit tests against the compatibility package",
         "",
-        f"DeepSpeed's whole `tests/unit` tree at commit `{commit}`, run by `scripts/run_deepspeed_tests.py` on CPU "
+        f"DeepSpeed's `tests/unit` tree at commit `{commit}`, run by `scripts/run_deepspeed_tests.py` on CPU "
         f"(Python {sys.version.split()[0]}) the way DeepSpeed's CPU CI runs it (`pytest --forked -n 4 unit/`, "
         "pytest.ini's default marker selection)" + (f"; {settings}" if settings else "") + ". "
         "Passed is counted over passed + failed. A file that fails to import counts every test it holds as a "
@@ -642,6 +642,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           text=True).stdout.strip() or "unknown"
     settings = (f"dslaunch at commit `{head}`, {os.cpu_count()} CPU cores, LOCAL_SIZE={args.local_size}, "
                 f"{args.workers} pytest-xdist workers, {args.test_timeout} s per test")
+    if args.paths != ["."]:
+        settings = f"only {', '.join(args.paths)} under tests/unit; " + settings
     if args.sample is not None:
         settings += f"; a uniform random sample of {args.sample} of the tests that collect (seed {args.seed}) ran"
     return write_table(out, commit, counting, settings, args, reasons)
