@@ -168,3 +168,31 @@ def test_usage_errors(capsys, tmp_path):
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     assert _script().main(["--deepspeed-src", str(tmp_path), "--paths", "nowhere"]) == 2
     assert "--paths nowhere: not in" in capsys.readouterr().err
+
+
+def test_collection_pass_and_sampled_run_on_a_small_tree(tmp_path):
+    """collect_tree and run_tree against a tree of two files (one fails to import), with this
+    environment's pytest; then the sample folded in."""
+    s = _script()
+    unit = tmp_path / "tests" / "unit"
+    unit.mkdir(parents=True)
+    (unit / "test_ok.py").write_text("import pytest\n@pytest.mark.parametrize('x', [1, 2, 3])\n"
+                                     "def test_x(x):\n    assert x != 3\n")
+    (unit / "test_broken.py").write_text("import deepspeed_no_such_module\ndef test_y():\n    pass\n")
+    env = dict(__import__("os").environ)
+    items, errors = s.collect_tree(sys.executable, str(tmp_path / "tests"), ["."], env, str(tmp_path), 300)
+    assert sorted(items) == [f"unit/test_ok.py::test_x[{i}]" for i in (1, 2, 3)]
+    assert errors == {"unit/test_broken.py": "ModuleNotFoundError: No module named 'deepspeed_no_such_module'"}
+    results = s.sample_results(items, errors, None, lambda rel: 1)
+    cmd = s.pytest_command(sys.executable, items[:2], "x.xml", 0, 60)
+    assert cmd[3:5] == items[:2]
+    # run_tree adds --forked (DeepSpeed's CI): not installed in this environment, so run pytest directly
+    import subprocess
+    junit = tmp_path / "j.xml"
+    subprocess.run([sys.executable, "-m", "pytest", *items, "-p", "no:cacheprovider", "--junitxml", str(junit),
+                    "-o", "junit_family=xunit1", "-q"], cwd=tmp_path / "tests", env=env, capture_output=True,
+                   timeout=300)
+    s.fold_sample(results, str(junit))
+    ok, broken = results["test_ok.py"], results["test_broken.py"]
+    assert (ok.collected, ok.passed, ok.failed, ok.not_run) == (3, 2, 1, 0)
+    assert (broken.failed, broken.collection_errors, broken.failed_ids) == (1, 1, ["unit.test_broken"])
