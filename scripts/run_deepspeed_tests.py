@@ -98,6 +98,8 @@ class FileResult:
     collection_errors: int = 0  # tests of this file counted as failed because it failed to import
     not_run: int = 0  # collected here, outside a --sample
     timed_out: bool = False
+    # fails to import, but DeepSpeed's CI deselects every test it holds: its exception, no test counted
+    deselected_import_error: str = ""
     causes: Dict[str, int] = field(default_factory=dict)
     skips: Dict[str, int] = field(default_factory=dict)
     failed_ids: List[str] = field(default_factory=list)
@@ -138,11 +140,30 @@ def _message(node: ET.Element) -> str:
     return message
 
 
+def import_failure(r: FileResult, cause: str, test_id: str, reference: Optional[Dict[str, int]], count_file) -> None:
+    """A file that fails to import: each test it holds counts as a failure. With a reference
+    collection of the same commit, a file it does not list holds no test DeepSpeed's CI selects
+    (pytest.ini's markers deselect them all: inference, nightly, ...), so it counts none and is
+    listed apart; without one, its tests are counted from its syntax tree (at least one)."""
+    if reference is not None:
+        n = reference.get(r.path, 0)
+    else:
+        n = (count_file(r.path) if count_file else 0) or 1
+    if not n:
+        r.deselected_import_error = cause
+        return
+    r.collected += n
+    r.failed += n
+    r.collection_errors += n
+    r.failed_ids.append(test_id)
+    r.causes[cause] = r.causes.get(cause, 0) + n
+
+
 def parse_junit(path: str, results: Optional[Dict[str, FileResult]] = None,
                 reference: Optional[Dict[str, int]] = None,
                 count_file=None) -> Dict[str, FileResult]:
     """Fold a junit report into per-file results. A collection error (no test name, or a class
-    name of "") counts the file's reference tests (reference[file], else count_file(file), else 1)."""
+    name of "") counts the file's tests as import_failure does."""
     results = {} if results is None else results
     for case in ET.parse(path).iter("testcase"):
         rel = _file_of(case)
@@ -151,13 +172,7 @@ def parse_junit(path: str, results: Optional[Dict[str, FileResult]] = None,
         is_collection = not case.get("classname")
         if is_collection and (failure is not None or error is not None):
             node = failure if failure is not None else error
-            n = (reference or {}).get(rel) or (count_file(rel) if count_file else 0) or 1
-            r.collected += n
-            r.failed += n
-            r.collection_errors += n
-            r.failed_ids.append(case.get("name", ""))
-            cause = cause_of(_message(node))
-            r.causes[cause] = r.causes.get(cause, 0) + n
+            import_failure(r, cause_of(_message(node)), case.get("name", ""), reference, count_file)
             continue
         r.collected += 1
         if failure is not None or error is not None:
@@ -286,13 +301,7 @@ def sample_results(items: List[str], errors: Dict[str, str], reference: Optional
     for nodeid, message in errors.items():
         rel = nodeid[len("unit/"):] if nodeid.startswith("unit/") else nodeid
         r = results.setdefault(rel, FileResult(rel))
-        n = (reference or {}).get(rel) or (count_file(rel) if count_file else 0) or 1
-        r.collected += n
-        r.failed += n
-        r.collection_errors += n
-        r.failed_ids.append(module_id(rel))
-        cause = cause_of(message)
-        r.causes[cause] = r.causes.get(cause, 0) + n
+        import_failure(r, cause_of(message), module_id(rel), reference, count_file)
     return results
 
 
@@ -446,10 +455,14 @@ def estimate(total: FileResult) -> Tuple[float, float, float]:
 
 def headline(total: FileResult, import_failed: int) -> str:
     ran = total.passed + total.failed
-    if not ran:
+    if not ran and not total.not_run:
         return "Nothing ran."
     if total.not_run:
         sampled = total.passed + total.failed - total.collection_errors + total.skipped
+        if not sampled:  # --sample 0: the collection alone, which counts the import failures exactly
+            return (f"**Whole tree: {total.collected} tests; {total.collection_errors} of them are in "
+                    f"{import_failed} files that fail to import (each counted as a failure); none of the "
+                    f"{total.collected - total.collection_errors} tests that collect ran**")
         est, lo, hi = estimate(total)
         return (f"**Whole tree: {total.collected} tests; {total.collection_errors} of them are in {import_failed} "
                 f"files that fail to import (each counted as a failure). A uniform random sample of {sampled} of the "
@@ -492,7 +505,7 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         "passed of ran |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for d in by_directory(results) + [total]:
+    for d in by_directory([r for r in results if r.collected]) + [total]:
         note = " (timed out)" if d.timed_out else ""
         share = f"{100.0 * d.passed / (d.passed + d.failed):.0f}%" if d.passed + d.failed else "-"
         name = "**total**" if d is total else f"`{d.path}/`{note}"
@@ -508,11 +521,18 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         skips.update(r.skips)
     lines += ["", "## Failures by cause", "", "| tests | cause |", "|---|---|"]
     lines += [f"| {n} | {cause.replace('|', '/')} |" for cause, n in causes.most_common()]
+    deselected = [r for r in results if r.deselected_import_error]
+    if deselected:
+        lines += ["", "## Files that fail to import, holding no test DeepSpeed's CPU CI selects", "",
+                  f"{len(deselected)} files fail to import here whose tests pytest.ini's markers deselect (inference, "
+                  "nightly, sequential, ...) in DeepSpeed's own collection, so they count no test.", "",
+                  "| file | exception |", "|---|---|"]
+        lines += [f"| `{r.path}` | {r.deselected_import_error.replace('|', '/')} |" for r in deselected]
     lines += ["", "## Skips by reason", "", "| tests | DeepSpeed's reason |", "|---|---|"]
     lines += [f"| {n} | {why.replace('|', '/')} |" for why, n in skips.most_common()]
     lines += ["", "## Per file", "", "| file | collected | passed | failed | skipped | collection errors |",
               "|---|---|---|---|---|---|"]
-    for r in sorted(results, key=lambda r: r.path):
+    for r in sorted((r for r in results if r.collected), key=lambda r: r.path):
         note = " (timed out)" if r.timed_out else ""
         lines.append(f"| `{r.path}`{note} | {r.collected} | {r.passed} | {r.failed} | {r.skipped} | "
                      f"{r.collection_errors} |")
@@ -633,7 +653,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         rel = os.path.relpath(os.path.join(dirpath, name), unit).replace(os.sep, "/")
                         reference[rel] = count_file(rel)
             reference = {k: v for k, v in reference.items() if v}
-        complete(results, reference, args.paths, timed_out)
+        # in a sample, every file not collected here was never reported (the sample's time limit
+        # leaves tests not run, not files unreached)
+        complete(results, reference, args.paths, timed_out and args.sample is None)
     out = sorted(results.values(), key=lambda r: r.path)
     t = totals(out)
     print(f"collected {t.collected}, passed {t.passed}, failed {t.failed} ({t.collection_errors} in files that fail "
@@ -672,6 +694,10 @@ def readme_row(results: List[FileResult], commit: str) -> str:
     t = totals(results)
     ran = t.passed + t.failed
     share = f"{100.0 * t.passed / ran:.1f}%" if ran else "-"
+    if t.not_run and not t.passed + t.failed - t.collection_errors + t.skipped:
+        return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | whole `tests/unit` "
+                f"tree: {t.collected} tests, {t.collection_errors} in files that fail to import (counted as "
+                f"failures); the rest collected, not run | its `tests/unit` at commit `{commit[:10]}` | | |")
     if t.not_run:
         est, lo, hi = estimate(t)
         return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | whole `tests/unit` "

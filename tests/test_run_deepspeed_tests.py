@@ -87,9 +87,13 @@ def test_table_counts_causes_skips_and_the_failures_on_purpose(tmp_path):
 def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
     s = _script()
     items = [f"unit/runtime/test_a.py::TestA::test_{i}" for i in range(8)] + ["unit/ops/adam/test_x.py::test_y"]
-    results = s.sample_results(items, {"unit/runtime/test_gone.py": "ModuleNotFoundError: No module named 'x'"},
+    results = s.sample_results(items, {"unit/runtime/test_gone.py": "ModuleNotFoundError: No module named 'x'",
+                                       "unit/inference/test_inf.py": "ImportError: no InferenceBuilder"},
                                REFERENCE, None)
     assert results["runtime/test_gone.py"].failed == 7 and results["runtime/test_a.py"].not_run == 8
+    # a file DeepSpeed's own collection lists no test of (all deselected by pytest.ini's markers) counts none
+    inf = results["inference/test_inf.py"]
+    assert (inf.collected, inf.failed, inf.deselected_import_error) == (0, 0, "ImportError: no InferenceBuilder")
     assert results["runtime/test_gone.py"].failed_ids == ["unit.runtime.test_gone"]  # as the reasons name it
     junit = tmp_path / "s.xml"
     junit.write_text("""<testsuites><testsuite>
@@ -108,7 +112,11 @@ def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
     text = s.render(sorted(results.values(), key=lambda r: r.path), "abc", "py", {}, "", "")
     assert "Whole tree: 16 tests; 7 of them are in 1 files that fail to import" in text
     assert "A uniform random sample of 4 of the 9 tests that collect ran: 2 passed, 1 failed, 1 skipped" in text
-    assert "| `runtime/` | 15 | 2 | 8 | 1 | 7 | 4 | 20% |" in text
+    assert "| `runtime/` | 15 | 2 | 8 | 1 | 7 | 4 | 20% |" in text and "`inference/`" not in text.split("## Files")[0]
+    assert "| `inference/test_inf.py` | ImportError: no InferenceBuilder |" in text
+    # the collection alone (--sample 0) states the import failures and runs nothing
+    alone = s.sample_results(items, {"unit/runtime/test_gone.py": "E"}, REFERENCE, None)
+    assert "none of the 9 tests that collect ran" in s.render(list(alone.values()), "abc", "py", {}, "", "")
 
 
 def test_syntax_tree_count_expands_literal_parametrize():
