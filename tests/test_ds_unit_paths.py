@@ -29,10 +29,18 @@ PROBE = textwrap.dedent('''
     from deepspeed.runtime.zero.linear import zero3_linear_wrap, LinearModuleForZeroStage3
     from deepspeed.sequence.layer import apply_rotary_pos_emb, _rotate_half, _torchembed_available
     from deepspeed.utils import logging as ds_logging
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced, all_to_all_quant_reduce
+    from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+    from deepspeed.ops.op_builder import QuantizerBuilder
+    import dslaunch.runtime.comm.coalesced as co, dslaunch.runtime.activation_checkpointing.checkpointing as ac
     import dslaunch.runtime.ops.op_builder as ob, dslaunch.runtime.zero.linear as zl
     print(json.dumps({
         "aio": [AsyncIOBuilder is ob.AsyncIOBuilder, deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]],
         "same": [zero3_linear_wrap is zl.zero3_linear_wrap, ZeRORuntimeException is rt.zero.utils.ZeRORuntimeException],
+        "more": [reduce_scatter_coalesced is co.reduce_scatter_coalesced,
+                 non_reentrant_checkpoint is deepspeed.checkpointing.non_reentrant_checkpoint
+                 is ac.non_reentrant_checkpoint,
+                 deepspeed.ops.__compatible_ops__[QuantizerBuilder.NAME]],
         "logger": ds_logging.logger is deepspeed.utils.logger and ds_logging.__name__ == "deepspeed.utils.logging",
         "constants": [GRADIENT_CLIPPING_DEFAULT, LOG_LEVEL_DEFAULT, MIN_SWAPPABLE_BYTES, _torchembed_available],
     }))
@@ -46,6 +54,7 @@ def test_paths_under_the_compatibility_package(deepspeed_compat):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["aio"] == [True, False]  # no libaio op here: NVMe cases take DeepSpeed's no-libaio path
     assert got["same"] == [True, True] and got["logger"] is True
+    assert got["more"] == [True, True, False]  # no quantizer op: DeepSpeed's tests of it skip, as on its CPU build
     assert got["constants"] == [1.0, None, 1024 ** 2, False]
 
 
