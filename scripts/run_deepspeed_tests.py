@@ -23,7 +23,9 @@ own DS_UNITTEST_TIMEOUT for its ranks is set to the same), so a hang is one fail
 Counting. A file that fails to import here counts each of its tests as a failure, not one per
 file: how many tests it holds is read from tests/data/deepspeed_unit_collection.json, pytest's
 collection of the same checkout with DeepSpeed's own package importable
-(scripts/make_ds_unit_collection.py), when the checkout's commit is the one recorded there; at
+(scripts/make_ds_unit_collection.py), when the checkout's commit is the one recorded there (a
+file it does not list holds no test DeepSpeed's CI selects, pytest.ini's markers deselecting them
+all, so it counts none and is listed apart); at
 another commit the file's test functions are counted from its syntax tree instead (each
 `test_*` function or method of a `Test*` class, times the lengths of its literal
 `pytest.mark.parametrize` lists), and the table says so. A file the reference collection
