@@ -690,28 +690,25 @@ def from_json(paths: List[str]) -> "tuple[List[FileResult], str, str, str]":
 
 
 README_ROW = "| DeepSpeed's own unit tests"
+API_ROW = "| DeepSpeed names scripts import"  # the row the unit-test row follows
 
 
 def readme_row(results: List[FileResult], commit: str) -> str:
     t = totals(results)
     ran = t.passed + t.failed
-    share = f"{100.0 * t.passed / ran:.1f}%" if ran else "-"
+    head = f"{README_ROW} ([results](docs/deepspeed-unit-tests.md)) | "
+    tail = f" | its `tests/unit` at commit `{commit[:10]}` | | |"
     if t.not_run and not t.passed + t.failed - t.collection_errors + t.skipped:
-        return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | whole `tests/unit` "
-                f"tree: {t.collected} tests, {t.collection_errors} in files that fail to import (counted as "
-                f"failures); the rest collected, not run | its `tests/unit` at commit `{commit[:10]}` | | |")
+        return (f"{head}whole tree: {t.collection_errors} of {t.collected} tests in files that fail to import; "
+                f"the rest not run{tail}")
     if t.not_run:
         est, lo, hi = estimate(t)
-        return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | whole `tests/unit` "
-                f"tree, multi-rank tests included: {t.collected} tests, {t.collection_errors} in files that fail to "
-                f"import (counted as failures); from a random sample of the rest, an estimated {100 * est:.0f}% "
-                f"(95% interval {100 * lo:.0f}-{100 * hi:.0f}%) of the tests that run pass; run against the "
-                f"compatibility package on CPU | its `tests/unit` at commit `{commit[:10]}` | | |")
-    return (f"{README_ROW} ([`scripts/run_deepspeed_tests.py`](docs/deepspeed-unit-tests.md)) | "
-            f"{t.passed} of {ran} pass ({share}) over the whole `tests/unit` tree, multi-rank tests included "
-            f"(every test of a file that fails to import counted as a failure), {t.skipped} skipped by DeepSpeed's "
-            f"own CPU markers; run against the compatibility package on CPU | its `tests/unit` at "
-            f"commit `{commit[:10]}` | | |")
+        return (f"{head}whole tree, multi-rank tests included: an estimated {100 * est:.0f}% pass (95% interval "
+                f"{100 * lo:.0f}-{100 * hi:.0f}%, from a random sample); {t.collection_errors} of {t.collected} "
+                f"tests are in files that fail to import{tail}")
+    share = f"{100.0 * t.passed / ran:.1f}%" if ran else "-"
+    return (f"{head}{t.passed} of {ran} pass ({share}) over the whole tree, multi-rank tests included (each test "
+            f"of a file that fails to import a failure), {t.skipped} skipped by DeepSpeed's CPU markers{tail}")
 
 
 def update_readme(path: str, row: str) -> None:
@@ -722,7 +719,7 @@ def update_readme(path: str, row: str) -> None:
     if at:
         lines[at[0]] = row
     else:
-        api = [i for i, line in enumerate(lines) if line.startswith("| DeepSpeed's API as scripts import it")]
+        api = [i for i, line in enumerate(lines) if line.startswith(API_ROW)]
         if not api:
             raise SystemExit(f"run_deepspeed_tests: {path}: no row to replace or to follow")
         lines.insert(api[0] + 1, row)

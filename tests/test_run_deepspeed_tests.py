@@ -1,12 +1,13 @@
 """scripts/run_deepspeed_tests.py's table, from a junit report written here (no DeepSpeed
 checkout needed): per-file and per-directory counts, a file that fails to import counting its
 reference tests, causes, skip reasons, the tests failed on purpose and the reasons file."""
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
@@ -27,11 +28,7 @@ REFERENCE = {"runtime/test_gone.py": 7, "runtime/test_a.py": 4, "ops/adam/test_x
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("run_deepspeed_tests", ROOT / "scripts/run_deepspeed_tests.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("run_deepspeed_tests")
 
 
 def _args(**kw):
@@ -68,13 +65,13 @@ def test_table_counts_causes_skips_and_the_failures_on_purpose(tmp_path):
     assert "| 1 | Skipping test because not enough GPUs are available: N required, N available |" in text
     # the JSON round trip renders the same table; the README row states the whole-tree figure
     readme = tmp_path / "README.md"
-    readme.write_text("| a | b |\n| DeepSpeed's API as scripts import it | x |\n| c | d |\n")
+    readme.write_text("| a | b |\n| DeepSpeed names scripts import | x |\n| c | d |\n")
     s.write_table(out, "abc123", "the reference", "LOCAL_SIZE=4",
                   _args(out=str(tmp_path / "t.md"), json=str(tmp_path / "t.json"), readme=str(readme)), reasons)
     s.write_table(out, "abc123", "the reference", "LOCAL_SIZE=4", _args(readme=str(readme)), reasons)
     rows = readme.read_text().split("\n")
     assert len(rows) == 5 and rows[2].startswith("| DeepSpeed's own unit tests")
-    assert "2 of 14 pass (14.3%) over the whole `tests/unit` tree" in rows[2]
+    assert "2 of 14 pass (14.3%) over the whole tree" in rows[2]
     again = s.from_json([str(tmp_path / "t.json")])
     assert s.render(*again[:2], "python", reasons, *again[2:]) == (tmp_path / "t.md").read_text() == text
     # a later run of the same file replaces the earlier one

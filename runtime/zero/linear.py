@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..accelerator import get_accelerator
+from ..core.accelerator import get_accelerator
 from .params import ZeroParamStatus, gather, release
 
 

@@ -1,0 +1,24 @@
+"""The failure types raised on more than one floor: CheckpointError, and DeepSpeed's
+ZeRORuntimeException (deepspeed.runtime.zero.utils, compat/paths.py).
+
+Every problem with a checkpoint (a bad tag, an unwritable or full disk, a missing,
+damaged or foreign file, a model that does not match) is a CheckpointError whose message
+is one line naming the file or key. Uncaught in a training script it prints as that one
+line and exit status 2 (dslaunch.runtime installs the hook); `dslaunch consolidate`
+prints it the same way. It lives in core/ because the ZeRO stages (their shard
+arithmetic) and inference raise it as well as checkpoint/.
+"""
+from __future__ import annotations
+
+from dslaunch.launcher.errors import OneLineMessage
+
+
+class CheckpointError(OneLineMessage, RuntimeError):
+    pass
+
+
+class ZeRORuntimeException(Exception):
+    """The class DeepSpeed raises its ZeRO refusals as. dslaunch's refusals that DeepSpeed
+    raises as this (a client optimizer under offload_optimizer with zero_force_ds_cpu_optimizer,
+    train/optimizer_policy.py) are ConfigErrors that are also ZeRORuntimeExceptions, so code
+    catching either catches them."""
