@@ -428,3 +428,5 @@ def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "wo
     else:
         raise bad("set train_batch_size or train_micro_batch_size_per_gpu (neither is in the config)")
     return BatchSizes(tb, mb, gas)
+
+from .getters import get_gradient_clipping, get_log_level  # noqa: E402  (DeepSpeed's one-key readers)
