@@ -142,6 +142,7 @@ class PipeSchedule:
 
     chunks = 1
     async_sends = False
+    split_backward = False  # True: BackwardInput / BackwardWeight instead of BackwardPass
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int):
         if micro_batches < 1 or stages < 1 or not 0 <= stage_id < stages:
@@ -314,6 +315,15 @@ class OrderedSchedule(PipeSchedule):
     def _train(self) -> bool:
         return True
 
+    def activations_in_flight(self) -> int:
+        """The most micro-batches whose activations this stage holds at once (a chunk's
+        count as 1/chunks): from a forward until its backward (until its W when split)."""
+        alive = peak = 0
+        for w in self.order():
+            alive += {"F": 1, "B": -1, "W": -1}.get(w.kind, 0)
+            peak = max(peak, alive)
+        return -(-peak // self.chunks)
+
     def steps(self):
         works = self.order()
         last_vs = self.stages * self.chunks - 1
@@ -355,6 +365,8 @@ class ZeroBubbleH1Schedule(OrderedSchedule):
     With F, I and W of equal time the idle share per stage is (p - 1) / (3m + p - 1)
     against 1F1B's (p - 1) / (m + p - 1) (simulate() shows it; scripts/bench_pipeline.py
     measures it)."""
+
+    split_backward = True
 
     def order(self) -> List[Work]:
         m, p, s = self.micro_batches, self.stages, self.stage_id
@@ -427,6 +439,7 @@ SCHEDULES: Dict[str, Callable[..., PipeSchedule]] = {
     "interleaved-1f1b": lambda m, p, s, chunks=2: Interleaved1F1BSchedule(m, p, s, chunks),
 }
 CHUNKED = frozenset({"interleaved-1f1b"})  # schedules that run several model chunks per stage
+SPLIT = frozenset({"zb-h1"})  # schedules that split backward (a layer's graph must outlive its I pass)
 
 
 def unknown_schedule(name) -> Optional[str]:
