@@ -21,6 +21,8 @@ reference. Printed per (p, m):
 
 * step time: the median over batches of the slowest rank's train_batch() wall time, beside
   the unpipelined step time, DeepSpeed's, and the ratios;
+* clock: the schedule's bubble on a unit clock (passes of equal time, free transfers:
+  pipe/schedule.py's simulate()), what the schedule achieves when nothing else interferes;
 * bubble (ours): per batch, the span from the earliest stage's start to the last forward
   or backward pass to end on any stage, and each stage's share of it not spent in its own
   forward and backward passes (the engine's step_timings clocks: waiting for a neighbour
@@ -256,7 +258,7 @@ def main() -> None:
           f"{args.rows} rows, {'CUDA' if args.cuda else 'CPU'}", flush=True)
     plain = spawn(1, args, plain=True)[0]
     peak = "peak allocated" if args.cuda else "activations"
-    print(f"p   m   schedule          step ms  unpiped ms  ratio  bubble  theory  "
+    print(f"p   m   schedule          step ms  unpiped ms  ratio  bubble  theory  clock  "
           f"{'DeepSpeed ms  ours/DS  ' if peer else ''}"
           f"state MiB/rank (unpiped)  {peak} MiB/rank (unpiped; DeepSpeed)", flush=True)
     for p in args.stages:
@@ -280,6 +282,7 @@ def main() -> None:
                         idle.append(statistics.mean(1.0 - compute / span for _, _, compute in batch))
                 bubble = median(idle)
                 theory = (p - 1) / (m + p - 1)
+            clock = scheduled_bubble(name, m, p)
                 state = "/".join(mib(r["state"]) for r in rows)
                 acts = "/".join(mib(r["peak"]) for r in rows)
                 ds = ""
@@ -289,9 +292,17 @@ def main() -> None:
                     ds = f"{ds_step * 1e3:12.1f}  {step / ds_step:7.2f}  "
                     acts += "; " + "/".join(mib(r[i]["peak"]) for r in ds_runs[0])
                 print(f"{p:<3d} {m:<3d} {name:<16s}  {step * 1e3:7.1f}  {base * 1e3:10.1f}  {step / base:5.2f}  {bubble:6.3f}  "
-                      f"{theory:6.3f}  {ds}{state} ({mib(plain[i]['state'])})  {acts} ({mib(plain[i]['peak'])})",
+                      f"{theory:6.3f}  {clock:5.3f}  {ds}{state} ({mib(plain[i]['state'])})  {acts} ({mib(plain[i]['peak'])})",
                       flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end", flush=True)
+
+
+def scheduled_bubble(name: str, m: int, p: int) -> float:
+    """The schedule's own bubble on a unit clock (forward, input-gradient and weight-gradient
+    halves of equal time, free transfers; schedule.simulate), beside the measured one."""
+    from dslaunch.runtime.pipe import schedule as S
+
+    return S.simulate([S.train_schedule(name, m, p, s, chunks=2) for s in range(p)]).bubble()
 
 
 def median_step(runs, i: int) -> float:

@@ -30,9 +30,6 @@ from typing import List, Optional
 import torch
 
 from ...core import comm
-from ..checkpoint.agree import agree
-from ..checkpoint.files import remove_tree
-from ..checkpoint.layout import read_latest
 from . import batch as resize_batch
 from .contract import RESIZE_EXIT_CODE, ResizeEnv
 from .link import AgentLink
@@ -87,6 +84,11 @@ class ResizeDriver:
         e = self.engine
         if self.env.save_dir is None:
             return
+        # checkpoint/ is imported where it is used: the engine imports resize/ at load time,
+        # and resize/ standing on checkpoint/ would lift the engine a floor (docs/architecture.md)
+        from ..checkpoint.agree import agree
+        from ..checkpoint.layout import read_latest
+
         error, tag = None, None
         try:
             tag = read_latest(self.env.save_dir)
@@ -150,6 +152,8 @@ class ResizeDriver:
         e.save_checkpoint(self.env.save_dir, tag=tag_for(step))
         self.saved = step
         if e.global_rank == 0:
+            from ..checkpoint.files import remove_tree  # see resume()
+
             try:
                 names = os.listdir(self.env.save_dir)
             except OSError:
