@@ -248,6 +248,14 @@ def main() -> None:
         with open(args.as_peer, "w") as fh:
             json.dump(spawn(args.stages[0], args), fh)
         return
+    from dslaunch.runtime.pipe import schedule as S
+
+    for name in args.schedules:
+        if S.unknown_schedule(name):
+            usage_error(f"--schedules: {S.unknown_schedule(name)}")
+    if "interleaved-1f1b" in args.schedules and args.layers < 2 * max(args.stages):
+        usage_error(f"--layers {args.layers}: interleaved-1f1b cuts 2 chunks per stage, so it needs at least "
+                    f"{2 * max(args.stages)} blocks at {max(args.stages)} stages")
     if args.cuda and torch.cuda.device_count() < max(args.stages):
         sys.exit(f"error: --cuda needs {max(args.stages)} CUDA devices, found {torch.cuda.device_count()}")
     peer = args.peer_python != "none"
@@ -282,7 +290,7 @@ def main() -> None:
                         idle.append(statistics.mean(1.0 - compute / span for _, _, compute in batch))
                 bubble = median(idle)
                 theory = (p - 1) / (m + p - 1)
-            clock = scheduled_bubble(name, m, p)
+                clock = scheduled_bubble(name, m, p)
                 state = "/".join(mib(r["state"]) for r in rows)
                 acts = "/".join(mib(r["peak"]) for r in rows)
                 ds = ""
@@ -291,10 +299,16 @@ def main() -> None:
                     ds_step = median_step(ds_runs, i)
                     ds = f"{ds_step * 1e3:12.1f}  {step / ds_step:7.2f}  "
                     acts += "; " + "/".join(mib(r[i]["peak"]) for r in ds_runs[0])
-                print(f"{p:<3d} {m:<3d} {name:<16s}  {step * 1e3:7.1f}  {base * 1e3:10.1f}  {step / base:5.2f}  {bubble:6.3f}  "
-                      f"{theory:6.3f}  {clock:5.3f}  {ds}{state} ({mib(plain[i]['state'])})  {acts} ({mib(plain[i]['peak'])})",
+                print(f"{p:<3d} {m:<3d} {name:<16s}  {step * 1e3:7.1f}  {base * 1e3:10.1f}  {step / base:5.2f}  "
+                      f"{bubble:6.3f}  {theory:6.3f}  {clock:5.3f}  {ds}{state} ({mib(plain[i]['state'])})  "
+                      f"{acts} ({mib(plain[i]['peak'])})",
                       flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end", flush=True)
+
+
+def usage_error(text: str) -> None:
+    print(f"error: {text}", file=sys.stderr)
+    sys.exit(2)
 
 
 def scheduled_bubble(name: str, m: int, p: int) -> float:
