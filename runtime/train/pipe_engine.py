@@ -118,8 +118,8 @@ class PipelineEngine(DeepSpeedEngine):
         stages = "; ".join(f"{where(k)}: layers {parts[k]}-{parts[k + 1] - 1} "
                            f"({', '.join(names[parts[k]:parts[k + 1]])})" for k in range(len(parts) - 1))
         print(f"pipeline: {self.num_stages} stages x {self.dp_world_size} data-parallel, "
-              f"{self.micro_batches} micro-batches of {self.micro_batch_size}, schedule {self.schedule_name}; "
-              f"{stages}", flush=True)
+              f"{self.micro_batches} micro-batches of {self.micro_batch_size}; {stages}; "
+              f"schedule {self.schedule_name}", flush=True)
 
     def _link(self, link: S.Link, async_sends: bool) -> StageLink:
         """The StageLink for one chunk's neighbours and tags (made once, kept: it remembers
