@@ -23,17 +23,17 @@ def passes(sched):
 @pytest.mark.parametrize("m,p", CASES)
 def test_each_micro_batch_once_forward_and_backward_per_stage(name, m, p):
     for sched in streams(name, m, p):
-        seen = {}
-        for c in passes(sched):
-            seen.setdefault((c.chunk, c.buffer_id if sched.chunks > 1 or name != "1f1b" else None), []).append(type(c))
-        if name == "1f1b":  # buffers are reused: count the passes instead
-            kinds = [type(c) for c in passes(sched)]
-            assert kinds.count(S.ForwardPass) == kinds.count(S.BackwardPass) == m
-            continue
-        assert sorted(seen) == [(c, b) for c in range(sched.chunks) for b in range(m)]
-        want = [S.ForwardPass, S.BackwardInput, S.BackwardWeight] if sched.split_backward else \
-            [S.ForwardPass, S.BackwardPass]
-        assert all(kinds == want for kinds in seen.values()), name
+        kinds = [type(c) for c in passes(sched)]
+        if name == "1f1b":  # buffers are reused there (buffer id = micro-batch mod p - s): count the passes
+            assert kinds.count(S.ForwardPass) == kinds.count(S.BackwardPass) == m and len(kinds) == 2 * m
+        else:
+            seen = {}
+            for c in passes(sched):
+                seen.setdefault((c.chunk, c.buffer_id), []).append(type(c))
+            assert sorted(seen) == [(c, b) for c in range(sched.chunks) for b in range(m)]
+            want = ([S.ForwardPass, S.BackwardInput, S.BackwardWeight] if sched.split_backward
+                    else [S.ForwardPass, S.BackwardPass])
+            assert all(order == want for order in seen.values()), name  # once each, in that order
         loads = sum(isinstance(c, S.LoadMicroBatch) for step in sched for c in step)
         assert loads == (m if sched.stage_id in (0, p - 1) else 0)
         assert [type(c) for c in list(sched)[-1][-3:]] == [S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep]
