@@ -662,9 +662,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     t = totals(out)
     print(f"collected {t.collected}, passed {t.passed}, failed {t.failed} ({t.collection_errors} in files that fail "
           f"to import), skipped {t.skipped}" + (" (timed out)" if timed_out else ""), flush=True)
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or "unknown"
-    settings = (f"dslaunch at commit `{head}`, {os.cpu_count()} CPU cores, LOCAL_SIZE={args.local_size}, "
+    # the user docs name dslaunch's state by its date (a hash is bookkeeping; DeepSpeed's commit is named
+    # because its tree is the input)
+    day = subprocess.run(["git", "-C", ROOT, "log", "-1", "--format=%cs"], capture_output=True,
+                         text=True).stdout.strip() or "unknown"
+    settings = (f"dslaunch as of {day}, {os.cpu_count()} CPU cores, LOCAL_SIZE={args.local_size}, "
                 f"{args.workers} pytest-xdist workers, {args.test_timeout} s per test")
     if args.paths != ["."]:
         settings = f"only {', '.join(args.paths)} under tests/unit; " + settings
