@@ -274,3 +274,38 @@ def test_completed_async_handles_do_not_keep_their_tensors():
     # gathered parameters (up to the flight record's depth of them) after releasing them
     for freed, states in run_function(_handles_worker, nprocs=2, timeout=60):
         assert freed and states == ["done"]
+
+
+ONE_PROCESS_TWICE = r"""
+import os, subprocess, sys
+import torch.distributed as dist
+import dslaunch.runtime as deepspeed
+
+for var in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "DSLAUNCH_ONE_PROCESS_PORT"):
+    os.environ.pop(var, None)
+deepspeed.init_distributed()
+first = os.environ["MASTER_PORT"]
+# the store of the first group is still alive in this process while a child and a second group start
+child = subprocess.run([sys.executable, "-c", "import dslaunch.runtime as d; d.init_distributed(); print('child ok')"],
+                       capture_output=True, text=True, timeout=120)
+print(child.stdout.strip() or child.stderr[-2000:])
+store = dist.distributed_c10d._get_default_store()
+dist.destroy_process_group()
+deepspeed.init_distributed()
+print("second ok", os.environ["MASTER_PORT"] != first)
+dist.destroy_process_group()
+"""
+
+
+def test_one_process_groups_never_reuse_a_port_a_store_may_still_hold(tmp_path):
+    """A one-process init_distributed lets its store bind port 0 and names the port in
+    MASTER_PORT; a later one-process init, in this process or in a child that inherits the
+    variable, binds a new one instead of colliding with a store still alive."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "twice.py"
+    script.write_text(ONE_PROCESS_TWICE)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["child", "ok", "second", "ok", "True"], res.stdout + res.stderr[-2000:]

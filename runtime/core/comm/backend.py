@@ -52,6 +52,12 @@ def _seconds(timeout: Union[timedelta, float, int]) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
+# Names the MASTER_PORT a one-process init_distributed set (for readers of the environment), in
+# this process and in the children that inherit it, so that a later one-process init does not
+# take it for the script's own choice: the store on it may still be alive.
+OWN_PORT_VAR = "DSLAUNCH_ONE_PROCESS_PORT"
+
+
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: Optional[int] = None, verbose: bool = True,
                      timeout: Union[timedelta, float, None] = None, init_method: Optional[str] = None,
@@ -85,12 +91,13 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if distributed_port:
             os.environ.setdefault("MASTER_PORT", str(distributed_port))
-        if "MASTER_PORT" not in os.environ and init_method is None:
+        own = os.environ.get("MASTER_PORT") is not None and os.environ.get("MASTER_PORT") == os.environ.get(OWN_PORT_VAR)
+        if ("MASTER_PORT" not in os.environ or own) and init_method is None:
             # The store binds port 0 itself: a port probed free and bound later may be taken in
             # between (another process's outgoing connection gets one from the same range).
             store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, True,
                                   timeout=watchdog.backend_timeout(watchdog.timeout_s()))
-            os.environ["MASTER_PORT"] = str(store.port)
+            os.environ["MASTER_PORT"] = os.environ[OWN_PORT_VAR] = str(store.port)
     elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         if init_method is None:
             raise RuntimeError("init_distributed: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
