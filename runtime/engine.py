@@ -141,6 +141,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = model
         self._compression = self._compression_schedule(model)
 
+        if optimizer is None and self.config.optimizer is not None and self.config.optimizer.type.lower() == "muon":
+            from .muon.tagging import tag_parameters
+
+            tag_parameters(model)  # as DeepSpeed's initialize: which parameters Muon steps, by shape and name
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
         if self.optimizer is not None:
             check_optimizer(self.optimizer, self.config)
@@ -159,7 +163,7 @@ class DeepSpeedEngine(torch.nn.Module):
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self._grad_rank, world_size=self._grad_world,
                               group=self.seq_data_parallel_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
-                              mesh=self.mesh)
+                              mesh=self.mesh, loss_scale=self.loss_scale)
         self.strategy = strategy_for_stage(self.config.zero.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..internals import internal_optimizer
+from ..muon.sharded import ShardedMuon, chunked_updates
 from ..reduction import GradReduction
 from ..strict import ConfigError
 from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
@@ -183,6 +184,9 @@ class ZeroStage3(ShardedStrategy):
             self.swapper.attach(p._zero for p in module.parameters() if not p._zero.persistent)
         self.host: Optional[OptimizerHost] = None if optimizer is None else \
             make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
+        # Muon: whole-matrix updates from the chunks, before the norm as in DeepSpeed (muon/sharded.py)
+        self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale, after_clip=False) \
+            if ShardedMuon.applies(optimizer) else None
         self._hooks = []
         self._trace: List[torch.nn.Module] = []
         self._recording = True
@@ -404,6 +408,14 @@ class ZeroStage3(ShardedStrategy):
         for g in self.groups:
             if g["grad"] is not None:
                 self.reduction.finish_(g["grad"])
+        if self.muon is not None:
+            for gi in self.muon.groups():
+                g = self.groups[gi]
+                if g["params"]:
+                    layout = [(p._zero.name, tuple(p._zero.shape), p._zero.numel, p._zero.master_offset,
+                               p._zero.chunk) for p in g["params"]]
+                    chunked_updates(self.muon, gi, self._grad(gi), g["master"], layout, self.world, self.rank,
+                                    self.group, self.ctx.distributed)
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32)
@@ -429,6 +441,8 @@ class ZeroStage3(ShardedStrategy):
 
     def optimizer_step(self) -> None:
         self._prefetch.drop_all()  # no gather may still be reading a shard the step rewrites
+        if self.muon is not None:
+            self.muon.commit()  # the step is taken: this step's momentum stands
         for gi, g in enumerate(self.groups):
             # a 16-bit partition (grad_accum_dtype) is widened for the step only
             grad = self._grad(gi)
@@ -467,6 +481,8 @@ class ZeroStage3(ShardedStrategy):
 
     def zero_grad(self) -> None:
         # no gradient is held between steps: the next reduce-scatter allocates the chunks again
+        if self.muon is not None:
+            self.muon.discard()
         for g in self.groups:
             g["grad"] = None
             for p in g["params"]:
