@@ -37,6 +37,7 @@ from .profiling.step import StepProfiler
 from .activation_checkpointing import checkpointing
 from .autotuning import TrialProbe
 from .monitor import StepMeter, build_monitor
+from .muon.sharded import check_in_memory_flag
 from .monitor import report
 from .monitor.sink import TRAIN_LOSS
 from .nonfinite import NonFiniteGuard
@@ -156,6 +157,7 @@ class DeepSpeedEngine(torch.nn.Module):
             # wrap, so the optimizer that steps is its own .optimizer (unless it has one already).
             if not hasattr(self.optimizer, "optimizer"):
                 self.optimizer.optimizer = self.optimizer
+        check_in_memory_flag(self.config, self.optimizer)
         if self.seq_parallel_size > 1 and self.optimizer is not None and any(
                 g.get("moe", False) for g in self.optimizer.param_groups):
             raise ConfigError(f"sequence_parallel_size {self.seq_parallel_size} with \"moe\" param groups (expert "

@@ -138,7 +138,7 @@ def _muon(params, target, lr: float = None, muon_lr: float = None, adam_lr: floa
                           betas=ADAM_DEFAULTS["betas"], eps=ADAM_DEFAULTS["eps"],
                           weight_decay=ADAM_DEFAULTS["weight_decay"], bias_correction=True, amsgrad=False)
 
-    return MuonWithAuxAdam(groups, adam, adam_w_mode)
+    return MuonWithAuxAdam(groups, adam, adam_w_mode=adam_w_mode)
 
 
 def _refuse_cuda_without_offload(name: str, target: OptimizerTarget) -> None:

@@ -24,6 +24,7 @@ the CPU kernel under offload or on CPU parameters, FusedAdam on CUDA (runtime/op
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -38,9 +39,12 @@ ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay":
 class MuonWithAuxAdam(torch.optim.Optimizer):
     """DeepSpeed's class name, so `type(engine.optimizer).__name__` reads as there."""
 
-    def __init__(self, param_groups: List[Dict[str, Any]],
-                 adam_factory: Optional[Callable[[List[Dict[str, Any]]], torch.optim.Optimizer]] = None,
-                 adam_w_mode: bool = True):
+    def __init__(self, param_groups: List[Dict[str, Any]], adam_optimizer: Optional[Callable] = None,
+                 adam_optimizer_kwargs: Optional[Dict[str, Any]] = None, adam_w_mode: bool = True,
+                 fallback_to_inline: bool = False):
+        """DeepSpeed's signature: `adam_optimizer(adam_groups, **adam_optimizer_kwargs)` builds the
+        auxiliary Adam; without one (or, with fallback_to_inline, when building it raises
+        RuntimeError) the Adam groups are stepped inline with torch ops."""
         groups = []
         for i, group in enumerate(param_groups):
             if "use_muon" not in group:
@@ -61,9 +65,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self.updates_given = False  # set by a ZeRO strategy: a Muon group's .grad is its update
         self.adam = None
         adam_groups = self._adam_groups()
-        if adam_groups and adam_factory is not None:
-            self.adam = adam_factory(adam_groups)
-            self._link_adam()
+        if adam_groups and adam_optimizer is not None:
+            try:
+                self.adam = adam_optimizer(adam_groups, **(adam_optimizer_kwargs or {}))
+            except RuntimeError as exc:
+                if not fallback_to_inline:
+                    raise
+                warnings.warn(f"MuonWithAuxAdam: {getattr(adam_optimizer, '__name__', adam_optimizer)} could not be "
+                              f"built ({exc}); its groups are stepped inline with torch ops")
+            if self.adam is not None:
+                self._link_adam()
 
     def _adam_groups(self) -> List[Dict[str, Any]]:
         return [g for g in self.param_groups if not g["use_muon"]]
@@ -101,7 +112,31 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if self.adam is not None:
             self.adam.param_groups = adam_groups  # the same dicts; a ZeRO stage may have swapped their params
             self.adam.step()
+        else:
+            for group in adam_groups:
+                self._adam_inline(group)
         return loss
+
+    def _adam_inline(self, group: Dict[str, Any]) -> None:
+        """Adam(W) in torch ops (no auxiliary optimizer): bias-corrected moments, decoupled
+        weight decay in AdamW mode, L2 added to the gradient otherwise."""
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            grad = p.grad if self.adam_w_mode else p.grad.add(p, alpha=group["weight_decay"])
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            step = float(state["step"])
+            state["exp_avg"].lerp_(grad, 1 - beta1)
+            state["exp_avg_sq"].lerp_(grad.square(), 1 - beta2)
+            denom = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt_().add_(group["eps"])
+            update = state["exp_avg"] / (1 - beta1 ** step) / denom
+            if self.adam_w_mode:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
 
     @staticmethod
     def _apply(params: List[torch.Tensor], updates: List[torch.Tensor], group: Dict[str, Any]) -> None:
@@ -145,10 +180,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     # -- ZeRO offload: the fused CPU step protocol (dslaunch.kernels.fused_step) --------------------
     def fused_cpu_step(self):
-        from dslaunch.kernels.fused_step import FusedCPUStep, fused_cpu_step
+        from dslaunch.kernels.fused_step import FusedCPUStep, FusedStepUnavailable, fused_cpu_step
 
         # offload is ZeRO's: the Muon groups' gradients are the updates the stage computed
         adam = fused_cpu_step(self.adam) if self.adam is not None else None
+
+        if adam is None and self._adam_groups():
+            raise FusedStepUnavailable("its Adam groups are stepped inline with torch ops")
 
         def init_state(master, group):
             if group["use_muon"]:

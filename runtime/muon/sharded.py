@@ -37,7 +37,27 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 
 from .. import comm
+from ..strict import ConfigError
 from . import newton_schulz as ns
+
+MOMENTUM = "momentum_buffer"
+
+
+def check_in_memory_flag(config, optimizer) -> None:
+    """`save_muon_momentum_buffer_in_memory: true` does something only where Muon's momentum
+    would otherwise go to NVMe files: refuse it elsewhere rather than ignore it."""
+    z = config.zero_optimization
+    if not z.save_muon_momentum_buffer_in_memory:
+        return
+    if not ShardedMuon.applies(optimizer) or z.offload_optimizer_device != "nvme" or z.stage == 0:
+        raise ConfigError("zero_optimization.save_muon_momentum_buffer_in_memory: true keeps Muon's momentum out of "
+                          "offload_optimizer's NVMe files, so it needs \"optimizer\": {\"type\": \"Muon\"}, ZeRO "
+                          "stage 1-3 and offload_optimizer.device \"nvme\"; remove it")
+
+
+def resident_keys(config) -> Tuple[str, ...]:
+    """The optimizer state an NVMe host keeps in memory (check_in_memory_flag vetted the flag)."""
+    return (MOMENTUM,) if config.zero_optimization.save_muon_momentum_buffer_in_memory else ()
 
 
 class ShardedMuon:
@@ -63,13 +83,15 @@ class ShardedMuon:
         return g["momentum"], g["ns_method"]
 
     def _momentum(self, gi: int, master: torch.Tensor) -> torch.Tensor:
+        """The committed momentum of group gi (zeros at first), with the step count the
+        offload hosts keep beside it (a stage-0 checkpoint's Muon state has none)."""
         state = self.host.state_of(gi)
-        if "momentum_buffer" not in state:
-            state = {"step": torch.zeros((), dtype=torch.float32), **state,
-                     "momentum_buffer": torch.zeros_like(master)}
+        if MOMENTUM not in state or "step" not in state:
+            state = {"step": torch.zeros((), dtype=torch.float32), **state}
+            state.setdefault(MOMENTUM, torch.zeros_like(master))
             self.host.load_state_of(gi, state)
             state = self.host.state_of(gi)
-        return state["momentum_buffer"]
+        return state[MOMENTUM]
 
     def scale(self) -> float:
         return 1.0 if self.after_clip else float(self.loss_scale())
@@ -88,7 +110,7 @@ class ShardedMuon:
     def commit(self) -> None:
         for gi, staged in self.staged.items():
             state = self.host.state_of(gi)
-            state["momentum_buffer"].copy_(staged)
+            state[MOMENTUM].copy_(staged)
             self.host.write_state_of(gi, state)
         self.staged.clear()
 

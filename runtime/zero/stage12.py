@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..muon.sharded import ShardedMuon, flat_layout_updates
+from ..muon.sharded import ShardedMuon, resident_keys, flat_layout_updates
 from ..reduction import GradReduction
 from ..strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
 from .. import comm
@@ -114,7 +114,8 @@ class _PartitionedStage(ShardedStrategy):
         optimizer.state.clear()
         # Where the update runs: in place on the masters, on the CPU with the fused
         # kernel, or with state swapped to NVMe files.
-        self.host: OptimizerHost = make_host(optimizer, [g.master for g in self.groups], offload, sub_group_size)
+        self.host: OptimizerHost = make_host(optimizer, [g.master for g in self.groups], offload, sub_group_size,
+                                             resident_keys(ctx.config))
         # Muon: whole-matrix updates from the partitions (muon/sharded.py); DeepSpeed's stage 1 in
         # bf16 with fp32 accumulation (its BF16_Optimizer) clips first, every other case after
         after_clip = (self.stage == 1 and ctx.compute_dtype == torch.bfloat16 and offload is None

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..internals import internal_optimizer
-from ..muon.sharded import ShardedMuon, chunked_updates
+from ..muon.sharded import ShardedMuon, resident_keys, chunked_updates
 from ..reduction import GradReduction
 from ..strict import ConfigError
 from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
@@ -183,7 +183,7 @@ class ZeroStage3(ShardedStrategy):
             self.swapper = ParamSwapper(offload_param.nvme_path, self.rank)
             self.swapper.attach(p._zero for p in module.parameters() if not p._zero.persistent)
         self.host: Optional[OptimizerHost] = None if optimizer is None else \
-            make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
+            make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size, resident_keys(ctx.config))
         # Muon: whole-matrix updates from the chunks, before the norm as in DeepSpeed (muon/sharded.py)
         self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale, after_clip=False) \
             if ShardedMuon.applies(optimizer) else None
