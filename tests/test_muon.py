@@ -278,7 +278,7 @@ def test_deepspeed_checkpoints_resume_with_deepspeeds_losses(world):
 # -- NVMe offload, the in-memory momentum, whole-parameter access ------------------------------------
 def offload_and_fragments(nvme_root):
     """Losses under NVMe offload (the momentum in the files, then kept in memory), and the
-    momentum read whole at stage 2 next to stage 0's."""
+    momentum read whole at stage 2 next to stage 3's (the same run), and at stage 0."""
     import torch.distributed as dist
 
     from dslaunch.runtime.utils import safe_get_full_optimizer_state
@@ -301,15 +301,18 @@ def offload_and_fragments(nvme_root):
                                             "momentum_in_files": any("momentum_buffer" in st for st in on_disk)}
             engine.destroy()
     moments = {}
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         case = fx.CASES[f"s{stage}_fp32"]._replace(world=world)
         engine = _engine(fx.config(case))
         fx.train(engine, case, rank, 0, 2)
         moments[stage] = {n: safe_get_full_optimizer_state(p, "momentum_buffer")
                           for n, p in engine.module.named_parameters() if p.use_muon}
         engine.destroy()
-    out["same_momentum"] = all(torch.allclose(moments[0][n], moments[2][n], atol=1e-6) for n in moments[0])
+    out["same_momentum"] = all(torch.allclose(moments[3][n], moments[2][n], atol=1e-6) for n in moments[2])
     out["momentum_norm"] = float(sum(m.norm() for m in moments[2].values()))
+    shapes = {n: p.shape for n, p in fx.make_model().named_parameters()}
+    out["stage0_shapes"] = sorted(moments[0]) == sorted(moments[2]) and \
+        all(moments[0][n].shape == shapes[n] for n in moments[0])
     return out
 
 
@@ -323,4 +326,25 @@ def test_nvme_offload_and_the_in_memory_momentum(tmp_path):
             run = got[f"s{stage}/{in_memory}"]
             assert run["losses"] == pytest.approx(want, rel=TOL["fp32"], abs=TOL["fp32"]), (stage, in_memory)
             assert run["momentum_in_files"] is not in_memory, (stage, in_memory)
-    assert got["same_momentum"] and got["momentum_norm"] > 0
+    assert got["same_momentum"] and got["momentum_norm"] > 0 and got["stage0_shapes"]
+
+
+def test_fp16_momentum_holds_true_gradients_whatever_the_loss_scale():
+    """Under ZeRO the update replaces the gradient before the loss scale is divided out: the
+    momentum is fed unscaled gradients, so runs whose loss scale differs, and doubles after every
+    step (loss_scale_window 1), take the same steps (and, without clipping, the steps stage 0
+    takes); momentum mixing gradients of different scales would not."""
+    case = fx.Case(2, world=1)
+    runs = {}
+    for stage, power in ((2, 4), (2, 8), (0, 4)):
+        cfg = fx.config(case._replace(stage=stage))
+        cfg.update(fp16={"enabled": True, "initial_scale_power": power, "loss_scale_window": 1},
+                   gradient_clipping=0.0)
+        engine = _engine(cfg)
+        runs[(stage, power)] = fx.train(engine, case._replace(stage=stage), 0, 0, fx.STEPS)
+        assert engine.skipped_steps == 0
+    # fp16 rounds the scaled gradients differently at each scale (2e-5 apart); momentum of scaled
+    # gradients would be 1e-4 apart, and 1e-4 from stage 0's, which unscales before its step
+    assert runs[(2, 4)] == pytest.approx(runs[(2, 8)], rel=5e-5)
+    assert runs[(2, 4)] == pytest.approx(runs[(0, 4)], rel=1e-5)
+    assert runs[(2, 4)][-1] < runs[(2, 4)][0]
