@@ -168,7 +168,14 @@ def test_every_case_has_its_fixture():
         "ValueError: Muon and reduce scatter cannot be used together")
 
 
-def run_cases(names, save_root=None):
+def _config(case, clip):
+    cfg = fx.config(case)
+    if clip is not None:
+        cfg["gradient_clipping"] = clip
+    return cfg
+
+
+def run_cases(names, save_root=None, clip=None):
     """Each case's losses on this process group; with save_root, also a checkpoint at SAVE_AT."""
     import torch.distributed as dist
 
@@ -176,15 +183,14 @@ def run_cases(names, save_root=None):
     out = {}
     for name in names:
         case = (fx.CASES.get(name) or fx.REFUSED[name])._replace(world=dist.get_world_size())
-        model = fx.make_model()
-        engine = _engine(fx.config(case), model)
+        engine = _engine(_config(case, clip))
         save = os.path.join(save_root, name) if save_root else None
         out[name] = fx.train(engine, case, rank, 0, fx.STEPS, save=save)
         engine.destroy()
     return out
 
 
-def resume_cases(plans, root):
+def resume_cases(plans, root, clip=None):
     """Resume each (case, stage) plan's checkpoint on this process group at `stage`."""
     import torch.distributed as dist
 
@@ -192,7 +198,7 @@ def resume_cases(plans, root):
     out = {}
     for name, stage, load_optimizer in plans:
         case = fx.CASES[name]._replace(world=dist.get_world_size(), stage=stage)
-        engine = _engine(fx.config(case))
+        engine = _engine(_config(case, clip))
         engine.load_checkpoint(os.path.join(root, name), load_optimizer_states=load_optimizer)
         assert engine.global_steps == fx.SAVE_AT
         out[f"{name}->{stage}/{load_optimizer}"] = fx.train(engine, case, rank, fx.SAVE_AT, fx.STEPS)
@@ -236,9 +242,11 @@ def test_stage3_runs_with_reduce_scatter_where_deepspeed_refuses():
 
 # -- checkpoints: the momentum resumes at another world size and stage --------------------------------
 SAVED = ["s0_fp32", "s2_fp32", "s3_fp32", "s1_fp32_offload"]
-# (saved case, stage to resume at) on 1 rank and on 3 ranks
-RESUME = {1: [("s2_fp32", 1), ("s2_fp32", 0), ("s3_fp32", 2), ("s0_fp32", 3), ("s1_fp32_offload", 1)],
-          3: [("s2_fp32", 2), ("s3_fp32", 1), ("s0_fp32", 2)]}
+# (saved case, stage to resume at) on 1 rank and on 3 ranks. Stage 0 clips the raw gradient and
+# stages 1-3 the update (DeepSpeed's rule), so DeepSpeed's losses continue only within either
+# side; test_checkpoints_cross_between_stage0_and_zero crosses over without clipping.
+RESUME = {1: [("s2_fp32", 1), ("s3_fp32", 2), ("s0_fp32", 0), ("s1_fp32_offload", 2)],
+          3: [("s2_fp32", 2), ("s3_fp32", 1), ("s0_fp32", 0)]}
 
 
 @pytest.mark.timeout(1200)
@@ -258,11 +266,25 @@ def test_checkpoints_resume_at_other_world_sizes_with_deepspeeds_losses(tmp_path
                 assert got == pytest.approx(want, rel=TOL["fp32"], abs=TOL["fp32"]), (key, world)
 
 
+@pytest.mark.timeout(900)
+def test_checkpoints_cross_between_stage0_and_zero(tmp_path):
+    """Without clipping stage 0 and ZeRO take the same steps: a stage-0 checkpoint resumes
+    under ZeRO and a ZeRO one under stage 0 (1 rank, saved on 2) with the uninterrupted losses."""
+    saved = run_function(run_cases, nprocs=2, kwargs={"names": ["s0_fp32", "s2_fp32"], "save_root": str(tmp_path),
+                                                      "clip": 0.0}, timeout=800)[0]
+    assert saved["s0_fp32"] == pytest.approx(saved["s2_fp32"], rel=1e-5)
+    got = run_function(resume_cases, nprocs=1, timeout=800, kwargs={
+        "plans": [("s0_fp32", 2, True), ("s0_fp32", 3, True), ("s2_fp32", 0, True)], "root": str(tmp_path),
+        "clip": 0.0})[0]
+    for key, losses in got.items():
+        assert losses == pytest.approx(saved[key.split("->")[0]][fx.SAVE_AT:], rel=1e-5, abs=1e-5), key
+
+
 # -- DeepSpeed's own Muon checkpoints resume here ---------------------------------------------------
 DS_DATA = os.path.join(DATA, "ds")
 # (DeepSpeed's case, the stage to resume at) on 1 and on 2 ranks
-DS_RESUME = {1: [("s0_fp32", 0), ("s2_fp32", 2), ("s2_fp32", 0), ("s3_fp32", 1)],
-             2: [("s0_fp32", 2), ("s2_fp32", 1), ("s3_fp32", 3)]}
+DS_RESUME = {1: [("s0_fp32", 0), ("s2_fp32", 2), ("s2_fp32", 1), ("s3_fp32", 1)],
+             2: [("s0_fp32", 0), ("s2_fp32", 3), ("s3_fp32", 3)]}
 
 
 @pytest.mark.timeout(900)
