@@ -30,7 +30,7 @@ with open(os.path.join(DATA, "expected.json")) as _fh:
 # with torch.compile); bf16: the forward and the module weights round to bf16, and DeepSpeed's
 # stage 2 keeps bf16 gradients and momentum where dslaunch accumulates in fp32
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
-STANDARD_TOL = 2e-3  # "standard" Newton-Schulz runs in bf16 on a CPU: bf16 matmuls round apart
+STANDARD_TOL = 1e-4  # "standard" Newton-Schulz runs in bf16 on a CPU: bf16 matmuls round apart (1e-5 seen)
 
 
 # -- pieces ----------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ The numbers are DeepSpeed 0.19.8's (its `muon_update`):
 and `ns_method` picks the iteration: "standard" iterates on X (n x m), "gram" on the
 n x n Gram matrix X X^T with a restart at step 2 (the same polynomial, fewer flops when
 m >> n; a square matrix takes the standard path). Each runs in the dtype DeepSpeed picks
-for the device (`compute_dtype`): gram in fp16 where fp16 matmuls are supported (CUDA; a
-CPU with AVX512-FP16), standard in bf16 (CUDA with bf16, every CPU), else fp32. On this
-project's CPU test machines that makes gram fp32, which is why losses there equal
-DeepSpeed's to fp32 rounding.
+for the device (`compute_dtype`): gram in fp16 where fp16 matmuls are supported (CUDA at
+compute capability 7 and up; a CPU with AVX512-FP16), standard in bf16 (CUDA with bf16,
+every CPU), else fp32. On this project's CPU test machines that makes gram fp32, which is
+why losses there equal DeepSpeed's to fp32 rounding.
 
 Shapes: a 4-D weight (a convolution's filters) is orthogonalised as rows x (the rest); a
 3-D or higher tensor otherwise as a batch of its last two dimensions. The aspect factor is
@@ -25,6 +25,7 @@ taken from the last two dimensions of the weight as it is shaped, as DeepSpeed t
 from __future__ import annotations
 
 import math
+import os
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -45,10 +46,15 @@ def _cpu_fp16_matmul() -> bool:
         return False
 
 
+def _cuda_fp16(device: torch.device) -> bool:
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 7 or (major == 6 and os.environ.get("DS_ALLOW_DEPRECATED_FP16", "0") == "1")
+
+
 def compute_dtype(method: str, device: torch.device) -> torch.dtype:
     """The dtype the iteration runs in on `device`, as DeepSpeed's accelerators answer it."""
     if method == "gram":
-        fp16 = torch.cuda.is_available() if device.type == "cuda" else _cpu_fp16_matmul()
+        fp16 = _cuda_fp16(device) if device.type == "cuda" else _cpu_fp16_matmul()
         return torch.float16 if fp16 else torch.float32
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32

@@ -18,13 +18,13 @@ matrix; how it gets one depends on the layout:
   to each rank its chunk of every result.
 
 Either way each rank's matrices go through Newton-Schulz one batch per shape, and the
-gradient partition is overwritten with the update. When that happens follows DeepSpeed:
-stages 1-3 compute it before the global norm (so gradient clipping measures and scales the
-orthogonalised update), except stage 1 in bf16 with fp32 gradient accumulation and no
-offload, where DeepSpeed's BF16_Optimizer clips the raw gradient first (as stage 0 does).
-Before the norm the gradient still carries the fp16 loss scale: it is divided out before
-the momentum (which then holds true gradients whatever the scale does) and multiplied back
-into the update, so the engine's unscale leaves the update itself.
+gradient partition is overwritten with the update. As in DeepSpeed's stages 1-3 this happens
+before the global norm, so gradient clipping measures and scales the orthogonalised update
+(stage 0 clips the raw gradient; DeepSpeed's other clip-first path, stage 1 in bf16 with
+fp32 accumulation, is refused here for every optimizer). The gradient then still carries
+the fp16 loss scale: it is divided out before the momentum (which then holds true gradients
+whatever the scale does) and multiplied back into the update, so the engine's unscale
+leaves the update itself.
 
 The new momentum is staged and committed at the step, so a step skipped for an overflow
 leaves it as it was (`commit` / `discard`).
@@ -63,10 +63,9 @@ def resident_keys(config) -> Tuple[str, ...]:
 class ShardedMuon:
     """The momentum side of one ZeRO strategy's Muon groups."""
 
-    def __init__(self, optimizer, host, loss_scale: Callable[[], float], after_clip: bool):
+    def __init__(self, optimizer, host, loss_scale: Callable[[], float]):
         self.optimizer, self.host = optimizer, host
         self.loss_scale = loss_scale
-        self.after_clip = after_clip  # run at the step (after clipping) instead of before the norm
         optimizer.updates_given = True
         self.staged: Dict[int, torch.Tensor] = {}
 
@@ -94,7 +93,7 @@ class ShardedMuon:
         return state[MOMENTUM]
 
     def scale(self) -> float:
-        return 1.0 if self.after_clip else float(self.loss_scale())
+        return float(self.loss_scale())
 
     def blend(self, gi: int, master: torch.Tensor, grad: torch.Tensor, scale: float) -> torch.Tensor:
         """The Nesterov blend of this rank's partition; stages the new momentum."""

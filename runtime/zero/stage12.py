@@ -116,12 +116,8 @@ class _PartitionedStage(ShardedStrategy):
         # kernel, or with state swapped to NVMe files.
         self.host: OptimizerHost = make_host(optimizer, [g.master for g in self.groups], offload, sub_group_size,
                                              resident_keys(ctx.config))
-        # Muon: whole-matrix updates from the partitions (muon/sharded.py); DeepSpeed's stage 1 in
-        # bf16 with fp32 accumulation (its BF16_Optimizer) clips first, every other case after
-        after_clip = (self.stage == 1 and ctx.compute_dtype == torch.bfloat16 and offload is None
-                      and ctx.config.grad_accum_dtype == torch.float32)
-        self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale, after_clip) \
-            if ShardedMuon.applies(optimizer) else None
+        # Muon: whole-matrix updates from the partitions, before the norm (muon/sharded.py)
+        self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale) if ShardedMuon.applies(optimizer) else None
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
@@ -272,7 +268,7 @@ class _PartitionedStage(ShardedStrategy):
             if g.grad is not None:
                 self._reductions[g.axis.name].finish_(g.grad)
         self._reduced = self.stage == 2
-        if self.muon is not None and not self.muon.after_clip:
+        if self.muon is not None:
             self._muon_updates()
 
     def _muon_updates(self) -> None:
@@ -324,8 +320,6 @@ class _PartitionedStage(ShardedStrategy):
 
     def optimizer_step(self) -> None:
         if self.muon is not None:
-            if self.muon.after_clip:
-                self._muon_updates()
             self.muon.commit()  # the step is taken: this step's momentum stands
         for g in self.groups:
             # a 16-bit partition (grad_accum_dtype) is widened for the step only

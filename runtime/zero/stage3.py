@@ -185,8 +185,7 @@ class ZeroStage3(ShardedStrategy):
         self.host: Optional[OptimizerHost] = None if optimizer is None else \
             make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size, resident_keys(ctx.config))
         # Muon: whole-matrix updates from the chunks, before the norm as in DeepSpeed (muon/sharded.py)
-        self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale, after_clip=False) \
-            if ShardedMuon.applies(optimizer) else None
+        self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale) if ShardedMuon.applies(optimizer) else None
         self._hooks = []
         self._trace: List[torch.nn.Module] = []
         self._recording = True
