@@ -202,9 +202,9 @@ def main() -> None:
         ds = run(args.ds_python, dict(case._asdict(), engine="deepspeed", **save))
         if save:
             for leftover in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not ours to ship
-                path = os.path.join(save["save"], leftover)
-                if os.path.exists(path):
-                    os.remove(path)
+                script = os.path.join(save["save"], leftover)
+                if os.path.exists(script):
+                    os.remove(script)
         ours = run(sys.executable, dict(case._asdict(), engine="dslaunch"))
         expected[name] = {**case._asdict(), "deepspeed": ds, "dslaunch": ours}
         print(f"{name}: deepspeed {ds}\n{' ' * len(name)}  dslaunch  {ours}", flush=True)
