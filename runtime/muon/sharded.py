@@ -126,7 +126,8 @@ def flat_layout_updates(muon: ShardedMuon, gi: int, grad: torch.Tensor, master: 
     mine: Dict[str, List] = {}
     for piece in pieces:
         mine.setdefault(piece.name, []).append(piece)
-    crossing = [s for s in layout.slots if s.numel and len(layout.owner_ranks(s.name)) > 1]
+    size = layout.partition_size  # a slot crosses when its first and last elements have different owners
+    crossing = [s for s in layout.slots if s.numel and s.offset // size != (s.offset + s.numel - 1) // size]
     whole: Dict[str, torch.Tensor] = {}
     if crossing and communicates:
         starts, total = {}, 0
