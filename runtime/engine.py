@@ -37,9 +37,9 @@ from .profiling.step import StepProfiler
 from .activation_checkpointing import checkpointing
 from .autotuning import TrialProbe
 from .monitor import StepMeter, build_monitor
-from .muon.sharded import check_in_memory_flag
 from .monitor import report
 from .monitor.sink import TRAIN_LOSS
+from .muon.sharded import check_in_memory_flag
 from .nonfinite import NonFiniteGuard
 from .progress import ProgressLog
 from .strategy import FragmentError, StrategyContext, strategy_for_stage
