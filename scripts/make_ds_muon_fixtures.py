@@ -15,7 +15,10 @@ the Newton-Schulz method and the accumulation steps. For each it records DeepSpe
 and dslaunch's over STEPS steps; under "refused_by_deepspeed" the error DeepSpeed stops with
 for each REFUSED case (dslaunch runs those: see docs/muon.md).
 
-DeepSpeed also saves its checkpoint of the DS_SAVED cases at step SAVE_AT (tests/data/ds_muon/ds/).
+DeepSpeed also saves its checkpoint of the DS_SAVED cases at step SAVE_AT (tests/data/ds_muon/ds/),
+and dslaunch its checkpoint of the OURS_SAVED cases (tests/data/ds_muon/dslaunch/), which DeepSpeed
+then resumes: "deepspeed_resumed_dslaunch" holds DeepSpeed's losses for the steps after SAVE_AT,
+or "deepspeed_resumed_dslaunch_error" the line it stopped with.
 
 tests/test_muon.py replays dslaunch's side against these without DeepSpeed, resumes
 dslaunch's checkpoints and DeepSpeed's at other world sizes and stages against DeepSpeed's
@@ -28,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,6 +63,9 @@ CASES = {
 REFUSED = {"s3_fp32_reduce_scatter": Case(3, reduce_scatter=True)}
 # DeepSpeed's own checkpoint of these at step SAVE_AT goes to tests/data/ds_muon/ds/CASE (resumed here)
 DS_SAVED = ("s0_fp32", "s2_fp32", "s3_fp32")
+# dslaunch's checkpoint of these at step SAVE_AT goes to tests/data/ds_muon/dslaunch/CASE, and
+# DeepSpeed resumes it on the same ranks: its losses, or the error it stops with, are recorded
+OURS_SAVED = ("s0_fp32", "s1_fp32", "s2_fp32", "s3_fp32")
 
 
 # -- the training script both engines run ----------------------------------------------------------
@@ -162,7 +169,11 @@ def worker(rank: int, job: dict) -> None:
     case = Case(**{k: job[k] for k in Case._fields if k in job})
     model = make_model()
     engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(case))[0]
-    losses = train(engine, case, rank, 0, STEPS, save=job.get("save"))
+    start = 0
+    if job.get("load"):  # resume a checkpoint saved at SAVE_AT (the other engine's, below)
+        engine.load_checkpoint(job["load"])
+        start = engine.global_steps
+    losses = train(engine, case, rank, start, STEPS, save=job.get("save"))
     if rank == 0:
         with open(job["result"], "w") as fh:
             json.dump(losses, fh)
@@ -171,13 +182,36 @@ def worker(rank: int, job: dict) -> None:
 
 def run(python: str, job: dict, capture: bool = False):
     from bench_ranks import run_script_ranks  # on sys.path when run as a script
-    return run_script_ranks(python, __file__, job, job["world"], ROOT, capture=capture)
+    # a slow shared machine can take minutes per run
+    return run_script_ranks(python, __file__, job, job["world"], ROOT, timeout=1800, capture=capture)
+
+
+def resume_ours(ds_python: str, name: str) -> dict:
+    """dslaunch's run of the case, saved at SAVE_AT to tests/data/ds_muon/dslaunch/NAME, and
+    DeepSpeed resuming that checkpoint on the same ranks: its losses, or the line it stopped with."""
+    case, save = CASES[name], os.path.join(OUT, "dslaunch", name)
+    shutil.rmtree(save, ignore_errors=True)
+    out = {"dslaunch": run(sys.executable, dict(case._asdict(), engine="dslaunch", save=save))}
+    _tidy(save)
+    resumed = run(ds_python, dict(case._asdict(), engine="deepspeed", load=save), capture=True)
+    out["deepspeed_resumed_dslaunch" if isinstance(resumed, list) else "deepspeed_resumed_dslaunch_error"] = resumed
+    return out
+
+
+def _tidy(save_dir: str) -> None:
+    for leftover in ("zero_to_fp32.py", "zero_to_torch.py"):  # the engines' recovery scripts: not fixtures
+        script = os.path.join(save_dir, leftover)
+        if os.path.exists(script):
+            os.remove(script)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ds-python", default="/work/ds-venv/bin/python", help="a python with deepspeed==0.19.8")
     ap.add_argument("--cases", default=",".join(list(CASES) + list(REFUSED)))
+    ap.add_argument("--dslaunch-checkpoints-only", action="store_true",
+                    help="for the OURS_SAVED cases only redo dslaunch's checkpoint and DeepSpeed's resume of it "
+                         "(the cases side by side), keeping the recorded losses")
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     path = os.path.join(OUT, "expected.json")
@@ -185,6 +219,24 @@ def main() -> None:
     if os.path.exists(path):
         with open(path) as fh:
             expected = json.load(fh)
+    if args.dslaunch_checkpoints_only:
+        from concurrent.futures import ThreadPoolExecutor
+
+        names = [n for n in args.cases.split(",") if n in OURS_SAVED]
+
+        def one(i_name):
+            time.sleep(20 * i_name[0])  # apart, so the free ports each run picks do not collide
+            return resume_ours(args.ds_python, i_name[1])
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            for name, got in zip(names, pool.map(one, enumerate(names))):
+                for stale in ("deepspeed_resumed_dslaunch", "deepspeed_resumed_dslaunch_error"):
+                    expected[name].pop(stale, None)
+                expected[name].update(got)
+                print(f"{name}: {got}", flush=True)
+        with open(path, "w") as fh:
+            json.dump(expected, fh, indent=1, sort_keys=True)
+        return
     for name in args.cases.split(","):
         if name in REFUSED:
             case = REFUSED[name]
@@ -201,12 +253,13 @@ def main() -> None:
             shutil.rmtree(save["save"], ignore_errors=True)
         ds = run(args.ds_python, dict(case._asdict(), engine="deepspeed", **save))
         if save:
-            for leftover in ("zero_to_fp32.py", "zero_to_torch.py"):  # DeepSpeed's recovery scripts: not ours to ship
-                script = os.path.join(save["save"], leftover)
-                if os.path.exists(script):
-                    os.remove(script)
-        ours = run(sys.executable, dict(case._asdict(), engine="dslaunch"))
-        expected[name] = {**case._asdict(), "deepspeed": ds, "dslaunch": ours}
+            _tidy(save["save"])
+        if name in OURS_SAVED:
+            expected[name] = {**case._asdict(), "deepspeed": ds, **resume_ours(args.ds_python, name)}
+        else:
+            expected[name] = {**case._asdict(), "deepspeed": ds,
+                              "dslaunch": run(sys.executable, dict(case._asdict(), engine="dslaunch"))}
+        ours = expected[name]["dslaunch"]
         print(f"{name}: deepspeed {ds}\n{' ' * len(name)}  dslaunch  {ours}", flush=True)
     os.makedirs(OUT, exist_ok=True)
     with open(path, "w") as fh:

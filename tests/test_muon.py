@@ -157,6 +157,10 @@ def test_state_is_momentum_for_muon_and_two_moments_for_adam():
     muon = sum(p.numel() for p in model.parameters() if p.use_muon)
     adam = sum(p.numel() for p in model.parameters() if not p.use_muon)
     assert _state_bytes(engine.optimizer) == 4 * muon + 8 * adam
+    # the config's separate learning rates, on the halves initialize built
+    assert sorted({(g["use_muon"], g["lr"]) for g in engine.optimizer.param_groups}) == [(False, 0.005), (True, 0.02)]
+    assert {n for n, p in model.named_parameters() if p.use_muon} == {
+        f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc1", "fc2")}
 
 
 # -- DeepSpeed's losses ----------------------------------------------------------------------------
@@ -220,11 +224,19 @@ def _names(world):
     return sorted(n for n, c in fx.CASES.items() if c.world == world)
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every 2-rank case once (the one DeepSpeed refuses too), each saved at SAVE_AT: the losses,
+    and the checkpoints the resume tests below start from."""
+    root = tmp_path_factory.mktemp("muon-2-ranks")
+    names = _names(2) + sorted(fx.REFUSED)
+    outs = run_function(run_cases, nprocs=2, kwargs={"names": names, "save_root": str(root)}, timeout=800)
+    return outs[0], root
+
+
 @pytest.mark.timeout(900)
-def test_losses_equal_deepspeeds_on_two_ranks(tmp_path):
-    names = _names(2)
-    outs = run_function(run_cases, nprocs=2, kwargs={"names": names, "save_root": str(tmp_path)}, timeout=800)
-    _check(outs, names)
+def test_losses_equal_deepspeeds_on_two_ranks(two_ranks):
+    _check([two_ranks[0]], _names(2))
 
 
 @pytest.mark.timeout(600)
@@ -234,14 +246,13 @@ def test_losses_equal_deepspeeds_on_three_ranks():
     _check(outs, names)
 
 
-@pytest.mark.timeout(600)
-def test_stage3_runs_with_reduce_scatter_where_deepspeed_refuses():
-    outs = run_function(run_cases, nprocs=2, kwargs={"names": ["s3_fp32_reduce_scatter"]}, timeout=500)
-    assert outs[0]["s3_fp32_reduce_scatter"] == pytest.approx(EXPECTED["s3_fp32"]["deepspeed"], rel=1e-5, abs=1e-5)
+@pytest.mark.timeout(900)
+def test_stage3_runs_with_reduce_scatter_where_deepspeed_refuses(two_ranks):
+    got = two_ranks[0]["s3_fp32_reduce_scatter"]
+    assert got == pytest.approx(EXPECTED["s3_fp32"]["deepspeed"], rel=1e-5, abs=1e-5)
 
 
 # -- checkpoints: the momentum resumes at another world size and stage --------------------------------
-SAVED = ["s0_fp32", "s2_fp32", "s3_fp32", "s1_fp32_offload"]
 # (saved case, stage to resume at) on 1 rank and on 3 ranks. Stage 0 clips the raw gradient and
 # stages 1-3 the update (DeepSpeed's rule), so DeepSpeed's losses continue only within either
 # side; test_checkpoints_cross_between_stage0_and_zero crosses over without clipping.
@@ -250,13 +261,13 @@ RESUME = {1: [("s2_fp32", 1), ("s3_fp32", 2), ("s0_fp32", 0), ("s1_fp32_offload"
 
 
 @pytest.mark.timeout(1200)
-def test_checkpoints_resume_at_other_world_sizes_with_deepspeeds_losses(tmp_path):
-    run_function(run_cases, nprocs=2, kwargs={"names": SAVED, "save_root": str(tmp_path)}, timeout=800)
+def test_checkpoints_resume_at_other_world_sizes_with_deepspeeds_losses(two_ranks):
+    root = two_ranks[1]
     for world, plans in RESUME.items():
         plans = [(name, stage, True) for name, stage in plans]
         if world == 1:  # without the momentum the run differs: the checkpoint's momentum is what matches
             plans.append(("s2_fp32", 2, False))
-        outs = run_function(resume_cases, nprocs=world, kwargs={"plans": plans, "root": str(tmp_path)}, timeout=500)
+        outs = run_function(resume_cases, nprocs=world, kwargs={"plans": plans, "root": str(root)}, timeout=500)
         for key, got in outs[0].items():
             name = key.split("->")[0]
             want = EXPECTED[name]["deepspeed"][fx.SAVE_AT:]
@@ -295,6 +306,50 @@ def test_deepspeed_checkpoints_resume_with_deepspeeds_losses(world):
     for key, got in outs[0].items():
         want = EXPECTED[key.split("->")[0]]["deepspeed"][fx.SAVE_AT:]
         assert got == pytest.approx(want, rel=TOL["fp32"], abs=TOL["fp32"]), (key, world)
+
+
+# -- dslaunch's Muon checkpoints resume under DeepSpeed --------------------------------------------
+OURS_DATA = os.path.join(DATA, "dslaunch")
+
+
+def _comparable(obj, tensors):
+    """A checkpoint file's structure (keys, types, dtypes, shapes), its tensors appended in order."""
+    if isinstance(obj, dict):
+        return {k: _comparable(v, tensors) for k, v in obj.items() if k != "ds_config"}
+    if isinstance(obj, (list, tuple)):
+        return [_comparable(v, tensors) for v in obj]
+    if torch.is_tensor(obj):
+        tensors.append(obj.detach().float())
+        return ("tensor", obj.dtype, tuple(obj.shape))
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return (type(obj).__name__, _comparable(vars(obj), tensors))
+    return obj
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", fx.OURS_SAVED)
+def test_deepspeed_resumed_dslaunchs_checkpoints_and_dslaunch_still_writes_them(two_ranks, name):
+    """The fixture script had DeepSpeed 0.19.8 resume dslaunch's checkpoint of each case on the
+    same 2 ranks: it continued with dslaunch's uninterrupted losses. dslaunch writes that
+    checkpoint today, file for file (values to the fp32 tolerance: matmul blocking)."""
+    from dslaunch.runtime.checkpoint.files import load_torch
+
+    exp = EXPECTED[name]
+    assert "deepspeed_resumed_dslaunch_error" not in exp, exp.get("deepspeed_resumed_dslaunch_error")
+    assert exp["deepspeed_resumed_dslaunch"] == pytest.approx(exp["dslaunch"][fx.SAVE_AT:], rel=TOL["fp32"],
+                                                              abs=TOL["fp32"])
+    tag = f"global_step{fx.SAVE_AT}"
+    committed, fresh = os.path.join(OURS_DATA, name, tag), os.path.join(two_ranks[1], name, tag)
+    files = sorted(n for n in os.listdir(committed) if not n.startswith("rng_state") and n != "manifest.json")
+    assert files == sorted(n for n in os.listdir(fresh) if not n.startswith("rng_state") and n != "manifest.json")
+    assert any("optim_states" in f for f in files) or name == "s0_fp32"
+    for f in files:
+        ta, tb = [], []
+        assert _comparable(load_torch(os.path.join(committed, f)), ta) == \
+            _comparable(load_torch(os.path.join(fresh, f)), tb), (name, f)
+        for a, b in zip(ta, tb):
+            scale = float(a.abs().max()) if a.numel() else 0.0
+            assert torch.allclose(b, a, rtol=TOL["fp32"], atol=TOL["fp32"] * scale), (name, f)
 
 
 # -- NVMe offload, the in-memory momentum, whole-parameter access ------------------------------------
