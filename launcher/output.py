@@ -31,6 +31,9 @@ blocking writes, see writer.py) and applies one policy:
   when the summary reports lines not shown, those are written to a new temporary folder
   (`dslaunch-run-*` in $TMPDIR, left for the user) and the summary names the real file.
 - torch's own `[rankN]: ` excepthook prefix is dropped on the console where ours says the same.
+- After the launcher passed a Ctrl-C (SIGINT) on to the workers, a traceback that ends in
+  `KeyboardInterrupt` is the workers doing as asked: it is not shown (the log files keep it),
+  so a stopped job reads as the launcher's own lines, not one traceback per rank.
 - When the console reader is too slow and CONSOLE_BUFFER bytes are waiting, further
   worker lines are dropped from the console (never from the log files) and counted; the
   count is reported at the end. The launcher's own messages are never dropped.
@@ -40,6 +43,8 @@ from __future__ import annotations
 import collections
 import os
 import re
+import secrets
+import signal
 import tempfile
 import threading
 import time
@@ -49,6 +54,7 @@ from typing import BinaryIO, Deque, Dict, List, Mapping, Optional, Sequence, Tup
 
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.failure import Failure
+from dslaunch.launcher.private_files import open_append, open_shared_dir
 from dslaunch.launcher.writer import BoundedWriter
 
 STDOUT, STDERR = "stdout", "stderr"
@@ -105,15 +111,22 @@ def say(err: BinaryIO, text: str) -> None:
         pass
 
 
-def check_log_dir(path: str) -> None:
-    """Create --log_dir and prove it writable before anything starts."""
+def check_log_dir(path: str, ranks: Sequence[int] = ()) -> None:
+    """Before anything starts: create --log_dir, prove it writable and writable by no other
+    user, and open each rank's log file as the job will (refused if it is a link, a FIFO,
+    another user's file or a hard link)."""
+    fd = open_shared_dir(path, "--log_dir")
+    probe = f".dslaunch-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        probe = Path(path) / f".dslaunch-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise LaunchConfigError(f"--log_dir {path}: cannot write there ({e.strerror or e})") from None
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+            os.unlink(probe, dir_fd=fd)
+        except OSError as e:
+            raise LaunchConfigError(f"--log_dir {path}: cannot write there ({e.strerror or e})") from None
+        for r in ranks:
+            os.close(open_append(fd, f"rank_{r}.log", str(Path(path) / f"rank_{r}.log"), "log file"))
+    finally:
+        os.close(fd)
 
 
 def _is_tty(stream: BinaryIO) -> bool:
@@ -128,16 +141,29 @@ def _wants_colour(stream: BinaryIO) -> bool:
 
 
 class LogDirSink:
-    """One file per rank, `rank_<N>.log`, both streams in arrival order, appended across runs."""
+    """One file per rank, `rank_<N>.log`, both streams in arrival order, appended across runs.
+
+    The folder is opened once and checked (no other user may write it), and each file is
+    opened relative to it without following a link and checked to be a plain file of ours
+    (private_files.py): a `rank_0.log -> /etc/passwd` planted there gets nothing, and the
+    job does not start."""
 
     def __init__(self, log_dir: str, ranks: Sequence[int], header: str):
         self.dir = Path(log_dir)
         self._files: Dict[int, Tuple[BinaryIO, BoundedWriter]] = {}
-        for r in ranks:
-            f = open(self.dir / f"rank_{r}.log", "ab", buffering=0)
-            w = BoundedWriter(f, LOG_BUFFER, name=f"dslaunch-log-{r}", flush=False)
-            w.write(f"=== {header} ===\n".encode(), force=True)
-            self._files[r] = (f, w)
+        dir_fd = open_shared_dir(log_dir, "--log_dir")
+        try:
+            for r in ranks:
+                fd = open_append(dir_fd, f"rank_{r}.log", str(self.path(r)), "log file")
+                f = os.fdopen(fd, "ab", buffering=0)
+                w = BoundedWriter(f, LOG_BUFFER, name=f"dslaunch-log-{r}", flush=False)
+                w.write(f"=== {header} ===\n".encode(), force=True)
+                self._files[r] = (f, w)
+        except LaunchConfigError:
+            self.close()
+            raise
+        finally:
+            os.close(dir_fd)
 
     def path(self, rank: int) -> Path:
         return self.dir / f"rank_{rank}.log"
@@ -206,6 +232,7 @@ class JobOutput:
         self._tail_dir: Optional[Path] = None  # made when a summary first needs it
         self._tail_root = tail_root  # where that folder is made ($TMPDIR when None)
         self._restart = 0
+        self._stop_signal: Optional[int] = None  # the signal the launcher passed on to stop the job
         self._thread = threading.Thread(target=self._loop, name="dslaunch-console", daemon=True)
         self._thread.start()
 
@@ -227,6 +254,12 @@ class JobOutput:
 
     def failed(self, failure: Failure) -> None:
         self._put(("failed", failure, time.monotonic()), force=True)
+
+    def stopping(self, signum: int) -> None:
+        """The launcher is passing `signum` on to every worker. Safe in a signal handler: one
+        assignment, no lock (the handler may interrupt this object's own code)."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
 
     def exited(self, label: str) -> None:
         self._put(("exited", label), force=True)
@@ -391,11 +424,20 @@ class JobOutput:
         if entry is None:
             return
         f = self._failure
+        interrupted = self._stop_signal == signal.SIGINT and self._ends_in_keyboard_interrupt(entry[1])
         for held in entry[1]:
-            if f is not None and label != f.label:
+            if interrupted or (f is not None and label != f.label):
                 self._hide(held)
             else:
                 self._show(held)
+
+    def _ends_in_keyboard_interrupt(self, block: List[_Held]) -> bool:
+        """A traceback whose exception (its last unindented line) is a bare KeyboardInterrupt."""
+        for held in reversed(block):
+            text = self._strip(held.line).rstrip(b"\r\n")
+            if text and not text[:1].isspace():
+                return text == b"KeyboardInterrupt"
+        return False
 
     def _flush(self) -> None:
         """Everything held goes out now (before a launcher message, at the end of an attempt)."""

@@ -9,6 +9,7 @@ are printed as one line on stderr with exit status 2 instead of a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import accelerator
@@ -66,6 +67,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = cls(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                  training_data=training_data, lr_scheduler=lr_scheduler, config=config, config_params=config_params,
                  collate_fn=collate_fn, dist_init_required=dist_init_required, mpu=mpu)
+    if engine._resize is not None:  # --checkpoint_dir: resume from its latest complete checkpoint
+        engine._resize.resume()
     total = getattr(engine.lr_scheduler, "total_num_steps", None)  # WarmupDecayLR, WarmupCosineLR
     if isinstance(total, int) and total > 0:
         engine.set_train_steps(total)  # the run's length for the progress line; the script may still set its own
@@ -128,9 +131,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _one_line_errors(previous):
     def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt) and os.environ.get("DSLAUNCH_RUN_ID"):
+            # Ctrl-C, passed on to every rank by dslaunch, which says so once: no traceback per
+            # rank. Python still runs the exit handlers and ends by SIGINT, as after any Ctrl-C.
+            return
         if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError, SequenceParallelError)):
-            import os
-
             # sys.__stderr__: torch.distributed's own excepthook swaps sys.stderr for a buffer.
             print(f"error: {exc}", file=sys.__stderr__)
             sys.__stderr__.flush()

@@ -23,17 +23,21 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from dslaunch.launcher.errors import OneLineMessage
 
-class ConfigError(ValueError):
+
+class ConfigError(OneLineMessage, ValueError):
     """A config problem, already phrased as the one line the user should see."""
 
 
 META = "dslaunch.key"
+INT64 = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,15 @@ class KeyInfo:
     """What a declared key does here; attached to its dataclass field."""
 
     note: str = ""  # supported: one line on what it does (the key table)
+    infinite: bool = False  # a float key that takes Infinity (every other refuses it, and NaN always)
     refused: Optional[str] = None  # why it is not supported here; the error line after "key: "
     accepted: Tuple[Any, ...] = ()  # values of a refused key that ask for nothing (or predicates)
 
 
-def supported(default: Any = MISSING, note: str = "", *, factory: Any = MISSING):
-    """A key that does what DeepSpeed documents. `note` says how, for the key table."""
-    meta = {META: KeyInfo(note=note)}
+def supported(default: Any = MISSING, note: str = "", *, factory: Any = MISSING, infinite: bool = False):
+    """A key that does what DeepSpeed documents. `note` says how, for the key table;
+    `infinite`: a float key that means something by Infinity ("never")."""
+    meta = {META: KeyInfo(note=note, infinite=infinite)}
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -138,8 +144,9 @@ def _jsonable(value) -> bool:
         return False
 
 
-def convert(value, tp, path: str):
-    """Convert `value` to annotation `tp`, raising ConfigError naming `path`."""
+def convert(value, tp, path: str, infinite: bool = False):
+    """Convert `value` to annotation `tp`, raising ConfigError naming `path`. A float is
+    finite unless `infinite` (NaN is refused everywhere: it would poison what it touches)."""
     origin = typing.get_origin(tp)
     if tp is Any:
         find_auto(value, path)
@@ -159,10 +166,10 @@ def convert(value, tp, path: str):
             return value
         candidates = [a for a in non_none if a is not bool]
         if len(candidates) == 1:  # the only reading left: report its own, precise error
-            return convert(value, candidates[0], path)
+            return convert(value, candidates[0], path, infinite)
         for arg in candidates:
             try:
-                return convert(value, arg, path)
+                return convert(value, arg, path, infinite)
             except ConfigError:
                 pass
         raise _fail(path, value, tp)
@@ -199,15 +206,23 @@ def convert(value, tp, path: str):
         # JSON configs write 5e8 for bucket sizes: an integral float is an int.
         if isinstance(value, bool):
             raise _fail(path, value, tp)
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _fail(path, value, tp)
+            value = int(value)
+        if not isinstance(value, int):
+            raise _fail(path, value, tp)
+        if not -INT64 <= value < INT64:  # every count and size ends up in a C int64
+            raise ConfigError(f"{path}: {value} is out of range (a 64-bit integer)")
+        return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(path, value, tp)
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ConfigError(f"{path}: {value} is out of range") from None
+        if math.isnan(number) or (math.isinf(number) and not infinite):
+            raise ConfigError(f"{path}: must be finite, got {_shown(value)}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -246,7 +261,7 @@ def parse_dataclass(cls, data: Dict[str, Any], path: str = ""):
                     ConfigError(f"{where}: {info.refused}")
             kwargs[name] = value
             continue
-        kwargs[name] = convert(value, hints[name], where)
+        kwargs[name] = convert(value, hints[name], where, info.infinite)
     for name, f in fields.items():
         if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
             raise ConfigError(f"{path + '.' if path else ''}{name}: required")
@@ -311,34 +326,149 @@ def _line_col(text: str, pos: int) -> Tuple[int, int]:
     return line, col
 
 
-def load_text(text: str, source: str) -> Dict[str, Any]:
-    """Parse JSON (or YAML when the source says so) text into a dict, with line:column errors."""
-    if source.endswith((".yaml", ".yml")):
-        import yaml
+# Objects and lists inside each other: a DeepSpeed config needs fewer than 10 levels. The bound
+# keeps every recursive walk of a config (parsing, conversion, the "auto" search) well inside
+# Python's recursion limit, so a crafted file is one line, not a RecursionError.
+MAX_DEPTH = 64
 
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-            raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            line, col = _line_col(text, exc.pos)
-            raise ConfigError(f"{source}:{line}:{col}: invalid JSON: {exc.msg}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the config must be a JSON object, got {type(data).__name__}")
+
+def _too_deep(source: str) -> ConfigError:
+    return ConfigError(f"{source}: objects and lists nested more than {MAX_DEPTH} deep; a DeepSpeed config "
+                       "needs only a few levels")
+
+
+def check_depth(data, source: str) -> None:
+    """Refuse a value nested deeper than MAX_DEPTH (iteratively: the check itself never recurses)."""
+    todo = [(data, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise _too_deep(source)
+        todo.extend((c, depth + 1) for c in children)
+
+
+def _repeated(pairs) -> List[str]:
+    seen: set = set()
+    out: List[str] = []
+    for k, _ in pairs:
+        if k in seen and k not in out:
+            out.append(k)
+        seen.add(k)
+    return out
+
+
+def _path_to(root, target) -> str:
+    """The dotted path of the object `target` (by identity) inside `root`."""
+    todo = [(root, "")]
+    while todo:
+        node, path = todo.pop()
+        if node is target:
+            return path
+        if isinstance(node, dict):
+            todo.extend((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
+        elif isinstance(node, list):
+            todo.extend((v, f"{path}[{i}]") for i, v in enumerate(node))
+    return ""
+
+
+def _load_json(text: str, source: str):
+    """json.loads that refuses duplicate keys (as DeepSpeed does: its reader raises on them)
+    instead of keeping the last one silently."""
+    duplicates: List[Tuple[dict, List[str], int]] = []
+
+    def object_of(pairs):
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            keys = _repeated(pairs)
+            duplicates.append((obj, keys, sum(1 for k, _ in pairs if k == keys[0])))
+        return obj
+
+    try:
+        data = json.loads(text, object_pairs_hook=object_of)
+    except json.JSONDecodeError as exc:
+        line, col = _line_col(text, exc.pos)
+        raise ConfigError(f"{source}:{line}:{col}: invalid JSON: {exc.msg}") from None
+    except RecursionError:
+        raise _too_deep(source) from None
+    if duplicates:
+        obj, keys, times = duplicates[0]
+        inside = _path_to(data, obj)
+        where = f"{inside}.{keys[0]}" if inside else keys[0]
+        others = f" (and {', '.join(keys[1:])})" if len(keys) > 1 else ""
+        count = "twice" if times == 2 else f"{times} times"
+        raise ConfigError(f"{source}: {where}: the key is given {count}{others}; DeepSpeed refuses "
+                          "duplicate keys too: keep one")
     return data
 
 
-def load_file(path: str) -> Dict[str, Any]:
+def _load_yaml(text: str, source: str):
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """safe_load, less what a config never needs and a crafted file abuses: an alias (one
+        node used many times over: a few lines can stand for billions of values) and a key
+        given twice (safe_load keeps the last silently)."""
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "anchors and aliases are not supported in a config; "
+                                                  "write the values out", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    again = key in seen
+                except TypeError:  # an unhashable key: construct_mapping names it
+                    break
+                if again:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:
+        raise _too_deep(source) from None
+
+
+def load_text(text: str, source: str) -> Dict[str, Any]:
+    """Parse JSON (or YAML when the source says so) text into a dict, with line:column errors;
+    duplicate keys and nesting deeper than MAX_DEPTH are refused."""
+    data = _load_yaml(text, source) if source.endswith((".yaml", ".yml")) else _load_json(text, source)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the config must be a JSON object, got {type(data).__name__}")
+    check_depth(data, source)
+    return data
+
+
+CONFIG_FILE_LIMIT = 64 << 20  # DeepSpeed configs are kilobytes; a bound keeps /dev/zero from filling memory
+
+
+def load_file(path: str) -> Dict[str, Any]:
+    from dslaunch.launcher.bounded_read import read_bounded  # regular files only, at most the limit
+
+    try:
+        raw = read_bounded(path, CONFIG_FILE_LIMIT, "config file", ConfigError)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: config is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return load_text(text, path)
 
 

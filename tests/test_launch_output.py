@@ -131,6 +131,29 @@ def test_console_policy_for_errors_written_in_the_same_instant(tmp_path):
     assert kept.read_bytes() == b"error: bad key\nstep 1\n[rank0]: Traceback (most recent call last):\n"
 
 
+def test_after_ctrl_c_a_keyboard_interrupt_traceback_is_not_shown_but_another_error_is(tmp_path):
+    """Once the launcher passed SIGINT on, each rank's KeyboardInterrupt traceback is the
+    stop working; a traceback that ends in another exception (raised while handling the
+    interrupt) is still an error the user must see."""
+    out, err = io.BytesIO(), io.BytesIO()
+    o = JobOutput(out, err, delay_s=30, traceback_s=30, tail_root=str(tmp_path))
+    o.stopping(signal.SIGINT)
+    for rank in (0, 1):
+        for text in (b"Traceback (most recent call last):\n", b'  File "t.py", line 3, in <module>\n',
+                     b"    time.sleep(60)\n", b"KeyboardInterrupt\n"):
+            o.line(OutputLine(rank, f"rank {rank}", "stderr", text))
+    o.exited("rank 0")
+    o.line(OutputLine(1, "rank 1", "stderr", b"\nDuring handling of the above exception, another exception "
+                                              b"occurred:\n"))
+    o.line(OutputLine(1, "rank 1", "stderr", b"OSError: checkpoint not written\n"))
+    o.say("stopped by SIGINT; all 2 worker(s) ended")
+    o.close()
+    shown = err.getvalue().decode().splitlines()
+    assert shown[-2:] == ["[rank 1] OSError: checkpoint not written", "dslaunch: stopped by SIGINT; all 2 worker(s) ended"]
+    assert not any(line.startswith("[rank 0]") for line in shown), shown
+    assert "[rank 1] KeyboardInterrupt" in shown  # part of the block that ends in the OSError
+
+
 def test_without_log_dir_only_the_last_lines_are_kept(tmp_path, monkeypatch):
     monkeypatch.setattr("dslaunch.launcher.output.TAIL_LINES", 3)
     out, err = io.BytesIO(), io.BytesIO()
@@ -234,3 +257,52 @@ def test_a_carriage_return_in_a_line_gives_each_piece_our_prefix():
         o.line(OutputLine(0, "rank 0", "stdout", data))
     o.close()
     assert out.getvalue() == b"[rank 0] [rank 0] fine then\n[rank 0] [rank 1] forged\n"
+
+
+@pytest.mark.parametrize("how", ["link", "fifo", "hard_link", "another_users_file", "open_folder", "group_folder"])
+@pytest.mark.timeout(60)
+def test_log_dir_never_writes_through_what_another_user_planted(tmp_path, how):
+    """--log_dir in a folder others can write: `rank_0.log -> /victim` (or a FIFO, a hard link,
+    another user's file there) gets no byte, and a folder other users can write is refused
+    before anything starts. One line, exit 2, no worker started."""
+    if how == "another_users_file" and os.geteuid() != 0:
+        pytest.skip("making a file of another user needs root")
+    logs, victim = tmp_path / "logs", tmp_path / "victim"
+    logs.mkdir()
+    victim.write_text("precious\n")
+    rank0 = logs / "rank_0.log"
+    expect = {"link": f"{rank0}: log file is a symbolic link; refusing to write through it",
+              "fifo": f"{rank0}: log file is a FIFO, not a regular file",
+              "hard_link": f"{rank0}: log file has 2 hard links",
+              "another_users_file": f"{rank0}: log file is owned by nobody (uid 65534), not by you",
+              "open_folder": f"--log_dir {logs}: every user (mode 0777) can write there",
+              "group_folder": f"--log_dir {logs}: group "}[how]
+    if how == "link":
+        rank0.symlink_to(victim)
+    elif how == "fifo":
+        os.mkfifo(rank0)
+    elif how == "hard_link":
+        os.link(victim, rank0)
+    elif how == "another_users_file":
+        rank0.write_text("")
+        os.chown(rank0, 65534, 65534)
+    elif how == "open_folder":
+        os.chmod(logs, 0o777)
+    else:  # writable by a group others are in (nogroup's gid is no one's own group here)
+        os.chown(logs, os.geteuid(), 65534)
+        os.chmod(logs, 0o775)
+    r = subprocess.run([*DSLAUNCH, "--log_dir", str(logs), BEHAVE, "env", str(tmp_path / "ran")],
+                       capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and expect in lines[0], r.stderr
+    assert victim.read_text() == "precious\n" and not list(tmp_path.glob("ran*"))
+
+
+def test_log_dir_appends_to_our_own_files(tmp_path):
+    """The checks refuse only what another user could have planted: a second run appends."""
+    logs = tmp_path / "logs"
+    for _ in range(2):
+        r = subprocess.run([*DSLAUNCH, "--log_dir", str(logs), BEHAVE, "args"], capture_output=True, text=True,
+                           timeout=50, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    assert (logs / "rank_0.log").read_text().count("=== dslaunch run") == 2

@@ -9,11 +9,12 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+from dslaunch.launcher.bounded_read import read_bounded
 from dslaunch.launcher.errors import LaunchConfigError
 
+CONFIG_FILE_LIMIT = 64 << 20  # as the runtime's config reader (runtime/strict.py)
 METRICS = ("throughput", "latency")
 TUNERS = ("gridsearch", "random", "model_based")
 # DeepSpeed keys refused here: key -> why
@@ -96,19 +97,35 @@ def _typed(key: str, value: Any, annotation: str) -> Any:
     return value
 
 
+def _refuse_duplicates(pairs) -> Dict[str, Any]:
+    """A JSON object whose keys are all different: DeepSpeed refuses a key given twice, and so
+    does the runtime (runtime/strict.py), rather than keep the last one."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise LaunchConfigError(f"{key}: the key is given more than once; DeepSpeed refuses duplicate keys too: "
+                                "keep one")
+    return obj
+
+
 def load_user_config(path: str) -> Dict[str, Any]:
     """The user's DeepSpeed config file as a dict (JSON, or YAML by its suffix)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_bounded(path, CONFIG_FILE_LIMIT, "config file", LaunchConfigError).decode("utf-8")
     except OSError as exc:
         raise LaunchConfigError(f"{path}: cannot read the DeepSpeed config: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise LaunchConfigError(f"{path}: config is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml
 
             data = yaml.safe_load(text)
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except LaunchConfigError as exc:
+        raise LaunchConfigError(f"{path}: {exc}") from None
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError: one line either way
         raise LaunchConfigError(f"{path}: not a valid config: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):

@@ -12,7 +12,6 @@ the backend's own timeout never fires first.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -32,15 +31,6 @@ def world_source() -> str:
     if dist.is_available() and dist.is_initialized():
         return "the default process group the script initialised itself"
     return "single process (no launcher environment)"
-
-
-def _free_port() -> int:
-    # bound on every address, as the TCPStore will listen: a port free on 127.0.0.1 alone may
-    # be held on another address (gloo listens on the host's own), and the store then fails
-    # with EADDRINUSE
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _adopt_mpi_env() -> None:
@@ -88,11 +78,19 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if world_size < 0 and "WORLD_SIZE" in os.environ:
         world_size = int(os.environ["WORLD_SIZE"])
         _WORLD_SOURCE = "WORLD_SIZE from the launcher environment"
+    store = None
     if rank < 0 or world_size < 0:
         rank, world_size = 0, 1
         _WORLD_SOURCE = "single process (no launcher environment)"
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(distributed_port or _free_port()))
+        if distributed_port:
+            os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        if "MASTER_PORT" not in os.environ and init_method is None:
+            # The store binds port 0 itself: a port probed free and bound later may be taken in
+            # between (another process's outgoing connection gets one from the same range).
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, True,
+                                  timeout=watchdog.backend_timeout(watchdog.timeout_s()))
+            os.environ["MASTER_PORT"] = str(store.port)
     elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         if init_method is None:
             raise RuntimeError("init_distributed: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
@@ -101,7 +99,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=watchdog.backend_timeout(watchdog.timeout_s()))
+                            store=store, timeout=watchdog.backend_timeout(watchdog.timeout_s()))
     watchdog.ensure(recorder)
 
 

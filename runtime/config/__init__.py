@@ -14,12 +14,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from ..strict import ConfigError, disabled, load_file, parse_dataclass, refused, supported
+from ..strict import ConfigError, check_depth, disabled, load_file, parse_dataclass, refused, supported
 from .checkpoint import CheckpointConfig
 from .checks import positive
 from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
 from .compression import CompressionConfig
 from .compute import ActivationCheckpointingConfig, CompileConfig
+from .numbers import check_optimizer_params, check_scheduler_params
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
                       WandbConfig)
 from .parallel import ElasticityConfig, PipelineConfig, TensorParallelConfig
@@ -39,11 +40,17 @@ class OptimizerConfig:
     params: Dict[str, Any] = supported(factory=dict, note="the optimizer's constructor arguments, checked by name")
     legacy_fusion: Any = refused("the legacy fused fp16 optimizer is not supported; remove it", False)
 
+    def validate(self, path: str) -> None:
+        check_optimizer_params(path or "optimizer", self.type, self.params)
+
 
 @dataclass
 class SchedulerConfig:
     type: str = supported(note="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest")
     params: Dict[str, Any] = supported(factory=dict, note="the schedule's arguments, checked by name")
+
+    def validate(self, path: str) -> None:
+        check_scheduler_params(path or "scheduler", self.params)
 
 
 @dataclass
@@ -88,7 +95,7 @@ class DeepSpeedConfig:
                                                     "true form")
     # -- logging and monitoring ----------------------------------------------------------
     steps_per_print: float = supported(10, "rank 0 prints a progress line every this many steps (a whole "
-                                           "number, or Infinity for never: Accelerate writes that)")
+                                           "number, or Infinity for never: Accelerate writes that)", infinite=True)
     wall_clock_breakdown: bool = supported(False, "forward/backward/step times in the progress line and monitors")
     memory_breakdown: bool = supported(False, "rank 0 prints memory in use after forward, backward and step")
     dump_state: bool = supported(False, "rank 0 prints the resolved config and engine state after initialize")
@@ -251,6 +258,7 @@ class DeepSpeedConfig:
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any], source: str = "config") -> "DeepSpeedConfig":
+        check_depth(data, source)  # a script's dict too: the parse below recurses
         try:
             return parse_dataclass(cls, data)
         except ConfigError as exc:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from ..strict import ConfigError, refused, supported
-from .checks import positive
+from .checks import positive, within
 
 # DeepSpeed's spellings (its DtypeEnum) of the dtypes a gradient may be accumulated in.
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "float": "float32", "torch.float32": "float32",
@@ -21,6 +21,10 @@ def dtype_named(path: str, value: str, names=DTYPE_NAMES):
     if key not in names:
         raise ConfigError(f"{path}: unknown dtype {value!r}; use one of {', '.join(sorted(set(names)))}")
     return getattr(torch, names[key])
+
+
+FP32_MIN_POWER, FP32_MAX_POWER = -126, 127  # 2**power is a normal fp32 number
+FP32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -41,6 +45,11 @@ class FP16Config:
         positive(path, "loss_scale_window", self.loss_scale_window)
         positive(path, "hysteresis", self.hysteresis)
         positive(path, "min_loss_scale", self.min_loss_scale)
+        # a scale multiplies an fp32 loss: beyond fp32's range every step would overflow
+        # (and 2.0 ** a large power is an OverflowError)
+        within(path, "initial_scale_power", self.initial_scale_power, FP32_MIN_POWER, FP32_MAX_POWER)
+        within(path, "loss_scale", self.loss_scale, 0, FP32_MAX)
+        within(path, "min_loss_scale", self.min_loss_scale, 0, FP32_MAX)
 
 
 @dataclass

@@ -27,6 +27,25 @@ def optimizer_kernel(optimizer, strategy) -> str:
     return f"{where} {cls.__name__}"
 
 
+_ADAM_TYPES = ("adam", "adamw", "cpuadam", "deepspeedcpuadam", "fusedadam")
+
+
+def optimizer_label(optimizer, config) -> str:
+    """The optimizer as the config asked for it, then what implements it and, for the Adam
+    family, which weight decay: `AdamW (CPUAdam, adam_w_mode)`. The class alone would say
+    CPUAdam for a config that asked for AdamW, and not whether the decay is AdamW's."""
+    cls = type(optimizer).__name__
+    asked = config.optimizer.type if getattr(config, "optimizer", None) is not None else None
+    if asked is None:
+        return cls  # the script's own optimizer
+    detail = [cls] if cls.lower() != asked.lower() else []
+    groups = getattr(optimizer, "param_groups", None) or [{}]
+    decoupled = groups[0].get("decoupled_weight_decay")
+    if asked.lower() in _ADAM_TYPES and decoupled is not None:
+        detail.append("adam_w_mode" if decoupled else "adam_w_mode false: L2 weight decay")
+    return f"{asked} ({', '.join(detail)})" if detail else asked
+
+
 def startup_line(engine) -> str:
     c, b = engine.config, engine.batch
     z = c.zero
@@ -37,7 +56,8 @@ def startup_line(engine) -> str:
         dtype += f" (torch.autocast {c.torch_autocast.dtype})"
     offload = f"offload optimizer {z.offload_optimizer_device}, params {z.offload_param_device}"
     sizes = parallel_sizes(engine)
-    opt = (f"optimizer {type(engine.optimizer).__name__} stepped by {optimizer_kernel(engine.optimizer, engine.strategy)}"
+    opt = (f"optimizer {optimizer_label(engine.optimizer, c)} stepped by "
+           f"{optimizer_kernel(engine.optimizer, engine.strategy)}"
            if engine.optimizer is not None else "no optimizer (forward only)")
     experts = _expert_size(engine)
     data = f"data {sizes['data']}" + (f" (expert {experts} x expert-data {sizes['data'] // experts})"

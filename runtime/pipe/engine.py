@@ -119,6 +119,12 @@ class PipelineEngine(DeepSpeedEngine):
             self.training_dataloader = loader
             self.data_iterator = RepeatingLoader(loader)
 
+    def _restart_data_iterator(self) -> None:
+        """After a checkpoint moved the engine's loader (resize/driver.py resume): read on from
+        its new position; an iterator the script set is the script's."""
+        if isinstance(self.data_iterator, RepeatingLoader) and self.data_iterator.loader is self.training_dataloader:
+            self.data_iterator = RepeatingLoader(self.training_dataloader)
+
     def set_batch_fn(self, fn) -> None:
         self.batch_fn = fn
 
@@ -138,9 +144,16 @@ class PipelineEngine(DeepSpeedEngine):
     def step(self, *args, **kwargs):
         raise PipelineError("pipeline: engine.step() is not available in pipeline mode; use engine.train_batch()")
 
+    def no_sync(self):
+        # DeepSpeed's pipeline accepts the block and reduces anyway: train_batch reduces and steps
+        raise PipelineError("pipeline: no_sync() is not available in pipeline mode: train_batch() reduces the "
+                            "gradients of its micro-batches and steps every call")
+
     # -- batches ---------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
         """Run one global batch and step; returns the mean loss (same on every rank)."""
+        if self._resize is not None:
+            self._resize.check_stop()
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch: gradients are disabled (torch.no_grad); use eval_batch() instead")
         if data_iter is not None:
@@ -156,6 +169,8 @@ class PipelineEngine(DeepSpeedEngine):
         self.step_timings["total"] = time.perf_counter() - start
         self._meter.add_loss(float(self.agg_train_loss))
         self._report_step()  # the log line and monitors, once the batch's loss is known
+        if self._resize is not None:
+            self._resize.after_step()
         return self.agg_train_loss
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True, reduce_output="avg",
@@ -165,6 +180,8 @@ class PipelineEngine(DeepSpeedEngine):
         rank when bcast_loss), and the last micro-batch's outputs too with return_logits."""
         if reduce_output not in (None, "avg"):
             raise PipelineError(f"eval_batch: reduce_output={reduce_output!r}; use \"avg\" or None")
+        if self._resize is not None:
+            self._resize.check_stop()
         self.module.eval()
         self._compute_loss = compute_loss
         self.eval_return_logits = return_logits
