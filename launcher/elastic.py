@@ -5,11 +5,11 @@ MIN:MAX`) runs on between N and `--max_nodes` hosts of the hostfile. A host that
 (its agent's connection dropped, its heartbeat stopped, its agent could not start) or
 drained (`dslaunch drain HOST`, SIGTERM to its agent) ends the attempt; the head re-plans
 the ranks on the hosts left and starts the script again, which resumes from the last
-complete checkpoint at the new size (runtime/resize/). A host that answers again joins at
+complete checkpoint at the new size (runtime/train/resize/). A host that answers again joins at
 the next checkpoint, up to --max_nodes. elastic_head.py drives this; everything here is
 arithmetic on names and numbers, so the unit tests cover it without processes.
 
-The worker contract (the runtime reads the same names, runtime/resize/contract.py):
+The worker contract (the runtime reads the same names, runtime/train/resize/contract.py):
     DSLAUNCH_SAVE_DIR, DSLAUNCH_SAVE_EVERY   --checkpoint_dir, --checkpoint_every
     DSLAUNCH_BASE_WORLD_SIZE                 the world size the global batch is configured for
                                              (the job at --max_nodes hosts)

@@ -63,7 +63,7 @@ from dslaunch.launcher.output import STDERR, STDOUT, OutputLine
 # grandchildren by it. Unique per attempt so two jobs on one host never touch each other.
 GROUP_MARKER_VAR = "DSLAUNCH_GROUP_ID"
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is emitted in pieces rather than buffered forever
-# runtime/comm/shutdown.ORIGIN_FD_VAR: the fd a worker's runtime writes to when it raises
+# runtime/core/comm/shutdown.ORIGIN_FD_VAR: the fd a worker's runtime writes to when it raises
 ORIGIN_FD_VAR = "DSLAUNCH_ORIGIN_FD"
 # How long a worker that raised may take to exit (the runtime's own shutdown after an
 # uncaught exception is bounded at 10 s) before the group is torn down anyway.

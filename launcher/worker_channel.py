@@ -2,7 +2,7 @@
 
 The agent binds an abstract Unix datagram socket (no file; private to the host's network
 namespace, which its workers share) and gives its name to every worker as
-$DSLAUNCH_AGENT_SOCKET ("@name"). The runtime (runtime/resize/link.py) says hello once with
+$DSLAUNCH_AGENT_SOCKET ("@name"). The runtime (runtime/train/resize/link.py) says hello once with
 what it knows about the batch at every world size, then reports each optimizer step and the
 step of its newest checkpoint; the agent passes a request from the head (drain, grow) to every
 worker that said hello, and to each one that says hello later.

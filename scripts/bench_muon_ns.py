@@ -4,7 +4,7 @@
 
 The matrices are GPT-lite's (scripts/bench_gptlite.py: per layer n_head x 3 head projections,
 the output projection and the two MLP weights), orthogonalised as the Muon optimizer does it
-(dslaunch.runtime.muon.newton_schulz.orthogonalize): "batched" passes them all in one call,
+(dslaunch.runtime.core.muon.newton_schulz.orthogonalize): "batched" passes them all in one call,
 which stacks same-shaped matrices into one B x n x m iteration; "looped" calls it once per
 matrix, the way a per-parameter loop runs. Both give the same matrices (checked). Prints the
 median seconds of each over --repeats calls (after 3 warm-up calls) and their ratio, for
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from dslaunch.runtime.muon import newton_schulz as ns
+from dslaunch.runtime.core.muon import newton_schulz as ns
 
 
 def shapes(n_embd: int, n_layer: int, n_head: int):

@@ -60,7 +60,7 @@ class RankRun:
 
 
 def free_port() -> int:
-    # every address, as the rank-0 TCPStore listens (see runtime/comm/backend.py _free_port)
+    # every address, as the rank-0 TCPStore listens (see runtime/core/comm/backend.py _free_port)
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -198,7 +198,7 @@ def teardown() -> None:
     """The orderly end of a rank (see the module docstring); idempotent."""
     import gc
 
-    runtime_shutdown = sys.modules.get("dslaunch.runtime.comm.shutdown")
+    runtime_shutdown = sys.modules.get("dslaunch.runtime.core.comm.shutdown")
     if runtime_shutdown is not None:
         runtime_shutdown.orderly_shutdown()
     if "torch.distributed" in sys.modules:

@@ -20,9 +20,9 @@ from dslaunch.launcher.elastic import ElasticSpec, Facts, choose_hosts, resolve_
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.dataloader import DistributedDataLoader, ResumableSampler
-from dslaunch.runtime.resize import batch as rbatch
-from dslaunch.runtime.resize import contract
-from dslaunch.runtime.resize.driver import next_save, stale_tags
+from dslaunch.runtime.train.resize import batch as rbatch
+from dslaunch.runtime.train.resize import contract
+from dslaunch.runtime.train.resize_driver import next_save, stale_tags
 from dslaunch.runtime.strict import ConfigError
 
 
@@ -381,7 +381,7 @@ def test_without_an_agent_only_saving_happens(tmp_path, monkeypatch):
 
 WORKER = r"""
 import os, sys, time
-from dslaunch.runtime.resize.link import AgentLink
+from dslaunch.runtime.train.resize.link import AgentLink
 link = AgentLink(os.environ["DSLAUNCH_AGENT_SOCKET"], int(os.environ["RANK"]))
 link.send({"hello": True, "facts": {"sizes": {"2": [1, 2]}}})
 link.send({"step": 3, "saved": 2})

@@ -32,7 +32,7 @@ PROBE = textwrap.dedent('''
                    deepspeed.DeepSpeedEngine is rt.DeepSpeedEngine,
                    deepspeed.runtime.zero is rt.zero and deepspeed.zero is rt.zero,
                    deepspeed.comm is rt.comm, deepspeed.initialize is rt.initialize,
-                   deepspeed.runtime.engine.__spec__.name == "dslaunch.runtime.engine",
+                   deepspeed.runtime.engine.__spec__.name == "dslaunch.runtime.train.engine",
                    deepspeed.zero.Init is rt.zero.Init,
                    deepspeed.zero.GatheredParameters is rt.zero.GatheredParameters]
     import deepspeed.sequence.layer

@@ -35,7 +35,7 @@ STANDARD_TOL = 1e-4  # "standard" Newton-Schulz runs in bf16 on a CPU: bf16 matm
 
 # -- pieces ----------------------------------------------------------------------------------------
 def test_tagging_follows_deepspeed_rule():
-    from dslaunch.runtime.muon.tagging import tag_parameters
+    from dslaunch.runtime.core.muon.tagging import tag_parameters
 
     class M(torch.nn.Module):
         def __init__(self):
@@ -57,7 +57,7 @@ def test_tagging_follows_deepspeed_rule():
 
 
 def test_group_settings_resolve_most_specific_last():
-    from dslaunch.runtime.muon.tagging import split_groups
+    from dslaunch.runtime.core.muon.tagging import split_groups
     from dslaunch.runtime.strict import ConfigError
 
     w, b, w2 = (torch.nn.Parameter(torch.zeros(s)) for s in ((3, 3), (3,), (2, 2)))
@@ -74,7 +74,7 @@ def test_group_settings_resolve_most_specific_last():
 
 
 def test_defaults_are_deepspeeds():
-    from dslaunch.runtime.muon.optimizer import MuonWithAuxAdam
+    from dslaunch.runtime.core.muon.optimizer import MuonWithAuxAdam
 
     w, b = torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(3))
     opt = MuonWithAuxAdam([{"params": [w], "use_muon": True}, {"params": [b], "use_muon": False}])
@@ -85,7 +85,7 @@ def test_defaults_are_deepspeeds():
 
 
 def test_batched_newton_schulz_equals_one_matrix_at_a_time():
-    from dslaunch.runtime.muon import newton_schulz as ns
+    from dslaunch.runtime.core.muon import newton_schulz as ns
 
     g = torch.Generator().manual_seed(0)
     shapes = [(12, 48), (12, 48), (48, 12), (12, 12), (2, 5, 7), (4, 2, 3, 3), (12, 48)]
@@ -103,7 +103,7 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time():
 
 
 def test_gram_iteration_is_the_standard_polynomial():
-    from dslaunch.runtime.muon import newton_schulz as ns
+    from dslaunch.runtime.core.muon import newton_schulz as ns
 
     X = torch.randn(3, 6, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     X = X / X.norm(dim=(-2, -1), keepdim=True)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Set, Tuple
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError
+from ..core.errors import CheckpointError
 from .layers import ParallelEmbedding, ParallelLinear, local_part
 
 _WRAPPER_KEYS = ("module", "model", "state_dict")
@@ -101,7 +101,7 @@ def _json_files(data: Dict[str, Any], where: str, root: str, confine: bool = Tru
 
 
 def _dir_files(path: str) -> List[str]:
-    from ..checkpoint.layout import read_latest  # the training loader's reading of `latest`
+    from ..train.checkpoint.layout import read_latest  # the training loader's reading of `latest`
 
     tag = read_latest(path)
     if tag is not None:

@@ -27,8 +27,8 @@ from typing import Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..strict import ConfigError
+from ..core import comm
+from ..core.strict import ConfigError
 from .partition import padded_size, param_shard
 
 
@@ -340,7 +340,7 @@ def _threshold_from(config) -> int:
     if config is None:
         return default
     if isinstance(config, (str, os.PathLike)):
-        from ..strict import load_file  # bounded, regular files only, one-line errors
+        from ..core.strict import load_file  # bounded, regular files only, one-line errors
 
         config = load_file(os.fspath(config))
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
