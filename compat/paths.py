@@ -152,6 +152,8 @@ PATHS: Dict[str, Entry] = {
     "zero.partition_parameters": Names("deepspeed.runtime.zero.partition_parameters: ZeRO-3's parameter names.",
                                        {"GatheredParameters": "zero.params", "Init": "zero.params",
                                         "ZeroParamStatus": "zero.params"}),
+    "zero.muon": "core.muon",  # deepspeed.runtime.zero.muon: DeepSpeed's Muon package
+    "zero.muon.muon_optimizer": "core.muon.optimizer",  # where DeepSpeed's MuonWithAuxAdam is imported from
     "zero.utils": Names("deepspeed.runtime.zero.utils: the class DeepSpeed raises its ZeRO refusals as.",
                         {"ZeRORuntimeException": "core.errors"}),
     "zero.stage_1_and_2": Names("DeepSpeed's ZeRO-1/2 optimizer wrapper, named for isinstance checks only.",

@@ -319,6 +319,9 @@ def main(argv=None):
     model = GPTlite(256, args.block, args.n_embd, args.n_head, args.n_layer)
     numels = [p.numel() for p in model.parameters()]
     n_params = sum(numels)
+    # the elements a Muon config steps with Muon (DeepSpeed's rule: 2-D and up, not an embedding or the head)
+    muon_numel = sum(p.numel() for n, p in model.named_parameters()
+                     if p.dim() >= 2 and "embed" not in n.lower() and "lm_head" not in n.lower())
     if args.impl in ("deepspeed", "dslaunch"):
         run = EngineRun(args.impl, model, args.deepspeed_config, device)
     elif args.impl == "floor":
@@ -379,7 +382,7 @@ def main(argv=None):
         step_seconds.append(msg["seconds"])
         if step == 0:
             msg["first_step_done_s"] = time.time() - spawned
-            msg["params"], msg["param_numels"] = n_params, numels
+            msg["params"], msg["param_numels"], msg["muon_numel"] = n_params, numels, muon_numel
         if report is not None:
             report.write(json.dumps(msg) + "\n")
         step += 1

@@ -9,7 +9,8 @@ from this interpreter. Both run scripts/bench_gptlite.py, the same DeepSpeed-sty
 (only its import differs), with the same JSON config, data, seed and OMP_NUM_THREADS
 (DeepSpeed's launcher leaves it unset and ours sets it, so it is set explicitly here).
 
-Per config (ZeRO stage 0-3 x fp32/bf16 x offload none/cpu, plus NVMe rows) every
+Per config (ZeRO stage 0-3 x fp32/bf16 x offload none/cpu, plus NVMe rows and Muon rows:
+`"optimizer": {"type": "Muon"}` at stages 0-3, names ending in -muon) every
 contender is started in turn (time to first step is taken with the others idle: DeepSpeed
 compiles its CPU ops on first use), then all are stepped round-robin, one step each, the
 order rotating every step, while the others wait on a pipe: load from the rest of the
@@ -25,7 +26,8 @@ Printed per config:
              floor): each engine's own cost above the compute every engine repeats with the
              same torch kernels (communication, clipping, the optimizer, stage 3's gathers);
   memory:    bytes per rank between steps (after the optimizer step, against ZeRO's formula
-             without gradients) and at forward's peak (end of forward, the saved activations
+             without gradients; Muon rows: 4 bytes of momentum per Muon element and Adam's 8 per
+             element of the rest, and the ratio to the same config's Adam row) and at forward's peak (end of forward, the saved activations
              included; with --cuda max_memory_allocated over the forward), ours and DeepSpeed;
              bytes per rank held after backward (live tensor storages, see bench_gptlite.py;
              with --cuda torch.cuda.memory_allocated), ours / DeepSpeed, and each over the
@@ -63,10 +65,12 @@ class Row:
     stage: int
     dtype: str  # fp32 | bf16
     offload: str = "none"  # none | cpu | nvme
+    optimizer: str = "adam"  # adam | muon
 
     @property
     def name(self) -> str:
-        return f"{self.stage}-{self.dtype}" + ("" if self.offload == "none" else f"-{self.offload}")
+        return f"{self.stage}-{self.dtype}" + ("" if self.offload == "none" else f"-{self.offload}") + \
+            ("" if self.optimizer == "adam" else f"-{self.optimizer}")
 
 
 def all_rows() -> List[Row]:
@@ -76,7 +80,15 @@ def all_rows() -> List[Row]:
         rows += [Row(s, dtype) for s in (1, 2, 3)]
         rows += [Row(s, dtype, "cpu") for s in (1, 2, 3)]
         rows += [Row(s, dtype, "nvme") for s in (2, 3)]
+    rows += [Row(s, "fp32", optimizer="muon") for s in (0, 1, 2, 3)]
+    rows += [Row(2, "bf16", optimizer="muon"), Row(2, "fp32", "cpu", "muon")]
     return rows
+
+
+# Muon's settings in the Muon rows: its own learning rate for the hidden matrices, Adam's
+# (the Adam rows' betas, eps and decay) for embeddings, norms, biases and the head
+MUON_PARAMS = {"muon_lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95, "betas": [0.8, 0.999], "eps": 1e-8,
+               "weight_decay": 3e-7}
 
 
 def ds_config(row: Row, args, nvme_dir: str) -> dict:
@@ -101,6 +113,10 @@ def ds_config(row: Row, args, nvme_dir: str) -> dict:
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.8, 0.999], "eps": 1e-8,
                                                     "weight_decay": 3e-7}},
            "zero_optimization": zero}
+    if row.optimizer == "muon":
+        cfg["optimizer"] = {"type": "Muon", "params": dict(MUON_PARAMS)}
+        if row.stage == 3:
+            zero["reduce_scatter"] = False  # DeepSpeed's stage 3 refuses Muon otherwise
     if row.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if args.grad_accum_dtype:
@@ -121,10 +137,12 @@ def accum_bytes(row: Row, side: str, explicit: Optional[str]) -> int:
     return model
 
 
-def formula_bytes(row: Row, P: int, N: int, grad_bytes: int, device_only: bool = False, whole: int = 0) -> float:
+def formula_bytes(row: Row, P: int, N: int, grad_bytes: int, device_only: bool = False, whole: int = 0,
+                  muon: int = 0) -> float:
     """ZeRO's bytes per rank for Adam: parameters b, gradients g (full for stages 0-1, a 1/N
     partition for 2-3), fp32 masters 4 (none extra in fp32: the parameters are the masters)
-    and Adam's two moments 8; stage 1 partitions masters and moments, stage 2 also the
+    and Adam's two moments 8 (Muon rows: 4, the momentum, for each of the `muon` elements
+    Muon steps, 8 for the rest); stage 1 partitions masters and moments, stage 2 also the
     gradients, stage 3 also the parameters. NVMe rows leave out what rests in files (the
     moments; stage 3 also the 16/32-bit parameter shards). With device_only (--cuda),
     offloaded masters, moments and gradient partitions leave out too. Stage 3 keeps `whole`
@@ -132,7 +150,7 @@ def formula_bytes(row: Row, P: int, N: int, grad_bytes: int, device_only: bool =
     elements, DeepSpeed's default 100000, on both sides)."""
     b = 4 if row.dtype == "fp32" else 2
     master = 0 if b == 4 else 4
-    opt = master + 8
+    opt = master + (8 if row.optimizer == "adam" else (4 * muon + 8 * (P - muon)) / P)
     on_host = row.offload in ("cpu", "nvme")
     if row.offload == "nvme":
         opt -= 8
@@ -458,12 +476,13 @@ def main(argv=None) -> int:
         ds = Contender("deepspeed", "deepspeed", args.deepspeed_python, ours.cfg_path) if have_ds else None
         if ds:
             group.append(ds)
-        st0 = Contender("dslaunch stage 0", "dslaunch", sys.executable, cfg_file(Row(0, row.dtype), "st0")) \
+        st0_row = Row(0, row.dtype, optimizer=row.optimizer)
+        st0 = Contender("dslaunch stage 0", "dslaunch", sys.executable, cfg_file(st0_row, "st0")) \
             if row.stage > 0 and not args.lean else None
         if st0:
             group.append(st0)
         ref = None
-        if args.lean:
+        if args.lean or row.optimizer != "adam":  # the torch references step AdamW
             pass
         elif row.stage == 0 and row.dtype == "fp32":
             ref = Contender("torch DDP", "ddp", sys.executable, ours.cfg_path)
@@ -528,6 +547,7 @@ def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
     P = ours.steps[0]["params"] if ours.steps else None
     threshold = 100_000 if args.persistence is None else args.persistence
     whole = sum(n for n in ours.steps[0]["param_numels"] if n <= threshold) if P and row.stage == 3 else 0
+    muon = ours.steps[0].get("muon_numel", 0) if P and row.optimizer == "muon" else 0
     g_ours = accum_bytes(row, "dslaunch", args.grad_accum_dtype)
     g_ds = accum_bytes(row, "deepspeed", args.grad_accum_dtype)
     bucket = min(args.bucket or 500_000_000, P) * (4 if row.dtype == "fp32" else 2) if P else None
@@ -550,9 +570,10 @@ def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
         "ours_forward": mem_of(ours, cuda, "forward"), "ds_forward": mem_of(ds, cuda, "forward"),
         "floor_forward": mem_of(floor, cuda, "forward"),
         # between steps no gradient is part of ZeRO's bytes (both sides free them at the step)
-        "between_formula_bytes": formula_bytes(row, P, N, 0, cuda, whole) if P else None,
-        "formula_bytes": formula_bytes(row, P, N, g_ours, cuda, whole) if P else None, "grad_bytes": g_ours,
-        "ds_formula_bytes": formula_bytes(row, P, N, g_ds, cuda, whole) if P else None, "bucket_bytes": bucket,
+        "between_formula_bytes": formula_bytes(row, P, N, 0, cuda, whole, muon) if P else None,
+        "formula_bytes": formula_bytes(row, P, N, g_ours, cuda, whole, muon) if P else None, "grad_bytes": g_ours,
+        "ds_formula_bytes": formula_bytes(row, P, N, g_ds, cuda, whole, muon) if P else None, "bucket_bytes": bucket,
+        "optimizer": row.optimizer, "muon_params": muon,
         "whole_params": whole,
         "ours_comm_segment_bytes": next((m["comm_segment_bytes"] for m in ours.steps if "comm_segment_bytes" in m),
                                         None) if not ours.failed else None,
@@ -613,6 +634,7 @@ def summary(results, args, have_ds) -> List[dict]:
               f"{fmt(r['dloss_ds'], '.1e'):>10} {fmt(r['dloss_ddp'], '.1e'):>11}")
     print(f"peak = {'torch.cuda.max_memory_allocated over the run' if args.cuda else 'growth of the resident set (ru_maxrss) over the run, everything included'}; "
           f"|dloss| = max over steps of |rank-0 loss difference| (DDP: fp32 rows, torch.optim.AdamW)")
+    muon_table(recs)
     seg = max((r["ours_comm_segment_bytes"] or 0 for r in recs), default=0)
     if seg:
         print(f"not counted above: dslaunch's shared-memory segment for same-host collectives, {mib(seg)} MiB per "
@@ -623,6 +645,31 @@ def summary(results, args, have_ds) -> List[dict]:
                   f"threshold each; see --persistence); f counts them whole")
             break
     return recs
+
+def muon_table(recs) -> None:
+    """Muon rows beside the same config's Adam row (when both ran): between-steps bytes,
+    optimizer state by the formula, and step time."""
+    adam = {r["config"]: r for r in recs if r["optimizer"] == "adam"}
+    muon = [r for r in recs if r["optimizer"] == "muon"]
+    if not muon:
+        return
+    mib = lambda x: fmt(x * MB if x else None, ".2f")  # noqa: E731
+    print()
+    print("Muon rows: optimizer state by the formula = 4 bytes x Muon elements + 8 x the rest (Adam: 8 x all), "
+          "per rank after ZeRO's 1/N; between = measured bytes per rank between steps; Adam = the same config's "
+          "Adam row")
+    print(f"{'config':16} {'Muon elems':>10} {'of P':>6} {'state/Adam':>10} {'between ours':>12} {'DS':>8} "
+          f"{'Adam ours':>9} {'ours/Adam':>9} {'s/step ours':>11} {'DS':>7} {'ours/DS':>7}")
+    for r in muon:
+        base = adam.get(r["config"][:-len("-muon")])
+        P, Pm = r["params"], r["muon_params"]
+        state = (4 * Pm + 8 * (P - Pm)) / (8 * P) if P else None
+        print(f"{r['config']:16} {Pm or 0:>10} {fmt(Pm / P if P else None, '.2f'):>6} {fmt(state, '.3f'):>10} "
+              f"{mib(r['ours_between']):>12} {mib(r['ds_between']):>8} "
+              f"{mib(base['ours_between'] if base else None):>9} "
+              f"{ratio(r['ours_between'], base['ours_between'] if base else None):>9} {fmt(r['ours_s']):>11} "
+              f"{fmt(r['ds_s']):>7} {ratio(r['ours_s'], r['ds_s']):>7}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -41,6 +41,28 @@ def test_bench_vs_deepspeed_without_deepspeed(tmp_path):
     assert f"worker logs in {tmp_path / 'work'}" in proc.stdout  # nothing left in /tmp
 
 
+def test_muon_rows_hold_the_momentum_and_adams_moments(tmp_path):
+    """A Muon row beside its Adam row: between steps it holds what the formula says (4 bytes of
+    momentum per Muon element, Adam's 8 for the rest), less than the Adam row by the difference."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--deepspeed-python", sys.executable, "--only", "2-fp32,2-fp32-muon",
+         "--steps", "3", "--warmup", "1", "--micro", "2", "--block", "16", "--n-embd", "32", "--n-layer", "2",
+         "--n-head", "2", "--lean", "--json", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    adam, muon = rows["2-fp32"], rows["2-fp32-muon"]
+    assert muon["ours_failed"] is None and 0 < muon["muon_params"] < muon["params"]
+    for row in (adam, muon):
+        assert row["between_formula_bytes"] * 0.95 <= row["ours_between"] <= \
+            row["between_formula_bytes"] + row["bucket_bytes"], row
+    # the Adam row holds 4 bytes more per Muon element, 1/N of them per rank
+    saved = adam["between_formula_bytes"] - muon["between_formula_bytes"]
+    assert saved == 4 * muon["muon_params"] / 2
+    assert "Muon rows: optimizer state by the formula" in proc.stdout
+
+
 def test_cuda_mode_without_a_gpu_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--cuda"], capture_output=True, text=True, timeout=300)
     if proc.returncode == 0:  # pragma: no cover - never reached: no arguments leave it at the probe

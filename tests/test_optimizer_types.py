@@ -63,7 +63,7 @@ def test_adam_modes_and_deepspeed_defaults():
     ("ZeroOneAdam", {}, OFFLOAD, "use Adam"),
     ("OneBitLamb", {}, CPU, "use Lamb"),
     ("MuAdamW", {}, CPU, "mup"),
-    ("Muon", {}, CPU, "initialize(optimizer=...)"),
+    ("Muon", {}, CPU, "Muon needs every parameter tagged with use_muon"),  # untagged: not through initialize
     ("LBFGS", {}, CPU, "closure"),
     ("Adamm", {}, CPU, "did you mean"),
     ("Adam", {"lrr": 0.1}, CPU, "optimizer.params.lrr: not a parameter of Adam"),

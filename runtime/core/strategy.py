@@ -142,6 +142,7 @@ class StrategyContext:
     group: Optional[Any] = None  # the data-parallel process group (None only when world_size is 1)
     norm_exclude: FrozenSet[int] = frozenset()  # id(param)s left out of global_grad_norm
     mesh: Optional[Any] = None  # the engine's ProcessMesh (or MpuMesh): where non-data axes come from
+    loss_scale: Callable[[], float] = lambda: 1.0  # the engine's current fp16 loss scale (Muon unscales with it)
     axes: List[ReduceAxis] = field(init=False)  # one per optimizer param group (see the module docstring)
 
     def __post_init__(self):

@@ -40,6 +40,7 @@ from .autotuning import TrialProbe
 from .monitor import StepMeter, build_monitor
 from .monitor import report
 from .monitor.sink import TRAIN_LOSS
+from ..core.muon.sharded import check_in_memory_flag
 from ..core.nonfinite import NonFiniteGuard
 from .progress import ProgressLog
 from .resize import batch as resize_batch
@@ -155,6 +156,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = model
         self._compression = self._compression_schedule(model)
 
+        if optimizer is None and self.config.optimizer is not None and self.config.optimizer.type.lower() == "muon":
+            from ..core.muon.tagging import tag_parameters
+
+            tag_parameters(model)  # as DeepSpeed's initialize: which parameters Muon steps, by shape and name
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
         if self.optimizer is not None:
             check_optimizer(self.optimizer, self.config)
@@ -166,6 +171,7 @@ class DeepSpeedEngine(torch.nn.Module):
             # wrap, so the optimizer that steps is its own .optimizer (unless it has one already).
             if not hasattr(self.optimizer, "optimizer"):
                 self.optimizer.optimizer = self.optimizer
+        check_in_memory_flag(self.config, self.optimizer)
         if self.seq_parallel_size > 1 and self.optimizer is not None and any(
                 g.get("moe", False) for g in self.optimizer.param_groups):
             raise ConfigError(f"sequence_parallel_size {self.seq_parallel_size} with \"moe\" param groups (expert "
@@ -173,7 +179,7 @@ class DeepSpeedEngine(torch.nn.Module):
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self._grad_rank, world_size=self._grad_world,
                               group=self.seq_data_parallel_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
-                              mesh=self.mesh)
+                              mesh=self.mesh, loss_scale=self.loss_scale)
         self.strategy = strategy_for_stage(self.config.zero_optimization.stage)(ctx)
         self.strategy.wrap_module()
         self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None

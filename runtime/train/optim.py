@@ -13,8 +13,11 @@ picks the implementation, as DeepSpeed does:
   FusedAdam, FusedLion, FusedLamb: that implementation by name, with DeepSpeed's arguments
   SGD, RMSprop, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor: torch.optim's
 
+Muon (DeepSpeed's MuonWithAuxAdam: Muon on hidden 2-D weights, Adam(W) on the rest; see
+dslaunch.runtime.core.muon) takes its Adam half from the same table as Adam.
+
 Refused with the reason: the 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb), the
-muP ones (MuAdam, MuAdamW, MuSGD), DeepSpeed's Muon, LBFGS and SparseAdam. So the object
+muP ones (MuAdam, MuAdamW, MuSGD), LBFGS and SparseAdam. So the object
 `initialize` returns says what steps the parameters (CPUAdam, FusedAdam, AdamW, ...), and
 `dslaunch.kernels.describe(optimizer)` says which kernel does it. Parameter names are
 checked against each builder's signature: a misspelt "lr" is an error, not a default.
@@ -117,6 +120,33 @@ def _fused_adam(params, target, lr: float = 1e-3, bias_correction: bool = True, 
     return FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad, set_grad_none)
 
 
+def _muon(params, target, lr: float = None, muon_lr: float = None, adam_lr: float = None, momentum: float = None,
+          weight_decay: float = None, ns_method: str = None, betas=None, eps: float = None, adam_w_mode: bool = True,
+          torch_adam: bool = False, fp32_optimizer_states: bool = True, per_head_muon: bool = False):
+    """DeepSpeed's Muon: parameters tagged use_muon (initialize tags the model's, tagging.py)
+    split into a Muon half and an Adam half; a key left out takes that half's DeepSpeed default."""
+    from ..core.muon.newton_schulz import NS_METHODS
+    from ..core.muon.optimizer import ADAM_DEFAULTS, MuonWithAuxAdam
+    from ..core.muon.tagging import split_groups
+
+    if per_head_muon:
+        raise ConfigError("optimizer.params.per_head_muon: per-head Newton-Schulz (each attention head's block "
+                          "orthogonalised apart) is not implemented here; remove it to orthogonalise whole matrices")
+    if ns_method is not None and ns_method not in NS_METHODS:
+        raise ConfigError(f"optimizer.params.ns_method: {ns_method!r} is not one of {', '.join(NS_METHODS)}")
+    _only_fp32_states(fp32_optimizer_states)
+    given = dict(lr=lr, muon_lr=muon_lr, adam_lr=adam_lr, momentum=momentum, weight_decay=weight_decay,
+                 ns_method=ns_method, betas=tuple(betas) if betas is not None else None, eps=eps)
+    groups = split_groups(params, {k: v for k, v in given.items() if v is not None})
+
+    def adam(adam_groups):
+        return _adam_impl(adam_groups, target, adam_w_mode, torch_adam, lr=ADAM_DEFAULTS["lr"],
+                          betas=ADAM_DEFAULTS["betas"], eps=ADAM_DEFAULTS["eps"],
+                          weight_decay=ADAM_DEFAULTS["weight_decay"], bias_correction=True, amsgrad=False)
+
+    return MuonWithAuxAdam(groups, adam, adam_w_mode=adam_w_mode)
+
+
 def _refuse_cuda_without_offload(name: str, target: OptimizerTarget) -> None:
     if target.cuda and not target.offload:
         raise ConfigError(f"optimizer.type: {name} steps fp32 CPU tensors, but the parameters stay on the GPU; set "
@@ -203,6 +233,7 @@ OPTIMIZERS: Dict[str, Callable] = {
     "lion": _lion, "cpulion": _cpu_lion, "deepspeedcpulion": _cpu_lion, "fusedlion": _fused_lion,
     "adagrad": _adagrad, "cpuadagrad": _cpu_adagrad, "deepspeedcpuadagrad": _cpu_adagrad,
     "lamb": _lamb, "fusedlamb": _fused_lamb,
+    "muon": _muon,
     **{name.lower(): _torch(getattr(torch.optim, name))
        for name in ("SGD", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor")
        if hasattr(torch.optim, name)},
@@ -219,13 +250,11 @@ REFUSED: Dict[str, str] = {
     "onebitlamb": _ONE_BIT.format("Lamb"),
     **{name: "muP optimizers need the mup package's re-parametrised model; build one with mup and pass it as "
              "initialize(optimizer=...)" for name in ("muadam", "muadamw", "musgd")},
-    "muon": "DeepSpeed's Muon (Muon on hidden 2-D weights plus Adam on the rest) is not implemented here; pass "
-            "your optimizer as initialize(optimizer=...)",
     "lbfgs": "LBFGS re-evaluates the loss through a closure on every step, which engine.step() does not take",
     "sparseadam": "SparseAdam needs sparse gradients, which the engine's gradient reduction does not produce",
 }
 
-KNOWN = "Adam, AdamW, Lion, Adagrad, Lamb, CPUAdam, FusedAdam, SGD, RMSprop, ... (see docs/optimizers.md)"
+KNOWN = "Adam, AdamW, Lion, Adagrad, Lamb, Muon, CPUAdam, FusedAdam, SGD, RMSprop, ... (see docs/optimizers.md)"
 
 
 def build_optimizer(opt_cfg, params, target: OptimizerTarget = OptimizerTarget()) -> torch.optim.Optimizer:

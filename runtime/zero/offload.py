@@ -7,7 +7,9 @@
    optimizer's own step() does (warned once, with the reason).
 `NVMeHost`: offload_optimizer.device == "nvme": optimizer state tensors live in files
    under nvme_path between steps; a background thread reads group i+1's state while
-   group i is updated, and another writes group i back while i+1 is updated.
+   group i is updated, and another writes group i back while i+1 is updated. State keys
+   named `resident` (Muon's momentum under save_muon_momentum_buffer_in_memory) stay in
+   host memory instead: never written to or read from the files.
 """
 from __future__ import annotations
 
@@ -116,8 +118,10 @@ class NVMeHost(OptimizerHost):
     updated, so at most three chunks of state are in memory. Other optimizers swap whole
     param groups the same way and step them with the user's optimizer."""
 
-    def __init__(self, optimizer, masters, nvme_path: str, sub_group_size: int = 1_000_000_000):
+    def __init__(self, optimizer, masters, nvme_path: str, sub_group_size: int = 1_000_000_000, resident=()):
         super().__init__(optimizer, masters)
+        self.resident_keys = frozenset(resident)
+        self.resident: Dict[int, Dict[str, Any]] = {}  # unit -> its resident state tensors
         self.kernel = _fused_cpu_step(optimizer)
         chunk = max(1, int(sub_group_size)) if self.kernel is not None else None
         self.units = [(gi, a, min(a + chunk, m.numel()) if chunk else m.numel())
@@ -144,9 +148,13 @@ class NVMeHost(OptimizerHost):
             return {}
         state = torch.load(self._path(ui), map_location="cpu", weights_only=True)
         self.bytes_read += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        state.update(self.resident.get(ui, {}))
         return state
 
     def _write(self, ui: int, state: Dict[str, Any]) -> None:
+        if self.resident_keys:
+            self.resident[ui] = {k: v for k, v in state.items() if k in self.resident_keys}
+            state = {k: v for k, v in state.items() if k not in self.resident_keys}
         tmp = self._path(ui) + ".tmp"
         torch.save(state, tmp)
         os.replace(tmp, self._path(ui))
@@ -248,10 +256,10 @@ def pin_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return t
 
 
-def make_host(optimizer, masters, offload, sub_group_size: int = 1_000_000_000) -> OptimizerHost:
+def make_host(optimizer, masters, offload, sub_group_size: int = 1_000_000_000, resident=()) -> OptimizerHost:
     device = getattr(offload, "device", "none") if offload is not None else "none"
     if device == "cpu":
         return CPUHost(optimizer, masters)
     if device == "nvme":
-        return NVMeHost(optimizer, masters, offload.nvme_path, sub_group_size)
+        return NVMeHost(optimizer, masters, offload.nvme_path, sub_group_size, resident)
     return OptimizerHost(optimizer, masters)

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..core.muon.sharded import ShardedMuon, resident_keys, flat_layout_updates
 from ..core.reduction import GradReduction, plan_buckets
 from ..core.strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
 from ..core import comm
@@ -114,7 +115,10 @@ class _PartitionedStage(ShardedStrategy):
         optimizer.state.clear()
         # Where the update runs: in place on the masters, on the CPU with the fused
         # kernel, or with state swapped to NVMe files.
-        self.host: OptimizerHost = make_host(optimizer, [g.master for g in self.groups], offload, sub_group_size)
+        self.host: OptimizerHost = make_host(optimizer, [g.master for g in self.groups], offload, sub_group_size,
+                                             resident_keys(ctx.config))
+        # Muon: whole-matrix updates from the partitions, before the norm (muon/sharded.py)
+        self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale) if ShardedMuon.applies(optimizer) else None
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
@@ -265,6 +269,16 @@ class _PartitionedStage(ShardedStrategy):
             if g.grad is not None:
                 self._reductions[g.axis.name].finish_(g.grad)
         self._reduced = self.stage == 2
+        if self.muon is not None:
+            self._muon_updates()
+
+    def _muon_updates(self) -> None:
+        """Each Muon group's gradient partition becomes its orthogonalised update."""
+        for gi in self.muon.groups():
+            g = self.groups[gi]
+            if g.params:
+                flat_layout_updates(self.muon, gi, self._grad_partition(g), g.master, g.layout, g.pieces, g.axis,
+                                    self.ctx.communicates(g.axis))
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.groups[0].master.device if self.groups else "cpu")
@@ -306,6 +320,8 @@ class _PartitionedStage(ShardedStrategy):
                     g.grad.mul_(factor)
 
     def optimizer_step(self) -> None:
+        if self.muon is not None:
+            self.muon.commit()  # the step is taken: this step's momentum stands
         for g in self.groups:
             # a 16-bit partition (grad_accum_dtype) is widened for the step only
             g.master.grad = (g.grad if g.grad.dtype == g.master.dtype else g.grad.to(g.master.dtype)) \
@@ -331,6 +347,8 @@ class _PartitionedStage(ShardedStrategy):
 
     def zero_grad(self) -> None:
         # nothing of the gradients is held between steps: the next reduce allocates the partition again
+        if self.muon is not None:
+            self.muon.discard()  # a skipped step's momentum (a taken step's was committed)
         for g in self.groups:
             for p in g.params:
                 p.grad = None

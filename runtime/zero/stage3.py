@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..core.internals import internal_optimizer
+from ..core.muon.sharded import ShardedMuon, resident_keys, chunked_updates
 from ..core.reduction import GradReduction
 from ..core.strict import ConfigError
 from ..core.strategy import StrategyContext, check_numel, register_strategy, state_tensor
@@ -206,7 +207,9 @@ class ZeroStage3(ShardedStrategy):
             self.swapper.attach(p._zero for p in module.parameters()
                                 if not p._zero.persistent and p._zero.packed is None)
         self.host: Optional[OptimizerHost] = None if optimizer is None else \
-            make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
+            make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size, resident_keys(ctx.config))
+        # Muon: whole-matrix updates from the chunks, before the norm as in DeepSpeed (muon/sharded.py)
+        self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale) if ShardedMuon.applies(optimizer) else None
         self._hooks = []
         self._trace: List[torch.nn.Module] = []
         self._recording = True
@@ -460,6 +463,14 @@ class ZeroStage3(ShardedStrategy):
         for g in self.groups:
             if g["grad"] is not None:
                 self.reduction.finish_(g["grad"])
+        if self.muon is not None:
+            for gi in self.muon.groups():
+                g = self.groups[gi]
+                if g["params"]:
+                    layout = [(p._zero.name, tuple(p._zero.shape), p._zero.numel, p._zero.master_offset,
+                               p._zero.chunk) for p in g["params"]]
+                    chunked_updates(self.muon, gi, self._grad(gi), g["master"], layout, self.world, self.rank,
+                                    self.group, self.ctx.distributed)
 
     def global_grad_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float32)
@@ -485,6 +496,8 @@ class ZeroStage3(ShardedStrategy):
 
     def optimizer_step(self) -> None:
         self._prefetch.drop_all()  # no gather may still be reading a shard the step rewrites
+        if self.muon is not None:
+            self.muon.commit()  # the step is taken: this step's momentum stands
         for gi, g in enumerate(self.groups):
             # a 16-bit partition (grad_accum_dtype) is widened for the step only
             grad = self._grad(gi)
@@ -524,6 +537,8 @@ class ZeroStage3(ShardedStrategy):
 
     def zero_grad(self) -> None:
         # no gradient is held between steps: the next reduce-scatter allocates the chunks again
+        if self.muon is not None:
+            self.muon.discard()
         for g in self.groups:
             g["grad"] = None
             for p in g["params"]:

@@ -36,9 +36,10 @@ REMOVED = "{what} is not supported (DeepSpeed removed it too); remove it"
 
 @dataclass
 class OptimizerConfig:
-    type: str = supported(note="Adam (AdamW unless adam_w_mode false), AdamW, Lion, Adagrad, Lamb, CPUAdam/"
-                                "DeepSpeedCPUAdam, FusedAdam, CPULion, FusedLion, CPUAdagrad, FusedLamb, SGD, RMSprop "
-                                "and torch.optim's others; 1-bit, muP and Muon refused with the reason")
+    type: str = supported(note="Adam (AdamW unless adam_w_mode false), AdamW, Lion, Adagrad, Lamb, Muon (with its "
+                                "auxiliary Adam), CPUAdam/DeepSpeedCPUAdam, FusedAdam, CPULion, FusedLion, CPUAdagrad, "
+                                "FusedLamb, SGD, RMSprop and torch.optim's others; 1-bit and muP refused with the "
+                                "reason")
     params: Dict[str, Any] = supported(factory=dict, note="the optimizer's constructor arguments, checked by name")
     legacy_fusion: Any = refused("the legacy fused fp16 optimizer is not supported; remove it", False)
 

@@ -66,8 +66,9 @@ class ZeroConfig:
     contiguous_gradients: Any = refused(
         "false is not supported: gradients always go to contiguous buckets here", True)
     overlap_comm: bool = supported(True, "gradient buckets are reduced from backward hooks as they fill")
-    reduce_scatter: Any = refused(
-        "false (all-reduce the full gradients) is not supported: ZeRO reduces each partition to its owner", True)
+    reduce_scatter: bool = supported(
+        True, "no effect needed: each partition's gradient sum reaches its owner the same either way (DeepSpeed's "
+              "stage 3 needs false for Muon; here Muon runs with either)")
     reduce_bucket_size: int = supported(500_000_000, "elements per gradient reduction")
     allgather_partitions: Any = refused(
         "false (broadcast updated partitions) is not supported: they are all-gathered", True)
@@ -132,7 +133,8 @@ class ZeroConfig:
     enable_sanity_checks: bool = supported(
         False, "stage 3 checks before each collective that every rank gathers the same module "
                "(DSLAUNCH_ZERO3_CHECK=1/0 overrides)")
-    save_muon_momentum_buffer_in_memory: Any = refused("the Muon optimizer is not supported; remove it", False)
+    save_muon_momentum_buffer_in_memory: bool = supported(
+        False, "with Muon and offload_optimizer nvme: the momentum stays in host memory, out of the NVMe files")
     leaf_module: Any = refused("ZeRO-3 leaf modules are not supported; remove it", disabled)
     zenflow: Any = refused("ZenFlow is not supported; remove it", None)
     mics_shard_size: Any = refused("MiCS sharding is not supported (DeepSpeed removed it too); remove it", -1)

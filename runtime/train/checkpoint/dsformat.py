@@ -270,6 +270,25 @@ def _partitioned(v: Any, size: int) -> bool:
     return torch.is_tensor(v) and v.dim() == 1 and v.numel() == size
 
 
+def _is_vector(v: Any) -> bool:
+    return torch.is_tensor(v) and v.dim() == 1 and v.numel() > 1
+
+
+def _whole_matrices(key: str, v: torch.Tensor, pieces: List[Dict[str, Any]], shapes, gi: int
+                    ) -> Dict[str, torch.Tensor]:
+    """A stage 1-2 state tensor that holds, end to end, the whole of every parameter the
+    rank's partition touches (DeepSpeed's Muon momentum) cut to the partition's pieces."""
+    numels = {name: _numel(shape) for name, shape in shapes.items()}
+    if v.numel() != sum(numels[p["name"]] for p in pieces):
+        raise CheckpointError(f"optimizer state {key!r} of param group {gi} holds {v.numel()} elements: neither "
+                              "the rank's partition nor the whole parameters it touches")
+    out, at = {}, 0
+    for p in pieces:
+        out[p["name"]] = v[at + p["start"]:at + p["end"]]
+        at += numels[p["name"]]
+    return out
+
+
 def _cut(flat: torch.Tensor, pieces: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     return {p["name"]: flat[p["offset"]:p["offset"] + p["end"] - p["start"]] for p in pieces}
 
@@ -294,7 +313,8 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
                 g_rank = rank // (world // int(optim["partition_count"][gi]))
                 pieces = pieces_in(slots, g_rank * size, (g_rank + 1) * size)
                 gstate = base["state"].get(gi, {}) if isinstance(base, dict) else base[gi]
-                state = {k: (_cut(v, pieces) if _partitioned(v, size) or _partitioned(v, fp32.numel()) else v)
+                state = {k: (_cut(v, pieces) if _partitioned(v, size) or _partitioned(v, fp32.numel()) else
+                             _whole_matrices(k, v, pieces, shapes, gi) if _is_vector(v) else v)
                          for k, v in gstate.items()}
                 groups.append({"pieces": pieces, "shapes": {n: list(s) for n, s in shapes.items()},
                                "master": _cut(fp32, pieces), "state": state})

@@ -42,15 +42,30 @@ class StateForm:
     int_step: bool = False             # a Python int (DeepSpeed's optimizers) or a float32 tensor (torch's)
     names: Mapping[str, str] = field(default_factory=dict)  # our key -> this optimizer's name for it
     group_defaults: Mapping[str, Any] = field(default_factory=dict)  # group keys this optimizer reads
+    step_optional: bool = False        # Muon's momentum counts no steps (DeepSpeed keeps none)
 
 
 # The family's keys; amsgrad adds max_exp_avg_sq to Adam's.
 _KEYS = {"Adam": frozenset({"exp_avg", "exp_avg_sq"}), "Lion": frozenset({"exp_avg"}),
-         "Adagrad": frozenset({"sum"}), "Lamb": frozenset({"exp_avg", "exp_avg_sq"})}
+         "Adagrad": frozenset({"sum"}), "Lamb": frozenset({"exp_avg", "exp_avg_sq"}),
+         "Muon": frozenset({"momentum_buffer"})}
+MUON_FORM = StateForm("Muon", _KEYS["Muon"], step_optional=True)
 # Keys a saved state may carry that the family never reads, dropped when they hold zeros only.
 _INERT = {"Lion": ("exp_avg_sq",)}  # DeepSpeedCPULion allocates it and never updates it
 # Other optimizers' names for the family's keys.
 _ALIASES = {"Adagrad": {"exp_avg_sq": "sum"}}  # DeepSpeedCPUAdagrad
+
+
+def group_forms(optimizer: Optional[torch.optim.Optimizer]) -> Optional[List[Optional[StateForm]]]:
+    """Each param group's form: Muon's groups are its own or its auxiliary Adam's (an inline
+    Adam keeps Adam's keys); every other optimizer's groups share form_of's answer."""
+    from ...core.muon.optimizer import MuonWithAuxAdam
+
+    if isinstance(optimizer, MuonWithAuxAdam):
+        adam = form_of(optimizer.adam) if optimizer.adam is not None else StateForm("Adam", _KEYS["Adam"])
+        return [MUON_FORM if g["use_muon"] else adam for g in optimizer.param_groups]
+    form = form_of(optimizer)
+    return None if form is None else [form] * len(optimizer.param_groups)
 
 
 def form_of(optimizer: Optional[torch.optim.Optimizer]) -> Optional[StateForm]:
@@ -154,13 +169,23 @@ def _group_hyper(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Dict[s
     return {k: v for k, v in saved.items() if k in current and k != "params"}
 
 
-def _torch_state_dict(sd: Dict[str, Any], form: StateForm, groups: List[Dict[str, Any]], where: str
-                      ) -> Dict[str, Any]:
+def _torch_state_dict(sd: Dict[str, Any], forms: List[Optional[StateForm]], groups: List[Dict[str, Any]],
+                      where: str) -> Dict[str, Any]:
     state, out_groups = sd.get("state", {}), []
     new_state: Dict[Any, Dict[str, Any]] = {}
     for gi, g in enumerate(sd["param_groups"]):
         ids = list(g["params"])
         current = groups[gi] if gi < len(groups) else {}
+        form = forms[gi] if gi < len(forms) else forms[-1]
+        if form is not None and form.step_optional:  # Muon: its momentum, and a count if it kept one
+            for i in ids:
+                if state.get(i):
+                    st = state[i]
+                    new_state[i] = {**({"step": torch.tensor(_step_count(st["step"], where), dtype=torch.float32)}
+                                       if "step" in st else {}), **_keys_into(st, form, f"{where} (parameter {i})")}
+            out_groups.append({**{k: v for k, v in current.items() if k != "params"}, **_group_hyper(g, current),
+                               "params": ids})
+            continue
         steps = [_step_count(state[i]["step"], where) for i in ids if state.get(i) and "step" in state[i]]
         ints = any(not torch.is_tensor(state[i].get("step")) for i in ids if state.get(i))
         # DeepSpeed's fused optimizers step a group with its last parameter's count
@@ -179,10 +204,14 @@ def _torch_state_dict(sd: Dict[str, Any], form: StateForm, groups: List[Dict[str
     return {**sd, "state": new_state, "param_groups": out_groups}
 
 
-def _shard(shard: Dict[str, Any], form: StateForm, groups: List[Dict[str, Any]], where: str) -> Dict[str, Any]:
+def _shard(shard: Dict[str, Any], forms: List[Optional[StateForm]], groups: List[Dict[str, Any]], where: str
+           ) -> Dict[str, Any]:
     new_groups = []
     for gi, g in enumerate(shard["groups"]):
         st = g.get("state") or {}
+        form = forms[gi] if gi < len(forms) else forms[-1]
+        if st and form.step_optional and "step" not in st:
+            st = {"step": 0, **st}  # the count offload hosts keep beside the momentum
         if st:
             tensors = {k: v for k, v in st.items() if k == "step" or _is_tensor_state(v)}
             scalars = [k for k in st if k not in tensors]
@@ -203,16 +232,16 @@ def _shard(shard: Dict[str, Any], form: StateForm, groups: List[Dict[str, Any]],
 def to_ours(optim: Any, optimizer: Optional[torch.optim.Optimizer], where: str) -> Any:
     """What load_checkpoint read (a stage-0 state {"optimizer": torch state_dict, ...}, one
     ZeRO shard, or a list of either) in `optimizer`'s form. `where` starts error lines."""
-    form = form_of(optimizer)
-    if form is None or optim is None:
+    forms = group_forms(optimizer)
+    if forms is None or optim is None:
         return optim
     groups = optimizer.param_groups
     if isinstance(optim, list):
         return [to_ours(o, optimizer, where) for o in optim]
     if isinstance(optim, dict) and "groups" in optim:
-        return _shard(optim, form, groups, where)
+        return _shard(optim, forms, groups, where)
     if isinstance(optim, dict) and isinstance(optim.get("optimizer"), dict) and "param_groups" in optim["optimizer"]:
-        return {**optim, "optimizer": _torch_state_dict(optim["optimizer"], form, groups, where)}
+        return {**optim, "optimizer": _torch_state_dict(optim["optimizer"], forms, groups, where)}
     return optim
 
 
@@ -252,4 +281,5 @@ def for_deepspeed_groups(groups: List[Dict[str, Any]], ds_class: Optional[str]) 
 
 
 __all__ = ["StateForm", "deepspeed_optimizer", "deepspeed_optimizer_of", "for_deepspeed_group_state", "for_deepspeed_groups",
+           "group_forms",
            "for_deepspeed_torch", "form_of", "to_ours"]
