@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(list(CASES) + list(REFUSED)))
     ap.add_argument("--deepspeed-only", action="store_true",
                     help="record DeepSpeed's side only (dslaunch's losses and the resume of ours are left as they are)")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="keep DeepSpeed's recorded run and checkpoint; record dslaunch's and DeepSpeed resuming it")
     args = ap.parse_args()
     path = os.path.join(OUT, "expected.json")
     expected = {}
@@ -159,25 +161,37 @@ def main() -> None:
                 raise SystemExit(f"{name}: DeepSpeed ran it ({got}); move it to CASES")
             expected.setdefault("refused", {})[name] = {"case": case._asdict(), "error": got}
             print(f"{name}: DeepSpeed refuses: {got}", flush=True)
+            _write(path, "refused", name, expected["refused"][name])
             continue
         case = CASES[name]
         base = dict(case=case._asdict(), world=WORLD)
         ds_dir, our_dir = os.path.join(OUT, "ds", name), os.path.join(OUT, "dslaunch", name)
-        shutil.rmtree(ds_dir, ignore_errors=True)
         entry = expected.setdefault("cases", {}).setdefault(name, {})
         entry["case"] = case._asdict()
-        entry["deepspeed"] = run(args.ds_python, dict(base, engine="deepspeed", save=ds_dir))
-        fx._tidy(ds_dir)
+        if not args.ours_only:
+            shutil.rmtree(ds_dir, ignore_errors=True)
+            entry["deepspeed"] = run(args.ds_python, dict(base, engine="deepspeed", save=ds_dir))
+            fx._tidy(ds_dir)
         if not args.deepspeed_only:
             shutil.rmtree(our_dir, ignore_errors=True)
             entry["dslaunch"] = run(sys.executable, dict(base, engine="dslaunch", save=our_dir))
             entry["deepspeed_resumed_dslaunch"] = run(args.ds_python, dict(base, engine="deepspeed", load=our_dir))
             fx._tidy(our_dir)
         print(f"{name}: {json.dumps(entry)}", flush=True)
-        with open(path, "w") as fh:  # after every case: a long run keeps what it made
-            json.dump(expected, fh, indent=1, sort_keys=True)
-    with open(path, "w") as fh:
+        _write(path, "cases", name, entry)
+
+
+def _write(path: str, section: str, name: str, entry: dict) -> None:
+    """After every case, into the file as it is now: a long run keeps what it made, and runs of
+    other cases at the same time keep theirs."""
+    expected = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            expected = json.load(fh)
+    expected.setdefault(section, {})[name] = entry
+    with open(path + ".tmp", "w") as fh:
         json.dump(expected, fh, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
