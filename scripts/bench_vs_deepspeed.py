@@ -9,7 +9,9 @@ from this interpreter. Both run scripts/bench_gptlite.py, the same DeepSpeed-sty
 (only its import differs), with the same JSON config, data, seed and OMP_NUM_THREADS
 (DeepSpeed's launcher leaves it unset and ours sets it, so it is set explicitly here).
 
-Per config (ZeRO stage 0-3 x fp32/bf16 x offload none/cpu, plus NVMe rows) every
+Per config (ZeRO stage 0-3 x fp32/bf16 x offload none/cpu, plus NVMe rows, plus the low-precision
+master rows: bf16 masters and moments at stages 1-3 (`-m16`), under CPU offload with bf16 or fp32
+moments (`-cpu-m16`, `-cpu-m16s32`), each side against its own formula) every
 contender is started in turn (time to first step is taken with the others idle: DeepSpeed
 compiles its CPU ops on first use), then all are stepped round-robin, one step each, the
 order rotating every step, while the others wait on a pipe: load from the rest of the
