@@ -9,8 +9,10 @@ from this interpreter. Both run scripts/bench_gptlite.py, the same DeepSpeed-sty
 (only its import differs), with the same JSON config, data, seed and OMP_NUM_THREADS
 (DeepSpeed's launcher leaves it unset and ours sets it, so it is set explicitly here).
 
-Per config (ZeRO stage 0-3 x fp32/bf16 x offload none/cpu, plus NVMe rows and Muon rows:
-`"optimizer": {"type": "Muon"}` at stages 0-3, names ending in -muon) every
+Per config (ZeRO stage 0-3 x fp32/bf16 x offload none/cpu, plus NVMe rows, Muon rows:
+`"optimizer": {"type": "Muon"}` at stages 0-3, names ending in -muon, and the low-precision
+master rows: bf16 masters and moments at stages 1-3 (`-m16`), under CPU offload with bf16 or fp32
+moments (`-cpu-m16`, `-cpu-m16s32`), each side against its own formula) every
 contender is started in turn (time to first step is taken with the others idle: DeepSpeed
 compiles its CPU ops on first use), then all are stepped round-robin, one step each, the
 order rotating every step, while the others wait on a pipe: load from the rest of the
@@ -66,11 +68,16 @@ class Row:
     dtype: str  # fp32 | bf16
     offload: str = "none"  # none | cpu | nvme
     optimizer: str = "adam"  # adam | muon
+    # ZeRO's master weights: fp32; "bf16" (bf16.bf16_master_weights_and_grads with
+    # bf16_optimizer_states: masters, gradient partitions and Adam's moments in bf16); "bf16s32"
+    # (bf16 masters and gradients, fp32 moments: DeepSpeed allows it under CPU offload only)
+    masters: str = "fp32"
 
     @property
     def name(self) -> str:
+        suffix = {"fp32": "", "bf16": "-m16", "bf16s32": "-m16s32"}[self.masters]
         return f"{self.stage}-{self.dtype}" + ("" if self.offload == "none" else f"-{self.offload}") + \
-            ("" if self.optimizer == "adam" else f"-{self.optimizer}")
+            ("" if self.optimizer == "adam" else f"-{self.optimizer}") + suffix
 
 
 def all_rows() -> List[Row]:
@@ -82,6 +89,9 @@ def all_rows() -> List[Row]:
         rows += [Row(s, dtype, "nvme") for s in (2, 3)]
     rows += [Row(s, "fp32", optimizer="muon") for s in (0, 1, 2, 3)]
     rows += [Row(2, "bf16", optimizer="muon"), Row(2, "fp32", "cpu", "muon")]
+    # low-precision master states, each combination DeepSpeed 0.19.8 allows
+    rows += [Row(s, "bf16", masters="bf16") for s in (1, 2, 3)]
+    rows += [Row(s, "bf16", "cpu", masters=masters) for masters in ("bf16", "bf16s32") for s in (1, 2, 3)]
     return rows
 
 
@@ -119,6 +129,8 @@ def ds_config(row: Row, args, nvme_dir: str) -> dict:
             zero["reduce_scatter"] = False  # DeepSpeed's stage 3 refuses Muon otherwise
     if row.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if row.masters != "fp32":
+        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=row.masters == "bf16")
     if args.grad_accum_dtype:
         cfg["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     return cfg
@@ -129,6 +141,8 @@ def accum_bytes(row: Row, side: str, explicit: Optional[str]) -> int:
     """Bytes per element of the gradients each side keeps (data_types.grad_accum_dtype):
     DeepSpeed's default is the model dtype; ours is the model dtype for stages 0-1 (full
     gradients) and fp32 for the partitions of stages 2-3."""
+    if row.masters != "fp32":  # both sides: the gradient partitions are the masters' dtype
+        return 2
     if explicit:
         return 4 if explicit in ("fp32", "float32") else 2
     model = 4 if row.dtype == "fp32" else 2
@@ -138,7 +152,7 @@ def accum_bytes(row: Row, side: str, explicit: Optional[str]) -> int:
 
 
 def formula_bytes(row: Row, P: int, N: int, grad_bytes: int, device_only: bool = False, whole: int = 0,
-                  muon: int = 0) -> float:
+                  muon: int = 0, side: str = "dslaunch") -> float:
     """ZeRO's bytes per rank for Adam: parameters b, gradients g (full for stages 0-1, a 1/N
     partition for 2-3), fp32 masters 4 (none extra in fp32: the parameters are the masters)
     and Adam's two moments 8 (Muon rows: 4, the momentum, for each of the `muon` elements
@@ -147,13 +161,21 @@ def formula_bytes(row: Row, P: int, N: int, grad_bytes: int, device_only: bool =
     moments; stage 3 also the 16/32-bit parameter shards). With device_only (--cuda),
     offloaded masters, moments and gradient partitions leave out too. Stage 3 keeps `whole`
     of the P parameters unpartitioned (those at most stage3_param_persistence_threshold
-    elements, DeepSpeed's default 100000, on both sides)."""
+    elements, DeepSpeed's default 100000, on both sides).
+
+    Low-precision masters (row.masters): bf16 masters 2 on DeepSpeed's side, none extra on ours
+    (a rank's master is its slice of the bf16 parameters, one copy); Adam's moments 4 in bf16,
+    8 in fp32. So stage 3 with bf16 parameters, masters and moments between steps: DeepSpeed
+    2 + 2 + 4 = 8P/N, ours 2 + 4 = 6P/N, against 2 + 4 + 8 = 14P/N with fp32 masters."""
     b = 4 if row.dtype == "fp32" else 2
-    master = 0 if b == 4 else 4
-    opt = master + (8 if row.optimizer == "adam" else (4 * muon + 8 * (P - muon)) / P)
+    if row.masters == "fp32":
+        master, moments = (0 if b == 4 else 4), (8 if row.optimizer == "adam" else (4 * muon + 8 * (P - muon)) / P)
+    else:
+        master, moments = (2 if side == "deepspeed" else 0), (4 if row.masters == "bf16" else 8)
+    opt = master + moments
     on_host = row.offload in ("cpu", "nvme")
     if row.offload == "nvme":
-        opt -= 8
+        opt -= moments
         if b == 4 and row.stage > 0:
             opt += 4  # the fp32 master stays in memory beside the shard/parameter file
     if device_only and on_host:
@@ -571,9 +593,10 @@ def record(row: Row, ours, ds, st0, ref, ddp, floor, args) -> dict:
         "floor_forward": mem_of(floor, cuda, "forward"),
         # between steps no gradient is part of ZeRO's bytes (both sides free them at the step)
         "between_formula_bytes": formula_bytes(row, P, N, 0, cuda, whole, muon) if P else None,
+        "ds_between_formula_bytes": formula_bytes(row, P, N, 0, cuda, whole, muon, "deepspeed") if P else None,
         "formula_bytes": formula_bytes(row, P, N, g_ours, cuda, whole, muon) if P else None, "grad_bytes": g_ours,
-        "ds_formula_bytes": formula_bytes(row, P, N, g_ds, cuda, whole, muon) if P else None, "bucket_bytes": bucket,
-        "optimizer": row.optimizer, "muon_params": muon,
+        "ds_formula_bytes": formula_bytes(row, P, N, g_ds, cuda, whole, muon, "deepspeed") if P else None,
+        "bucket_bytes": bucket, "optimizer": row.optimizer, "muon_params": muon,
         "whole_params": whole,
         "ours_comm_segment_bytes": next((m["comm_segment_bytes"] for m in ours.steps if "comm_segment_bytes" in m),
                                         None) if not ours.failed else None,
@@ -607,14 +630,15 @@ def summary(results, args, have_ds) -> List[dict]:
           "our engine's own cost over DeepSpeed's (goal <= 0.5)")
     print()
     print(f"bytes per rank (MiB{', on the GPU' if args.cuda else ''}, the rank holding most): between steps "
-          f"(after the optimizer step) against f0 = ZeRO's bytes for Adam without gradients; at forward's "
+          f"(after the optimizer step) against f0 = ZeRO's bytes for Adam without gradients (f0 DS: DeepSpeed's, "
+          f"where its masters are a second copy); at forward's "
           f"peak ({'max_memory_allocated over the forward' if args.cuda else 'end of forward: live tensors plus the activations autograd saved'})")
-    print(f"{'config':14} {'between ours':>12} {'DS':>8} {'f0':>8} {'ours/f0':>7} {'DS/f0':>6} "
+    print(f"{'config':16} {'between ours':>12} {'DS':>8} {'f0':>8} {'f0 DS':>8} {'ours/f0':>7} {'DS/f0 DS':>8} "
           f"{'fwd peak ours':>13} {'DS':>8} {'ours/DS':>7} {'floor':>8}")
     for r in recs:
-        f0 = r["between_formula_bytes"]
-        print(f"{r['config']:14} {mib(r['ours_between']):>12} {mib(r['ds_between']):>8} {mib(f0):>8} "
-              f"{ratio(r['ours_between'], f0):>7} {ratio(r['ds_between'], f0):>6} {mib(r['ours_forward']):>13} "
+        f0, f0ds = r["between_formula_bytes"], r["ds_between_formula_bytes"]
+        print(f"{r['config']:16} {mib(r['ours_between']):>12} {mib(r['ds_between']):>8} {mib(f0):>8} {mib(f0ds):>8} "
+              f"{ratio(r['ours_between'], f0):>7} {ratio(r['ds_between'], f0ds):>8} {mib(r['ours_forward']):>13} "
               f"{mib(r['ds_forward']):>8} {ratio(r['ours_forward'], r['ds_forward']):>7} "
               f"{mib(r['floor_forward']):>8}")
     print()

@@ -1,4 +1,20 @@
-"""What the engine does to a forward's inputs and context for mixed precision.
+"""Precision in one place: the `PrecisionPolicy` every part of training asks, and what the
+engine does to a forward's inputs and context for mixed precision.
+
+`PrecisionPolicy.from_config(config)` is built once by the engine and handed to the strategy
+(`StrategyContext.precision`). It says which dtype each kind of tensor has:
+
+  compute          the module's parameters and the forward (fp16.enabled / bf16.enabled, else fp32;
+                   torch_autocast keeps fp32 parameters and runs the forward in `autocast`)
+  master           ZeRO's master weights (fp32; bf16.bf16_master_weights_and_grads: bf16)
+  grad             ZeRO's reduced gradient partitions, where micro-steps accumulate (the master's
+                   dtype, or data_types.grad_accum_dtype)
+  optimizer_state  what the optimizer keeps its moments in (fp32; bf16.bf16_optimizer_states: bf16)
+  comm             what gradients are summed in (communication_data_type; None: their own dtype)
+  loss_scaler      fp16's one loss scaler (core/loss_scaler.py), or None
+
+A new precision is a new way of filling these fields (and the config check beside them in
+config/precision.py), not a branch in the engine or a strategy.
 
 - `fp16.auto_cast`: floating-point tensors among the inputs (nested in lists, tuples and
   dicts) are cast to fp16, as DeepSpeed does.
@@ -9,11 +25,77 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
 
 import torch
 
+from .loss_scaler import LossScalerBase, make_loss_scaler
 from .strict import ConfigError
+
+_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class PrecisionPolicy:
+    compute: torch.dtype = torch.float32
+    master: torch.dtype = torch.float32
+    grad: torch.dtype = torch.float32
+    optimizer_state: torch.dtype = torch.float32
+    comm: Optional[torch.dtype] = None
+    autocast: Optional[torch.dtype] = None
+    loss_scaler: Optional[LossScalerBase] = None
+
+    @classmethod
+    def from_config(cls, config, compute: Optional[torch.dtype] = None) -> "PrecisionPolicy":
+        """The policy of a parsed config (`compute`: the parameters' dtype when a caller other
+        than the engine already decided it). The config was checked by config/precision.py."""
+        if compute is None:
+            compute = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled \
+                else torch.float32
+        master = torch.bfloat16 if config.bf16.bf16_master_weights_and_grads else \
+            torch.float16 if config.fp16.fp16_master_weights_and_grads else torch.float32
+        accum = config.grad_accum_dtype
+        if master != torch.float32 and accum is not None and accum != master:
+            # DeepSpeed's low-precision masters keep their gradient partitions in the masters' dtype
+            raise ConfigError(f"data_types.grad_accum_dtype: {_NAMES[accum]} with {_NAMES[master]} master weights "
+                              "and gradients; the gradient partitions are the masters' dtype, remove the key")
+        state = torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
+        ac = config.torch_autocast
+        return cls(compute=compute, master=master, grad=accum or master, optimizer_state=state,
+                   comm=config.communication_dtype, autocast=ac.torch_dtype if ac.enabled else None,
+                   loss_scaler=make_loss_scaler(config.fp16) if config.fp16.enabled else None)
+
+    @property
+    def low_precision_masters(self) -> bool:
+        return self.master != torch.float32
+
+    def describe(self) -> str:
+        """One line for the start-up report: "compute bf16, masters bf16, grads bf16, optimizer state bf16"."""
+        parts = [f"compute {_NAMES[self.compute]}"]
+        if self.autocast is not None:
+            parts[0] += f" (autocast {_NAMES[self.autocast]})"
+        parts += [f"masters {_NAMES[self.master]}", f"grads {_NAMES[self.grad]}",
+                  f"optimizer state {_NAMES[self.optimizer_state]}"]
+        return ", ".join(parts)
+
+    def check_optimizer(self, optimizer, offload: bool, stage: int) -> None:
+        """DeepSpeed 0.19.8's requirement on the optimizer that steps low-precision masters:
+        under CPU offload (always for fp32 states beside bf16 masters) it is DeepSpeedCPUAdam,
+        keeping its moments in the dtype the policy says."""
+        if not self.low_precision_masters or optimizer is None:
+            return
+        if not (offload or self.optimizer_state == torch.float32):
+            return
+        name = type(optimizer).__name__
+        if not getattr(optimizer, "low_precision_params", False) or name != "DeepSpeedCPUAdam":
+            raise ConfigError(f"bf16.bf16_master_weights_and_grads: under ZeRO-{stage} CPU offload the optimizer "
+                              f"must be DeepSpeedCPUAdam (optimizer type Adam/AdamW builds it), not {name} (as "
+                              "DeepSpeed 0.19.8)")
+        fp32_states = bool(getattr(optimizer, "fp32_optimizer_states", True))
+        if fp32_states != (self.optimizer_state == torch.float32):
+            raise ConfigError("bf16.bf16_optimizer_states: true under CPU offload needs DeepSpeedCPUAdam built with "
+                              "fp32_optimizer_states=False, so its moments are bf16 (as DeepSpeed 0.19.8)")
 
 
 class InputDtypeError(ConfigError):
@@ -31,11 +113,10 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def forward_context(config, device: torch.device):
-    ac = config.torch_autocast
-    if not ac.enabled:
+def forward_context(policy: PrecisionPolicy, device: torch.device):
+    if policy.autocast is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=ac.torch_dtype)
+    return torch.autocast(device_type=device.type, dtype=policy.autocast)
 
 
 def _floats(values: Iterable[Any]):

@@ -96,6 +96,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional
 import torch
 import torch.distributed as dist
 
+from .precision import PrecisionPolicy
 from .strict import ConfigError
 
 if TYPE_CHECKING:  # the strategies read the parsed config the engine hands them; they never parse one
@@ -143,9 +144,14 @@ class StrategyContext:
     norm_exclude: FrozenSet[int] = frozenset()  # id(param)s left out of global_grad_norm
     mesh: Optional[Any] = None  # the engine's ProcessMesh (or MpuMesh): where non-data axes come from
     loss_scale: Callable[[], float] = lambda: 1.0  # the engine's current fp16 loss scale (Muon unscales with it)
+    # every dtype a strategy keeps (masters, gradient partitions, optimizer state): the engine's
+    # policy; None (a strategy built outside an engine): the config's, with compute_dtype
+    precision: Optional[PrecisionPolicy] = None
     axes: List[ReduceAxis] = field(init=False)  # one per optimizer param group (see the module docstring)
 
     def __post_init__(self):
+        if self.precision is None:
+            self.precision = PrecisionPolicy.from_config(self.config, compute=self.compute_dtype)
         groups = self.optimizer.param_groups if self.optimizer is not None else []
         self.axes = [self.axis(group_axis_name(g)) for g in groups]
 

@@ -29,11 +29,11 @@ from .compiling import compile_module
 from .compression import compression_schedule
 from ..core.config import DeepSpeedConfig
 from .dataloader import DistributedDataLoader
-from ..core.loss_scaler import expose_on_optimizer, make_loss_scaler
+from ..core.loss_scaler import expose_on_optimizer
 from .lr_schedules import build_scheduler
 from .optim import OptimizerTarget, build_optimizer
 from .optimizer_policy import check_optimizer
-from ..core.precision import cast_floating, explain_dtype_error, forward_context
+from ..core.precision import PrecisionPolicy, cast_floating, explain_dtype_error, forward_context
 from .profiling.step import StepProfiler
 from .activation_checkpointing import checkpointing
 from .autotuning import TrialProbe
@@ -139,15 +139,12 @@ class DeepSpeedEngine(torch.nn.Module):
 
             optimizer, model_parameters = autoep.attach(self._autoep_plan, self.config, model, self.mesh, optimizer,
                                                         model_parameters)
+        # every dtype (and fp16's loss scaler) from one place: the strategies ask it, the engine has no branches
+        self.precision = PrecisionPolicy.from_config(self.config)
+        self.compute_dtype = self.precision.compute
         if self.config.tensor_parallel.size > 1:  # AutoTP; a model with its own mesh may be split already
             optimizer, model_parameters = self._apply_tensor_parallel(model, optimizer, model_parameters)
 
-        if self.config.fp16.enabled:
-            self.compute_dtype = torch.float16
-        elif self.config.bf16.enabled:
-            self.compute_dtype = torch.bfloat16
-        else:
-            self.compute_dtype = torch.float32
         if not dont_change_device:
             model.to(self.device)
         if self.compute_dtype != torch.float32:
@@ -179,10 +176,10 @@ class DeepSpeedEngine(torch.nn.Module):
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self._grad_rank, world_size=self._grad_world,
                               group=self.seq_data_parallel_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
-                              mesh=self.mesh, loss_scale=self.loss_scale)
+                              mesh=self.mesh, loss_scale=self.loss_scale, precision=self.precision)
         self.strategy = strategy_for_stage(self.config.zero_optimization.stage)(ctx)
         self.strategy.wrap_module()
-        self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
+        self.loss_scaler = self.precision.loss_scaler
         if self.loss_scaler is not None and self.optimizer is not None:
             expose_on_optimizer(self.optimizer, self.loss_scaler)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -201,7 +198,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_norm: Optional[float] = None  # this step's global gradient norm, when it was taken
         # fp32/bf16 non-finite steps (fp16 has its loss scaler): skipped, reported, stop after N in a row
         nf = self.config.nonfinite_check
-        self._nonfinite = NonFiniteGuard(nf.max_consecutive_steps) if nf.enabled and not self.config.fp16.enabled \
+        self._nonfinite = NonFiniteGuard(nf.max_consecutive_steps) if nf.enabled and self.loss_scaler is None \
             else None
         self._step_applied = False
         self._train_steps: Optional[int] = None
@@ -237,8 +234,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
             want = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
             given = dtype_named("tensor_parallel.dtype", tp.dtype)
-            engine_dtype = (torch.float16 if self.config.fp16.enabled else
-                            torch.bfloat16 if self.config.bf16.enabled else torch.float32)
+            engine_dtype = self.precision.compute
             if given != engine_dtype:
                 raise ConfigError(f"tensor_parallel.dtype: {tp.dtype} differs from the engine's precision "
                                   f"({want[engine_dtype]}, from the fp16/bf16 sections)")
@@ -379,7 +375,8 @@ class DeepSpeedEngine(torch.nn.Module):
         if moe_utils.expert_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
             params = moe_utils.configure_moe_param_groups(list(params))
         return moe_utils.check_moe_param_groups(
-            build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device)), model)
+            build_optimizer(self.config.optimizer, params,
+                            OptimizerTarget.of(self.config, self.device, self.precision)), model)
 
     def _make_scheduler(self, lr_scheduler):
         if self.optimizer is None:  # forward only: nothing to schedule (DeepSpeed builds none either)
@@ -447,7 +444,7 @@ class DeepSpeedEngine(torch.nn.Module):
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
         try:
             with self._meter.timed("forward"), self._flops.forward(self.global_steps), \
-                    forward_context(self.config, self.device), \
+                    forward_context(self.precision, self.device), \
                     (self._trial.forward() if self._trial is not None else contextlib.nullcontext()):
                 out = self.module(*args, **kwargs)
         except RuntimeError as exc:

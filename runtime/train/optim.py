@@ -40,10 +40,17 @@ class OptimizerTarget:
 
     offload: bool = False
     cuda: bool = False
+    # low-precision masters (the precision policy's): the step runs on bf16 master partitions, with
+    # moments in `state_dtype`; DeepSpeed then builds DeepSpeedCPUAdam under offload
+    master_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
 
     @classmethod
-    def of(cls, config, device: torch.device) -> "OptimizerTarget":
-        return cls(offload=config.zero_optimization.offload_optimizer_device != "none", cuda=device.type == "cuda")
+    def of(cls, config, device: torch.device, precision=None) -> "OptimizerTarget":
+        master = precision.master if precision is not None else torch.float32
+        state = precision.optimizer_state if precision is not None else torch.float32
+        return cls(offload=config.zero_optimization.offload_optimizer_device != "none", cuda=device.type == "cuda",
+                   master_dtype=master, state_dtype=state)
 
 
 def _only_fp32_states(fp32_optimizer_states: bool) -> None:
@@ -72,6 +79,13 @@ def _adam_impl(params, target: OptimizerTarget, adam_w_mode: bool, torch_adam: b
         return optimizer
     if kw.get("weight_decay") is None:
         kw["weight_decay"] = 0.0  # DeepSpeed's FusedAdam and CPU Adam default
+    if target.master_dtype != torch.float32 and (target.offload or not target.cuda):
+        # low-precision masters on the CPU: DeepSpeedCPUAdam steps them with fp32 maths rounded back, its
+        # moments in the policy's optimizer-state dtype (DeepSpeed's engine builds the same under offload)
+        from dslaunch.runtime.train.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, kw["lr"], kw["bias_correction"], betas, kw["eps"], kw["weight_decay"],
+                                kw["amsgrad"], adam_w_mode, target.state_dtype == torch.float32)
     if target.cuda and not target.offload:
         return FusedAdam(params, betas=betas, decoupled_weight_decay=adam_w_mode, **kw)
     # offloaded, or parameters on the CPU: the SIMD kernel (DeepSpeed's CPU accelerator builds its

@@ -78,7 +78,10 @@ class CPUHost(OptimizerHost):
 
     def __init__(self, optimizer, masters):
         super().__init__(optimizer, masters)
-        self.kernel = _fused_cpu_step(optimizer)
+        # the fused step takes fp32 masters; bf16/fp16 ones (low-precision masters) are stepped by
+        # DeepSpeedCPUAdam's own step: fp32 maths, rounded back, as DeepSpeed's op does
+        low = any(m.dtype != torch.float32 for m in masters)
+        self.kernel = None if low else _fused_cpu_step(optimizer)
 
     def step(self) -> None:
         if self.kernel is None:

@@ -1,5 +1,7 @@
-"""ZeRO stages 1 and 2: fp32 master weights and optimizer state partitioned over the
-data-parallel group (`ZeroStage1`, `ZeroStage2`: the engine strategies themselves).
+"""ZeRO stages 1 and 2: master weights and optimizer state partitioned over the
+data-parallel group (`ZeroStage1`, `ZeroStage2`: the engine strategies themselves). The
+masters, the reduced gradient partitions and the optimizer state have the dtypes of the
+precision policy (ctx.precision): fp32, or bf16 with bf16 master weights and states.
 
 Each param group's trainable parameters are laid out flat (partition.FlatLayout); rank r
 keeps only its contiguous partition of the fp32 masters, the optimizer state (the
@@ -96,9 +98,11 @@ class _PartitionedStage(ShardedStrategy):
         self._reductions = {DATA_AXIS: self.reduction}
         for axis in ctx.axes:
             self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
-        # the reduced gradient partition (stage 2: always; stage 1: from the boundary backward to
-        # the step) in data_types.grad_accum_dtype; default fp32, as the masters
-        self.accum_dtype = ctx.config.grad_accum_dtype or torch.float32
+        # the masters' dtype, and the reduced gradient partition's (stage 2: always; stage 1: from
+        # the boundary backward to the step): the precision policy's
+        self.precision = ctx.precision
+        self.master_dtype, self.accum_dtype = ctx.precision.master, ctx.precision.grad
+        ctx.precision.check_optimizer(optimizer, offload is not None, self.stage)
         names = named_trainable(module)
         seen = set()
         self.groups: List[_Group] = []
@@ -138,10 +142,12 @@ class _PartitionedStage(ShardedStrategy):
         lo, hi = layout.partition_range(axis.rank)
         # offloaded: masters, optimizer state and (stage 2) the gradient partition in host memory
         host = torch.device("cpu") if self.offload_device in ("cpu", "nvme") else device
-        if host == device and dtype == torch.float32:
-            master = flat[lo:hi]  # fp32 parameters: this rank's slice of them is the master (one copy)
+        if host == device and dtype == self.master_dtype:
+            # parameters in the masters' dtype (fp32, or bf16 with bf16 masters): this rank's slice of
+            # them is the master, one copy (DeepSpeed keeps a second, equal one)
+            master = flat[lo:hi]
         else:
-            master = pin_host(flat[lo:hi].detach().to(host, torch.float32).clone(), self.pin)
+            master = pin_host(flat[lo:hi].detach().to(host, self.master_dtype).clone(), self.pin)
         return _Group(list(params), list(names), layout, flat, master, None, layout.pieces(axis.rank), axis)
 
     def _grad_partition(self, g: _Group) -> torch.Tensor:
@@ -457,8 +463,8 @@ class _PartitionedStage(ShardedStrategy):
                 keys = self.host.state_keys(gi, shards)
                 state = {}
                 for k in keys:
-                    if k.tensor:
-                        t = torch.zeros_like(g.master)
+                    if k.tensor:  # moments in the policy's optimizer-state dtype
+                        t = torch.zeros_like(g.master, dtype=self.precision.optimizer_state)
                         assemble(shards, gi, ("state", k.name), want, t)
                         state[k.name] = t
                     else:
@@ -480,7 +486,7 @@ class _PartitionedStage(ShardedStrategy):
             self.module.load_state_dict(state, strict=strict)
         for g in self.groups:
             lo, hi = g.layout.partition_range(g.axis.rank)
-            g.master.copy_(g.flat[lo:hi].float())
+            g.master.copy_(g.flat[lo:hi])
 
 
 @register_strategy(1)

@@ -164,7 +164,10 @@ class ZeroStage3(ShardedStrategy):
                 p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
         self.groups: List[Dict[str, Any]] = []
         self.reduction = GradReduction.from_config(ctx.config, self.world)
-        accum = ctx.config.grad_accum_dtype or torch.float32  # the gradient partitions' dtype
+        # the masters', gradient partitions' and optimizer state's dtypes: the precision policy's
+        self.precision = ctx.precision
+        master_dtype, accum = ctx.precision.master, ctx.precision.grad
+        ctx.precision.check_optimizer(optimizer, offload is not None, 3)
         # optimizer None: forward only (ZeRO inference), no masters, gradients or optimizer host
         param_groups = optimizer.param_groups if optimizer is not None else []
         self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in param_groups]
@@ -183,14 +186,15 @@ class ZeroStage3(ShardedStrategy):
             host = getattr(offload, "device", "none") in ("cpu", "nvme")
             to_files = getattr(offload_param, "device", "none") == "nvme"  # shards then rest in files, apart
             pin = host and bool(getattr(offload, "pin_memory", False))
-            master = pin_host(torch.zeros(max(off, 1), dtype=torch.float32,
+            master = pin_host(torch.zeros(max(off, 1), dtype=master_dtype,
                                           device=torch.device("cpu") if host else _device(params)), pin)
             for p in params:
                 z = p._zero
                 view = master[z.master_offset:z.master_offset + z.chunk]
-                view.copy_(z.shard.float())
-                if not to_files and z.shard.dtype == torch.float32 and z.shard.device == master.device:
-                    # fp32 parameters: the shard is the master (one copy, updated in place by the step)
+                view.copy_(z.shard)
+                if not to_files and z.shard.dtype == master_dtype and z.shard.device == master.device:
+                    # parameters in the masters' dtype (fp32, or bf16 with bf16 masters): the shard is the
+                    # master, one copy updated in place by the step (DeepSpeed keeps a second, equal one)
                     z.shard = view
             # "grad": the reduced gradient chunks, allocated by the window's first reduce-scatter (_grad)
             self.groups.append({"params": params, "master": master, "grad": None, "grad_dtype": accum, "pin": pin,
@@ -555,7 +559,7 @@ class ZeroStage3(ShardedStrategy):
     def shard_changed(self, p) -> None:
         z = p._zero
         if z.group_index >= 0:
-            self.groups[z.group_index]["master"][z.master_offset:z.master_offset + z.chunk].copy_(z.shard.float())
+            self.groups[z.group_index]["master"][z.master_offset:z.master_offset + z.chunk].copy_(z.shard)
 
     # -- whole-parameter access (zero/fragments.py) ---------------------------------------------
     # Each parameter's chunk sits at z.master_offset in its group's fp32 master, gradient and
@@ -597,7 +601,7 @@ class ZeroStage3(ShardedStrategy):
                 self.host.write_state_of(z.group_index, state)
                 return
             master = self.groups[z.group_index]["master"]
-            master[z.master_offset:z.master_offset + z.chunk] = chunk_value.to(master.device, torch.float32)
+            master[z.master_offset:z.master_offset + z.chunk] = chunk_value.to(master.device, master.dtype)
             new = master[z.master_offset:z.master_offset + z.chunk]
             if z.shard.data_ptr() != new.data_ptr():
                 z.shard.copy_(new)
@@ -739,7 +743,7 @@ class ZeroStage3(ShardedStrategy):
                 state = {}
                 for k in self.host.state_keys(gi, shards):
                     if k.tensor:
-                        t = torch.zeros_like(g["master"])
+                        t = torch.zeros_like(g["master"], dtype=self.precision.optimizer_state)
                         assemble(shards, gi, ("state", k.name), want, t)
                         state[k.name] = t
                     else:

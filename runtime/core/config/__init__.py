@@ -28,7 +28,7 @@ from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardCo
                       WandbConfig)
 from .parallel import ElasticityConfig, PipelineConfig, TensorParallelConfig
 from .precision import (BF16Config, DataTypesConfig, FP16Config, NonFiniteCheckConfig, TorchAutocastConfig,
-                        check_precision, dtype_named)
+                        check_precision, check_master_states, dtype_named)
 from .zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 REMOVED = "{what} is not supported (DeepSpeed removed it too); remove it"
@@ -172,6 +172,8 @@ class DeepSpeedConfig:
             # DeepSpeed asserts the same when it sets up autocast
             raise ConfigError("torch_autocast.enabled: cannot be combined with zero_optimization.zero_quantized_weights "
                               "(as in DeepSpeed); choose one")
+        check_master_states(self.fp16, self.bf16, self.zero_optimization.stage,
+                            self.zero_optimization.offload_optimizer_device)
         self._check_reduction()
         if self.allgather_size is not None:
             if not self.zero_optimization.legacy_bool:

@@ -37,8 +37,9 @@ class FP16Config:
     hysteresis: int = supported(2, "overflows tolerated before the scale halves")
     consecutive_hysteresis: bool = supported(False, "a clean step refills the hysteresis")
     min_loss_scale: float = supported(1.0, "the dynamic scale never drops below this (a clear error when stuck)")
-    fp16_master_weights_and_grads: Any = refused(
-        "fp16 master weights and gradients are not supported; masters and gradients partitions are fp32", False)
+    fp16_master_weights_and_grads: bool = supported(
+        False, "ZeRO 1-3 keep master weights and gradient partitions in fp16 (DeepSpeed: only under CPU offload "
+               "with DeepSpeedCPUAdam); see check_master_states")
 
     def validate(self, path: str) -> None:
         positive(path, "loss_scale", self.loss_scale, allow_zero=True)
@@ -58,9 +59,10 @@ class BF16Config:
     immediate_grad_update: Any = refused(
         "applying bf16 gradients to the fp32 masters during backward is not supported; remove it", False)
     check_grad_overflow: bool = supported(True, "an inf/nan gradient norm skips the step (counted as skipped)")
-    bf16_master_weights_and_grads: Any = refused(
-        "bf16 master weights and gradients are not supported; masters are fp32", False)
-    bf16_optimizer_states: Any = refused("bf16 optimizer states are not supported; optimizer state is fp32", False)
+    bf16_master_weights_and_grads: bool = supported(
+        False, "ZeRO 1-3 keep master weights and gradient partitions in bf16; see check_master_states")
+    bf16_optimizer_states: bool = supported(
+        False, "with bf16_master_weights_and_grads: optimizer state (Adam's moments) in bf16")
 
 
 @dataclass
@@ -114,3 +116,38 @@ def check_precision(fp16: FP16Config, bf16: BF16Config, autocast: TorchAutocastC
     if autocast.enabled and (fp16.enabled or bf16.enabled):
         raise ConfigError("torch_autocast.enabled: cannot be combined with fp16 or bf16 (autocast keeps fp32 "
                           "parameters); choose one")
+
+
+def check_master_states(fp16: FP16Config, bf16: BF16Config, stage: int, offload_device: str) -> None:
+    """The low-precision master-state combinations DeepSpeed 0.19.8 allows (its config check and
+    its ZeRO optimizers' `_configure_master_weights`), each refusal one line with its reason.
+    The optimizer's own requirement (DeepSpeedCPUAdam under offload) is checked where the
+    optimizer is known: PrecisionPolicy.check_optimizer."""
+    f16, b16, states = fp16.fp16_master_weights_and_grads, bf16.bf16_master_weights_and_grads, \
+        bf16.bf16_optimizer_states
+    if not (f16 or b16 or states):
+        return
+    if f16 and b16:
+        raise ConfigError("fp16.fp16_master_weights_and_grads and bf16.bf16_master_weights_and_grads: mutually "
+                          "exclusive; choose one")
+    key = ("fp16.fp16_master_weights_and_grads" if f16 else "bf16.bf16_master_weights_and_grads" if b16
+           else "bf16.bf16_optimizer_states")
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"{key}: only supported with ZeRO stage 1, 2 or 3 (zero_optimization.stage is {stage})")
+    if states and not b16:
+        raise ConfigError("bf16.bf16_optimizer_states: requires bf16.bf16_master_weights_and_grads (the optimizer "
+                          "state follows the masters)")
+    if offload_device == "nvme":
+        raise ConfigError(f"{key}: with zero_optimization.offload_optimizer.device nvme is not supported; use "
+                          "\"cpu\" (DeepSpeed's low-precision masters are a CPU-offload feature)")
+    if f16 and offload_device != "cpu":
+        raise ConfigError("fp16.fp16_master_weights_and_grads: requires zero_optimization.offload_optimizer.device "
+                          "\"cpu\" with DeepSpeedCPUAdam (as DeepSpeed 0.19.8)")
+    if f16:
+        # DeepSpeed 0.19.8 runs no fp16 on the CPU, so no run of it can check ours: refused until one can
+        raise ConfigError("fp16.fp16_master_weights_and_grads: not supported yet (DeepSpeed 0.19.8 runs fp16 only "
+                          "on a GPU, so there is no reference run to hold it to); use bf16.bf16_master_weights_and_grads")
+    if b16 and not states and offload_device != "cpu":
+        raise ConfigError("bf16.bf16_master_weights_and_grads: fp32 optimizer states beside bf16 masters need "
+                          "zero_optimization.offload_optimizer.device \"cpu\" with DeepSpeedCPUAdam (as DeepSpeed "
+                          "0.19.8); or set bf16.bf16_optimizer_states true")

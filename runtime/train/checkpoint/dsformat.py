@@ -152,9 +152,11 @@ def stage3_sub_groups(chunks: Sequence[int], sub_group_size: int) -> List[List[i
 # -- writing: our shard -> DeepSpeed's optimizer states -------------------------------------------
 def _flat_from_pieces(group: Dict[str, Any], key, size: int) -> torch.Tensor:
     src = group["master"] if key == "master" else group["state"][key]
-    flat = torch.zeros(size, dtype=torch.float32)
+    # in the dtype the strategy keeps (fp32; bf16 with low-precision masters or states), as DeepSpeed writes it
+    dtype = next(iter(src.values())).dtype if src else torch.float32
+    flat = torch.zeros(size, dtype=dtype)
     for p in group["pieces"]:
-        flat[p["offset"]:p["offset"] + p["end"] - p["start"]] = src[p["name"]].reshape(-1).float()
+        flat[p["offset"]:p["offset"] + p["end"] - p["start"]] = src[p["name"]].reshape(-1)
     return flat
 
 

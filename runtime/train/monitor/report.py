@@ -52,8 +52,11 @@ def startup_line(engine) -> str:
     c, b = engine.config, engine.batch
     z = c.zero_optimization
     dtype = _DTYPE.get(engine.compute_dtype, str(engine.compute_dtype))
-    if engine.compute_dtype != torch.float32:
-        dtype += " compute, fp32 masters"
+    policy = engine.precision
+    if engine.compute_dtype != torch.float32 or policy.low_precision_masters:
+        dtype += f" compute, {_DTYPE.get(policy.master, policy.master)} masters"
+    if policy.optimizer_state != policy.master:
+        dtype += f", {_DTYPE.get(policy.optimizer_state, policy.optimizer_state)} optimizer state"
     if c.torch_autocast.enabled:
         dtype += f" (torch.autocast {c.torch_autocast.dtype})"
     offload = f"offload optimizer {z.offload_optimizer_device}, params {z.offload_param_device}"

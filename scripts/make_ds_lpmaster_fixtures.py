@@ -1,0 +1,201 @@
+"""Make the low-precision master-state fixtures in tests/data/ds_lpmaster/ with real DeepSpeed.
+
+    .venv/bin/python scripts/make_ds_lpmaster_fixtures.py --ds-python /work/ds-venv/bin/python [--cases a,b]
+
+DeepSpeed 0.19.8 (CPU accelerator, gloo, 2 ranks) and dslaunch run the training script of
+scripts/make_ds_fixtures.py (the tiny MLP, WarmupLR, gradient clipping, fixed global batches)
+with `bf16.bf16_master_weights_and_grads`, `bf16.bf16_optimizer_states` and
+`fp16.fp16_master_weights_and_grads` set as each case (CASES) says, saving at step 3 and
+running 3 steps more. For each case it writes:
+
+  ds/CASE/          DeepSpeed's checkpoint at global_step3
+  dslaunch/CASE/    dslaunch's checkpoint of the same run
+  expected.json     per case: DeepSpeed's 6 losses, dslaunch's, and DeepSpeed's 3 losses
+                    resuming dslaunch/CASE; under "refused" the one line DeepSpeed stops with
+                    for each combination it does not allow (REFUSED)
+
+tests/test_lpmaster.py replays our side against them without DeepSpeed: the losses, dslaunch
+resuming ds/CASE, and our refusals carrying DeepSpeed's reason.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from typing import NamedTuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUT = os.path.join(ROOT, "tests", "data", "ds_lpmaster")
+_spec = importlib.util.spec_from_file_location("make_ds_fixtures", os.path.join(HERE, "make_ds_fixtures.py"))
+fx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fx)
+
+WORLD, SAVE_AT = 2, 3
+
+
+class Case(NamedTuple):
+    """One combination: ZeRO stage; the model dtype ("bf16": bf16.enabled, "autocast": fp32
+    parameters under torch_autocast bf16, "fp32"); the master flags; offload; the optimizer
+    (make_ds_fixtures.OPTIMIZERS' name: torch_adamw, or adam, which offload makes DeepSpeedCPUAdam)."""
+
+    stage: int
+    dtype: str = "bf16"
+    bf16_masters: bool = True
+    bf16_states: bool = True
+    fp16_masters: bool = False
+    offload: bool = False
+    optimizer: str = "torch_adamw"
+
+
+# What DeepSpeed 0.19.8 allows (stage_1_and_2.py / stage3.py `_configure_master_weights`):
+# bf16 masters with bf16 optimizer states on the device at stages 1-3; bf16 masters with fp32
+# states only under CPU offload with DeepSpeedCPUAdam; fp16 masters only under CPU offload.
+CASES = {
+    "z1_bf16": Case(1), "z2_bf16": Case(2), "z3_bf16": Case(3),
+    "z2_autocast": Case(2, "autocast"), "z3_autocast": Case(3, "autocast"),
+    "z2_bf16_offload_fp32_states": Case(2, bf16_states=False, offload=True, optimizer="adam"),
+    "z2_bf16_offload_bf16_states": Case(2, offload=True, optimizer="adam"),
+    "z3_bf16_offload_fp32_states": Case(3, bf16_states=False, offload=True, optimizer="adam"),
+}
+# What it refuses: the one line it stops with is recorded.
+REFUSED = {
+    "z0_bf16_masters": Case(0),
+    "z2_states_without_masters": Case(2, bf16_masters=False),
+    "z2_bf16_fp32_states_no_offload": Case(2, bf16_states=False),
+    "z2_bf16_offload_torch_adamw": Case(2, bf16_states=False, offload=True),
+    "z2_fp16_masters_no_offload": Case(2, "fp16", bf16_masters=False, bf16_states=False, fp16_masters=True),
+    "z2_fp16_masters_offload": Case(2, "fp16", bf16_masters=False, bf16_states=False, fp16_masters=True,
+                                    offload=True, optimizer="adam"),
+    "z3_fp16_masters_offload": Case(3, "fp16", bf16_masters=False, bf16_states=False, fp16_masters=True,
+                                    offload=True, optimizer="adam"),
+}
+
+
+def case_config(case: Case, world: int) -> dict:
+    """make_ds_fixtures' config for the case, with the master-state keys."""
+    model_dtype = case.dtype if case.dtype in ("bf16", "fp16") else "fp32"
+    cfg = fx.config(case.stage, model_dtype, world, case.optimizer)
+    if case.offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if case.dtype == "autocast":
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    if case.bf16_masters or case.bf16_states:
+        cfg.setdefault("bf16", {"enabled": False})
+        cfg["bf16"].update(bf16_master_weights_and_grads=case.bf16_masters,
+                           bf16_optimizer_states=case.bf16_states)
+    if case.fp16_masters:
+        cfg.setdefault("fp16", {"enabled": False})
+        cfg["fp16"]["fp16_master_weights_and_grads"] = True
+    return cfg
+
+
+def worker(rank: int, job: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    if job["engine"] == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        import dslaunch.runtime as deepspeed
+    case = Case(**job["case"])
+    model = fx.make_model()
+    engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                  config=case_config(case, job["world"]))[0]
+    start = 0
+    if job.get("load"):
+        path, _ = engine.load_checkpoint(job["load"])
+        assert path is not None, job["load"]
+        start = engine.global_steps
+    losses = []
+    xdtype = fx.torch_dtype(case.dtype)  # autocast: fp32 inputs
+    for step in range(start, SAVE_AT + 3):
+        x, y = fx.batch(step, rank, job["world"], xdtype)
+        loss = (engine(x).float() - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / job["world"])
+        if job.get("save") and step + 1 == SAVE_AT:
+            engine.save_checkpoint(job["save"], tag=f"global_step{SAVE_AT}", client_state={"source": job["engine"]})
+    if rank == 0:
+        with open(job["result"], "w") as fh:
+            json.dump(losses, fh)
+    dist.barrier()
+
+
+def run(python: str, job: dict, capture: bool = False):
+    from bench_ranks import run_script_ranks  # on sys.path when run as a script
+
+    return run_script_ranks(python, __file__, job, job["world"], ROOT, capture=capture)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ds-python", default="/work/ds-venv/bin/python", help="a python with deepspeed==0.19.8")
+    ap.add_argument("--cases", default=",".join(list(CASES) + list(REFUSED)))
+    ap.add_argument("--deepspeed-only", action="store_true",
+                    help="record DeepSpeed's side only (dslaunch's losses and the resume of ours are left as they are)")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="keep DeepSpeed's recorded run and checkpoint; record dslaunch's and DeepSpeed resuming it")
+    args = ap.parse_args()
+    path = os.path.join(OUT, "expected.json")
+    expected = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            expected = json.load(fh)
+    os.makedirs(OUT, exist_ok=True)
+    for name in args.cases.split(","):
+        if name in REFUSED:
+            case = REFUSED[name]
+            got = run(args.ds_python, dict(case=case._asdict(), engine="deepspeed", world=WORLD), capture=True)
+            if isinstance(got, list):
+                raise SystemExit(f"{name}: DeepSpeed ran it ({got}); move it to CASES")
+            expected.setdefault("refused", {})[name] = {"case": case._asdict(), "error": got}
+            print(f"{name}: DeepSpeed refuses: {got}", flush=True)
+            _write(path, "refused", name, expected["refused"][name])
+            continue
+        case = CASES[name]
+        base = dict(case=case._asdict(), world=WORLD)
+        ds_dir, our_dir = os.path.join(OUT, "ds", name), os.path.join(OUT, "dslaunch", name)
+        entry = expected.setdefault("cases", {}).setdefault(name, {})
+        entry["case"] = case._asdict()
+        if not args.ours_only:
+            shutil.rmtree(ds_dir, ignore_errors=True)
+            entry["deepspeed"] = run(args.ds_python, dict(base, engine="deepspeed", save=ds_dir))
+            fx._tidy(ds_dir)
+        if not args.deepspeed_only:
+            shutil.rmtree(our_dir, ignore_errors=True)
+            entry["dslaunch"] = run(sys.executable, dict(base, engine="dslaunch", save=our_dir))
+            entry["deepspeed_resumed_dslaunch"] = run(args.ds_python, dict(base, engine="deepspeed", load=our_dir))
+            fx._tidy(our_dir)
+        print(f"{name}: {json.dumps(entry)}", flush=True)
+        _write(path, "cases", name, entry)
+
+
+def _write(path: str, section: str, name: str, entry: dict) -> None:
+    """After every case, into the file as it is now: a long run keeps what it made, and runs of
+    other cases at the same time keep theirs."""
+    expected = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            expected = json.load(fh)
+    expected.setdefault(section, {})[name] = entry
+    with open(path + ".tmp", "w") as fh:
+        json.dump(expected, fh, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        main()
