@@ -276,7 +276,8 @@ def run_side(python: str, side: str, cases: List[Case], timeout: float = CASE_TI
                 else:
                     errors = [a for a in answers if "error" in a]
                     result = errors[0] if errors else answers[0]
-                    if errors:  # ranks that raised at different points: start clean
+                    if errors and not all(a == errors[0] for a in answers):
+                        # ranks that raised at different points, or not all: meet at a barrier, or start clean
                         synced = group.ask({"sync": True}, 180.0)
                         if synced is None or any("error" in a for a in synced):
                             group.kill()
