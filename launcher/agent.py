@@ -20,11 +20,18 @@ writes each node's request into a file readable only by the user (`--request_fil
 removed as soon as it is read; the working directory must be the same on every host),
 which also names a TCP port and a one-time token: the agent connects back to the head
 (at the address in $SSH_CONNECTION) and the pings and stop travel over that socket.
+The file sits in a folder other users may be able to reach, so the agent trusts it only
+after checking, on the descriptors it reads, that the folder is a real 0700 directory of
+ours and the file a 0600 file of ours with one link (private_files.read_private); and it
+runs nothing until the head has proved, over the socket, that it knows the file's token
+(protocol.control_proof): a request that the head did not write for this run is refused.
 """
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
+import secrets
 import select
 import signal
 import socket
@@ -37,10 +44,13 @@ from typing import BinaryIO, Callable, Optional
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.failure import Failure
 from dslaunch.launcher.output import OutputLine
-from dslaunch.launcher.protocol import AgentRequest, ProtocolError, decode, encode
+from dslaunch.launcher.private_files import read_private
+from dslaunch.launcher.protocol import AgentRequest, ProtocolError, control_proof, decode, encode
 from dslaunch.launcher.writer import BoundedWriter
 
 FIRST_LINE_TIMEOUT = 120.0  # a head that connected but never sent a request is gone
+HANDSHAKE_TIMEOUT = 30.0  # pdsh: a head that does not answer the token handshake by then is not ours
+REQUEST_FILE_LIMIT = 64 << 20  # one node's workers' argv and env
 
 
 class _Events:
@@ -163,29 +173,40 @@ def _first_line(stream: BinaryIO, timeout: float) -> bytes:
 
 
 def _connect_back(control: dict, host: str) -> BinaryIO:
-    """pdsh: open the control socket to the head and prove who we are with the token."""
+    """pdsh: open the control socket to the head; both sides prove they know the token
+    (protocol.py) and nothing runs unless the head's proof is right."""
     head_ip = os.environ.get("SSH_CONNECTION", "").split()[:1]
     if not head_ip:
         raise ProtocolError("no $SSH_CONNECTION: cannot tell the head's address (pdsh must use -R ssh)")
+    token = control.get("token")
     try:
-        sock = socket.create_connection((head_ip[0], int(control["port"])), timeout=30)
+        port = int(control["port"])
+    except (KeyError, TypeError, ValueError):
+        port = None
+    if not isinstance(token, str) or len(token) < 32 or port is None:
+        raise ProtocolError("the request file holds no control port and token; running nothing")
+    try:
+        sock = socket.create_connection((head_ip[0], port), timeout=HANDSHAKE_TIMEOUT)
     except OSError as e:
-        raise ProtocolError(f"cannot reach the head at {head_ip[0]}:{control['port']} for control: "
+        raise ProtocolError(f"cannot reach the head at {head_ip[0]}:{port} for control: "
                             f"{e.strerror or e}") from None
+    nonce = secrets.token_hex(16)
+    stream = sock.makefile("rb")
+    try:
+        sock.sendall(encode({"host": host, "nonce": nonce, "proof": control_proof(token, "agent", nonce)}))
+        answer = decode(stream.readline()) or {}
+    except OSError:
+        answer = {}
+    if not hmac.compare_digest(str(answer.get("proof", "")), control_proof(token, "head", nonce)):
+        sock.close()
+        raise ProtocolError(f"the head at {head_ip[0]}:{port} did not prove it knows this request's token; "
+                            "running nothing")
     sock.settimeout(None)
-    sock.sendall(encode({"token": control["token"], "host": host}))
-    return sock.makefile("rb")
+    return stream
 
 
 def _read_request_file(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    raw = read_private(path, REQUEST_FILE_LIMIT, "--request_file")
     msg = decode(raw)
     if msg is None:
         raise ProtocolError(f"{path}: not a JSON object")
@@ -211,8 +232,8 @@ def main(argv: Optional[list] = None) -> None:
                 raise ProtocolError(f"the first line on stdin is not a JSON object: {raw[:80]!r}")
             request = AgentRequest.from_message(msg)
             control = sys.stdin.buffer
-    except (ProtocolError, OSError) as e:
-        text = str(e) if isinstance(e, ProtocolError) else f"cannot read the request: {e}"
+    except (ProtocolError, LaunchConfigError, OSError) as e:
+        text = f"cannot read the request: {e}" if isinstance(e, OSError) else str(e)
         out.write(encode({"ev": "error", "text": text}))
         out.flush()
         sys.exit(2)

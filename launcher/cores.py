@@ -15,21 +15,35 @@ from typing import List, Optional, Sequence, Tuple
 
 from dslaunch.launcher.errors import LaunchConfigError
 
+# Linux numbers CPUs below NR_CPUS, at most 8192 (CONFIG_MAXSMP); the bound also keeps a
+# range such as 0-100000000 from being expanded into a hundred million numbers
+MAX_CORE = 8191
+
+
+def _whole(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
 
 def parse_core_list(text: str, option: str = "--bind_core_list") -> List[int]:
-    """"0,2-4,7" -> [0, 2, 3, 4, 7]; order kept, duplicates refused."""
+    """"0,2-4,7" -> [0, 2, 3, 4, 7]; order kept, duplicates refused, no number above MAX_CORE."""
     cores: List[int] = []
+    seen = set()
     for part in text.split(","):
         part = part.strip()
         lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or len(part) > 13:
+        # isascii: str.isdigit() also takes superscripts and other scripts' digits, which int() refuses
+        if not _whole(lo) or (dash and not _whole(hi)) or len(part) > 13:
             raise LaunchConfigError(f"{option} {text!r}: {part!r} is not a core number or range like 2-5")
         first, last = int(lo), int(hi) if dash else int(lo)
         if last < first:
             raise LaunchConfigError(f"{option} {text!r}: range {part!r} runs backwards")
+        if last > MAX_CORE:
+            raise LaunchConfigError(f"{option} {text!r}: core {last} is beyond {MAX_CORE}, the highest CPU number "
+                                    "Linux can have")
         for c in range(first, last + 1):
-            if c in cores:
+            if c in seen:
                 raise LaunchConfigError(f"{option} {text!r}: core {c} named twice")
+            seen.add(c)
             cores.append(c)
     return cores
 

@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from dslaunch.launcher.bounded_read import read_bounded
 from dslaunch.launcher.errors import LaunchConfigError
 
 ENV_FILE_NAME = ".dslaunch_env"
+ENV_FILE_LIMIT = 1 << 20  # environment variables: Linux caps all of argv and env at a few MiB anyway
 DEEPSPEED_ENV_FILE_NAME = ".deepspeed_env"
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -104,7 +106,7 @@ def candidate_paths(cwd: Path, home: Path, environ: Mapping[str, str]) -> List[P
 
 def read_env_file(path: Path) -> EnvFile:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, ENV_FILE_LIMIT, "env file", LaunchConfigError).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise LaunchConfigError(f"{path}: cannot read env file ({getattr(e, 'strerror', None) or e})") from None
     return EnvFile(str(path), parse_env_text(text, str(path)))
@@ -114,8 +116,9 @@ def load_env_files(explicit: Optional[str], cwd: Path, home: Path,
                    environ: Optional[Mapping[str, str]] = None) -> EnvFiles:
     if explicit:
         p = Path(explicit)
-        if not p.is_file():
+        if not p.exists():
             raise LaunchConfigError(f"{explicit}: env file (--env_file / DSLAUNCH_ENV_FILE) not found")
         return EnvFiles((read_env_file(p),))
     environ = os.environ if environ is None else environ
-    return EnvFiles(tuple(read_env_file(p) for p in candidate_paths(cwd, home, environ) if p.is_file()))
+    return EnvFiles(tuple(read_env_file(p) for p in candidate_paths(cwd, home, environ)
+                             if p.exists()))  # a FIFO or device there is refused by name, not skipped

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from dslaunch.launcher.bounded_read import read_bounded
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.options import MAX_SLOTS
 
 # Host names and IPv4 addresses. ':' and '@' are excluded because --include/--exclude use
 # them as separators, so a host that contained them could never be filtered.
+HOSTFILE_LIMIT = 16 << 20  # half a million hosts: far beyond any job, and bounded (read_bounded)
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?$")
 _USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
@@ -54,11 +56,9 @@ def parse_hostfile(path: str | Path) -> List[HostSpec]:
     """Read and parse a hostfile; every problem raises LaunchConfigError naming file[:line]."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_bounded(p, HOSTFILE_LIMIT, "hostfile", LaunchConfigError).decode("utf-8")
     except FileNotFoundError:
         raise LaunchConfigError(f"{path}: hostfile not found") from None
-    except IsADirectoryError:
-        raise LaunchConfigError(f"{path}: hostfile is a directory") from None
     except UnicodeDecodeError as e:
         raise LaunchConfigError(f"{path}: hostfile is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:

@@ -77,7 +77,7 @@ def launch(opts: LaunchOptions) -> int:
         if backend is not None:
             backend.check(plan)
         if opts.log_dir:
-            check_log_dir(opts.log_dir)
+            check_log_dir(opts.log_dir, range(plan.world.world_size))
     err = sys.stderr.buffer
     for note in plan.notes + plan.env_files.notices():
         say(err, note)

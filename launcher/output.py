@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import secrets
 import tempfile
 import threading
 import time
@@ -49,6 +50,7 @@ from typing import BinaryIO, Deque, Dict, List, Mapping, Optional, Sequence, Tup
 
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.failure import Failure
+from dslaunch.launcher.private_files import open_append, open_shared_dir
 from dslaunch.launcher.writer import BoundedWriter
 
 STDOUT, STDERR = "stdout", "stderr"
@@ -105,15 +107,22 @@ def say(err: BinaryIO, text: str) -> None:
         pass
 
 
-def check_log_dir(path: str) -> None:
-    """Create --log_dir and prove it writable before anything starts."""
+def check_log_dir(path: str, ranks: Sequence[int] = ()) -> None:
+    """Before anything starts: create --log_dir, prove it writable and writable by no other
+    user, and open each rank's log file as the job will (refused if it is a link, a FIFO,
+    another user's file or a hard link)."""
+    fd = open_shared_dir(path, "--log_dir")
+    probe = f".dslaunch-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        probe = Path(path) / f".dslaunch-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise LaunchConfigError(f"--log_dir {path}: cannot write there ({e.strerror or e})") from None
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+            os.unlink(probe, dir_fd=fd)
+        except OSError as e:
+            raise LaunchConfigError(f"--log_dir {path}: cannot write there ({e.strerror or e})") from None
+        for r in ranks:
+            os.close(open_append(fd, f"rank_{r}.log", str(Path(path) / f"rank_{r}.log"), "log file"))
+    finally:
+        os.close(fd)
 
 
 def _is_tty(stream: BinaryIO) -> bool:
@@ -128,16 +137,29 @@ def _wants_colour(stream: BinaryIO) -> bool:
 
 
 class LogDirSink:
-    """One file per rank, `rank_<N>.log`, both streams in arrival order, appended across runs."""
+    """One file per rank, `rank_<N>.log`, both streams in arrival order, appended across runs.
+
+    The folder is opened once and checked (no other user may write it), and each file is
+    opened relative to it without following a link and checked to be a plain file of ours
+    (private_files.py): a `rank_0.log -> /etc/passwd` planted there gets nothing, and the
+    job does not start."""
 
     def __init__(self, log_dir: str, ranks: Sequence[int], header: str):
         self.dir = Path(log_dir)
         self._files: Dict[int, Tuple[BinaryIO, BoundedWriter]] = {}
-        for r in ranks:
-            f = open(self.dir / f"rank_{r}.log", "ab", buffering=0)
-            w = BoundedWriter(f, LOG_BUFFER, name=f"dslaunch-log-{r}", flush=False)
-            w.write(f"=== {header} ===\n".encode(), force=True)
-            self._files[r] = (f, w)
+        dir_fd = open_shared_dir(log_dir, "--log_dir")
+        try:
+            for r in ranks:
+                fd = open_append(dir_fd, f"rank_{r}.log", str(self.path(r)), "log file")
+                f = os.fdopen(fd, "ab", buffering=0)
+                w = BoundedWriter(f, LOG_BUFFER, name=f"dslaunch-log-{r}", flush=False)
+                w.write(f"=== {header} ===\n".encode(), force=True)
+                self._files[r] = (f, w)
+        except LaunchConfigError:
+            self.close()
+            raise
+        finally:
+            os.close(dir_fd)
 
     def path(self, rank: int) -> Path:
         return self.dir / f"rank_{rank}.log"

@@ -11,6 +11,14 @@
                      "ended": {"host:3": "stopped"}, "dropped": 0}
                     {"ev": "error", "text": "..."}           the agent cannot run the request
 
+pdsh's control socket opens with a handshake over the one-time token in the request file:
+
+    agent -> head   {"host": "node1", "nonce": "<agent's random hex>", "proof": control_proof(token, "agent", nonce)}
+    head -> agent   {"proof": control_proof(token, "head", nonce)}
+
+The token never crosses the wire (an eavesdropper learns one proof bound to one nonce),
+and the agent starts nothing until the head's proof checks out.
+
 Either side that hears nothing from the other for heartbeat_timeout seconds gives up
 on it: the head declares the host lost, the agent kills its workers. Anything that does
 not parse as a JSON object is reported, never fatal: a stray line cannot stop the
@@ -18,6 +26,8 @@ agent from noticing EOF or a stop.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
@@ -61,6 +71,11 @@ class AgentRequest:
                        bool(d["finished"]), d.get("bind_core_list"))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed request ({type(e).__name__}: {e})") from None
+
+
+def control_proof(token: str, side: str, nonce: str) -> str:
+    """That `side` ("agent" or "head") knows `token`, bound to the agent's fresh `nonce`."""
+    return hmac.new(token.encode(), f"dslaunch-control {side} {nonce}".encode(), hashlib.sha256).hexdigest()
 
 
 def encode(obj: Dict[str, Any]) -> bytes:

@@ -43,6 +43,7 @@ from .nonfinite import NonFiniteGuard
 from .progress import ProgressLog
 from .strategy import FragmentError, StrategyContext, strategy_for_stage
 from .strict import ConfigError
+from .tensor_backward import SCALE_REQUIRED, BackwardUsageError, OutputGrads, engine_backward
 
 
 def _config_source(args, config, config_params):
@@ -186,6 +187,13 @@ class DeepSpeedEngine(torch.nn.Module):
         self._step_applied = False
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
+        # PyTorch-style backward (tensor_backward.py): forward() returns its outputs as aliases whose
+        # gradients run this engine's backward prologue and epilogue
+        self._own_backward = 0  # this engine's engine.backward() calls in progress
+        self._scale_called = False  # engine.scale(loss) since the last backward the script started itself
+        self._no_sync = False  # inside no_sync(): backward reduces nothing
+        self._output_grads = OutputGrads(self._tensor_backward_started, self.gradient_accumulation_steps,
+                                         lambda: self._own_backward > 0)
         self._setup_reporting()
         # under `dslaunch --autotuning`: measure this trial's profile steps, then stop it cleanly
         self._trial = TrialProbe.from_env(self, trial_baseline)
@@ -421,31 +429,104 @@ class DeepSpeedEngine(torch.nn.Module):
             explain_dtype_error(exc, self.compute_dtype, args, kwargs)
             raise
         self._memory("after forward")
+        if torch.is_grad_enabled():
+            out = self._output_grads.wrap(out)  # so that out.backward() / loss.backward() train as engine.backward
         return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """scale_wrt_gas=False: the caller already divided the loss by the accumulation steps
         (the HF Trainer does)."""
-        self._require_optimizer("backward")
-        boundary = self.is_gradient_accumulation_boundary()
-        if self.strategy.grads_reduced_early:
-            raise FragmentError("engine.backward(): this step's gradients were already reduced for "
-                                "safe_get_full_grad / safe_set_full_grad; call engine.step() before the next backward")
+        boundary = self._backward_prologue()
         self._meter.add_loss(loss.detach().float())  # read at the boundary: no sync per micro-step
         factor = self.loss_scale() / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self._meter.timed("backward"):
-            self.strategy.before_backward(boundary)
-            with self._meter.timed("backward_inner"):
-                scaled.backward(retain_graph=retain_graph)
+            with self._meter.timed("backward_inner"), engine_backward():
+                self._own_backward += 1
+                try:
+                    scaled.backward(retain_graph=retain_graph)
+                finally:
+                    self._own_backward -= 1
             with self._meter.timed("backward_allreduce"):
-                self.strategy.after_backward(boundary)
-        if boundary:
+                self._backward_epilogue(boundary)
+        return loss
+
+    def _backward_prologue(self) -> bool:
+        """What every backward through this engine starts with, engine.backward() or one the
+        script starts itself (loss.backward(), out.backward(grad)): the strategy learns whether
+        this micro-step ends the accumulation window. Returns whether it does."""
+        self._require_optimizer("backward")
+        if self.strategy.grads_reduced_early:
+            raise FragmentError("engine.backward(): this step's gradients were already reduced for "
+                                "safe_get_full_grad / safe_set_full_grad; call engine.step() before the next backward")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.strategy.before_backward(boundary and not self._no_sync)
+        return boundary
+
+    def _backward_epilogue(self, boundary: bool) -> None:
+        """Once every gradient of the backward pass is computed: the strategy reduces what the
+        micro-step calls for (nothing inside no_sync), and at the boundary the gradients are
+        readable until step()."""
+        reduce = boundary and not self._no_sync
+        self.strategy.after_backward(reduce)
+        if reduce:
             self.strategy.open_grad_window()  # safe_get_full_grad reads them until step()
             if self._trial is not None:
                 self._trial.after_backward()  # the gradients are held now; the step frees them
         self._memory("after backward")
-        return loss
+
+    def _tensor_backward_started(self):
+        """The first gradient of a backward pass the script started itself reached this engine's
+        outputs: run the prologue, and return the epilogue to run once the pass is done."""
+        if self._needs_scaled_loss() and not self._scale_called:
+            raise RuntimeError(SCALE_REQUIRED)
+        boundary = self._backward_prologue()
+        self._scale_called = False
+        self._meter.begin("backward")
+
+        def epilogue():
+            with self._meter.timed("backward_allreduce"):
+                self._backward_epilogue(boundary)
+            self._meter.end("backward")
+
+        return epilogue
+
+    def _needs_scaled_loss(self) -> bool:
+        # fp16 with a loss scale other than 1: gradients from an unscaled loss would be divided by
+        # the scale at the step. DeepSpeed 0.19.8 asks for engine.scale only under a dynamic scale
+        # and trains a static one silently wrong; both are refused here.
+        return self.loss_scaler is not None and (self.loss_scaler.dynamic or self.loss_scaler.scale != 1.0)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the fp16 loss scale, for `engine.scale(loss).backward()` in place
+        of engine.backward(loss) (the division by the accumulation steps happens at the outputs)."""
+        if self.optimizer is None:
+            raise BackwardUsageError("engine.scale(loss): this engine has no optimizer (no \"optimizer\" section, no "
+                                     "initialize(optimizer=)), so it cannot train")
+        if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.grad_fn is not None):
+            raise BackwardUsageError("engine.scale(loss): loss must be a scalar tensor with grad_fn (a loss computed "
+                                     "from the engine's outputs); for a non-scalar tensor call tensor.backward(grad)")
+        self._scale_called = True
+        scale = self.loss_scale()
+        return loss * scale if scale != 1.0 else loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside the block reduces nothing: gradients accumulate on each rank, and the
+        next backward outside it (or the step) reduces them all. ZeRO stages 0 and 1 only."""
+        stage = self.config.zero.stage
+        if stage >= 2:
+            raise BackwardUsageError(f"no_sync context manager is incompatible with gradient partitioning logic of "
+                                     f"ZeRO stage {stage}: every backward reduces each gradient to the rank that "
+                                     "owns it; use ZeRO stage 0 or 1 to accumulate without reducing")
+        if self._no_sync:
+            raise BackwardUsageError("no_sync context manager reentry is unsupported: this engine is already inside "
+                                     "no_sync()")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
@@ -454,6 +535,9 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         self._require_optimizer("step")
+        if self._no_sync:
+            raise BackwardUsageError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
+                                     "block first (the step needs the reduced gradients)")
         boundary = self.is_gradient_accumulation_boundary()
         with self._meter.timed("step"):
             if boundary:

@@ -22,7 +22,7 @@ checked against each builder's signature: a misspelt "lr" is an error, not a def
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -60,9 +60,15 @@ def _adam_impl(params, target: OptimizerTarget, adam_w_mode: bool, torch_adam: b
         if not kw.pop("bias_correction"):
             raise ConfigError("optimizer.params.bias_correction: false is not available with torch_adam: true")
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        if kw.get("weight_decay") is None:
+            # DeepSpeed hands the config's params to torch's class as they are: an unset decay is
+            # that class's default (AdamW 0.01, Adam 0), not the 0 of its own kernels
+            kw.pop("weight_decay", None)
         optimizer = cls(params, betas=betas, **kw)
         optimizer.torch_step_requested = True  # offload then runs this step, not a kernel
         return optimizer
+    if kw.get("weight_decay") is None:
+        kw["weight_decay"] = 0.0  # DeepSpeed's FusedAdam and CPU Adam default
     if target.cuda and not target.offload:
         return FusedAdam(params, betas=betas, decoupled_weight_decay=adam_w_mode, **kw)
     # offloaded, or parameters on the CPU: the SIMD kernel (DeepSpeed's CPU accelerator builds its
@@ -71,7 +77,7 @@ def _adam_impl(params, target: OptimizerTarget, adam_w_mode: bool, torch_adam: b
     return CPUAdam(params, betas=betas, decoupled_weight_decay=adam_w_mode, **kw)
 
 
-def _adam(params, target, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+def _adam(params, target, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: Optional[float] = None,
           adam_w_mode: bool = True, bias_correction: bool = True, amsgrad: bool = False, torch_adam: bool = False,
           fp32_optimizer_states: bool = True):
     _only_fp32_states(fp32_optimizer_states)
@@ -79,7 +85,7 @@ def _adam(params, target, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-
                       weight_decay=weight_decay, bias_correction=bias_correction, amsgrad=amsgrad)
 
 
-def _adamw(params, target, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+def _adamw(params, target, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: Optional[float] = None,
            adam_w_mode: bool = True, bias_correction: bool = True, amsgrad: bool = False, torch_adam: bool = False,
            fp32_optimizer_states: bool = True):
     if not adam_w_mode:

@@ -28,8 +28,10 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from dslaunch.launcher.errors import OneLineMessage
 
-class ConfigError(ValueError):
+
+class ConfigError(OneLineMessage, ValueError):
     """A config problem, already phrased as the one line the user should see."""
 
 
@@ -333,12 +335,20 @@ def load_text(text: str, source: str) -> Dict[str, Any]:
     return data
 
 
+CONFIG_FILE_LIMIT = 64 << 20  # DeepSpeed configs are kilobytes; a bound keeps /dev/zero from filling memory
+
+
 def load_file(path: str) -> Dict[str, Any]:
+    from dslaunch.launcher.bounded_read import read_bounded  # regular files only, at most the limit
+
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        raw = read_bounded(path, CONFIG_FILE_LIMIT, "config file", ConfigError)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: config is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return load_text(text, path)
 
 

@@ -3,6 +3,8 @@ scripts/make_ds_compression_fixtures.py (under DeepSpeed 0.17.6) and tests/test_
 (under dslaunch): plain torch only, so either side imports it."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -161,5 +163,84 @@ def train(model, x, y, on_step):
         loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# The engine cases: a 3-layer MLP trained through init_compression and deepspeed.initialize
+# (1 process, ZeRO stages ENGINE_STAGES) for ENGINE_STEPS steps of Adam, then redundancy_clean.
+ENGINE_STEPS = 12
+ENGINE_STAGES = (0, 2)
+# torch's AdamW on both sides ("torch_adam": DeepSpeed's default FusedAdam is an op build on the
+# CPU). weight_decay is given: DeepSpeed hands torch's AdamW only the params in the config, so
+# torch's own default (0.01) would apply without it.
+ENGINE_OPTIMIZER = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}
+
+
+class MLP3(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _row_l1(offset):
+    return technique({"method": "l1", "schedule_offset": offset},
+                     g=group({"dense_ratio": 0.5}, ["fc2"], [["fc3"]]))
+
+
+# name -> (compression_training section, whether fc1/fc2 are rounded to multiples of 1/16 so
+# that many weights and row norms are equal: the l1 rankings then hinge on how ties break)
+ENGINE_CASES = {
+    # rows of fc2 masked from step 2 on, fc3's inputs cut with them at the clean
+    "row_l1_offset2": ({"row_pruning": _row_l1(2)}, False),
+    # with single weights of fc1 (from step 1) and heads of fc2's inputs (from step 3; fc1's
+    # rows are the heads' outputs) on the same layers
+    "row_sparse_head": ({
+        "sparse_pruning": technique({"method": "l1", "schedule_offset": 1},
+                                    g=group({"dense_ratio": 0.5}, ["fc1"])),
+        "row_pruning": _row_l1(2),
+        "head_pruning": technique({"method": "topk", "schedule_offset": 3, "num_heads": 4},
+                                  g=group({"dense_ratio": 0.5}, ["fc2"], [["fc1"]]))}, False),
+    "row_sparse_ties": ({
+        "sparse_pruning": technique({"method": "l1", "schedule_offset": 1},
+                                    g=group({"dense_ratio": 0.5}, ["fc1"])),
+        "row_pruning": _row_l1(2)}, True),
+}
+
+
+def engine_model(case):
+    """The engine case's model, from a fixed seed."""
+    model = fresh(MLP3)
+    if ENGINE_CASES[case][1]:
+        with torch.no_grad():
+            for layer in (model.fc1, model.fc2):
+                layer.weight.mul_(16).round_().div_(16)
+    return model
+
+
+def engine_data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def engine_config(case, stage):
+    return {"train_batch_size": 16, "steps_per_print": 1000, "optimizer": ENGINE_OPTIMIZER,
+            "zero_optimization": {"stage": stage},
+            # a copy: DeepSpeed's config parser adds the sections it did not find to the dict
+            "compression_training": copy.deepcopy(ENGINE_CASES[case][0])}
+
+
+def engine_train(engine, x, y):
+    """ENGINE_STEPS steps of cross-entropy through the engine; returns the losses."""
+    losses = []
+    for _ in range(ENGINE_STEPS):
+        loss = torch.nn.functional.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
         losses.append(loss.item())
     return losses

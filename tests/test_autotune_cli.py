@@ -9,6 +9,7 @@ arguments. Another tunes a model AutoTP can split, over tp 1 and 2, re-measures 
 interleaved, and its winner and runner-up are re-run once more by the benchmark harness.
 """
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,10 +125,24 @@ def test_run_trains_with_the_best_configuration_and_the_scripts_own_arguments(tu
     ({"autotuning": {"metric": "flops"}}, [], "autotuning.metric: 'flops'"),
     ({"zero_optimization": {"stage": 5}}, [], "zero_optimization.stage: 5"),
     ({}, ["--autotuning_repeats", "1"], "--autotuning_repeats 1: give 0 (no re-runs) or 2 or more"),
+    # a section that is no mapping was ignored (the defaults tuned instead); a folder no file can be made in
+    # gave a traceback after the profile trial had been set up
+    ({"autotuning": [{"enabled": True}]}, [], "cfg.json: autotuning: must be a JSON object of keys and values, "
+                                              "not a list"),
+    ({"autotuning": "on"}, [], "cfg.json: autotuning: must be a JSON object of keys and values, not a str"),
+    ({"autotuning": {"results_dir": "/proc/self"}}, [], "autotuning.results_dir /proc/self: cannot write there"),
+    ({"autotuning": {"exps_dir": "/proc/self/x"}}, [], "autotuning.exps_dir /proc/self/x: cannot write there"),
+    ({"autotuning": {"results_dir": "t.py"}}, [], "autotuning.results_dir t.py: cannot write there"),
+    (None, [], "cfg.json: config file is a FIFO, not a regular file"),
+    ({"autotuning": {"results_dir": "/tmp"}}, [], "autotuning.results_dir /tmp: every user (mode 1777) can write "
+                                                  "there"),
 ])
 def test_bad_requests_are_one_line(tmp_path, monkeypatch, config, extra, message):
     monkeypatch.chdir(tmp_path)  # nothing may start, but if it did, its results stay here
-    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    if config is None:
+        os.mkfifo(tmp_path / "cfg.json")  # nobody writes to it: reading it would wait forever
+    else:
+        (tmp_path / "cfg.json").write_text(json.dumps(config))
     (tmp_path / "t.py").write_text("")
     result = CliRunner().invoke(launch, ["--autotuning", "tune", *extra, str(tmp_path / "t.py"), "--deepspeed_config",
                                          str(tmp_path / "cfg.json")], prog_name="dslaunch")

@@ -258,3 +258,80 @@ def test_full_disk_and_unwritable_directory_are_one_line(tmp_path):
     assert out["readonly"] == f"cannot create checkpoint directory {readonly}/ckpt: Read-only file system"
     assert out["not_dir"] == f"cannot create checkpoint directory {tmp_path}/file/ckpt: Not a directory"
     assert out["gathered"] == 0
+
+
+DS_S1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ds_interop", "ds", "s1_fp32")
+
+
+def test_garbage_in_a_deepspeed_shard_is_damage_not_a_pickle_threat(tmp_path, capsys):
+    """64 bytes overwritten in the pickle of a DeepSpeed-layout shard (no manifest, so no
+    checksum) are not a payload: the line says the file is damaged and does not send the user
+    to trust_pickle; a real payload in the same file is still named as one."""
+    import shutil
+
+    from dslaunch.runtime.checkpoint.consolidate import consolidate
+
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shutil.copytree(DS_S1, tmp_path / "garbage")
+    shard = tmp_path / "garbage" / "global_step3" / name
+    with open(shard, "r+b") as fh:
+        fh.seek(int(os.path.getsize(shard) * 0.3))  # inside data.pkl
+        fh.write(b"\x7f" * 64)
+    shutil.copytree(DS_S1, tmp_path / "payload")
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "payload" / "global_step3" / name
+    from dslaunch.runtime.checkpoint.files import load_torch
+    from dslaunch.runtime.checkpoint.foreign import save_with_deepspeed_globals
+
+    state = load_torch(str(evil))  # DeepSpeed's pickled classes come back as stand-ins ...
+    state["x"] = _RunsACommand(marker)
+    with open(evil, "wb") as fh:
+        save_with_deepspeed_globals(state, fh)  # ... and go back under DeepSpeed's names
+    lines = {}
+    for how in ("garbage", "payload"):
+        with pytest.raises(SystemExit) as info:
+            consolidate.main(args=[str(tmp_path / how), str(tmp_path / "o.pt")], prog_name="dslaunch consolidate")
+        lines[how] = capsys.readouterr().err.strip().splitlines()
+        assert info.value.code == 2 and len(lines[how]) == 1, lines[how]
+    path = tmp_path / "garbage" / "global_step3" / name
+    assert lines["garbage"][0] == (f"dslaunch consolidate: checkpoint file {path} is damaged or truncated: its pickled "
+                                   "data is not valid (Unsupported operand 127); restore the file from a good copy")
+    assert "trust_pickle" not in lines["garbage"][0]
+    assert "holds pickled Python objects (posix.system) that could run code" in lines["payload"][0]
+    assert not marker.exists() and not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize("case, states", [("s2_fp32", "mp_rank_00_model_states.pt"),
+                                          ("s3_fp32", "zero_pp_rank_0_mp_rank_00_model_states.pt")])
+@pytest.mark.parametrize("shape, why", [
+    ((-3, 15), "inp.weight has shape (-3, 15): a dimension below 0"),
+    ((2 ** 28, 5), "inp.weight has shape (268435456, 5)"),
+    ((9, 2 ** 28), "inp.weight has shape (9, 268435456)"),
+    (("nine", 5), "inp.weight has shape ('nine', 5): not a list of whole numbers"),
+    ((9.5, 5), "inp.weight has shape (9.5, 5): not a list of whole numbers"),
+])
+@pytest.mark.timeout(120)
+def test_crafted_param_shapes_are_refused_before_anything_is_allocated(tmp_path, capsys, case, states, shape, why):
+    """param_shapes decides how much is allocated for each parameter: a negative or huge
+    dimension gave RuntimeError tracebacks, after allocating the declared size (1.29 GB).
+    The shapes are now checked against the elements the shard files really hold first."""
+    import shutil
+
+    from dslaunch.runtime.checkpoint.consolidate import consolidate
+    from dslaunch.runtime.checkpoint.files import load_torch
+    from dslaunch.runtime.checkpoint.foreign import save_with_deepspeed_globals
+
+    ck = tmp_path / "ck"
+    shutil.copytree(os.path.join(os.path.dirname(DS_S1), case), ck)
+    for f in sorted((ck / "global_step3").glob("*model_states.pt")):
+        model = load_torch(str(f))
+        model["param_shapes"][0]["inp.weight"] = shape
+        with open(f, "wb") as fh:
+            save_with_deepspeed_globals(model, fh)
+    with pytest.raises(SystemExit) as info:
+        consolidate.main(args=[str(ck), str(tmp_path / "o.pt")], prog_name="dslaunch consolidate")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"dslaunch consolidate: checkpoint {ck}/global_step3: param_shapes: ")
+    assert why in lines[0]
+    assert not (tmp_path / "o.pt").exists()

@@ -282,3 +282,90 @@ def test_buffers_and_frozen_weights_come_from_the_module_states_and_placeholders
     shard = uc.shard()
     assert [g["state"].get("step") for g in shard["groups"]] == [3] and shard["param_groups"] == [{"lr": 0.1}]
     assert torch.equal(shard["groups"][0]["state"]["exp_avg"]["w"], torch.ones(4))
+
+
+def crafted_body(folders):
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.checkpoint import CheckpointError
+
+    cfg = fx.config(2, "fp32", 1)
+    cfg["checkpoint"] = {"load_universal": True}
+    model = fx.make_model()
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    out = {}
+    for how, folder in folders.items():
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        try:
+            engine.load_checkpoint(folder)
+            out[how] = "loaded"
+        except CheckpointError as exc:
+            out[how] = str(exc)
+            out[how + "_untouched"] = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    engine.destroy()
+    return out
+
+
+def test_crafted_universal_folders_are_refused_naming_the_file_and_key(tmp_path):
+    """NaN in a moment, int64 where fp32 belongs, `zero/` or one file linked out of the
+    checkpoint: each loaded without a word; now one line naming the file (and the key)."""
+    import shutil
+
+    src = os.path.join(DATA, "ds", "s2_fp32")
+    tag = "global_step3_universal"
+    folders = {}
+    for how in ("intact", "nan", "int64", "zero_link", "file_link"):
+        folder = tmp_path / how
+        shutil.copytree(src, folder)
+        folders[how] = str(folder)
+        zero = folder / tag / "zero"
+        if how == "nan":
+            f = zero / "inp.weight" / "exp_avg.pt"
+            d = torch.load(f, weights_only=True)
+            d["param"][0, 0] = float("nan")
+            torch.save(d, f)
+        elif how == "int64":
+            f = zero / "inp.weight" / "fp32.pt"
+            d = torch.load(f, weights_only=True)
+            d["param"] = d["param"].round().to(torch.int64)
+            torch.save(d, f)
+        elif how == "zero_link":  # the same data, kept outside the checkpoint
+            shutil.move(zero, tmp_path / "elsewhere_zero")
+            zero.symlink_to(tmp_path / "elsewhere_zero")
+        elif how == "file_link":
+            f = zero / "inp.weight" / "fp32.pt"
+            shutil.move(f, tmp_path / "elsewhere_fp32.pt")
+            f.symlink_to(tmp_path / "elsewhere_fp32.pt")
+    out = run_function(crafted_body, nprocs=1, timeout=300, kwargs={"folders": folders})[0]
+    root = lambda how: f"{tmp_path}/{how}/{tag}"  # noqa: E731
+    assert out["intact"] == "loaded"
+    assert out["nan"] == (f"universal checkpoint file {root('nan')}/zero/inp.weight/exp_avg.pt: inp.weight exp_avg "
+                          "holds 1 NaN or infinite value(s) of 45; refusing to load it")
+    assert out["int64"] == (f"universal checkpoint file {root('int64')}/zero/inp.weight/fp32.pt: inp.weight fp32 "
+                            "holds int64, where a floating-point tensor belongs")
+    assert out["zero_link"] == (f"checkpoint file {root('zero_link')}/zero/optimizer_state.pt resolves to "
+                                f"{tmp_path}/elsewhere_zero/optimizer_state.pt, outside the checkpoint "
+                                f"{root('zero_link')} (a link out of it); refusing to read it")
+    assert out["file_link"] == (f"checkpoint file {root('file_link')}/zero/inp.weight/fp32.pt resolves to "
+                                f"{tmp_path}/elsewhere_fp32.pt, outside the checkpoint {root('file_link')} (a link "
+                                "out of it); refusing to read it")
+    assert all(out[k + "_untouched"] for k in ("nan", "int64", "zero_link", "file_link"))
+
+
+@pytest.mark.parametrize("output, why", [("link", "is the checkpoint being converted"),
+                                         ("ck/global_step3/universal", "is inside the checkpoint")])
+def test_ds_to_universal_refuses_an_output_that_is_or_is_inside_its_input(tmp_path, output, why):
+    """A link to the input folder passed the old by-name comparison, and the converter then
+    replaced the input's own model-states file."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dslaunch.runtime.checkpoint.ds_to_universal import ds_to_universal
+
+    shutil.copytree(os.path.join(INTEROP, "ds", "s2_fp32"), tmp_path / "ck")
+    (tmp_path / "link").symlink_to(tmp_path / "ck" / "global_step3")
+    before = {p: p.read_bytes() for p in (tmp_path / "ck").rglob("*") if p.is_file()}
+    res = CliRunner().invoke(ds_to_universal, ["--input_folder", str(tmp_path / "ck"),
+                                               "--output_folder", str(tmp_path / output)])
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1 and why in res.stderr, res.stderr
+    assert {p: p.read_bytes() for p in (tmp_path / "ck").rglob("*") if p.is_file()} == before

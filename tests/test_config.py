@@ -1,6 +1,7 @@
 """The config schema: batch-size table, bad-config table with exact messages, JSON/YAML
 errors with positions, and the seeds' configs loading unchanged. Pure logic, no processes."""
 import json
+import os
 
 import pytest
 
@@ -100,6 +101,43 @@ def test_yaml_config_and_missing_file(tmp_path):
     assert DeepSpeedConfig.load(str(path)).zero.stage == 1
     with pytest.raises(ConfigError, match="cannot read config"):
         DeepSpeedConfig.load(str(tmp_path / "nope.json"))
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("/dev/zero", "/dev/zero: config file is a character device, not a regular file; refusing to read it"),
+    ("fifo", "ds.json: config file is a FIFO, not a regular file; refusing to read it"),
+    ("directory", "ds.json: config file is a directory, not a regular file; refusing to read it"),
+    ("huge", "ds.json: config file is 67108865 bytes, over its limit of 64 MiB; refusing to read it"),
+    ("latin-1", "ds.json: config is not UTF-8 text (invalid continuation byte at byte 25)"),
+])
+@pytest.mark.timeout(60)
+def test_a_config_file_is_read_bounded_and_only_if_regular(tmp_path, kind, message):
+    """/dev/zero grew the reader to 21.5 GB; a FIFO hung it: one line naming the file instead."""
+    path = tmp_path / "ds.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # nobody writes to it
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge":
+        with open(path, "wb") as fh:
+            fh.truncate((64 << 20) + 1)
+    elif kind == "latin-1":
+        path.write_bytes(b'{"train_batch_size": 8, "\xe9": 1}')
+    source = kind if kind == "/dev/zero" else str(path)
+    with pytest.raises(ConfigError) as info:
+        DeepSpeedConfig.load(source)
+    assert str(info.value).endswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_initialize_with_dev_zero_as_config_is_one_line():
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="^/dev/zero: config file is a character device, not a regular file"):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config="/dev/zero")
 
 
 def test_seed_configs_load_unchanged():

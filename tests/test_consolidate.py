@@ -100,3 +100,48 @@ def test_consolidate_help_says_how_the_output_format_is_chosen():
     assert "OUT's name picks the format: *.safetensors is written with the safetensors package (an error if " \
            "it is not installed), any other name with torch.save." in text
     assert "otherwise torch format" not in text
+
+
+@pytest.mark.parametrize("ckpt, out", [
+    ("ck", "ck/global_step3/mp_rank_00_model_states.pt"),  # the very file being read
+    ("ck", "ck/latest"),
+    ("ck", "ck/global_step3/manifest.json"),
+    ("ck", "ck/model.pt"),  # a new name among the checkpoint's own files
+    ("ck/global_step3", "ck/global_step3/mp_rank_00_model_states.pt"),  # the tag folder given itself
+    ("ck", "ck/global_step3/../latest"),
+    ("ck", "link/latest"),  # link -> ck: resolved, it is the same file
+])
+def test_an_output_inside_the_checkpoint_is_refused_and_the_checkpoint_survives(tmp_path, capsys, ckpt, out):
+    _fake_stage0_checkpoint(tmp_path / "ck")
+    (tmp_path / "link").symlink_to(tmp_path / "ck")
+    before = {p: p.read_bytes() for p in (tmp_path / "ck").rglob("*") if p.is_file()}
+    code, err = _run_in_process(capsys, str(tmp_path / ckpt), str(tmp_path / out))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0] == (f"dslaunch consolidate: {tmp_path / out} is inside the checkpoint {tmp_path / ckpt} being "
+                        "read, and writing it there could destroy that checkpoint; write it outside")
+    assert {p: p.read_bytes() for p in (tmp_path / "ck").rglob("*") if p.is_file()} == before
+    assert consolidate_checkpoint(str(tmp_path / "ck"))  # still loads
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("fifo", "latest: the file naming the latest tag is a FIFO, not a regular file; refusing to read it"),
+    ("device", "latest: the file naming the latest tag is a character device, not a regular file"),
+    ("huge", "latest: the file naming the latest tag is 4097 bytes, over its limit of 4 KiB"),
+])
+@pytest.mark.timeout(60)
+def test_a_latest_that_is_no_regular_file_is_one_line(tmp_path, capsys, kind, message):
+    """A FIFO named `latest` hung the reader: it is refused by name instead."""
+    _fake_stage0_checkpoint(tmp_path / "ck")
+    latest = tmp_path / "ck" / "latest"
+    latest.unlink()
+    if kind == "fifo":
+        os.mkfifo(latest)
+    elif kind == "device":
+        latest.symlink_to("/dev/zero")
+    else:
+        latest.write_text("g" * 4097)
+    code, err = _run_in_process(capsys, str(tmp_path / "ck"), str(tmp_path / "o.pt"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "o.pt").exists()

@@ -219,3 +219,76 @@ def test_on_device_cpu_casts_the_dtype_and_keeps_ties():
         model = Tied()
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.half)}
     assert model.head.weight is model.wte.weight and model.steps.dtype == torch.long
+
+
+@pytest.mark.parametrize("how, message", [
+    ("dotdot", "\"checkpoints\" entry '../outside.pt' leads outside {work}; a checkpoint descriptor may name only "
+               "files under its base_dir (pass init_inference(base_dir=...) to choose that folder)"),
+    ("absolute", "\"checkpoints\" entry '{tmp}/outside.pt' leads outside {work}"),
+    ("base_dir", "base_dir '{tmp}' leads outside {work}"),
+    ("list", "{work}/ds.json: checkpoint descriptor must be a JSON object, not a JSON list"),
+    ("fifo", "{work}/ds.json: checkpoint descriptor is a FIFO, not a regular file"),
+    ("latest", "{work}/train/latest names '../x', which contains a path separator; refusing to follow it"),
+    ("index", "{work}/hf/model.safetensors.index.json: \"weight_map\" file '../outside.safetensors' leads outside "
+              "{work}/hf"),
+])
+@pytest.mark.timeout(120)
+def test_checkpoint_descriptors_cannot_lead_outside_their_folder(tmp_path, how, message):
+    """A descriptor, `latest` or safetensors index names files by `..` or an absolute path:
+    all were followed (a full model loaded from outside); a list descriptor was an
+    AttributeError and a FIFO hung. One line each, the same rule the training loader keeps."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dslaunch.runtime.checkpoint import CheckpointError
+
+    work = tmp_path / "work"
+    work.mkdir()
+    sd = build("gpt2").state_dict()
+    torch.save(sd, tmp_path / "outside.pt")  # a complete model: the old loader took it without a word
+    descriptor = work / "ds.json"
+    target = str(descriptor)
+    if how in ("dotdot", "absolute", "base_dir"):
+        entry = {"dotdot": "../outside.pt", "absolute": str(tmp_path / "outside.pt"), "base_dir": "outside.pt"}[how]
+        body = {"type": "ds_model", "checkpoints": [entry], "version": 1.0}
+        if how == "base_dir":
+            body["base_dir"] = str(tmp_path)
+        descriptor.write_text(json.dumps(body))
+    elif how == "list":
+        descriptor.write_text(json.dumps([{"type": "ds_model", "checkpoints": ["../outside.pt"]}]))
+    elif how == "fifo":
+        os.mkfifo(descriptor)  # nobody writes to it
+    elif how == "latest":
+        (work / "train").mkdir()
+        (work / "train" / "latest").write_text("../x")
+        (work / "x").mkdir()
+        torch.save({"module": sd}, work / "x" / "mp_rank_00_model_states.pt")
+        target = str(work / "train")
+    else:
+        (work / "hf").mkdir()
+        save_file({k: v.clone().contiguous() for k, v in sd.items()}, work / "outside.safetensors")
+        (work / "hf" / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {k: "../outside.safetensors" for k in sd}}))
+        target = str(work / "hf")
+    with deepspeed.OnDevice(dtype=torch.float, device="meta"):
+        skeleton = build("gpt2", seed=7)
+    with pytest.raises(CheckpointError) as info:
+        deepspeed.init_inference(skeleton, dtype=torch.float, checkpoint=target)
+    text = str(info.value)
+    assert message.format(work=work, tmp=tmp_path) in text and "\n" not in text, text
+
+
+def test_init_inference_base_dir_chooses_the_folder_a_descriptor_may_name(tmp_path):
+    """The script, not the descriptor, widens the folder: base_dir=... names it."""
+    import json
+
+    ref = build("gpt2")
+    torch.save(ref.state_dict(), tmp_path / "outside.pt")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "ds.json").write_text(json.dumps({"type": "ds_model", "checkpoints": ["outside.pt"]}))
+    with deepspeed.OnDevice(dtype=torch.float, device="meta"):
+        skeleton = build("gpt2", seed=7)
+    engine = deepspeed.init_inference(skeleton, dtype=torch.float, checkpoint=str(tmp_path / "work" / "ds.json"),
+                                      base_dir=str(tmp_path))
+    assert torch.allclose(logits(engine.module, prompt()), logits(ref, prompt()), atol=1e-6)

@@ -117,9 +117,21 @@ def test_local_hostfile_text_plan(hostfile):
         (["--log_dir", "x.py/logs", BEHAVE], "--log_dir x.py/logs: cannot write there (Not a directory)"),
         (["--bind_core_list", "0-1", BEHAVE], "--bind_core_list needs --bind_cores_to_rank"),
         (["--bind_cores_to_rank", "--bind_core_list", "3-1", BEHAVE], "--bind_core_list '3-1': range '3-1' runs backwards"),
+        # unbounded input: refused by name at once, never read until memory runs out or forever
+        (["--bind_cores_to_rank", "--bind_core_list", "0-100000000", BEHAVE],
+         "--bind_core_list '0-100000000': core 100000000 is beyond 8191, the highest CPU number Linux can have"),
+        (["-H", "/dev/zero", BEHAVE], "/dev/zero: hostfile is a character device, not a regular file"),
+        (["--hostfile", "FIFO", BEHAVE], "FIFO: hostfile is a FIFO, not a regular file"),
+        (["--hostfile", "BIG", BEHAVE], "BIG: hostfile is 16777217 bytes, over its limit of 16 MiB"),
+        (["--env_file", "/dev/zero", BEHAVE], "/dev/zero: env file is a character device, not a regular file"),
+        (["--env_file", "FIFO", BEHAVE], "FIFO: env file is a FIFO, not a regular file"),
     ],
 )
+@pytest.mark.timeout(60)
 def test_usage_errors_are_one_line_exit_2(tmp_path, args, message):
+    os.mkfifo(tmp_path / "FIFO")  # nobody ever writes to it: reading it would wait forever
+    with open(tmp_path / "BIG", "wb") as fh:
+        fh.truncate((16 << 20) + 1)
     (tmp_path / "HF").write_text("localhost slots=2\nw1 slots=4x\n")
     (tmp_path / "x.py").write_text("")
     (tmp_path / "GOOD").write_text("localhost slots=2\n")
@@ -349,3 +361,56 @@ def test_module_and_no_python_runs(tmp_path):
     assert sorted(r.stdout.splitlines()) == [f'[rank {i}] ["--local_rank={i}", "args", "--flag"]' for i in (0, 1)]
     r = run(["--no_python", "--no_local_rank", "echo", "hi there"])
     assert r.returncode == 0 and r.stdout == "[rank 0] hi there\n"
+
+
+@pytest.mark.parametrize("how", ["link", "another_user", "file"])
+def test_pdsh_never_writes_through_a_request_folder_another_user_planted(tmp_path, how):
+    """`.dslaunch` in the working directory is where pdsh's request files go (argv, the control
+    token, every .dslaunch_env secret). A planted link, another user's folder or a file there
+    is refused in one line before anything is written or started."""
+    if how == "another_user" and os.geteuid() != 0:
+        pytest.skip("making a folder of another user needs root")
+    work, victim, tools = tmp_path / "work", tmp_path / "victim", tmp_path / "bin"
+    for d in (work, victim, tools):
+        d.mkdir()
+    (work / "t.py").write_text("print('hello')\n")
+    (work / "hf").write_text("nodeA slots=1\nnodeB slots=1\n")
+    (work / ".dslaunch_env").write_text("HF_TOKEN=hf_secret_value\n")
+    pdsh = tools / "pdsh"  # stands in for pdsh: records that it was started
+    pdsh.write_text(f"#!/bin/sh\ntouch {tmp_path / 'pdsh_ran'}\nexit 1\n")
+    pdsh.chmod(0o755)
+    if how == "link":
+        (work / ".dslaunch").symlink_to(victim)
+    elif how == "another_user":
+        (work / ".dslaunch").mkdir(mode=0o777)
+        os.chmod(work / ".dslaunch", 0o777)
+        os.chown(work / ".dslaunch", 65534, 65534)
+    else:
+        (work / ".dslaunch").write_text("")
+    before = victim.stat().st_mtime_ns  # any file made there, even one removed again, moves it
+    r = run(["--launcher", "pdsh", "--skip_check", "--hostfile", "hf", "t.py"], cwd=work,
+            env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}"})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and f"{work}/.dslaunch" in lines[0], r.stderr
+    assert {"link": "is a symbolic link", "another_user": "is owned by nobody (uid 65534), not by you",
+            "file": "is not a directory"}[how] in lines[0]
+    assert victim.stat().st_mtime_ns == before and not list(victim.iterdir())
+    assert not (tmp_path / "pdsh_ran").exists()
+    if how == "another_user":
+        assert not list((work / ".dslaunch").iterdir())
+
+
+def test_pdsh_request_folder_of_ours_is_made_private(tmp_path):
+    """Our own `.dslaunch` left readable by others (an older run, a umask) is made 0700 before use."""
+    work, tools = tmp_path / "work", tmp_path / "bin"
+    work.mkdir(), tools.mkdir()
+    (work / "t.py").write_text("print('hello')\n")
+    (work / "hf").write_text("nodeA slots=1\n")
+    (work / ".dslaunch").mkdir()
+    os.chmod(work / ".dslaunch", 0o755)
+    pdsh = tools / "pdsh"
+    pdsh.write_text(f"#!/bin/sh\nstat -c %a {work / '.dslaunch'} > {tmp_path / 'mode'}\nexit 1\n")
+    pdsh.chmod(0o755)
+    run(["--launcher", "pdsh", "--skip_check", "--hostfile", "hf", "--heartbeat_timeout", "2", "t.py"], cwd=work,
+        env={**os.environ, "PATH": f"{tools}:{os.environ['PATH']}"})
+    assert (tmp_path / "mode").read_text().strip() == "700"

@@ -234,3 +234,52 @@ def test_a_carriage_return_in_a_line_gives_each_piece_our_prefix():
         o.line(OutputLine(0, "rank 0", "stdout", data))
     o.close()
     assert out.getvalue() == b"[rank 0] [rank 0] fine then\n[rank 0] [rank 1] forged\n"
+
+
+@pytest.mark.parametrize("how", ["link", "fifo", "hard_link", "another_users_file", "open_folder", "group_folder"])
+@pytest.mark.timeout(60)
+def test_log_dir_never_writes_through_what_another_user_planted(tmp_path, how):
+    """--log_dir in a folder others can write: `rank_0.log -> /victim` (or a FIFO, a hard link,
+    another user's file there) gets no byte, and a folder other users can write is refused
+    before anything starts. One line, exit 2, no worker started."""
+    if how == "another_users_file" and os.geteuid() != 0:
+        pytest.skip("making a file of another user needs root")
+    logs, victim = tmp_path / "logs", tmp_path / "victim"
+    logs.mkdir()
+    victim.write_text("precious\n")
+    rank0 = logs / "rank_0.log"
+    expect = {"link": f"{rank0}: log file is a symbolic link; refusing to write through it",
+              "fifo": f"{rank0}: log file is a FIFO, not a regular file",
+              "hard_link": f"{rank0}: log file has 2 hard links",
+              "another_users_file": f"{rank0}: log file is owned by nobody (uid 65534), not by you",
+              "open_folder": f"--log_dir {logs}: every user (mode 0777) can write there",
+              "group_folder": f"--log_dir {logs}: group "}[how]
+    if how == "link":
+        rank0.symlink_to(victim)
+    elif how == "fifo":
+        os.mkfifo(rank0)
+    elif how == "hard_link":
+        os.link(victim, rank0)
+    elif how == "another_users_file":
+        rank0.write_text("")
+        os.chown(rank0, 65534, 65534)
+    elif how == "open_folder":
+        os.chmod(logs, 0o777)
+    else:  # writable by a group others are in (nogroup's gid is no one's own group here)
+        os.chown(logs, os.geteuid(), 65534)
+        os.chmod(logs, 0o775)
+    r = subprocess.run([*DSLAUNCH, "--log_dir", str(logs), BEHAVE, "env", str(tmp_path / "ran")],
+                       capture_output=True, text=True, timeout=50, cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and expect in lines[0], r.stderr
+    assert victim.read_text() == "precious\n" and not list(tmp_path.glob("ran*"))
+
+
+def test_log_dir_appends_to_our_own_files(tmp_path):
+    """The checks refuse only what another user could have planted: a second run appends."""
+    logs = tmp_path / "logs"
+    for _ in range(2):
+        r = subprocess.run([*DSLAUNCH, "--log_dir", str(logs), BEHAVE, "args"], capture_output=True, text=True,
+                           timeout=50, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+    assert (logs / "rank_0.log").read_text().count("=== dslaunch run") == 2

@@ -39,6 +39,10 @@ def test_adam_modes_and_deepspeed_defaults():
     adam = _build("Adam", {"adam_w_mode": False})  # CPU parameters: the SIMD kernel in Adam's L2 form
     assert type(adam).__name__ == "CPUAdam" and adam.param_groups[0]["decoupled_weight_decay"] is False
     assert type(_build("Adam", {"torch_adam": True})) is torch.optim.AdamW  # torch's own, when asked
+    # with torch_adam an unset weight_decay is torch's class default, as DeepSpeed passes the params as they are
+    assert _build("Adam", {"torch_adam": True}).param_groups[0]["weight_decay"] == 0.01
+    assert _build("Adam", {"torch_adam": True, "adam_w_mode": False}).param_groups[0]["weight_decay"] == 0.0
+    assert _build("AdamW", {"torch_adam": True, "weight_decay": 0.0}).param_groups[0]["weight_decay"] == 0.0
     cpu = _build("Adam", {"adam_w_mode": False, "lr": 0.5}, OFFLOAD)
     assert cpu.param_groups[0]["decoupled_weight_decay"] is False and cpu.param_groups[0]["lr"] == 0.5
     # DeepSpeed's defaults: weight_decay 0 for Adam and AdamW alike, Lion lr 1e-3 and betas (0.9, 0.999).

@@ -9,11 +9,12 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+from dslaunch.launcher.bounded_read import read_bounded
 from dslaunch.launcher.errors import LaunchConfigError
 
+CONFIG_FILE_LIMIT = 64 << 20  # as the runtime's config reader (runtime/strict.py)
 METRICS = ("throughput", "latency")
 TUNERS = ("gridsearch", "random", "model_based")
 # DeepSpeed keys refused here: key -> why
@@ -99,9 +100,11 @@ def _typed(key: str, value: Any, annotation: str) -> Any:
 def load_user_config(path: str) -> Dict[str, Any]:
     """The user's DeepSpeed config file as a dict (JSON, or YAML by its suffix)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_bounded(path, CONFIG_FILE_LIMIT, "config file", LaunchConfigError).decode("utf-8")
     except OSError as exc:
         raise LaunchConfigError(f"{path}: cannot read the DeepSpeed config: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise LaunchConfigError(f"{path}: config is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml

@@ -101,6 +101,22 @@ def plan_candidates(space: List[Candidate], info: ModelInfo, prec: Precision,
     return kept, records
 
 
+def writable_dir(folder: Path, what: str) -> None:
+    """Make `folder` and prove a file can be created in it, before the first trial: a folder
+    such as /proc/self (or a file's name) would otherwise fail mid-tuning with a traceback.
+    A folder other users can write is refused (private_files.py): trials write logs and
+    configs into it, and a link planted there would be written through."""
+    from dslaunch.launcher.private_files import open_shared_dir
+
+    os.close(open_shared_dir(str(folder), what))
+    probe = folder / f".dslaunch-probe-{os.getpid()}"
+    try:
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as exc:
+        raise LaunchConfigError(f"{what} {folder}: cannot write there ({exc.strerror or exc})") from None
+
+
 class Tuning:
     def __init__(self, opts: LaunchOptions, settings: Settings, environ: Dict[str, str]):
         if opts.no_python:
@@ -113,9 +129,12 @@ class Tuning:
         _, self.config_path = config_arg(opts.script_args)
         self.user = load_user_config(self.config_path)
         section = self.user.get("autotuning")
+        if section is not None and not isinstance(section, dict):  # else its keys would be ignored unread
+            raise LaunchConfigError(f"{self.config_path}: autotuning: must be a JSON object of keys and values, "
+                                    f"not a {type(section).__name__}")
         if isinstance(section, dict) and section.get("enabled") is False:
             raise LaunchConfigError(f"{self.config_path}: autotuning.enabled is false; set it true to tune")
-        self.at = AutotuningConfig.from_dict(section if isinstance(section, dict) else None)
+        self.at = AutotuningConfig.from_dict(section)
         self.results = Path(self.at.results_dir)
         self.exps = Path(self.at.exps_dir)
         self.launcher = TrialLauncher(opts, environ, self.at.start_profile_step, self.at.end_profile_step,
@@ -176,7 +195,8 @@ class Tuning:
 
     def tune(self) -> int:
         start = time.monotonic()
-        self.results.mkdir(parents=True, exist_ok=True)
+        for key, folder in (("exps_dir", self.exps), ("results_dir", self.results)):
+            writable_dir(folder, f"autotuning.{key}")
         info = self.profile()
         prec = Precision.of(self.user)
         self.tps = tp_degrees(self.user, sorted(info.tp_split_params), info.tp_refusal)

@@ -7,14 +7,24 @@ every local user in /proc/*/cmdline, on the head and on each node. So:
   as it has read it. The working directory must therefore be the same directory on every
   host (a shared filesystem), as DeepSpeed's pdsh launcher also assumes; an agent that
   cannot find its file says so and the job stops;
+- the working directory may be one other users can write, so `.dslaunch` is trusted only
+  as a real directory of ours, made 0700, opened once without following a link, and each
+  request file is created in it with O_EXCL|O_NOFOLLOW (private_files.py); a planted
+  `.dslaunch` link or another user's directory is refused in one line before anything
+  starts. The agent checks the folder and the file the same way before reading them;
 - the file also holds a TCP port on the head and a one-time token: the agent connects back
   (to the address in $SSH_CONNECTION, i.e. the head as the node sees it) and the heartbeat
-  pings and the stop travel over that socket, since pdsh has no stdin to carry them.
+  pings and the stop travel over that socket, since pdsh has no stdin to carry them. The
+  token itself never crosses the network: each side proves it knows it with an HMAC,
+  keyed by the token, of a fresh nonce the agent picks (protocol.py), the agent first;
+  the agent runs nothing until the head has proved it, so a listener that took the port
+  over gets no token and starts no worker.
 The agents' events come back through pdsh's `host: line` output and are demultiplexed per
 node; supervision is then the same Head as for ssh.
 """
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 import shlex
@@ -29,7 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from dslaunch.launcher.backends import require_tool, split_args
 from dslaunch.launcher.hostfile import split_user
 from dslaunch.launcher.head import AgentLink, Head, LocalLink
-from dslaunch.launcher.protocol import AgentRequest, decode, encode
+from dslaunch.launcher.private_files import create_private, open_private_dir
+from dslaunch.launcher.protocol import AgentRequest, control_proof, decode, encode
 
 REQUEST_DIR = ".dslaunch"
 CONNECT_TIMEOUT = 60.0  # an agent that has not connected back by then is reported by the heartbeat anyway
@@ -80,16 +91,21 @@ class _PdshGroup:
         self.plan = plan
         self.links: List["PdshLink"] = []
         self.dir = Path(plan.workdir) / REQUEST_DIR
-        self.dir.mkdir(mode=0o700, exist_ok=True)
+        self.dir_fd = open_private_dir(str(self.dir), "the pdsh request folder")
         self.pattern = str(self.dir / f"request-{attempt_tag}-%n.json")
         self.server = socket.create_server(("", 0))
         self.port = self.server.getsockname()[1]
         self.proc: Optional[subprocess.Popen] = None
         self._started = 0
+        self._finished = False
         self._lock = threading.Lock()
 
     def request_path(self, index: int) -> str:
         return self.pattern.replace("%n", str(index))
+
+    def write_request(self, index: int, body: bytes) -> None:
+        path = self.request_path(index)
+        create_private(self.dir_fd, os.path.basename(path), body, path)
 
     def link_started(self) -> None:
         with self._lock:
@@ -135,7 +151,7 @@ class _PdshGroup:
             target.post({"ev": "agent_err", "text": line})
 
     def _accept(self) -> None:
-        tokens = {link.token: link for link in self.links}
+        pending = {link.token: link for link in self.links}
         while not all(link.connected.is_set() for link in self.links):
             try:
                 conn, _ = self.server.accept()
@@ -146,15 +162,27 @@ class _PdshGroup:
                 hello = decode(conn.makefile("rb").readline()) or {}
             except OSError:
                 hello = {}
-            link = tokens.pop(str(hello.get("token")), None)
+            nonce, proof = str(hello.get("nonce", "")), str(hello.get("proof", ""))
+            link = next((link for token, link in pending.items()
+                         if nonce and hmac.compare_digest(proof, control_proof(token, "agent", nonce))), None)
             if link is None:
                 conn.close()  # not one of ours, or a token used twice
+                continue
+            del pending[link.token]
+            try:  # our half: the agent runs nothing until it has this
+                conn.sendall(encode({"proof": control_proof(link.token, "head", nonce)}))
+            except OSError:
+                conn.close()
                 continue
             conn.settimeout(None)
             link.sock = conn
             link.connected.set()
 
     def finish(self) -> None:
+        with self._lock:  # the last two links may close at once: the folder's descriptor is closed once
+            if self._finished:
+                return
+            self._finished = True
         self.server.close()
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -163,10 +191,11 @@ class _PdshGroup:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait()
         for i in range(len(self.links)):
-            try:
-                os.unlink(self.request_path(i))  # an agent that never started leaves its file
+            try:  # an agent that never started leaves its file
+                os.unlink(os.path.basename(self.request_path(i)), dir_fd=self.dir_fd)
             except OSError:
                 pass
+        os.close(self.dir_fd)
 
 
 class PdshLink(AgentLink):
@@ -183,9 +212,7 @@ class PdshLink(AgentLink):
     def start(self, post: Callable[[dict], None], request: AgentRequest) -> None:
         self.post = post
         body = encode({"request": request.to_dict(), "control": {"port": self.group.port, "token": self.token}})
-        fd = os.open(self.group.request_path(self.index), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(body)
+        self.group.write_request(self.index, body)
         self.group.link_started()
 
     def write_nowait(self, data: bytes) -> int:
@@ -227,6 +254,7 @@ class PdshBackend:
                 raise LaunchConfigError(f"--launcher pdsh: host name {n.target!r} contains a comma")
         split_args(plan.options.launcher_args)
         require_tool("pdsh", "pdsh", self.name)
+        os.close(open_private_dir(str(Path(plan.workdir) / REQUEST_DIR), "the pdsh request folder"))
 
     def describe(self, plan) -> Dict[str, Any]:
         pattern = str(Path(plan.workdir) / REQUEST_DIR / "request-RUN-%n.json")

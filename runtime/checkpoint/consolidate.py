@@ -96,6 +96,17 @@ def frozen_parameter_names(ckpt_dir: str, tag: Optional[str] = None) -> Set[str]
     return out
 
 
+def check_output_outside(ckpt_dir: str, out: str) -> None:
+    """OUT inside CKPT_DIR (a file of the tag being read, `latest`, a new name beside them)
+    would replace or sit among the checkpoint's own files: refused before anything is read.
+    Both paths are compared resolved, so a link or `..` cannot hide it."""
+    root = os.path.realpath(ckpt_dir)
+    target = os.path.realpath(out)
+    if os.path.commonpath([root, target]) == root:
+        raise CheckpointError(f"{out} is inside the checkpoint {ckpt_dir} being read, and writing it there could "
+                              "destroy that checkpoint; write it outside")
+
+
 def write_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -128,6 +139,7 @@ def write_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
 @click.option("--tag", default=None, help="checkpoint tag (default: the one named in CKPT_DIR/latest)")
 def consolidate(ckpt_dir: str, out: str, tag: Optional[str]) -> None:
     try:
+        check_output_outside(ckpt_dir, out)
         state = consolidate_checkpoint(ckpt_dir, tag)
         write_state_dict(state, out)
     except CheckpointError as exc:

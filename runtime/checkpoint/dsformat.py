@@ -51,6 +51,48 @@ def _numel(shape) -> int:
     return int(math.prod(int(d) for d in shape))
 
 
+# -- shapes read from a file ---------------------------------------------------------------------
+class ShapeError(CheckpointError):
+    """A param_shapes entry no reader may size a buffer from (the caller adds the checkpoint)."""
+
+
+def shape_problem(shape: Any) -> Optional[str]:
+    """Why `shape` (from a checkpoint's param_shapes) is no tensor shape, or None."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        return "not a list of whole numbers"
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return "not a list of whole numbers"
+    if any(d < 0 for d in dims):
+        return "a dimension below 0"
+    return None
+
+
+def checked_shapes(raw: Any, capacity: int) -> "OrderedDict[str, Tuple[int, ...]]":
+    """One group's param_shapes: names to shapes of whole, non-negative dimensions whose
+    elements together fit in `capacity`, the elements the group's flat buffers (all ranks')
+    really hold. Every buffer is sized from these shapes, so they are checked before
+    anything is allocated: a crafted 2**28 dimension would otherwise allocate gigabytes."""
+    try:
+        items = list(OrderedDict(raw).items())
+    except (TypeError, ValueError):
+        raise ShapeError("param_shapes: a group is not a mapping of parameter names to shapes") from None
+    out: "OrderedDict[str, Tuple[int, ...]]" = OrderedDict()
+    total = 0
+    for name, shape in items:
+        shown = tuple(shape) if isinstance(shape, (list, tuple)) else shape
+        problem = shape_problem(shape)
+        if problem:
+            raise ShapeError(f"param_shapes: {name} has shape {shown}: {problem}")
+        total += _numel(shape)
+        if total > capacity:
+            raise ShapeError(f"param_shapes: {name} has shape {shown}: the group's parameters up to it need "
+                                  f"{total} elements, and its flat buffers hold {capacity}")
+        out[str(name)] = tuple(shape)
+    return out
+
+
 # -- flat layouts ------------------------------------------------------------------------------
 def stage12_slots(shapes: "OrderedDict[str, Any]", paddings: Optional[Sequence[int]] = None
                   ) -> List[Tuple[str, int, int]]:
@@ -244,8 +286,8 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
             paddings_all = optim.get("param_alignment_paddings")
             world = max(int(w) for w in optim["partition_count"])
             for gi, fp32 in enumerate(optim["single_partition_of_fp32_groups"]):
-                shapes = OrderedDict(param_shapes[gi])
                 size = fp32.numel() + int(optim["group_paddings"][gi])
+                shapes = checked_shapes(param_shapes[gi], size * int(optim["partition_count"][gi]))
                 slots = stage12_slots(shapes, paddings_all[gi] if paddings_all else None)
                 # a "moe" group's partition index is the rank's in its expert-data-parallel group
                 # (every ep-th rank): partition_count says how many share the group
@@ -261,7 +303,7 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
             hyper = _hyperparameters(optim["optimizer_state_dict"].get("param_groups"))
             base = optim["optimizer_state_dict"]["state"]
             for i, flat in enumerate(optim["fp32_flat_groups"]):
-                shapes = OrderedDict(param_shapes[i])
+                shapes = checked_shapes(param_shapes[i], flat.numel() * world)
                 pieces = []
                 for name, n, chunk, off in stage3_slots(shapes, world):
                     a, b = min(rank * chunk, n), min((rank + 1) * chunk, n)

@@ -8,6 +8,8 @@ prints it the same way.
 """
 from __future__ import annotations
 
+from dslaunch.launcher.errors import OneLineMessage
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(OneLineMessage, RuntimeError):
     pass

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import stat
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -172,25 +173,55 @@ def ensure_writable_dir(path: str) -> None:
     _remove(probe)
 
 
-def _unsafe_globals(path: str) -> str:
-    """The pickled callables that made weights_only refuse the file (not the allowed stand-ins)."""
+def _forbidden_globals(path: str) -> list:
+    """The pickled callables that made weights_only refuse the file (not the allowed
+    stand-ins); empty when its pickle does not even parse (garbage, not a payload)."""
     from .foreign import read_globals
 
     allowed = {g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}" for g in read_globals()}
     try:
-        names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(path) if n not in allowed]
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception:
-        names = []
-    return ", ".join(sorted(names)[:3]) or "an object"
+        return []
+    return sorted(n for n in found if n not in allowed and all(p.isidentifier() for p in n.split(".")))
 
 
-def load_torch(path: str, *, mmap: bool = False, trust_pickle: bool = False) -> Any:
+def _weights_only_reason(exc: Exception) -> str:
+    """torch's own reason inside its long weights_only message ("Unsupported operand 127")."""
+    after = str(exc).partition("WeightsUnpickler error:")[2]
+    reason = next((line.strip() for line in after.splitlines() if line.strip()), "")
+    reason = reason.split(" Please use")[0][:200]  # torch's advice on allowlisting is no reason
+    return reason if reason and not reason.startswith("Check the documentation") else type(exc).__name__
+
+
+def _refusal(path: str, exc: Exception) -> CheckpointError:
+    """weights_only refused the file: a real pickle payload (it names callables to run) is
+    told apart from damage (bytes that are no valid pickle), which trust_pickle cannot mend."""
+    names = _forbidden_globals(path)
+    if names:
+        return CheckpointError(
+            f"checkpoint file {path} holds pickled Python objects ({', '.join(names[:3])}) that could run "
+            "code when loaded; refused. If you trust its source, pass trust_pickle=True")
+    return CheckpointError(f"checkpoint file {path} is damaged or truncated: its pickled data is not valid "
+                           f"({_weights_only_reason(exc)}); restore the file from a good copy")
+
+
+def load_torch(path: str, *, mmap: bool = False, trust_pickle: bool = False, within: Optional[str] = None) -> Any:
     """torch.load with weights_only=True (or the explicit trust_pickle opt-in); every
-    failure is one CheckpointError line naming the file."""
+    failure is one CheckpointError line naming the file. `within`: the checkpoint folder
+    the file must lie in once links are resolved (a link out of it is refused)."""
     from .foreign import deepspeed_globals, load_trusting
 
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
+    if within is not None:
+        check_inside(path, within)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise os_error(path, exc, "cannot read checkpoint file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"checkpoint file {path} is not a regular file; refusing to read it")
     try:
         if trust_pickle:
             return load_trusting(path, mmap=mmap)
@@ -200,11 +231,18 @@ def load_torch(path: str, *, mmap: bool = False, trust_pickle: bool = False) -> 
         raise os_error(path, exc, "cannot read checkpoint file") from None
     except Exception as exc:
         if type(exc).__name__ == "UnpicklingError" and "weights_only" in str(exc):
-            raise CheckpointError(
-                f"checkpoint file {path} holds pickled Python objects ({_unsafe_globals(path)}) that could run "
-                "code when loaded; refused. If you trust its source, pass trust_pickle=True") from None
+            raise _refusal(path, exc) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint file {path} cannot be read: {first}") from None
+
+
+def check_inside(path: str, folder: str) -> None:
+    """Refuse `path` when it resolves (links followed) outside `folder` (resolved too): a
+    file or subfolder of a checkpoint linked elsewhere would load someone else's data."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root:
+        raise CheckpointError(f"checkpoint file {path} resolves to {real}, outside the checkpoint {root} (a link "
+                              "out of it); refusing to read it")
 
 
 # -- what may go into a file that weights_only=True reads back ------------------------------

@@ -131,10 +131,11 @@ def read_latest(save_dir: str, name: str = LATEST) -> Optional[str]:
     """The tag `save_dir/latest` (or `name`: `latest_universal`) names, or None when there is
     no such file. The tag must be a plain name (or the pointer a save in progress leaves,
     PREVIOUS + tag) whose directory resolves inside save_dir."""
+    from dslaunch.launcher.bounded_read import read_bounded  # a FIFO or device named latest: refused, not read
+
     latest = os.path.join(save_dir, name)
     try:
-        with open(latest, "rb") as fh:
-            raw = fh.read(4096 + 1)
+        raw = read_bounded(latest, 4096, "the file naming the latest tag", CheckpointError)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -143,8 +144,6 @@ def read_latest(save_dir: str, name: str = LATEST) -> Optional[str]:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise CheckpointError(f"{latest}: is not a text file naming a tag") from None
-    if len(raw) > 4096:
-        raise CheckpointError(f"{latest}: is not a text file naming a tag (over 4 KiB)")
     plain = tag[len(PREVIOUS):] if tag.startswith(PREVIOUS) else tag
     problem = tag_problem(plain)
     if problem:

@@ -126,7 +126,7 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
         if not trust_pickle:
             raise CheckpointError(f"checkpoint {path}: its client_state was saved with allow_pickle=True and needs "
                                   "pickle to load; pass trust_pickle=True if you trust its source")
-        client_state = load_torch(ck.manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True)
+        client_state = load_torch(ck.manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True, within=path)
     optim = None
     if load_optimizer_states and not load_module_only:
         # MoE: every saved optimizer state, renamed to this rank's experts, re-cut by the strategy

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .dsformat import DS_KEYS, loss_scaler_from_ds, shard_from_ds, stage0_from_ds
+from .dsformat import DS_KEYS, ShapeError, loss_scaler_from_ds, shard_from_ds, shape_problem, stage0_from_ds
 from .errors import CheckpointError
 from .files import load_torch
 from .layout import MANIFEST, model_states_name, optim_states_name, zero_model_states_name
@@ -47,7 +47,7 @@ class Checkpoint:
     # -- files --------------------------------------------------------------------------------
     def read(self, name: str, mmap: bool = False) -> Any:
         fpath = self.manifest.verify(self.path, name) if self.manifest else os.path.join(self.path, name)
-        return load_torch(fpath, mmap=mmap, trust_pickle=self.trust_pickle)
+        return load_torch(fpath, mmap=mmap, trust_pickle=self.trust_pickle, within=self.path)
 
     def model_of(self, slice_: int) -> Dict[str, Any]:
         """The model-states file of one (pipe, model) slice (ZeRO-3: its data-parallel rank 0's)."""
@@ -88,6 +88,8 @@ class Checkpoint:
             return shard_from_ds(state["optimizer_state_dict"], self.param_shapes(slice_), dp_rank)
         except (KeyError, TypeError):
             raise CheckpointError(f"checkpoint file {self.path}/{name} holds no optimizer_state_dict") from None
+        except ShapeError as exc:  # the model states' param_shapes, measured against this file's buffers
+            raise CheckpointError(f"checkpoint {self.path}: {exc}") from None
         except CheckpointError as exc:
             raise CheckpointError(f"checkpoint file {self.path}/{name} {exc}") from None
 
@@ -128,8 +130,17 @@ class Checkpoint:
             frags = [self.read(zero_model_states_name(r)).get("frozen_param_fragments") or {}
                      for r in range(self.world_size)]
             for name, shape in frozen.items():
+                problem = shape_problem(shape)
+                pieces = [f.get(name) for f in frags]
+                if problem or not all(torch.is_tensor(p) for p in pieces):
+                    raise CheckpointError(f"checkpoint {self.path}: frozen_param_shapes: {name} has shape {shape}: "
+                                          f"{problem or 'some rank saved no fragment of it'}")
                 numel = int(torch.Size(shape).numel())
-                flat = torch.cat([f[name].reshape(-1) for f in frags])[:numel]
+                held = sum(p.numel() for p in pieces)
+                if numel > held:
+                    raise CheckpointError(f"checkpoint {self.path}: frozen_param_shapes: {name} has shape "
+                                          f"{tuple(shape)}: {numel} elements, and its fragments hold {held}")
+                flat = torch.cat([p.reshape(-1) for p in pieces])[:numel]
                 module[name] = flat.view(tuple(shape)).to(module[name].dtype if name in module else flat.dtype)
         for alias, canon in (self.model.get("shared_params") or {}).items():
             if canon in module:

@@ -46,7 +46,13 @@ def _index(shards: Sequence[Dict[str, Any]], key: Key) -> Dict[str, List[Tuple[i
                 continue
             for p in _pieces(g["pieces"]):
                 if p.name in tens:
-                    idx.setdefault(p.name, []).append((p.start, p.end, tens[p.name]))
+                    t = tens[p.name]
+                    if not torch.is_tensor(t) or t.numel() != p.end - p.start:
+                        # a damaged or mismatched file: its slot table and its tensors disagree
+                        got = f"{t.numel()} elements" if torch.is_tensor(t) else type(t).__name__
+                        raise CheckpointError(f"checkpoint is damaged: the saved piece [{p.start}, {p.end}) of "
+                                              f"{_keyname(key)} {p.name!r} holds {got}")
+                    idx.setdefault(p.name, []).append((p.start, p.end, t))
     return idx
 
 

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
-from .dsformat import DS_KEYS, DS_VERSION, loss_scaler_from_ds
+from .dsformat import DS_KEYS, DS_VERSION, loss_scaler_from_ds, shape_problem
 from .errors import CheckpointError
 from .files import load_torch, os_error, write_torch
 from .foreign import loss_scaler_record
@@ -146,12 +146,29 @@ class UniversalCheckpoint:
         return loss_scaler_from_ds(self.optim.get("loss_scaler"))
 
 
-def _shapes_from(model: Dict[str, Any]) -> Dict[str, List[int]]:
+def _shapes_from(model: Dict[str, Any], path: str) -> Dict[str, List[int]]:
+    """Only to reshape a tensor of exactly that many elements: nothing is sized from these."""
     out: Dict[str, List[int]] = {}
     for group in model.get("param_shapes") or []:
         if isinstance(group, dict):
-            out.update({n: list(s) for n, s in group.items()})
+            for n, s in group.items():
+                problem = shape_problem(s)
+                if problem:
+                    raise CheckpointError(f"universal checkpoint {path}: param_shapes: {n} has shape {s}: {problem}")
+                out[n] = list(s)
     return out
+
+
+def _check_values(t: torch.Tensor, fpath: str, pname: str, key: str) -> None:
+    """fp32 weights and optimizer moments are finite floating tensors: an integer tensor or
+    a NaN/inf there would load and then poison every step after it, without a word."""
+    if not t.is_floating_point():
+        raise CheckpointError(f"universal checkpoint file {fpath}: {pname} {key} holds {str(t.dtype)[6:]}, where "
+                              "a floating-point tensor belongs")
+    bad = t.numel() - int(torch.isfinite(t).sum())
+    if bad:
+        raise CheckpointError(f"universal checkpoint file {fpath}: {pname} {key} holds {bad} NaN or infinite "
+                              f"value(s) of {t.numel()}; refusing to load it")
 
 
 def open_universal(path: str, trust_pickle: bool = False) -> UniversalCheckpoint:
@@ -164,12 +181,12 @@ def open_universal(path: str, trust_pickle: bool = False) -> UniversalCheckpoint
                  if os.path.isfile(os.path.join(path, n))), None)
     if name is None:
         raise CheckpointError(f"universal checkpoint {path} has no model-states file ({model_states_name()})")
-    model = load_torch(os.path.join(path, name), trust_pickle=trust_pickle)
-    optim = load_torch(os.path.join(path, ZERO_DIR, OPTIMIZER_STATE), trust_pickle=trust_pickle)
+    model = load_torch(os.path.join(path, name), trust_pickle=trust_pickle, within=path)
+    optim = load_torch(os.path.join(path, ZERO_DIR, OPTIMIZER_STATE), trust_pickle=trust_pickle, within=path)
     if not isinstance(model, dict) or not isinstance(optim, dict):
         raise CheckpointError(f"universal checkpoint {path} is damaged: {name} or {OPTIMIZER_STATE} is not a dict")
     uc = UniversalCheckpoint(path, model, optim)
-    shapes = _shapes_from(model)
+    shapes = _shapes_from(model, path)
     zero = os.path.join(path, ZERO_DIR)
     for root, dirs, files in sorted(os.walk(zero)):
         if FP32 + ".pt" not in files:
@@ -179,7 +196,8 @@ def open_universal(path: str, trust_pickle: bool = False) -> UniversalCheckpoint
         for f in sorted(files):
             if not f.endswith(".pt"):
                 continue
-            value = load_torch(os.path.join(root, f), trust_pickle=trust_pickle)
+            fpath = os.path.join(root, f)
+            value = load_torch(fpath, trust_pickle=trust_pickle, within=path)
             key = f[:-3]
             if key == STEP:
                 entry[STEP] = value
@@ -187,7 +205,8 @@ def open_universal(path: str, trust_pickle: bool = False) -> UniversalCheckpoint
             t = value.get("param") if isinstance(value, dict) else value
             t = t.detach() if torch.is_tensor(t) else t
             if not torch.is_tensor(t):
-                raise CheckpointError(f"universal checkpoint file {os.path.join(root, f)} holds no tensor")
+                raise CheckpointError(f"universal checkpoint file {fpath} holds no tensor")
+            _check_values(t, fpath, pname, key)
             entry[key] = t
         full = entry[FP32]
         shape = shapes.get(pname)
@@ -330,8 +349,12 @@ def convert(input_folder: str, output_folder: str, extract_workers: int = 4, mer
 
     ck = open_checkpoint(resolve_tag(input_folder, None))
     _check_convertible(ck)
-    if os.path.abspath(output_folder) == os.path.abspath(ck.path):
+    real_in, real_out = os.path.realpath(ck.path), os.path.realpath(output_folder)
+    if real_out == real_in:  # resolved: a link to the input is the input
         raise CheckpointError(f"--output_folder {output_folder} is the checkpoint being converted; choose another")
+    if os.path.commonpath([real_in, real_out]) == real_in:
+        raise CheckpointError(f"--output_folder {output_folder} is inside the checkpoint {ck.path} being converted; "
+                              "choose a folder outside it")
     shards = parallel.all_shards(ck)  # ZeRO files of every rank, or a stage-0 state cut by name
     whole = _whole(shards, extract_workers)
     hyper = shards[0].get("param_groups") if shards else None

@@ -50,7 +50,7 @@ def parse_size(size) -> int:
 
 def _natural_key(name: str):
     """"zero_pp_rank_10_..." after "zero_pp_rank_9_...": digit runs compare as numbers."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    return [int(part) if part.isdecimal() else part for part in re.split(r"(\d+)", name)]
 
 
 def get_checkpoint_files(checkpoint_dir, glob_pattern):

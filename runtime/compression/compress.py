@@ -165,6 +165,10 @@ def init_compression(model: nn.Module, deepspeed_config, teacher_model: Optional
             else:
                 technique = HeadMask(weight, shared.num_heads, ratios)
         technique.to(device=weight.device)
+        if getattr(technique, "ranked_at_init", False):
+            # DeepSpeed's l1 mask: the weights as init_compression finds them (not quantized or masked)
+            raw = module.parametrizations.weight.original if parametrize.is_parametrized(module, "weight") else weight
+            technique.rank_now(raw)
         parametrize.register_parametrization(module, "weight", technique)
         if isinstance(technique, RowMask) and module.bias is not None:
             parametrize.register_parametrization(module, "bias", RowBias(technique))

@@ -5,12 +5,12 @@ forward sees the masked / fake-quantized tensor, the optimizer updates the origi
 scores, the pruning steps done and the bit width are buffers or parameters of the
 parametrization, so they are in the model's state_dict: a checkpoint resumes with its masks.
 
-l1 masks are computed by torch.nn.utils.prune's own methods (L1Unstructured, LnStructured).
-topk masks come from learnt scores (DeepSpeed's movement-pruning variant): the top
-ceil(ratio * n) scores are kept, and the scores get the mask's gradient straight through.
-Weight quantization uses torch.fake_quantize_per_channel_affine on groups of whole rows with a
-straight-through gradient (DeepSpeed passes the gradient unchanged, clipped values included).
-They are applied in DeepSpeed's order: quantize, then sparse, row and head masks.
+Every mask keeps the entries ranked first by `keep_top`: l1 ranks magnitudes (single weights)
+or row / channel L1 norms, topk ranks learnt scores (DeepSpeed's movement-pruning variant),
+which get the mask's gradient straight through. Weight quantization uses
+torch.fake_quantize_per_channel_affine on groups of whole rows with a straight-through gradient
+(DeepSpeed passes the gradient unchanged, clipped values included). They are applied in
+DeepSpeed's order: quantize, then sparse, row and head masks.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import math
 
 import torch
 from torch import nn
-from torch.nn.utils import prune
 
 
 def keep_count(ratio: float, n: int) -> int:
@@ -26,13 +25,23 @@ def keep_count(ratio: float, n: int) -> int:
     return min(n, max(1, math.ceil(ratio * n)))
 
 
+def keep_top(values: torch.Tensor, ratio: float) -> torch.Tensor:
+    """1 for the keep_count(ratio, n) largest values, else 0, in values' shape and dtype.
+
+    The ranking is torch's default (not stable) descending sort of the flattened values, the
+    call DeepSpeed 0.17.6's TopKBinarizer made: equal values (zero weights, rows of equal
+    norm) are then kept or pruned as in DeepSpeed. torch.topk and a stable sort break such
+    ties differently (on the CPU, for more than 16 values)."""
+    flat = values.detach().flatten()
+    order = flat.sort(descending=True).indices
+    mask = torch.zeros_like(flat)
+    mask[order[:keep_count(ratio, flat.numel())]] = 1.0
+    return mask.view_as(values)
+
+
 def topk_mask(scores: torch.Tensor, ratio: float) -> torch.Tensor:
-    """1 for the ceil(ratio * n) highest scores, else 0; gradient to the scores unchanged."""
-    flat = scores.flatten()
-    hard = torch.zeros_like(flat)
-    hard[torch.topk(flat.detach(), keep_count(ratio, flat.numel())).indices] = 1.0
-    hard = hard.view_as(scores)
-    return hard + (scores - scores.detach())
+    """keep_top of the scores; gradient to the scores unchanged (straight through)."""
+    return keep_top(scores, ratio) + (scores - scores.detach())
 
 
 def _scores(shape) -> nn.Parameter:
@@ -44,12 +53,23 @@ def _scores(shape) -> nn.Parameter:
 class _Technique(nn.Module):
     """State shared by the pruning techniques: the dense ratio of each pruning step
     (`ratios`, from the config) and how many of them are done (`done`, an integer buffer, so
-    that it survives checkpoints and model.to(dtype)); done == 0 means not pruning yet."""
+    that it survives checkpoints and model.to(dtype)); done == 0 means not pruning yet.
+
+    l1 with one pruning step ranks the weights as init_compression finds them (`rank_now`),
+    as DeepSpeed 0.17.6 did: its layers computed the l1 mask when the technique was enabled on
+    them, and its scheduler only switched the mask on at schedule_offset. The steps of a
+    gradual (sparse) schedule rank the weights as they are at each step."""
+
+    method = "topk"
 
     def __init__(self, ratios):
         super().__init__()
         self.ratios = [float(r) for r in ratios]
         self.register_buffer("done", torch.tensor(0, dtype=torch.int64))
+
+    @property
+    def ranked_at_init(self) -> bool:
+        return self.method == "l1" and len(self.ratios) == 1
 
     def is_active(self) -> bool:
         return int(self.done) > 0
@@ -58,13 +78,19 @@ class _Technique(nn.Module):
     def ratio(self) -> float:
         return self.ratios[int(self.done) - 1] if self.is_active() else 1.0
 
-    def prune_to(self, weight: torch.Tensor, done: int) -> None:
-        """Take pruning steps up to `done` on `weight` as it is now (pruned entries stay
-        pruned: the caller passes the weight with this technique's current mask applied)."""
-        self.done.fill_(done)
-        self._update_mask(weight.detach())
+    def rank_now(self, weight: torch.Tensor) -> None:
+        """Rank the weight for the (only) pruning step without applying the mask yet."""
+        self._update_mask(weight.detach(), self.ratios[0])
 
-    def _update_mask(self, weight: torch.Tensor) -> None:  # l1 methods recompute; topk reads scores
+    def prune_to(self, weight: torch.Tensor, done: int) -> None:
+        """Take pruning steps up to `done`; unless the mask was ranked at init, rank `weight`
+        as it is now (pruned entries stay pruned: the caller passes the weight with this
+        technique's current mask applied)."""
+        self.done.fill_(done)
+        if not self.ranked_at_init:
+            self._update_mask(weight.detach(), self.ratio)
+
+    def _update_mask(self, weight: torch.Tensor, ratio: float) -> None:  # l1 ranks; topk reads scores
         pass
 
 
@@ -85,11 +111,9 @@ class SparseMask(_Technique):
             return topk_mask(self.scores, self.ratio)
         return self.mask
 
-    def _update_mask(self, weight: torch.Tensor) -> None:
+    def _update_mask(self, weight: torch.Tensor, ratio: float) -> None:
         if self.method == "l1":
-            n = weight.numel()
-            method = prune.L1Unstructured(amount=n - keep_count(self.ratio, n))
-            self.mask.copy_(method.compute_mask(weight, torch.ones_like(self.mask)))
+            self.mask.copy_(keep_top(weight.abs(), ratio))
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return w * self.current().to(w.dtype) if self.is_active() else w
@@ -114,12 +138,11 @@ class RowMask(_Technique):
             return topk_mask(self.scores, self.ratio)
         return self.mask
 
-    def _update_mask(self, weight: torch.Tensor) -> None:
+    def _update_mask(self, weight: torch.Tensor, ratio: float) -> None:
         if self.method == "l1":
-            rows = weight.shape[0]
-            method = prune.LnStructured(amount=rows - keep_count(self.ratio, rows), n=1, dim=0)
-            full = method.compute_mask(weight, torch.ones_like(weight))
-            self.mask.copy_(full.reshape(rows, -1)[:, :1].reshape(self.mask.shape))
+            # the L1 norm of each row (of each output channel's kernels), by DeepSpeed's call for a Linear
+            norms = torch.linalg.vector_norm(weight, ord=1, dim=tuple(range(1, weight.dim())))
+            self.mask.copy_(keep_top(norms, ratio).view(self.mask.shape))
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return w * self.current().to(w.dtype) if self.is_active() else w

@@ -19,6 +19,14 @@ MOQ = ("only the fake-quant-in-forward path is supported (quantize_weight_in_for
        "in-place MoQ quantizer is not")
 
 
+def _once(what: str, unit: str):
+    """schedule_offset_end / schedule_offset_stride of a technique that prunes once: DeepSpeed
+    0.17.6's parser never reads them there (its scheduler reads them for sparse pruning only),
+    so a 0.17 config may carry them with no effect. Refused rather than ignored, saying so."""
+    return refused(f"DeepSpeed 0.17.6 ignores this key for {what} (it masks the {unit} once, at schedule_offset), so "
+                   "removing it changes nothing; remove it")
+
+
 def _ratio(path: str, value: float) -> None:
     if not 0.0 < value <= 1.0:
         raise ConfigError(f"{path}.dense_ratio: must be in (0, 1], got {value}")
@@ -108,7 +116,8 @@ class ActGroup:
 class SparseShared:
     enabled: bool = supported(False, "unstructured weight pruning of Linear and Conv2d weights")
     method: Literal["l1", "topk", "snip_momentum"] = supported(
-        "l1", "l1: smallest magnitudes (torch.nn.utils.prune); topk: learnt scores, straight-through")
+        "l1", "l1: smallest magnitudes (of the weights at init_compression, as DeepSpeed; a gradual schedule's "
+               "steps: at each step); topk: learnt scores, straight-through")
     schedule_offset: int = supported(1000, "step at which pruning starts")
     schedule_offset_end: Optional[int] = supported(
         None, "step at which dense_ratio is reached (default schedule_offset: one shot); l1 prunes in equal steps")
@@ -134,8 +143,11 @@ class SparseShared:
 @dataclass
 class RowShared:
     enabled: bool = supported(False, "output rows of Linear layers (and the related layers' input columns)")
-    method: Literal["l1", "topk"] = supported("l1", "l1: smallest row L1 norms (torch.nn.utils.prune); topk: learnt")
+    method: Literal["l1", "topk"] = supported("l1", "l1: smallest row L1 norms (of the weights at init_compression, "
+                                                    "as DeepSpeed); topk: learnt")
     schedule_offset: int = supported(1000, "step at which the rows are masked")
+    schedule_offset_end: Any = _once("row pruning", "rows")
+    schedule_offset_stride: Any = _once("row pruning", "rows")
 
     def validate(self, path: str) -> None:
         _offset(path, self.schedule_offset)
@@ -146,6 +158,8 @@ class HeadShared:
     enabled: bool = supported(False, "attention heads: input column blocks of the output projection, learnt scores")
     method: Literal["topk", "l1"] = supported("topk", "topk only (learnt head scores, straight-through)")
     schedule_offset: int = supported(1000, "step at which the heads are masked")
+    schedule_offset_end: Any = _once("head pruning", "heads")
+    schedule_offset_stride: Any = _once("head pruning", "heads")
     num_heads: Optional[int] = supported(None, "heads of the attention (required)")
 
     def validate(self, path: str) -> None:
@@ -159,9 +173,11 @@ class HeadShared:
 class ChannelShared:
     enabled: bool = supported(False, "output channels of Conv2d layers (and the related convs' input channels "
                                      "and batch norms)")
-    method: Literal["l1", "topk"] = supported("l1", "l1: smallest channel L1 norms (torch.nn.utils.prune); "
-                                                    "topk: learnt")
+    method: Literal["l1", "topk"] = supported("l1", "l1: smallest channel L1 norms (of the weights at "
+                                                    "init_compression); topk: learnt")
     schedule_offset: int = supported(1000, "step at which the channels are masked")
+    schedule_offset_end: Any = _once("channel pruning", "channels")
+    schedule_offset_stride: Any = _once("channel pruning", "channels")
 
     def validate(self, path: str) -> None:
         _offset(path, self.schedule_offset)

@@ -122,7 +122,7 @@ def gpus_v02(micro_batches, max_batch, current_gpus, min_gpus, max_gpus, prefer_
 def _version_tuple(v: str) -> Tuple[int, ...]:
     parts = []
     for p in str(v).split("."):
-        digits = "".join(ch for ch in p if ch.isdigit())
+        digits = "".join(ch for ch in p if ch.isdecimal())
         parts.append(int(digits or 0))
     return tuple(parts)
 

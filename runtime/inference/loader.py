@@ -10,6 +10,13 @@ Accepted forms:
   or a Hugging Face save_pretrained folder (model.safetensors, pytorch_model.bin, or a
   sharded *.index.json).
 
+What the script passes (a path, a dict, base_dir) is trusted; what files say is not: a
+descriptor file's "checkpoints" and "base_dir", a folder's `latest` and a safetensors
+index's file names must stay under the folder they belong to (init_inference's base_dir
+when given, else the descriptor's own folder), by `..` or an absolute path alike, as the
+training loader refuses a `latest` that leads out of its folder. Descriptors and indexes
+are read bounded (dslaunch.launcher.bounded_read) and must be JSON objects.
+
 Files are opened memory-mapped (torch.load(mmap=True), safetensors' lazy slices), and each
 parallel layer copies only its slice, so a rank reads roughly its share of the bytes and
 never holds a full copy of the model; at most one full tensor of a replicated layer is in
@@ -40,7 +47,42 @@ class LoadReport:
     unused: List[str] = field(default_factory=list)  # checkpoint keys the model has no tensor for
 
 
-def _json_files(data: Dict[str, Any], where: str, base_dir: str) -> List[str]:
+DESCRIPTOR_LIMIT = 64 << 20  # a descriptor or index lists file names: a few MiB even for thousands of shards
+
+
+def _read_json(path: str, what: str) -> Dict[str, Any]:
+    """A JSON object from `path`, read bounded (a FIFO, a device or a huge file is refused)."""
+    from dslaunch.launcher.bounded_read import read_bounded
+
+    try:
+        data = json.loads(read_bounded(path, DESCRIPTOR_LIMIT, what, CheckpointError))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    except (UnicodeDecodeError, RecursionError):
+        raise CheckpointError(f"{path}: {what} is not valid JSON text") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, not a JSON {type(data).__name__}")
+    return data
+
+
+def _under(root: str, name: Any, where: str, what: str, base: str = "") -> str:
+    """`name` (from a file) joined onto `base` (default `root`), refused unless it stays
+    under `root`. The check is on the names, not on resolved links: a Hugging Face cache
+    folder's files are links into its blob store, and those are the folder owner's doing;
+    what a descriptor may not do is name, by `..` or an absolute path, a file elsewhere."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{where}: {what} {name!r} is not a file name")
+    path = os.path.normpath(os.path.join(base or root, name))
+    top = os.path.normpath(os.path.abspath(root))
+    if os.path.commonpath([os.path.abspath(path), top]) != top:
+        raise CheckpointError(f"{where}: {what} {name!r} leads outside {top}; a checkpoint descriptor may name only "
+                              "files under its base_dir (pass init_inference(base_dir=...) to choose that folder)")
+    return path
+
+
+def _json_files(data: Dict[str, Any], where: str, root: str, confine: bool = True) -> List[str]:
     kind = str(data.get("type", "")).lower()
     ckpts = data.get("checkpoints")
     if kind not in ("ds_model", "bloom"):
@@ -51,20 +93,24 @@ def _json_files(data: Dict[str, Any], where: str, base_dir: str) -> List[str]:
                               "format) are not supported; list the full-model files instead")
     if not isinstance(ckpts, list) or not ckpts or not all(isinstance(c, str) for c in ckpts):
         raise CheckpointError(f"{where}: \"checkpoints\" must be a non-empty list of file names")
-    root = data.get("base_dir") or base_dir
-    return [os.path.join(root, c) if root and not os.path.isabs(c) else c for c in ckpts]
+    if not confine:  # the script's own dict: its names are taken as they are, as DeepSpeed does
+        base = data.get("base_dir") or root
+        return [os.path.join(base, c) if base and not os.path.isabs(c) else c for c in ckpts]
+    base = _under(root, data["base_dir"], where, "base_dir") if data.get("base_dir") else root
+    return [_under(root, c, where, "\"checkpoints\" entry", base) for c in ckpts]
 
 
 def _dir_files(path: str) -> List[str]:
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as fh:
-            tag = fh.read().strip()
+    from ..checkpoint.layout import read_latest  # the training loader's reading of `latest`
+
+    tag = read_latest(path)
+    if tag is not None:
         return [os.path.join(path, tag, "mp_rank_00_model_states.pt")]
     for index in sorted(glob.glob(os.path.join(path, "*.index.json"))):
-        with open(index) as fh:
-            weight_map = json.load(fh).get("weight_map", {})
-        return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+        weight_map = _read_json(index, "safetensors index").get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: \"weight_map\" must be a JSON object of tensor names to file names")
+        return [_under(path, f, index, "\"weight_map\" file") for f in sorted(set(map(str, weight_map.values())))]
     for name in ("model.safetensors", "pytorch_model.bin", "mp_rank_00_model_states.pt"):
         if os.path.isfile(os.path.join(path, name)):
             return [os.path.join(path, name)]
@@ -73,19 +119,17 @@ def _dir_files(path: str) -> List[str]:
 
 
 def checkpoint_files(checkpoint, base_dir: str = "") -> List[str]:
+    """The files to load. What the script passed (the path, a dict, base_dir) is trusted;
+    what files say (a descriptor file's entries and base_dir, `latest`, an index's file
+    names) must stay under the folder they belong to: init_inference's base_dir when
+    given, else the descriptor's own folder."""
     if isinstance(checkpoint, dict):
-        files = _json_files(checkpoint, "checkpoint", base_dir)
+        files = _json_files(checkpoint, "checkpoint", base_dir, confine=False)
     elif os.path.isdir(checkpoint):
         files = _dir_files(checkpoint)
     elif checkpoint.endswith(".json"):
-        try:
-            with open(checkpoint) as fh:
-                data = json.load(fh)
-        except OSError as exc:
-            raise CheckpointError(f"{checkpoint}: cannot read: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{checkpoint}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
-        files = _json_files(data, checkpoint, base_dir or os.path.dirname(checkpoint))
+        data = _read_json(checkpoint, "checkpoint descriptor")
+        files = _json_files(data, checkpoint, base_dir or os.path.dirname(os.path.abspath(checkpoint)))
     else:
         files = [checkpoint]
     for f in files:
@@ -106,7 +150,10 @@ class _StateFile:
                 from safetensors import safe_open
             except ImportError:
                 raise CheckpointError(f"{path}: reading .safetensors needs the safetensors package") from None
-            self._safe = safe_open(path, framework="pt")
+            try:
+                self._safe = safe_open(path, framework="pt")
+            except Exception as exc:  # a damaged or foreign file: one line naming it
+                raise CheckpointError(f"{path}: cannot load checkpoint: {str(exc).splitlines()[0]}") from None
             return
         try:
             sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)

@@ -25,6 +25,7 @@ class StepMeter:
         self._loss_sum = 0.0
         self._loss_count = 0
         self._times: Dict[str, float] = {}
+        self._started: Dict[str, float] = {}
 
     def add_loss(self, value) -> None:
         """A float, or a detached 0-d tensor: summed on its device and read once in
@@ -37,11 +38,22 @@ class StepMeter:
         if not self.breakdown:
             yield
             return
-        self._sync()
-        start = time.perf_counter()
+        self.begin(name)
         try:
             yield
         finally:
+            self.end(name)
+
+    def begin(self, name: str) -> None:
+        """Start timing `name` where no `with` block can span it (a backward pass the script
+        starts itself: its first gradient begins it, the epilogue ends it)."""
+        if self.breakdown:
+            self._sync()
+            self._started[name] = time.perf_counter()
+
+    def end(self, name: str) -> None:
+        start = self._started.pop(name, None)
+        if start is not None:
             self._sync()
             self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - start
 

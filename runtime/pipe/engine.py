@@ -138,6 +138,11 @@ class PipelineEngine(DeepSpeedEngine):
     def step(self, *args, **kwargs):
         raise PipelineError("pipeline: engine.step() is not available in pipeline mode; use engine.train_batch()")
 
+    def no_sync(self):
+        # DeepSpeed's pipeline accepts the block and reduces anyway: train_batch reduces and steps
+        raise PipelineError("pipeline: no_sync() is not available in pipeline mode: train_batch() reduces the "
+                            "gradients of its micro-batches and steps every call")
+
     # -- batches ---------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
         """Run one global batch and step; returns the mean loss (same on every rank)."""

@@ -378,7 +378,7 @@ def from_pipeline_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, An
     out = {}
     for key, value in state.items():
         idx, _, rest = key.partition(".")
-        if not idx.isdigit() or int(idx) not in prefixes:
+        if not idx.isdecimal() or int(idx) not in prefixes:
             raise PipelineError(f"{key}: not the weight of a module layer of {type(model).__name__}.to_layers()")
         prefix = prefixes[int(idx)]
         out[f"{prefix}.{rest}" if prefix else rest] = value

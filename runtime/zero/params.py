@@ -340,10 +340,9 @@ def _threshold_from(config) -> int:
     if config is None:
         return default
     if isinstance(config, (str, os.PathLike)):
-        import json
+        from ..strict import load_file  # bounded, regular files only, one-line errors
 
-        with open(config) as fh:
-            config = json.load(fh)
+        config = load_file(os.fspath(config))
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
     value = zero.get("stage3_param_persistence_threshold", default) if isinstance(zero, dict) else default
     # "auto": a Hugging Face placeholder that from_pretrained's zero.Init sees before the Trainer
