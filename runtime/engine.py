@@ -144,7 +144,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
         if self.optimizer is not None:
-            check_optimizer(self.optimizer, self.config)
+            check_optimizer(self.optimizer, self.config, client=optimizer is not None)
             # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow);
             # Accelerate reads it so that a scheduler it steps skips that step too.
             self.optimizer.overflow = False
