@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 
 import diff_cases  # noqa: E402
 import diff_vs_deepspeed as dvd  # noqa: E402
-from diff_cases import Case, Tolerance, classify  # noqa: E402
+from diff_cases import Case, classify, equivalent  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def test_case_lines_read_back():
 
 def test_the_classifier_separates_the_classes():
     case = Case()
-    ran = {"losses": [1.0, 0.5], "eval": [], "global_steps": 2, "skipped_steps": 0, "weight_names": ["w"],
-           "weights": [0.25]}
+    ran = {"losses": [1.0, 0.5], "eval": [], "global_steps": 2, "skipped_steps": 0, "weight_names": ["w", "b"],
+           "weight_sizes": [3, 1], "weights": [0.25, -0.5, 1.0, 0.125]}
     tol = diff_cases.TOLERANCES["fp32"]
     listed = lambda message: "is not supported" in message  # noqa: E731
     assert classify(case, ran, dict(ran), listed).kind == "equal"
@@ -50,7 +50,9 @@ def test_the_classifier_separates_the_classes():
     assert classify(case, ran, nudged, listed).kind == "equal"
     off = dict(ran, losses=[1.0, 0.5 * (1 + 3 * tol.rtol) + tol.atol])
     assert classify(case, ran, off, listed).kind == "divergence"
-    assert classify(case, ran, dict(ran, weights=[0.26]), listed).kind == "divergence"
+    assert classify(case, ran, dict(ran, weights=[0.25, -0.5, 1.0, 0.126]), listed).kind == "divergence"
+    assert classify(case, ran, dict(ran, weights=[0.25, -0.5, 1.0 + 1e-5, 0.125]), listed).kind == "equal"
+    assert classify(case, ran, dict(ran, weight_names=["w", "c"]), listed).kind == "divergence"
     assert classify(case, ran, dict(ran, skipped_steps=1), listed).kind == "divergence"
     refusal = {"error": "ConfigError: x: this is not supported; remove it", "lines": 1}
     assert classify(case, ran, refusal, listed).kind == "refused here only (listed)"
@@ -59,6 +61,14 @@ def test_the_classifier_separates_the_classes():
     ds_refusal = {"error": "AssertionError: no", "lines": 1}
     assert classify(case, ds_refusal, refusal, listed).kind == "refused by both"
     assert classify(case, ds_refusal, ran, listed).kind == "refused by DeepSpeed only"
+    # where DeepSpeed refuses or is wrong, its answer to an equivalent case stands in
+    fp16 = Case(dtype="fp16")
+    twin, rules = equivalent(fp16)
+    assert twin == Case(dtype="fp16", stage=1, allow_untested=True) and rules[0].wrong
+    assert classify(fp16, dict(ran, losses=[1.0, 0.9]), ran, listed, twin=ran, rules=rules).kind == \
+        "equal to an equivalent case"
+    assert classify(fp16, ran, dict(ran, losses=[1.0, 0.9]), listed, twin=ran, rules=rules).kind == "divergence"
+    assert classify(fp16, ran, ran, listed, twin=ds_refusal, rules=rules).kind == "refused by DeepSpeed only"
 
 
 def test_listed_reasons_come_from_the_config_page():
@@ -67,6 +77,20 @@ def test_listed_reasons_come_from_the_config_page():
     assert dvd.is_listed("ConfigError: zero_optimization.zero_hpz_partition_size: hierarchical partitioning "
                          "(ZeRO++ hpZ) is not supported; remove it", reasons)
     assert not dvd.is_listed("KeyError: 'x'", reasons)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"prescale_gradients": True, "gradient_predivide_factor": 2.0},
+    {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}},
+    {"data_types": {"grad_accum_dtype": "bf16"}, "zero_optimization": {"stage": 2}},
+])
+def test_refused_combinations_end_in_a_listed_reason(cfg):
+    from dslaunch.runtime.config import DeepSpeedConfig
+    from dslaunch.runtime.strict import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        DeepSpeedConfig.load({"train_batch_size": 2, **cfg})
+    assert dvd.is_listed(str(err.value), dvd.listed_reasons()), str(err.value)
 
 
 def test_replay_every_recorded_case(fixtures):
