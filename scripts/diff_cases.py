@@ -28,7 +28,8 @@ MODELS = {
     "unused": "an MLP with a layer forward never calls (no gradient ever)",
     "buffers": "an MLP with batch norm (running statistics) and a constant buffer",
     "shared": "one linear layer's weight assigned to a second module",
-    "hf": "a Hugging Face GPT-2 built from a config (transformers as pinned)",
+    "hf": "a Hugging Face Llama with tied embeddings and grouped-query attention, built from a config "
+          "(transformers as pinned)",
     "moe": "dense, DeepSpeed's MoE layer (4 experts, expert parallel over ep ranks), dense",
     "tp": "a Hugging Face Llama sharded by AutoTP (tensor_parallel.autotp_size)",
 }
@@ -69,6 +70,7 @@ class Case:
     resume_world: int = 0     # ... on this many ranks (0: the same world)
     universal: bool = False   # ... from the saved checkpoint converted by the engine's ds_to_universal
                               # (checkpoint.load_universal), DeepSpeed's way to change the world size
+    allow_untested: bool = False  # zero_allow_untested_optimizer (EQUIVALENTS set it where they move to ZeRO)
 
     # -- the one-line form ------------------------------------------------------------------
     @property
@@ -265,8 +267,80 @@ TOLERANCES = {
                                   "same growth as bf16's over a few steps"),
 }
 
-CLASSES = ("equal", "refused by both", "refused here only (listed)", "refused by DeepSpeed only",
-           "divergence")
+def tolerance(case: Case) -> Tolerance:
+    """The loosest of the dtypes the case computes, sums and accumulates gradients in."""
+    order = ["fp32", "fp16", "bf16"]
+    worst = max((d for d in (case.dtype, case.comm, case.gad) if d in order), key=order.index)
+    return TOLERANCES[worst]
+
+
+# -- where DeepSpeed's own answer cannot serve -----------------------------------------------------
+@dataclass(frozen=True)
+class Equivalent:
+    """Cases `applies` to are checked against DeepSpeed's answer to the case with `change`
+    made, which must train the same numbers: DeepSpeed refuses the case itself (`wrong`
+    False: its answer is used when it gives one), or its answer is wrong (`wrong` True: never
+    used). `why` says which."""
+
+    applies: object
+    change: Dict[str, object]
+    why: str
+    wrong: bool = False
+
+
+EQUIVALENTS: List[Equivalent] = [
+    Equivalent(lambda c: c.stage == 0 and c.dtype == "fp16", {"stage": 1, "allow_untested": True},
+               "DeepSpeed 0.19.8's stage-0 fp16 engine.backward leaves the loss unscaled and its fp16 optimizer "
+               "then divides the gradients by the scale (under Adam the scale mostly cancels, under SGD the "
+               "steps are the scale times too small); its ZeRO-1 trains the same script as ZeRO-0 should",
+               wrong=True),
+    Equivalent(lambda c: c.stage == 0 and c.dtype == "bf16", {"stage": 1, "allow_untested": True},
+               "DeepSpeed 0.19.8's stage-0 bf16 runs its fp16 optimizer wrappers, which train other numbers "
+               "than its own ZeRO-1 on the same script; ZeRO-0 and ZeRO-1 compute the same update", wrong=True),
+    Equivalent(lambda c: c.stage == 0 and c.backward != "engine", {"stage": 1, "allow_untested": True},
+               "DeepSpeed refuses PyTorch-style backward at ZeRO stage 0; ZeRO-1 computes the same update"),
+    Equivalent(lambda c: c.prescale and c.stage >= 2, {"prescale": False},
+               "DeepSpeed refuses prescale_gradients at ZeRO 2-3; dividing before or after the sum is the same "
+               "arithmetic up to rounding"),
+    Equivalent(lambda c: c.predivide != 1.0 and c.stage >= 2, {"predivide": 1.0},
+               "DeepSpeed refuses gradient_predivide_factor at ZeRO 2-3; the factor divides before the sum and "
+               "the rest after it, the same gradients up to rounding"),
+    Equivalent(lambda c: c.model == "moe" and c.stage == 3, {"stage": 2},
+               "DeepSpeed refuses its MoE layer at ZeRO-3; ZeRO-2 computes the same update"),
+    Equivalent(lambda c: c.model == "moe" and c.opt.startswith("client_") and c.stage > 0,
+               {"opt": "torch_adamw"},
+               "DeepSpeed wants a client optimizer's expert parameters in param groups marked 'moe' at ZeRO 1-2; "
+               "the config's torch AdamW is the same optimizer"),
+    Equivalent(lambda c: c.universal and c.stage == 0, {"universal": False},
+               "DeepSpeed's ds_to_universal needs ZeRO optimizer files, which stage 0 does not write; a "
+               "stage-0 checkpoint loads at any world size directly"),
+    Equivalent(lambda c: c.save and c.resume_world and not c.universal and c.stage > 0, {"universal": True},
+               "DeepSpeed loads a ZeRO checkpoint on another data-parallel world size only through "
+               "ds_to_universal; we load it directly"),
+]
+
+
+def equivalent(case: Case) -> Tuple[Optional[Case], List[Equivalent]]:
+    """The case DeepSpeed's answer to which stands for this case's (every rule that applies,
+    applied until none changes it), with the rules used; (None, []) when none applies."""
+    used: List[Equivalent] = []
+    current = case
+    for _ in range(len(EQUIVALENTS)):
+        changed = False
+        for rule in EQUIVALENTS:
+            if rule not in used and rule.applies(current):
+                current = dataclasses.replace(current, **rule.change)
+                used.append(rule)
+                changed = True
+        if not changed:
+            break
+    if not used or current.problem() is not None:
+        return None, []
+    return current, used
+
+
+CLASSES = ("equal", "equal to an equivalent case", "refused by both", "refused here only (listed)",
+           "refused by DeepSpeed only", "divergence")
 
 
 @dataclass
@@ -290,20 +364,38 @@ def close(a: List[float], b: List[float], tol: Tolerance) -> Tuple[bool, float]:
     return worst <= 1.0, worst
 
 
-def classify(case: Case, ds: dict, ours: dict, listed) -> Verdict:
+def classify(case: Case, ds: dict, ours: dict, listed, twin: Optional[dict] = None,
+             rules: Optional[List[Equivalent]] = None) -> Verdict:
     """`ds`, `ours`: a run's result ({"losses", ...} or {"error": line}); `listed(message)`:
-    whether docs/configuration.md lists the reason of our refusal."""
-    tol = TOLERANCES[case.dtype]
-    if "error" in ds and "error" in ours:
-        if ours.get("lines", 1) != 1:
-            return Verdict("divergence", f"both refuse, ours not in one line: {ours['error']}")
-        return Verdict("refused by both", f"DeepSpeed: {ds['error']} | here: {ours['error']}")
+    whether docs/configuration.md lists the reason of our refusal; `twin`: DeepSpeed's answer
+    to equivalent(case)'s case, with `rules` the reasons it stands for this one."""
+    rules = rules or []
+    wrong = any(r.wrong for r in rules)
     if "error" in ours:
+        if "error" in ds:
+            if ours.get("lines", 1) != 1:
+                return Verdict("divergence", f"both refuse, ours not in one line: {ours['error']}")
+            return Verdict("refused by both", f"DeepSpeed: {ds['error']} | here: {ours['error']}")
         if ours.get("lines", 1) == 1 and listed(ours["error"]):
             return Verdict("refused here only (listed)", ours["error"])
         return Verdict("divergence", f"DeepSpeed runs it; here: {ours['error']} (not listed in docs/configuration.md)")
-    if "error" in ds:
-        return Verdict("refused by DeepSpeed only", ds["error"])
+    if "error" in ds or wrong:
+        if twin is None or "error" in twin:
+            why = ds.get("error") or "; ".join(r.why for r in rules)
+            return Verdict("refused by DeepSpeed only", why)
+        problems = compare_runs(case, twin, ours)
+        if problems:
+            return Verdict("divergence", f"against the equivalent case ({'; '.join(r.why for r in rules)}): "
+                                         + "; ".join(problems))
+        return Verdict("equal to an equivalent case", "; ".join(r.why for r in rules))
+    problems = compare_runs(case, ds, ours)
+    if problems:
+        return Verdict("divergence", "; ".join(problems))
+    return Verdict("equal")
+
+
+def compare_runs(case: Case, ds: dict, ours: dict) -> List[str]:
+    tol = tolerance(case)
     problems = []
     for key in ("losses", "eval"):
         ok, worst = close(ours.get(key, []), ds.get(key, []), tol)
@@ -314,15 +406,32 @@ def classify(case: Case, ds: dict, ours: dict, listed) -> Verdict:
         if ds.get(key) != ours.get(key):
             problems.append(f"{key}: DeepSpeed {ds.get(key)}, here {ours.get(key)}")
     if ds.get("weights") is not None:
-        if ours.get("weight_names") != ds.get("weight_names"):
-            problems.append("the module's parameters differ in names or order")
+        if ours.get("weight_names") != ds.get("weight_names") or len(ours["weights"]) != len(ds["weights"]):
+            problems.append("the module's parameters differ in names, order or sizes")
         else:
-            ok, worst = close(ours["weights"], ds["weights"], tol)
-            if not ok:
-                problems.append(f"final weights differ (worst {worst:.3g}x the tolerance)")
-    if problems:
-        return Verdict("divergence", "; ".join(problems))
-    return Verdict("equal")
+            bad = tensors_apart(ours["weights"], ds["weights"], ours["weight_sizes"], ours["weight_names"], tol)
+            if bad:
+                problems.append("final weights differ: " + ", ".join(f"{n} ({r:.3g}x the tolerance)" for n, r in bad))
+    return problems
+
+
+def tensors_apart(a: List[float], b: List[float], sizes: List[int], names: List[str],
+                  tol: Tolerance) -> List[Tuple[str, float]]:
+    """The parameters whose values are apart: ||a - b|| > atol sqrt(n) + rtol ||b|| over each
+    parameter's n values. Over the whole tensor rather than per value: under a low precision,
+    an optimizer that normalises the step (Adam, Lion) turns a gradient that rounding moved
+    across zero into a full step the other way, in one value of many; a parameter that trains
+    differently moves all of them."""
+    out, start = [], 0
+    for name, n in zip(names, sizes):
+        x, y = a[start:start + n], b[start:start + n]
+        start += n
+        dist = sum((p - q) ** 2 for p, q in zip(x, y)) ** 0.5
+        norm = sum(q * q for q in y) ** 0.5
+        bound = tol.atol * n ** 0.5 + tol.rtol * norm
+        if not dist <= bound:
+            out.append((name, dist / bound if bound else float("inf")))
+    return out
 
 
 def _short(values) -> str:

@@ -98,7 +98,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM)
+        # no bias: a key bias moves every score of a row alike, so softmax gives it a zero gradient, and
+        # Adam turns the rounding noise left in its place into full-size steps that differ run to run
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
         self.proj = nn.Linear(DIM, DIM)
         self.ff = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
 
@@ -127,20 +129,14 @@ class GPT(nn.Module):
         return self.head(self.ln_f(self.block(x)))
 
 
-def hf_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=DIM, n_layer=1, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
-    return _seeded(GPT2LMHeadModel(cfg), scale=0.2)
-
-
-def hf_llama():
+def hf_llama(tied: bool):
+    """A one-layer Hugging Face Llama from a config (no biases anywhere, so no key bias: see
+    Block); tied: its output layer is its input embedding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM * 2, intermediate_size=DIM * 4, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False, attn_implementation="eager")
+                      num_attention_heads=4, num_key_value_heads=2 if tied else 4, max_position_embeddings=SEQ,
+                      tie_word_embeddings=tied, attn_implementation="eager")
     return _seeded(LlamaForCausalLM(cfg), scale=0.1)
 
 
@@ -175,9 +171,9 @@ def build_model(rt, case: Case, rank: int) -> nn.Module:
     if case.model == "gpt":
         return GPT()
     if case.model == "hf":
-        return hf_gpt2()
+        return hf_llama(tied=True)
     if case.model == "tp":
-        return hf_llama()
+        return hf_llama(tied=False)
     if case.model == "moe":
         return MoENet(rt, case.ep, rank % case.ep)
     raise ValueError(case.model)
@@ -197,6 +193,8 @@ def config(case: Case, world: int, resuming: bool = False) -> dict:
     if not case.opt.startswith("client_"):
         cfg["optimizer"] = optimizer_section(case)
     elif case.stage or case.offload != "none":
+        cfg["zero_allow_untested_optimizer"] = True
+    if case.allow_untested:
         cfg["zero_allow_untested_optimizer"] = True
     sched = scheduler_section(case)
     if sched:
@@ -372,18 +370,19 @@ class Run:
                 engine.train()
 
     def weights(self, engine):
-        """(names, flat fp32 values) of the module's parameters on rank 0, gathered at
-        ZeRO-3; None under tensor parallelism (each rank holds its shard)."""
+        """(names, sizes, flat fp32 values) of the module's parameters on rank 0, gathered at
+        ZeRO-3; Nones under tensor parallelism (each rank holds its shard)."""
         if self.case.tp > 1:
-            return None, None
+            return None, None, None
         params = list(engine.module.named_parameters())
         ctx = _nothing()
         if self.case.stage == 3:
             ctx = self.rt.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
         with ctx:
             names = [n for n, _ in params]
+            sizes = [p.numel() for _, p in params]
             flat = torch.cat([p.detach().float().reshape(-1).cpu() for _, p in params]) if params else torch.zeros(0)
-            return names, [float(v) for v in flat]
+            return names, sizes, [float(v) for v in flat]
 
 
 class _nothing:
@@ -416,9 +415,10 @@ def run_case(rt, case: Case, phase: int, ckpt: str) -> dict:
     else:
         engine = resume(rt, run, ckpt)
         run.train(engine, case.save, last)
-    names, flat = run.weights(engine)
+    names, sizes, flat = run.weights(engine)
     result = {"losses": run.losses, "eval": run.evals, "global_steps": int(engine.global_steps),
-              "skipped_steps": int(engine.skipped_steps), "weight_names": names, "weights": flat}
+              "skipped_steps": int(engine.skipped_steps), "weight_names": names, "weight_sizes": sizes,
+              "weights": flat}
     _destroy(engine)
     return result
 

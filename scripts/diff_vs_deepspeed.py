@@ -56,7 +56,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from diff_cases import CLASSES, COUNT, SEED, Case, classify, generate  # noqa: E402
+from diff_cases import CLASSES, COUNT, SEED, Case, classify, equivalent, generate  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "ds_diff")
 RESULTS = os.path.join(FIXTURES, "deepspeed.json")
@@ -359,7 +359,26 @@ def select(args) -> List[Case]:
     return generate()
 
 
+def with_equivalents(cases: List[Case]) -> List[Case]:
+    """The cases and, after them, each one's equivalent case (diff_cases.EQUIVALENTS) not among them."""
+    seen = {c.line for c in cases}
+    out = list(cases)
+    for case in cases:
+        twin, _ = equivalent(case)
+        if twin is not None and twin.line not in seen:
+            seen.add(twin.line)
+            out.append(twin)
+    return out
+
+
+def judge(case: Case, fixtures: Dict[str, dict], ours: dict, reasons: List[str]):
+    twin, rules = equivalent(case)
+    return classify(case, fixtures[case.line], ours, lambda m: is_listed(m, reasons),
+                    twin=fixtures.get(twin.line) if twin is not None else None, rules=rules)
+
+
 def record(args, cases: List[Case]) -> None:
+    cases = with_equivalents(cases)
     have = load_fixtures()
     if args.missing:
         cases = [c for c in cases if c.line not in have]
@@ -389,7 +408,7 @@ def compare(cases: List[Case], fixtures: Dict[str, dict], python: str = sys.exec
     todo = [c for c in cases if c.line in fixtures]
     ours = run_side(python, "dslaunch", todo, progress=progress)
     reasons = listed_reasons()
-    verdicts = {c.line: classify(c, fixtures[c.line], ours[c.line], lambda m: is_listed(m, reasons)) for c in todo}
+    verdicts = {c.line: judge(c, fixtures, ours[c.line], reasons) for c in todo}
     return ours, verdicts
 
 
@@ -451,7 +470,7 @@ def main(argv=None) -> int:
 
     def progress(case, result):
         if args.verbose:
-            v = classify(case, fixtures[case.line], result, lambda m: is_listed(m, reasons))
+            v = judge(case, fixtures, result, reasons)
             print(f"{v.kind:28s} {case.line}  {v.detail}", flush=True)
 
     _, verdicts = compare(cases, fixtures, progress=progress)
