@@ -299,6 +299,11 @@ EQUIVALENTS: List[Equivalent] = [
                "than its own ZeRO-1 on the same script; ZeRO-0 and ZeRO-1 compute the same update", wrong=True),
     Equivalent(lambda c: c.stage == 0 and c.backward != "engine", {"stage": 1, "allow_untested": True},
                "DeepSpeed refuses PyTorch-style backward at ZeRO stage 0; ZeRO-1 computes the same update"),
+    Equivalent(lambda c: c.dtype == "fp16" and c.loss_scale == 0 and c.scale_power == 8, {"loss_scale": 256},
+               "DeepSpeed 0.19.8 raises the dynamic loss scale before it unscales the step's gradients, so a "
+               "step whose scale grows divides gradients scaled by 2^8 by 2^9 (half the step); with no overflow a "
+               "dynamic scale that starts at 2^8 trains what the static scale 2^8 trains",
+               wrong=True),
     Equivalent(lambda c: c.prescale and c.stage >= 2, {"prescale": False},
                "DeepSpeed refuses prescale_gradients at ZeRO 2-3; dividing before or after the sum is the same "
                "arithmetic up to rounding"),
@@ -340,7 +345,7 @@ def equivalent(case: Case) -> Tuple[Optional[Case], List[Equivalent]]:
 
 
 CLASSES = ("equal", "equal to an equivalent case", "refused by both", "refused here only (listed)",
-           "refused by DeepSpeed only", "divergence")
+           "refused by DeepSpeed only", "DeepSpeed wrong, no equivalent", "divergence")
 
 
 @dataclass
@@ -381,8 +386,10 @@ def classify(case: Case, ds: dict, ours: dict, listed, twin: Optional[dict] = No
         return Verdict("divergence", f"DeepSpeed runs it; here: {ours['error']} (not listed in docs/configuration.md)")
     if "error" in ds or wrong:
         if twin is None or "error" in twin:
-            why = ds.get("error") or "; ".join(r.why for r in rules)
-            return Verdict("refused by DeepSpeed only", why)
+            if "error" in ds:
+                return Verdict("refused by DeepSpeed only", ds["error"])
+            # DeepSpeed answers, wrongly (a listed rule says why), and no right answer of its stands in
+            return Verdict("DeepSpeed wrong, no equivalent", "; ".join(r.why for r in rules if r.wrong))
         problems = compare_runs(case, twin, ours)
         if problems:
             return Verdict("divergence", f"against the equivalent case ({'; '.join(r.why for r in rules)}): "

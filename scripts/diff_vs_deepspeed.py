@@ -378,7 +378,8 @@ def judge(case: Case, fixtures: Dict[str, dict], ours: dict, reasons: List[str])
 
 
 def record(args, cases: List[Case]) -> None:
-    cases = with_equivalents(cases)
+    if not args.no_equivalents:
+        cases = with_equivalents(cases)
     have = load_fixtures()
     if args.missing:
         cases = [c for c in cases if c.line not in have]
@@ -394,7 +395,7 @@ def record(args, cases: List[Case]) -> None:
         done[case.line] = result
         what = result["error"] if "error" in result else f"losses {[round(x, 5) for x in result['losses']]}"
         print(f"[{count[0]}/{len(cases)} {time.monotonic() - started:.0f}s] {case.line}: {what}", flush=True)
-        if count[0] % 25 == 0:
+        if count[0] % 10 == 0:
             save_fixtures(done, args.ds_python)
 
     build_ops(args.ds_python)
@@ -442,10 +443,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ds-python", default=DS_PYTHON, help="a Python with deepspeed 0.19.8 (for --record)")
     ap.add_argument("--missing", action="store_true", help="with --record: only cases not recorded yet")
     ap.add_argument("--limit", type=int, default=0, help="with --record: at most this many cases")
+    ap.add_argument("--no-equivalents", action="store_true", help="with --record: not the equivalent cases")
     ap.add_argument("--cases", nargs="*", help="case lines to run (default: every generated case)")
     ap.add_argument("--list", action="store_true", help="print the generated cases, one line each")
     ap.add_argument("--run", choices=["deepspeed", "dslaunch"], help="only run the cases on one side and print "
                     "each result (nothing is compared or written)")
+    ap.add_argument("--save-ours", help="append our result of each case to this file (JSON lines)")
     ap.add_argument("--verbose", action="store_true", help="print every case's class as it is compared")
     ap.add_argument("--write-docs", action="store_true", help=f"write the summary into {os.path.relpath(SUMMARY_DOC, ROOT)}")
     args = ap.parse_args(argv)
@@ -469,9 +472,12 @@ def main(argv=None) -> int:
     reasons = listed_reasons()
 
     def progress(case, result):
+        if args.save_ours:
+            with open(args.save_ours, "a") as fh:
+                fh.write(json.dumps({"line": case.line, "result": result}) + "\n")
         if args.verbose:
             v = judge(case, fixtures, result, reasons)
-            print(f"{v.kind:28s} {case.line}  {v.detail}", flush=True)
+            print(f"[{time.monotonic() - started:.0f}s] {v.kind:28s} {case.line}  {v.detail}", flush=True)
 
     _, verdicts = compare(cases, fixtures, progress=progress)
     elapsed = time.monotonic() - started
