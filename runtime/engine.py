@@ -641,6 +641,14 @@ class DeepSpeedEngine(torch.nn.Module):
         return norm
 
     def zero_grad(self) -> None:
+        if self.zero_optimization_stage() >= 2:
+            # DeepSpeed 0.19.8's engine.zero_grad sets each parameter's .grad to None and nothing
+            # more: at ZeRO 2-3 what earlier backwards of the window reduced into the gradient
+            # partitions stays and the next step uses it (its ZeRO 0-1 lose it, as we do there).
+            # The step clears the partitions itself.
+            for p in self.module.parameters():
+                p.grad = None
+            return
         self.strategy.zero_grad()
         self.strategy.close_grad_window()
 

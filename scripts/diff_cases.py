@@ -231,6 +231,11 @@ EXTRA_CASES: List[str] = [
     "model=gpt world=2 stage=2 save=2 resume_world=4 steps=4 universal=1",
     "model=gpt world=4 stage=3 save=2 resume_world=2 steps=4 universal=1",
     "model=mlp world=2 stage=1 dtype=bf16 save=1 resume_world=3 universal=1",
+    # engine.zero_grad() before every micro-step: lost at ZeRO 0-1, kept once reduced at ZeRO 2-3
+    "model=mlp world=2 stage=1 opt=torch_adamw accum=3 zero_grad=micro",
+    "model=mlp world=2 stage=2 opt=torch_adamw accum=3 zero_grad=micro",
+    "model=mlp world=2 stage=3 opt=torch_adamw accum=3 zero_grad=micro",
+    "model=tied world=2 stage=2 offload=opt opt=torch_adamw accum=3 zero_grad=micro",
 ]
 
 

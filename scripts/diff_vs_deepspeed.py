@@ -3,7 +3,9 @@
     # record DeepSpeed's answers (its own Python; CPU accelerator), as fixtures under tests/data/ds_diff/
     .venv/bin/python scripts/diff_vs_deepspeed.py --record [--ds-python /work/ds-venv/bin/python] [--missing]
     # run our side of every recorded case and classify it against DeepSpeed's
-    .venv/bin/python scripts/diff_vs_deepspeed.py [--cases 'LINE' ...] [--write-docs]
+    .venv/bin/python scripts/diff_vs_deepspeed.py [--cases 'LINE' ...] [--save-ours FILE] [--write-docs]
+    # classify what a --save-ours run kept, under the rules as they are now
+    .venv/bin/python scripts/diff_vs_deepspeed.py --from-ours FILE [--write-docs]
     # the cases the seed draws, one line each
     .venv/bin/python scripts/diff_vs_deepspeed.py --list
 
@@ -419,6 +421,9 @@ def summary(cases: List[Case], fixtures: Dict[str, dict], verdicts) -> str:
     lines = ["| class | cases |", "|---|---|"]
     lines += [f"| {k} | {counts.get(k, 0)} |" for k in CLASSES]
     lines.append(f"| total | {len(verdicts)} |")
+    unrun = [c for c in cases if c.line in fixtures and c.line not in verdicts]
+    if unrun:
+        lines.append(f"| recorded under DeepSpeed, not replayed in this run | {len(unrun)} |")
     if missing:
         lines.append(f"| not recorded under DeepSpeed | {len(missing)} |")
     return "\n".join(lines)
@@ -449,6 +454,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run", choices=["deepspeed", "dslaunch"], help="only run the cases on one side and print "
                     "each result (nothing is compared or written)")
     ap.add_argument("--save-ours", help="append our result of each case to this file (JSON lines)")
+    ap.add_argument("--from-ours", help="classify the results a --save-ours run wrote instead of running our side")
     ap.add_argument("--verbose", action="store_true", help="print every case's class as it is compared")
     ap.add_argument("--write-docs", action="store_true", help=f"write the summary into {os.path.relpath(SUMMARY_DOC, ROOT)}")
     args = ap.parse_args(argv)
@@ -479,7 +485,16 @@ def main(argv=None) -> int:
             v = judge(case, fixtures, result, reasons)
             print(f"[{time.monotonic() - started:.0f}s] {v.kind:28s} {case.line}  {v.detail}", flush=True)
 
-    _, verdicts = compare(cases, fixtures, progress=progress)
+    if args.from_ours:
+        # classify results a --save-ours run kept (the rules and tolerances as they are now)
+        ours = {}
+        with open(args.from_ours) as fh:
+            for row in map(json.loads, fh):
+                ours[row["line"]] = row["result"]
+        verdicts = {c.line: judge(c, fixtures, ours[c.line], reasons) for c in cases
+                    if c.line in fixtures and c.line in ours}
+    else:
+        _, verdicts = compare(cases, fixtures, progress=progress)
     elapsed = time.monotonic() - started
     table = summary(cases, fixtures, verdicts)
     print(table)
@@ -505,11 +520,23 @@ def tolerance_table() -> str:
     return "\n".join(rows)
 
 
+def equivalents_table() -> str:
+    """docs' table of diff_cases.EQUIVALENTS: for which cases which change, and why."""
+    from diff_cases import EQUIVALENTS
+
+    rows = ["| change made for DeepSpeed's side | DeepSpeed's own answer | why |", "|---|---|---|"]
+    for rule in EQUIVALENTS:
+        change = ", ".join(f"`{k}={v}`" for k, v in rule.change.items())
+        rows.append(f"| {change} | {'wrong' if rule.wrong else 'refused'} | {rule.why} |")
+    return "\n".join(rows)
+
+
 def write_docs(table: str, verdicts, elapsed: float) -> None:
     with open(SUMMARY_DOC, encoding="utf-8") as fh:
         text = fh.read()
     reasons = details(verdicts, [k for k in CLASSES if k != "equal"]).strip()
     text = _replace_block(text, "diff-tolerances", tolerance_table())
+    text = _replace_block(text, "diff-equivalents", equivalents_table())
     text = _replace_block(text, "diff-summary", f"{table}\n\n```text\n{reasons}\n```")
     with open(SUMMARY_DOC, "w", encoding="utf-8") as fh:
         fh.write(text)
