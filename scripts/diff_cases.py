@@ -350,7 +350,12 @@ def equivalent(case: Case) -> Tuple[Optional[Case], List[Equivalent]]:
 
 
 CLASSES = ("equal", "equal to an equivalent case", "refused by both", "refused here only (listed)",
-           "refused by DeepSpeed only", "DeepSpeed wrong, no equivalent", "divergence")
+           "refused by DeepSpeed only", "DeepSpeed wrong, no equivalent", "open divergence (listed)", "divergence")
+
+# Divergences found and not resolved yet, by case line, with what is known of each. They are
+# classified apart; the test fails on any other divergence, and on a listed one that no longer
+# diverges (so that this list stays true).
+OPEN: Dict[str, str] = {}
 
 
 @dataclass
@@ -406,6 +411,14 @@ def classify(case: Case, ds: dict, ours: dict, listed, twin: Optional[dict] = No
     return Verdict("equal")
 
 
+# Parameters whose final values are not compared, per model, with the reason: their true
+# gradient is zero, so what they receive is rounding noise, which an optimizer that normalises
+# its step (Adam, Lion) turns into full-size steps that differ from run to run.
+NOISE_PARAMS: Dict[str, Dict[str, str]] = {
+    "buffers": {"a.bias": "batch norm subtracts the batch mean right after it"},
+}
+
+
 def compare_runs(case: Case, ds: dict, ours: dict) -> List[str]:
     tol = tolerance(case)
     problems = []
@@ -422,6 +435,7 @@ def compare_runs(case: Case, ds: dict, ours: dict) -> List[str]:
             problems.append("the module's parameters differ in names, order or sizes")
         else:
             bad = tensors_apart(ours["weights"], ds["weights"], ours["weight_sizes"], ours["weight_names"], tol)
+            bad = [(n, r) for n, r in bad if n not in NOISE_PARAMS.get(case.model, {})]
             if bad:
                 problems.append("final weights differ: " + ", ".join(f"{n} ({r:.3g}x the tolerance)" for n, r in bad))
     return problems
