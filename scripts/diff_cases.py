@@ -355,7 +355,19 @@ CLASSES = ("equal", "equal to an equivalent case", "refused by both", "refused h
 # Divergences found and not resolved yet, by case line, with what is known of each. They are
 # classified apart; the test fails on any other divergence, and on a listed one that no longer
 # diverges (so that this list stays true).
-OPEN: Dict[str, str] = {}
+_GROWTH_AFTER_OVERFLOW = ("fp16 starting at 2^16: the first steps overflow, then the scale grows again; DeepSpeed's "
+                          "growth step moves half the gradient (see EQUIVALENTS), the likely cause, not confirmed")
+OPEN: Dict[str, str] = {
+    "model=tied stage=1 offload=opt+param dtype=fp16 scale_power=16 opt=adagrad sched=warmup prescale=1 steps=4 "
+    "zero_grad=boundary eval=1": _GROWTH_AFTER_OVERFLOW,
+    "model=mlp world=2 stage=2 dtype=fp16 scale_power=16 opt=client_sgd batch=1 steps=5": _GROWTH_AFTER_OVERFLOW,
+    "model=moe world=3 stage=2 dtype=fp16 scale_power=16 clip=0.05 gad=fp32 batch=1 micro=1 steps=6":
+        _GROWTH_AFTER_OVERFLOW,
+    "model=hf world=2 stage=1 opt=adam_l2 clip=1.0 predivide=2.0 comm=fp32 batch=1 micro=1 accum=2 steps=4 "
+    "backward=torch zero_grad=micro eval=1": "fp32, the first step already 6e-5 apart in the next loss; not "
+                                             "understood yet (ZeRO-1 zero_grad, PyTorch-style backward and "
+                                             "clipping each agree on their own in other cases)",
+}
 
 
 @dataclass
