@@ -367,6 +367,23 @@ OPEN: Dict[str, str] = {
     "backward=torch zero_grad=micro eval=1": "fp32, the first step already 6e-5 apart in the next loss; not "
                                              "understood yet (ZeRO-1 zero_grad, PyTorch-style backward and "
                                              "clipping each agree on their own in other cases)",
+    "model=moe world=4 stage=2 dtype=fp16 scale_power=16 opt=adamw comm=fp32 gad=fp32 micro=1 accum=2 steps=5 "
+    "eval=1": _GROWTH_AFTER_OVERFLOW,
+    "model=tied dtype=fp16 scale_power=16 opt=client_sgd prescale=1 steps=4": _GROWTH_AFTER_OVERFLOW,
+    "model=tp world=4 tp=2 predivide=2.0 comm=fp16 batch=1 steps=6":
+        "DeepSpeed 0.19.8 checks train_batch_size against every rank, tensor-parallel ones included "
+        "(micro x accumulation x world size); here against the data-parallel ranks, and the batch is refused",
+    "model=frozen world=4 stage=3 dtype=fp16 loss_scale=128 opt=torch_adamw sched=decay clip=0.05 gad=fp32 steps=4 "
+    "backward=torch zero_grad=micro save=3 universal=1":
+        "DeepSpeed trains PyTorch-style fp16 backward here without engine.scale (a static scale, ZeRO-3); we "
+        "refuse it as unscaled; not examined yet",
+    "model=mlp world=4 stage=3 dtype=bf16 opt=adagrad sched=client clip=1.0 micro=1 steps=4":
+        "bf16, one parameter just past the tolerance (1.15x); not examined yet",
+    "model=moe dtype=bf16 opt=client_sgd sched=client predivide=2.0 micro=1 backward=torch save=2":
+        "against DeepSpeed's ZeRO-1 equivalent of a stage-0 bf16 MoE case; not examined yet",
+    "model=unused stage=1 offload=opt dtype=fp16 opt=lion sched=client predivide=2.0 accum=3 steps=5 "
+    "backward=scale zero_grad=boundary no_sync=1":
+        "against DeepSpeed's static-scale equivalent: Lion under offload with a never-used layer; not examined yet",
 }
 
 
