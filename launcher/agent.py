@@ -73,8 +73,10 @@ class _Events:
         self.emit({"ev": "exited", "label": label})
 
 
-def _watch_head(control: BinaryIO, stop: Callable[[str], None], seen: Callable[[], None]) -> None:
-    """Read the head's control lines until stop or EOF. Never dies on a bad line."""
+def _watch_head(control: BinaryIO, stop: Callable[[str], None], seen: Callable[[], None],
+                pass_on: Optional[Callable[[str], None]] = None) -> None:
+    """Read the head's control lines until stop or EOF. Never dies on a bad line. `pass_on`
+    takes the elastic requests (drain, grow) for the workers' runtime."""
     try:
         for raw in control:
             seen()
@@ -85,6 +87,8 @@ def _watch_head(control: BinaryIO, stop: Callable[[str], None], seen: Callable[[
             if msg.get("cmd") == "stop":
                 stop("the head asked to stop")
                 return
+            if msg.get("cmd") in ("drain", "grow") and pass_on is not None:
+                pass_on(msg["cmd"])
     except (OSError, ValueError):
         pass
     stop("the head's channel closed")
@@ -126,6 +130,13 @@ def run(request: AgentRequest, control: BinaryIO, out: BinaryIO) -> int:
             events.emit({"ev": "error", "text": str(e)})
             events.writer.close(timeout=5)
             return 2
+    channel = None
+    if request.elastic:  # the workers' runtime reports progress and takes drain/grow here
+        from dslaunch.launcher.elastic import AGENT_SOCKET_VAR
+        from dslaunch.launcher.worker_channel import WorkerChannel
+
+        channel = WorkerChannel(events.emit, every=request.heartbeat_s)
+        workers = [replace(w, env={**w.env, AGENT_SOCKET_VAR: channel.name}) for w in workers]
     specs = [worker_spec(w, request.restart, inherited, label=f"{request.host}:{w.rank}", cwd=os.getcwd())
              for w in workers]
     sup = Supervisor(specs, events, kill_grace=request.kill_grace)
@@ -133,15 +144,28 @@ def run(request: AgentRequest, control: BinaryIO, out: BinaryIO) -> int:
         state["sup"] = sup
         if state["why"] is not None:
             sup.request_stop(signal.SIGTERM)
+
+    def on_signal(signum, frame) -> None:
+        # elastic: the first SIGTERM (a host being shut down) asks the head to drain this host,
+        # which lets the job save before the workers go; a second one stops them now
+        if channel is not None and signum == signal.SIGTERM and not state.get("leaving"):
+            state["leaving"] = True
+            events.emit({"ev": "leaving"})
+            return
+        stop(f"received {signal.Signals(signum).name}")
+
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, lambda signum, frame: stop(f"received {signal.Signals(signum).name}"))
-    threading.Thread(target=_watch_head, args=(control, stop, seen), daemon=True, name="dslaunch-agent-in").start()
+        signal.signal(s, on_signal)
+    threading.Thread(target=_watch_head, args=(control, stop, seen, channel.request if channel else None),
+                     daemon=True, name="dslaunch-agent-in").start()
 
     finished = threading.Event()
 
     def heartbeat() -> None:
         while not finished.wait(request.heartbeat_s):
             events.emit({"ev": "hb"})
+            if channel is not None:
+                channel.flush()
             silent = time.monotonic() - state["last"]
             if silent > request.heartbeat_timeout:
                 stop(f"lost the head: nothing from it for {silent:.0f}s (--heartbeat_timeout "
@@ -150,6 +174,9 @@ def run(request: AgentRequest, control: BinaryIO, out: BinaryIO) -> int:
     threading.Thread(target=heartbeat, daemon=True, name="dslaunch-agent-hb").start()
     result = sup.run()
     finished.set()
+    if channel is not None:
+        channel.flush()
+        channel.close()
     failed_rank = result.failure.rank if result.failure is not None else None
     events.emit({
         "ev": "done", "exit_code": result.exit_code,

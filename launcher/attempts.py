@@ -27,6 +27,8 @@ class AttemptResult:
     stop_signal: Optional[int] = None  # the signal that ended the attempt, when nothing failed
     ended: Dict[str, str] = field(default_factory=dict)  # label -> how each other worker ended
     total: int = 0  # workers in the attempt
+    lost: Dict[str, str] = field(default_factory=dict)  # host -> why it was lost (elastic jobs re-plan)
+    resized: bool = False  # the workers stopped for a resize the head asked for (elastic jobs)
 
 
 class StopSignals:

@@ -35,8 +35,6 @@ EXAMPLES = [
 
 # torchrun options whose meaning differs from ours: refused with what to use instead
 HINTS = {
-    "--nnodes": "dslaunch starts every node from one machine: list the hosts in --hostfile "
-                "(--num_nodes N uses the first N) and run dslaunch once",
     "--node_rank": "node ranks follow the hostfile order: run dslaunch once, on one machine, with --hostfile",
     "--node-rank": "node ranks follow the hostfile order: run dslaunch once, on one machine, with --hostfile",
     "--rdzv-endpoint": "use --master_addr / --master_port",
@@ -47,10 +45,6 @@ HINTS = {
 
 # DeepSpeed options dslaunch refuses rather than accept and ignore: param name -> why
 REFUSED = {
-    "elastic_training": "--elastic_training: not supported; dslaunch restarts the whole job on the same nodes "
-                        "(--max_restarts N), it does not change the number of nodes",
-    "min_elastic_nodes": "--min_elastic_nodes: not supported (no --elastic_training)",
-    "max_elastic_nodes": "--max_elastic_nodes: not supported (no --elastic_training)",
     "no_ssh": "--no_ssh: dslaunch starts the other nodes itself; to run one node's workers without SSH, "
               "use a hostfile naming only this machine",
 }
@@ -104,6 +98,31 @@ def _show_version(ctx, _param, value):
         ctx.exit(0)
 
 
+def _from_environment(ctx, param) -> str:
+    """The DSLAUNCH_* variable `param` got its value from, or "" (the command line, a default):
+    an error in a value nobody typed must say where it came from."""
+    if ctx is None or param is None or param.name is None:
+        return ""
+    if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.ENVIRONMENT:
+        return ""
+    if isinstance(param.envvar, str):
+        return param.envvar
+    return f"{ENV_PREFIX}_{param.name.upper()}"
+
+
+def _with_variable(message: str) -> str:
+    """A LaunchConfigError about an option ("--kill_grace -1: ...") whose value came from the
+    environment names the variable too."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return message
+    for param in ctx.command.params:
+        var = _from_environment(ctx, param)
+        if var and any(message.startswith(f"{o} ") or message.startswith(f"{o}:") for o in param.opts):
+            return f"{var} in the environment: {message}"
+    return message
+
+
 class _LaunchCommand(click.Command):
     def main(self, args=None, prog_name=None, **extra):
         try:
@@ -116,6 +135,12 @@ class _LaunchCommand(click.Command):
             hint = HINTS.get(e.option_name)
             msg = f"{e.option_name}: {hint}" if hint else f"{e.format_message()} (see {prog_name} --help)"
             click.echo(f"dslaunch: error: {msg}", err=True)
+            sys.exit(2)
+        except click.BadParameter as e:
+            var = _from_environment(e.ctx, e.param)
+            hint = "" if e.ctx is None else f" (see {e.ctx.command_path} --help)"
+            msg = f"{var} in the environment ({e.param.opts[0]}): {e.message}" if var else e.format_message()
+            click.echo(f"dslaunch: error: {msg}{hint}", err=True)
             sys.exit(2)
         except click.UsageError as e:
             hint = "" if e.ctx is None else f" (see {e.ctx.command_path} --help)"
@@ -188,6 +213,20 @@ class _LaunchCommand(click.Command):
 @option("--skip_check", "--no_ssh_check", is_flag=True, default=False, help="Skip the preflight check before a multi-node launch.")
 @option("--heartbeat_timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, show_default=True,
         help="Seconds of silence after which the head declares a host lost and an agent its head.")
+# -- elastic jobs (docs/elastic.md)
+@option("--min_nodes", "--min_elastic_nodes", type=int, default=None,
+        help="Elastic: go on after losing hosts while at least N remain (re-planned, resumed from the last "
+             "checkpoint).")
+@option("--max_nodes", "--max_elastic_nodes", type=int, default=None,
+        help="Elastic: run on at most N hosts of the hostfile; hosts that answer again join up to N "
+             "(default: every host).")
+@option("--elastic_training", is_flag=True, default=False,
+        help="DeepSpeed's spelling: an elastic job (--min_nodes 1 unless given).")
+@option("--nnodes", type=str, default=None, help="torchrun's spelling: MIN:MAX is --min_nodes MIN --max_nodes MAX.")
+@option("--checkpoint_dir", type=str, default=None,
+        help="The runtime saves here (every --checkpoint_every steps, and before a host leaves) and resumes from "
+             "the latest complete checkpoint here when the job starts.")
+@option("--checkpoint_every", type=int, default=None, help="With --checkpoint_dir: save every N optimizer steps.")
 # -- autotuning (docs/autotuning.md)
 @option("--autotuning", type=click.Choice(["tune", "run"]), default=None,
         help="tune: try configurations from the config's `autotuning` section and write the results; "
@@ -200,9 +239,6 @@ class _LaunchCommand(click.Command):
 @option("--autotuning_memory_limit", type=str, default=None,
         help="With --autotuning: bytes one rank may use, e.g. 2GiB (default: measured free memory).")
 # -- DeepSpeed options refused (see REFUSED)
-@option("--elastic_training", is_flag=True, default=False, help="Refused: the node count is fixed.")
-@option("--min_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
-@option("--max_elastic_nodes", type=int, default=None, help="Refused (see --elastic_training).")
 @option("--no_ssh", is_flag=True, default=False, help="Refused: dslaunch starts the other nodes itself.")
 @click.argument("script", type=str)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -219,6 +255,7 @@ def launch(**params) -> int:
         for name, why in REFUSED.items():
             if params.pop(name) not in (None, False):
                 raise LaunchConfigError(why)
+        _elastic_spellings(params)
         tuning = {k: params.pop(k) for k in ("autotuning", "autotuning_budget", "autotuning_memory_limit",
                                                "autotuning_repeats")}
         if params.pop("standalone"):
@@ -233,8 +270,23 @@ def launch(**params) -> int:
                 raise LaunchConfigError(f"--{name} needs --autotuning tune|run")
         return run_launch(LaunchOptions(**params))
     except LaunchConfigError as e:
-        click.echo(f"dslaunch: error: {e}", err=True)
+        click.echo(f"dslaunch: error: {_with_variable(str(e))}", err=True)
         return e.exit_code
+
+
+def _elastic_spellings(params) -> None:
+    """DeepSpeed's --elastic_training and torchrun's --nnodes MIN:MAX, as --min_nodes/--max_nodes."""
+    from dslaunch.launcher.elastic import parse_nnodes
+
+    nnodes = params.pop("nnodes")
+    if nnodes is not None:
+        lo, hi = parse_nnodes(nnodes)
+        for name, value in (("min_nodes", lo), ("max_nodes", hi)):
+            if params[name] is not None and params[name] != value:
+                raise LaunchConfigError(f"--nnodes {nnodes} and --{name} {params[name]} disagree: give one")
+            params[name] = value
+    if params.pop("elastic_training") and params["min_nodes"] is None and params["max_nodes"] is None:
+        params["min_nodes"] = 1
 
 
 def _autotune(tuning, opts) -> int:

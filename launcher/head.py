@@ -227,8 +227,23 @@ class Head:
         self.first_timeout = o.heartbeat_timeout + o.ssh_timeout
         self.check_interval = silence_check_interval(self.interval)
 
+    elastic = False  # ElasticHead (elastic_head.py) re-plans between attempts
+
+    def _elastic_event(self, idx, ev, links) -> None:
+        """An agent's progress, `leaving` or `asked`, or a wake-up (idx None) (elastic jobs)."""
+
+    def _elastic_tick(self, links, pending, stop_all) -> None:
+        """Each turn of the loop: send what control requests asked for (elastic jobs)."""
+
+    def _resize_exit(self, f: Failure) -> bool:
+        """Whether this worker exit is the stop for a resize the head asked for."""
+        return False
+
+    _resized = False
+
     def run(self) -> int:
         def on_signal(signum: int, again: bool) -> None:
+            self.output.stopping(signum)
             self._events.put((None, {"ev": "signal", "sig": signum, "again": again}))
 
         with StopSignals(on_signal, self._err_fd, self.plan.options.kill_grace) as signals:
@@ -254,7 +269,7 @@ class Head:
         except Exception as exc:  # a backend that cannot start its transport: the host is named
             f = host_failure(getattr(exc, "host", nodes[0].target), f"cannot start the node agent: {exc}")
             self.output.failed(f)
-            return AttemptResult(f.exit_code, f, None, {}, total)
+            return AttemptResult(f.exit_code, f, None, {}, total, lost={f.label: f.reason})
         # when each link was started: its first word is due first_timeout after that, not after
         # the first link's start (starting a thousand links takes longer than the timeout)
         started = [time.monotonic()] * len(links)
@@ -264,7 +279,7 @@ class Head:
         def start(i: int) -> None:
             link, node = links[i], nodes[i]
             request = AgentRequest(link.host, node.workers, restart, o.kill_grace, self.interval, self.timeout,
-                                   node.finished, node.bind_core_list)
+                                   node.finished, node.bind_core_list, elastic=self.elastic)
             started[i] = time.monotonic()
             link.start(lambda ev: events.put((i, ev)), request)
 
@@ -299,6 +314,7 @@ class Head:
             pool.shutdown(wait=False)
             raise
         stop_deadline: Optional[float] = None
+        lost: Dict[str, str] = {}  # hosts whose agent went away without reporting its end
         # silence is checked on this tick, not after every event: one scan of all hosts per
         # event made each heartbeat round cost N^2 at N hosts
         next_check = time.monotonic() + self.check_interval
@@ -335,6 +351,9 @@ class Head:
                             links[i].close()  # agents kill at once on EOF
                     stop_all()
                     continue
+                if idx is None or kind in ("progress", "leaving", "asked"):  # elastic: wake-ups, progress, ...
+                    self._elastic_event(idx, ev, links)
+                    continue
                 host = links[idx].host
                 if kind == "line":
                     data = str(ev.get("data", "")).encode("utf-8", "replace")
@@ -351,7 +370,9 @@ class Head:
                         stop_all(exclude=[idx])
                 elif kind == "failed" and idx in pending:
                     f = Failure.from_dict(ev.get("failure") or {}).on_host(host)
-                    if failure is None and stop_signal is None:
+                    if self._resize_exit(f):
+                        stop_all(exclude=[idx])  # the others stop after the same checkpoint
+                    elif failure is None and stop_signal is None:
                         failure = f
                         self.output.failed(f)
                         stop_all(exclude=[idx])
@@ -359,7 +380,9 @@ class Head:
                     pending.discard(idx)
                     ended.update({str(k): str(v) for k, v in (ev.get("ended") or {}).items()})
                     f = Failure.from_dict(ev["failure"]).on_host(host) if ev.get("failure") else None
-                    if f is not None and failure is None and stop_signal is None:
+                    if f is not None and self._resize_exit(f):
+                        stop_all(exclude=[idx])
+                    elif f is not None and failure is None and stop_signal is None:
                         failure = f
                         self.output.failed(f)
                         stop_all(exclude=[idx])
@@ -372,10 +395,13 @@ class Head:
                                         "the head did not read fast enough")
                 elif kind == "eof" and idx in pending:
                     pending.discard(idx)
+                    lost[host] = "lost its node agent (the connection dropped or the agent died)"
                     if failure is None and stop_signal is None:
-                        failure = host_failure(host, "lost its node agent (the connection dropped or the agent died)")
+                        failure = host_failure(host, lost[host])
                         self.output.failed(failure)
                         stop_all()
+            if self.elastic and failure is None and stop_signal is None:
+                self._elastic_tick(links, pending, stop_all)
             # heartbeats: a host that has been silent too long is lost
             # only once every event that arrived is counted: a backlog (after the start, under
             # load) holds signs of life; a head that never catches up checks after a timeout anyway
@@ -387,9 +413,10 @@ class Head:
                 if silent > limit:
                     pending.discard(i)
                     links[i].close()
+                    lost[links[i].host] = (f"lost: nothing from its agent for {silent:.0f}s "
+                                           f"(--heartbeat_timeout {self.timeout:g}; network partition or host down)")
                     if failure is None:
-                        failure = host_failure(links[i].host, f"lost: nothing from its agent for {silent:.0f}s "
-                                               f"(--heartbeat_timeout {self.timeout:g}; network partition or host down)")
+                        failure = host_failure(links[i].host, lost[links[i].host])
                         self.output.failed(failure)
                         stop_all()
             if check:
@@ -398,6 +425,7 @@ class Head:
                 for i in pending:  # agents that did not finish in time lose their channel: EOF makes them kill
                     self.output.say(f"{links[i].host}: its agent did not report the end in time; closing it")
                     links[i].close()
+                    lost[links[i].host] = "its agent did not report the end in time"
                 break
         for link in links:
             link.stop_sending()
@@ -408,7 +436,7 @@ class Head:
                 for w in node.workers:
                     ended.setdefault(f"{node.target}:{w.rank}", "stopped")
             ended.pop(failure.label, None)
-            return AttemptResult(failure.exit_code, failure, None, ended, total)
+            return AttemptResult(failure.exit_code, failure, None, ended, total, lost=lost)
         if stop_signal is not None:
-            return AttemptResult(128 + stop_signal, None, stop_signal, ended, total)
-        return AttemptResult(0, None, None, ended, total)
+            return AttemptResult(128 + stop_signal, None, stop_signal, ended, total, lost=lost)
+        return AttemptResult(0, None, None, ended, total, lost=lost, resized=self._resized)

@@ -72,6 +72,8 @@ def launch(opts: LaunchOptions) -> int:
     facts = gather_facts(environ, need_addresses=opts.hostfile is not None or uses_allocation(opts, environ))
     plan = build_plan(opts, facts, environ, pick_port=_pick_port(facts),
                       master_addr_of=_master_addr_of(opts) if opts.hostfile else None, port_in_use=port_in_use)
+    if plan.elastic is not None:
+        _elastic_closures(plan, opts, facts, environ)
     backend = backends.get(opts.launcher) if plan.remote_nodes else None
     if not opts.dry_run:  # a dry run needs neither the tool nor the log directory
         if backend is not None:
@@ -86,6 +88,9 @@ def launch(opts: LaunchOptions) -> int:
         text = json.dumps(plan_to_dict(plan, info), indent=2) if opts.json else format_plan(plan, info)
         sys.stdout.write(text + "\n")
         return 0
+    from dslaunch.launcher.keeper import fork_keeper
+
+    fork_keeper(opts.kill_grace)  # from here on this is the job process, below a keeper (keeper.py)
     output = JobOutput(sys.stdout.buffer, err, opts.log_dir, plan.run_id)
     err_fd = _fileno(err)
     code = 1
@@ -105,6 +110,30 @@ def launch(opts: LaunchOptions) -> int:
         except KeyboardInterrupt:  # Ctrl-C while a stalled reader holds the last lines: give them up
             code = code or 130
     return code
+
+
+def _elastic_closures(plan, opts: LaunchOptions, facts, environ) -> None:
+    """What an elastic head needs to plan again: the same options and machine facts, the same
+    run id and port, the global batch's size kept (the first plan's world)."""
+    from dslaunch.launcher.plan import build_plan, resolve_hosts
+    from dslaunch.launcher.world import layout_world
+
+    base_world = plan.world.world_size
+    master_addr_of = _master_addr_of(opts)
+
+    def replan(targets):
+        names = [t.rpartition("@")[2] for t in targets]
+        new = build_plan(opts, facts, environ, run_id=plan.run_id, master_addr_of=master_addr_of,
+                         only_hosts=names, base_world=base_world, pick_port=lambda addr: plan.master_port)
+        new.replan, new.hosts_now = replan, hosts_now
+        return new
+
+    def hosts_now():
+        world = layout_world(resolve_hosts(opts, facts, environ), include=opts.include, exclude=opts.exclude,
+                             num_gpus=opts.num_gpus)
+        return [(n.target, n.local_world_size) for n in world.nodes]
+
+    plan.replan, plan.hosts_now = replan, hosts_now
 
 
 def _fileno(stream) -> Optional[int]:

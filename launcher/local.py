@@ -35,6 +35,7 @@ def run_local(plan: LaunchPlan, output: JobOutput, inherited: Mapping[str, str],
     current: List[Optional[Supervisor]] = [None]
 
     def on_signal(signum: int, again: bool) -> None:
+        output.stopping(signum)
         if current[0] is not None:
             current[0].request_stop(signum, force=again)
 

@@ -18,8 +18,10 @@ from typing import Optional, Sequence
 SUBCOMMANDS = {
     "check": ("dslaunch.launcher.preflight:check", "preflight every host of a hostfile: ssh, python, torch, GPUs, master"),
     "build-ops": ("dslaunch.kernels.build_cli:build_ops", "build the fused optimizer kernels ahead of time into the shared cache"),
-    "consolidate": ("dslaunch.runtime.checkpoint.consolidate:consolidate", "write a (ZeRO) checkpoint as one fp32 state_dict file"),
-    "ds_to_universal": ("dslaunch.runtime.checkpoint.ds_to_universal:ds_to_universal", "write a checkpoint (ours or DeepSpeed's) in DeepSpeed's universal layout"),
+    "consolidate": ("dslaunch.runtime.train.checkpoint.consolidate:consolidate", "write a (ZeRO) checkpoint as one fp32 state_dict file"),
+    "ds_to_universal": ("dslaunch.runtime.train.checkpoint.ds_to_universal:ds_to_universal", "write a checkpoint (ours or DeepSpeed's) in DeepSpeed's universal layout"),
+    "drain": ("dslaunch.launcher.control:drain", "take a host out of a running elastic job (it saves first)"),
+    "undrain": ("dslaunch.launcher.control:undrain", "let a drained host join its elastic job again"),
     "install-deepspeed-compat": ("dslaunch.compat.install:install_deepspeed_compat", "install (or --uninstall) the `deepspeed` package that runs HF Trainer/Accelerate on dslaunch"),
 }
 LAUNCH_COMMAND = "dslaunch.launcher.cli:launch"
@@ -36,6 +38,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         command = _load(SUBCOMMANDS[args[0]][0])
         command.main(args=args[1:], prog_name=f"dslaunch {args[0]}")
     else:
+        from dslaunch.launcher import keeper
+
+        keeper.enable()  # this process is a launch: it may become the job's keeper (keeper.py)
         _load(LAUNCH_COMMAND).main(args=args, prog_name="dslaunch")
 
 

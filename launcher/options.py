@@ -89,6 +89,11 @@ class LaunchOptions:
     show_env: bool = False
     skip_check: bool = False
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    # elastic jobs (docs/elastic.md) and the runtime's own checkpoints
+    min_nodes: Optional[int] = None
+    max_nodes: Optional[int] = None
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: Optional[int] = None
 
     def __post_init__(self):
         self.script_args = tuple(self.script_args)
@@ -112,6 +117,23 @@ class LaunchOptions:
             raise LaunchConfigError("--module and --no_python cannot be used together")
         if self.bind_core_list is not None and not self.bind_cores_to_rank:
             raise LaunchConfigError("--bind_core_list needs --bind_cores_to_rank")
+        if self.checkpoint_every is not None:
+            if self.checkpoint_dir is None:
+                raise LaunchConfigError(f"--checkpoint_every {self.checkpoint_every} needs --checkpoint_dir (where to save)")
+            if self.checkpoint_every < 1:
+                raise LaunchConfigError(f"--checkpoint_every {self.checkpoint_every}: must be 1 or more steps")
+        if self.checkpoint_dir is not None and not self.checkpoint_dir.strip():
+            raise LaunchConfigError("--checkpoint_dir: empty path")
+        if self.elastic and not self.hostfile:
+            which = "--min_nodes" if self.min_nodes is not None else "--max_nodes"
+            raise LaunchConfigError(f"{which}: an elastic job needs a --hostfile listing its hosts")
+        if self.elastic and self.launcher != "ssh":
+            raise LaunchConfigError(f"--min_nodes/--max_nodes: elastic jobs run with --launcher ssh (dslaunch's own "
+                                    f"node agents re-plan the hosts), not --launcher {self.launcher}")
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None or self.max_nodes is not None
 
     @property
     def ssh(self) -> SshOptions:

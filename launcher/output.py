@@ -31,6 +31,9 @@ blocking writes, see writer.py) and applies one policy:
   when the summary reports lines not shown, those are written to a new temporary folder
   (`dslaunch-run-*` in $TMPDIR, left for the user) and the summary names the real file.
 - torch's own `[rankN]: ` excepthook prefix is dropped on the console where ours says the same.
+- After the launcher passed a Ctrl-C (SIGINT) on to the workers, a traceback that ends in
+  `KeyboardInterrupt` is the workers doing as asked: it is not shown (the log files keep it),
+  so a stopped job reads as the launcher's own lines, not one traceback per rank.
 - When the console reader is too slow and CONSOLE_BUFFER bytes are waiting, further
   worker lines are dropped from the console (never from the log files) and counted; the
   count is reported at the end. The launcher's own messages are never dropped.
@@ -41,6 +44,7 @@ import collections
 import os
 import re
 import secrets
+import signal
 import tempfile
 import threading
 import time
@@ -228,6 +232,7 @@ class JobOutput:
         self._tail_dir: Optional[Path] = None  # made when a summary first needs it
         self._tail_root = tail_root  # where that folder is made ($TMPDIR when None)
         self._restart = 0
+        self._stop_signal: Optional[int] = None  # the signal the launcher passed on to stop the job
         self._thread = threading.Thread(target=self._loop, name="dslaunch-console", daemon=True)
         self._thread.start()
 
@@ -249,6 +254,12 @@ class JobOutput:
 
     def failed(self, failure: Failure) -> None:
         self._put(("failed", failure, time.monotonic()), force=True)
+
+    def stopping(self, signum: int) -> None:
+        """The launcher is passing `signum` on to every worker. Safe in a signal handler: one
+        assignment, no lock (the handler may interrupt this object's own code)."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
 
     def exited(self, label: str) -> None:
         self._put(("exited", label), force=True)
@@ -413,11 +424,20 @@ class JobOutput:
         if entry is None:
             return
         f = self._failure
+        interrupted = self._stop_signal == signal.SIGINT and self._ends_in_keyboard_interrupt(entry[1])
         for held in entry[1]:
-            if f is not None and label != f.label:
+            if interrupted or (f is not None and label != f.label):
                 self._hide(held)
             else:
                 self._show(held)
+
+    def _ends_in_keyboard_interrupt(self, block: List[_Held]) -> bool:
+        """A traceback whose exception (its last unindented line) is a bare KeyboardInterrupt."""
+        for held in reversed(block):
+            text = self._strip(held.line).rstrip(b"\r\n")
+            if text and not text[:1].isspace():
+                return text == b"KeyboardInterrupt"
+        return False
 
     def _flush(self) -> None:
         """Everything held goes out now (before a launcher message, at the end of an attempt)."""

@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
+from dslaunch.launcher import elastic as elastic_contract
 from dslaunch.launcher.cores import cores_for_rank, node_core_pool
+from dslaunch.launcher.elastic import ElasticSpec
 from dslaunch.launcher.envfile import EnvFiles, load_env_files
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.hostfile import HostSpec, parse_hostfile
@@ -91,6 +93,11 @@ class LaunchPlan:
     remote_python: str
     workdir: str
     notes: List[str] = field(default_factory=list)  # said once on stderr before the launch
+    elastic: Optional[ElasticSpec] = None  # an elastic job's host-count bounds (elastic.py)
+    # elastic jobs, set by launch.py: the plan on other hosts (targets), and the pool as the
+    # hostfile lists it now ((target, slots) in hostfile order, read again each call)
+    replan: Optional[Callable[[Sequence[str]], "LaunchPlan"]] = field(default=None, repr=False, compare=False)
+    hosts_now: Optional[Callable[[], List[Tuple[str, int]]]] = field(default=None, repr=False, compare=False)
 
     @property
     def remote_nodes(self) -> List[NodePlan]:
@@ -190,7 +197,8 @@ def finish_workers(workers: Sequence[WorkerPlan], *, accelerator: str, cpu_count
 def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, str], *,
                run_id: Optional[str] = None, pick_port: Optional[Callable[[str], int]] = None,
                master_addr_of: Optional[Callable[[str], str]] = None,
-               port_in_use: Optional[Callable[[str, int], bool]] = None) -> LaunchPlan:
+               port_in_use: Optional[Callable[[str, int], bool]] = None,
+               only_hosts: Optional[Sequence[str]] = None, base_world: Optional[int] = None) -> LaunchPlan:
     """pick_port(addr) serves --master_port 0 on this machine; master_addr_of(target) gives
     the first host's address as the transport resolves it (~/.ssh/config HostName);
     port_in_use(addr, port) checks a one-machine job's port before any worker starts.
@@ -199,15 +207,27 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
     (one line, before anything starts, instead of every worker's EADDRINUSE traceback);
     the default 29500 taken (another job here) moves to a free port, and a note says which,
     as torchrun --standalone would pick one. Across machines nothing is checked: the
-    master's port is only known free on the master."""
+    master's port is only known free on the master.
+
+    An elastic job (--min_nodes/--max_nodes) is planned on the first --max_nodes hosts;
+    re-planned, on `only_hosts` (host names), keeping `base_world`, the size its global
+    batch is configured for (the first plan's world size)."""
     # before --num_gpus sizes this machine's pool, so the rule holds with or without a hostfile
     check_selection(opts.include, opts.exclude, opts.num_nodes, opts.num_gpus)
     hosts = resolve_hosts(opts, facts, environ)
     # Without a host list --num_gpus already sized the pool; with one it picks slots per host.
     listed = bool(opts.hostfile) or uses_allocation(opts, environ)
+    spec = None
+    if opts.elastic:
+        pool = layout_world(hosts, include=opts.include, exclude=opts.exclude,
+                            num_gpus=opts.num_gpus if listed else None)
+        spec = elastic_contract.resolve_spec(opts.min_nodes, opts.max_nodes, pool.num_nodes, opts.num_nodes)
+        max_world = sum(sorted((n.local_world_size for n in pool.nodes), reverse=True)[:spec.max_nodes])
     world = layout_world(hosts, include=opts.include, exclude=opts.exclude,
-                         num_nodes=opts.num_nodes if listed else None,
-                         num_gpus=opts.num_gpus if listed else None)
+                         num_nodes=spec.max_nodes if spec is not None and only_hosts is None else
+                         None if spec is not None else opts.num_nodes if listed else None,
+                         num_gpus=opts.num_gpus if listed else None,
+                         only_hosts=only_hosts)
     env_files = load_env_files(opts.env_file, Path(facts.cwd), Path(facts.home), environ)
     local = [is_local(n.host, facts.hostnames) and not opts.force_multi for n in world.nodes]
     notes: List[str] = []
@@ -246,6 +266,7 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
     remote_python = opts.remote_python or facts.python
     bind = (opts.bind_core_list or "") if opts.bind_cores_to_rank else None
     hidden: set = set()
+    resize_env = _resize_env(opts, facts, world, spec, base_world, max_world if spec is not None else None)
     nodes = []
     for node, here in zip(world.nodes, local):
         passed, hidden_here = passed_env(opts, environ, env_files, remote=not here)
@@ -259,6 +280,7 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
                 # CPU mode: slot numbers are no devices (and GPUs the user hid stay hidden)
                 del contract["CUDA_VISIBLE_DEVICES"]
             env.update(contract)
+            env.update(resize_env)
             hidden |= hidden_here - contract.keys()  # a contract value replaced the file's: nothing to hide
             argv = worker_argv(opts.script, opts.script_args, lr, python=facts.python if here else remote_python,
                                module=opts.module, no_python=opts.no_python, no_local_rank=opts.no_local_rank)
@@ -270,7 +292,22 @@ def build_plan(opts: LaunchOptions, facts: MachineFacts, environ: Mapping[str, s
     if any(local) and not opts.module:
         _check_script(opts, facts)
     return LaunchPlan(opts, world, tuple(nodes), master_addr, master_port, ident.run_id, env_files,
-                      frozenset(hidden), remote_python, opts.workdir or facts.cwd, notes)
+                      frozenset(hidden), remote_python, opts.workdir or facts.cwd, notes, elastic=spec)
+
+
+def _resize_env(opts: LaunchOptions, facts: MachineFacts, world: World, spec: Optional[ElasticSpec],
+                base_world: Optional[int], max_world: Optional[int]) -> Dict[str, str]:
+    """The runtime's part of the contract for --checkpoint_dir and elastic jobs (elastic.py)."""
+    env: Dict[str, str] = {}
+    if opts.checkpoint_dir:
+        # absolute: the workers of another --workdir, or another host, must find the same folder
+        env[elastic_contract.SAVE_DIR_VAR] = str(Path(facts.cwd, opts.checkpoint_dir))
+        if opts.checkpoint_every:
+            env[elastic_contract.SAVE_EVERY_VAR] = str(opts.checkpoint_every)
+    if spec is not None:
+        env[elastic_contract.BASE_WORLD_VAR] = str(base_world or world.world_size)
+        env[elastic_contract.MAX_WORLD_VAR] = str(max(max_world or 0, world.world_size))
+    return env
 
 
 def _check_script(opts: LaunchOptions, facts: MachineFacts) -> None:

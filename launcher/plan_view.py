@@ -56,6 +56,10 @@ def plan_to_dict(plan: LaunchPlan, backend: Optional[Dict[str, Any]] = None) -> 
             for n in plan.nodes
         ],
     }
+    if plan.elastic is not None:  # only then: the plans of fixed-size jobs keep their keys
+        d["elastic"] = {"min_nodes": plan.elastic.min_nodes, "max_nodes": plan.elastic.max_nodes,
+                        "checkpoint_dir": plan.options.checkpoint_dir,
+                        "checkpoint_every": plan.options.checkpoint_every}
     if backend is not None:
         d["backend"] = backend
     return d
@@ -66,6 +70,8 @@ def format_plan(plan: LaunchPlan, backend: Optional[Dict[str, Any]] = None) -> s
     port = d["master_port"] or "a free port"
     head = (f"dslaunch plan: {d['num_nodes']} node(s), world size {d['world_size']}, "
             f"master {d['master_addr']}:{port}, run id {d['run_id']}, max restarts {d['max_restarts']}")
+    if d.get("elastic"):
+        head += f", elastic {d['elastic']['min_nodes']}-{d['elastic']['max_nodes']} hosts"
     out = [head + (f", launcher {d['launcher']}" if d["launcher"] else "")]
     out += [f"env file: {p}" for p in d["env_files"]]
     agents = (backend or {}).get("agents", {})

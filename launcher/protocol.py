@@ -3,6 +3,7 @@
     head -> agent   {"request": {...AgentRequest...}}       first line: what to run
                     {"cmd": "ping"}                          every heartbeat_s
                     {"cmd": "stop"}                          stop the workers now
+                    {"cmd": "drain"} / {"cmd": "grow"}       elastic: pass to the workers' runtime
     agent -> head   {"ev": "line", "rank": 3, "stream": "stdout"|"stderr", "data": "text\\n"}
                     {"ev": "hb"}                             every heartbeat_s
                     {"ev": "exited", "label": "host:3"}      a worker ended without failing
@@ -10,6 +11,10 @@
                     {"ev": "done", "exit_code": 0, "failure": null, "stop_signal": null,
                      "ended": {"host:3": "stopped"}, "dropped": 0}
                     {"ev": "error", "text": "..."}           the agent cannot run the request
+                    {"ev": "progress", "step": 120, "saved": 100, "facts": {...}}
+                                                             elastic: what the workers' runtime reported
+                    {"ev": "leaving"}                        elastic: the agent got SIGTERM (host going away)
+                    {"ev": "asked", "cmd": "drain"}          elastic: the request is with every worker
 
 pdsh's control socket opens with a handshake over the one-time token in the request file:
 
@@ -51,6 +56,7 @@ class AgentRequest:
     heartbeat_timeout: float
     finished: bool  # host facts already applied (a node of the head's own machine)
     bind_core_list: Optional[str] = None
+    elastic: bool = False  # open the workers' socket; SIGTERM asks the head to drain this host
 
     def to_dict(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "workers"}
@@ -68,7 +74,7 @@ class AgentRequest:
         try:
             return cls(str(d["host"]), tuple(WorkerPlan.from_dict(w) for w in d["workers"]), int(d["restart"]),
                        float(d["kill_grace"]), float(d["heartbeat_s"]), float(d["heartbeat_timeout"]),
-                       bool(d["finished"]), d.get("bind_core_list"))
+                       bool(d["finished"]), d.get("bind_core_list"), bool(d.get("elastic", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed request ({type(e).__name__}: {e})") from None
 
@@ -93,3 +99,5 @@ def decode(raw: bytes) -> Optional[Dict[str, Any]]:
 
 PING = encode({"cmd": "ping"})
 STOP = encode({"cmd": "stop"})
+DRAIN = encode({"cmd": "drain"})
+GROW = encode({"cmd": "grow"})

@@ -1,12 +1,15 @@
 """Process-tree plumbing for the supervisor: parent-death signals, subreaping, tree kills.
 
-Three mechanisms together give "no orphans, ever":
+Four mechanisms together give "no orphans, ever":
 - each worker gets PR_SET_PDEATHSIG, so the kernel signals it the moment the supervisor
   dies, even by SIGKILL. The setting is per *thread* of the parent and is not inherited
   by the worker's own children, which is why it is not enough alone;
 - the supervisor marks itself a child subreaper, so a worker's orphaned descendants are
   re-parented to it (not to init) and remain findable as its descendants for teardown;
-- watchdog.py, a separate process, cleans up after a supervisor that was SIGKILLed.
+- watchdog.py, a separate process, cleans up after a supervisor that was SIGKILLed;
+- keeper.py: a launch forks once, and the parent (the pid the user started) is a child
+  subreaper above the job process, so what a SIGKILLed job process leaves, even without
+  the job's marker in its environment, is re-parented to the keeper, which ends it.
 """
 from __future__ import annotations
 
@@ -33,6 +36,18 @@ def _prctl():
 def become_subreaper() -> bool:
     prctl = _prctl()
     return bool(prctl) and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def stop_subreaping() -> None:
+    prctl = _prctl()
+    if prctl:
+        prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def set_death_signal(sig: int) -> bool:
+    """This process gets `sig` when the thread that forked it ends (PR_SET_PDEATHSIG)."""
+    prctl = _prctl()
+    return bool(prctl) and prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def make_child_setup(death_signal: int = signal.SIGTERM, cpus: Optional[Iterable[int]] = None):
@@ -154,6 +169,14 @@ def signal_processes(pids: Iterable[int], sig: int) -> None:
             pass
 
 
+def group_of(pid: int) -> Optional[int]:
+    """pid's process group, or None when it is gone."""
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
 def signal_groups(pgids: Iterable[int], sig: int) -> None:
     for pgid in pgids:
         try:
@@ -190,6 +213,20 @@ def alive(pid: int) -> bool:
             return True
         except OSError:
             return False
+
+
+_PF_EXITING = 0x4  # include/linux/sched.h: the task has begun to exit
+
+
+def exiting(pid: int) -> bool:
+    """True once pid has begun to exit (or is a zombie): the kernel sets PF_EXITING before it
+    closes the process's files, so a peer that saw its sockets close finds it exiting here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def signal_name(sig: int) -> str:

@@ -32,6 +32,13 @@ the exit code of an uncaught exception, 1), the non-zero exits of other workers 
 follow are follow-ons, and the group is torn down when the origin has exited (its real
 exit code and stderr then make the failure) or ORIGIN_WAIT_S after it raised. Scripts
 that do not use the runtime write nothing there and are judged by their exits alone.
+
+The other way round, a worker killed by a signal (kill -9, the OOM killer, a crash) never
+announces anything, and its peers raise because its sockets closed: their announcements
+can reach the supervisor in the same instant as its death, or first. The kernel marks a
+process as exiting before it closes its files, so when an announcement is read while
+another worker is already exiting or dead by a signal, that death came first: it is the
+failure, and the announcement a follow-on.
 """
 from __future__ import annotations
 
@@ -56,12 +63,15 @@ from dslaunch.launcher.output import STDERR, STDOUT, OutputLine
 # grandchildren by it. Unique per attempt so two jobs on one host never touch each other.
 GROUP_MARKER_VAR = "DSLAUNCH_GROUP_ID"
 _MAX_PARTIAL_LINE = 1 << 20  # a "line" longer than this is emitted in pieces rather than buffered forever
-# runtime/comm/shutdown.ORIGIN_FD_VAR: the fd a worker's runtime writes to when it raises
+# runtime/core/comm/shutdown.ORIGIN_FD_VAR: the fd a worker's runtime writes to when it raises
 ORIGIN_FD_VAR = "DSLAUNCH_ORIGIN_FD"
 # How long a worker that raised may take to exit (the runtime's own shutdown after an
 # uncaught exception is bounded at 10 s) before the group is torn down anyway.
 ORIGIN_WAIT_S = 15.0
 UNCAUGHT_EXCEPTION_CODE = 1  # how Python exits after an uncaught exception
+# How long a worker found exiting may take to be gone. Its files are closed late in its exit
+# (after its memory is freed), so a peer's announcement caused by that means little is left.
+EXITING_WAIT_S = 2.0
 
 
 class WorkerState(enum.Enum):
@@ -400,8 +410,26 @@ class Supervisor:
                 os.close(w.origin_fd)
                 w.origin_fd = None
             elif may_name and self._origin is None and w.state is WorkerState.HEALTHY and self._stop_signal is None:
+                if self._killed_peer(w):
+                    continue  # a follow-on of a peer's death, which the exit check reports
                 self._origin, self._origin_at = w, time.monotonic()
                 self._observer.failed(self._origin_failure(w))
+
+    def _killed_peer(self, announcer: _Worker) -> bool:
+        """Whether another worker is dead by a signal, or exiting and then found so, at the
+        moment `announcer`'s exception is heard of (see "Which worker failed first")."""
+        for w in self._workers:
+            if w is announcer or w.state is not WorkerState.HEALTHY:
+                continue
+            rc = w.proc.poll()
+            if rc is None and reaper.exiting(w.proc.pid):
+                try:
+                    rc = w.proc.wait(timeout=EXITING_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    rc = None
+            if rc is not None and rc < 0:
+                return True
+        return False
 
     def _origin_failure(self, w: _Worker, reason: str = "") -> Failure:
         """The origin's failure before its exit is seen: the exit code of an uncaught exception."""
@@ -418,10 +446,14 @@ class Supervisor:
         return time.monotonic()
 
     def _signal_everything(self, sig: int) -> None:
-        """Signal every worker's group, every descendant, and every adopted orphan."""
+        """Signal every worker's group, every descendant, and every adopted orphan.
+
+        A process in one of the signalled groups is not signalled a second time: a second
+        SIGINT that lands after the first was handled raises a second KeyboardInterrupt,
+        inside the worker's exit handlers."""
         live = [w.proc.pid for w in self._workers if w.proc is not None]
         reaper.signal_groups(live, sig)
-        reaper.signal_processes(self._job_descendants(), sig)
+        reaper.signal_processes([p for p in self._job_descendants() if reaper.group_of(p) not in live], sig)
 
     def _job_descendants(self) -> List[int]:
         skip = {self._watchdog.pid} if self._watchdog is not None else set()

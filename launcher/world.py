@@ -136,12 +136,15 @@ def layout_world(
     exclude: str = "",
     num_nodes: Optional[int] = None,
     num_gpus: Optional[int] = None,
+    only_hosts: Optional[Sequence[str]] = None,
 ) -> World:
     """Hosts (in hostfile order) + filters + counts -> nodes with ranks and slots.
 
     As in DeepSpeed, --include/--exclude pick exact slots and so cannot be combined with
     --num_nodes/--num_gpus, which take the first N hosts / first N slots of each host.
     Asking for more nodes or slots than exist is an error, never a silent shrink.
+    `only_hosts` (an elastic job re-planned on the hosts it has) keeps those hosts of the
+    filtered pool, in pool order, instead of the first --num_nodes.
     """
     if not hosts:
         raise LaunchConfigError("no hosts to run on")
@@ -152,7 +155,12 @@ def layout_world(
         pool = _apply_filter(pool, include, "--include", include=True)
     elif exclude:
         pool = _apply_filter(pool, exclude, "--exclude", include=False)
-    if num_nodes is not None:
+    if only_hosts is not None:
+        wanted = set(only_hosts)
+        pool = OrderedDict((h, s) for h, s in pool.items() if h in wanted)
+        if not pool:
+            raise LaunchConfigError("no hosts to run on")
+    elif num_nodes is not None:
         if num_nodes < 1:
             raise LaunchConfigError(f"--num_nodes {num_nodes}: must be at least 1")
         if num_nodes > len(pool):

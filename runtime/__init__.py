@@ -9,25 +9,30 @@ are printed as one line on stderr with exit status 2 instead of a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from . import accelerator
-from .checkpoint import CheckpointError
-from .comm import init_distributed
-from .config import DeepSpeedConfig
-from .engine import DeepSpeedEngine
-from .loss_scaler import LossScaleStuck
-from .nonfinite import NonFiniteError
-from .strategy import GradientStrategy, StrategyContext, register_strategy
-from .strict import ConfigError
-from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 1-3
+from dslaunch.compat import paths as _paths
+
+_paths.install()  # DeepSpeed's module paths (and the runtime's former ones): compat/paths.py
+
+from .core import accelerator  # noqa: E402
+from .core.errors import CheckpointError
+from .core.comm import init_distributed
+from .core.config import DeepSpeedConfig
+from .train.engine import DeepSpeedEngine
+from .core.loss_scaler import LossScaleStuck
+from .core.nonfinite import NonFiniteError
+from .core.strategy import GradientStrategy, StrategyContext, register_strategy
+from .core.strict import ConfigError
+from . import zero  # deepspeed.zero.Init / GatheredParameters; registers stages 0-3
 from .inference import InferenceEngine, OnDevice, init_inference
-from .activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
-from . import elasticity  # deepspeed.elasticity.compute_elastic_config
+from .train.activation_checkpointing import checkpointing  # deepspeed.checkpointing.configure / checkpoint
+from .core.config import elasticity  # deepspeed.elasticity.compute_elastic_config
 from . import pipe  # deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec
 from .pipe import PipelineModule  # deepspeed.PipelineModule
-from .pipe.engine import PipelineEngine  # deepspeed.PipelineEngine
-from .accelerator import get_accelerator  # deepspeed.get_accelerator
+from .train.pipe_engine import PipelineEngine  # deepspeed.PipelineEngine
+from .core.accelerator import get_accelerator  # deepspeed.get_accelerator
 from . import tensor_parallel  # deepspeed.runtime.tensor_parallel
 from . import sequence  # deepspeed.sequence.layer.DistributedAttention
 from .sequence import SequenceParallelError
@@ -45,6 +50,15 @@ __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedE
 
 
 
+def __getattr__(name):
+    """A top-level path of the alias table (`deepspeed.monitor`, `deepspeed.ops`, ...), imported
+    on first use as DeepSpeed imports them."""
+    module = _paths.top_level(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return module
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                mesh_param=None, config_params=None):
@@ -59,13 +73,20 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _check_mesh_param(mesh_param)
     if dist_init_required is not False and distributed_port is not None:
         init_distributed(distributed_port=distributed_port)
-    from .pipe.engine import PipelineEngine
+    from .train.pipe_engine import PipelineEngine
     from .pipe.module import PipelineModule
 
     cls = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine
     engine = cls(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                  training_data=training_data, lr_scheduler=lr_scheduler, config=config, config_params=config_params,
                  collate_fn=collate_fn, dist_init_required=dist_init_required, mpu=mpu)
+    if engine._resize_env.active:
+        # --checkpoint_dir / an elastic launch: save every N steps, stop for a resize, and resume
+        # now from the latest complete checkpoint (train/resize_driver.py)
+        from .train.resize_driver import ResizeDriver
+
+        engine._resize = ResizeDriver(engine, engine._resize_env)
+        engine._resize.resume()
     total = getattr(engine.lr_scheduler, "total_num_steps", None)  # WarmupDecayLR, WarmupCosineLR
     if isinstance(total, int) and total > 0:
         engine.set_train_steps(total)  # the run's length for the progress line; the script may still set its own
@@ -75,7 +96,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 def _check_mesh_param(mesh_param) -> None:
     if mesh_param is None:
         return
-    from . import comm
+    from .core import comm
 
     if (not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in mesh_param)):
@@ -92,7 +113,7 @@ def _check_mesh_param(mesh_param) -> None:
 def load_ds_config(config) -> dict:
     """The config as a dict: a dict as given, else the JSON/YAML file at that path (DeepSpeed's
     helper; errors are one line naming the file)."""
-    from .strict import load_file
+    from .core.strict import load_file
 
     if isinstance(config, dict):
         return config
@@ -105,7 +126,7 @@ def log_dist(message: str, ranks=None, level: int = 20) -> None:
     """Log `message` on the listed ranks only (all ranks for None or [-1]), as DeepSpeed does."""
     import logging
 
-    from . import comm
+    from .core import comm
 
     rank = comm.get_rank() if comm.is_initialized() else 0
     if ranks is None or -1 in ranks or rank in ranks:
@@ -128,9 +149,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _one_line_errors(previous):
     def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt) and os.environ.get("DSLAUNCH_RUN_ID"):
+            # Ctrl-C, passed on to every rank by dslaunch, which says so once: no traceback per
+            # rank. Python still runs the exit handlers and ends by SIGINT, as after any Ctrl-C.
+            return
         if issubclass(exc_type, (ConfigError, CheckpointError, LossScaleStuck, NonFiniteError, SequenceParallelError)):
-            import os
-
             # sys.__stderr__: torch.distributed's own excepthook swaps sys.stderr for a buffer.
             print(f"error: {exc}", file=sys.__stderr__)
             sys.__stderr__.flush()

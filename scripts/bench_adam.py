@@ -31,12 +31,12 @@ import ctypes
 import gc
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_timing import median, paired  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,11 +72,6 @@ def interleaved(fns, rounds: int, threads: int, warmup: int = 2):
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append((time.process_time() - c0) / threads)
     return wall, cpu
-
-
-def paired(numerator, denominator) -> float:
-    """Median over rounds of numerator / denominator, each pair timed in the same round."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 class Probe:
@@ -233,7 +228,7 @@ def bench_cuda(total: int, pieces: int, iters: int, dtype=torch.float32, with_de
         return run
 
     times, _ = interleaved({k: timed(f) for k, f in fns.items()}, iters, 1)
-    wall = {name: statistics.median(t) for name, t in times.items()}
+    wall = {name: median(t) for name, t in times.items()}
     bw = 2 * probe.nbytes / wall.pop("probe")
     per_param = 2 * (torch.finfo(dtype).bits // 8) + torch.finfo(dtype).bits // 8 + 16
     return wall, {k: per_param * total / bw for k in wall}, bw
@@ -285,7 +280,7 @@ def report(title, wall, cpu, bound):
     for name in wall:
         row = f"   {name:44s}"
         for t in (wall, cpu):
-            row += f" {statistics.median(t[name]) * 1e3:{8 if t is wall else 7}.1f}"
+            row += f" {median(t[name]) * 1e3:{8 if t is wall else 7}.1f}"
             if name in bound:
                 # a copy-out row moves 30 bytes per parameter against its probe's 28
                 scale = 30 / 28 if "copy" in name else 1.0

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 TRIAL_DIR_VAR = "DSLAUNCH_TRIAL_DIR"
 TRIAL_STEPS_VAR = "DSLAUNCH_TRIAL_STEPS"
@@ -81,7 +81,7 @@ def main() -> int:
                 value = rerun(exps, results, name, args.metric, Path(tmp) / f"{name}-{i}")
                 runs[name].append(value)
                 print(f"run {i + 1}: {name} {value:.4g}", flush=True)
-    med = {n: statistics.median(v) for n, v in runs.items()}
+    med = {n: median(v) for n, v in runs.items()}
     better = med[a] > med[b] if args.metric != "latency" else med[a] < med[b]
     print(f"winner    {a}: tuning run {a_tuned:.4g}, re-run median {med[a]:.4g} {args.metric}")
     print(f"runner-up {b}: tuning run {b_tuned:.4g}, re-run median {med[b]:.4g} {args.metric}")

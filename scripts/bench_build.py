@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def extract(rev: str, tmp: Path) -> Path:
 
 
 def row(label: str, colds, warm, loads) -> str:
-    med = statistics.median(colds)
+    med = median(colds)
     return (f"{label:44s} cold best {min(colds):6.2f} s  median {med:6.2f} s  warm {warm:5.2f} s  "
             f"(n={len(colds)}, load {min(loads):.1f}-{max(loads):.1f})")
 

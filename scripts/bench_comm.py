@@ -3,7 +3,7 @@
     python scripts/bench_comm.py [--nprocs 2] [--numel 693000] [--rounds 60]
 
 Starts --nprocs local ranks (gloo, one thread each). Each op runs through
-dslaunch.runtime.comm with DSLAUNCH_SHM_COMM=0 (gloo) and =1 (runtime/comm/shm.py), the two
+dslaunch.runtime.comm with DSLAUNCH_SHM_COMM=0 (gloo) and =1 (runtime/core/comm/shm.py), the two
 alternating round by round so load falls on both alike, every round after a barrier;
 rank 0 prints the median and the minimum of each, and gloo's median over the segment's.
 The ops are those ZeRO runs: all_reduce of --numel float32 (stage 0's bucket), reduce of
@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import time
+from bench_timing import free_port, median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 
 def ops(comm, numel: int, world: int, rank: int):
@@ -75,7 +74,7 @@ def rank_main(args) -> None:
         print(f"{'op':44} {'gloo ms':>8} {'(min)':>7} {'shm ms':>8} {'(min)':>7} {'gloo/shm':>9}")
         for name in dict.fromkeys(k for k, _ in times):
             g, s = times[(name, "0")], times[(name, "1")]
-            gm, sm = statistics.median(g) * 1e3, statistics.median(s) * 1e3
+            gm, sm = median(g) * 1e3, median(s) * 1e3
             print(f"{name:44} {gm:8.2f} {min(g) * 1e3:7.2f} {sm:8.2f} {min(s) * 1e3:7.2f} {gm / sm:9.1f}")
     dist.barrier()
     dist.destroy_process_group()
@@ -91,9 +90,7 @@ def main() -> int:
     if args.rank_main:
         rank_main(args)
         return 0
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     print(f"bench_comm: {args.nprocs} ranks, one thread each; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     procs = []

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
@@ -36,6 +34,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import dslaunch.runtime as deepspeed  # noqa: E402
 from dslaunch.runtime.compression import compression_schedule, init_compression, redundancy_clean  # noqa: E402
+from bench_timing import median_ms, repeat  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 
 def task(seed):
@@ -115,14 +114,9 @@ def train(name, section, data, steps, seed):
     return row, masked, model
 
 
-def forward_ms(model, x, repeat=30):
-    times = []
+def forward_ms(model, x, runs=30):
     with torch.no_grad():
-        for _ in range(repeat + 3):
-            t = time.perf_counter()
-            model(x)
-            times.append(time.perf_counter() - t)
-    return statistics.median(times[3:]) * 1e3
+        return median_ms(repeat(lambda: model(x), runs, warmup=3))
 
 
 def heads(seed):

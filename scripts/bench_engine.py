@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+from bench_timing import free_port, median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -118,9 +118,7 @@ def main(argv=None):
     args = parse(argv)
     if "RANK" in os.environ:
         return worker(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for r in range(args.nprocs):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.nprocs), MASTER_ADDR="127.0.0.1",
@@ -134,7 +132,7 @@ def main(argv=None):
         return 1
     res = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:])
     def med(name, k):
-        return statistics.median(t[k] for t in res[name]) * 1000
+        return median(t[k] for t in res[name]) * 1000
 
     print(f"GPT-lite, {args.nprocs} processes x {args.threads} thread(s), micro batch {args.micro}, "
           f"{args.rounds} alternating rounds of {args.steps} timed steps (rank 0)")

@@ -170,9 +170,9 @@ def rss_bytes() -> int:
 
 def comm_segments() -> dict:
     """{storage pointer: bytes} of dslaunch's shared-memory communication segments (one per
-    same-host group, runtime/comm/shm.py): transport buffers, like gloo's and NCCL's own,
+    same-host group, runtime/core/comm/shm.py): transport buffers, like gloo's and NCCL's own,
     which no tensor shows; they are counted on their own, not as the engine's bytes."""
-    shm = sys.modules.get("dslaunch.runtime.comm.shm")
+    shm = sys.modules.get("dslaunch.runtime.core.comm.shm")
     return shm.buffer_pointers() if shm is not None else {}
 
 

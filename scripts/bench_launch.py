@@ -24,22 +24,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from bench_timing import free_port, median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "scripts" / "examples"
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed(argv, env) -> float:
@@ -73,7 +66,7 @@ def bench_bind(args) -> int:
     for _ in range(args.repeat):
         for name, (argv, e) in ways.items():
             runs[name].append(step_time(argv + [worker, "--steps", str(args.steps)], e))
-    med = {k: statistics.median(v) for k, v in runs.items()}
+    med = {k: median(v) for k, v in runs.items()}
     print(f"# {cores} usable CPUs, {args.nprocs} ranks, ZeRO-2 CPU offload, {args.steps} steps, "
           f"{args.repeat} runs each, median step time; load average {os.getloadavg()[0]:.1f}")
     for name in ways:
@@ -108,7 +101,7 @@ def main() -> int:
             runs["bare"].append(timed([sys.executable, worker], bare_env))
             runs["dslaunch"].append(timed([str(dslaunch), "--num_gpus", "2", "--master_port", "0", worker], base_env))
             runs["torchrun"].append(timed([str(torchrun), "--standalone", "--nproc-per-node", "2", worker], base_env))
-        med = {k: statistics.median(v) for k, v in runs.items()}
+        med = {k: median(v) for k, v in runs.items()}
         ds, tr = med["dslaunch"] - med["bare"], med["torchrun"] - med["bare"]
         print(f"{name:<10} {med['bare']:8.3f} {med['dslaunch']:11.3f} {med['torchrun']:11.3f} "
               f"{ds:12.3f} {tr:12.3f} {ds / tr:6.2f}")

@@ -31,13 +31,13 @@ import argparse
 import importlib
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, take_turns, write_result  # noqa: E402
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 
 def build(layer_mod, args, ep: int, dense: bool):
@@ -159,7 +159,7 @@ def spawn_peer(ep: int, args):
 
 def summary(ranks, key="moe") -> dict:
     rs = [r[key] for r in ranks]
-    step = statistics.median(max(r["times"][i] for r in rs) for i in range(len(rs[0]["times"])))
+    step = median(max(r["times"][i] for r in rs) for i in range(len(rs[0]["times"])))
     r0 = rs[0]
     return {"tokens/s": sum(r["tokens"] for r in rs) / step, "a2a": r0["a2a"], "params": r0["params"],
             "grads": r0["grads"], "optim": r0["optim"]}

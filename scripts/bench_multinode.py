@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import testbed  # noqa: E402  (the test suite's cluster builder, importable by path)
+from bench_timing import median, repeat  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 
@@ -54,14 +54,12 @@ def _alive(pid: int) -> bool:
 
 
 def time_job(args, env, cwd, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    def job():
         res = subprocess.run(DSLAUNCH + args, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
-        times.append(time.perf_counter() - t0)
         if res.returncode != 0:
             raise SystemExit(f"bench job failed ({res.returncode}): {res.stderr.strip()[-500:]}")
-    return statistics.median(times)
+
+    return median(repeat(job, repeats))
 
 
 def time_failure(hostfile, env, cwd, grace: float, ignore_term: bool, fail_rank: int) -> float:
@@ -116,7 +114,7 @@ def main() -> None:
         print(f"ratio ssh / pdsh at 3 hosts: {results[3][0] / results[3][2]:.2f}x")
         hf = work / "hosts3"
         for ignore in (False, True):
-            t = statistics.median(time_failure(str(hf), env, work, args.grace, ignore, fail_rank=5)
+            t = median(time_failure(str(hf), env, work, args.grace, ignore, fail_rank=5)
                                   for _ in range(args.repeats))
             what = "workers ignore SIGTERM (SIGKILL after grace)" if ignore else "workers exit on SIGTERM"
             print(f"remote failure -> last worker gone on every host, {what}: {t:.2f}s "

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ranks import mib as fmt_mib, run_peer, spawn as spawn_ranks, start_rank, write_result  # noqa: E402
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 
 class Block(torch.nn.Module):
@@ -251,7 +252,7 @@ def main() -> None:
         for i, m in enumerate(args.micro):
             rows = [r[i] for r in ours[0]]
             step = median_step(ours, i)
-            base = statistics.median(plain[i]["totals"])
+            base = median(plain[i]["totals"])
             # per batch: the pipeline's span (first stage start to the last forward/backward
             # to end, on any stage), and each stage's idle share of it
             idle = []
@@ -259,7 +260,7 @@ def main() -> None:
                 for batch in zip(*(r[i]["spans"] for r in run)):
                     span = max(end for _, end, _ in batch) - min(start for start, _, _ in batch)
                     idle.append(statistics.mean(1.0 - compute / span for _, _, compute in batch))
-            bubble = statistics.median(idle)
+            bubble = median(idle)
             theory = (p - 1) / (m + p - 1)
             state = "/".join(mib(r["state"]) for r in rows)
             acts = "/".join(mib(r["peak"]) for r in rows)
@@ -276,7 +277,7 @@ def main() -> None:
 
 def median_step(runs, i: int) -> float:
     """Median over every timed batch of every run of the slowest rank's batch time."""
-    return statistics.median(max(vals) for run in runs for vals in zip(*(r[i]["totals"] for r in run)))
+    return median(max(vals) for run in runs for vals in zip(*(r[i]["totals"] for r in run)))
 
 
 if __name__ == "__main__":

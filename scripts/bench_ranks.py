@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 import subprocess
 import tempfile
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -15,11 +14,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))  # every address, as the TCPStore listens
-        return s.getsockname()[1]
+from bench_timing import free_port  # noqa: F401  (the make_ds_*_fixtures scripts take it from here too)
 
 
 def start_rank(rank: int, world: int, port: int, as_peer: bool, cuda: bool) -> Tuple[object, torch.device]:

@@ -1,7 +1,7 @@
 """The launcher at a thousand nodes, by simulation: the real head drives N real node agents.
 
     python scripts/bench_scale.py --nodes 16 64 256 1024 --json scripts/bench_scale.json \
-        --plot scripts/bench_scale.png
+        --plot docs/images/bench_scale.png
 
 What is real: the plan (build_plan on a generated N-host hostfile), the Head and its
 heartbeat/failure logic, the agent (`dslaunch.launcher.agent.main`, its Supervisor, its

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -52,6 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pipeline import SavedActivations  # noqa: E402  (the activation counter, shared)
 from bench_ranks import run_peer, spawn as spawn_ranks, start_rank, take_turns, write_result  # noqa: E402
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 VOCAB = 1024
 
@@ -147,7 +147,7 @@ def run(rt, attention_cls, args, sp: int, seq: int, device) -> dict:
         if i:  # the first step warms up
             times.append(float(took))
         peak = max(peak, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else saved.peak)
-    return {"step_s": statistics.median(times), "activations": peak}
+    return {"step_s": median(times), "activations": peak}
 
 
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
@@ -258,7 +258,7 @@ def tiled_rows(args, device) -> list:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
-            rows.append((seq, what, how, shards if how == "tiled" else 1, peak, statistics.median(times)))
+            rows.append((seq, what, how, shards if how == "tiled" else 1, peak, median(times)))
     return rows
 
 

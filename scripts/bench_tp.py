@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -34,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ranks import mib, run_peer, spawn as spawn_ranks, start_rank, take_turns, write_result  # noqa: E402
 from bench_pipeline import SavedActivations  # noqa: E402  (the activation counter, shared)
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 VOCAB = 4096
 
@@ -116,7 +116,7 @@ def spawn_peer(tp: int, args):
 def summary(ranks) -> dict:
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     r0 = ranks[0]
-    return {"step": statistics.median(steps), "params": r0["params"], "grads": r0["grads"], "optim": r0["optim"],
+    return {"step": median(steps), "params": r0["params"], "grads": r0["grads"], "optim": r0["optim"],
             "activations": r0["activations"]}
 
 

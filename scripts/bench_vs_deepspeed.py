@@ -43,8 +43,6 @@ import os
 import selectors
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import sysconfig
@@ -52,6 +50,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+from bench_timing import free_port, median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "bench_gptlite.py")
@@ -166,12 +165,6 @@ class Contender:
     failed: Optional[str] = None
     steps: List[dict] = field(default_factory=list)  # rank 0's messages merged with the slowest rank's time
     final: List[dict] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(c: Contender, args, corpus: str, workdir: str) -> None:
@@ -324,7 +317,7 @@ def cuda_devices(n: int) -> bool:
 # -- report ------------------------------------------------------------------------------------
 def median_time(c: Contender, warmup: int) -> Optional[float]:
     t = [m["seconds"] for m in c.steps[warmup:]]
-    return statistics.median(t) if t and not c.failed else None
+    return median(t) if t and not c.failed else None
 
 
 def ratio(a, b) -> str:
@@ -518,7 +511,7 @@ def above_floor(c: Optional[Contender], floor: Optional[Contender], warmup: int)
         return None
     n = min(len(c.steps), len(floor.steps))
     diffs = [c.steps[i]["seconds"] - floor.steps[i]["seconds"] for i in range(warmup, n)]
-    return statistics.median(diffs) if diffs else None
+    return median(diffs) if diffs else None
 
 
 def overhead_ratio(ours: Optional[float], ds: Optional[float]) -> Optional[float]:

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_timing import free_port, median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 
 def build_model(dim: int, layers: int) -> torch.nn.Module:
@@ -45,8 +44,8 @@ def build_model(dim: int, layers: int) -> torch.nn.Module:
 
 def storages(extra=()):
     """{storage pointer: bytes} over every tensor the GC tracks (plus `extra`), dslaunch's
-    shared-memory communication segments aside (transport buffers, runtime/comm/shm.py)."""
-    shm = sys.modules.get("dslaunch.runtime.comm.shm")
+    shared-memory communication segments aside (transport buffers, runtime/core/comm/shm.py)."""
+    shm = sys.modules.get("dslaunch.runtime.core.comm.shm")
     skip = shm.buffer_pointers() if shm is not None else {}
     out = {}
     for obj in list(gc.get_objects()) + list(extra):
@@ -186,7 +185,7 @@ def interleaved_times(makers, args):
                 times[i].append(time.perf_counter() - t0)
     for run in runs:
         run.close()
-    return [statistics.median(t) for t in times]
+    return [median(t) for t in times]
 
 
 def worker(rank, args, port):
@@ -251,9 +250,7 @@ def main(argv=None):
     ap.add_argument("--bucket", type=int, default=2_000_000)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(args, port), nprocs=args.nprocs)
 
 

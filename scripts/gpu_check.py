@@ -492,10 +492,12 @@ def step_ladder(ctx: Context, res: StepResult) -> None:
 
 
 def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    # scripts/bench_timing.py's, which every script shares (imported here: the tests load this
+    # file by path, without scripts/ on sys.path)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_timing import free_port as shared
+
+    return shared()
 
 
 def step_deepspeed(ctx: Context, res: StepResult) -> None:

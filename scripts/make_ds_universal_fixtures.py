@@ -85,7 +85,7 @@ def main() -> None:
         if (ds_convert.returncode == 0) != (name in CASES):
             raise SystemExit(f"{name}: DeepSpeed's converter exit status {ds_convert.returncode}: "
                              f"{ds_convert.stderr.strip().splitlines()[-1:]}")
-        subprocess.run([sys.executable, "-m", "dslaunch.runtime.checkpoint.ds_to_universal", "--input_folder",
+        subprocess.run([sys.executable, "-m", "dslaunch.runtime.train.checkpoint.ds_to_universal", "--input_folder",
                         os.path.join(SRC, "dslaunch", name, case.tag), "--output_folder",
                         os.path.join(our_dir, universal)], check=True, cwd=ROOT)
         with open(os.path.join(SRC, "expected.json")) as fh:

@@ -20,6 +20,12 @@ from cluster_fixture import ns_cluster, ssh_home  # noqa: F401  (the multi-host 
 from hf_fixture import deepspeed_compat, tiny_gpt2  # noqa: F401  (the deepspeed compatibility package, issue #14)
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# No fixed ports: every dslaunch a test (or a script, a docs example, an autotuning trial) starts
+# without --master_port rendezvouses on a free port, not on the default 29500 that any other job
+# on the machine may hold or take between dslaunch's check and rank 0's bind. The tests of the
+# default itself take the variable out of their environment.
+PORT_VAR = "DSLAUNCH_MASTER_PORT"
+os.environ.setdefault(PORT_VAR, "0")
 SESSION_VAR = "DSLAUNCH_TEST_SESSION"
 os.environ[SESSION_VAR] = SESSION = uuid.uuid4().hex
 # multiprocessing's helper processes live as long as this process does, by design

@@ -60,10 +60,30 @@ class RankRun:
 
 
 def free_port() -> int:
-    # every address, as the rank-0 TCPStore listens (see runtime/comm/backend.py _free_port)
+    # every address, as the rank-0 TCPStore listens (see runtime/core/comm/backend.py _free_port)
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+# A port is free when free_port() looks, and rank 0's store binds it a second or more later
+# (after importing torch): another program on the machine may take it in between. That is
+# the machine, not the code under test, so such a run is started again on a new port.
+PORT_TRIES = 3
+_PORT_TAKEN = "The server socket has failed to listen on any local network address"
+
+
+def _port_taken(runs: List["RankRun"]) -> bool:
+    return bool(runs) and runs[0].returncode != 0 and _PORT_TAKEN in runs[0].stderr and \
+        ("EADDRINUSE" in runs[0].stderr or "address already in use" in runs[0].stderr)
+
+
+def _on_a_free_port(start: Callable[[int], List["RankRun"]]) -> List["RankRun"]:
+    for _ in range(PORT_TRIES - 1):
+        runs = start(free_port())
+        if not _port_taken(runs):
+            return runs
+    return start(free_port())
 
 
 def _rank_env(rank: int, nprocs: int, port: int, extra: Optional[Dict[str, str]]) -> Dict[str, str]:
@@ -143,7 +163,6 @@ def run_function(fn: Callable, nprocs: int = 2, kwargs: Optional[Dict[str, Any]]
     import inspect
 
     source = os.path.abspath(inspect.getfile(fn))
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="dist-harness-") as workdir:
         job = os.path.join(workdir, "job.pkl")
         with open(job, "wb") as fh:
@@ -151,8 +170,8 @@ def run_function(fn: Callable, nprocs: int = 2, kwargs: Optional[Dict[str, Any]]
                          "init": init_process_group}, fh)
         cmds = [[sys.executable, HERE, job, os.path.join(workdir, f"result{r}"), os.path.join(workdir, f"stack{r}")]
                 for r in range(nprocs)]
-        envs = [_rank_env(r, nprocs, port, env) for r in range(nprocs)]
-        runs = _supervise(cmds, envs, timeout, workdir, cwd=None)
+        runs = _on_a_free_port(lambda port: _supervise(cmds, [_rank_env(r, nprocs, port, env) for r in range(nprocs)],
+                                                       timeout, workdir, cwd=None))
         # Ranks we killed (-9) are victims; report one that failed on its own.
         bad = sorted((r for r, run in enumerate(runs) if run.returncode != 0),
                      key=lambda r: runs[r].returncode == -signal.SIGKILL)
@@ -168,22 +187,18 @@ def run_function(fn: Callable, nprocs: int = 2, kwargs: Optional[Dict[str, Any]]
 
 def run_script(argv: Sequence[str], nprocs: int = 2, timeout: float = 120, env: Optional[Dict[str, str]] = None,
                cwd: Optional[str] = None) -> List[RankRun]:
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="dist-harness-") as workdir:
-        cmds = []
-        envs = []
-        for r in range(nprocs):
-            # this file runs the script (stack-on-SIGUSR1 handler, teardown at exit)
-            cmds.append([sys.executable, HERE, "--script", os.path.join(workdir, f"stack{r}"), *argv])
-            envs.append(_rank_env(r, nprocs, port, env))
-        return _supervise(cmds, envs, timeout, workdir, cwd=cwd)
+        # this file runs the script (stack-on-SIGUSR1 handler, teardown at exit)
+        cmds = [[sys.executable, HERE, "--script", os.path.join(workdir, f"stack{r}"), *argv] for r in range(nprocs)]
+        return _on_a_free_port(lambda port: _supervise(cmds, [_rank_env(r, nprocs, port, env) for r in range(nprocs)],
+                                                       timeout, workdir, cwd=cwd))
 
 
 def teardown() -> None:
     """The orderly end of a rank (see the module docstring); idempotent."""
     import gc
 
-    runtime_shutdown = sys.modules.get("dslaunch.runtime.comm.shutdown")
+    runtime_shutdown = sys.modules.get("dslaunch.runtime.core.comm.shutdown")
     if runtime_shutdown is not None:
         runtime_shutdown.orderly_shutdown()
     if "torch.distributed" in sys.modules:

@@ -81,9 +81,12 @@ def test_accelerate_multinode_deepspeed_launch_over_the_testbed(ns_cluster, ssh_
                                "gradient_clipping": 1.0,
                                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    from dist_harness import free_port
+
+    port = str(free_port())  # free here; the cluster's hosts have network namespaces of their own
     res = subprocess.run([accelerate, "launch", "--use_deepspeed", "--deepspeed_config_file", str(cfg),
                           "--num_machines", "2", "--num_processes", "2", "--machine_rank", "0",
-                          "--main_process_ip", h1.ip, "--main_process_port", "29541",
+                          "--main_process_ip", h1.ip, "--main_process_port", port,
                           "--deepspeed_hostfile", str(hosts), "--deepspeed_multinode_launcher", "pdsh",
                           "--mixed_precision", "no", "--dynamo_backend", "no", JOB, str(tmp_path)],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=360)

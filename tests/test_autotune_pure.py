@@ -93,7 +93,7 @@ def test_candidate_config_is_the_users_with_the_tuned_values_and_loads_in_the_ru
     assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == \
         (4, 2, 16)
     parsed = DeepSpeedConfig.load(cfg)
-    assert parsed.zero.stage == 3 and parsed.gradient_clipping == 1.0
+    assert parsed.zero_optimization.stage == 3 and parsed.gradient_clipping == 1.0
 
 
 def test_checkpointing_is_a_dimension_only_when_the_script_has_a_switch():
@@ -133,7 +133,7 @@ def test_bucket_sizes_are_deepspeeds_values_one_knob_at_a_time_around_the_best()
     from dslaunch.runtime.config import DeepSpeedConfig
 
     parsed = DeepSpeedConfig.load(bucket_variants(Candidate(3, 2, 1), {})[3].ds_config({}, 2))
-    assert parsed.zero.stage3_prefetch_bucket_size == 1_000_000_000  # a key the runtime reads
+    assert parsed.zero_optimization.stage3_prefetch_bucket_size == 1_000_000_000  # a key the runtime reads
 
 
 def test_spread_keeps_the_ends():

@@ -6,7 +6,6 @@ issue 23's exact case, the forms DeepSpeed's optimizers keep that the fixtures c
 show (FusedLamb needs CUDA; FusedAdam's stage-0 step counts), the reverse form that
 DeepSpeed's load_checkpoint needs, and the one-line refusals.
 """
-import importlib.util
 import json
 import os
 
@@ -14,12 +13,11 @@ import pytest
 import torch
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "ds_interop")
-_spec = importlib.util.spec_from_file_location("make_ds_fixtures", os.path.join(ROOT, "scripts", "make_ds_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_fixtures")
 with open(os.path.join(DATA, "expected.json")) as _fh:
     EXPECTED = json.load(_fh)
 ISSUE = "adam_s2_fp32_step6"

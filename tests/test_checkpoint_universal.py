@@ -13,7 +13,6 @@ made (scripts/make_ds_universal_fixtures.py; DeepSpeed is not needed here).
 - `dslaunch ds_to_universal`, `python -m deepspeed.checkpoint.ds_to_universal` (DeepSpeed's
   arguments); bad input and a missing latest_universal are one line.
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,17 +22,13 @@ import pytest
 import torch
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "ds_universal")
 INTEROP = os.path.join(ROOT, "tests", "data", "ds_interop")
-_spec = importlib.util.spec_from_file_location("make_ds_fixtures", os.path.join(ROOT, "scripts", "make_ds_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
-_spec2 = importlib.util.spec_from_file_location("make_ds_universal_fixtures",
-                                                os.path.join(ROOT, "scripts", "make_ds_universal_fixtures.py"))
-ux = importlib.util.module_from_spec(_spec2)
-_spec2.loader.exec_module(ux)
+fx = load_script("make_ds_fixtures")
+ux = load_script("make_ds_universal_fixtures")
 
 with open(os.path.join(DATA, "expected.json")) as _fh:
     EXPECTED = json.load(_fh)

@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from script_modules import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "ds_interop")
 
@@ -63,17 +65,13 @@ def test_functions_give_what_deepspeeds_give(tmp_path, case):
         _equal(merged, ref)
         assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in ref.values())
 
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("fx", os.path.join(ROOT, "scripts", "make_ds_fixtures.py"))
-        fx = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fx)
+        fx = load_script("make_ds_fixtures")
         model = load_state_dict_from_zero_checkpoint(fx.make_model(), ckpt)
         _equal({k: v.detach() for k, v in model.state_dict().items()}, ref)
 
 
 def test_shipped_script_takes_deepspeeds_arguments_and_bad_input_is_one_line(tmp_path):
-    script = os.path.join(ROOT, "runtime", "checkpoint", "zero_to_fp32.py")
+    script = os.path.join(ROOT, "runtime", "train", "checkpoint", "zero_to_fp32.py")
     ckpt = os.path.join(DATA, "dslaunch", "s2_fp32")
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, script, ckpt, str(out), "-t", "global_step3", "--max_shard_size", "1GB",

@@ -1,6 +1,6 @@
 """dslaunch.runtime.comm: the one module every collective of the runtime goes through.
 
-- A source check: no torch.distributed collective is called in runtime/ outside comm/, and
+- A source check: no torch.distributed collective is called in runtime/ outside core/comm/, and
   every comm collective called there names its group.
 - One 4-rank gloo job (two groups {0,2} and {1,3}, so group ranks differ from global ranks)
   runs each op through `deepspeed.comm` after `import dslaunch.runtime as deepspeed`,
@@ -34,7 +34,7 @@ def _calls(path):
 def test_every_runtime_collective_goes_through_comm_and_names_its_group():
     direct, unnamed, seen = [], [], 0
     for folder, _, files in os.walk(RUNTIME):
-        if os.path.join(RUNTIME, "comm") in folder:
+        if os.path.join(RUNTIME, "core", "comm") in folder:
             continue
         for f in files:
             if not f.endswith(".py"):
@@ -50,7 +50,7 @@ def test_every_runtime_collective_goes_through_comm_and_names_its_group():
                     seen += 1
                     if not any(k.arg == "group" for k in node.keywords):
                         unnamed.append(f"{rel}:{node.lineno} comm.{name}")
-    assert not direct, "torch.distributed collectives called outside runtime/comm: " + ", ".join(direct)
+    assert not direct, "torch.distributed collectives called outside runtime/core/comm: " + ", ".join(direct)
     assert not unnamed, "comm collectives without group=: " + ", ".join(unnamed)
     assert seen >= 10  # the check is looking at the real call sites
 

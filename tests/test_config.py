@@ -98,7 +98,7 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
 def test_yaml_config_and_missing_file(tmp_path):
     path = tmp_path / "ds.yaml"
     path.write_text("train_batch_size: 8\nzero_optimization:\n  stage: 1\n")
-    assert DeepSpeedConfig.load(str(path)).zero.stage == 1
+    assert DeepSpeedConfig.load(str(path)).zero_optimization.stage == 1
     with pytest.raises(ConfigError, match="cannot read config"):
         DeepSpeedConfig.load(str(tmp_path / "nope.json"))
 
@@ -151,23 +151,22 @@ def test_seed_configs_load_unchanged():
                "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "all_reduce_bucket_size": 5e8,
                                      "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
     cfg = DeepSpeedConfig.load(gptlite)
-    assert cfg.zero.stage == 3 and cfg.zero.reduce_bucket_size == 500_000_000
-    assert cfg.zero.offload_param_device == "cpu"
+    assert cfg.zero_optimization.stage == 3 and cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.zero_optimization.offload_param_device == "cpu"
     zero2 = {"train_batch_size": 1, "fp16": {"enabled": True},
              "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True,
                                    "offload_optimizer": {"device": "cpu", "pin_memory": True, "fast_init": True}}}
-    assert DeepSpeedConfig.load(zero2).zero.offload_optimizer.pin_memory is True
+    assert DeepSpeedConfig.load(zero2).zero_optimization.offload_optimizer.pin_memory is True
     legacy = DeepSpeedConfig.load({"train_batch_size": 8, "zero_optimization": True})
-    assert legacy.zero.stage == 1
-    assert DeepSpeedConfig.load({"train_batch_size": 8, "zero_optimization": False}).zero.stage == 0
+    assert legacy.zero_optimization.stage == 1
+    assert DeepSpeedConfig.load({"train_batch_size": 8, "zero_optimization": False}).zero_optimization.stage == 0
 
 
 def test_unregistered_stage_is_one_clear_error(monkeypatch):
-    import dslaunch.runtime.data_parallel  # noqa: F401  (stage 0 registered in the real registry first:
-    import dslaunch.runtime.strategy as strategy  # imported inside the patch, it would vanish with it)
+    import dslaunch.runtime.zero  # noqa: F401  (the strategies register themselves in the real registry first)
+    import dslaunch.runtime.strategy as strategy
 
     monkeypatch.setattr(strategy, "_REGISTRY", {k: v for k, v in strategy._REGISTRY.items() if k == 0})
-    monkeypatch.setitem(strategy._PROVIDERS, 2, "dslaunch.runtime.no_such_zero_module")
     with pytest.raises(ConfigError, match=r"zero_optimization.stage: stage 2 is not available in this build"):
         strategy_for_stage(2)
     assert strategy_for_stage(0).__name__ == "DataParallelStrategy"

@@ -275,7 +275,7 @@ def test_one_config_with_every_supported_key_loads():
     cfg = DeepSpeedConfig.load(ALL)
     missing = sorted(set(_supported()) - set(_leaves(ALL)) - ALONE)
     assert missing == [], f"add these supported keys to ALL: {missing}"
-    assert cfg.zero.stage == 3 and cfg.bf16.enabled and cfg.zero.offload_optimizer.pin_memory
+    assert cfg.zero_optimization.stage == 3 and cfg.bf16.enabled and cfg.zero_optimization.offload_optimizer.pin_memory
 
 
 def test_every_supported_key_names_a_test_that_shows_its_effect():
@@ -289,7 +289,7 @@ def test_every_supported_key_names_a_test_that_shows_its_effect():
 
 def test_legacy_allgather_size():
     cfg = DeepSpeedConfig.load({"zero_optimization": True, "allgather_size": 1234})
-    assert cfg.zero.stage == 1 and cfg.zero.allgather_bucket_size == 1234
+    assert cfg.zero_optimization.stage == 1 and cfg.zero_optimization.allgather_bucket_size == 1234
     with pytest.raises(ConfigError, match=r"allgather_size: only read with the legacy \"zero_optimization\": true"):
         DeepSpeedConfig.load({"zero_optimization": {"stage": 1}, "allgather_size": 1234})
 

@@ -130,7 +130,8 @@ def test_typos_still_get_did_you_mean(raw, message):
 def test_deepspeed_spellings_without_stage3_prefix():
     cfg = DeepSpeedConfig.load({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 123,
                                                       "param_persistence_threshold": 7}})
-    assert cfg.zero.stage3_prefetch_bucket_size == 123 and cfg.zero.stage3_param_persistence_threshold == 7
+    z = cfg.zero_optimization
+    assert z.stage3_prefetch_bucket_size == 123 and z.stage3_param_persistence_threshold == 7
 
 
 def test_deepspeed_zero_config_takes_deepspeeds_spellings_and_attribute_names():
@@ -152,7 +153,7 @@ def test_deepspeed_zero_config_takes_deepspeeds_spellings_and_attribute_names():
 
 def test_deprecated_cpu_offload_maps_like_deepspeed():
     z = DeepSpeedConfig.load({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
-                                                    "cpu_offload_use_pin_memory": True}}).zero
+                                                    "cpu_offload_use_pin_memory": True}}).zero_optimization
     assert z.offload_optimizer.device == "cpu" and z.offload_param.device == "cpu"
     assert z.offload_optimizer.pin_memory and z.offload_param.pin_memory
 
@@ -164,10 +165,10 @@ def test_docs_table_is_generated():
 
 
 def test_zero3_check_key_and_env_override(monkeypatch):
-    z = DeepSpeedConfig.load({"zero_optimization": {"stage": 3, "enable_sanity_checks": True}}).zero
+    z = DeepSpeedConfig.load({"zero_optimization": {"stage": 3, "enable_sanity_checks": True}}).zero_optimization
     monkeypatch.delenv("DSLAUNCH_ZERO3_CHECK", raising=False)
     assert z.sanity_checks() is True
     monkeypatch.setenv("DSLAUNCH_ZERO3_CHECK", "0")
     assert z.sanity_checks() is False
     monkeypatch.setenv("DSLAUNCH_ZERO3_CHECK", "1")
-    assert DeepSpeedConfig.load({}).zero.sanity_checks() is True
+    assert DeepSpeedConfig.load({}).zero_optimization.sanity_checks() is True

@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = json.loads((ROOT / "tests" / "data" / "deepspeed_api.json").read_text())
 
 
 def _surface():
-    spec = importlib.util.spec_from_file_location("deepspeed_api_surface", ROOT / "scripts" / "deepspeed_api_surface.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("deepspeed_api_surface")
 
 
 def test_every_row_is_what_the_package_does(deepspeed_compat):
@@ -333,7 +331,7 @@ def test_deepspeeds_unit_test_imports_answer_truthfully():
     assert [_prime_factors(n) for n in (1, 12, 13)] == [[], [2, 2, 3], [13]]
     with pytest.raises(ValueError):
         _prime_factors(0)
-    assert PipelineParallelGrid.__module__ == "dslaunch.runtime.parallel.mesh"
+    assert PipelineParallelGrid.__module__ == "dslaunch.runtime.core.parallel.mesh"
     s = TrainSchedule(micro_batches=4, stages=2, stage_id=1)
     assert (s.stage, s.num_stages, s.num_micro_batches) == (1, 2, 4)
     spec = importlib.util.spec_from_file_location("numa", ROOT / "compat/deepspeed/deepspeed/utils/numa.py")

@@ -176,7 +176,62 @@ def test_marker_parsing_and_output_check():
 def test_docs_pages_have_runnable_examples():
     """The pages that promise runnable examples keep them (a marker typo would drop them silently)."""
     names = {p.name for p in PAGES_WITH_EXAMPLES}
-    assert {"README.md", "writing-docs.md", "troubleshooting.md", "launching.md"} <= names, names
+    assert {"README.md", "index.md", "zero.md", "writing-docs.md", "troubleshooting.md", "launching.md"} <= names, names
+
+
+def _nav_pages() -> List[str]:
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [page for entry in nav for page in entry.values()]
+
+
+def test_the_home_page_and_the_readme_list_every_page():
+    pages = [p for p in _nav_pages() if p != "index.md"]
+    assert sorted(pages + ["index.md"]) == sorted(p.name for p in DOCS.glob("*.md"))
+    home = (DOCS / "index.md").read_text()
+    readme_docs = (ROOT / "README.md").read_text().split("## Documentation", 1)[1]
+    for page in pages:
+        assert f"]({page})" in home, f"docs/index.md does not list {page}"
+        assert f"](docs/{page})" in readme_docs, f"README's Documentation list does not name {page}"
+    assert "## Quick start" in home
+
+
+def test_the_scale_plot_is_shown_where_its_figures_are():
+    text = (DOCS / "benchmarks.md").read_text()
+    assert "](images/bench_scale.png)" in text and (DOCS / "images" / "bench_scale.png").is_file()
+    assert "--plot docs/images/bench_scale.png" in text
+
+
+# What user pages must not speak of: the project's own bookkeeping. A figure says what was
+# measured, where and with which command; DeepSpeed's commit is where its tests came from.
+BOOKKEEPING = {
+    "an issue number": re.compile(r"\bissues?\s*#?\d+", re.I),
+    "a goal or target": re.compile(r"\bgoals?\b|\bwe aim\b|(?<![-\w])targets?\b(?!_)", re.I),
+    "other jobs on the machine": re.compile(r"other (jobs|agents|helpers|test suites?|test runs?|engineers)|"
+                                            r"build machine|engineers' jobs", re.I),
+    "a round of work": re.compile(r"\b(this|last|earlier|previous) round\b", re.I),
+    "a commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"),
+}
+DEEPSPEED_COMMIT = {"edaa722126", "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"}
+
+
+def test_user_pages_speak_of_what_was_measured_not_of_bookkeeping():
+    found = []
+    for page in _pages():
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for what, pattern in BOOKKEEPING.items():
+                for m in pattern.finditer(line):
+                    if what == "a commit hash" and m.group(0) in DEEPSPEED_COMMIT:
+                        continue
+                    found.append(f"{page.name}:{n}: {what}: {m.group(0)!r}")
+    assert found == [], "\n".join(found)
+
+
+def test_readme_table_cells_hold_one_figure_and_a_link():
+    longest = max((cell.strip() for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("|")
+                   for cell in re.split(r"(?<!\\)\|", line)[1:-1]), key=len)
+    assert len(longest) <= 160, longest
 
 
 # -- the site
@@ -237,6 +292,31 @@ def test_readme_links_resolve():
         assert target.exists(), f"README links to {link}: {target} does not exist"
         if anchor:
             assert anchor in _anchors(target), f"README links to {link}: no such heading in {target.name}"
+
+
+def test_readme_first_steps_work_as_typed():
+    """What a new user reads before the first command: where `dslaunch` is after set-up, that
+    scripts/test.sh installs system packages as root, and a quick start whose lines run the
+    train.py shown below them as it is (it takes no arguments)."""
+    text = (ROOT / "README.md").read_text()
+    first = text[:text.index("## Quick start")]
+    assert "source .venv/bin/activate" in first and ".venv/bin/dslaunch" in first
+    assert "as root" in first
+    for package in ("OpenSSH server", "pdsh", "Open MPI", "Slurm", "munge"):
+        assert package in first, package
+    quick = text.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    for line in quick.splitlines():
+        command = line.split("#")[0].split()
+        if "train.py" in command:
+            assert command[-1] == "train.py", f"the quick start's train.py takes no arguments: {line}"
+
+
+def test_no_stray_file_is_tracked_at_the_top():
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {path for path in tracked.splitlines() if "/" not in path}
+    assert top <= {".gitignore", "README.md", "mkdocs.yml", "pyproject.toml", "setup.py"}, top
 
 
 def test_readme_stays_short_and_keeps_the_two_commands():

@@ -21,20 +21,17 @@ half batches here, on the whole batch in the reference; DeepSpeed accumulates bf
 gradients in bf16, we in fp32).
 """
 import copy
-import importlib.util
 import os
 
 import pytest
 import torch
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "data", "ds_fragments", "fragments.pt")
-_spec = importlib.util.spec_from_file_location("make_ds_fragment_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_fragment_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_fragment_fixtures")
 
 # DeepSpeed's cases, and what only dslaunch answers (stage 0 in fp32) or DeepSpeed cannot check here
 OURS_ONLY = {"s0_fp32": (0, "fp32", False), "s3_bf16_offload": (3, "bf16", True),

@@ -310,3 +310,67 @@ def test_inference_descriptors_name_files_inside_their_folder_or_are_refused(scr
     if isinstance(files, list):
         for f in files:
             assert os.path.realpath(f).startswith(str(root.resolve()) + os.sep), f
+
+
+# -- the config reader ------------------------------------------------------------------------------
+def _config_keys():
+    from dslaunch.runtime.config import DeepSpeedConfig
+    from dslaunch.runtime.strict import key_rows
+
+    return sorted(r.key for r in key_rows(DeepSpeedConfig))
+
+
+CONFIG_KEYS = _config_keys()
+NUMBERS = st.one_of(st.integers(-2 ** 65, 2 ** 65), st.floats(allow_nan=True, allow_infinity=True),
+                    st.sampled_from([0, 1, 2, 4, 8, -1, 0.5, 1e-3, "0.01", True, False, None, "auto", [0.9, 0.999]]))
+
+
+@st.composite
+def configs(draw):
+    """A config built from declared keys (dotted paths nested back into objects), each given a
+    number-like, JSON or plausible value: the reader's branches, not just its JSON parser."""
+    cfg: dict = {}
+    for key in draw(st.lists(st.sampled_from(CONFIG_KEYS), max_size=8)):
+        value = draw(st.one_of(NUMBERS, JSON_VALUES, st.sampled_from(["cpu", "none", "Adam", "WarmupLR", "bf16"])))
+        node, *parents = cfg, *key.split(".")[:-1]
+        for part in key.split(".")[:-1]:
+            nxt = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[part] = nxt
+            node = nxt
+        node[key.split(".")[-1]] = value
+    if draw(st.booleans()):
+        cfg.setdefault("train_batch_size", draw(st.sampled_from([1, 2, 4, 8, 3])))
+    if draw(st.booleans()):
+        cfg["optimizer"] = {"type": draw(st.sampled_from(["Adam", "AdamW", "SGD", "Lion", "Adagrad", "Lamb", "adam"])),
+                            "params": draw(st.dictionaries(st.sampled_from(["lr", "betas", "eps", "weight_decay",
+                                                                            "momentum", "torch_adam", "adam_w_mode"]),
+                                                           NUMBERS, max_size=4))}
+    return cfg
+
+
+CONFIG_TEXT = st.one_of(configs().map(_json), JSON_VALUES.map(_json), ASCII_LINES,
+                        configs().map(_json).map(lambda t: t[: len(t) // 2]),  # cut short
+                        st.builds(lambda a, b: a + b, configs().map(_json), ANY_TEXT))
+
+
+@FUZZ
+@given(CONFIG_TEXT, st.sampled_from([".json", ".yaml"]), st.integers(1, 4))
+def test_any_config_file_is_read_or_refused_in_one_line(scratch, text, suffix, dp):
+    from dslaunch.runtime.config import DeepSpeedConfig, resolve_batch_sizes
+    from dslaunch.runtime.optim import OptimizerTarget, build_optimizer
+    from dslaunch.runtime.strict import ConfigError
+
+    path = scratch() / f"ds_config{suffix}"
+    path.write_text(text)
+
+    def read():
+        cfg = DeepSpeedConfig.load(str(path))
+        if cfg.train_batch_size or cfg.train_micro_batch_size_per_gpu or cfg.gradient_accumulation_steps:
+            resolve_batch_sizes(cfg, dp)
+        if cfg.optimizer is not None:
+            build_optimizer(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))], OptimizerTarget())
+        return cfg
+
+    loads_or_refuses(read, ConfigError)

@@ -3,7 +3,6 @@ with no CUDA torch, and no nvidia-smi at all each give a full report in which ev
 it did not run, and the exit code is 0. The GPU steps themselves run only on a GPU machine."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,18 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from script_modules import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    if name in sys.modules:
-        return sys.modules[name]
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_script
 
 
 def run_check(tmp_path, *args, path_prefix=None, strip_nvidia=False):

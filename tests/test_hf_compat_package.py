@@ -32,7 +32,7 @@ PROBE = textwrap.dedent('''
                    deepspeed.DeepSpeedEngine is rt.DeepSpeedEngine,
                    deepspeed.runtime.zero is rt.zero and deepspeed.zero is rt.zero,
                    deepspeed.comm is rt.comm, deepspeed.initialize is rt.initialize,
-                   deepspeed.runtime.engine.__spec__.name == "dslaunch.runtime.engine",
+                   deepspeed.runtime.engine.__spec__.name == "dslaunch.runtime.train.engine",
                    deepspeed.zero.Init is rt.zero.Init,
                    deepspeed.zero.GatheredParameters is rt.zero.GatheredParameters]
     import deepspeed.sequence.layer
@@ -116,12 +116,15 @@ def test_module_tree_maps_onto_dslaunch_runtime(probe):
 def test_deepspeed_command_is_dslaunch(deepspeed_compat, tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    res = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", "29700", "--dry_run", "--json",
+    from dist_harness import free_port
+
+    port = free_port()  # an explicit port must be free even for a dry run: no fixed one here
+    res = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--dry_run", "--json",
                           str(script), "--x", "1"], env=deepspeed_compat.env(), capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
-    assert plan["world_size"] == 2 and plan["master_port"] == 29700
+    assert plan["world_size"] == 2 and plan["master_port"] == port
     res = subprocess.run(["deepspeed", "--num_gpus", "2", str(script)], env=deepspeed_compat.env(),
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert res.returncode == 0 and sorted(res.stdout.splitlines()) == ["[rank 0] hi", "[rank 1] hi"]

@@ -17,19 +17,16 @@ equals DeepSpeed's run of the same case (except mixtral_list at ZeRO 2, where De
 crashes: fx.DS_FAILS). The collective watchdog (comms_timeout) would turn a hang into a failed
 rank.
 """
-import importlib.util
 import json
 import os
 
 import pytest
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("make_ds_hf_moe_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_hf_moe_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_hf_moe_fixtures")
 EXPECTED = json.load(open(os.path.join(ROOT, "tests", "data", "ds_hf_moe", "expected.json")))
 TOL = 1e-5
 COMPAT_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (os.path.join(ROOT, "compat", "deepspeed"),

@@ -14,6 +14,7 @@ REPEAT = int(os.environ.get("DSLAUNCH_ATTRIBUTION_REPEAT", "2"))
 
 
 def run_case(case: str, cwd: Path) -> subprocess.CompletedProcess:
+    cwd.mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(cwd))  # the summary's dslaunch-run-* folder too
     return subprocess.run([*DSLAUNCH, "--num_gpus", "2", "--master_port", "0", WORKER, case, str(cwd)],
                           capture_output=True, text=True, cwd=cwd, timeout=170, env=env)
@@ -39,6 +40,17 @@ def test_rank_0_raises_while_rank_1_waits_in_a_collective(tmp_path, case):
     for i in range(REPEAT):
         r = run_case(case, tmp_path)
         assert attributed_to_rank_0(r), f"run {i + 1} of {REPEAT}:\n{r.stderr}"
+
+
+def test_a_rank_killed_during_a_save_is_named_though_its_peer_announced_an_exception(tmp_path):
+    """rank 0 is SIGKILLed while it writes a checkpoint; rank 1 fails in the save's collectives
+    and its runtime announces the exception, which the supervisor reads in the same instant
+    as rank 0's death (the worker arranges that). The death came first, and is what is named."""
+    r = run_case("kill_in_save", tmp_path / "ckpt")
+    assert r.returncode == 137, r.stderr
+    assert "dslaunch: rank 0 failed first: killed by SIGKILL (exit code 137)" in r.stderr
+    assert "rank 1 failed first" not in r.stderr and "[rank 1]" not in r.stderr
+    assert "dslaunch: rank 1: stopped after rank 0 failed" in r.stderr
 
 
 def test_the_runtime_and_the_supervisor_agree_on_the_pipe_variable():

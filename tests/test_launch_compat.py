@@ -189,8 +189,8 @@ def test_force_multi_sends_even_this_machine_through_the_launcher(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--autotuning_budget", "60"], "--autotuning_budget needs --autotuning tune|run"),
     (["--autotuning_repeats", "2"], "--autotuning_repeats needs --autotuning tune|run"),
-    (["--elastic_training"], "--elastic_training: not supported; dslaunch restarts the whole job"),
-    (["--min_elastic_nodes", "1"], "--min_elastic_nodes: not supported"),
+    (["--elastic_training"], "--min_nodes: an elastic job needs a --hostfile listing its hosts"),
+    (["--nnodes", "1:x"], "--nnodes 1:x: expected MIN:MAX, two whole numbers"),
     (["--no_ssh"], "--no_ssh: dslaunch starts the other nodes itself"),
     (["--bind_cores_to_rank", "--bind_core_list", "0", "--num_gpus", "2"],
      "--bind_cores_to_rank: 1 core(s) cannot give each of 2 local ranks one of its own"),
@@ -234,8 +234,11 @@ def test_bind_cores_pins_every_thread_and_save_pid(tmp_path):
 def test_torchrun_spellings(tmp_path):
     for spelling in ("--nproc_per_node", "--nproc-per-node"):
         assert json.loads(cli([spelling, "3"], tmp_path)[1])["world_size"] == 3
-    code, out, err = cli(["--master-port", "1234", "--master-addr", "127.0.0.2"], tmp_path)
-    assert (json.loads(out)["master_port"], json.loads(out)["master_addr"]) == (1234, "127.0.0.2")
+    from dist_harness import free_port
+
+    port = free_port()  # a dry run refuses a port in use on this machine: no fixed one
+    code, out, err = cli(["--master-port", str(port), "--master-addr", "127.0.0.2"], tmp_path)
+    assert (json.loads(out)["master_port"], json.loads(out)["master_addr"]) == (port, "127.0.0.2")
     assert json.loads(cli(["--standalone"], tmp_path)[1])["master_port"] != 29500  # a free port
     assert "--standalone means this machine only" in refused(["--standalone"], tmp_path, ONE)
     assert "--nnodes: dslaunch starts every node from one machine" in refused(["--nnodes", "2"], tmp_path)

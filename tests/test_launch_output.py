@@ -131,6 +131,29 @@ def test_console_policy_for_errors_written_in_the_same_instant(tmp_path):
     assert kept.read_bytes() == b"error: bad key\nstep 1\n[rank0]: Traceback (most recent call last):\n"
 
 
+def test_after_ctrl_c_a_keyboard_interrupt_traceback_is_not_shown_but_another_error_is(tmp_path):
+    """Once the launcher passed SIGINT on, each rank's KeyboardInterrupt traceback is the
+    stop working; a traceback that ends in another exception (raised while handling the
+    interrupt) is still an error the user must see."""
+    out, err = io.BytesIO(), io.BytesIO()
+    o = JobOutput(out, err, delay_s=30, traceback_s=30, tail_root=str(tmp_path))
+    o.stopping(signal.SIGINT)
+    for rank in (0, 1):
+        for text in (b"Traceback (most recent call last):\n", b'  File "t.py", line 3, in <module>\n',
+                     b"    time.sleep(60)\n", b"KeyboardInterrupt\n"):
+            o.line(OutputLine(rank, f"rank {rank}", "stderr", text))
+    o.exited("rank 0")
+    o.line(OutputLine(1, "rank 1", "stderr", b"\nDuring handling of the above exception, another exception "
+                                              b"occurred:\n"))
+    o.line(OutputLine(1, "rank 1", "stderr", b"OSError: checkpoint not written\n"))
+    o.say("stopped by SIGINT; all 2 worker(s) ended")
+    o.close()
+    shown = err.getvalue().decode().splitlines()
+    assert shown[-2:] == ["[rank 1] OSError: checkpoint not written", "dslaunch: stopped by SIGINT; all 2 worker(s) ended"]
+    assert not any(line.startswith("[rank 0]") for line in shown), shown
+    assert "[rank 1] KeyboardInterrupt" in shown  # part of the block that ends in the OSError
+
+
 def test_without_log_dir_only_the_last_lines_are_kept(tmp_path, monkeypatch):
     monkeypatch.setattr("dslaunch.launcher.output.TAIL_LINES", 3)
     out, err = io.BytesIO(), io.BytesIO()

@@ -1,10 +1,11 @@
-"""The fp16 loss scaler's state machine, driven by overflow flags directly and, through
-the engine in one process, by gradients poisoned with inf/NaN."""
+"""The fp16 loss scaler's state machine (one class, DeepSpeed's constructor), driven by
+overflow flags directly and, through the engine in one process, by gradients poisoned with
+inf/NaN."""
 import pytest
 
 from dist_harness import run_function
 from dslaunch.runtime.config import FP16Config
-from dslaunch.runtime.loss_scaler import DynamicLossScaler, LossScaleStuck, StaticLossScaler, make_loss_scaler
+from dslaunch.runtime.loss_scaler import DynamicLossScaler, LossScaler, LossScaleStuck, make_loss_scaler
 
 
 def drive(scaler, pattern):
@@ -17,13 +18,13 @@ def drive(scaler, pattern):
 
 
 def test_hysteresis_delays_backoff_then_halves():
-    s = DynamicLossScaler(initial_scale_power=4, window=100, hysteresis=2, min_scale=1)
+    s = DynamicLossScaler(init_scale=2 ** 4, scale_window=100, min_scale=1, delayed_shift=2)
     assert drive(s, "ooo") == [16, 8, 4]  # first overflow only spends hysteresis
     assert s.state.skipped_steps == 3
 
 
 def test_growth_after_window_of_clean_steps_and_refill():
-    s = DynamicLossScaler(initial_scale_power=3, window=3, hysteresis=2, min_scale=1)
+    s = DynamicLossScaler(init_scale=2 ** 3, scale_window=3, min_scale=1, delayed_shift=2)
     # overflow at iter 0 (hysteresis 2->1), 1 (halve to 4); clean at 2..5; iter 5 is the third
     # clean step after the first one -> grow. DeepSpeed 0.19.8's DynamicLossScaler(8, 3, 1, 2,
     # False) gives the same sequence.
@@ -33,14 +34,14 @@ def test_growth_after_window_of_clean_steps_and_refill():
 
 
 def test_consecutive_hysteresis_refills_on_every_clean_step():
-    s = DynamicLossScaler(initial_scale_power=3, window=1000, hysteresis=2, consecutive_hysteresis=True)
+    s = DynamicLossScaler(init_scale=2 ** 3, scale_window=1000, delayed_shift=2, consecutive_hysteresis=True)
     assert drive(s, "o.o.o") == [8, 8, 8, 8, 8]
-    s2 = DynamicLossScaler(initial_scale_power=3, window=1000, hysteresis=2, consecutive_hysteresis=False)
+    s2 = DynamicLossScaler(init_scale=2 ** 3, scale_window=1000, delayed_shift=2, consecutive_hysteresis=False)
     assert drive(s2, "o.o.o") == [8, 8, 4, 4, 2]
 
 
 def test_stuck_at_min_scale_is_a_clear_error():
-    s = DynamicLossScaler(initial_scale_power=1, window=1000, hysteresis=1, min_scale=1)
+    s = DynamicLossScaler(init_scale=2 ** 1, scale_window=1000, min_scale=1, delayed_shift=1)
     assert drive(s, "o") == [1]
     with pytest.raises(LossScaleStuck, match=r"overflow even at the minimum loss scale 1 \(fp16.min_loss_scale\)"):
         s.update(True)
@@ -48,7 +49,7 @@ def test_stuck_at_min_scale_is_a_clear_error():
 
 def test_static_scale_and_factory_and_state_round_trip():
     st = make_loss_scaler(FP16Config(enabled=True, loss_scale=128.0))
-    assert isinstance(st, StaticLossScaler) and not st.dynamic
+    assert isinstance(st, LossScaler) and not st.dynamic
     assert drive(st, "o..") == [128, 128, 128] and st.state.skipped_steps == 1
     dyn = make_loss_scaler(FP16Config(enabled=True, initial_scale_power=5, loss_scale_window=2, hysteresis=1))
     drive(dyn, "o.")

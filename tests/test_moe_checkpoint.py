@@ -1,4 +1,4 @@
-"""MoE checkpoints in DeepSpeed's layout (runtime/checkpoint/moe.py), resumed at other
+"""MoE checkpoints in DeepSpeed's layout (runtime/train/checkpoint/moe.py), resumed at other
 expert-parallel and world sizes, consolidated, and read from real DeepSpeed 0.19.8.
 
 The training script is scripts/make_ds_moe_fixtures.py's `train` (tests/test_moe_training.py
@@ -14,19 +14,16 @@ has the model); checkpoints are saved after 2 of its 4 steps. One launch per wor
              uninterrupted losses; `dslaunch consolidate` / zero_to_fp32 give one full model;
              what is refused is one line
 """
-import importlib.util
 import json
 import os
 
 import pytest
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("make_ds_moe_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_moe_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_moe_fixtures")
 DATA = os.path.join(ROOT, "tests", "data", "ds_moe")
 EXPECTED = json.load(open(os.path.join(DATA, "expected.json")))
 TOL = 1e-5

@@ -11,7 +11,6 @@
 - Bad arguments are one line (a ConfigError, exit 2 from a script).
 - split_params_into_different_moe_groups_for_optimizer.
 """
-import importlib.util
 import math
 import os
 import subprocess
@@ -20,13 +19,12 @@ import sys
 import pytest
 import torch
 
+from script_modules import load_script
+
 from dslaunch.runtime.moe import gating
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("make_ds_moe_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_moe_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_moe_fixtures")
 FIXTURE = torch.load(os.path.join(ROOT, "tests", "data", "ds_moe", "gating.pt"), weights_only=False)
 
 

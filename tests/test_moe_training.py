@@ -19,19 +19,16 @@ and the tokens routed to each expert, summed over ranks, equal the one process's
 What expert parallelism does not do here (ep_size not dividing the world, ZeRO-3, an
 optimizer without moe groups) is one line each; checkpoints are tests/test_moe_checkpoint.py's.
 """
-import importlib.util
 import json
 import os
 
 import pytest
 
 from dist_harness import run_function
+from script_modules import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("make_ds_moe_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_moe_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_moe_fixtures")
 EXPECTED = json.load(open(os.path.join(ROOT, "tests", "data", "ds_moe", "expected.json")))
 TOL = 1e-5
 # the compatibility package from its source folder (no install: nothing else sees `deepspeed`)

@@ -51,6 +51,7 @@ def test_masking_by_name_or_origin():
 def _run(args, tmp_path, env=None):
     import os
     e = dict(os.environ, HOME=str(tmp_path), **(env or {}))
+    e.pop("DSLAUNCH_MASTER_PORT", None)  # dry runs here show the default port (conftest sets 0)
     return subprocess.run(DSLAUNCH + args, capture_output=True, text=True, cwd=tmp_path, env=e, timeout=60)
 
 

@@ -202,6 +202,28 @@ def test_each_type_under_zero_with_and_without_offload_matches_stage0(tmp_path):
                 assert r["fused"] == (kernel is not None), key
                 if kernel:
                     assert kernel in r["describe"], (key, r["describe"])
-                    assert f"optimizer {cls} stepped by {kernel}" in r["startup"], (key, r["startup"])
+                    # the type the config asked for, then the class that implements it (and
+                    # Adam's weight decay): "optimizer Adam (CPUAdam, adam_w_mode) stepped by ..."
+                    label = opt_type if cls == opt_type else f"{opt_type} ({cls}"
+                    assert f"optimizer {label}" in r["startup"], (key, r["startup"])
+                    assert f") stepped by {kernel}" in r["startup"] or f"{cls} stepped by {kernel}" in r["startup"]
+                    mode = {"Adam": "adam_w_mode)", "DeepSpeedCPUAdam": "(adam_w_mode false: L2 weight decay)"}
+                    assert mode.get(opt_type, "") in r["startup"], (key, r["startup"])
                 assert r["losses"] == pytest.approx(r["ref_losses"], rel=FP32_TOL, abs=FP32_TOL), key
                 assert r["max_param_diff"] <= 1e-4, (key, r["max_param_diff"])
+
+
+@pytest.mark.parametrize("opt_type,params,label", [
+    ("AdamW", {}, "AdamW (CPUAdam, adam_w_mode)"),
+    ("Adam", {"adam_w_mode": False}, "Adam (CPUAdam, adam_w_mode false: L2 weight decay)"),
+    ("Adam", {"torch_adam": True}, "Adam (AdamW, adam_w_mode)"),
+    ("SGD", {"lr": 0.1}, "SGD"),
+])
+def test_the_start_up_line_names_the_optimizer_the_config_asked_for(opt_type, params, label):
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.monitor.report import startup_line
+
+    model = torch.nn.Linear(4, 2)
+    engine, *_ = deepspeed.initialize(model=model, config={"train_batch_size": 1, "log_level": "warning",
+                                                           "optimizer": {"type": opt_type, "params": params}})
+    assert f"| optimizer {label} stepped by " in startup_line(engine)

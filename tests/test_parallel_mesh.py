@@ -1,4 +1,4 @@
-"""The named-axis process mesh (runtime/parallel): degrees checked in one place, groups by
+"""The named-axis process mesh (runtime/core/parallel): degrees checked in one place, groups by
 axis name, DeepSpeed's rank order, expert and sequence groups, the mpu adapter. Pure: the
 meshes are built without processes (group_factory records the rank lists)."""
 import pytest

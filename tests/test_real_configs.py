@@ -31,8 +31,10 @@ def test_every_config_loads_unchanged():
                 DeepSpeedConfig.load(raw)
             assert filled()[name] == fill_auto(raw, {**TRAINER, **PRECISION[name]})  # only the autos differ
     cfg = DeepSpeedConfig.load(runnable()["hf_zero3_auto.json"])
-    assert cfg.zero.stage3_prefetch_bucket_size == 921 and cfg.zero.stage3_gather_16bit_weights_on_model_save
-    assert DeepSpeedConfig.load(runnable()["seed_004_gptlite_zero3.json"]).zero.reduce_bucket_size == 500_000_000
+    z = cfg.zero_optimization
+    assert z.stage3_prefetch_bucket_size == 921 and z.stage3_gather_16bit_weights_on_model_save
+    z = DeepSpeedConfig.load(runnable()["seed_004_gptlite_zero3.json"]).zero_optimization
+    assert z.reduce_bucket_size == 500_000_000
 
 
 def _train_each(names):

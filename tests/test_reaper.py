@@ -9,6 +9,7 @@ other than the main one (it hangs on that thread's list, not the process's).
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -88,3 +89,18 @@ def test_a_pid_that_is_gone_has_no_children():
     proc = subprocess.Popen(["true"])
     proc.wait()
     assert reaper.children(proc.pid) == [] and reaper.descendants(proc.pid) == []
+
+
+def test_exiting_is_true_for_a_zombie_and_false_for_a_running_process():
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not reaper.exiting(proc.pid)
+    finally:
+        proc.kill()
+    # killed and not yet waited for: a zombie until wait() below
+    deadline = time.monotonic() + 20
+    while not reaper.exiting(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reaper.exiting(proc.pid)
+    proc.wait()
+    assert not reaper.exiting(proc.pid)  # gone

@@ -1,10 +1,10 @@
 """scripts/run_deepspeed_tests.py's table, from a junit report written here (no DeepSpeed
 checkout needed): counts, causes, the tests failed on purpose and the reasons file."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
@@ -20,11 +20,7 @@ E   ModuleNotFoundError: No module named 'deepspeed.gone'</error></testcase>
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("run_deepspeed_tests", ROOT / "scripts/run_deepspeed_tests.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("run_deepspeed_tests")
 
 
 def test_table_counts_causes_and_the_failures_on_purpose(tmp_path):

@@ -49,3 +49,30 @@ def test_script_hang_reports_stack(tmp_path):
     script.write_text("import time\ndef wait_here():\n    time.sleep(600)\nwait_here()\n")
     with pytest.raises(DistHang, match="wait_here"):
         run_script([str(script)], nprocs=2, timeout=5)
+
+
+def _world_size_through_gloo():
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+@pytest.mark.timeout(120)
+def test_a_port_taken_before_rank_0_binds_it_is_replaced(monkeypatch):
+    """The port the harness picked is taken by another program before rank 0's store binds it
+    (EADDRINUSE): the ranks start again on a new port instead of failing the test."""
+    import socket
+
+    import dist_harness
+
+    squatter = socket.socket()
+    squatter.bind(("", 0))
+    squatter.listen()
+    picks = [squatter.getsockname()[1]]
+    real = dist_harness.free_port
+    monkeypatch.setattr(dist_harness, "free_port", lambda: picks.pop() if picks else real())
+    try:
+        assert dist_harness.run_function(_world_size_through_gloo, nprocs=2, timeout=100) == [2, 2]
+    finally:
+        squatter.close()
+    assert picks == []  # the taken port was tried first

@@ -4,21 +4,15 @@ means nothing. With a non-zero scale every written element becomes itself plus s
 sum of all read arrays' elements, so the result shows that every array was read in full and
 exactly the first `writes` were written, by both threads.
 """
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_adam.py"
+from script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("bench_adam", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.Probe(str(tmp_path_factory.mktemp("probe-cache")))
+    return load_script("bench_adam").Probe(str(tmp_path_factory.mktemp("probe-cache")))
 
 
 @pytest.mark.parametrize("reads,writes", [(4, 3), (3, 2), (2, 1)])  # Adam; Lion, Adagrad; any other

@@ -94,7 +94,7 @@ def _layers_job():
 
     tpg = tensor_parallel_group(2)
     group, size, rank = tpg.group, tpg.size, tpg.rank
-    out = {"ranks": list(tpg.ranks), "rank": rank}
+    out = {"ranks": list(tpg.ranks), "rank": rank, "group": comm.group_name(tpg.group)}
 
     def diff(a, b):  # largest difference, relative to the reference's scale when that exceeds 1
         return ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
@@ -242,7 +242,8 @@ def test_megatron_block_matches_dense_through_an_sgd_step(four_ranks):
 
 def test_each_collective_runs_on_the_tensor_group(four_ranks):
     for r, res in enumerate(four_ranks):
-        group = f"tensor {r // 2}"
+        group = res["group"]  # the mesh's tensor group, named in records by its first axis and its ranks
+        assert group.endswith(" 0,1" if r < 2 else " 2,3"), group
         fwd, bwd = res["block"]["forward ops"], res["block"]["backward ops"]
         # forward: the two row-parallel sums; backward: the two column-parallel input gradients
         assert fwd == [("all_reduce", group, "tp block.out sum"), ("all_reduce", group, "tp block.fc2 sum")], fwd

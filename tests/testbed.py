@@ -160,26 +160,49 @@ class Testbed:
             _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])  # a new namespace's loopback is down
 
+    def _start_sshd(self, h: Host) -> subprocess.Popen:
+        conf = self.dir / f"sshd-{h.name}.conf"
+        pidfile = self.dir / f"sshd-{h.name}.pid"
+        pidfile.unlink(missing_ok=True)
+        conf.write_text(_SSHD_CONFIG.format(ip=h.ip, dir=self.dir, name=h.name))
+        script = (
+            f"mount --bind {self.dir}/hosts /etc/hosts && hostname {h.name} && "
+            f"exec {SSHD} -D -f {conf} -E {self.dir}/sshd-{h.name}.log"
+        )
+        # its own session, and only PATH from our environment: a signal to a test's process
+        # group, or a launcher's clean-up of processes carrying its job marker, never reaches it
+        return subprocess.Popen(
+            ["ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c", script],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
+        )
+
     def _start_sshds(self) -> None:
         for h in self.hosts:
-            conf = self.dir / f"sshd-{h.name}.conf"
-            pidfile = self.dir / f"sshd-{h.name}.pid"
-            pidfile.unlink(missing_ok=True)
-            conf.write_text(_SSHD_CONFIG.format(ip=h.ip, dir=self.dir, name=h.name))
-            script = (
-                f"mount --bind {self.dir}/hosts /etc/hosts && hostname {h.name} && "
-                f"exec {SSHD} -D -f {conf} -E {self.dir}/sshd-{h.name}.log"
-            )
-            # its own session, and only PATH from our environment: a signal to a test's process
-            # group, or a launcher's clean-up of processes carrying its job marker, never reaches it
-            self._sshds.append(subprocess.Popen(
-                ["ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c", script],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")},
-            ))
+            self._sshds.append(self._start_sshd(h))
+        self._wait_listening(self.hosts, self._sshds)
+
+    def crash_host(self, i: int) -> None:
+        """Host i goes down hard: SIGKILL to every process in its namespace, its sshd included
+        (its connections close, as a machine's do when it dies)."""
+        h = self.hosts[i]
+        out = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True, text=True).stdout
+        for pid in (int(p) for p in out.split()):
+            _kill(pid, signal.SIGKILL)
+        try:
+            self._sshds[i].wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def restart_host(self, i: int) -> None:
+        """Host i comes back: its sshd listens again."""
+        self._sshds[i] = self._start_sshd(self.hosts[i])
+        self._wait_listening([self.hosts[i]], [self._sshds[i]])
+
+    def _wait_listening(self, hosts: List[Host], procs: List[subprocess.Popen]) -> None:
         # sshd writes its PidFile only once it listens
         deadline = time.monotonic() + 10
-        for h, proc in zip(self.hosts, self._sshds):
+        for h, proc in zip(hosts, procs):
             pidfile = self.dir / f"sshd-{h.name}.pid"
             while not (pidfile.exists() and pidfile.read_text().strip()):
                 if proc.poll() is not None or time.monotonic() > deadline:

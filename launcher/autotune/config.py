@@ -97,6 +97,18 @@ def _typed(key: str, value: Any, annotation: str) -> Any:
     return value
 
 
+def _refuse_duplicates(pairs) -> Dict[str, Any]:
+    """A JSON object whose keys are all different: DeepSpeed refuses a key given twice, and so
+    does the runtime (runtime/strict.py), rather than keep the last one."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise LaunchConfigError(f"{key}: the key is given more than once; DeepSpeed refuses duplicate keys too: "
+                                "keep one")
+    return obj
+
+
 def load_user_config(path: str) -> Dict[str, Any]:
     """The user's DeepSpeed config file as a dict (JSON, or YAML by its suffix)."""
     try:
@@ -111,7 +123,9 @@ def load_user_config(path: str) -> Dict[str, Any]:
 
             data = yaml.safe_load(text)
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except LaunchConfigError as exc:
+        raise LaunchConfigError(f"{path}: {exc}") from None
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError: one line either way
         raise LaunchConfigError(f"{path}: not a valid config: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):

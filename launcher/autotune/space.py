@@ -35,7 +35,7 @@ from dslaunch.launcher.errors import LaunchConfigError
 ALL_STAGES = (0, 1, 2, 3)
 CHECKPOINTING = "activation_checkpointing"  # the arg_mappings key of the script's on/off option
 BUCKET_VALUES = (50_000_000, 500_000_000, 1_000_000_000)  # DeepSpeed's tuning space: 5e7, 5e8, 1e9
-# the bucket knobs each stage's runtime reads, with the runtime's defaults (runtime/config/zero.py)
+# the bucket knobs each stage's runtime reads, with the runtime's defaults (runtime/core/config/zero.py)
 BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
                    "stage3_prefetch_bucket_size": 50_000_000}
 BUCKETS_BY_STAGE = {0: ("reduce_bucket_size",), 1: ("reduce_bucket_size", "allgather_bucket_size"),

@@ -25,11 +25,11 @@ from dslaunch.launcher.autotune.space import CHECKPOINTING
 from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.options import LaunchOptions
 
-TRIAL_DIR_VAR = "DSLAUNCH_TRIAL_DIR"  # runtime/autotuning.py TRIAL_DIR_VAR
-TRIAL_STEPS_VAR = "DSLAUNCH_TRIAL_STEPS"  # runtime/autotuning.py TRIAL_STEPS_VAR
+TRIAL_DIR_VAR = "DSLAUNCH_TRIAL_DIR"  # runtime/train/autotuning.py TRIAL_DIR_VAR
+TRIAL_STEPS_VAR = "DSLAUNCH_TRIAL_STEPS"  # runtime/train/autotuning.py TRIAL_STEPS_VAR
 WORKER_MODULE = "dslaunch.launcher.autotune.worker"
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")  # DeepSpeed's scripts, then the HF Trainer's
-HANG_EXIT = 124  # the collective watchdog's exit status (runtime/comm/watchdog.EXIT_CODE)
+HANG_EXIT = 124  # the collective watchdog's exit status (runtime/core/comm/watchdog.EXIT_CODE)
 # launcher options a trial never passes on: the tuner owns output, restarts and dry runs
 NOT_FOR_TRIALS = {"script", "script_args", "dry_run", "json", "log_dir", "max_restarts", "save_pid"}
 _OOM = re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|MemoryError", re.I)

@@ -19,7 +19,7 @@ import sys
 def _is_trial_complete(exc: BaseException) -> bool:
     # Looked up only when something was raised: the runtime (and torch) is imported by the
     # script, never by this wrapper before it.
-    mod = sys.modules.get("dslaunch.runtime.autotuning")
+    mod = sys.modules.get("dslaunch.runtime.train.autotuning")
     return mod is not None and isinstance(exc, mod.TrialComplete)
 
 

@@ -78,6 +78,11 @@ class SshBackend:
         o = plan.options
         remote = [n.target for n in plan.remote_nodes]
         conns = connect_all(remote, o.ssh)
+        if plan.elastic is not None:
+            try:
+                return run_elastic(plan, output, err_fd, conns)
+            finally:
+                conns.close()
         try:
             if conns.errors and o.skip_check:
                 for host in remote:
@@ -95,6 +100,106 @@ class SshBackend:
             return Head(plan, open_links, output, err_fd).run()
         finally:
             conns.close()
+
+
+class _Clients:
+    """An elastic job's SSH connections: made again for a host that comes back (thread-safe:
+    the prober connects while the head starts agents)."""
+
+    def __init__(self, conns, opts):
+        self._clients = dict(conns.clients)
+        self._opts = opts
+        self._lock = threading.Lock()
+
+    def get(self, target: str):
+        """A live connection to target, made now if needed; SshError naming the host if not."""
+        from dslaunch.launcher.ssh import SshError, connect, resolve
+
+        with self._lock:
+            client = self._clients.get(target)
+        transport = client.get_transport() if client is not None else None
+        if transport is not None and transport.is_active():
+            return client
+        try:
+            client = connect(resolve(target, self._opts), self._opts)
+        except SshError as exc:
+            exc.host = target  # how the head names the host (user@host)
+            raise
+        with self._lock:
+            old, self._clients[target] = self._clients.get(target), client
+        if old is not None:
+            old.close()
+        return client
+
+    def probe(self, target: str) -> bool:
+        """Whether target answers now (connect and authenticate); the connection is kept for the start."""
+        from dslaunch.launcher.ssh import SshError
+
+        with self._lock:
+            old = self._clients.pop(target, None)
+        if old is not None:
+            old.close()  # a connection from before the host went away tells nothing
+        try:
+            self.get(target)
+            return True
+        except SshError:
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
+
+
+def _elastic_start(plan, output, conns):
+    """The hosts that answer and pass the preflight, if at least --min_nodes do: (plan on them,
+    {target: why for the others}), or None (said why)."""
+    from dslaunch.launcher import preflight
+
+    spec, o = plan.elastic, plan.options
+    away = {h: str(e) for h, e in conns.errors.items()}
+    while True:
+        keep = [n.target for n in plan.nodes if n.target not in away]
+        if len(keep) < spec.min_nodes:
+            for why in away.values():
+                output.say(why)
+            output.say(f"only {len(keep)} of {len(plan.nodes)} host(s) can start, below --min_nodes {spec.min_nodes}")
+            return None
+        if len(keep) < len(plan.nodes):
+            plan = plan.replan(keep)
+        if o.skip_check:
+            return plan, away
+        slots = {n.target: n.node.local_world_size for n in plan.remote_nodes}
+        reports = preflight.run_preflight(list(slots.items()), o.ssh, plan.remote_python, plan.master_addr,
+                                          plan.master_port, need_torch=False, connections=conns)
+        bad = {r.host: f"{r.host}: {'; '.join(r.problems)}" for r in reports if not r.ok}
+        if not bad:
+            return plan, away
+        away.update(bad)
+
+
+def run_elastic(plan, output, err_fd, conns) -> int:
+    from dslaunch.launcher.elastic_head import ElasticHead
+
+    started = _elastic_start(plan, output, conns)
+    if started is None:
+        return 255
+    plan, away = started
+    for why in away.values():
+        output.say(f"{why}: starting without it; it joins when it answers")
+    clients = _Clients(conns, plan.options.ssh)
+
+    def open_links(nodes: Sequence) -> List[AgentLink]:
+        return [LocalLink(n.target, sys.executable, plan.workdir) if n.local
+                else SshLink(n.target, clients.get(n.target), plan.remote_python, plan.workdir)
+                for n in nodes]
+
+    try:
+        return ElasticHead(plan, open_links, output, err_fd, rebuild=plan.replan, pool=plan.hosts_now,
+                           probe=clients.probe, away={h: "lost" for h in away}).run()
+    finally:
+        clients.close()
 
 
 BACKEND = SshBackend()

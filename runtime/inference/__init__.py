@@ -23,7 +23,7 @@ from __future__ import annotations
 from .config import InferenceConfig, InferenceConfigError, parse_inference_config
 from .engine import InferenceEngine, MaxTokensError
 from .on_device import OnDevice
-from .plan import ShardPlan, plan_tensor_parallel
+from ..tensor_parallel.plan import ShardPlan, plan_tensor_parallel
 
 __all__ = ["init_inference", "InferenceEngine", "OnDevice", "InferenceConfig", "InferenceConfigError", "MaxTokensError",
            "ShardPlan", "plan_tensor_parallel"]

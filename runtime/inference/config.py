@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..strict import ConfigError, load_file, parse_dataclass, suggest
+from ..core.strict import load_file, parse_dataclass, suggest
+from ..tensor_parallel.plan import InferenceConfigError  # defined with the planner, which raises it most
 
 # DeepSpeed's DtypeEnum spellings.
 _DTYPE_NAMES = {
@@ -24,10 +25,6 @@ _DTYPE_NAMES = {
     torch.int8: ("torch.int8", "int8"),
 }
 SUPPORTED_DTYPES = tuple(_DTYPE_NAMES)
-
-
-class InferenceConfigError(ConfigError):
-    """A bad init_inference argument, phrased as the one line the user sees (exit 2 uncaught)."""
 
 
 def parse_dtype(value) -> torch.dtype:

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import comm
+from ..core import comm
 from .config import InferenceConfig, InferenceConfigError
 from .groups import TPGroup, resolve_tp_group
 from .layers import _ShardedWeight
-from .plan import plan_tensor_parallel
+from ..tensor_parallel.plan import plan_tensor_parallel
 from .surgery import apply_plan, quantize_layers
 
 
@@ -34,7 +34,7 @@ def _log(tpg: TPGroup, msg: str) -> None:
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
-        from ..comm import local_rank
+        from ..core.comm import local_rank
 
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
@@ -127,7 +127,7 @@ class InferenceEngine(nn.Module):
             (_recompute_rotary(model, device) if needed else set())
         missing = [name for name, t in needed if id(t) not in filled]
         if missing:
-            from ..checkpoint import CheckpointError
+            from ..core.errors import CheckpointError
 
             where = "the checkpoint lacks" if config.checkpoint is not None else "no checkpoint= given for"
             raise CheckpointError(f"init_inference: {where} {len(missing)} tensors of a meta-device model, "

@@ -2,7 +2,7 @@
 
 Where the group comes from, in order:
 1. `tensor_parallel={"tp_group": group}`: that group;
-2. `mpu=` / `tensor_parallel={"mpu": grid}`: a topology grid's (runtime/topology.py
+2. `mpu=` / `tensor_parallel={"mpu": grid}`: a topology grid's (runtime/core/parallel/
    PipelineParallelGrid) tensor-parallel axis, or a Megatron-style mpu's model-parallel group;
 3. otherwise the `model` axis of PipeModelDataParallelTopology(num_pp=1, num_mp=tp_size,
    num_dp=world/tp_size): tp_size consecutive ranks, all ranks when tp_size is the world size,
@@ -49,13 +49,13 @@ def resolve_tp_group(cfg: InferenceConfig) -> TPGroup:
     if wanted == 1:
         return TPGroup(None, 1, 0, "tp_size 1")
     if not dist.is_initialized():
-        from ..comm import init_distributed
+        from ..core.comm import init_distributed
 
         init_distributed()
     world = dist.get_world_size()
     if world % wanted:
         raise InferenceConfigError(f"init_inference: tp_size={wanted} does not divide the world size {world}")
-    from ..parallel import PipeModelDataParallelTopology, PipelineParallelGrid
+    from ..core.parallel import PipeModelDataParallelTopology, PipelineParallelGrid
 
     grid = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=wanted, num_dp=world // wanted))
     source = "all ranks" if wanted == world else f"topology model axis, {world // wanted} replicas of {wanted} ranks"

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..tensor_parallel.layers import column_linear, row_linear, vocab_lookup
 from ..tensor_parallel.shard import pad_rows, take
-from .plan import LayerShard, Style, split_ranges, vocab_range
+from ..tensor_parallel.plan import LayerShard, Style, split_ranges, vocab_range
 from .int8_kernel import int8_matmul
 from .quantize import dequantize_int8, quantize_int8
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Set, Tuple
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError
+from ..core.errors import CheckpointError
 from .layers import ParallelEmbedding, ParallelLinear, local_part
 
 _WRAPPER_KEYS = ("module", "model", "state_dict")

@@ -17,9 +17,9 @@ from torch import nn
 
 from .groups import TPGroup
 from .layers import ParallelEmbedding, ParallelLinear, _ShardedWeight, local_part
-from .plan import HEAD_ATTRS, HEAD_DIM_ATTRS, LayerShard, ShardPlan, Style
+from ..tensor_parallel.plan import HEAD_ATTRS, HEAD_DIM_ATTRS, LayerShard, ShardPlan, Style
 from .quantize import group_size_for
-from .structure import find_blocks, linear_shape, module_names, token_embedding
+from ..tensor_parallel.structure import find_blocks, linear_shape, module_names, token_embedding
 
 
 @dataclass

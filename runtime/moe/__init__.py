@@ -5,8 +5,8 @@
     layer.py    MoE / MOELayer / TopKGate: gate, encode, all-to-all over the mesh's `expert`
                 group, experts, all-to-all back, decode
     utils.py    is_moe_param and the optimizer param-group split (`"moe": True` groups reduce
-                over the mesh's `expert_data` axis; runtime/strategy.py)
+                over the mesh's `expert_data` axis; runtime/core/strategy.py)
 
 The engine finds MoE layers in the model, builds its mesh with `expert = ep_size`
-(runtime/parallel/) and gives every layer its expert-parallel group.
+(runtime/core/parallel/) and gives every layer its expert-parallel group.
 """

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..strict import ConfigError
+from ..core import comm
+from ..core.strict import ConfigError
 from . import gating
 from .experts import Experts
 
@@ -46,8 +47,6 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group, label: str, x: torch.Tensor) -> torch.Tensor:
-        from .. import comm
-
         ctx.group, ctx.label = group, label
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -93,8 +92,6 @@ class TopKGate(nn.Module):
         self.ep_group = None
 
     def _agree_max(self, local: torch.Tensor) -> torch.Tensor:
-        from .. import comm
-
         comm.all_reduce(local, op=comm.ReduceOp.MAX, group=self.ep_group, label="moe capacity (max over experts)")
         return local
 

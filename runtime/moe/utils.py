@@ -2,7 +2,7 @@
 apart and giving them their own optimizer param groups.
 
 A param group marked `"moe": True` is reduced by the ZeRO strategies over the mesh's
-`expert_data` axis (runtime/strategy.py); `split_params_into_different_moe_groups_for_optimizer`
+`expert_data` axis (runtime/core/strategy.py); `split_params_into_different_moe_groups_for_optimizer`
 makes those groups, one per expert group name, copying the original group's options.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .layer import MoE, MoEError
-from ..zero.partition import plan_buckets
+from ..core.reduction import plan_buckets
 
 ParamGroups = Union[Dict[str, Any], Tuple[Dict[str, Any], ...], List[Dict[str, Any]]]
 

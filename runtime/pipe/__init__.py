@@ -7,7 +7,7 @@
 `module` builds and runs a stage's layers, `partition` decides which stage owns which
 layers, `schedule` is the instruction stream of each stage.
 """
-from ..parallel import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
+from ..core.parallel import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 from .module import LayerSpec, PipelineError, PipelineModule, TiedLayerSpec, from_pipeline_state
 from .schedule import InferenceSchedule, TrainSchedule
 

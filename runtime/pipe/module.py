@@ -27,9 +27,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .. import comm
-from ..strict import ConfigError
-from ..parallel import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology, TopologyError
+from ..core import comm
+from ..core.strict import ConfigError
+from ..core.parallel import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology, TopologyError
 from .partition import PartitionError, check_parts, layer_name, partition_layers
 
 
@@ -90,7 +90,7 @@ def _ensure_distributed() -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        from .. import comm
+        from ..core import comm
 
         comm.init_distributed()
 
@@ -152,7 +152,7 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: Dict[str, List[str]] = {}
         self._build()
-        from ..accelerator import get_accelerator
+        from ..core.accelerator import get_accelerator
 
         self.to(get_accelerator().device_name(self.local_rank))
         self.tied_comms = self._index_tied_modules()
@@ -164,7 +164,7 @@ class PipelineModule(nn.Module):
 
     # -- construction ---------------------------------------------------------------------------
     def _make_topology(self, num_stages, topology) -> ProcessTopology:
-        from .. import comm
+        from ..core import comm
 
         if topology is not None:
             if num_stages is not None and num_stages != topology.get_dim("pipe"):
@@ -310,7 +310,7 @@ class PipelineModule(nn.Module):
 
     @property
     def parallel_mesh(self) -> PipelineParallelGrid:
-        """The process mesh this module was cut for: the engine runs on it (runtime/parallel/select.py)."""
+        """The process mesh this module was cut for: the engine runs on it (runtime/core/parallel/select.py)."""
         return self._grid
 
     def num_pipeline_stages(self) -> int:

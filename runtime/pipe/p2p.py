@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import comm
+from ..core import comm
 from .module import PipelineError
 
 HEADER = 256  # int64 slots: [kind, count, then per tensor: dtype, ndim, *shape]

@@ -9,7 +9,7 @@ and all-to-alls trade it for a slice of the attention heads around the attention
                    (also `deepspeed.sequence.layer` through the compatibility package)
 
 The engine side (the `sequence` mesh axis, the batch rule counting data-parallel ranks
-only, gradients averaged over data x sequence) lives in runtime/parallel/ and engine.py.
+only, gradients averaged over data x sequence) lives in runtime/core/parallel/ and engine.py.
 """
 from .all_to_all import heads_to_sequence, sequence_to_heads
 from .heads import SequenceParallelError, head_splits

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import torch
 
-from .. import comm
+from ..core import comm
 from .heads import SequenceParallelError, head_splits
 
 

@@ -18,7 +18,7 @@ the local heads. Which layer is split how comes from, in DeepSpeed 0.19's order 
 2. the model's own Hugging Face tensor-parallel plan (`config.base_model_tp_plan` and the
    class's `_tp_plan`): colwise, rowwise, colwise_gather_output (colwise_rep),
    embedding_rowwise (kept whole), replicated_with_grad_allreduce;
-3. otherwise the structural plan inference uses (runtime/inference/plan.py): GPT-2's Conv1D,
+3. otherwise the structural plan inference uses (plan.py): GPT-2's Conv1D,
    GPT-Neo/J, BERT, T5, Llama/Mistral, with vocabulary-parallel embeddings and LM heads.
 
 A tied LM head and token embedding stay tied: both become vocabulary-parallel with one shared
@@ -28,159 +28,25 @@ nothing, an unknown style) is one TensorParallelError line.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .. import comm
+from ..core import comm
 from .layers import (ColumnParallelLinear, HeadParallelEmbedding, RowParallelLinear, TensorParallelLayer,
                      VocabParallelEmbedding, VocabParallelLMHead)
+from ..core.config.partition import LayerSpec, PartitionConfig, parse_partition_config
+from .plan import HEAD_DIM_ATTRS, InferenceConfigError, ShardPlan, Style, _divide_attrs, plan_tensor_parallel
 from .shard import TensorParallelError, linear_shape
 
-PARTITION_TYPES = ("column", "row", "skip")
 HF_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "rowwise", "replicated_with_grad_allreduce",
              "embedding_rowwise")
-SPEC_KEYS = ("patterns", "partition_type", "gather_output", "grad_allreduce", "shape", "partition_dim",
-             "model_types")
-CONFIG_KEYS = ("layer_specs", "use_default_specs", "strict_mode", "lm_head_patterns", "tp_size",
-               "embedding_partition_dim")
 
 
 def _fail(msg: str) -> TensorParallelError:
     return TensorParallelError(f"tensor parallel: {msg}")
-
-
-# ---------------------------------------------------------------- partition_config
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One entry of partition_config.layer_specs (DeepSpeed's TPLayerSpec)."""
-
-    patterns: Tuple[str, ...]
-    partition_type: str = "column"
-    gather_output: bool = False
-    grad_allreduce: bool = False
-    parts: Optional[Tuple[int, ...]] = None  # from `shape`: equal parts are (-k,) until the width is known
-    model_types: Optional[Tuple[str, ...]] = None
-    where: str = ""  # "partition_config.layer_specs[1]", for errors
-
-    def matches(self, param_name: str, model_type: Optional[str]) -> bool:
-        if self.model_types and (model_type is None or model_type.lower() not in self.model_types):
-            return False
-        return any(re.match(p, param_name) for p in self.patterns)
-
-    def part_widths(self, out_features: int, name: str) -> Optional[Tuple[int, ...]]:
-        if self.parts is None:
-            return None
-        if len(self.parts) == 1 and self.parts[0] < 0:  # k equal parts
-            k = -self.parts[0]
-            if out_features % k:
-                raise _fail(f"{self.where}: shape splits {name} into {k} parts but its {out_features} output "
-                            "features do not divide")
-            return (out_features // k,) * k
-        if sum(self.parts) != out_features:
-            raise _fail(f"{self.where}: shape's parts {list(self.parts)} do not add up to the {out_features} "
-                        f"output features of {name}")
-        return self.parts
-
-
-@dataclass
-class PartitionConfig:
-    layer_specs: List[LayerSpec] = field(default_factory=list)
-    strict_mode: bool = False
-    lm_head_patterns: Tuple[str, ...] = ("lm_head", "embed_out")
-    source: str = "partition_config"
-    tp_size: Optional[int] = None  # DeepSpeed overwrites it with autotp_size; here it must agree
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(f"{where} must be true or false, got {value!r}")
-    return value
-
-
-def _parse_shape(shape: Any, partition_dim: Any, ptype: str, where: str) -> Optional[Tuple[int, ...]]:
-    if partition_dim is not None and partition_dim != (0 if ptype == "column" else 1):
-        raise _fail(f"{where}.partition_dim: {partition_dim} is not supported for a {ptype} layer (dslaunch "
-                    f"splits {ptype} layers along dimension {0 if ptype == 'column' else 1})")
-    if shape is None:
-        return None
-    if ptype != "column" or not isinstance(shape, (list, tuple)) or len(shape) != 2 or shape[1] != -1:
-        raise _fail(f"{where}.shape: {shape!r} is not supported; dslaunch takes a fused column output as "
-                    "[k, -1] (k equal parts) or [[q, k, v], -1] (unequal parts)")
-    first = shape[0]
-    if isinstance(first, int) and not isinstance(first, bool) and first > 0:
-        return (-first,)
-    if isinstance(first, (list, tuple)) and first and all(isinstance(v, int) and v > 0 for v in first):
-        return tuple(first)
-    raise _fail(f"{where}.shape: {shape!r}: the first entry must be a part count or a list of part widths")
-
-
-def parse_partition_config(config: Any) -> PartitionConfig:
-    """DeepSpeed's `tensor_parallel.partition_config` dict -> PartitionConfig, strictly."""
-    if isinstance(config, PartitionConfig):
-        return config
-    if not isinstance(config, dict):
-        raise _fail(f"partition_config must be a dict, got {type(config).__name__}")
-    from ..strict import suggest
-
-    for key in config:
-        if key not in CONFIG_KEYS:
-            raise _fail(f"partition_config: unknown key {key!r}{suggest(str(key), list(CONFIG_KEYS))}")
-    if config.get("embedding_partition_dim", 1) != 1:
-        raise _fail("partition_config.embedding_partition_dim: only 1 (DeepSpeed's default) is accepted; dslaunch "
-                    "splits an embedding a spec names by vocabulary")
-    _bool(config.get("use_default_specs", True), "partition_config.use_default_specs")  # no preset here: no effect
-    specs = []
-    raw = config.get("layer_specs", [])
-    if not isinstance(raw, list) or not raw:
-        raise _fail("partition_config.layer_specs must be a non-empty list of specs")
-    for i, spec in enumerate(raw):
-        where = f"partition_config.layer_specs[{i}]"
-        if not isinstance(spec, dict):
-            raise _fail(f"{where} must be a dict, got {type(spec).__name__}")
-        for key in spec:
-            if key not in SPEC_KEYS:
-                raise _fail(f"{where}: unknown key {key!r}{suggest(str(key), list(SPEC_KEYS))}")
-        patterns = spec.get("patterns")
-        if isinstance(patterns, str):
-            patterns = [patterns]
-        if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
-            raise _fail(f"{where}.patterns must be a non-empty list of regular expressions")
-        for p in patterns:
-            try:
-                re.compile(p)
-            except re.error as exc:
-                raise _fail(f"{where}.patterns: {p!r} is not a regular expression ({exc})") from None
-        ptype = str(spec.get("partition_type", "column")).lower()
-        if ptype not in PARTITION_TYPES:
-            raise _fail(f"{where}.partition_type: {spec.get('partition_type')!r} is not one of "
-                        f"{', '.join(PARTITION_TYPES)}")
-        gather = _bool(spec.get("gather_output", False), f"{where}.gather_output")
-        grad = _bool(spec.get("grad_allreduce", False), f"{where}.grad_allreduce")
-        if gather and ptype != "column":
-            raise _fail(f"{where}.gather_output applies to column layers only")
-        if grad and ptype != "skip":
-            raise _fail(f"{where}.grad_allreduce applies to skip (replicated) layers only")
-        parts = _parse_shape(spec.get("shape"), spec.get("partition_dim"), ptype, where)
-        if parts is not None and gather:
-            raise _fail(f"{where}: gather_output cannot be combined with a fused shape")
-        types = spec.get("model_types")
-        if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
-            raise _fail(f"{where}.model_types must be a list of model type names")
-        specs.append(LayerSpec(tuple(patterns), ptype, gather, grad, parts,
-                               tuple(t.lower() for t in types) if types else None, where))
-    heads = config.get("lm_head_patterns", ["lm_head", "embed_out"])
-    if not isinstance(heads, list) or not all(isinstance(h, str) for h in heads):
-        raise _fail("partition_config.lm_head_patterns must be a list of module names")
-    tp = config.get("tp_size")
-    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
-        raise _fail(f"partition_config.tp_size must be a positive integer, got {tp!r}")
-    return PartitionConfig(specs, _bool(config.get("strict_mode", False), "partition_config.strict_mode"),
-                           tuple(heads), tp_size=tp)
 
 
 def hf_tp_plan(model: nn.Module) -> Optional[Dict[str, str]]:
@@ -259,8 +125,6 @@ def _tied_partner(model: nn.Module, module: nn.Module) -> Optional[str]:
 
 
 def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> TrainingShardPlan:
-    from ..inference.plan import HEAD_DIM_ATTRS, ShardPlan, _divide_attrs
-
     if cfg.tp_size is not None and cfg.tp_size != tp:
         raise _fail(f"partition_config.tp_size is {cfg.tp_size} but the tensor-parallel size is {tp}")
     plan = TrainingShardPlan(tp, cfg.source)
@@ -358,8 +222,6 @@ def _plan_from_specs(model: nn.Module, tp: int, cfg: PartitionConfig) -> Trainin
 
 
 def _divide_attrs_checked(module, owner, tp, width, scratch, divide) -> None:
-    from ..inference.config import InferenceConfigError
-
     try:
         divide(module, owner, tp, width, scratch)
     except InferenceConfigError as exc:
@@ -367,9 +229,6 @@ def _divide_attrs_checked(module, owner, tp, width, scratch, divide) -> None:
 
 
 def _plan_structural(model: nn.Module, tp: int) -> TrainingShardPlan:
-    from ..inference.config import InferenceConfigError
-    from ..inference.plan import Style, plan_tensor_parallel
-
     try:
         inf = plan_tensor_parallel(model, tp)
     except InferenceConfigError as exc:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import comm
+from ..core import comm
 
 
 def _size(group) -> int:

@@ -1,19 +1,20 @@
-"""The tensor-parallel group a model is sharded over: handed in, or built over the world.
+"""The tensor-parallel group a model is sharded over: a view of a process mesh's tensor axis.
 
 DeepSpeed's rank order puts tensor ranks next to each other: with tp ranks per group the
 groups are [0..tp-1], [tp..2tp-1], ..., one full copy of the model per group (the other
 axes, data and pipeline, go across groups). `tensor_parallel_group(tp_size)` builds that
-split once per process (every rank must call it: new_group is collective over the world) and
-remembers it, so later callers (`tp_model_init`, `model_parallel_cuda_manual_seed`) find the
-same group; `use_group(group)` installs one made elsewhere (the engine's process mesh).
-Nothing here knows the pipeline or data axes.
+layout as a ProcessMesh over the world (core/parallel: the one place groups are laid out and
+made; every rank must call it, group creation is collective) and remembers the mesh's tensor
+axis, so later callers (`tp_model_init`, `model_parallel_cuda_manual_seed`) find the same
+group; `use_group(group)` installs one made elsewhere (the engine's mesh, a caller's group).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from .. import comm
+from ..core import comm
+from ..core.parallel import MeshDims, ProcessMesh, topology_for
 from .shard import TensorParallelError
 
 
@@ -45,17 +46,12 @@ def tensor_parallel_group(tp_size: int, group: Any = None) -> TensorParallelGrou
     if not comm.is_initialized():
         raise TensorParallelError(f"tensor parallel: tp size {tp_size} needs torch.distributed initialised "
                                   "(deepspeed.init_distributed() or a launcher)")
-    world, me = comm.get_world_size(), comm.get_rank()
+    world = comm.get_world_size()
     if world % tp_size:
         raise TensorParallelError(f"tensor parallel: tp size {tp_size} does not divide the world size {world}")
-    mine = None
-    for g in range(world // tp_size):
-        ranks = tuple(range(g * tp_size, (g + 1) * tp_size))
-        pg = comm.new_group(ranks, name=f"tensor {g}" if world > tp_size else "tensor")
-        if me in ranks:
-            mine = TensorParallelGroup(pg, tp_size, ranks.index(me), ranks)
-    _current = mine
-    return mine
+    mesh = ProcessMesh(topology_for(MeshDims.for_world(world, tensor=tp_size)))
+    _current = TensorParallelGroup(mesh.group("tensor"), tp_size, mesh.rank("tensor"), tuple(mesh.ranks("tensor")))
+    return _current
 
 
 def use_group(group: Any, tp_size: Optional[int] = None) -> TensorParallelGroup:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from ..core import comm
 from .collectives import all_reduce_max_, copy_to_region, gather_last_dim, reduce_from_region, split_last_dim
 from .shard import TensorParallelError, linear_shape, pad_rows, part_ranges, take, vocab_range
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .. import comm
+from ..core import comm
 from .shard import TensorParallelError
 
 

@@ -1,7 +1,7 @@
 """The shard maths of tensor parallelism: which rows or columns of a full tensor a rank keeps.
 
 Pure functions on sizes, shared by the training layers (layers.py), the automatic sharding
-(autotp.py) and inference (runtime/inference/plan.py re-exports them):
+(autotp.py) and the inference planner (plan.py):
 - an even split of a dimension (heads, MLP width, a row-parallel input) must divide by tp;
 - a fused output ([q|k|v], [gate|up], grouped-query [q|k|v] of unequal widths) is split part
   by part, so every rank holds whole heads of each part, in the original part order;
@@ -15,11 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..strict import ConfigError
-
-
-class TensorParallelError(ConfigError):
-    """Something tensor parallelism cannot split, phrased as one line (exit 2 from a script)."""
+from ..core.config.partition import TensorParallelError  # noqa: F401  (defined with its config key's schema)
 
 
 def even_range(size: int, tp: int, rank: int) -> Tuple[int, int]:

@@ -1,17 +1,20 @@
-"""ZeRO stages 1-3 for dslaunch.runtime, selected by `zero_optimization.stage`.
+"""ZeRO stages 0-3 for dslaunch.runtime, selected by `zero_optimization.stage`.
 
-Importing this package registers the stage strategies with the engine (ZeroStage1/2 in
-stage12.py, ZeroStage3 in stage3.py). DeepSpeed's user-facing names live here too:
+Importing this package registers the stage strategies with the engine (DataParallelStrategy,
+stage 0, in stage0.py; ZeroStage1/2 in stage12.py; ZeroStage3 in stage3.py). The shard
+arithmetic (re-cutting saved shards for another world size or stage, consolidation) is
+reshard.py's. DeepSpeed's user-facing names live here too:
 `zero.Init()` builds a model directly partitioned and `zero.GatheredParameters(params,
 modifier_rank=None)` gives temporary full access.
 """
-from ..checkpoint import CheckpointError
-from ..checkpoint.reshard import consolidated_state_dict, tied_aliases
+from ..core.errors import CheckpointError
+from .reshard import consolidated_state_dict, tied_aliases
 from .hook_scope import register_external_parameter, unregister_external_parameter
 from .params import GatheredParameters, Init, ZeroParamStatus
+from .stage0 import DataParallelStrategy
 from .stage12 import ZeroStage1, ZeroStage2
 from .stage3 import RankDivergenceError, ZeroStage3
 
 __all__ = ["Init", "GatheredParameters", "RankDivergenceError", "CheckpointError", "consolidated_state_dict",
            "tied_aliases", "register_external_parameter", "unregister_external_parameter",
-           "ZeroStage1", "ZeroStage2", "ZeroStage3", "ZeroParamStatus"]
+           "DataParallelStrategy", "ZeroStage1", "ZeroStage2", "ZeroStage3", "ZeroParamStatus"]

@@ -4,7 +4,7 @@ optimizer state and gradients of one model parameter, whatever holds their piece
 Libraries built on DeepSpeed (PEFT, TRL, users' scripts) read and write a parameter's
 fp32 master, its Adam moments and its gradient with these calls, under any ZeRO stage.
 What a parameter's pieces are, and where they live, is the business of the strategy that
-owns it (runtime/strategy.py: `full_hp`, `set_full_hp`, `full_grad`, ...); every strategy
+owns it (runtime/core/strategy.py: `full_hp`, `set_full_hp`, `full_grad`, ...); every strategy
 links the module's parameters to itself when it is built, so this module asks the
 parameter and never the engine or the topology.
 
@@ -37,7 +37,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..strategy import FragmentError, owner_of
+from ..core.strategy import FragmentError, owner_of
 
 __all__ = ["FragmentError", "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..comm import shutdown
+from ..core.comm import shutdown
 
 _warned = False
 

@@ -22,7 +22,7 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
-from ..comm import shutdown
+from ..core.comm import shutdown
 from .offload import remove_swap_files
 
 

@@ -27,8 +27,8 @@ from typing import Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..strict import ConfigError
+from ..core import comm
+from ..core.strict import ConfigError
 from .partition import padded_size, param_shard
 
 

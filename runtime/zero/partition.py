@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+from ..core.reduction import plan_buckets  # noqa: F401  (the bucketing every strategy shares lives in core)
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -116,26 +118,6 @@ def param_shard(numel: int, world_size: int, rank: int) -> Piece:
     start = min(rank * chunk, numel)
     end = min(start + chunk, numel)
     return Piece("", start, end, 0)
-
-
-def plan_buckets(sizes: Sequence[int], bucket_numel: int) -> List[List[int]]:
-    """Group consecutive item indices into buckets of at most bucket_numel elements; an
-    item larger than the bucket gets a bucket of its own. Order is preserved because
-    ranks must issue collectives in the same order."""
-    if bucket_numel < 1:
-        raise ValueError(f"bucket size must be >= 1 element, got {bucket_numel}")
-    buckets: List[List[int]] = []
-    cur: List[int] = []
-    filled = 0
-    for i, n in enumerate(sizes):
-        if cur and filled + n > bucket_numel:
-            buckets.append(cur)
-            cur, filled = [], 0
-        cur.append(i)
-        filled += n
-    if cur:
-        buckets.append(cur)
-    return buckets
 
 
 def intersect(pieces: Sequence[Piece], name: str, start: int, end: int) -> List[Tuple[Piece, int, int]]:

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Union
 
-
-from ..strategy import GradientStrategy, StrategyContext
-from .. import comm
+from ..core.strategy import GradientStrategy, StrategyContext
+from ..core import comm
+from .reshard import shards_from_stage0
 
 
 def _as_shards(state, group_names, module_state) -> List[Dict[str, Any]]:
     """Shards from what the engine read: this rank's shard, every saved rank's shards, or
     a stage-0 checkpoint's torch optimizer state (resuming stage 0 under ZeRO)."""
-    from ..checkpoint.reshard import shards_from_stage0
-
     if isinstance(state, list):
         return state
     if isinstance(state, dict) and "groups" in state:

@@ -37,12 +37,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..reduction import GradReduction
-from ..strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
-from .. import comm
+from ..core.reduction import GradReduction, plan_buckets
+from ..core.strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
+from ..core import comm
 from .offload import OptimizerHost, make_host, pin_host
-from .partition import FlatLayout, Piece, pieces_to_dict, plan_buckets
+from .partition import FlatLayout, Piece, pieces_to_dict
 from .sharded import ShardedStrategy, offload_optimizer
+from .reshard import assemble
 
 
 @dataclass
@@ -431,8 +432,6 @@ class _PartitionedStage(ShardedStrategy):
     def load_shards(self, shards: List[Dict[str, Any]], load_optimizer: bool = True) -> None:
         """Fill this rank's partition from the pieces of any number of saved shards (any
         world size, stage 1, 2 or 3); then all-gather so module params match."""
-        from ..checkpoint.reshard import assemble
-
         for gi, g in enumerate(self.groups):
             want = [(p.name, p.start, p.end, p.offset) for p in g.pieces]
             assemble(shards, gi, "master", want, g.master)

@@ -28,11 +28,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..internals import internal_optimizer
-from ..reduction import GradReduction
-from ..strict import ConfigError
-from ..strategy import StrategyContext, check_numel, register_strategy, state_tensor
-from .. import comm
+from ..core.internals import internal_optimizer
+from ..core.reduction import GradReduction
+from ..core.strict import ConfigError
+from ..core.strategy import StrategyContext, check_numel, register_strategy, state_tensor
+from ..core import comm
 from . import hook_scope
 from .hook_scope import hooked_modules, module_params, unmarked_expert_lists, z3_leaf_module
 from .offload import OptimizerHost, make_host, pin_host
@@ -40,6 +40,7 @@ from .params import gather, is_partitioned, is_present, partition_param, release
 from .partition import Piece, param_shard, pieces_to_dict
 from .prefetch import ModuleTrace, Prefetcher
 from .sharded import ShardedStrategy, offload_optimizer
+from .reshard import assemble
 
 
 class RankDivergenceError(RuntimeError):
@@ -653,8 +654,6 @@ class ZeroStage3(ShardedStrategy):
                 "groups": groups}
 
     def load_shards(self, shards, load_optimizer: bool = True) -> None:
-        from ..checkpoint.reshard import assemble
-
         for gi, g in enumerate(self.groups):
             want = [(p.name, p.start, p.end, p.offset) for p in g["pieces"]]
             assemble(shards, gi, "master", want, g["master"])

@@ -11,6 +11,13 @@ CASES
                  exit handler; rank 1 waits for DIR/raised (written by rank 0's excepthook,
                  after the runtime's), prints a gloo-style follow-on traceback and exits 1
                  first
+    kill_in_save DIR
+                 rank 0 is killed (SIGKILL) while it writes a checkpoint and rank 1 fails in the
+                 save's collectives. The race is decided against rank 0: before it dies, rank
+                 0 stops the supervisor (SIGSTOP), and rank 1 wakes it (SIGCONT) only after its
+                 runtime has announced its exception, so the supervisor sees rank 0's death and
+                 rank 1's announcement at once. (A helper wakes the supervisor after 60 s
+                 whatever happens, so a broken run ends.)
 """
 import atexit
 import sys
@@ -54,7 +61,7 @@ if case == "pipe":
     engine, _, _, _ = deepspeed.initialize(model=net, config=cfg)
 else:
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": int(case[-1])},
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1 if case == "kill_in_save" else int(case[-1])},
            "zero_allow_untested_optimizer": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
 rank = engine.global_rank
@@ -71,6 +78,31 @@ def step():
 
 
 step()  # one whole step on both ranks first
+if case == "kill_in_save":
+    import os
+    import signal
+    import subprocess
+
+    supervisor = os.getppid()
+    if rank == 0:
+        def die(*_args, **_kwargs):
+            subprocess.Popen(["sh", "-c", f"sleep 60; kill -CONT {supervisor}"], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            os.kill(supervisor, signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = die  # the first file of the save
+    else:
+        previous = sys.excepthook
+
+        def wake(*exc):
+            previous(*exc)  # the runtime's hook: the announcement, then the traceback
+            os.kill(supervisor, signal.SIGCONT)
+
+        sys.excepthook = wake
+    engine.save_checkpoint(args[1])
+    print("not reached", flush=True)
+    sys.exit(0)
 if rank == 0:
     raise RuntimeError("rank 0 broke on purpose")
 step()  # rank 1 waits in a collective for rank 0

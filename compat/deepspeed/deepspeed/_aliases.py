@@ -3,13 +3,13 @@
 A finder placed first on sys.meta_path answers for names under `deepspeed.`:
 - a module this package ships as a file (deepspeed/utils, deepspeed/launcher, ...) is left
   to the normal path finder;
-- a few names map explicitly (EXPLICIT: deepspeed.runtime is dslaunch.runtime,
-  deepspeed.checkpointing is dslaunch's activation-checkpointing module, deepspeed.module_inject
-  is the AutoTP mode switch (set_autotp_mode),
-  deepspeed.utils.zero_to_fp32 is the consolidation script save_checkpoint ships);
+- `deepspeed.runtime` is dslaunch.runtime itself (EXPLICIT);
 - anything else becomes an alias: `deepspeed.<rest>` of a package shipped here maps to
   `<that package's dslaunch counterpart>.<rest>` (the top level's counterpart is
   dslaunch.runtime), and a child of an alias maps to the same child of the aliased module.
+Where a DeepSpeed path lives elsewhere in dslaunch.runtime (deepspeed.checkpointing,
+deepspeed.module_inject, deepspeed.runtime.zero.stage_1_and_2, ...), dslaunch.runtime's own
+alias table answers (dslaunch.compat.paths, the one table of DeepSpeed's module paths).
 Aliasing (instead of a file that star-imports) keeps one copy of every module, so class
 identity holds (`isinstance(engine, deepspeed.runtime.engine.DeepSpeedEngine)`) and module
 state (the registered ZeRO strategies, the process-group bookkeeping) is shared.
@@ -33,17 +33,8 @@ COUNTERPARTS = {
 }
 
 
-# DeepSpeed names whose dslaunch module sits elsewhere than the same path.
-EXPLICIT = {
-    "deepspeed.runtime": "dslaunch.runtime",
-    "deepspeed.checkpointing": "dslaunch.runtime.activation_checkpointing.checkpointing",
-    "deepspeed.utils.zero_to_fp32": "dslaunch.runtime.checkpoint.zero_to_fp32",
-    # DeepSpeed keeps set_autotp_mode in deepspeed.module_inject; only that module's AutoTP mode
-    # switch is served (a plain module: deepspeed.module_inject.<anything> is not found)
-    "deepspeed.module_inject": "dslaunch.runtime.tensor_parallel.mode",
-    # DeepSpeed's process topology and grid; dslaunch's live with the mesh (runtime/parallel/)
-    "deepspeed.runtime.pipe.topology": "dslaunch.runtime.topology",
-}
+# The one DeepSpeed name that is not dslaunch.runtime.<same path>: the runtime package itself.
+EXPLICIT = {"deepspeed.runtime": "dslaunch.runtime"}
 
 
 def target_of(fullname: str) -> str | None:

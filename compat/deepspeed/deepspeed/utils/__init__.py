@@ -6,8 +6,8 @@ leaf-module calls are dslaunch.runtime.zero.hook_scope's; the tensor-fragment ca
 """
 import logging
 
-from dslaunch.runtime.comm import is_initialized
-from dslaunch.runtime.dataloader import RepeatingLoader
+from dslaunch.runtime.core.comm import is_initialized
+from dslaunch.runtime.train.dataloader import RepeatingLoader
 from dslaunch.runtime.zero.hook_scope import (
     get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
 )
@@ -18,7 +18,7 @@ from dslaunch.runtime.zero.fragments import (
     safe_update_full_grad_vectorized,
 )
 
-from dslaunch.runtime.compression.helper import recursive_getattr, recursive_setattr
+from dslaunch.runtime.train.compression.helper import recursive_getattr, recursive_setattr
 from dslaunch.runtime.inference import OnDevice
 
 logger = logging.getLogger("dslaunch.runtime")

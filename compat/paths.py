@@ -1,0 +1,306 @@
+"""Where DeepSpeed's module paths live in dslaunch.runtime: the one alias table.
+
+Scripts that do `import dslaunch.runtime as deepspeed` import DeepSpeed's module paths under
+dslaunch.runtime (`dslaunch.runtime.zero.stage_1_and_2`, `.monitor.tensorboard`, ...), and the
+`deepspeed` compatibility package maps every `deepspeed.X` to `dslaunch.runtime.X`. The runtime
+itself is laid out on its own floors (core/, the strategies, train/: docs/architecture.md), so
+each such path that is not a file of the runtime is answered here, by a finder that
+dslaunch.runtime puts first on sys.meta_path when it is imported:
+
+- `"x.y": "a.b"`: dslaunch.runtime.x.y *is* dslaunch.runtime.a.b, the same module object
+  (class identity and module state hold: `isinstance(engine, deepspeed.runtime.engine.
+  DeepSpeedEngine)`), and every child dslaunch.runtime.x.y.z is a.b.z;
+- `Names(...)`: a DeepSpeed path gathering names that live in several of our modules: a
+  module made here that holds exactly those objects (DeepSpeed's `deepspeed.runtime.utils`);
+- `Refused(reason)`: a DeepSpeed module dslaunch does not provide: importing it is one
+  ImportError line saying why and what to use instead.
+
+The runtime's own former paths (from before the three floors) are entries too, so scripts
+written against them keep working. This module imports nothing of dslaunch: the runtime
+imports it first.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Union
+
+PACKAGE = "dslaunch.runtime"
+
+
+@dataclass(frozen=True)
+class Names:
+    """A module made of names found elsewhere: {name: "module" or "module:attribute"}, module
+    paths relative to dslaunch.runtime; the attribute defaults to the name, and a package's
+    submodule of that name is imported when the package has no such attribute yet."""
+
+    doc: str
+    names: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A module dslaunch does not provide: the ImportError message is `reason`, followed by
+    the string `detail` names ("module:attribute"), when the why is kept beside the code."""
+
+    reason: str
+    detail: Optional[str] = None
+
+    def message(self) -> str:
+        if self.detail is None:
+            return self.reason
+        return f"{self.reason}: {_attribute(self.detail, '')}"
+
+
+Entry = Union[str, Names, Refused]
+
+# the names of deepspeed.utils' tensor-fragment calls (zero/fragments.py)
+_FRAGMENTS = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+              "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
+              "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
+              "safe_get_local_grad", "safe_set_local_grad", "safe_update_full_grad_vectorized")
+_TOPOLOGY = Names(
+    "DeepSpeed's topology module (deepspeed.runtime.pipe.topology); the mesh lives in core/parallel/.",
+    {"MeshError": "core.parallel.dims", "GroupFactory": "core.parallel.layout",
+     "PipeDataParallelTopology": "core.parallel.layout", "PipeModelDataParallelTopology": "core.parallel.layout",
+     "ProcessTopology": "core.parallel.layout", "TopologyError": "core.parallel.layout",
+     "default_topology": "core.parallel.layout", "prime_factors": "core.parallel.layout",
+     "_prime_factors": "core.parallel.layout:prime_factors",  # DeepSpeed's private name, which its tests import
+     "topology_for": "core.parallel.layout", "PipelineParallelGrid": "core.parallel.mesh",
+     "ProcessMesh": "core.parallel.mesh", "data_parallel_grid": "core.parallel.mesh", "new_group": "core.parallel.mesh",
+     "MpuGrid": "core.parallel.mpu", "MpuMesh": "core.parallel.mpu"})
+
+# Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
+PATHS: Dict[str, Entry] = {
+    # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
+    "accelerator": "core.accelerator",  # deepspeed.accelerator
+    "activation_checkpointing": "train.activation_checkpointing",  # deepspeed.runtime.activation_checkpointing
+    "checkpoint": "train.checkpoint",  # deepspeed.checkpoint
+    "checkpointing": "train.activation_checkpointing.checkpointing",  # deepspeed.checkpointing
+    "comm": "core.comm",  # deepspeed.comm
+    "compression": "train.compression",  # deepspeed.compression
+    "config": "core.config",  # deepspeed.runtime.config
+    "dataloader": "train.dataloader",  # deepspeed.runtime.dataloader
+    "elasticity": "core.config.elasticity",  # deepspeed.elasticity
+    "engine": "train.engine",  # deepspeed.runtime.engine
+    "fp16": Names("deepspeed.runtime.fp16: where DeepSpeed's scripts import its loss scalers from.",
+                  {"loss_scaler": "core"}),  # the module core/loss_scaler.py
+    "fp16.fused_optimizer": Names("DeepSpeed's fp16 optimizer wrapper, named for isinstance checks only.",
+                                  {"FP16_Optimizer": "core.internals"}),
+    "fp16.loss_scaler": "core.loss_scaler",  # the engine's scaler is DeepSpeed's classes
+    "fp16.onebit": Refused("deepspeed.runtime.fp16.onebit (OnebitAdam, ZeroOneAdam, OnebitLamb) is not provided",
+                           "train.optim:ONE_BIT_PACKAGE"),
+    "fp16.unfused_optimizer": Names("DeepSpeed's unfused fp16 optimizer wrapper, named for isinstance checks only.",
+                                    {"FP16_UnfusedOptimizer": "core.internals"}),
+    "lr_schedules": "train.lr_schedules",  # deepspeed.runtime.lr_schedules
+    # DeepSpeed keeps set_autotp_mode in deepspeed.module_inject; only that module's AutoTP mode
+    # switch is served (a plain module: deepspeed.module_inject.<anything> is not found)
+    "module_inject": "tensor_parallel.mode",
+    "monitor": "train.monitor",  # deepspeed.monitor
+    "monitor.comet": Names("deepspeed.monitor.comet", {"CometMonitor": "train.monitor.monitor"}),
+    "monitor.config": "core.config.monitor",  # deepspeed.monitor.config: the sections live with the config
+    "monitor.csv_monitor": Names("deepspeed.monitor.csv_monitor", {"csvMonitor": "train.monitor.monitor"}),
+    "monitor.tensorboard": Names("deepspeed.monitor.tensorboard", {"TensorBoardMonitor": "train.monitor.monitor"}),
+    "monitor.wandb": Names("deepspeed.monitor.wandb", {"WandbMonitor": "train.monitor.monitor"}),
+    "ops": "train.ops",  # deepspeed.ops
+    "pipe.engine": "train.pipe_engine",  # deepspeed.runtime.pipe.engine
+    "pipe.topology": _TOPOLOGY,
+    "precision_config": Names("deepspeed.runtime.precision_config: one precision section of a config dict, parsed.",
+                              {"get_bfloat16_config": "core.config", "get_float16_config": "core.config"}),
+    "profiling": "train.profiling",  # deepspeed.profiling
+    "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
+    # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
+    "utils": Names("deepspeed.runtime.utils / deepspeed.utils: the helpers scripts call, each dslaunch's own.",
+                   {"zero_to_fp32": "train.checkpoint", "clip_grad_norm_": "train.helpers",
+                    "is_model_parallel_parameter": "train.helpers", "move_to_device": "train.helpers",
+                    "see_memory_usage": "train.helpers", "set_random_seed": "train.helpers",
+                    "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
+                    "partition_balanced": "pipe.partition", **{name: "zero.fragments" for name in _FRAGMENTS}}),
+    "utils.comms_logging": Names("deepspeed.utils.comms_logging: the comms logger deepspeed.comm records into.",
+                                 {"CommsLogger": "core.comm.logger", "bandwidths_gbps": "core.comm.logger",
+                                  "bus_factor": "core.comm.logger"}),
+    "utils.groups": "core.parallel.groups",  # deepspeed.utils.groups: answered by the mesh
+    "utils.pin_memory_tracker": "core.accelerator.pin_memory_tracker",  # deepspeed.utils.pin_memory_tracker
+    "utils.timer": Names("deepspeed.utils.timer: the trimmed mean of the comms logger's averages.",
+                         {"trim_mean": "core.comm.logger"}),
+    "utils.zero_to_fp32": "train.checkpoint.zero_to_fp32",  # the consolidation script save_checkpoint ships
+    "zero.config": Names("deepspeed.runtime.zero.config: DeepSpeed's names for the zero_optimization schema.",
+                         {name: "core.config.zero" for name in (
+                             "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadOptimizerConfig",
+                             "DeepSpeedZeroOffloadParamConfig", "ZeroStageEnum", "OffloadDeviceEnum",
+                             "get_zero_config")}),
+    "zero.offload_config": Names("deepspeed.runtime.zero.offload_config: DeepSpeed's names for the offload sections.",
+                                 {name: "core.config.zero" for name in (
+                                     "OffloadDeviceEnum", "DeepSpeedZeroOffloadOptimizerConfig",
+                                     "DeepSpeedZeroOffloadParamConfig")}),
+    "zero.partition_parameters": Names("deepspeed.runtime.zero.partition_parameters: ZeRO-3's parameter names.",
+                                       {"GatheredParameters": "zero.params", "Init": "zero.params",
+                                        "ZeroParamStatus": "zero.params"}),
+    "zero.stage_1_and_2": Names("DeepSpeed's ZeRO-1/2 optimizer wrapper, named for isinstance checks only.",
+                                {"DeepSpeedZeroOptimizer": "core.internals"}),
+    # -- the runtime's own former paths (before core/, the strategies and train/) --------------
+    "autotuning": "train.autotuning",
+    "checkpoint.errors": "core.errors",
+    "checkpoint.reshard": "zero.reshard",
+    "compiling": "train.compiling",
+    "consolidate": "train.checkpoint.consolidate",  # python -m dslaunch.runtime.consolidate
+    "data_parallel": "zero.stage0",
+    "inference.plan": "tensor_parallel.plan",
+    "inference.structure": "tensor_parallel.structure",
+    "internals": "core.internals",
+    "loss_scaler": "core.loss_scaler",
+    "model_export": "train.model_export",
+    "nonfinite": "core.nonfinite",
+    "optim": "train.optim",
+    "optimizer_policy": "train.optimizer_policy",
+    "parallel": "core.parallel",
+    "precision": "core.precision",
+    "progress": "train.progress",
+    "reduction": "core.reduction",
+    "strategy": "core.strategy",
+    "strict": "core.strict",
+    "topology": _TOPOLOGY,
+    "utils.helpers": "train.helpers",
+    "utils.partitioned": "pipe.partitioned",
+}
+
+
+def is_package(rel: str) -> bool:
+    """A Names module with entries below it is a package (its children are found here)."""
+    prefix = rel + "."
+    return any(key.startswith(prefix) for key in PATHS)
+
+
+def resolve(rel: str) -> Optional[str]:
+    """The real module (full name) that path `rel` under dslaunch.runtime aliases, following
+    aliases of its parents; None when the table has no answer (a real file, or nothing)."""
+    target = PATHS.get(rel)
+    if isinstance(target, str):
+        return f"{PACKAGE}.{target}"
+    if target is not None:
+        return None
+    parent, _, leaf = rel.rpartition(".")
+    if not parent:
+        return None
+    base = resolve(parent)
+    return f"{base}.{leaf}" if base else None
+
+
+def _attribute(spec: str, name: str):
+    """The object `spec` names: "module:attribute", or "module" for its attribute `name` (a
+    submodule when the module has no such attribute)."""
+    module, _, attr = spec.partition(":")
+    base = importlib.import_module(f"{PACKAGE}.{module}")
+    attr = attr or name
+    try:
+        return getattr(base, attr)
+    except AttributeError:
+        return importlib.import_module(f"{base.__name__}.{attr}")
+
+
+class _AliasSpec(importlib.machinery.ModuleSpec):
+    """An alias's spec. Its `parent` is the real module's package: runpy (`python -m <alias>`)
+    resolves the real code's relative imports against it. An import never reads it (the real
+    module keeps its own __package__)."""
+
+    def __init__(self, name: str, loader, target: str, **kwargs):
+        super().__init__(name, loader, **kwargs)
+        self.target = target
+
+    @property
+    def parent(self):
+        return self.target if self.submodule_search_locations is not None else self.target.rpartition(".")[0]
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str):
+        self.target = target
+        self.own_spec = None
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.target)
+        self.own_spec = module.__spec__
+        return module
+
+    def exec_module(self, module) -> None:
+        # The import system has just stamped the alias's spec on the module; give the module
+        # its own back (its __name__, __file__ and __path__ were never touched).
+        module.__spec__ = self.own_spec
+
+    def get_code(self, fullname):
+        """`python -m <alias>` runs the real module's code (runpy asks for it)."""
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target)
+
+
+class _NamesLoader(importlib.abc.Loader):
+    def __init__(self, rel: str, names: Names):
+        self.rel = rel
+        self.names = names
+
+    def create_module(self, spec):
+        return None  # a plain module
+
+    def exec_module(self, module) -> None:
+        module.__doc__ = self.names.doc
+        for name, where in self.names.names.items():
+            setattr(module, name, _attribute(where, name))
+        module.__all__ = sorted(self.names.names)
+
+
+class _RefusingLoader(importlib.abc.Loader):
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def create_module(self, spec):
+        raise ImportError(self.reason)
+
+    def exec_module(self, module) -> None:  # pragma: no cover - create_module always raises
+        raise ImportError(self.reason)
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    """Answers for dslaunch.runtime.<path> names that are entries of PATHS (or children of one)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not fullname.startswith(PACKAGE + "."):
+            return None
+        rel = fullname[len(PACKAGE) + 1:]
+        found = PATHS.get(rel)
+        if isinstance(found, Names):
+            return importlib.machinery.ModuleSpec(fullname, _NamesLoader(rel, found), is_package=is_package(rel))
+        if isinstance(found, Refused):
+            return importlib.machinery.ModuleSpec(fullname, _RefusingLoader(found.message()))
+        dest = resolve(rel)
+        if dest is None or dest == fullname:
+            return None
+        try:
+            spec = importlib.util.find_spec(dest)
+        except ImportError:  # dest's parent is a plain module, or missing
+            return None
+        if spec is None:
+            return None
+        # the real file as origin: runpy makes it sys.argv[0] under `python -m <alias>`
+        return _AliasSpec(fullname, _AliasLoader(dest), dest, origin=spec.origin,
+                          is_package=spec.submodule_search_locations is not None)
+
+
+_FINDER = AliasFinder()
+
+
+def install() -> None:
+    """Put the finder first on sys.meta_path (once)."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def top_level(name: str) -> Optional[types.ModuleType]:
+    """dslaunch.runtime.<name> for a top-level entry (the runtime's module __getattr__), else None."""
+    if name not in PATHS:
+        return None
+    return importlib.import_module(f"{PACKAGE}.{name}")

@@ -1,0 +1,116 @@
+"""Precision sections: `fp16`, `bf16`, `torch_autocast`, `data_types`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from ..strict import ConfigError, refused, supported
+from .checks import positive, within
+
+# DeepSpeed's spellings (its DtypeEnum) of the dtypes a gradient may be accumulated in.
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "float": "float32", "torch.float32": "float32",
+               "fp16": "float16", "float16": "float16", "half": "float16", "torch.float16": "float16",
+               "bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16"}
+
+
+def dtype_named(path: str, value: str, names=DTYPE_NAMES):
+    """The torch dtype a config spells `value`; a ConfigError naming the key otherwise."""
+    import torch
+
+    key = str(value).lower()
+    if key not in names:
+        raise ConfigError(f"{path}: unknown dtype {value!r}; use one of {', '.join(sorted(set(names)))}")
+    return getattr(torch, names[key])
+
+
+FP32_MIN_POWER, FP32_MAX_POWER = -126, 127  # 2**power is a normal fp32 number
+FP32_MAX = 3.4028234663852886e38
+
+
+@dataclass
+class FP16Config:
+    enabled: bool = supported(False, "fp16 compute with fp32 master weights and dynamic or static loss scaling")
+    auto_cast: bool = supported(False, "floating-point tensors passed to engine(...) are cast to fp16")
+    loss_scale: float = supported(0.0, "0 = dynamic loss scaling, otherwise this static scale")
+    initial_scale_power: int = supported(16, "the dynamic scale starts at 2**initial_scale_power")
+    loss_scale_window: int = supported(1000, "clean steps before the dynamic scale doubles")
+    hysteresis: int = supported(2, "overflows tolerated before the scale halves")
+    consecutive_hysteresis: bool = supported(False, "a clean step refills the hysteresis")
+    min_loss_scale: float = supported(1.0, "the dynamic scale never drops below this (a clear error when stuck)")
+    fp16_master_weights_and_grads: Any = refused(
+        "fp16 master weights and gradients are not supported; masters and gradients partitions are fp32", False)
+
+    def validate(self, path: str) -> None:
+        positive(path, "loss_scale", self.loss_scale, allow_zero=True)
+        positive(path, "loss_scale_window", self.loss_scale_window)
+        positive(path, "hysteresis", self.hysteresis)
+        positive(path, "min_loss_scale", self.min_loss_scale)
+        # a scale multiplies an fp32 loss: beyond fp32's range every step would overflow
+        # (and 2.0 ** a large power is an OverflowError)
+        within(path, "initial_scale_power", self.initial_scale_power, FP32_MIN_POWER, FP32_MAX_POWER)
+        within(path, "loss_scale", self.loss_scale, 0, FP32_MAX)
+        within(path, "min_loss_scale", self.min_loss_scale, 0, FP32_MAX)
+
+
+@dataclass
+class BF16Config:
+    enabled: bool = supported(False, "bf16 compute with fp32 master weights")
+    immediate_grad_update: Any = refused(
+        "applying bf16 gradients to the fp32 masters during backward is not supported; remove it", False)
+    check_grad_overflow: bool = supported(True, "an inf/nan gradient norm skips the step (counted as skipped)")
+    bf16_master_weights_and_grads: Any = refused(
+        "bf16 master weights and gradients are not supported; masters are fp32", False)
+    bf16_optimizer_states: Any = refused("bf16 optimizer states are not supported; optimizer state is fp32", False)
+
+
+@dataclass
+class NonFiniteCheckConfig:
+    """dslaunch's own (DeepSpeed applies NaN updates in fp32/bf16): see runtime/core/nonfinite.py."""
+
+    enabled: bool = supported(True, "fp32/bf16: a NaN/inf global gradient norm skips the step and the progress "
+                                    "line says so at once; it takes the norm at every step, whatever compute_grad_norm says "
+                                    "(false: DeepSpeed's behaviour)")
+    max_consecutive_steps: int = supported(3, "training stops with one line naming the steps after this many "
+                                              "non-finite steps in a row")
+
+    def validate(self, path: str) -> None:
+        positive(path, "max_consecutive_steps", self.max_consecutive_steps)
+
+
+@dataclass
+class TorchAutocastConfig:
+    enabled: bool = supported(False, "the forward runs under torch.autocast (parameters stay fp32)")
+    dtype: Literal["bfloat16", "bf16", "float16", "fp16", "half"] = supported(
+        "bfloat16", "torch.autocast's lower precision dtype")
+    lower_precision_safe_modules: Any = refused(
+        "reducing chosen modules' gradients in the autocast dtype is not supported; gradients are reduced in "
+        "fp32", None)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.dtype in ("bfloat16", "bf16") else torch.float16
+
+
+@dataclass
+class DataTypesConfig:
+    grad_accum_dtype: Optional[str] = supported(
+        None, "dtype gradients are accumulated in (fp32, bf16, fp16): stage 0/1 full gradients (the model dtype "
+              "only), the reduced partitions of stages 1-3; unset: the model dtype for full gradients, fp32 for "
+              "partitions (DeepSpeed 0.19.8: the model dtype for both)")
+    param_dtype: Any = refused("a separate parameter dtype is not supported; use fp16/bf16", None)
+    buffer_dtype: Any = refused("a separate buffer dtype is not supported; buffers follow the model dtype", None)
+    keep_in_fp32_modules: Any = refused("keeping chosen modules in fp32 is not supported; remove it", "auto", None)
+
+    def validate(self, path: str) -> None:
+        if self.grad_accum_dtype is not None:
+            dtype_named(f"{path}.grad_accum_dtype" if path else "grad_accum_dtype", self.grad_accum_dtype)
+
+
+def check_precision(fp16: FP16Config, bf16: BF16Config, autocast: TorchAutocastConfig) -> None:
+    if fp16.enabled and bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled: choose one of fp16 and bf16")
+    if autocast.enabled and (fp16.enabled or bf16.enabled):
+        raise ConfigError("torch_autocast.enabled: cannot be combined with fp16 or bf16 (autocast keeps fp32 "
+                          "parameters); choose one")

@@ -1,0 +1,247 @@
+"""`zero_optimization` and its offload sections.
+
+Parsed here in full so that every stage shares one schema; stage 0 accepts a stage 1-3
+section at parse time and the engine refuses an unregistered stage when it picks the
+strategy. Tuning knobs of DeepSpeed's implementation that have no counterpart here are
+refused unless they hold DeepSpeed's default.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any, Dict, Literal, Optional
+
+from ..strict import ConfigError, disabled, parse_dataclass, refused, supported
+from .checks import positive
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+ZEROPP = "ZeRO++ {what} are not supported; remove it"
+
+
+@dataclass
+class _OffloadTarget:
+    """Where offloaded tensors live; shared by offload_optimizer and offload_param."""
+
+    device: OffloadDevice = supported("none", "cpu: host memory; nvme: files under nvme_path")
+    nvme_path: Optional[str] = supported(None, "directory for the nvme files (any file system)")
+    pin_memory: bool = supported(False, "page-locks the host copies when CUDA is available")
+
+    def validate(self, path: str) -> None:
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(f"{path}.nvme_path: required when device is \"nvme\"")
+
+
+NVME_POOL = "NVMe buffer pools are not used here (one chunk is read ahead and one written behind); remove it"
+
+
+@dataclass
+class OffloadOptimizerConfig(_OffloadTarget):
+    buffer_count: Any = refused(NVME_POOL, 4)
+    fast_init: bool = supported(False, "no effect needed: NVMe state files are written once at the first step")
+    pipeline_read: bool = supported(False, "no effect needed: the next chunk is always read during the update")
+    pipeline_write: bool = supported(False, "no effect needed: the updated chunk is always written behind")
+    pipeline: bool = supported(False, "older spelling of pipeline_read + pipeline_write (always on)")
+    ratio: Any = refused("partial optimizer offload is not supported; the whole optimizer state is offloaded", 1.0, 1)
+    super_offload: Any = refused("SuperOffload is not supported; remove it", False)
+    cpuadam_cores_perc: Any = refused("CPU Adam core pinning is not supported; OMP_NUM_THREADS sets its threads",
+                                      0.8)
+
+
+@dataclass
+class OffloadParamConfig(_OffloadTarget):
+    buffer_count: Any = refused(NVME_POOL, 5)
+    buffer_size: Any = refused(NVME_POOL, 100_000_000, 1e8)
+    max_in_cpu: Any = refused("an in-memory cache of NVMe parameters is not supported; remove it",
+                              1_000_000_000, 1e9)
+
+
+@dataclass
+class ZeroConfig:
+    """`zero_optimization`. Stage 0 is plain data parallelism (this package's engine);
+    stages 1-3 are provided by strategies registered from dslaunch.runtime.zero."""
+
+    stage: int = supported(0, "0 data parallel, 1 optimizer state, 2 + gradients, 3 + parameters partitioned")
+    contiguous_gradients: Any = refused(
+        "false is not supported: gradients always go to contiguous buckets here", True)
+    overlap_comm: bool = supported(True, "gradient buckets are reduced from backward hooks as they fill")
+    reduce_scatter: Any = refused(
+        "false (all-reduce the full gradients) is not supported: ZeRO reduces each partition to its owner", True)
+    reduce_bucket_size: int = supported(500_000_000, "elements per gradient reduction")
+    allgather_partitions: Any = refused(
+        "false (broadcast updated partitions) is not supported: they are all-gathered", True)
+    allgather_bucket_size: int = supported(500_000_000, "elements per all-gather of updated partitions (stage 1-2)")
+    use_multi_rank_bucket_allreduce: Any = refused(
+        "false is not supported: each bucket is one collective for all ranks", True)
+    compute_grad_norm: bool = supported(True, "stages 1-2 compute the global gradient norm at every step "
+                                              "(get_global_grad_norm)")
+    offload_optimizer: Optional[OffloadOptimizerConfig] = supported(
+        None, "fp32 masters and optimizer state in host memory or NVMe files, stepped on the CPU")
+    offload_param: Optional[OffloadParamConfig] = supported(None, "stage 3 parameter shards in host memory or "
+                                                                  "NVMe files")
+    sub_group_size: int = supported(1_000_000_000, "elements per optimizer chunk when stepping offloaded state")
+    cpu_offload: bool = supported(False, "deprecated form of offload_optimizer: {device: cpu}")
+    cpu_offload_param: bool = supported(False, "deprecated form of offload_param: {device: cpu}")
+    cpu_offload_use_pin_memory: bool = supported(False, "deprecated form of pin_memory for both offloads")
+    stage3_prefetch_bucket_size: int = supported(50_000_000, "elements of the next modules gathered ahead")
+    stage3_param_persistence_threshold: int = supported(100_000, "parameters this small stay whole")
+    stage3_model_persistence_threshold: Any = refused(
+        "a cap on the total of unpartitioned parameters is not supported; lower "
+        "stage3_param_persistence_threshold", 9223372036854775807)
+    stage3_max_live_parameters: int = supported(1_000_000_000, "prefetching stops at this many gathered elements")
+    stage3_max_reuse_distance: int = supported(1_000_000_000, "a module's parameters stay gathered from forward "
+                                                              "to backward when reused within this many elements")
+    stage3_gather_16bit_weights_on_model_save: bool = supported(
+        False, "engine.save_16bit_model() (the HF Trainer's save_model) gathers the full weights onto rank 0")
+    stage3_module_granularity_threshold: Any = refused("fine-grained module grouping is not supported; remove it", 0)
+    stage3_use_all_reduce_for_fetch_params: Any = refused(
+        "all-reduce parameter fetching is not supported; parameters are all-gathered", False)
+    stage3_allgather_sequential: Any = refused("per-parameter sequential all-gather is not supported; remove it",
+                                               False)
+    elastic_checkpoint: bool = supported(False, "no effect needed: every checkpoint loads at any world size and "
+                                                "stage")
+    load_from_fp32_weights: Any = refused(
+        "false (rebuild masters from the 16-bit weights) is not supported: masters load from the fp32 copies",
+        True)
+    ignore_unused_parameters: Any = refused(
+        "false (stop on unused parameters) is not supported: unused parameters get zero gradients", True)
+    legacy_stage1: Any = refused("the legacy stage 1 implementation is not supported; remove it", False)
+    round_robin_gradients: bool = supported(
+        False, "no effect needed: with offload each rank copies only its own gradient partition to the host, all "
+               "ranks at once (what DeepSpeed's round robin achieves)")
+    parameter_alignment: Any = refused("16-byte parameter alignment in flat buffers is not supported; remove it",
+                                       False)
+    zero_hpz_partition_size: Any = refused("hierarchical partitioning (ZeRO++ hpZ) is not supported; remove it", 1)
+    zero_quantized_weights: Any = refused(ZEROPP.format(what="quantized weights"), False)
+    zero_quantized_nontrainable_weights: Any = refused(ZEROPP.format(what="quantized frozen weights"), False)
+    zero_quantized_gradients: Any = refused(ZEROPP.format(what="quantized gradients"), False)
+    memory_efficient_linear: Any = refused(
+        "false is not supported: stage 3 never keeps gathered weights alive for backward", True)
+    pipeline_loading_checkpoint: Any = refused("pipeline-mode checkpoint loading is not supported; remove it",
+                                               False)
+    override_module_apply: Any = refused(
+        "module.apply() does not gather stage 3 parameters here; initialise weights in the constructor or "
+        "under GatheredParameters, and remove it", False)
+    log_trace_cache_warnings: Any = refused("there is no trace cache to warn about here; remove it", False)
+    enable_sanity_checks: bool = supported(
+        False, "stage 3 checks before each collective that every rank gathers the same module "
+               "(DSLAUNCH_ZERO3_CHECK=1/0 overrides)")
+    save_muon_momentum_buffer_in_memory: Any = refused("the Muon optimizer is not supported; remove it", False)
+    leaf_module: Any = refused("ZeRO-3 leaf modules are not supported; remove it", disabled)
+    zenflow: Any = refused("ZenFlow is not supported; remove it", None)
+    mics_shard_size: Any = refused("MiCS sharding is not supported (DeepSpeed removed it too); remove it", -1)
+    mics_hierarchical_params_gather: Any = refused(
+        "MiCS sharding is not supported (DeepSpeed removed it too); remove it", False)
+    zeropp_loco_param: Any = refused("LoCo-ZeRO++ is not supported (DeepSpeed removed it too); remove it", None)
+    legacy_bool: bool = field(default=False, init=False, repr=False)  # written as "zero_optimization": true
+
+    ALIASES = {
+        # DeepSpeed's model takes its stage-3 keys with or without the "stage3_" prefix.
+        **{name[len("stage3_"):]: name for name in (
+            "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+            "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+            "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential")},
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        # "all_reduce_bucket_size" is how the GPT-lite post writes the gradient-reduction bucket.
+        "all_reduce_bucket_size": "reduce_bucket_size",
+        "allreduce_bucket_size": "reduce_bucket_size",
+    }
+
+    @classmethod
+    def from_bool(cls, enabled: bool) -> "ZeroConfig":
+        # The legacy `"zero_optimization": true` meant stage 1.
+        cfg = cls(stage=1 if enabled else 0)
+        cfg.legacy_bool = True
+        return cfg
+
+    def validate(self, path: str) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{path}.stage: must be 0, 1, 2 or 3, got {self.stage}")
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
+            positive(path, key, getattr(self, key))
+        # 0 prefetch: every module waits for its own gather (DeepSpeed accepts 0 too)
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                    "stage3_max_reuse_distance"):
+            positive(path, key, getattr(self, key), allow_zero=True)
+        self._apply_deprecated(path)
+
+    def _apply_deprecated(self, path: str) -> None:
+        # DeepSpeed's pre-0.5 spellings, mapped the way DeepSpeed maps them.
+        if self.cpu_offload:
+            if self.offload_optimizer is not None:
+                raise ConfigError(f"{path}.cpu_offload: give either cpu_offload or offload_optimizer, not both")
+            self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+        if self.cpu_offload_param:
+            if self.offload_param is not None:
+                raise ConfigError(f"{path}.cpu_offload_param: give either cpu_offload_param or offload_param, "
+                                  f"not both")
+            self.offload_param = OffloadParamConfig(device="cpu")
+        if self.cpu_offload_use_pin_memory:
+            for target in (self.offload_optimizer, self.offload_param):
+                if target is not None:
+                    target.pin_memory = True
+
+    @property
+    def gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's attribute name for stage3_gather_16bit_weights_on_model_save."""
+        return self.stage3_gather_16bit_weights_on_model_save
+
+    @property
+    def offload_optimizer_device(self) -> str:
+        return self.offload_optimizer.device if self.offload_optimizer else "none"
+
+    @property
+    def offload_param_device(self) -> str:
+        return self.offload_param.device if self.offload_param else "none"
+
+    def sanity_checks(self) -> bool:
+        """enable_sanity_checks, unless DSLAUNCH_ZERO3_CHECK says otherwise."""
+        env = os.environ.get("DSLAUNCH_ZERO3_CHECK", "")
+        return self.enable_sanity_checks if env == "" else env != "0"
+
+
+# -- DeepSpeed's names for this schema (deepspeed.runtime.zero.config and .offload_config) ----
+# Scripts that build or read the section under those names get these classes (the paths are
+# entries of compat/paths.py).
+
+class _ParsedByName(type):
+    """`DeepSpeedZeroConfig(**section)` builds the section as DeepSpeed's pydantic model does,
+    taking every spelling it takes (stage3_ prefixes or not, the deprecated fp16 name), through
+    the strict parser; an instance of ZeroConfig is an instance of it."""
+
+    def __call__(cls, **section):
+        return parse_dataclass(ZeroConfig, section, "zero_optimization")
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, ZeroConfig)
+
+
+class DeepSpeedZeroConfig(metaclass=_ParsedByName):
+    """DeepSpeed's name for the `zero_optimization` section (dslaunch's ZeroConfig)."""
+
+
+DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
+DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
+
+
+class ZeroStageEnum(IntEnum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+class OffloadDeviceEnum(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+def get_zero_config(param_dict: Dict[str, Any]) -> ZeroConfig:
+    """The parsed `zero_optimization` section of a whole config dict (stage 0 if absent)."""
+    section = param_dict.get("zero_optimization", {})
+    if isinstance(section, bool):  # DeepSpeed's legacy `"zero_optimization": true` is stage 1
+        section = {"stage": 1 if section else 0}
+    return parse_dataclass(ZeroConfig, section, "zero_optimization")

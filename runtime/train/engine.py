@@ -1,0 +1,761 @@
+"""The training engine `initialize` returns: DeepSpeed's DeepSpeedEngine surface.
+
+The engine owns what all ZeRO stages share (config, batch sizes, precision casting, loss
+scaling, accumulation counting, clipping arithmetic, LR schedule, logging, checkpoint
+files) and delegates gradient reduction, optimizer stepping and parameter sync to the
+GradientStrategy chosen by zero_optimization.stage (see strategy.py for the call order).
+
+Where each rank sits comes from `self.mesh` (runtime/core/parallel/): a PipelineModule's mesh,
+an `mpu=` object's groups, or a mesh over the world from the config's degrees. Gradients,
+shards, the initial weight broadcast and the data sampler use its `data` axis; the
+batch-size rule uses the data-parallel size; the gradient norm is summed over its `replica`
+axis (every stage and tensor slice of one replica). `self.grid` is the same object, under
+the name DeepSpeed's engine gives it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import checkpoint, model_export
+from .. import zero  # noqa: F401  (registers the ZeRO stages 0-3, the strategies strategy_for_stage picks)
+from ..core import comm
+from ..core.parallel import current as parallel_current
+from ..core.parallel import select as mesh_select
+from .compiling import compile_module
+from .compression import compression_schedule
+from ..core.config import DeepSpeedConfig
+from .dataloader import DistributedDataLoader
+from ..core.loss_scaler import expose_on_optimizer, make_loss_scaler
+from .lr_schedules import build_scheduler
+from .optim import OptimizerTarget, build_optimizer
+from .optimizer_policy import check_optimizer
+from ..core.precision import cast_floating, explain_dtype_error, forward_context
+from .profiling.step import StepProfiler
+from .activation_checkpointing import checkpointing
+from .autotuning import TrialProbe
+from .monitor import StepMeter, build_monitor
+from .monitor import report
+from .monitor.sink import TRAIN_LOSS
+from ..core.nonfinite import NonFiniteGuard
+from .progress import ProgressLog
+from .resize import batch as resize_batch
+from .resize.contract import ResizeEnv
+from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
+from ..core.strict import ConfigError
+from .tensor_backward import SCALE_REQUIRED, BackwardUsageError, OutputGrads, engine_backward
+
+
+def _config_source(args, config, config_params):
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    old_name = getattr(args, "deepscale_config", None) if args is not None else None  # DeepSpeed's deprecated flag
+    if old_name is not None:
+        if from_args is not None:
+            raise ConfigError("config: given both as --deepscale_config and --deepspeed_config; pass one "
+                              "(--deepscale_config is the deprecated name)")
+        from_args = old_name
+    if config is not None and from_args is not None:
+        raise ConfigError("config: given both as initialize(config=...) and --deepspeed_config; pass one")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError("config: none given; pass initialize(config=dict or path) or --deepspeed_config FILE")
+    return source
+
+
+def _with_tp_model_init(source, mpu):
+    """The config with what deepspeed.tp_model_init recorded merged in (DeepSpeed 0.19's
+    contract: the config's values win, a disagreement is one line), and the tp_group it was
+    given, if any (kept out of the config: a process group is no config value)."""
+    from .. import tensor_parallel
+    from ..core.strict import load_file
+
+    if tensor_parallel.recorded_tp_model_init() is None:
+        return source, None
+    if isinstance(source, DeepSpeedConfig):
+        source = source.to_dict()
+    raw = copy.deepcopy(source) if isinstance(source, dict) else load_file(str(source))
+    try:
+        raw = tensor_parallel.merge_tp_model_init_into_config(raw, mpu)
+    except tensor_parallel.TensorParallelError as exc:
+        raise ConfigError(str(exc)) from None
+    group = raw["tensor_parallel"].get("tp", {}).pop("tp_group", None)
+    return raw, group
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    def __init__(self, args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
+                 training_data=None, lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None,
+                 collate_fn=None, config=None, config_class=None, mesh_device=None, dont_change_device: bool = False,
+                 config_params=None):
+        # DeepSpeed's parameter order, so a subclass or a direct call written for it binds alike;
+        # config_class is a parsed config (DeepSpeed's DeepSpeedConfig object) and wins over
+        # config; dont_change_device leaves the model where the caller put it.
+        super().__init__()
+        if model is None:
+            raise ValueError("initialize: model= is required")
+        if mesh_device is not None:
+            raise ConfigError("DeepSpeedEngine: mesh_device is not supported; the engine builds its mesh from the "
+                              "config and mpu (dslaunch.runtime.parallel)")
+        trial_baseline = TrialProbe.baseline(model)  # under `dslaunch --autotuning` only
+        source = config_class if config_class is not None else _config_source(args, config, config_params)
+        source, self._given_tp_group = _with_tp_model_init(source, mpu)
+        self.config = DeepSpeedConfig.load(source)
+        if dist_init_required is not False:
+            comm.init_distributed()
+        section = self.config.comms_logger
+        comm.configure(enabled=section.enabled, prof_all=section.prof_all, prof_ops=section.prof_ops,
+                       verbose=section.verbose, debug=section.debug, timeout=self.config.comms_timeout)
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.local_rank = comm.local_rank()
+        self.mesh = self.grid = self._make_mesh(model, mpu)
+        parallel_current.set_current(self.mesh)  # deepspeed.utils.groups answers from it
+        self.mpu = mpu if mpu is not None else self.mesh
+        self.dp_world_size = self.mesh.size("data")
+        self.dp_rank = self.mesh.rank("data")
+        self.dp_group = self.mesh.group("data")
+        self.mp_world_size = self.mesh.size("replica")
+        # where replicated parameters' gradients are averaged and ZeRO state is sharded: the
+        # data axis, or data x sequence when sequence ranks split each sample (Ulysses)
+        self.seq_parallel_size = self.mesh.size("sequence")
+        self.seq_parallel_group = self.mesh.group("sequence")  # DeepSpeed's name: DistributedAttention's group
+        grad_axis = mesh_select.gradient_axis(self.mesh)
+        self.seq_data_parallel_group = self.mesh.group(grad_axis)
+        self._grad_rank, self._grad_world = self.mesh.rank(grad_axis), self.mesh.size(grad_axis)
+        # in a resizable job the configured global batch holds at every size (resize/batch.py)
+        self._resize_env = ResizeEnv.from_environ()
+        self._resize = None  # the ResizeDriver initialize() attaches (resize_driver.py)
+        self.batch = resize_batch.batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
+            self.mesh, mpu, comm.world_source(), self.world_size), self.world_size, self._resize_env.base_world)
+        self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.config.tensor_parallel.size > 1:  # AutoTP; a model with its own mesh may be split already
+            optimizer, model_parameters = self._apply_tensor_parallel(model, optimizer, model_parameters)
+
+        if self.config.fp16.enabled:
+            self.compute_dtype = torch.float16
+        elif self.config.bf16.enabled:
+            self.compute_dtype = torch.bfloat16
+        else:
+            self.compute_dtype = torch.float32
+        if not dont_change_device:
+            model.to(self.device)
+        if self.compute_dtype != torch.float32:
+            model.to(self.compute_dtype)
+        self._broadcast_initial_state(model)
+        self.module = model
+        self._compression = self._compression_schedule(model)
+
+        self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, self.config, client=optimizer is not None)
+            # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow);
+            # Accelerate reads it so that a scheduler it steps skips that step too.
+            self.optimizer.overflow = False
+            # DeepSpeed's engine.optimizer under ZeRO or fp16 is a wrapper whose .optimizer is the
+            # optimizer that steps (scripts reach the base optimizer through it); dslaunch does not
+            # wrap, so the optimizer that steps is its own .optimizer (unless it has one already).
+            if not hasattr(self.optimizer, "optimizer"):
+                self.optimizer.optimizer = self.optimizer
+        if self.seq_parallel_size > 1 and self.optimizer is not None and any(
+                g.get("moe", False) for g in self.optimizer.param_groups):
+            raise ConfigError(f"sequence_parallel_size {self.seq_parallel_size} with \"moe\" param groups (expert "
+                              "parallelism) is not supported")
+        ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
+                              compute_dtype=self.compute_dtype, rank=self._grad_rank, world_size=self._grad_world,
+                              group=self.seq_data_parallel_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),
+                              mesh=self.mesh)
+        self.strategy = strategy_for_stage(self.config.zero_optimization.stage)(ctx)
+        self.strategy.wrap_module()
+        self.loss_scaler = make_loss_scaler(self.config.fp16) if self.config.fp16.enabled else None
+        if self.loss_scaler is not None and self.optimizer is not None:
+            expose_on_optimizer(self.optimizer, self.loss_scaler)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+
+        self.training_dataloader = None
+        if training_data is not None:
+            self.training_dataloader = DistributedDataLoader(
+                training_data, self.batch.micro_batch_per_gpu, self.dp_rank, self.dp_world_size,
+                collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last)
+
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._last_grad_norm: Optional[float] = None
+        self._step_norm: Optional[float] = None  # this step's global gradient norm, when it was taken
+        # fp32/bf16 non-finite steps (fp16 has its loss scaler): skipped, reported, stop after N in a row
+        nf = self.config.nonfinite_check
+        self._nonfinite = NonFiniteGuard(nf.max_consecutive_steps) if nf.enabled and not self.config.fp16.enabled \
+            else None
+        self._step_applied = False
+        self._train_steps: Optional[int] = None
+        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
+        # PyTorch-style backward (tensor_backward.py): forward() returns its outputs as aliases whose
+        # gradients run this engine's backward prologue and epilogue
+        self._own_backward = 0  # this engine's engine.backward() calls in progress
+        self._scale_called = False  # engine.scale(loss) since the last backward the script started itself
+        self._no_sync = False  # inside no_sync(): backward reduces nothing
+        self._output_grads = OutputGrads(self._tensor_backward_started, self.gradient_accumulation_steps,
+                                         lambda: self._own_backward > 0)
+        self._setup_reporting()
+        # under `dslaunch --autotuning`: measure this trial's profile steps, then stop it cleanly
+        self._trial = TrialProbe.from_env(self, trial_baseline, checkpointing)
+        # DeepSpeed leaves this to the script (configure()); without it the section would do nothing.
+        checkpointing.configure_from_engine(getattr(self, "mpu", None), self.config)
+        self._compiled_with: Optional[Dict[str, Any]] = None
+        if self.config.compile.enabled:
+            self.compile()
+
+    def _apply_tensor_parallel(self, model, optimizer, model_parameters):
+        """AutoTP training: shard the model's layers over the mesh's tensor axis (unless the
+        script already did, with tp_model_init), and point a client optimizer or parameter
+        list at the sharded parameters that replace the full ones."""
+        from .. import tensor_parallel
+
+        tp = self.config.tensor_parallel
+        if self.config.zero_optimization.stage == 3:
+            raise ConfigError(f"tensor_parallel.autotp_size {tp.size} with zero_optimization.stage 3 is not "
+                              "supported; use ZeRO stage 0, 1 or 2 with tensor parallelism")
+        if tp.dtype is not None:
+            from ..core.config.precision import dtype_named
+
+            want = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+            given = dtype_named("tensor_parallel.dtype", tp.dtype)
+            engine_dtype = (torch.float16 if self.config.fp16.enabled else
+                            torch.bfloat16 if self.config.bf16.enabled else torch.float32)
+            if given != engine_dtype:
+                raise ConfigError(f"tensor_parallel.dtype: {tp.dtype} differs from the engine's precision "
+                                  f"({want[engine_dtype]}, from the fp16/bf16 sections)")
+        group, size, rank = self.mesh.group("tensor"), self.mesh.size("tensor"), self.mesh.rank("tensor")
+        if self._given_tp_group is not None:
+            given = comm.get_all_ranks_from_group(self._given_tp_group)
+            if list(given) != self.mesh.ranks("tensor"):
+                raise ConfigError(f"tp_model_init(tp_group=...): its ranks {list(given)} are not this rank's tensor "
+                                  f"group in DeepSpeed's layout {self.mesh.ranks('tensor')} (tensor ranks adjacent)")
+        names = {id(p): n for n, p in model.named_parameters()}
+        try:
+            # every tensor rank slices the same full weights (tensor rank 0's, broadcast first);
+            # what cannot be split is one line before anything is sent or changed
+            tensor_parallel.shard_model_for_training(model, group, size, rank, tp.partition_config)
+        except tensor_parallel.TensorParallelError as exc:
+            raise ConfigError(str(exc)) from None
+        tensor_parallel.use_group(group, size)  # model_parallel_cuda_manual_seed and tp_model_init find it
+        after = dict(model.named_parameters())
+
+        def remap(params):
+            out = []
+            for p in params:
+                name = names.get(id(p))
+                out.append(after.get(name, p) if name is not None else p)
+            return out
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for g in optimizer.param_groups:
+                g["params"] = remap(g["params"])
+            if any(len(v) for v in optimizer.state.values()):
+                raise ConfigError("initialize(optimizer=...): the optimizer already holds state; with tensor "
+                                  "parallelism create it before any step (its parameters are replaced by shards)")
+            optimizer.state.clear()
+        if model_parameters is not None:
+            items = list(model_parameters)
+            if items and isinstance(items[0], dict):
+                model_parameters = [dict(g, params=remap(g["params"])) for g in items]
+            else:
+                model_parameters = remap(items)
+        return optimizer, model_parameters
+
+    def _make_mesh(self, model, mpu):
+        from ..moe.utils import expert_parallel_size
+
+        try:
+            expert = expert_parallel_size(model)
+            mesh = mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
+                                        tensor=self.config.tensor_parallel.size, expert=expert,
+                                        sequence=self.config.sequence_parallel_size)
+        except mesh_select.MeshError as exc:
+            raise ConfigError(str(exc)) from None
+        self.expert_parallel_size = expert
+        if expert > 1:
+            from ..moe.utils import moe_layers
+
+            for layer in moe_layers(model):
+                layer.set_expert_group(mesh.group("expert"))
+        return mesh
+
+    def _setup_reporting(self) -> None:
+        # Rank 0 reports through one Monitor: the progress line plus the configured monitors.
+        c, rank0 = self.config, self.global_rank == 0
+        breakdown = c.wall_clock_breakdown or c.flops_profiler.enabled
+        self.progress = ProgressLog(c.steps_per_print, enabled=rank0 and not c.quiet, wall_clock_breakdown=breakdown,
+                                    throughput=c.timers.throughput.enabled)
+        self.monitor = build_monitor(c, self.global_rank, self.progress)
+        self._meter = StepMeter(breakdown, synchronize=c.timers.throughput.synchronized or breakdown)
+        self._flops = StepProfiler(c.flops_profiler, self.module, self.global_rank)
+        self._gc = report.PythonGC()
+        if c.disable_python_gc:
+            self._gc.acquire()
+        if rank0:
+            for line in filter(None, [None if c.quiet else report.startup_line(self),
+                                      report.vocabulary_warning(c.vocabulary_size)]):
+                print(line, flush=True)
+            if c.dump_state:
+                report.dump_state(self)
+
+    def _memory(self, label: str) -> None:
+        if self.config.memory_breakdown and self.global_rank == 0:
+            print(report.memory_line(label, self.device), flush=True)
+
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[Dict[str, Any]] = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the module in place (defaults from the config's `compile` section); a second
+        call is a no-op."""
+        if self._compiled_with is not None:
+            return
+        self._compiled_with = compile_module(self.module, self.config.compile, backend, compile_kwargs, schedule,
+                                             compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled_with is not None
+
+    def set_train_steps(self, steps: int) -> None:
+        """The run's total optimizer steps, for the progress line's step/total and ETA."""
+        self._train_steps = int(steps)
+
+    # -- set-up helpers ----------------------------------------------------------------------
+    def _broadcast_initial_state(self, model: torch.nn.Module) -> None:
+        # Replicas may have initialised differently (different seeds): the first rank of
+        # each data-parallel group wins (other stages and tensor slices hold other weights;
+        # sequence ranks hold the same ones, so the group is data x sequence then). Experts
+        # differ across the expert axis: each is broadcast over its replicas (expert_data)
+        # from the first of them, as DeepSpeed does.
+        if self._grad_world > 1 and comm.is_initialized():
+            from ..moe.utils import is_moe_param
+
+            src = self.mesh.ranks(mesh_select.gradient_axis(self.mesh))[0]
+            with torch.no_grad():
+                for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+                    if is_moe_param(t) and self.expert_parallel_size > 1:
+                        if self.mesh.size("expert_data") > 1:
+                            comm.broadcast(t.data, src=self.mesh.ranks("expert_data")[0],
+                                           group=self.mesh.group("expert_data"), label=f"initial expert {name}")
+                        continue
+                    comm.broadcast(t.data, src=src, group=self.seq_data_parallel_group, label=f"initial {name}")
+
+    def _make_optimizer(self, optimizer, model_parameters, model):
+        if optimizer is not None and self.config.optimizer is not None:
+            raise ConfigError("optimizer: given both as initialize(optimizer=...) and in the config; pass one")
+        params = model_parameters if model_parameters is not None else model.parameters()
+        from ..moe import utils as moe_utils
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return moe_utils.check_moe_param_groups(optimizer, model)
+        if callable(optimizer):
+            return moe_utils.check_moe_param_groups(optimizer(params), model)
+        if self.config.optimizer is None:
+            if self.config.zero_optimization.stage == 3:
+                return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
+            raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
+        if moe_utils.moe_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
+            params = moe_utils.configure_moe_param_groups(list(params))
+        return moe_utils.check_moe_param_groups(
+            build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device)), model)
+
+    def _make_scheduler(self, lr_scheduler):
+        if self.optimizer is None:  # forward only: nothing to schedule (DeepSpeed builds none either)
+            return None
+        if lr_scheduler is not None and self.config.scheduler is not None:
+            raise ConfigError("scheduler: given both as initialize(lr_scheduler=...) and in the config; pass one")
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") \
+                else lr_scheduler
+        if self.config.scheduler is not None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    # -- DeepSpeed's accessors ---------------------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self._last_grad_norm
+
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped for an fp16 overflow."""
+        return self._step_applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the next backward/step ends an accumulation window (Accelerate and the HF
+        Trainer call this before every backward and step only at the boundary); overrides the
+        micro-step count from then on."""
+        self._boundary_override = bool(is_boundary)
+
+    # -- training ---------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self._resize is not None:
+            self._resize.check_stop()
+        if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
+            args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        try:
+            with self._meter.timed("forward"), self._flops.forward(self.global_steps), \
+                    forward_context(self.config, self.device), \
+                    (self._trial.forward() if self._trial is not None else contextlib.nullcontext()):
+                out = self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            explain_dtype_error(exc, self.compute_dtype, args, kwargs)
+            raise
+        self._memory("after forward")
+        if torch.is_grad_enabled():
+            out = self._output_grads.wrap(out)  # so that out.backward() / loss.backward() train as engine.backward
+        return out
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """scale_wrt_gas=False: the caller already divided the loss by the accumulation steps
+        (the HF Trainer does)."""
+        boundary = self._backward_prologue()
+        self._meter.add_loss(loss.detach().float())  # read at the boundary: no sync per micro-step
+        factor = self.loss_scale() / (self.batch.gradient_accumulation_steps if scale_wrt_gas else 1)
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        with self._meter.timed("backward"):
+            with self._meter.timed("backward_inner"), engine_backward():
+                self._own_backward += 1
+                try:
+                    scaled.backward(retain_graph=retain_graph)
+                finally:
+                    self._own_backward -= 1
+            with self._meter.timed("backward_allreduce"):
+                self._backward_epilogue(boundary)
+        return loss
+
+    def _backward_prologue(self) -> bool:
+        """What every backward through this engine starts with, engine.backward() or one the
+        script starts itself (loss.backward(), out.backward(grad)): the strategy learns whether
+        this micro-step ends the accumulation window. Returns whether it does."""
+        self._require_optimizer("backward")
+        if self.strategy.grads_reduced_early:
+            raise FragmentError("engine.backward(): this step's gradients were already reduced for "
+                                "safe_get_full_grad / safe_set_full_grad; call engine.step() before the next backward")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.strategy.before_backward(boundary and not self._no_sync)
+        return boundary
+
+    def _backward_epilogue(self, boundary: bool) -> None:
+        """Once every gradient of the backward pass is computed: the strategy reduces what the
+        micro-step calls for (nothing inside no_sync), and at the boundary the gradients are
+        readable until step()."""
+        reduce = boundary and not self._no_sync
+        self.strategy.after_backward(reduce)
+        if reduce:
+            self.strategy.open_grad_window()  # safe_get_full_grad reads them until step()
+            if self._trial is not None:
+                self._trial.after_backward()  # the gradients are held now; the step frees them
+        self._memory("after backward")
+
+    def _tensor_backward_started(self):
+        """The first gradient of a backward pass the script started itself reached this engine's
+        outputs: run the prologue, and return the epilogue to run once the pass is done."""
+        if self._needs_scaled_loss() and not self._scale_called:
+            raise RuntimeError(SCALE_REQUIRED)
+        boundary = self._backward_prologue()
+        self._scale_called = False
+        self._meter.begin("backward")
+
+        def epilogue():
+            with self._meter.timed("backward_allreduce"):
+                self._backward_epilogue(boundary)
+            self._meter.end("backward")
+
+        return epilogue
+
+    def _needs_scaled_loss(self) -> bool:
+        # fp16 with a loss scale other than 1: gradients from an unscaled loss would be divided by
+        # the scale at the step. DeepSpeed 0.19.8 asks for engine.scale only under a dynamic scale
+        # and trains a static one silently wrong; both are refused here.
+        return self.loss_scaler is not None and (self.loss_scaler.dynamic or self.loss_scaler.scale != 1.0)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the fp16 loss scale, for `engine.scale(loss).backward()` in place
+        of engine.backward(loss) (the division by the accumulation steps happens at the outputs)."""
+        if self.optimizer is None:
+            raise BackwardUsageError("engine.scale(loss): this engine has no optimizer (no \"optimizer\" section, no "
+                                     "initialize(optimizer=)), so it cannot train")
+        if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.grad_fn is not None):
+            raise BackwardUsageError("engine.scale(loss): loss must be a scalar tensor with grad_fn (a loss computed "
+                                     "from the engine's outputs); for a non-scalar tensor call tensor.backward(grad)")
+        self._scale_called = True
+        scale = self.loss_scale()
+        return loss * scale if scale != 1.0 else loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside the block reduces nothing: gradients accumulate on each rank, and the
+        next backward outside it (or the step) reduces them all. ZeRO stages 0 and 1 only."""
+        stage = self.config.zero.stage
+        if stage >= 2:
+            raise BackwardUsageError(f"no_sync context manager is incompatible with gradient partitioning logic of "
+                                     f"ZeRO stage {stage}: every backward reduces each gradient to the rank that "
+                                     "owns it; use ZeRO stage 0 or 1 to accumulate without reducing")
+        if self._no_sync:
+            raise BackwardUsageError("no_sync context manager reentry is unsupported: this engine is already inside "
+                                     "no_sync()")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise ConfigError(f"optimizer: none given (no \"optimizer\" section, no initialize(optimizer=)), so this "
+                              f"ZeRO-3 engine runs forward only; {what}() needs one")
+
+    def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        self._require_optimizer("step")
+        if self._no_sync:
+            raise BackwardUsageError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
+                                     "block first (the step needs the reduced gradients)")
+        boundary = self.is_gradient_accumulation_boundary()
+        with self._meter.timed("step"):
+            if boundary:
+                self._boundary_step(lr_kwargs or {})
+            self.micro_steps += 1
+        if boundary:
+            self._report_step()
+            if self._resize is not None:
+                self._resize.after_step()
+        self._memory("after step")
+
+    def _report_step(self) -> None:
+        lr = self.get_lr()[0] if self.optimizer.param_groups else 0.0
+        loader = self.training_dataloader
+        epoch_steps = len(loader) // self.batch.gradient_accumulation_steps if loader is not None else None
+        record = self._meter.record(self.global_steps, self.global_samples, lr,
+                                    self.loss_scaler.scale if self.loss_scaler is not None else None,
+                                    self.skipped_steps, total_steps=self._train_steps, epoch_steps=epoch_steps or None)
+        if self._nonfinite is not None:
+            record.alert = self._nonfinite.observe(self.global_steps, self._step_norm, record.values.get(TRAIN_LOSS))
+        self.monitor.write_step(record)
+        self._flops.step_done(self.global_steps - 1, record, self.batch.micro_batch_per_gpu
+                              * self.batch.gradient_accumulation_steps, report.parallel_sizes(self))
+        if self._nonfinite is not None:
+            self._nonfinite.check(self.global_steps)  # the same decision on every rank: the norm is global
+        if self._trial is not None:
+            self._trial.step_done()  # raises TrialComplete after end_profile_step
+
+    def _boundary_step(self, lr_kwargs: Dict[str, Any], reduced: bool = False) -> None:
+        """Reduce (unless the caller already did), clip, step, zero; count the step."""
+        s = self.strategy
+        with self._meter.timed("backward_allreduce"):
+            if not reduced:
+                s.reduce_gradients_once()
+        clip = self.config.gradient_clipping
+        scale = self.loss_scale()
+        overflow = False
+        coef = 1.0 / scale
+        self._step_norm = None
+        if self._needs_grad_norm():
+            norm = self._step_norm = self._global_grad_norm()
+            overflow = not (norm == norm and norm != float("inf"))  # nan or inf
+            true_norm = norm / scale
+            self._last_grad_norm = true_norm
+            if not overflow and clip > 0 and true_norm > clip:
+                coef *= clip / (true_norm + 1e-6)
+        self._step_applied = not overflow
+        self.optimizer.overflow = overflow
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            if coef != 1.0:
+                s.scale_gradients_(coef)
+            s.optimizer_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        s.zero_grad()
+        s.close_grad_window()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        self._update_compression()
+
+    def _compression_schedule(self, model):
+        """The schedule init_compression left on the model, checked against this config."""
+        schedule = compression_schedule(model)
+        wanted = self.config.compression_training
+        if schedule is None:
+            if wanted.enabled:
+                raise ConfigError("compression_training: call deepspeed.compression.compress.init_compression(model, "
+                                  "config) before deepspeed.initialize")
+            return None
+        if schedule.config != wanted:
+            raise ConfigError("compression_training: differs from the config the model's init_compression used; "
+                              "pass the same config to both")
+        schedule.update(0)
+        return schedule
+
+    def _update_compression(self) -> None:
+        """Techniques start and prune on the count of applied optimizer steps (DeepSpeed's
+        compression scheduler is stepped after each step without overflow)."""
+        if self._compression is not None:
+            self._compression.update(self.global_steps - self.skipped_steps)
+
+    def _needs_grad_norm(self) -> bool:
+        # fp16 overflow, clipping, bf16's check_grad_overflow, stage 1-2's compute_grad_norm and the
+        # non-finite check all need it.
+        c = self.config
+        return (self.loss_scaler is not None or c.gradient_clipping > 0
+                or (c.bf16.enabled and c.bf16.check_grad_overflow)
+                or (c.zero_optimization.stage in (1, 2) and c.zero_optimization.compute_grad_norm)
+                or self._nonfinite is not None)
+
+    def _global_grad_norm(self) -> float:
+        """The strategy's norm (this replica's share, complete over the data-parallel
+        group) summed over the model-parallel group: every stage and tensor slice."""
+        norm = self.strategy.global_grad_norm()
+        axis = mesh_select.norm_axis(self.mesh)
+        if axis is not None and comm.is_initialized():
+            sq = torch.tensor([norm * norm], dtype=torch.float64, device=self.device)  # NCCL moves no CPU tensors
+            comm.all_reduce(sq, group=self.mesh.group(axis), label=f"grad norm over {axis}")
+            norm = float(sq.sqrt())
+        return norm
+
+    def zero_grad(self) -> None:
+        if self.zero_optimization_stage() >= 2:
+            # DeepSpeed 0.19.8's engine.zero_grad sets each parameter's .grad to None and nothing
+            # more: at ZeRO 2-3 what earlier backwards of the window reduced into the gradient
+            # partitions stays and the next step uses it (its ZeRO 0-1 lose it, as we do there).
+            # The step clears the partitions itself.
+            for p in self.module.parameters():
+                p.grad = None
+            return
+        self.strategy.zero_grad()
+        self.strategy.close_grad_window()
+
+    # A ConfigError, the one-line usage error (PipelineError is one too): the engine imports
+    # nothing of the pipeline; pipe_engine.py builds on the engine, not the other way round.
+    def train_batch(self, data_iter=None):
+        raise ConfigError("train_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
+                          "PipelineModule); train with engine(batch), engine.backward(loss), engine.step()")
+
+    def eval_batch(self, data_iter=None, *args, **kwargs):
+        raise ConfigError("eval_batch: this engine is not a pipeline (the model is not a deepspeed.pipe."
+                          "PipelineModule); evaluate with engine(batch) under torch.no_grad()")
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def counters_state(self) -> Dict[str, int]:
+        loader = self.training_dataloader if isinstance(self.training_dataloader, DistributedDataLoader) else None
+        return {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                # the accumulation the micro steps count in (another world size may resume with another)
+                "gradient_accumulation_steps": self.batch.gradient_accumulation_steps,
+                "dataloader_epoch": loader.epoch if loader else 0,
+                "dataloader_offset": loader.offset() if loader else 0}
+
+    def load_counters_state(self, state: Dict[str, int]) -> None:
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.global_samples = state["global_samples"]
+        self.skipped_steps = state["skipped_steps"]
+        if isinstance(self.training_dataloader, DistributedDataLoader):
+            self.training_dataloader.load_state_dict({"epoch": state.get("dataloader_epoch", 0),
+                                                      "offset": state.get("dataloader_offset", 0)})
+        self._update_compression()
+
+    def get_sequence_parallel_group(self):
+        """The process group of this rank's sequence axis (DistributedAttention's group)."""
+        return self.seq_parallel_group
+
+    def _refuse_sequence_checkpoint(self, what: str) -> None:
+        # ZeRO state is sharded over data x sequence ranks, which DeepSpeed's file layout
+        # (one shard per data-parallel rank) does not name
+        if self.seq_parallel_size > 1:
+            raise checkpoint.CheckpointError(f"{what}: checkpoints with sequence_parallel_size "
+                                             f"{self.seq_parallel_size} are not supported; save the weights with "
+                                             "the module's state_dict on one rank instead")
+
+    def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
+                        save_latest: bool = True, allow_pickle: bool = False) -> str:
+        """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
+        need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
+        self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """DeepSpeed's name for making the saved zero_to_fp32.py executable, where a file
+        share that refuses it is logged, not raised."""
+        checkpoint.saving.make_executable(dst)
+
+    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, trust_pickle: bool = False):
+        """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
+        weights_only=True unless trust_pickle=True."""
+        self._refuse_sequence_checkpoint("load_checkpoint")
+        return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               trust_pickle=trust_pickle)
+
+    def destroy(self) -> None:
+        self.strategy.close()
+        self.monitor.close()
+        self._gc.release()
+
+    # -- Hugging Face Trainer / Accelerate -----------------------------------------------------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """Collective: the full state_dict on rank 0 (CPU, compute dtype), None elsewhere."""
+        if self.config.zero_optimization.stage != 3:
+            raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage is "
+                             f"{self.config.zero_optimization.stage})")
+        return model_export.gathered_state_dict(self.module, exclude_frozen_parameters)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        return model_export.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model

@@ -1,0 +1,370 @@
+"""PipelineEngine: what `initialize` returns for a PipelineModule.
+
+    loss = engine.train_batch(data_iter)       # gradient_accumulation_steps micro-batches, one step
+    loss = engine.eval_batch(data_iter)        # forward only, same batch size
+
+Each stage runs its TrainSchedule (1F1B, schedule.py) instruction by instruction. Only the
+first stage reads inputs and only the last reads labels, each `next(data_iter)` giving one
+micro-batch `(inputs, labels)`; the other stages never touch data. The last stage computes
+`loss_fn(outputs, labels)` (or takes the output as the loss), scales it by the fp16 loss
+scale and 1/gradient_accumulation_steps and runs backward; gradients flow upstream through
+p2p.py. Everything the base engine does at the accumulation boundary then happens once
+per batch on every stage: gradients are reduced over the stage's data-parallel group by
+the ZeRO strategy (stage 0, 1 or 2), weights tied across stages get their gradients summed
+over the tie group, the gradient norm for clipping and fp16 overflow is summed over all
+stages and replicas, and the optimizer and LR scheduler step. The returned loss is the
+mean over the batch's micro-batches and data-parallel replicas, the same on every rank.
+
+ZeRO stage 3 is refused: a stage already holds only its own layers, and stage 3's
+gather-around-forward hooks assume one forward then its backward, which 1F1B interleaves.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..core import comm
+from .dataloader import DistributedDataLoader, RepeatingLoader, move_to
+from ..core.config import DeepSpeedConfig
+from .engine import DeepSpeedEngine, _config_source
+from ..core.strict import ConfigError
+from ..pipe import schedule as S
+from ..pipe.module import PipelineError, PipelineModule
+from ..pipe.p2p import AbortNotice, StageLink, floating
+
+
+class PipelineEngine(DeepSpeedEngine):
+    def __init__(self, *args, **kwargs):
+        model = kwargs.get("model")
+        if not isinstance(model, PipelineModule):
+            raise PipelineError("PipelineEngine: the model must be a deepspeed.pipe.PipelineModule")
+        empty = [s for s, n in enumerate(model.stage_param_counts()) if n == 0]
+        if empty:  # checked on every rank alike, before any collective
+            parts, names = model.parts, model.layer_names()
+            s = empty[0]
+            raise PipelineError(f"pipeline: stage {s} (layers {parts[s]}-{parts[s + 1] - 1}: "
+                                f"{', '.join(names[parts[s]:parts[s + 1]])}) has no trainable parameters for its "
+                                "optimizer; use fewer stages or partition_method=\"parameters\"")
+        # refused before the engine builds anything (every rank reads the same config)
+        source = _config_source(kwargs.get("args"), kwargs.get("config"), kwargs.get("config_params"))
+        if DeepSpeedConfig.load(source).zero_optimization.stage == 3:
+            raise ConfigError("zero_optimization.stage: ZeRO stage 3 cannot run under pipeline parallelism "
+                              "(each stage already holds only its layers, and stage 3's gather-around-forward "
+                              "does not follow 1F1B's interleaved micro-batches); use stage 1 or 2")
+        super().__init__(*args, **kwargs)
+        if self.config.pipeline.activation_checkpoint_interval > 0:
+            model.set_checkpoint_interval(self.config.pipeline.activation_checkpoint_interval)
+        self.num_stages = self.grid.get_pipe_parallel_world_size()
+        self.stage_id = self.grid.get_stage_id()
+        self.micro_batches = self.batch.gradient_accumulation_steps
+        self.micro_batch_size = self.batch.micro_batch_per_gpu
+        prev_rank = self.grid.stage_to_global(self.stage_id - 1) if self.stage_id > 0 else None
+        next_rank = self.grid.stage_to_global(self.stage_id + 1) if self.stage_id < self.num_stages - 1 else None
+        self.link = StageLink(prev_rank, next_rank, self.device, dynamic_shape=model.dynamic_shape)
+        self.data_iterator = None
+        if self.training_dataloader is not None:
+            # DeepSpeed's pipeline reads training_data in order (no shuffling); the first and
+            # last stage of a pipeline must see the same samples, and do with the same sampler
+            loader = self.training_dataloader
+            self.training_dataloader = DistributedDataLoader(loader.dataset, loader.batch_size, self.dp_rank,
+                                                             self.dp_world_size, collate_fn=loader.loader.collate_fn,
+                                                             shuffle=False)
+        if self.training_dataloader is not None and self._reads_data():
+            self.data_iterator = RepeatingLoader(self.training_dataloader)
+        self.batch_fn = None
+        self.agg_train_loss: Optional[torch.Tensor] = None
+        self._boundary_flag = False
+        self._compute_loss = True
+        self.eval_return_logits = False
+        self.outputs = None
+        self._grads: Optional[List[torch.Tensor]] = None
+        # seconds of the last batch: forward+backward (compute), sends and receives including
+        # the wait for the neighbour (p2p), reductions and optimizer step (step), all (total);
+        # and time.perf_counter() at the schedule's start and at the end of its last forward or
+        # backward pass (start, compute_end: one clock for every process of a host)
+        self.step_timings: Dict[str, float] = {}
+        if self.global_rank == 0:
+            self._print_layout(model)
+
+    def _print_layout(self, model: PipelineModule) -> None:
+        names, parts = model.layer_names(), model.parts
+        stages = "; ".join(f"stage {s}: layers {parts[s]}-{parts[s + 1] - 1} "
+                           f"({', '.join(names[parts[s]:parts[s + 1]])})" for s in range(self.num_stages))
+        print(f"pipeline: {self.num_stages} stages x {self.dp_world_size} data-parallel, "
+              f"{self.micro_batches} micro-batches of {self.micro_batch_size}; {stages}", flush=True)
+
+    # -- DeepSpeed's accessors -----------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def _reads_data(self) -> bool:
+        return self.is_first_stage() or self.is_last_stage()
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def set_dataiterator(self, iterator) -> None:
+        """The iterator train_batch() reads from (kept only by the first and last stages)."""
+        if self._reads_data():
+            self.data_iterator = iterator
+
+    def set_dataloader(self, loader) -> None:
+        if self._reads_data():
+            self.training_dataloader = loader
+            self.data_iterator = RepeatingLoader(loader)
+
+    def _restart_data_iterator(self) -> None:
+        """After a checkpoint moved the engine's loader (resize_driver.py resume): read on from
+        its new position; an iterator the script set is the script's."""
+        if isinstance(self.data_iterator, RepeatingLoader) and self.data_iterator.loader is self.training_dataloader:
+            self.data_iterator = RepeatingLoader(self.training_dataloader)
+
+    def set_batch_fn(self, fn) -> None:
+        self.batch_fn = fn
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._boundary_flag
+
+    def reset_activation_shape(self) -> None:
+        self.link.new_batch()
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError("pipeline: engine(batch) is not available in pipeline mode; use engine.train_batch() "
+                            "or engine.eval_batch()")
+
+    def backward(self, *args, **kwargs):
+        raise PipelineError("pipeline: engine.backward() is not available in pipeline mode; use engine.train_batch()")
+
+    def step(self, *args, **kwargs):
+        raise PipelineError("pipeline: engine.step() is not available in pipeline mode; use engine.train_batch()")
+
+    def no_sync(self):
+        # DeepSpeed's pipeline accepts the block and reduces anyway: train_batch reduces and steps
+        raise PipelineError("pipeline: no_sync() is not available in pipeline mode: train_batch() reduces the "
+                            "gradients of its micro-batches and steps every call")
+
+    # -- batches ---------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """Run one global batch and step; returns the mean loss (same on every rank)."""
+        if self._resize is not None:
+            self._resize.check_stop()
+        if not torch.is_grad_enabled():
+            raise PipelineError("train_batch: gradients are disabled (torch.no_grad); use eval_batch() instead")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self._compute_loss = True
+        start = time.perf_counter()
+        sched = S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        if self._trial is not None:
+            self._trial.in_flight = sched.activations_in_flight()
+        losses = self._exec_schedule(sched)
+        self.agg_train_loss = self._aggregate_loss(losses, self.micro_batches)
+        self.step_timings["total"] = time.perf_counter() - start
+        self._meter.add_loss(float(self.agg_train_loss))
+        self._report_step()  # the log line and monitors, once the batch's loss is known
+        if self._resize is not None:
+            self._resize.after_step()
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True, reduce_output="avg",
+                   bcast_loss: bool = True, num_micro_batches: Optional[int] = None):
+        """Forward `num_micro_batches` (default: gradient_accumulation_steps) micro-batches
+        through the InferenceSchedule under torch.no_grad; returns the mean loss (on every
+        rank when bcast_loss), and the last micro-batch's outputs too with return_logits."""
+        if reduce_output not in (None, "avg"):
+            raise PipelineError(f"eval_batch: reduce_output={reduce_output!r}; use \"avg\" or None")
+        if self._resize is not None:
+            self._resize.check_stop()
+        self.module.eval()
+        self._compute_loss = compute_loss
+        self.eval_return_logits = return_logits
+        saved = self.data_iterator
+        self.set_dataiterator(data_iter)
+        m = num_micro_batches or self.micro_batches
+        try:
+            with torch.no_grad():
+                outs = self._exec_schedule(S.InferenceSchedule(m, self.num_stages, self.stage_id))
+        finally:
+            self.data_iterator = saved
+        if reduce_output is None:
+            result = outs if self.is_last_stage() else None
+        elif compute_loss and bcast_loss:
+            result = self._aggregate_loss(outs, m)
+        else:
+            result = self._mean_over_replicas(sum(outs) / m) if self.is_last_stage() else None
+        self.module.train()
+        if return_logits:
+            logits, self.outputs = self.outputs, None
+            return result, logits
+        return result
+
+    # -- execution -------------------------------------------------------------------------------
+    def _exec_schedule(self, sched: S.PipeSchedule) -> List[torch.Tensor]:
+        n = sched.num_pipe_buffers()
+        self._buf: Dict[str, List[Any]] = {k: [None] * n for k in ("inputs", "labels", "outputs", "loss")}
+        self._results: List[torch.Tensor] = []
+        self._backwards = 0
+        self.link.new_batch()
+        self._batch_data = self._prefetch(sched.micro_batches) if self._reads_data() else []
+        handlers = {S.LoadMicroBatch: self._load, S.ForwardPass: self._forward, S.BackwardPass: self._backward,
+                    S.SendActivation: self._send_act, S.RecvActivation: self._recv_act, S.SendGrad: self._send_grad,
+                    S.RecvGrad: self._recv_grad, S.ReduceTiedGrads: self._reduce_tied, S.ReduceGrads: self._reduce,
+                    S.OptimizerStep: self._optimizer_step}
+        comm_time = compute_time = step_time = 0.0
+        self.step_timings["start"] = time.perf_counter()
+        for step in sched:
+            for cmd in step:
+                t0 = time.perf_counter()
+                handlers[type(cmd)](cmd)
+                dt = time.perf_counter() - t0
+                if isinstance(cmd, (S.ForwardPass, S.BackwardPass)):
+                    compute_time += dt
+                    self.step_timings["compute_end"] = t0 + dt
+                elif isinstance(cmd, (S.SendActivation, S.RecvActivation, S.SendGrad, S.RecvGrad)):
+                    comm_time += dt
+                elif isinstance(cmd, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
+                    step_time += dt
+        self.step_timings.update(compute=compute_time, p2p=comm_time, step=step_time)
+        self._buf = {}
+        return self._results
+
+    def _prefetch(self, m: int) -> List[Any]:
+        """The batch's m micro-batches, read before any transfer: a data problem then stops
+        every stage of the pipeline with the same error instead of leaving some waiting.
+        The first stage tells the stages downstream through the activation header they are
+        about to receive; the last stage takes that notice before it raises."""
+        batches, problem = [], None
+        if self.data_iterator is None:
+            problem = AbortNotice(AbortNotice.NO_DATA, 0, m)
+        else:
+            try:
+                for _ in range(m):
+                    batches.append(self._checked(next(self.data_iterator)))
+            except StopIteration:
+                problem = AbortNotice(AbortNotice.RAN_OUT, len(batches), m)
+        if problem is None:
+            return batches
+        if self.num_stages > 1 and self.is_first_stage():
+            self.link.send_abort(problem)
+        elif self.num_stages > 1:
+            self.link.take_abort()
+        raise PipelineError(problem.message())
+
+    def _checked(self, batch):
+        if self.batch_fn is not None:
+            batch = self.batch_fn(batch)
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise PipelineError(f"pipeline: each micro-batch must be a pair (inputs, labels); got "
+                                f"{type(batch).__name__}{'' if not hasattr(batch, '__len__') else f' of {len(batch)}'}")
+        return batch
+
+    def _load(self, cmd) -> None:
+        batch = self._batch_data.pop(0)
+        if self.is_first_stage():
+            x = batch[0]
+            self._buf["inputs"][cmd.buffer_id] = (move_to(tuple(x), self.device) if isinstance(x, (tuple, list))
+                                                  else move_to(x, self.device))
+        if self.is_last_stage():
+            self._buf["labels"][cmd.buffer_id] = move_to(batch[1], self.device)
+
+    def _forward(self, cmd) -> None:
+        b = cmd.buffer_id
+        x = self._buf["inputs"][b]
+        # an autotuning trial counts what one training micro-batch saves for backward
+        probe = self._trial.forward() if self._trial is not None and torch.is_grad_enabled() else nullcontext()
+        with self._meter.timed("forward"), probe:
+            out = self.module(x)
+        if not self.is_last_stage():
+            self._buf["outputs"][b] = out
+            return
+        if self.eval_return_logits:
+            self.outputs = out
+        if self._compute_loss and self.module.loss_fn is not None:
+            loss = self.module.loss_fn(out, self._buf["labels"][b])
+        else:
+            loss = out
+        if self._compute_loss and not (torch.is_tensor(loss) and loss.numel() == 1):
+            raise PipelineError("pipeline: the loss must be a single-element tensor; give PipelineModule(loss_fn=...) "
+                                f"or make the last layer return the loss (got {type(loss).__name__}"
+                                f"{'' if not torch.is_tensor(loss) else f' of shape {list(loss.shape)}'})")
+        self._buf["loss"][b] = loss
+        self._results.append(loss.detach().float().reshape(()) if self._compute_loss else out.detach())
+        self._buf["labels"][b] = None
+
+    def _backward(self, cmd) -> None:
+        b = cmd.buffer_id
+        boundary = self._backwards == self.micro_batches - 1
+        self._boundary_flag = boundary
+        with self._meter.timed("backward"):
+            self.strategy.before_backward(boundary)
+            if self.is_last_stage():
+                loss = self._buf["loss"][b]
+                factor = self.loss_scale() / self.micro_batches
+                (loss.float() * factor).backward()
+                self._buf["loss"][b] = None
+            else:
+                outs = floating(self._buf["outputs"][b])
+                pairs = [(o, g) for o, g in zip(outs, self._grads) if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                self._grads = None
+            self.strategy.after_backward(boundary)
+        if boundary and self._trial is not None:
+            self._trial.after_backward()  # the batch's gradients are held now; the step frees them
+        self._boundary_flag = False
+        self._buf["outputs"][b] = None
+        self._backwards += 1
+
+    def _send_act(self, cmd) -> None:
+        self.link.send_activation(self._buf["outputs"][cmd.buffer_id])
+        if not torch.is_grad_enabled():
+            self._buf["outputs"][cmd.buffer_id] = None
+
+    def _recv_act(self, cmd) -> None:
+        self._buf["inputs"][cmd.buffer_id] = self.link.recv_activation()
+
+    def _send_grad(self, cmd) -> None:
+        self.link.send_grads(self._buf["inputs"][cmd.buffer_id])
+        self._buf["inputs"][cmd.buffer_id] = None
+
+    def _recv_grad(self, cmd) -> None:
+        self._grads = self.link.recv_grads(self._buf["outputs"][cmd.buffer_id])
+
+    def _reduce_tied(self, cmd) -> None:
+        """Tied weights are summed in _reduce, after the data-parallel reduction: the two
+        sums commute, and a ZeRO strategy only has the reduced gradient in partitions."""
+
+    def _reduce(self, cmd) -> None:
+        self.strategy.reduce_gradients()
+        for weight, group in self.module.get_tied_weights_and_groups():
+            self.strategy.sum_param_grads_([weight], group)
+
+    def _optimizer_step(self, cmd) -> None:
+        self._boundary_step({}, reduced=True)
+        self.micro_steps += self.micro_batches
+
+    # -- losses ----------------------------------------------------------------------------------
+    def _mean_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().float().clone()
+        if self.dp_world_size > 1:
+            comm.all_reduce(value, group=self.dp_group, label="pipeline loss over replicas")
+            value /= self.dp_world_size
+        return value
+
+    def _aggregate_loss(self, losses: List[torch.Tensor], m: int) -> torch.Tensor:
+        """Mean over micro-batches and replicas on the last stage, broadcast along the pipeline."""
+        if self.is_last_stage():
+            value = self._mean_over_replicas(torch.stack(losses).sum() / m).reshape(1)
+        else:
+            value = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if self.num_stages > 1:
+            comm.broadcast(value, src=self.grid.stage_to_global(self.num_stages - 1),
+                           group=self.grid.get_pipe_parallel_group(), label="pipeline loss")
+        return value[0]

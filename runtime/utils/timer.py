@@ -1,4 +1,0 @@
-"""`deepspeed.utils.timer`: DeepSpeed's trimmed mean (the comms logger's averages)."""
-from ..comm.logger import trim_mean
-
-__all__ = ["trim_mean"]

@@ -1,0 +1,70 @@
+"""The alias table of DeepSpeed's module paths (compat/paths.py): every entry answers as it says.
+
+An alias is the module it names (the same object, children included); a Names module holds
+exactly its names, each the object it names; a refused path is one ImportError line; and
+`python -m <alias>` runs the module it names (the old `python -m dslaunch.runtime.consolidate`).
+"""
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from dslaunch.compat import paths
+
+ALIASES = sorted(rel for rel, e in paths.PATHS.items() if isinstance(e, str))
+NAMES = sorted(rel for rel, e in paths.PATHS.items() if isinstance(e, paths.Names))
+REFUSED = sorted(rel for rel, e in paths.PATHS.items() if isinstance(e, paths.Refused))
+
+
+@pytest.mark.parametrize("rel", ALIASES)
+def test_an_alias_is_the_module_it_names(rel):
+    alias = importlib.import_module(f"dslaunch.runtime.{rel}")
+    real = importlib.import_module(f"dslaunch.runtime.{paths.PATHS[rel]}")
+    assert alias is real
+    assert real.__spec__.name == real.__name__ == f"dslaunch.runtime.{paths.PATHS[rel]}"  # it keeps its own spec
+
+
+@pytest.mark.parametrize("rel", NAMES)
+def test_a_names_module_holds_exactly_its_names(rel):
+    module = importlib.import_module(f"dslaunch.runtime.{rel}")
+    entry = paths.PATHS[rel]
+    assert sorted(module.__all__) == sorted(entry.names)
+    for name, where in entry.names.items():
+        source, _, attr = where.partition(":")
+        base = importlib.import_module(f"dslaunch.runtime.{source}")
+        expected = getattr(base, attr or name, None) or importlib.import_module(f"{base.__name__}.{attr or name}")
+        assert getattr(module, name) is expected, (rel, name)
+
+
+@pytest.mark.parametrize("rel", REFUSED)
+def test_a_refused_path_is_one_import_error_line(rel):
+    with pytest.raises(ImportError) as info:
+        importlib.import_module(f"dslaunch.runtime.{rel}.anything")
+    assert "\n" not in str(info.value) and "is not provided" in str(info.value)
+
+
+def test_children_of_an_alias_follow_it():
+    import dslaunch.runtime.checkpoint.reshard as old  # the shard arithmetic, now zero's
+    import dslaunch.runtime.comm.shm as shm
+
+    assert old.__name__ == "dslaunch.runtime.zero.reshard"
+    assert shm.__name__ == "dslaunch.runtime.core.comm.shm"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dslaunch.runtime.no_such_module")
+
+
+def test_top_level_entries_are_attributes_of_the_runtime():
+    import dslaunch.runtime as deepspeed
+
+    assert deepspeed.monitor is importlib.import_module("dslaunch.runtime.train.monitor")
+    assert deepspeed.comm.configure is importlib.import_module("dslaunch.runtime.core.comm").configure
+    with pytest.raises(AttributeError):
+        deepspeed.no_such_name  # noqa: B018
+
+
+def test_python_dash_m_runs_the_module_an_alias_names():
+    res = subprocess.run([sys.executable, "-m", "dslaunch.runtime.consolidate", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "CKPT_DIR" in res.stdout
