@@ -80,11 +80,17 @@ PATHS: Dict[str, Entry] = {
     # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
     "accelerator": "core.accelerator",  # deepspeed.accelerator
     "activation_checkpointing": "train.activation_checkpointing",  # deepspeed.runtime.activation_checkpointing
+    "bf16_optimizer": Names("DeepSpeed's bf16 optimizer wrapper, named for isinstance checks only.",
+                            {"BF16_Optimizer": "core.internals"}),
     "checkpoint": "train.checkpoint",  # deepspeed.checkpoint
     "checkpointing": "train.activation_checkpointing.checkpointing",  # deepspeed.checkpointing
     "comm": "core.comm",  # deepspeed.comm
+    "comm.coalesced_collectives": Names("deepspeed.runtime.comm.coalesced_collectives: ZeRO's coalesced reductions.",
+                                        {"reduce_scatter_coalesced": "core.comm.coalesced",
+                                         "all_to_all_quant_reduce": "core.comm.coalesced"}),
     "compression": "train.compression",  # deepspeed.compression
     "config": "core.config",  # deepspeed.runtime.config
+    "constants": "core.config.constants",  # deepspeed.runtime.constants: config keys and their defaults
     "dataloader": "train.dataloader",  # deepspeed.runtime.dataloader
     "elasticity": "core.config.elasticity",  # deepspeed.elasticity
     "engine": "train.engine",  # deepspeed.runtime.engine
@@ -108,6 +114,8 @@ PATHS: Dict[str, Entry] = {
     "monitor.tensorboard": Names("deepspeed.monitor.tensorboard", {"TensorBoardMonitor": "train.monitor.monitor"}),
     "monitor.wandb": Names("deepspeed.monitor.wandb", {"WandbMonitor": "train.monitor.monitor"}),
     "ops": "train.ops",  # deepspeed.ops
+    "ops.aio": Names("deepspeed.ops.aio: the async-I/O op's builder (False here: NVMe offload uses torch's file I/O).",
+                     {"AsyncIOBuilder": "train.ops.op_builder"}),
     "pipe.engine": "train.pipe_engine",  # deepspeed.runtime.pipe.engine
     "pipe.topology": _TOPOLOGY,
     "precision_config": Names("deepspeed.runtime.precision_config: one precision section of a config dict, parsed.",
@@ -120,7 +128,10 @@ PATHS: Dict[str, Entry] = {
                     "is_model_parallel_parameter": "train.helpers", "move_to_device": "train.helpers",
                     "see_memory_usage": "train.helpers", "set_random_seed": "train.helpers",
                     "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
-                    "partition_balanced": "pipe.partition", **{name: "zero.fragments" for name in _FRAGMENTS}}),
+                    "partition_balanced": "pipe.partition", "prefix_sum_inc": "pipe.partitioned",
+                    **{name: "zero.fragments" for name in _FRAGMENTS}}),
+    "swap_tensor": Names("deepspeed.runtime.swap_tensor: the size from which DeepSpeed's NVMe offload swaps.",
+                         {"MIN_SWAPPABLE_BYTES": "zero.param_swap"}),
     "utils.comms_logging": Names("deepspeed.utils.comms_logging: the comms logger deepspeed.comm records into.",
                                  {"CommsLogger": "core.comm.logger", "bandwidths_gbps": "core.comm.logger",
                                   "bus_factor": "core.comm.logger"}),
@@ -141,6 +152,8 @@ PATHS: Dict[str, Entry] = {
     "zero.partition_parameters": Names("deepspeed.runtime.zero.partition_parameters: ZeRO-3's parameter names.",
                                        {"GatheredParameters": "zero.params", "Init": "zero.params",
                                         "ZeroParamStatus": "zero.params"}),
+    "zero.utils": Names("deepspeed.runtime.zero.utils: the class DeepSpeed raises its ZeRO refusals as.",
+                        {"ZeRORuntimeException": "core.errors"}),
     "zero.stage_1_and_2": Names("DeepSpeed's ZeRO-1/2 optimizer wrapper, named for isinstance checks only.",
                                 {"DeepSpeedZeroOptimizer": "core.internals"}),
     # -- the runtime's own former paths (before core/, the strategies and train/) --------------

@@ -26,8 +26,10 @@ from . import builder
 from .cache import Damaged, check_library
 
 ENV = "DSLAUNCH_BUILD_OPS"
-_CPU = {"cpu_adam": builder.cpu_adam_spec, "cpu_lion": builder.cpu_lion_spec, "cpu_adagrad": builder.cpu_adagrad_spec}
-NAMES = (*_CPU, "fused_adam")
+_CPU = {"cpu_adam": builder.cpu_adam_spec, "cpu_lion": builder.cpu_lion_spec, "cpu_adagrad": builder.cpu_adagrad_spec,
+        "quantizer": builder.quantizer_spec}
+_CUDA = {"fused_adam": builder.fused_adam_spec, "quantizer_cuda": builder.quantizer_cuda_spec}
+NAMES = (*_CPU, *_CUDA)
 
 
 class AotError(SystemExit):
@@ -55,11 +57,11 @@ def specs(names: List[str]) -> List[builder.OpSpec]:
     import torch
 
     out = [_CPU[n]() for n in names if n in _CPU]
-    if "fused_adam" in names:
+    for name in (n for n in names if n in _CUDA):
         if torch.version.cuda is not None:
-            out.append(builder.fused_adam_spec())
+            out.append(_CUDA[name]())
         elif os.environ.get(ENV, "").strip() != "1":
-            raise AotError(f"{ENV}: fused_adam needs a CUDA build of torch; torch {torch.__version__} is CPU-only")
+            raise AotError(f"{ENV}: {name} needs a CUDA build of torch; torch {torch.__version__} is CPU-only")
     return out
 
 

@@ -25,7 +25,7 @@ from . import builder
               help=f"Build cache (default: ${builder.CACHE_ENV} or ~/.cache/dslaunch/ops).")
 @click.option("-v", "--verbose", is_flag=True, help="Show the compiler commands as they run.")
 def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
-    """Build the fused optimizer kernels (CPU Adam, Lion, Adagrad; CUDA fused Adam on GPU machines)."""
+    """Build the kernels (CPU Adam, Lion, Adagrad, ZeRO++'s quantizer; on GPU machines the CUDA ones too)."""
     try:
         level = builder.detect_isa() if isa == "auto" else isa
     except ValueError as e:
@@ -51,7 +51,7 @@ def build_ops(isa: str, cuda, cache_dir, verbose: bool) -> None:
             click.echo(f"build-ops: no GPU visible: the CUDA fused Adam targets {sms} (compute capability "
                        f"{', '.join(arches)}), the default; for another GPU set {builder.ARCH_ENV}, "
                        "e.g. 8.0 for an A100", err=True)
-        specs.append(builder.fused_adam_spec(arches))
+        specs += [builder.fused_adam_spec(arches), builder.quantizer_cuda_spec(arches)]
     failed = False
     for spec in specs:
         try:

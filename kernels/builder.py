@@ -81,7 +81,7 @@ PREBUILT_COMPILER = "prebuilt"  # a prebuilt op's key names no compiler: the mac
 
 __all__ = ["BuildError", "OpSpec", "BuiltOp", "build", "cache_root", "detect_isa", "cpu_flags", "entry_name",
            "prebuilt_entry_name", "cpu_adam_spec", "cpu_lion_spec", "cpu_adagrad_spec", "CPU_OP_SPECS",
-           "fused_adam_spec", "nvcc_check_commands", "nvcc_compile_command"]
+           "fused_adam_spec", "nvcc_check_commands", "nvcc_compile_command", "quantizer_spec", "quantizer_cuda_spec"]
 
 
 @dataclass(frozen=True)
@@ -404,7 +404,13 @@ def cpu_adagrad_spec(isa: Optional[str] = None) -> OpSpec:
                        "cpu_adagrad_op.cpp")
 
 
-CPU_OP_SPECS = (cpu_adam_spec, cpu_lion_spec, cpu_adagrad_spec)  # what `dslaunch build-ops` builds
+def quantizer_spec(isa: Optional[str] = None) -> OpSpec:
+    """ZeRO++'s block quantizer (quantizer.cpp + quantizer_op.cpp; the maths in quantize_ref.py)."""
+    return cpu_op_spec("ds_quant", "quantizer.cpp", ("ds_quantize", "ds_dequantize", "ds_quant_isa",
+                                                     "ds_quant_namespace"), isa, "quantizer_op.cpp")
+
+
+CPU_OP_SPECS = (cpu_adam_spec, cpu_lion_spec, cpu_adagrad_spec, quantizer_spec)  # what `dslaunch build-ops` builds
 
 
 def _arch_list() -> List[str]:
@@ -453,6 +459,23 @@ def fused_adam_spec(arches: Optional[List[str]] = None) -> OpSpec:
         with_cuda=True,
         symbols=("ds_fused_adam_step", "ds_fused_nonfinite", "ds_fused_upload", "ds_fused_adam_error_string",
                  "ds_fused_adam_namespace"),
+        headers=tuple(str(HERE / h) for h in ("op_common.h",)),
+    )
+
+
+def quantizer_cuda_spec(arches: Optional[List[str]] = None) -> OpSpec:
+    """ZeRO++'s block quantizer on CUDA: its kernels (quantizer.cu) and torch op
+    (quantizer_cuda_op.cpp), built like the fused Adam (fused_adam_spec)."""
+    arches = list(arches) if arches else _arch_list()
+    return OpSpec(
+        name="ds_quant_cuda",
+        sources=(str(HERE / "quantizer.cu"), str(HERE / "quantizer_cuda_op.cpp")),
+        cflags=("-O3", "-fvisibility=hidden"),
+        cuda_cflags=("-O3", "-Xcompiler", "-Wall,-fvisibility=hidden", *_gencode(arches)),
+        isa="cuda-" + "-".join(a.replace(".", "").replace("+PTX", "p") for a in arches),
+        with_cuda=True,
+        symbols=("ds_quant_cuda_quantize", "ds_quant_cuda_dequantize", "ds_quant_cuda_error_string",
+                 "ds_quant_cuda_namespace"),
         headers=tuple(str(HERE / h) for h in ("op_common.h",)),
     )
 

@@ -3,7 +3,7 @@ step at ep = 1, 2, 4, bytes per rank against the dense model of the same active 
 DeepSpeed's MoE beside ours.
 
     python scripts/bench_moe.py [--ep 1 2 4] [--experts 8] [--hidden 256] [--ffn 1024]
-        [--layers 2] [--seq 64] [--micro 8] [--k 1] [--steps 5] [--rounds 2]
+        [--layers 2] [--seq 64] [--micro 8] [--k 1] [--steps 5] [--rounds 2] [--autoep]
         [--deepspeed-python /work/ds-venv/bin/python|none] [--cuda]
 
 The model: `--layers` blocks of Linear(hidden, hidden) -> MoE(num_experts=--experts,
@@ -21,6 +21,12 @@ ZeRO off; one warm-up step, then `--steps` timed ones. DeepSpeed (the same file 
   bytes x (n - 1) / n);
 * params/grads/optim MiB per rank (rank 0's tensors), and the same for the dense model of
   the same active size (each MoE replaced by k experts' worth: one expert with ffn x k).
+
+With `--autoep`, the model is transformers' Mixtral instead (`--layers` decoder layers of width
+`--hidden`, `--experts` experts of `--ffn`, top `--k`, vocabulary 1024, eager attention, its
+load-balancing loss on), trained as a causal LM with AutoEP (`"expert_parallel": {"enabled":
+true, "autoep_size": ep}`), DeepSpeed's AutoEP beside it (its Python needs transformers 5.17.0
+too); the "no AutoEP" rows are the same model on the same ranks with every expert on each rank.
 
 On the CPU each rank runs one thread; ep ranks need ep free cores for the times to mean
 anything, so say the load average with the figures. `--cuda` runs one GPU per rank (NCCL).
@@ -103,25 +109,47 @@ class A2ACounter:
         where.all_to_all_single = counted
 
 
+VOCAB = 1024
+
+
+def build_mixtral(args):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.ffn,
+                        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                        max_position_embeddings=max(args.seq, 64), num_local_experts=args.experts,
+                        num_experts_per_tok=args.k, output_router_logits=True, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
 def run(rt, layer_mod, args, ep: int, device, dense: bool = False) -> dict:
     import time
 
-    model = build(layer_mod, args, ep, dense).to(device)
+    autoep = args.autoep and not dense
+    model = (build_mixtral(args) if args.autoep else build(layer_mod, args, ep, dense)).to(device)
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
            "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 0},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    if autoep:
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep}
     engine, *_ = rt.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
     g = torch.Generator().manual_seed(1 + engine.global_rank if hasattr(engine, "global_rank") else 1)
     x = torch.randn(args.micro, args.seq, args.hidden, generator=g).to(device)
     y = torch.randn(args.micro, args.seq, args.hidden, generator=g).to(device)
+    ids = torch.randint(0, VOCAB, (args.micro, args.seq), generator=g).to(device)
     counter = A2ACounter(rt)
     times, sent = [], []
     grads = 0
     for i in range(args.steps + 1):
         counter.sent = 0
         start = time.perf_counter()
-        out, aux = engine(x)
-        engine.backward((out - y).pow(2).mean() + 0.01 * aux)
+        if args.autoep:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+        else:
+            out, aux = engine(x)
+            engine.backward((out - y).pow(2).mean() + 0.01 * aux)
         grads = _bytes(p.grad for p in engine.module.parameters())
         engine.step()
         if device.type == "cuda":
@@ -154,7 +182,8 @@ def spawn_peer(ep: int, args):
     argv = ["--ep", str(ep)]
     for flag in ("experts", "hidden", "ffn", "layers", "seq", "micro", "k", "steps"):
         argv += [f"--{flag}", str(getattr(args, flag))]
-    return run_peer(args.deepspeed_python, __file__, argv + (["--cuda"] if args.cuda else []), "bench-moe-peer-ext")
+    argv += (["--cuda"] if args.cuda else []) + (["--autoep"] if args.autoep else [])
+    return run_peer(args.deepspeed_python, __file__, argv, "bench-moe-peer-ext")
 
 
 def summary(ranks, key="moe") -> dict:
@@ -180,6 +209,7 @@ def main() -> None:
     p.add_argument("--deepspeed-python", default="none",
                    help="a Python with DeepSpeed installed, to run its MoE beside ours ('none': ours only)")
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--autoep", action="store_true", help="transformers' Mixtral with AutoEP instead of deepspeed.moe")
     p.add_argument("--as-peer", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.dense = not args.as_peer
@@ -209,13 +239,15 @@ def main() -> None:
         (ours[ep], dense[ep]), theirs[ep] = take_turns(
             args.rounds, ours_run, peer_run if peer else None,
             lambda runs: max(runs, key=lambda r: r[0]["tokens/s"]), lambda runs: max(runs, key=lambda r: r["tokens/s"]))
-    print(f"load average {os.getloadavg()[0]:.1f}; {args.layers} MoE layers, {args.experts} experts "
+    what = "Mixtral (AutoEP)" if args.autoep else "MoE"
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.layers} {what} layers, {args.experts} experts "
           f"{args.hidden}->{args.ffn}->{args.hidden}, k {args.k}, seq {args.seq}, micro {args.micro} per rank; "
           f"{'CUDA' if args.cuda else 'CPU'}; bytes are rank 0's, MiB")
     cols = ("params", "grads", "optim")
     print(f"{'ep':>3} {'side':>9} {'tokens/s':>10} {'a2a MiB':>8} " + " ".join(f"{c:>8}" for c in cols))
     for ep in args.ep:
-        for side, r in (("dslaunch", ours[ep]), ("DeepSpeed", theirs.get(ep)), ("dense", dense[ep])):
+        for side, r in (("dslaunch", ours[ep]), ("DeepSpeed", theirs.get(ep)),
+                        ("no AutoEP" if args.autoep else "dense", dense[ep])):
             if r is None:
                 continue
             if "error" in r:

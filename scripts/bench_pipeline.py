@@ -1,8 +1,14 @@
 """Pipeline parallelism: step time, bubble fraction against the 1F1B theory, memory per
-rank against the same model without a pipeline, and DeepSpeed's pipeline beside ours.
+rank against the same model without a pipeline, and DeepSpeed's pipeline beside ours, for
+each of our schedules.
 
     python scripts/bench_pipeline.py [--stages 2 4] [--micro 4 8 16] [--layers 8] [--dim 256]
-        [--rows 32] [--batches 5] [--rounds 2] [--peer-python /work/ds-venv/bin/python|none] [--cuda]
+        [--rows 32] [--batches 5] [--rounds 2] [--schedules 1f1b zb-h1 interleaved-1f1b]
+        [--peer-python /work/ds-venv/bin/python|none] [--cuda]
+
+Each schedule is chosen by name (the config's pipeline.schedule); interleaved-1f1b cuts the
+blocks into 2 model chunks per stage (PipelineModule(virtual_stages=2): --layers must be at
+least 2p). DeepSpeed runs its one schedule, 1F1B.
 
 The model is a stack of `--layers` residual MLP blocks (width `--dim`, 4x hidden), cut into
 p equal stages (partition_method="uniform"), trained with torch's AdamW on every side; a
@@ -15,6 +21,8 @@ reference. Printed per (p, m):
 
 * step time: the median over batches of the slowest rank's train_batch() wall time, beside
   the unpipelined step time, DeepSpeed's, and the ratios;
+* clock: the schedule's bubble on a unit clock (passes of equal time, free transfers:
+  pipe/schedule.py's simulate()), what the schedule achieves when nothing else interferes;
 * bubble (ours): per batch, the span from the earliest stage's start to the last forward
   or backward pass to end on any stage, and each stage's share of it not spent in its own
   forward and backward passes (the engine's step_timings clocks: waiting for a neighbour
@@ -142,26 +150,30 @@ def train_timed(engine, run_batch, args, device, saved_for) -> tuple:
     return totals, spans, peak
 
 
-def build(rt, args, m: int, device, p: int = 0):
+def build(rt, args, m: int, device, p: int = 0, schedule: str = "1f1b"):
     """An engine over the blocks: a p-stage PipelineModule, or (p = 0) the plain stack.
     The optimizer is torch's AdamW on both sides (no kernel build on either)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
     blocks = [Block(args.dim) for _ in range(args.layers)]
+    cfg = config(m, args.rows)
     if p:
+        chunked = {} if args.as_peer else {"virtual_stages": 2 if schedule == "interleaved-1f1b" else 1}
         model = rt.pipe.PipelineModule(layers=blocks, num_stages=p, loss_fn=torch.nn.MSELoss(),
-                                       partition_method="uniform")
+                                       partition_method="uniform", **chunked)
+        if not args.as_peer:
+            cfg["pipeline"] = {"schedule": schedule}
     else:
         model = torch.nn.Sequential(*blocks)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine, *_ = rt.initialize(model=model, optimizer=opt, config=config(m, args.rows))
+    engine, *_ = rt.initialize(model=model, optimizer=opt, config=cfg)
     return engine
 
 
-def run_pipeline(rt, args, p: int, m: int, device) -> dict:
-    engine = build(rt, args, m, device, p)
+def run_pipeline(rt, args, p: int, m: int, device, schedule: str = "1f1b") -> dict:
+    engine = build(rt, args, m, device, p, schedule)
     data = batch_data(m, args.rows, args.dim, device)
     totals, spans, peak = train_timed(engine, lambda: engine.train_batch(iter(data)), args, device, engine.module)
     out = {"totals": totals, "spans": spans, "state": state_bytes(engine), "peak": peak}
@@ -187,8 +199,11 @@ def run_plain(rt, args, m: int, device) -> dict:
 
 def worker(rank: int, world: int, port: int, args, result_path: str) -> None:
     rt, device = start_rank(rank, world, port, args.as_peer, args.cuda)
-    rows = [run_plain(rt, args, m, device) if args.plain else run_pipeline(rt, args, world, m, device)
-            for m in args.micro]
+    if args.plain:
+        rows = [run_plain(rt, args, m, device) for m in args.micro]
+    else:  # [schedule][micro index]; DeepSpeed runs 1F1B only
+        rows = [[run_pipeline(rt, args, world, m, device, name) for m in args.micro]
+                for name in (["1f1b"] if args.as_peer else args.schedules)]
     write_result(result_path, rank, rows)
 
 
@@ -221,6 +236,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--batches", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each side per p, alternating")
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1", "interleaved-1f1b"],
+                    help="our schedules to run (pipeline.schedule names)")
     ap.add_argument("--peer-python", default="/work/ds-venv/bin/python",
                     help="a Python with DeepSpeed installed; 'none' to run dslaunch alone")
     ap.add_argument("--cuda", action="store_true")
@@ -231,6 +248,14 @@ def main() -> None:
         with open(args.as_peer, "w") as fh:
             json.dump(spawn(args.stages[0], args), fh)
         return
+    from dslaunch.runtime.pipe import schedule as S
+
+    for name in args.schedules:
+        if S.unknown_schedule(name):
+            usage_error(f"--schedules: {S.unknown_schedule(name)}")
+    if "interleaved-1f1b" in args.schedules and args.layers < 2 * max(args.stages):
+        usage_error(f"--layers {args.layers}: interleaved-1f1b cuts 2 chunks per stage, so it needs at least "
+                    f"{2 * max(args.stages)} blocks at {max(args.stages)} stages")
     if args.cuda and torch.cuda.device_count() < max(args.stages):
         sys.exit(f"error: --cuda needs {max(args.stages)} CUDA devices, found {torch.cuda.device_count()}")
     peer = args.peer_python != "none"
@@ -241,7 +266,8 @@ def main() -> None:
           f"{args.rows} rows, {'CUDA' if args.cuda else 'CPU'}", flush=True)
     plain = spawn(1, args, plain=True)[0]
     peak = "peak allocated" if args.cuda else "activations"
-    print(f"p   m   step ms  unpiped ms  ratio  bubble  theory  {'DeepSpeed ms  ours/DS  ' if peer else ''}"
+    print(f"p   m   schedule          step ms  unpiped ms  ratio  bubble  theory  clock  "
+          f"{'DeepSpeed ms  ours/DS  ' if peer else ''}"
           f"state MiB/rank (unpiped)  {peak} MiB/rank (unpiped; DeepSpeed)", flush=True)
     for p in args.stages:
         ours, theirs = [], []
@@ -250,29 +276,47 @@ def main() -> None:
             if peer:
                 theirs.append(spawn_peer(p, args))
         for i, m in enumerate(args.micro):
-            rows = [r[i] for r in ours[0]]
-            step = median_step(ours, i)
-            base = median(plain[i]["totals"])
-            # per batch: the pipeline's span (first stage start to the last forward/backward
-            # to end, on any stage), and each stage's idle share of it
-            idle = []
-            for run in ours:
-                for batch in zip(*(r[i]["spans"] for r in run)):
-                    span = max(end for _, end, _ in batch) - min(start for start, _, _ in batch)
-                    idle.append(statistics.mean(1.0 - compute / span for _, _, compute in batch))
-            bubble = median(idle)
-            theory = (p - 1) / (m + p - 1)
-            state = "/".join(mib(r["state"]) for r in rows)
-            acts = "/".join(mib(r["peak"]) for r in rows)
-            ds = ""
-            if peer:
-                ds_step = median_step(theirs, i)
-                ds = f"{ds_step * 1e3:12.1f}  {step / ds_step:7.2f}  "
-                acts += "; " + "/".join(mib(r[i]["peak"]) for r in theirs[0])
-            print(f"{p:<3d} {m:<3d} {step * 1e3:7.1f}  {base * 1e3:10.1f}  {step / base:5.2f}  {bubble:6.3f}  "
-                  f"{theory:6.3f}  {ds}{state} ({mib(plain[i]['state'])})  {acts} ({mib(plain[i]['peak'])})",
-                  flush=True)
+            for k, name in enumerate(args.schedules):
+                mine = [[rank[k] for rank in run] for run in ours]  # [run][rank][micro index]
+                rows = [r[i] for r in mine[0]]
+                step = median_step(mine, i)
+                base = median(plain[i]["totals"])
+                # per batch: the pipeline's span (first stage start to the last forward/backward
+                # to end, on any stage), and each stage's idle share of it
+                idle = []
+                for run in mine:
+                    for batch in zip(*(r[i]["spans"] for r in run)):
+                        span = max(end for _, end, _ in batch) - min(start for start, _, _ in batch)
+                        idle.append(statistics.mean(1.0 - compute / span for _, _, compute in batch))
+                bubble = median(idle)
+                theory = (p - 1) / (m + p - 1)
+                clock = scheduled_bubble(name, m, p)
+                state = "/".join(mib(r["state"]) for r in rows)
+                acts = "/".join(mib(r["peak"]) for r in rows)
+                ds = ""
+                if peer:
+                    ds_runs = [[rank[0] for rank in run] for run in theirs]
+                    ds_step = median_step(ds_runs, i)
+                    ds = f"{ds_step * 1e3:12.1f}  {step / ds_step:7.2f}  "
+                    acts += "; " + "/".join(mib(r[i]["peak"]) for r in ds_runs[0])
+                print(f"{p:<3d} {m:<3d} {name:<16s}  {step * 1e3:7.1f}  {base * 1e3:10.1f}  {step / base:5.2f}  "
+                      f"{bubble:6.3f}  {theory:6.3f}  {clock:5.3f}  {ds}{state} ({mib(plain[i]['state'])})  "
+                      f"{acts} ({mib(plain[i]['peak'])})",
+                      flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end", flush=True)
+
+
+def usage_error(text: str) -> None:
+    print(f"error: {text}", file=sys.stderr)
+    sys.exit(2)
+
+
+def scheduled_bubble(name: str, m: int, p: int) -> float:
+    """The schedule's own bubble on a unit clock (forward, input-gradient and weight-gradient
+    halves of equal time, free transfers; schedule.simulate), beside the measured one."""
+    from dslaunch.runtime.pipe import schedule as S
+
+    return S.simulate([S.train_schedule(name, m, p, s, chunks=2) for s in range(p)]).bubble()
 
 
 def median_step(runs, i: int) -> float:

@@ -198,7 +198,8 @@ DIFFERENCES: Dict[str, str] = {
     "deepspeed.DeepSpeedConfig": "a typed dataclass of the JSON (unknown keys are errors); the three batch-size "
                                  "keys come out resolved, as in DeepSpeed",
     "deepspeed.zero.Init": "mem_efficient_linear has nothing to switch (F.linear keeps only its input); "
-                           "remote_device on a CUDA machine and the ZeRO++ arguments are refused in one line",
+                           "remote_device on a CUDA machine and zero_param_parallel_group (hpZ's group comes from the "
+                           "config and the hosts) are refused in one line",
     "deepspeed.DeepSpeedEngine": "mesh_device is refused; the engine builds its mesh from the config and mpu",
 }
 

@@ -77,6 +77,11 @@ def main() -> None:
                                             c.USE_NODE_LOCAL_STORAGE_CHECKPOINT, c.CHECKPOINT_PARALLEL_WRITE,
                                             "checkpoint_serialization", "writer"))
     keys.update("pipeline." + k for k in rc.get_pipeline_config({}))
+    import dataclasses
+
+    from deepspeed.module_inject.auto_ep_presets.base import AutoEPConfig
+
+    keys.update("expert_parallel." + f.name for f in dataclasses.fields(AutoEPConfig) if not f.name.startswith("_"))
     # Elasticity: removed from this DeepSpeed, documented by the versions that had it.
     keys.update("elasticity." + k for k in ("enabled", "max_train_batch_size", "micro_batch_sizes", "min_gpus",
                                             "max_gpus", "min_time", "version", "ignore_non_elastic_batch_info",

@@ -85,16 +85,15 @@ def test_refused_key_message(row):
 
 def test_headline_refusals_read_well():
     cases = {
-        "zero_optimization.zero_hpz_partition_size": (8, "hierarchical partitioning (ZeRO++ hpZ) is not supported; "
-                                                         "remove it"),
-        "zero_optimization.zero_quantized_weights": (True, "ZeRO++ quantized weights are not supported; remove it"),
+        "zero_optimization.mics_shard_size": (8, "MiCS sharding is not supported (DeepSpeed removed it too); "
+                                                 "remove it"),
         "hybrid_engine": ({"enabled": True}, "the RLHF hybrid engine is not supported; remove it"),
     }
     for key, (value, reason) in cases.items():
         with pytest.raises(ConfigError) as err:
             DeepSpeedConfig.load(_nest(key, value))
         assert str(err.value) == f"config: {key}: {reason}"
-    DeepSpeedConfig.load({"zero_optimization": {"zero_hpz_partition_size": 1, "zero_quantized_weights": False},
+    DeepSpeedConfig.load({"zero_optimization": {"mics_shard_size": -1, "zeropp_loco_param": None},
                           "hybrid_engine": {"enabled": False, "max_out_tokens": 512}})
 
 

@@ -270,8 +270,8 @@ def test_partition_uniform_is_deepspeeds():
 def test_zero_init_refuses_what_it_cannot_do():
     from dslaunch.runtime import ConfigError, zero
 
-    with pytest.raises(ConfigError, match=r"zero.Init\(zero_quantized_weights=...\): not supported"):
-        zero.Init(zero_quantized_weights=True)
+    with pytest.raises(ConfigError, match=r"zero.Init\(param_swapper=...\): not supported"):
+        zero.Init(param_swapper=object())
     with pytest.raises(ConfigError, match=r"remote_device='disk'"):
         zero.Init(remote_device="disk")
 

@@ -111,4 +111,4 @@ def test_an_unknown_op_in_the_build_flag_stops_the_install_in_one_line():
     with pytest.raises(SystemExit) as e:
         aot.requested("cpu_adam,fused_lamb")
     assert str(e.value) == ("DSLAUNCH_BUILD_OPS='cpu_adam,fused_lamb': unknown op fused_lamb; expected 1 or a list "
-                            "of cpu_adam, cpu_lion, cpu_adagrad, fused_adam")
+                            "of cpu_adam, cpu_lion, cpu_adagrad, quantizer, fused_adam, quantizer_cuda")

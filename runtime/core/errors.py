@@ -1,4 +1,5 @@
-"""The one checkpoint failure type.
+"""The failure types raised on more than one floor: CheckpointError, and DeepSpeed's
+ZeRORuntimeException (deepspeed.runtime.zero.utils, compat/paths.py).
 
 Every problem with a checkpoint (a bad tag, an unwritable or full disk, a missing,
 damaged or foreign file, a model that does not match) is a CheckpointError whose message
@@ -14,3 +15,10 @@ from dslaunch.launcher.errors import OneLineMessage
 
 class CheckpointError(OneLineMessage, RuntimeError):
     pass
+
+
+class ZeRORuntimeException(Exception):
+    """The class DeepSpeed raises its ZeRO refusals as. dslaunch's refusals that DeepSpeed
+    raises as this (a client optimizer under offload_optimizer with zero_force_ds_cpu_optimizer,
+    train/optimizer_policy.py) are ConfigErrors that are also ZeRORuntimeExceptions, so code
+    catching either catches them."""

@@ -31,5 +31,9 @@ def internal_optimizer(name: str, replacement: str) -> type:
 # deepspeed.runtime.fp16.fused_optimizer, .fp16.unfused_optimizer, .zero.stage_1_and_2.
 FP16_Optimizer = internal_optimizer("FP16_Optimizer", "fp16 training is set by \"fp16\" in the config")
 FP16_UnfusedOptimizer = internal_optimizer("FP16_UnfusedOptimizer", "fp16 training is set by \"fp16\" in the config")
+# deepspeed.runtime.bf16_optimizer: bf16 here is the engine's precision strategy around the
+# plain torch optimizer, so `isinstance(engine.optimizer, BF16_Optimizer)` is False
+BF16_Optimizer = internal_optimizer(
+    "BF16_Optimizer", "bf16 with fp32 master weights is set by \"bf16\": {\"enabled\": true} in the config")
 DeepSpeedZeroOptimizer = internal_optimizer(
     "DeepSpeedZeroOptimizer", "ZeRO stages 1 and 2 are set by \"zero_optimization.stage\" in the config")

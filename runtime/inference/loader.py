@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..core.errors import CheckpointError
+from ..train.checkpoint.layout import read_latest  # the training loader's reading of `latest`
 from .layers import ParallelEmbedding, ParallelLinear, local_part
 
 _WRAPPER_KEYS = ("module", "model", "state_dict")
@@ -101,8 +102,6 @@ def _json_files(data: Dict[str, Any], where: str, root: str, confine: bool = Tru
 
 
 def _dir_files(path: str) -> List[str]:
-    from ..checkpoint.layout import read_latest  # the training loader's reading of `latest`
-
     tag = read_latest(path)
     if tag is not None:
         return [os.path.join(path, tag, "mp_rank_00_model_states.pt")]

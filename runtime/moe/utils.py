@@ -35,10 +35,17 @@ def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def expert_layers(model: nn.Module) -> List[nn.Module]:
+    """The model's expert-parallel layers: deepspeed.moe MoE layers and AutoEP's layers."""
+    from .autoep.layer import AutoEPMoELayer
+
+    return [m for m in model.modules() if isinstance(m, (MoE, AutoEPMoELayer))]
+
+
 def expert_parallel_size(model: nn.Module) -> int:
-    """The ep_size of the model's MoE layers (1 without any); one line when they differ
-    (one expert-parallel layout per engine here)."""
-    sizes = sorted({m.ep_size for m in moe_layers(model)})
+    """The ep_size of the model's MoE layers, AutoEP's included (1 without any); one line when
+    they differ (one expert-parallel layout per engine here)."""
+    sizes = sorted({m.ep_size for m in expert_layers(model)})
     if len(sizes) > 1:
         raise MoEError(f"MoE: layers with different ep_size {sizes} in one model are not supported; give every "
                        "MoE layer the same ep_size")

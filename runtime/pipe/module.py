@@ -14,6 +14,9 @@ on as one object):
                                     over the stages that hold them before each step
     any other callable              e.g. a lambda; no parameters, run as a function
 
+virtual_stages=v (> 1, for the interleaved 1F1B schedule) cuts the layers into p * v
+model chunks; stage s holds chunks s, s + p, s + 2p, ... and runs one with forward(x, chunk=c).
+
 Each stage's registered submodules are named by their global layer index ("3.weight"),
 tied modules as "tied_modules.<key>....", so parameter names do not depend on where the
 stages are cut: checkpoints and ZeRO shards keyed by them load at any pipeline depth.
@@ -22,7 +25,8 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -107,10 +111,12 @@ class PipelineModule(nn.Module):
                  loss_fn: Optional[Callable] = None, seed_layers: bool = False, seed_fn: Optional[Callable] = None,
                  base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Optional[Callable] = None, checkpointable_layers: Optional[List[str]] = None,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False, virtual_stages: int = 1):
         super().__init__()
         if num_stages is None and topology is None:
             raise PipelineError("PipelineModule: give num_stages or topology")
+        if not (isinstance(virtual_stages, int) and virtual_stages >= 1):
+            raise PipelineError(f"PipelineModule: virtual_stages must be an integer >= 1, got {virtual_stages!r}")
         if activation_checkpoint_interval < 0:
             raise PipelineError(f"PipelineModule: activation_checkpoint_interval must be >= 0, "
                                 f"got {activation_checkpoint_interval}")
@@ -121,6 +127,7 @@ class PipelineModule(nn.Module):
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._topo = self._make_topology(num_stages, topology)
         self.num_stages = self._topo.get_dim("pipe")
+        self.virtual_stages = virtual_stages
 
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
@@ -133,7 +140,9 @@ class PipelineModule(nn.Module):
         self._layer_specs = list(layers)
         self._num_layers = len(self._layer_specs)
         try:
-            self.parts = partition_layers(self._layer_specs, self.num_stages, partition_method, _count_params)
+            # parts[k]..parts[k + 1] are virtual stage k's layers (k = chunk * num_stages + stage)
+            self.parts = partition_layers(self._layer_specs, self.num_stages * virtual_stages, partition_method,
+                                          _count_params)
             check_parts(self.parts, self._num_layers)
         except PartitionError as exc:
             raise PipelineError(str(exc)) from None
@@ -145,9 +154,12 @@ class PipelineModule(nn.Module):
         except TopologyError as exc:
             raise PipelineError(f"PipelineModule: {exc}") from None
         self.stage_id = self._grid.get_stage_id()
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.chunk_layers = [(self.parts[vs], self.parts[vs + 1]) for vs in self._virtual_stages_of(self.stage_id)]
+        self._local_start, self._local_stop = self.chunk_layers[0][0], self.chunk_layers[-1][1]
 
         self.forward_funcs: List[Callable] = []
+        self._func_layer: List[int] = []  # global layer index of each forward function
+        self._chunk_funcs: List[Tuple[int, int]] = []  # each chunk's range in forward_funcs
         self.fwd_map: Dict[str, int] = {}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: Dict[str, List[str]] = {}
@@ -185,29 +197,39 @@ class PipelineModule(nn.Module):
         else:
             torch.manual_seed(seed)
 
+    def _virtual_stages_of(self, stage: int) -> List[int]:
+        return [c * self.num_stages + stage for c in range(self.virtual_stages)]
+
     def _build(self) -> None:
-        for idx in range(self._local_start, self._local_stop):
-            layer = self._layer_specs[idx]
-            if self.seed_layers:
-                self._seed(self.base_seed + idx)
-            if isinstance(layer, PipelineModule):
-                raise PipelineError(f"PipelineModule: layer {idx} is itself a PipelineModule (nesting is not supported)")
-            if isinstance(layer, TiedLayerSpec):
-                if layer.key not in self.tied_modules:
-                    self.tied_modules[layer.key] = layer.build()
-                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                module = self.tied_modules[layer.key]
-                self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
-            elif isinstance(layer, (nn.Module, LayerSpec)):
-                module = layer.build() if isinstance(layer, LayerSpec) else layer
-                self.add_module(str(idx), module)
-                self.fwd_map[str(idx)] = len(self.forward_funcs)
-                self.forward_funcs.append(module)
-            elif callable(layer):
-                self.forward_funcs.append(layer)
-            else:
-                raise PipelineError(f"PipelineModule: layer {idx} ({type(layer).__name__}) is neither a module, "
-                                    "a LayerSpec nor a callable")
+        for lo, hi in self.chunk_layers:
+            first = len(self.forward_funcs)
+            for idx in range(lo, hi):
+                self._build_layer(idx)
+                self._func_layer.append(idx)
+            self._chunk_funcs.append((first, len(self.forward_funcs)))
+
+    def _build_layer(self, idx: int) -> None:
+        layer = self._layer_specs[idx]
+        if self.seed_layers:
+            self._seed(self.base_seed + idx)
+        if isinstance(layer, PipelineModule):
+            raise PipelineError(f"PipelineModule: layer {idx} is itself a PipelineModule (nesting is not supported)")
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied_modules:
+                self.tied_modules[layer.key] = layer.build()
+                self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+            module = self.tied_modules[layer.key]
+            self.forward_funcs.append(module if layer.forward_fn is None else partial(layer.forward_fn, module))
+        elif isinstance(layer, (nn.Module, LayerSpec)):
+            module = layer.build() if isinstance(layer, LayerSpec) else layer
+            self.add_module(str(idx), module)
+            self.fwd_map[str(idx)] = len(self.forward_funcs)
+            self.forward_funcs.append(module)
+        elif callable(layer):
+            self.forward_funcs.append(layer)
+        else:
+            raise PipelineError(f"PipelineModule: layer {idx} ({type(layer).__name__}) is neither a module, "
+                                "a LayerSpec nor a callable")
 
     def _index_tied_modules(self) -> Dict[str, Dict[str, Any]]:
         """One group per tie key and data replica (and tensor slice): the ranks of the
@@ -253,27 +275,37 @@ class PipelineModule(nn.Module):
     def _run(self, start: int, end: int, offset: int):
         def run(*inputs):
             x = inputs[0] if len(inputs) == 1 else inputs
-            for i, fn in enumerate(self.forward_funcs[start:end]):
+            for i in range(start, end):
                 if self.seed_layers:  # the same dropout masks wherever the layer runs
-                    self._seed(self.base_seed * offset + self._local_start + start + i)
-                x = fn(x)
+                    self._seed(self.base_seed * offset + self._func_layer[i])
+                x = self.forward_funcs[i](x)
             return x
         return run
+
+    def _funcs_of(self, chunk: Optional[int]) -> Tuple[int, int]:
+        if chunk is None:
+            if self.virtual_stages > 1:
+                raise PipelineError(f"PipelineModule: this stage holds {self.virtual_stages} model chunks; "
+                                    "run one with forward(x, chunk=c)")
+            return 0, len(self.forward_funcs)
+        if not 0 <= chunk < self.virtual_stages:
+            raise PipelineError(f"PipelineModule: chunk {chunk} does not exist ({self.virtual_stages} per stage)")
+        return self._chunk_funcs[chunk]
 
     def _checkpointable(self, funcs) -> bool:
         if self.checkpointable_layers is not None:
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
 
-    def forward(self, forward_input):
+    def forward(self, forward_input, chunk: Optional[int] = None):
+        lo, n = self._funcs_of(chunk)
         self.micro_offset += 1
         offset = self.micro_offset + 1
-        n = len(self.forward_funcs)
         k = self.activation_checkpoint_interval
         if k == 0 or not torch.is_grad_enabled():
-            return self._run(0, n, offset)(forward_input)
+            return self._run(lo, n, offset)(forward_input)
         x = forward_input
-        for start in range(0, n, k):
+        for start in range(lo, n, k):
             end = min(start + k, n)
             fn = self._run(start, end, offset)
             args = x if isinstance(x, tuple) else (x,)
@@ -288,6 +320,25 @@ class PipelineModule(nn.Module):
                 x = fn(*args)
         return x
 
+    def forward_split(self, forward_input, chunk: Optional[int] = None) -> Tuple[Any, List["Piece"]]:
+        """forward() with every layer run on a detached copy of its input, for a backward
+        split into its input-gradient and weight-gradient halves (ZB-H1): each layer's graph
+        then ends at its own input, so its weight gradients can be taken later from the
+        gradient of its output alone, without running backward through the layers before
+        it again. Returns the output and one Piece per layer."""
+        lo, n = self._funcs_of(chunk)
+        self.micro_offset += 1
+        offset = self.micro_offset + 1
+        x, pieces = forward_input, []
+        inputs = floating_leaves(x)
+        for i in range(lo, n):
+            if i > lo:
+                x, inputs = detach_floating(x)
+            y = self._run(i, i + 1, offset)(*(x if isinstance(x, tuple) else (x,)))
+            pieces.append(Piece(inputs, floating_leaves(y)))
+            x = y
+        return x, pieces
+
     # -- DeepSpeed's accessors -------------------------------------------------------------------
     def set_checkpoint_interval(self, interval: int) -> None:
         if interval < 0:
@@ -300,7 +351,8 @@ class PipelineModule(nn.Module):
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < self._num_layers:
             raise PipelineError(f"layer {layer_idx} does not exist (the pipeline has {self._num_layers} layers)")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        vs = next(k for k in range(len(self.parts) - 1) if self.parts[k] <= layer_idx < self.parts[k + 1])
+        return vs % self.num_stages
 
     def topology(self) -> ProcessTopology:
         return self._topo
@@ -318,7 +370,7 @@ class PipelineModule(nn.Module):
 
     def local_layers(self):
         """[(global layer index, forward function)] of this stage, in order."""
-        return [(self._local_start + i, f) for i, f in enumerate(self.forward_funcs)]
+        return list(zip(self._func_layer, self.forward_funcs))
 
     def layer_state_prefixes(self, own: bool = False) -> Dict[int, str]:
         """Global layer index -> the state_dict prefix its weights have in this module ("3",
@@ -326,8 +378,7 @@ class PipelineModule(nn.Module):
         that has weights of its own (functions and tied layers with a forward_fn have none);
         `own`: only this stage's layers."""
         out = {}
-        lo, hi = (self._local_start, self._local_stop) if own else (0, self._num_layers)
-        for idx in range(lo, hi):
+        for idx in (self._func_layer if own else range(self._num_layers)):
             spec = self._layer_specs[idx]
             if isinstance(spec, TiedLayerSpec):
                 if spec.forward_fn is None:
@@ -337,10 +388,11 @@ class PipelineModule(nn.Module):
         return out
 
     def stage_param_counts(self) -> List[int]:
-        """Trainable parameters each stage owns (the same answer on every rank; a tied
-        module counts once per stage that holds it)."""
+        """Trainable parameters each stage owns, per virtual stage (the stage itself unless
+        virtual_stages > 1; the same answer on every rank; a tied module counts once per
+        virtual stage that holds it)."""
         counts = []
-        for s in range(self.num_stages):
+        for s in range(len(self.parts) - 1):
             specs = self._layer_specs[self.parts[s]:self.parts[s + 1]]
             seen, n = set(), 0
             for spec in specs:
@@ -383,3 +435,34 @@ def from_pipeline_state(model: nn.Module, state: Dict[str, Any]) -> Dict[str, An
         prefix = prefixes[int(idx)]
         out[f"{prefix}.{rest}" if prefix else rest] = value
     return out
+
+
+@dataclass
+class Piece:
+    """One layer's share of a split forward: the floating-point tensors it took (leaves
+    that end its graph; for the stage's first layer, its input itself) and the ones it gave
+    (aligned with the next piece's inputs); `grads` holds its outputs' gradients from the
+    input-gradient half until the weight-gradient half uses them."""
+
+    inputs: List[torch.Tensor]
+    outputs: List[torch.Tensor]
+    grads: Optional[List[torch.Tensor]] = field(default=None, repr=False)
+
+
+def floating_leaves(x) -> List[torch.Tensor]:
+    return [t for t in (x if isinstance(x, tuple) else (x,)) if torch.is_tensor(t) and t.is_floating_point()]
+
+
+def detach_floating(x) -> Tuple[Any, List[torch.Tensor]]:
+    """x with each floating-point tensor replaced by a leaf of the same value (requiring a
+    gradient where the original did); the leaves, in order."""
+    leaves = []
+
+    def cut(t):
+        if torch.is_tensor(t) and t.is_floating_point():
+            leaf = t.detach().requires_grad_(t.requires_grad)
+            leaves.append(leaf)
+            return leaf
+        return t
+    out = tuple(cut(t) for t in x) if isinstance(x, tuple) else cut(x)
+    return out, leaves

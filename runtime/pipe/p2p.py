@@ -12,6 +12,12 @@ activations it sent.
 
 bool tensors travel as uint8 (NCCL has no bool type).
 
+A schedule whose order is deadlock-free only when sends do not block (schedule.py's
+OrderedSchedule) gets a link with async_sends: each send is posted (isend) and kept with
+its tensor until wait_sends() at the end of the batch. Each link carries the message tags
+of its flows (schedule.Link), so the flows of several model chunks between the same two
+ranks stay apart.
+
 When the first stage cannot read its batch, the header it sends instead says so
 (KIND_ABORT); each stage passes it on and raises the same error, so no stage is left
 waiting for an activation that will never come.
@@ -110,8 +116,13 @@ class StageLink:
     """This stage's sends and receives to the previous and next stage of its pipeline."""
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool = False, tags: Tuple[int, int, int, int] = (0, 0, 0, 0),
+                 async_sends: bool = False):
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        # message tags: activations in, activations out, gradients in, gradients out
+        self.recv_act_tag, self.send_act_tag, self.recv_grad_tag, self.send_grad_tag = tags
+        self.async_sends = async_sends
+        self._posted: List[Tuple[object, torch.Tensor]] = []  # (work, tensor) of sends not yet waited for
         self.group = comm.get_world_group()  # peers are named by global rank
         self.dynamic_shape = dynamic_shape
         self._sent: Optional[Meta] = None  # described to the next stage in this batch
@@ -121,25 +132,38 @@ class StageLink:
         """Forget the batch's shapes: the next activation transfer is described again."""
         self._sent = self._received = None
 
+    def _send(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> None:
+        if self.async_sends:
+            self._posted.append((comm.isend(tensor, peer, group=self.group, tag=tag, label=label), tensor))
+        else:
+            comm.send(tensor, peer, group=self.group, tag=tag, label=label)
+
+    def wait_sends(self) -> None:
+        """Wait until every posted send has gone (its tensor may then be freed)."""
+        posted, self._posted = self._posted, []
+        for work, _ in posted:
+            work.wait()
+
     # -- activations (forward) ------------------------------------------------------------
     def send_activation(self, payload: Payload) -> None:
         meta = Meta.of(payload)
         if self._sent is None or self.dynamic_shape:
-            comm.send(meta.encode(self.device), self.next_rank, group=self.group, label="activation shapes")
+            self._send(meta.encode(self.device), self.next_rank, self.send_act_tag, "activation shapes")
             self._sent = meta
         elif meta != self._sent:
             raise PipelineError(f"pipeline: this micro-batch's activations ({meta.describe()}) differ from the "
                                 f"batch's first ({self._sent.describe()}); shapes may change between batches, "
                                 "or build the PipelineModule with dynamic_shape=True")
         for t in (payload if isinstance(payload, tuple) else (payload,)):
-            comm.send(_wire(t.detach().contiguous()), self.next_rank, group=self.group, label="activation")
+            self._send(_wire(t.detach().contiguous()), self.next_rank, self.send_act_tag, "activation")
 
     def send_abort(self, notice: AbortNotice) -> None:
-        comm.send(notice.encode(self.device), self.next_rank, group=self.group, label="batch aborted")
+        comm.send(notice.encode(self.device), self.next_rank, group=self.group, tag=self.send_act_tag,
+                  label="batch aborted")
 
     def _recv_header(self) -> torch.Tensor:
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-        comm.recv(header, self.prev_rank, group=self.group, label="activation shapes")
+        comm.recv(header, self.prev_rank, group=self.group, tag=self.recv_act_tag, label="activation shapes")
         header = header.cpu()
         if int(header[0]) == KIND_ABORT:
             notice = AbortNotice(*[int(v) for v in header[1:4]])
@@ -162,7 +186,7 @@ class StageLink:
         out = []
         for dtype, shape in self._received.specs:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            comm.recv(_wire(t), self.prev_rank, group=self.group, label="activation")
+            comm.recv(_wire(t), self.prev_rank, group=self.group, tag=self.recv_act_tag, label="activation")
             t.requires_grad_(t.is_floating_point())  # a leaf whose .grad goes back upstream
             out.append(t)
         return tuple(out) if self._received.is_tuple else out[0]
@@ -174,14 +198,14 @@ class StageLink:
         for t in (inputs if isinstance(inputs, tuple) else (inputs,)):
             if t.is_floating_point():
                 g = t.grad if t.grad is not None else torch.zeros_like(t)
-                comm.send(g.contiguous(), self.prev_rank, group=self.group, label="activation grad")
+                self._send(g.contiguous(), self.prev_rank, self.send_grad_tag, "activation grad")
 
     def recv_grads(self, outputs: Payload) -> List[torch.Tensor]:
         grads = []
         for t in (outputs if isinstance(outputs, tuple) else (outputs,)):
             if t.is_floating_point():
                 g = torch.empty_like(t, memory_format=torch.contiguous_format)
-                comm.recv(g, self.next_rank, group=self.group, label="activation grad")
+                comm.recv(g, self.next_rank, group=self.group, tag=self.recv_grad_tag, label="activation grad")
                 grads.append(g)
         return grads
 

@@ -27,6 +27,14 @@ def partition_uniform(num_items: int, num_parts: int) -> List[int]:
     return bounds
 
 
+def prefix_sum_inc(weights) -> list:
+    """The inclusive running totals of `weights` ([3, 4, 5] -> [3, 7, 12]), as a new list."""
+    totals = []
+    for w in weights:
+        totals.append(w if not totals else totals[-1] + w)
+    return totals
+
+
 class PartitionedTensor:
     def __init__(self, tensor: torch.Tensor, group, partition_meta=None):
         self.group = group

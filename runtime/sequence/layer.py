@@ -19,6 +19,7 @@ import torch
 
 from .all_to_all import heads_to_sequence, sequence_to_heads
 from .heads import SequenceParallelError
+from .rotary import _rotate_half, _torchembed_available, apply_rotary_pos_emb  # noqa: F401  (DeepSpeed keeps them here)
 
 
 class DistributedAttention(torch.nn.Module):

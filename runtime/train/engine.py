@@ -133,6 +133,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self.batch = resize_batch.batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
             self.mesh, mpu, comm.world_source(), self.world_size), self.world_size, self._resize_env.base_world)
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
+        if self.config.expert_parallel.enabled:  # AutoEP: this rank's experts take the blocks' place
+            from ..moe import autoep
+
+            optimizer, model_parameters = autoep.attach(self._autoep_plan, self.config, model, self.mesh, optimizer,
+                                                        model_parameters)
         if self.config.tensor_parallel.size > 1:  # AutoTP; a model with its own mesh may be split already
             optimizer, model_parameters = self._apply_tensor_parallel(model, optimizer, model_parameters)
 
@@ -270,10 +275,16 @@ class DeepSpeedEngine(torch.nn.Module):
         return optimizer, model_parameters
 
     def _make_mesh(self, model, mpu):
-        from ..moe.utils import expert_parallel_size
+        from ..moe.utils import expert_parallel_size, moe_layers
 
         try:
             expert = expert_parallel_size(model)
+            if self.config.expert_parallel.enabled:  # AutoEP: checked now, the blocks swapped once the mesh exists
+                from ..moe import autoep
+
+                native = bool(moe_layers(model))
+                self._autoep_plan = autoep.plan(self.config, model, mpu, self.world_size, native)
+                expert = self._autoep_plan.ep_size
             mesh = mesh_select.mesh_for(model, mpu, self.global_rank, self.world_size, comm.is_initialized(),
                                         tensor=self.config.tensor_parallel.size, expert=expert,
                                         sequence=self.config.sequence_parallel_size)
@@ -281,8 +292,6 @@ class DeepSpeedEngine(torch.nn.Module):
             raise ConfigError(str(exc)) from None
         self.expert_parallel_size = expert
         if expert > 1:
-            from ..moe.utils import moe_layers
-
             for layer in moe_layers(model):
                 layer.set_expert_group(mesh.group("expert"))
         return mesh
@@ -361,7 +370,7 @@ class DeepSpeedEngine(torch.nn.Module):
             if self.config.zero_optimization.stage == 3:
                 return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
             raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
-        if moe_utils.moe_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
+        if moe_utils.expert_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
             params = moe_utils.configure_moe_param_groups(list(params))
         return moe_utils.check_moe_param_groups(
             build_optimizer(self.config.optimizer, params, OptimizerTarget.of(self.config, self.device)), model)
@@ -524,7 +533,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def no_sync(self):
         """Backward inside the block reduces nothing: gradients accumulate on each rank, and the
         next backward outside it (or the step) reduces them all. ZeRO stages 0 and 1 only."""
-        stage = self.config.zero.stage
+        stage = self.config.zero_optimization.stage
         if stage >= 2:
             raise BackwardUsageError(f"no_sync context manager is incompatible with gradient partitioning logic of "
                                      f"ZeRO stage {stage}: every backward reduces each gradient to the rank that "
@@ -715,11 +724,19 @@ class DeepSpeedEngine(torch.nn.Module):
                                              f"{self.seq_parallel_size} are not supported; save the weights with "
                                              "the module's state_dict on one rank instead")
 
+    def _refuse_autoep_checkpoint(self, what: str) -> None:
+        if self.config.expert_parallel.enabled:
+            raise checkpoint.CheckpointError(
+                f"{what}: checkpoints of a model trained with AutoEP (expert_parallel) are not supported; save its "
+                "weights with engine.save_16bit_model or dslaunch.runtime.moe.autoep.save_pretrained (every expert "
+                "gathered, in the model's own layout)")
+
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True, allow_pickle: bool = False) -> str:
         """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
         need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
         self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
+        self._refuse_autoep_checkpoint("save_checkpoint")
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
@@ -733,6 +750,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
         weights_only=True unless trust_pickle=True."""
         self._refuse_sequence_checkpoint("load_checkpoint")
+        self._refuse_autoep_checkpoint("load_checkpoint")
         return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

@@ -60,7 +60,13 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
     Under ZeRO-3 only when zero_optimization.stage3_gather_16bit_weights_on_model_save is true
     (gathering is costly, so it is opt-in as in DeepSpeed); returns whether a file was written."""
     path = os.path.join(str(save_dir), save_filename)
-    if engine.zero_optimization_stage() == 3:
+    from ..moe import autoep
+
+    if autoep.autoep_layers(engine.module):
+        # AutoEP: every expert gathered, under the model's own keys (DeepSpeed 0.19.8 writes rank 0's
+        # module state, its share of the experts only, which no model can load)
+        state = autoep.hf_state_dict(engine.module, exclude_frozen_parameters)
+    elif engine.zero_optimization_stage() == 3:
         if not engine.zero_gather_16bit_weights_on_model_save():
             log.warning("save_16bit_model: did not save %s: zero_optimization.stage3_gather_16bit_weights_on_model_save "
                         "is false", path)

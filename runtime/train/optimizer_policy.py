@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import ZeRORuntimeException
 from ..core.strict import ConfigError
 
 # Classes the ZeRO tests run (tests/test_zero_*.py, test_optimizer_types.py); others may add theirs.
 ZERO_TESTED_OPTIMIZERS = {"Adam", "AdamW", "CPUAdam", "FusedAdam", "DeepSpeedCPUAdam", "CPULion", "DeepSpeedCPULion",
                           "Lion", "FusedLion", "CPUAdagrad", "DeepSpeedCPUAdagrad", "Adagrad"}
+
+
+class ForcedCPUOptimizerError(ConfigError, ZeRORuntimeException):
+    """The refusal DeepSpeed raises as ZeRORuntimeException; a ConfigError here too."""
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, config, client: bool = True) -> None:
@@ -35,6 +40,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config, client: bool = Tru
         except KernelUnavailable:
             pass  # it has a kernel, not built on this machine: the offload falls back and says why
         except FusedStepUnavailable as e:
-            raise ConfigError(f"zero_force_ds_cpu_optimizer: offload_optimizer would step {name} with torch's generic "
-                              f"CPU loop ({e}); use Adam/AdamW/Lion/Adagrad, or set "
-                              f"\"zero_force_ds_cpu_optimizer\": false to accept the slower step") from None
+            raise ForcedCPUOptimizerError(
+                f"zero_force_ds_cpu_optimizer: offload_optimizer would step {name} with torch's generic CPU loop "
+                f"({e}); use Adam/AdamW/Lion/Adagrad, or set \"zero_force_ds_cpu_optimizer\": false to accept the "
+                "slower step") from None

@@ -3,7 +3,9 @@
     loss = engine.train_batch(data_iter)       # gradient_accumulation_steps micro-batches, one step
     loss = engine.eval_batch(data_iter)        # forward only, same batch size
 
-Each stage runs its TrainSchedule (1F1B, schedule.py) instruction by instruction. Only the
+Each stage runs its schedule (pipe/schedule.py; chosen by name in the config's
+`pipeline.schedule`: DeepSpeed's 1F1B by default, ZB-H1 or interleaved 1F1B) instruction by
+instruction: this engine executes instructions and knows no schedule. Only the
 first stage reads inputs and only the last reads labels, each `next(data_iter)` giving one
 micro-batch `(inputs, labels)`; the other stages never touch data. The last stage computes
 `loss_fn(outputs, labels)` (or takes the output as the loss), scales it by the fp16 loss
@@ -17,6 +19,13 @@ mean over the batch's micro-batches and data-parallel replicas, the same on ever
 
 ZeRO stage 3 is refused: a stage already holds only its own layers, and stage 3's
 gather-around-forward hooks assume one forward then its backward, which 1F1B interleaves.
+
+A schedule that splits backward (ZB-H1) runs each micro-batch's forward through
+PipelineModule.forward_split (one graph per layer); its BackwardInput takes the gradient of
+every layer's input, layer by layer from the last, keeping each layer's output gradient;
+its BackwardWeight then takes each layer's weight gradients from those alone. A schedule of
+several model chunks (interleaved) names the chunk in every instruction: buffers and links
+are per (chunk, micro-batch) and per chunk.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ from ..core.config import DeepSpeedConfig
 from .engine import DeepSpeedEngine, _config_source
 from ..core.strict import ConfigError
 from ..pipe import schedule as S
-from ..pipe.module import PipelineError, PipelineModule
+from ..pipe.module import Piece, PipelineError, PipelineModule, detach_floating
 from ..pipe.p2p import AbortNotice, StageLink, floating
 
 
@@ -45,12 +54,15 @@ class PipelineEngine(DeepSpeedEngine):
         if empty:  # checked on every rank alike, before any collective
             parts, names = model.parts, model.layer_names()
             s = empty[0]
-            raise PipelineError(f"pipeline: stage {s} (layers {parts[s]}-{parts[s + 1] - 1}: "
+            where = f"stage {s}" if model.virtual_stages == 1 else f"virtual stage {s}"
+            raise PipelineError(f"pipeline: {where} (layers {parts[s]}-{parts[s + 1] - 1}: "
                                 f"{', '.join(names[parts[s]:parts[s + 1]])}) has no trainable parameters for its "
                                 "optimizer; use fewer stages or partition_method=\"parameters\"")
         # refused before the engine builds anything (every rank reads the same config)
         source = _config_source(kwargs.get("args"), kwargs.get("config"), kwargs.get("config_params"))
-        if DeepSpeedConfig.load(source).zero_optimization.stage == 3:
+        loaded = DeepSpeedConfig.load(source)
+        schedule_name = _checked_schedule(loaded.pipeline.schedule, model)
+        if loaded.zero_optimization.stage == 3:
             raise ConfigError("zero_optimization.stage: ZeRO stage 3 cannot run under pipeline parallelism "
                               "(each stage already holds only its layers, and stage 3's gather-around-forward "
                               "does not follow 1F1B's interleaved micro-batches); use stage 1 or 2")
@@ -61,9 +73,18 @@ class PipelineEngine(DeepSpeedEngine):
         self.stage_id = self.grid.get_stage_id()
         self.micro_batches = self.batch.gradient_accumulation_steps
         self.micro_batch_size = self.batch.micro_batch_per_gpu
-        prev_rank = self.grid.stage_to_global(self.stage_id - 1) if self.stage_id > 0 else None
-        next_rank = self.grid.stage_to_global(self.stage_id + 1) if self.stage_id < self.num_stages - 1 else None
-        self.link = StageLink(prev_rank, next_rank, self.device, dynamic_shape=model.dynamic_shape)
+        self.schedule_name, self.chunks = schedule_name, model.virtual_stages
+        if self.schedule_name in S.CHUNKED and self.micro_batches % self.num_stages:
+            raise ConfigError(f"pipeline.schedule: {self.schedule_name!r} needs gradient_accumulation_steps "
+                              f"({self.micro_batches}) to be a multiple of the pipeline stages ({self.num_stages})")
+        if self.schedule_name in S.SPLIT and model.activation_checkpoint_interval > 0:
+            raise ConfigError(f"pipeline.schedule: {self.schedule_name!r} splits each layer's backward in two and "
+                              "cannot recompute checkpointed layers in between; set activation_checkpoint_interval "
+                              "to 0 or use \"1f1b\"")
+        self._stage_links: Dict[Any, StageLink] = {}
+        first_chunk = S.PipeSchedule(1, self.num_stages, self.stage_id).link(0)
+        self.link = self._link(first_chunk, False)  # 1F1B's and the inference schedule's
+        self._links: List[StageLink] = [self.link]
         self.data_iterator = None
         if self.training_dataloader is not None:
             # DeepSpeed's pipeline reads training_data in order (no shuffling); the first and
@@ -90,11 +111,27 @@ class PipelineEngine(DeepSpeedEngine):
             self._print_layout(model)
 
     def _print_layout(self, model: PipelineModule) -> None:
-        names, parts = model.layer_names(), model.parts
-        stages = "; ".join(f"stage {s}: layers {parts[s]}-{parts[s + 1] - 1} "
-                           f"({', '.join(names[parts[s]:parts[s + 1]])})" for s in range(self.num_stages))
+        names, parts, p = model.layer_names(), model.parts, self.num_stages
+
+        def where(k):
+            return f"stage {k}" if self.chunks == 1 else f"stage {k % p} chunk {k // p}"
+        stages = "; ".join(f"{where(k)}: layers {parts[k]}-{parts[k + 1] - 1} "
+                           f"({', '.join(names[parts[k]:parts[k + 1]])})" for k in range(len(parts) - 1))
         print(f"pipeline: {self.num_stages} stages x {self.dp_world_size} data-parallel, "
-              f"{self.micro_batches} micro-batches of {self.micro_batch_size}; {stages}", flush=True)
+              f"{self.micro_batches} micro-batches of {self.micro_batch_size}; {stages}; "
+              f"schedule {self.schedule_name}", flush=True)
+
+    def _link(self, link: S.Link, async_sends: bool) -> StageLink:
+        """The StageLink for one chunk's neighbours and tags (made once, kept: it remembers
+        the shapes described in the current batch)."""
+        key = (link, async_sends)
+        if key not in self._stage_links:
+            rank = (lambda st: None if st is None else self.grid.stage_to_global(st))
+            self._stage_links[key] = StageLink(rank(link.prev_stage), rank(link.next_stage), self.device,
+                                               dynamic_shape=self.module.dynamic_shape,
+                                               tags=(link.recv_act_tag, link.send_act_tag, link.recv_grad_tag,
+                                                     link.send_grad_tag), async_sends=async_sends)
+        return self._stage_links[key]
 
     # -- DeepSpeed's accessors -----------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -132,7 +169,8 @@ class PipelineEngine(DeepSpeedEngine):
         return self._boundary_flag
 
     def reset_activation_shape(self) -> None:
-        self.link.new_batch()
+        for link in self._stage_links.values():
+            link.new_batch()
 
     def forward(self, *args, **kwargs):
         raise PipelineError("pipeline: engine(batch) is not available in pipeline mode; use engine.train_batch() "
@@ -161,7 +199,7 @@ class PipelineEngine(DeepSpeedEngine):
         self.module.train()
         self._compute_loss = True
         start = time.perf_counter()
-        sched = S.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+        sched = S.train_schedule(self.schedule_name, self.micro_batches, self.num_stages, self.stage_id, self.chunks)
         if self._trial is not None:
             self._trial.in_flight = sched.activations_in_flight()
         losses = self._exec_schedule(sched)
@@ -188,9 +226,16 @@ class PipelineEngine(DeepSpeedEngine):
         saved = self.data_iterator
         self.set_dataiterator(data_iter)
         m = num_micro_batches or self.micro_batches
+        if self.chunks == 1:
+            sched = S.InferenceSchedule(m, self.num_stages, self.stage_id)
+        elif m % self.num_stages:
+            raise PipelineError(f"eval_batch: {m} micro-batches through {self.chunks} model chunks per stage must be "
+                                f"a multiple of the pipeline stages ({self.num_stages})")
+        else:
+            sched = S.ChunkedInferenceSchedule(m, self.num_stages, self.stage_id, self.chunks)
         try:
             with torch.no_grad():
-                outs = self._exec_schedule(S.InferenceSchedule(m, self.num_stages, self.stage_id))
+                outs = self._exec_schedule(sched)
         finally:
             self.data_iterator = saved
         if reduce_output is None:
@@ -207,13 +252,18 @@ class PipelineEngine(DeepSpeedEngine):
 
     # -- execution -------------------------------------------------------------------------------
     def _exec_schedule(self, sched: S.PipeSchedule) -> List[torch.Tensor]:
-        n = sched.num_pipe_buffers()
-        self._buf: Dict[str, List[Any]] = {k: [None] * n for k in ("inputs", "labels", "outputs", "loss")}
+        # buffers by (chunk, buffer id); "pieces": a split forward's layers until their W
+        self._buf: Dict[str, Dict[Any, Any]] = {k: {} for k in ("inputs", "labels", "outputs", "loss", "pieces")}
         self._results: List[torch.Tensor] = []
-        self._backwards = 0
-        self.link.new_batch()
+        self._split = sched.split_backward and torch.is_grad_enabled()
+        self._grad_passes = 0  # passes that accumulate weight gradients (B, or W when split)
+        self._grad_passes_total = sched.micro_batches * sched.chunks
+        self._links = [self._link(sched.link(c), sched.async_sends) for c in range(sched.chunks)]
+        for link in self._links:
+            link.new_batch()
         self._batch_data = self._prefetch(sched.micro_batches) if self._reads_data() else []
         handlers = {S.LoadMicroBatch: self._load, S.ForwardPass: self._forward, S.BackwardPass: self._backward,
+                    S.BackwardInput: self._backward_input, S.BackwardWeight: self._backward_weight,
                     S.SendActivation: self._send_act, S.RecvActivation: self._recv_act, S.SendGrad: self._send_grad,
                     S.RecvGrad: self._recv_grad, S.ReduceTiedGrads: self._reduce_tied, S.ReduceGrads: self._reduce,
                     S.OptimizerStep: self._optimizer_step}
@@ -224,13 +274,17 @@ class PipelineEngine(DeepSpeedEngine):
                 t0 = time.perf_counter()
                 handlers[type(cmd)](cmd)
                 dt = time.perf_counter() - t0
-                if isinstance(cmd, (S.ForwardPass, S.BackwardPass)):
+                if isinstance(cmd, (S.ForwardPass, S.BackwardPass, S.BackwardInput, S.BackwardWeight)):
                     compute_time += dt
                     self.step_timings["compute_end"] = t0 + dt
                 elif isinstance(cmd, (S.SendActivation, S.RecvActivation, S.SendGrad, S.RecvGrad)):
                     comm_time += dt
                 elif isinstance(cmd, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
                     step_time += dt
+        t0 = time.perf_counter()
+        for link in self._links:
+            link.wait_sends()
+        comm_time += time.perf_counter() - t0
         self.step_timings.update(compute=compute_time, p2p=comm_time, step=step_time)
         self._buf = {}
         return self._results
@@ -252,9 +306,9 @@ class PipelineEngine(DeepSpeedEngine):
         if problem is None:
             return batches
         if self.num_stages > 1 and self.is_first_stage():
-            self.link.send_abort(problem)
+            self._links[0].send_abort(problem)
         elif self.num_stages > 1:
-            self.link.take_abort()
+            self._links[0].take_abort()
         raise PipelineError(problem.message())
 
     def _checked(self, batch):
@@ -265,52 +319,71 @@ class PipelineEngine(DeepSpeedEngine):
                                 f"{type(batch).__name__}{'' if not hasattr(batch, '__len__') else f' of {len(batch)}'}")
         return batch
 
+    def _is_last(self, chunk: int) -> bool:
+        """Whether this chunk is the pipeline's last virtual stage (it computes the loss)."""
+        return self.is_last_stage() and chunk == self.chunks - 1
+
     def _load(self, cmd) -> None:
         batch = self._batch_data.pop(0)
         if self.is_first_stage():
             x = batch[0]
-            self._buf["inputs"][cmd.buffer_id] = (move_to(tuple(x), self.device) if isinstance(x, (tuple, list))
-                                                  else move_to(x, self.device))
+            self._buf["inputs"][0, cmd.buffer_id] = (move_to(tuple(x), self.device) if isinstance(x, (tuple, list))
+                                                     else move_to(x, self.device))
         if self.is_last_stage():
-            self._buf["labels"][cmd.buffer_id] = move_to(batch[1], self.device)
+            self._buf["labels"][self.chunks - 1, cmd.buffer_id] = move_to(batch[1], self.device)
 
     def _forward(self, cmd) -> None:
-        b = cmd.buffer_id
-        x = self._buf["inputs"][b]
+        key = (cmd.chunk, cmd.buffer_id)
+        x = self._buf["inputs"][key]
+        chunk = None if self.chunks == 1 else cmd.chunk
         # an autotuning trial counts what one training micro-batch saves for backward
         probe = self._trial.forward() if self._trial is not None and torch.is_grad_enabled() else nullcontext()
         with self._meter.timed("forward"), probe:
-            out = self.module(x)
-        if not self.is_last_stage():
-            self._buf["outputs"][b] = out
+            if self._split:
+                out, pieces = self.module.forward_split(x, chunk=chunk)
+                self._buf["pieces"][key] = pieces
+            else:
+                out = self.module(x) if chunk is None else self.module(x, chunk=chunk)
+        if not self._is_last(cmd.chunk):
+            self._buf["outputs"][key] = out
             return
         if self.eval_return_logits:
             self.outputs = out
         if self._compute_loss and self.module.loss_fn is not None:
-            loss = self.module.loss_fn(out, self._buf["labels"][b])
+            if self._split:  # the loss is one more piece: its input gradient starts the backward
+                cut, leaves = detach_floating(out)
+                loss = self.module.loss_fn(cut, self._buf["labels"][key])
+                self._buf["pieces"][key].append(Piece(leaves, [loss.float()] if torch.is_tensor(loss) else []))
+            else:
+                loss = self.module.loss_fn(out, self._buf["labels"][key])
         else:
             loss = out
         if self._compute_loss and not (torch.is_tensor(loss) and loss.numel() == 1):
             raise PipelineError("pipeline: the loss must be a single-element tensor; give PipelineModule(loss_fn=...) "
                                 f"or make the last layer return the loss (got {type(loss).__name__}"
                                 f"{'' if not torch.is_tensor(loss) else f' of shape {list(loss.shape)}'})")
-        self._buf["loss"][b] = loss
+        self._buf["loss"][key] = loss
         self._results.append(loss.detach().float().reshape(()) if self._compute_loss else out.detach())
-        self._buf["labels"][b] = None
+        self._buf["labels"].pop(key, None)
+
+    def _accumulating(self):
+        """(is this the batch's last pass accumulating weight gradients, then count it)"""
+        boundary = self._grad_passes == self._grad_passes_total - 1
+        self._grad_passes += 1
+        return boundary
 
     def _backward(self, cmd) -> None:
-        b = cmd.buffer_id
-        boundary = self._backwards == self.micro_batches - 1
+        key = (cmd.chunk, cmd.buffer_id)
+        boundary = self._accumulating()
         self._boundary_flag = boundary
         with self._meter.timed("backward"):
             self.strategy.before_backward(boundary)
-            if self.is_last_stage():
-                loss = self._buf["loss"][b]
+            if self._is_last(cmd.chunk):
+                loss = self._buf["loss"].pop(key)
                 factor = self.loss_scale() / self.micro_batches
                 (loss.float() * factor).backward()
-                self._buf["loss"][b] = None
             else:
-                outs = floating(self._buf["outputs"][b])
+                outs = floating(self._buf["outputs"][key])
                 pairs = [(o, g) for o, g in zip(outs, self._grads) if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -319,23 +392,72 @@ class PipelineEngine(DeepSpeedEngine):
         if boundary and self._trial is not None:
             self._trial.after_backward()  # the batch's gradients are held now; the step frees them
         self._boundary_flag = False
-        self._buf["outputs"][b] = None
-        self._backwards += 1
+        self._buf["outputs"].pop(key, None)
+
+    def _backward_input(self, cmd) -> None:
+        """Input gradients only, layer by layer from the last: each piece keeps the gradient
+        of its outputs for the BackwardWeight of this micro-batch, and the stage's input
+        gets its gradient in .grad (what SendGrad sends). No weight gradient is touched."""
+        key = (cmd.chunk, cmd.buffer_id)
+        pieces: List[Piece] = self._buf["pieces"][key]
+        with self._meter.timed("backward"):
+            if self._is_last(cmd.chunk):
+                loss = self._buf["loss"].pop(key)
+                factor = self.loss_scale() / self.micro_batches
+                if self.module.loss_fn is None:  # the last layer's output is the loss
+                    pieces[-1].outputs = [loss.float()]
+                grads = [torch.full_like(loss.float(), factor)]
+            else:
+                grads = list(self._grads)
+                self._grads = None
+            for piece in reversed(pieces):
+                piece.grads = grads
+                pairs = [(o, g) for o, g in zip(piece.outputs, grads) if o.requires_grad]
+                wanted = [t for t in piece.inputs if t.requires_grad]
+                got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                               retain_graph=True, allow_unused=True) if pairs and wanted else ())
+                grads = []
+                for t in piece.inputs:
+                    g = next(got, None) if t.requires_grad and pairs else None
+                    grads.append(torch.zeros_like(t) if g is None else g)
+            for t, g in zip(pieces[0].inputs if pieces else [], grads):
+                if t.requires_grad:
+                    t.grad = g  # the stage's input: SendGrad sends it upstream
+        self._buf["outputs"].pop(key, None)
+
+    def _backward_weight(self, cmd) -> None:
+        """The weight gradients of a micro-batch's layers from the output gradients its
+        BackwardInput kept, each layer's graph on its own (its input is a leaf), so no
+        layer's input gradient is computed twice; accumulated into .grad like a backward."""
+        pieces: List[Piece] = self._buf["pieces"].pop((cmd.chunk, cmd.buffer_id))
+        boundary = self._accumulating()
+        self._boundary_flag = boundary
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        with self._meter.timed("backward"):
+            self.strategy.before_backward(boundary)
+            for piece in pieces:
+                pairs = [(o, g) for o, g in zip(piece.outputs, piece.grads or []) if o.requires_grad]
+                if pairs and params:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
+            self.strategy.after_backward(boundary)
+        if boundary and self._trial is not None:
+            self._trial.after_backward()
+        self._boundary_flag = False
 
     def _send_act(self, cmd) -> None:
-        self.link.send_activation(self._buf["outputs"][cmd.buffer_id])
+        key = (cmd.chunk, cmd.buffer_id)
+        self._links[cmd.chunk].send_activation(self._buf["outputs"][key])
         if not torch.is_grad_enabled():
-            self._buf["outputs"][cmd.buffer_id] = None
+            self._buf["outputs"].pop(key)
 
     def _recv_act(self, cmd) -> None:
-        self._buf["inputs"][cmd.buffer_id] = self.link.recv_activation()
+        self._buf["inputs"][cmd.chunk, cmd.buffer_id] = self._links[cmd.chunk].recv_activation()
 
     def _send_grad(self, cmd) -> None:
-        self.link.send_grads(self._buf["inputs"][cmd.buffer_id])
-        self._buf["inputs"][cmd.buffer_id] = None
+        self._links[cmd.chunk].send_grads(self._buf["inputs"].pop((cmd.chunk, cmd.buffer_id)))
 
     def _recv_grad(self, cmd) -> None:
-        self._grads = self.link.recv_grads(self._buf["outputs"][cmd.buffer_id])
+        self._grads = self._links[cmd.chunk].recv_grads(self._buf["outputs"][cmd.chunk, cmd.buffer_id])
 
     def _reduce_tied(self, cmd) -> None:
         """Tied weights are summed in _reduce, after the data-parallel reduction: the two
@@ -368,3 +490,19 @@ class PipelineEngine(DeepSpeedEngine):
             comm.broadcast(value, src=self.grid.stage_to_global(self.num_stages - 1),
                            group=self.grid.get_pipe_parallel_group(), label="pipeline loss")
         return value[0]
+
+
+def _checked_schedule(name, model: PipelineModule) -> str:
+    """The schedule named by pipeline.schedule, if it exists and fits the module's chunks
+    (checked on every rank alike, before the engine builds anything)."""
+    problem = S.unknown_schedule(name)
+    if problem:
+        raise ConfigError(f"pipeline.schedule: {problem}")
+    chunks = model.virtual_stages
+    if name in S.CHUNKED and chunks < 2:
+        raise ConfigError(f"pipeline.schedule: {name!r} runs several model chunks per stage; build the "
+                          "PipelineModule with virtual_stages=2 or more")
+    if name not in S.CHUNKED and chunks > 1:
+        raise ConfigError(f"pipeline.schedule: {name!r} runs one model chunk per stage but the PipelineModule has "
+                          f"virtual_stages={chunks}; use \"interleaved-1f1b\" or virtual_stages=1")
+    return name

@@ -25,6 +25,12 @@ import torch
 from ..core.comm import shutdown
 from .offload import remove_swap_files
 
+# DeepSpeed's deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES (compat/paths.py): the size from
+# which its NVMe offload swaps a tensor to its file (smaller ones stay in memory there). Scripts
+# size tensors by it so that they are swapped; this swapper swaps shards of every size, so a
+# tensor of at least this size is swapped under both.
+MIN_SWAPPABLE_BYTES = 1024 ** 2
+
 
 class ParamSwapper:
     def __init__(self, nvme_path: str, rank: int):

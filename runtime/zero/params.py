@@ -10,6 +10,13 @@ lets backward re-gather weights that forward released.
 Also here: `Init` (build a model directly partitioned) and `GatheredParameters`
 (temporary full access, optionally modified on one rank and broadcast).
 
+ZeRO++ (zeropp.py) changes what the training gathers (`training=True`: the engine's hooks and
+prefetches) send: int8 blocks (qwZ, `ZeroParam.quantize`), the shards of frozen weights kept
+as int8 (`ZeroParam.packed`), and, once a parameter has a second shard inside the host (hpZ,
+`ZeroParam.secondary`), a gather over the host's ranks instead of all of them. One gather
+call may then be several collectives ("legs"), one per kind. Full-value gathers
+(checkpoints, GatheredParameters) always read the exact primary shards.
+
 DeepSpeed's own attributes are kept on each partitioned parameter too, because tools read
 them (the Hugging Face Trainer counts parameters with `ds_numel`, since `numel()` of a
 parameter at rest is 0): `ds_numel` and `ds_shape` (the full size), `ds_id` (unique in
@@ -59,16 +66,53 @@ class ZeroParam:
     group: Optional[object] = field(default=None, repr=False)  # the data-parallel group it is cut over
     world: int = 1  # that group's size and this rank's place in it
     rank: int = 0
+    # ZeRO++ (zeropp.py): the engine's ZeroPP (None: off); qwZ for this parameter's training
+    # gathers; its shard kept as int8 blocks (frozen weights; then `resident` is None); its hpZ
+    # second shard (None: none valid)
+    zeropp: Optional[object] = field(default=None, repr=False)
+    quantize: bool = False
+    packed: Optional[object] = field(default=None, repr=False)
+    secondary: Optional[object] = field(default=None, repr=False)
 
     @property
     def shard(self) -> torch.Tensor:
+        """This rank's chunk. A packed shard comes back dequantized, a fresh tensor: write a new
+        value with `z.shard = value`, never in place."""
+        if self.packed is not None:
+            return self.packed.values()
         if self.resident is None:
             self.resident = self.swap.read(self)
         return self.resident
 
     @shard.setter
     def shard(self, value: torch.Tensor) -> None:
+        if self.packed is not None:
+            self.packed = type(self.packed).of(value)
+            self.secondary = None
+            return
         self.resident = value
+
+    @property
+    def shard_device(self) -> torch.device:
+        if self.packed is not None:
+            return self.packed.q.device
+        return self.resident.device if self.resident is not None else torch.device("cpu")
+
+    def written(self) -> None:
+        """The value changed: a second shard (hpZ) cut from the old one is no longer valid."""
+        self.secondary = None
+
+
+def pack_shard(z: ZeroParam) -> None:
+    """Keep z's shard as qwZ's int8 blocks from now on (a frozen weight under
+    zero_quantized_nontrainable_weights): the float shard is dropped."""
+    from .zeropp import Packed
+
+    if z.packed is None:
+        z.packed = Packed.of(z.shard)
+        z.resident = None
+        z.swap = None
+        z.secondary = None
 
 
 def rest(params: Iterable[torch.nn.Parameter], dirty: bool) -> None:
@@ -112,35 +156,107 @@ def _empty_like(p: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-@dataclass
-class PendingGather:
-    """One all-gather of several parameters' shards, possibly still running (async_op):
-    `finish` waits for it and points each parameter's .data at its full value; `discard`
-    waits and leaves the parameters at rest (a prefetch that was not needed after all)."""
+class _Leg:
+    """One collective of a gather: the parameters it carries and, once done, each one's
+    padded full value (rows x width elements, flat)."""
 
-    params: List[torch.nn.Parameter]
-    local: torch.Tensor  # kept alive until the collective is done: it may be the shard itself
-    out: torch.Tensor
-    work: Optional[object] = None
+    def __init__(self, params, rows: int, widths: List[int]):
+        self.params, self.rows, self.widths = params, rows, widths
 
-    @property
-    def numel(self) -> int:
-        return sum(p._zero.numel for p in self.params)
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def fulls(self) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _split(self, rows_view: torch.Tensor) -> List[torch.Tensor]:
+        out, off = [], 0
+        for w in self.widths:
+            out.append(rows_view[:, off:off + w].reshape(-1))
+            off += w
+        return out
+
+
+class _PlainLeg(_Leg):
+    """The shards as they are (the compute dtype), in one all-gather."""
+
+    def __init__(self, params, sources, group, rows, widths, dtype, device, label, async_op):
+        super().__init__(params, rows, widths)
+        self.local = torch.cat([t.to(device, dtype) for t in sources]) if len(sources) > 1 \
+            else sources[0].to(device, dtype)
+        self.local = self.local.contiguous()
+        self.out = torch.empty(rows * self.local.numel(), dtype=dtype, device=device)
+        self.work = comm.all_gather_into_tensor(self.out, self.local, group=group, label=label, async_op=async_op)
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
 
-    def finish(self) -> None:
+    def fulls(self) -> List[torch.Tensor]:
         self.wait()
-        rows, off, many = self.out.view(self.params[0]._zero.world, self.local.numel()), 0, len(self.params) > 1
-        for p in self.params:
-            z = p._zero
-            full = rows[:, off:off + z.chunk].reshape(-1)[:z.numel]
-            p.data = full.view(z.shape).to(p.dtype).clone() if many else full.view(z.shape)
-            p.ds_status = ZeroParamStatus.AVAILABLE
-            off += z.chunk
+        return self._split(self.out.view(self.rows, -1))
+
+
+class _QuantLeg(_Leg):
+    """qwZ: the shards as int8 blocks (zeropp.QuantizedAllGather)."""
+
+    def __init__(self, params, sources, group, rows, widths, dtype, device, label, async_op):
+        from .zeropp import QuantizedAllGather
+
+        super().__init__(params, rows, widths)
+        local = torch.cat([t.to(device) for t in sources]) if len(sources) > 1 else sources[0].to(device)
+        self.gather = QuantizedAllGather(local, group, rows, dtype, label, async_op)
+
+    def wait(self) -> None:
+        self.gather.wait()
+
+    def fulls(self) -> List[torch.Tensor]:
+        return self._split(self.gather.values())
+
+
+class _PackedLeg(_Leg):
+    """Shards kept as int8 blocks (frozen weights), gathered as they are."""
+
+    def __init__(self, params, sources, group, rows, widths, dtype, device, label, async_op):
+        from .zeropp import PackedAllGather
+
+        super().__init__(params, rows, widths)
+        self.gather = PackedAllGather(sources, group, rows, device, label, async_op)
+
+    def wait(self) -> None:
+        self.gather.wait()
+
+    def fulls(self) -> List[torch.Tensor]:
+        return [torch.cat(self.gather.rows_of(i)) for i in range(len(self.params))]
+
+
+@dataclass
+class PendingGather:
+    """One gather of several parameters (one or more collectives, possibly still running:
+    async_op): `finish` waits and points each parameter's .data at its full value; `discard`
+    waits and leaves the parameters at rest (a prefetch that was not needed after all)."""
+
+    params: List[torch.nn.Parameter]
+    legs: List[_Leg]
+
+    @property
+    def numel(self) -> int:
+        return sum(p._zero.numel for p in self.params)
+
+    def wait(self) -> None:
+        for leg in self.legs:
+            leg.wait()
+
+    def finish(self) -> None:
+        for leg in self.legs:
+            fulls = leg.fulls()
+            many = len(leg.params) > 1
+            for p, full in zip(leg.params, fulls):
+                z = p._zero
+                full = full[:z.numel]
+                p.data = full.view(z.shape).to(p.dtype).clone() if many else full.view(z.shape).to(p.dtype)
+                p.ds_status = ZeroParamStatus.AVAILABLE
 
     def discard(self) -> None:
         self.wait()
@@ -148,10 +264,30 @@ class PendingGather:
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
+def _source(p, training: bool):
+    """(kind, group, rows, width, source) of p's next gather: its hpZ second shard when it has
+    a valid one and this is a training gather, else its primary shard; the kind says how the
+    bytes travel ("plain", "quant": qwZ, "packed": kept as int8)."""
+    z = p._zero
+    pp = z.zeropp
+    if training and pp is not None and z.secondary is not None:
+        kind = "packed" if z.packed is not None else ("quant" if z.quantize else "plain")
+        return kind, pp.hpz_group, pp.hpz, pp.secondary_width(z.chunk), z.secondary
+    if z.packed is not None:
+        return "packed", z.group, z.world, z.chunk, z.packed
+    # one rank gathers nothing: nothing to quantize (DeepSpeed does not gather then either)
+    return ("quant" if training and z.quantize and z.world > 1 else "plain"), z.group, z.world, z.chunk, None
+
+
+_LEGS = {"plain": _PlainLeg, "quant": _QuantLeg, "packed": _PackedLeg}
+
+
 def start_gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "",
-                 async_op: bool = False) -> Optional[PendingGather]:
-    """Issue one all-gather for every listed partitioned parameter that is not whole yet
-    (shards concatenated per rank); None when there is nothing to gather."""
+                 async_op: bool = False, training: bool = False) -> Optional[PendingGather]:
+    """Issue the all-gathers for every listed partitioned parameter that is not whole yet
+    (shards concatenated per rank; one collective per kind of source, see `_source`);
+    None when there is nothing to gather. `training`: a gather of the engine's hooks, which
+    ZeRO++ may quantize or keep inside the host."""
     need = [p for p in params if is_partitioned(p) and not is_present(p)]
     if not need:
         return None
@@ -160,24 +296,33 @@ def start_gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "
         raise RuntimeError("zero: one gather mixes parameters partitioned over different process groups")
     if check is not None:
         check(f"gather {what}")
-    world = need[0]._zero.world
-    dtype = need[0]._zero.shard.dtype
+    dtype = need[0].dtype
     device = need[0].device  # the compute device, even when shards rest in CPU memory (offload_param)
-    local = torch.cat([p._zero.shard.to(device, dtype) for p in need]) if len(need) > 1 \
-        else need[0]._zero.shard.to(device)
-    rest(need, dirty=False)  # `local` keeps a file-backed shard alive until the all-gather is done
-    local = local.contiguous()
-    out = torch.empty(world * local.numel(), dtype=dtype, device=device)
-    work = comm.all_gather_into_tensor(out, local, group=group, label=f"stage3 gather {what}", async_op=async_op)
+    kinds: dict = {}
+    for p in need:
+        kind, grp, rows, width, src = _source(p, training)
+        key = (kind, id(grp), rows)
+        if key not in kinds:
+            kinds[key] = (grp, rows, [], [], [])
+        entry = kinds[key]
+        entry[2].append(p)
+        entry[3].append(width)
+        entry[4].append(src if src is not None else p._zero.shard)
+    legs = []
+    for (kind, _, rows), (grp, _, ps, widths, sources) in kinds.items():
+        where = "" if rows == need[0]._zero.world else " inside the host"
+        legs.append(_LEGS[kind](ps, sources, grp, rows, widths, dtype, device, f"stage3 gather {what}{where}",
+                                async_op))
+    rest(need, dirty=False)  # the legs keep file-backed shards alive until their collectives are done
     for p in need:
         p.ds_status = ZeroParamStatus.INFLIGHT
-    return PendingGather(need, local, out, work if async_op else None)
+    return PendingGather([p for leg in legs for p in leg.params], legs)
 
 
-def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> None:
-    """Make every listed partitioned parameter whole, with one all-gather for all the
-    ones that are not."""
-    pending = start_gather(params, check, what)
+def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "", training: bool = False) -> None:
+    """Make every listed partitioned parameter whole, with one all-gather (per kind of
+    source, see start_gather) for all the ones that are not."""
+    pending = start_gather(params, check, what, training=training)
     if pending is not None:
         pending.finish()
 
@@ -185,6 +330,9 @@ def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "") -> 
 def release(params: Iterable[torch.nn.Parameter]) -> None:
     for p in params:
         if is_partitioned(p) and not p._zero.persistent and p.data.numel():
+            z = p._zero
+            if z.zeropp is not None and z.zeropp.hpz > 1 and z.secondary is None:
+                z.zeropp.keep_secondary(p)  # hpZ: the next gathers stay inside the host
             p.data = _empty_like(p)
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
@@ -194,8 +342,14 @@ def refresh_shard_from_full(p: torch.nn.Parameter) -> None:
     re-cut this rank's shard (and its fp32 master, when an engine owns it)."""
     z = p._zero
     piece = param_shard(z.numel, z.world, z.rank)
-    z.shard.zero_()
-    z.shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
+    if z.packed is not None:  # kept as int8 blocks: quantized again from the new value
+        new = torch.zeros(z.chunk, dtype=p.dtype, device=z.shard_device)
+        new[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
+        z.shard = new
+    else:
+        z.shard.zero_()
+        z.shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
+    z.written()
     if z.owner is not None:
         z.owner.shard_changed(p)
     rest([p], dirty=True)
@@ -249,14 +403,13 @@ class Init:
         # own linear autograd function, which saves memory its hooks would otherwise keep;
         # here F.linear's default saving already keeps only the input. remote_device/pin_memory
         # place the shards: on a machine without CUDA they are on the CPU already.
-        refused = [name for name, value, default in (
-            ("zero_param_parallel_group", zero_param_parallel_group, None),
-            ("zero_quantized_weights", zero_quantized_weights, False),
-            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights, False),
-            ("param_swapper", param_swapper, None)) if value is not default and value != default]
-        if refused:
-            raise ConfigError(f"zero.Init({refused[0]}=...): not supported (ZeRO++ hierarchical/quantized "
-                              "partitioning and custom swappers are not part of dslaunch's ZeRO-3)")
+        if zero_param_parallel_group is not None:
+            raise ConfigError("zero.Init(zero_param_parallel_group=...): not supported; set "
+                              "zero_optimization.zero_hpz_partition_size in the config: the engine builds hpZ's "
+                              "groups from the hosts the launcher reports")
+        if param_swapper is not None:
+            raise ConfigError("zero.Init(param_swapper=...): not supported (custom swappers are not part of "
+                              "dslaunch's ZeRO-3; offload_param.device \"nvme\" has its own)")
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): expected None, 'cpu' or 'nvme'")
         if remote_device not in (None, "none") and torch.cuda.is_available():
@@ -274,8 +427,14 @@ class Init:
             data_parallel_group = mpu.get_data_parallel_group()
         self.group = data_parallel_group
         self.threshold = param_persistence_threshold
+        zero_section = _zero_section(config_dict_or_path or config)
         if self.threshold is None:
-            self.threshold = _threshold_from(config_dict_or_path or config)
+            self.threshold = _threshold_from(zero_section)
+        # ZeRO++ (zeropp.py), from the arguments or the config as DeepSpeed reads them: qwZ for
+        # these parameters' training gathers, and frozen ones kept as int8 blocks
+        self.quantize_weights = bool(zero_quantized_weights or zero_section.get("zero_quantized_weights", False))
+        self.quantize_frozen = bool(zero_quantized_nontrainable_weights
+                                    or zero_section.get("zero_quantized_nontrainable_weights", False))
         self.dtype = dtype
         self._patched = []
         if module is not None and enabled:
@@ -295,7 +454,10 @@ class Init:
             if not is_partitioned(p):
                 if self.dtype is not None and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
-                partition_param(p, name=name, persistent=p.numel() <= self.threshold, group=self.group)
+                z = partition_param(p, name=name, persistent=p.numel() <= self.threshold, group=self.group)
+                z.quantize = self.quantize_weights
+                if self.quantize_frozen and not p.requires_grad and not z.persistent:
+                    pack_shard(z)
 
     def __enter__(self):
         if not self.enabled:
@@ -335,16 +497,21 @@ def _all_module_classes():
     return seen
 
 
-def _threshold_from(config) -> int:
-    default = 100_000
+def _zero_section(config) -> dict:
+    """The config's zero_optimization section ({} without one)."""
     if config is None:
-        return default
+        return {}
     if isinstance(config, (str, os.PathLike)):
-        from ..strict import load_file  # bounded, regular files only, one-line errors
+        from ..core.strict import load_file  # bounded, regular files only, one-line errors
 
         config = load_file(os.fspath(config))
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
-    value = zero.get("stage3_param_persistence_threshold", default) if isinstance(zero, dict) else default
+    return zero if isinstance(zero, dict) else {}
+
+
+def _threshold_from(zero: dict) -> int:
+    default = 100_000
+    value = zero.get("stage3_param_persistence_threshold", default)
     # "auto": a Hugging Face placeholder that from_pretrained's zero.Init sees before the Trainer
     # fills it from the model's hidden size (DeepSpeed reads it as unset too).
     return default if value == "auto" else int(value)

@@ -109,7 +109,7 @@ class Prefetcher:
                 and id(p) not in self.inflight and id(p) not in taken]
 
     def _issue(self, params: List[torch.nn.Parameter], what: str) -> None:
-        pend = start_gather(params, check=self.check, what=f"prefetch {what}", async_op=True)
+        pend = start_gather(params, check=self.check, what=f"prefetch {what}", async_op=True, training=True)
         if pend is not None:
             for p in pend.params:
                 self.inflight[id(p)] = pend

@@ -19,11 +19,15 @@ chunks are freed at the step and allocated again by the next reduce-scatter: bet
 no gradient is held (as in DeepSpeed), leaving the room to the next forward's activations.
 
 Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
-whole. Optimizer partitions are the concatenation of this rank's chunks per param group.
-With offload_param.device "nvme" the other shards rest in files between uses (param_swap.py).
+whole (frozen ones are partitioned, kept as int8 blocks, under
+zero_quantized_nontrainable_weights). Optimizer partitions are the concatenation of this
+rank's chunks per param group. With offload_param.device "nvme" the other shards rest in
+files between uses (param_swap.py). ZeRO++ (qwZ, qgZ, hpZ) changes what the gathers and the
+gradient reduction send, not what is computed: zeropp.py.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -36,11 +40,12 @@ from ..core import comm
 from . import hook_scope
 from .hook_scope import hooked_modules, module_params, unmarked_expert_lists, z3_leaf_module
 from .offload import OptimizerHost, make_host, pin_host
-from .params import gather, is_partitioned, is_present, partition_param, release, rest
+from .params import gather, is_partitioned, is_present, pack_shard, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
 from .prefetch import ModuleTrace, Prefetcher
 from .sharded import ShardedStrategy, offload_optimizer
 from .reshard import assemble
+from .zeropp import ZeroPP, ZeroPPSettings, qgz_blocks
 
 
 class RankDivergenceError(RuntimeError):
@@ -120,6 +125,13 @@ class ZeroStage3(ShardedStrategy):
         names = {}
         for n, p in module.named_parameters():
             names.setdefault(id(p), n)
+        pp = ZeroPPSettings.from_config(z)
+        self.zeropp: Optional[ZeroPP] = None
+        if pp.any:  # collective: the hosts of the data-parallel ranks, hpZ's and qgZ's groups
+            make = ctx.mesh.new_group if ctx.mesh is not None and hasattr(ctx.mesh, "new_group") else None
+            if make is None:
+                from ..core.parallel.mesh import new_group as make
+            self.zeropp = ZeroPP(pp, group, self.world, self.rank, make)
         # A module already driven by another stage-3 engine (the HF Trainer's forward-only engine
         # for evaluate(), then train()'s own): this engine takes it over, the other's hooks go.
         for old in {id(z.owner): z.owner for z in (getattr(p, "_zero", None) for p in module.parameters())
@@ -127,7 +139,8 @@ class ZeroStage3(ShardedStrategy):
             old.remove_hooks()
         for n, p in module.named_parameters():
             if not is_partitioned(p):
-                partition_param(p, name=n, persistent=(not p.requires_grad) or p.numel() <= persistence_threshold,
+                frozen_whole = not p.requires_grad and not pp.quantize_frozen  # packed below otherwise
+                partition_param(p, name=n, persistent=frozen_whole or p.numel() <= persistence_threshold,
                                 device=self.param_device, group=group)
             elif (p._zero.world, p._zero.rank) != (self.world, self.rank):
                 raise ValueError(f"ZeRO-3: {n} was partitioned (zero.Init) over {p._zero.world} ranks, but the "
@@ -136,9 +149,17 @@ class ZeroStage3(ShardedStrategy):
             p._zero.group = group
             p._zero.name = n
             p._zero.owner = self
-            if p._zero.shard.dtype != p.dtype:  # built by zero.Init, then cast by the engine
+            if p._zero.packed is not None:  # int8 blocks: only the dtype they come back as changes
+                p._zero.packed.dtype = p.dtype
+            elif p._zero.shard.dtype != p.dtype:  # built by zero.Init, then cast by the engine
                 p._zero.shard = p._zero.shard.to(p.dtype)
-            if offload_param is not None and offload_param.device == "cpu":
+            if self.zeropp is not None:
+                p._zero.zeropp = self.zeropp
+                p._zero.quantize = p._zero.quantize or pp.quantize_weights
+                p._zero.secondary = None
+                if pp.quantize_frozen and not p.requires_grad and not p._zero.persistent:
+                    pack_shard(p._zero)
+            if offload_param is not None and offload_param.device == "cpu" and p._zero.packed is None:
                 p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
         self.groups: List[Dict[str, Any]] = []
         self.reduction = GradReduction.from_config(ctx.config, self.world)
@@ -181,7 +202,9 @@ class ZeroStage3(ShardedStrategy):
             from .param_swap import ParamSwapper
 
             self.swapper = ParamSwapper(offload_param.nvme_path, self.rank)
-            self.swapper.attach(p._zero for p in module.parameters() if not p._zero.persistent)
+            # shards kept as int8 blocks (frozen weights) stay in memory
+            self.swapper.attach(p._zero for p in module.parameters()
+                                if not p._zero.persistent and p._zero.packed is None)
         self.host: Optional[OptimizerHost] = None if optimizer is None else \
             make_host(optimizer, [g["master"] for g in self.groups], offload, sub_group_size)
         self._hooks = []
@@ -202,6 +225,19 @@ class ZeroStage3(ShardedStrategy):
         self._leaf_params: Dict[int, List[torch.nn.Parameter]] = {}
         self._leaf_of: Dict[int, torch.nn.Module] = {}
         self._leaf_pending: Dict[int, torch.nn.Module] = {}  # leaves gathered for backward, not yet queued
+        # qgZ: the int4 block count of each gradient that takes it (by shape, as DeepSpeed decides)
+        self._qgz_blocks: Dict[int, int] = {}
+        if self.zeropp is not None and self.zeropp.qgz is not None:
+            trained = [p for g in self.groups for p in g["params"]]
+            for p in trained:
+                b = qgz_blocks(p._zero.shape, self.world)
+                if b is not None:
+                    self._qgz_blocks[id(p)] = b
+            plain = [p._zero.name for p in trained if id(p) not in self._qgz_blocks]
+            if plain and self.rank == 0:
+                print(f"dslaunch: ZeRO++ qgZ: {len(plain)} of {len(trained)} gradients take the plain reduce-scatter "
+                      f"(1-D, or a size qgZ's blocks cannot split over {self.world} ranks, as in DeepSpeed): "
+                      f"{', '.join(plain[:4])}{', ...' if len(plain) > 4 else ''}", file=sys.stderr, flush=True)
 
     # -- hooks ------------------------------------------------------------------------------
     def wrap_module(self) -> None:
@@ -222,6 +258,7 @@ class ZeroStage3(ShardedStrategy):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
 
     def _root_pre(self, module, args):
+        comm.comms_logger.set_phase("forward")  # the comms logger's traffic rows (comm/traffic.py)
         self._prefetch.start_forward()  # a forward-only pass may have left prefetches behind
         self._pos = 0
         self._stack.clear()
@@ -232,6 +269,7 @@ class ZeroStage3(ShardedStrategy):
             self._index = ModuleTrace(self._trace, self._own, self._numel_of)
             self._trace_ok = True
         if torch.is_grad_enabled():
+            comm.comms_logger.set_phase("backward")
             self._prefetch.start_backward(len(self._trace))
             if self.swapper is not None and self._trace_ok:  # the first modules of backward
                 self._swap_ahead(range(len(self._trace) - 1, -1, -1))
@@ -256,7 +294,7 @@ class ZeroStage3(ShardedStrategy):
         gathers of the modules expected next. `at`: m's entry in the recorded forward."""
         params = self._own(m)
         self._prefetch.land(params)
-        gather(params, check=self.check, what=f"{self._name(m)} ({phase})")
+        gather(params, check=self.check, what=f"{self._name(m)} ({phase})", training=True)
         if phase == "backward" and id(m) in self._leaf_params:
             self._leaf_pending[id(m)] = m
         if not (self._trace_ok and self.prefetch_numel > 0):
@@ -366,12 +404,28 @@ class ZeroStage3(ShardedStrategy):
 
     def _flush_grads(self) -> None:
         """One reduce-scatter for the queued gradients: laid out as a (world, sum of
-        chunks) matrix so rank r's row holds its chunk of every queued parameter."""
+        chunks) matrix so rank r's row holds its chunk of every queued parameter. Under qgZ
+        the gradients that qualify go through its two quantized all-to-alls instead
+        (zeropp.QuantizedReduceScatter), all of the bucket's at once."""
         if not self._bucket:
             return
         bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
         if self.check is not None:
             self.check("reduce grads of " + ", ".join(p._zero.name for p, _ in bucket))
+        quant = [(p, full) for p, full in bucket if id(p) in self._qgz_blocks]
+        plain = [(p, full) for p, full in bucket if id(p) not in self._qgz_blocks]
+        if plain:
+            self._reduce_scatter(plain)
+        if quant:
+            names = f"{quant[0][0]._zero.name}..{quant[-1][0]._zero.name}"
+            parts = self.zeropp.qgz([self.reduction.outgoing(full) for _, full in quant],
+                                    [self._qgz_blocks[id(p)] for p, _ in quant], f"stage3 qgZ reduce grads {names}")
+            for (p, _), part in zip(quant, parts):
+                z = p._zero
+                g = self._grad(z.group_index)
+                g[z.master_offset:z.master_offset + z.chunk] += part.to(g.device, g.dtype)
+
+    def _reduce_scatter(self, bucket) -> None:
         width = sum(p._zero.chunk for p, _ in bucket)
         device = bucket[0][1].device
         mat = torch.cat([full.view(self.world, -1) for _, full in bucket], dim=1) if len(bucket) > 1 \
@@ -402,6 +456,7 @@ class ZeroStage3(ShardedStrategy):
 
     # -- boundary -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
+        comm.comms_logger.set_phase("step")
         for g in self.groups:
             if g["grad"] is not None:
                 self.reduction.finish_(g["grad"])
@@ -439,6 +494,7 @@ class ZeroStage3(ShardedStrategy):
             g["master"].grad = None
             for p in g["params"]:
                 z = p._zero
+                z.written()  # hpZ: the next forward gathers the new values from the primary shards
                 new = g["master"][z.master_offset:z.master_offset + z.chunk]
                 if z.swap is not None:  # a fresh tensor, queued for writing: the old value is never read
                     z.shard = new.to(device="cpu", dtype=p.dtype, copy=True)
@@ -530,6 +586,7 @@ class ZeroStage3(ShardedStrategy):
             new = master[z.master_offset:z.master_offset + z.chunk]
             if z.shard.data_ptr() != new.data_ptr():
                 z.shard.copy_(new)
+            z.written()
             rest([param], dirty=True)
 
     def _refresh_whole(self, param, full: Optional[torch.Tensor]) -> None:
@@ -626,8 +683,14 @@ class ZeroStage3(ShardedStrategy):
                 z = p._zero
                 src = state[n].reshape(-1)
                 sh = param_shard(z.numel, self.world, self.rank)
-                z.shard.zero_()
-                z.shard[:sh.numel].copy_(src[sh.start:sh.end])
+                if z.packed is not None:  # int8 blocks: quantized again from the loaded value
+                    new = torch.zeros(z.chunk, dtype=p.dtype, device=z.shard_device)
+                    new[:sh.numel].copy_(src[sh.start:sh.end])
+                    z.shard = new
+                else:
+                    z.shard.zero_()
+                    z.shard[:sh.numel].copy_(src[sh.start:sh.end])
+                z.written()
                 if z.persistent:
                     p.data.copy_(src.view(z.shape))
                 self.shard_changed(p)
@@ -670,6 +733,7 @@ class ZeroStage3(ShardedStrategy):
             for p in g["params"]:
                 z = p._zero
                 z.shard.copy_(g["master"][z.master_offset:z.master_offset + z.chunk])
+                z.written()
                 rest([p], dirty=True)
             self._refresh_persistent(g["params"])
 

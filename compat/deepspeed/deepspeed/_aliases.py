@@ -46,6 +46,14 @@ def target_of(fullname: str) -> str | None:
     if parent is None:
         return None
     if parent.__name__ != parent_name:  # the parent is itself an alias: follow it
+        # unless dslaunch.runtime's alias table names this very path (deepspeed.ops.aio, whose
+        # parent deepspeed.ops is dslaunch.runtime.train.ops, is the table's "ops.aio")
+        rest = fullname[len("deepspeed.runtime."):] if fullname.startswith("deepspeed.runtime.") else \
+            fullname[len("deepspeed."):]
+        from dslaunch.compat import paths
+
+        if rest in paths.PATHS:
+            return f"{paths.PACKAGE}.{rest}"
         return f"{parent.__name__}.{leaf}"
     for folder in getattr(parent, "__path__", ()):
         if os.path.exists(os.path.join(folder, leaf + ".py")) or os.path.isdir(os.path.join(folder, leaf)):

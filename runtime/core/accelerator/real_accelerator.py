@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .cpu_devices import cpu_device_count, cpu_fp16_supported
+
 
 class DeepSpeedAccelerator:
     """One accelerator, CUDA or CPU (DeepSpeed's name for the interface)."""
@@ -46,7 +48,8 @@ class DeepSpeedAccelerator:
             torch.cuda.set_device(device_index)
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._cuda else 1
+        """CUDA's GPU count; on the CPU, LOCAL_SIZE, else the NUMA node count (cpu_devices.py)."""
+        return torch.cuda.device_count() if self._cuda else cpu_device_count()
 
     def is_available(self) -> bool:
         return True
@@ -66,13 +69,17 @@ class DeepSpeedAccelerator:
         return torch.cuda.is_bf16_supported() if self._cuda else True
 
     def is_fp16_supported(self) -> bool:
-        return True
+        """CUDA: always; the CPU: where oneDNN has native fp16 kernels, as DeepSpeed's CPU accelerator says."""
+        return True if self._cuda else cpu_fp16_supported()
 
     def is_fp64_supported(self) -> bool:
         return True
 
     def supported_dtypes(self):
-        return [torch.float32, torch.float16, torch.bfloat16]
+        """The dtypes DeepSpeed's accelerator of the same kind lists (its tests parametrize over them)."""
+        if self._cuda:
+            return [torch.float32, torch.float16, torch.bfloat16]
+        return [torch.float32, torch.bfloat16] + ([torch.float16] if cpu_fp16_supported() else [])
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self._name

@@ -10,6 +10,7 @@
     watchdog.py     a collective unfinished after the timeout: stacks, flight records, the
                     mismatch named, exit 124 on every reachable rank
     logger.py       the comms logger: latency, algbw/busbw per op and message size
+    traffic.py      ... and bytes by process group and host pair (traffic_report)
     shutdown.py     orderly teardown at interpreter exit
 
 Importing this package registers the exit handler (shutdown.py).
@@ -42,7 +43,7 @@ __all__ = [
     "recv", "isend", "irecv", "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "configure",
     "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops",
     "set_timeout", "flight_record", "all_to_all", "all_reduce_coalesced", "all_gather_coalesced", "P2POp",
-    "batch_isend_irecv",
+    "batch_isend_irecv", "traffic_report",
 ]
 
 
@@ -112,6 +113,18 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Opti
         return {"summary": comms_logger.summary_dict(), "straggler_analysis": stragglers,
                 "metadata": {"world_size": get_world_size(world), "rank": _this_rank()}}
     return None
+
+
+def traffic_report():
+    """Collective over the default group: every rank's byte counts (the comms logger's
+    `traffic`) and the host of every rank, as one traffic.TrafficReport on every rank."""
+    from .traffic import TrafficReport, host_key
+
+    mine = (host_key(), comms_logger.traffic.snapshot())
+    world = get_world_group()
+    everyone = [None] * get_world_size(world)
+    all_gather_object(everyone, mine, group=world, log_name="traffic_report")
+    return TrafficReport([h for h, _ in everyone], [rows for _, rows in everyone])
 
 
 def reset_log() -> None:

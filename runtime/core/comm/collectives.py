@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import shm, shutdown, watchdog
 from .flight import FlightRecorder
-from .groups import get_global_rank, get_rank, get_world_size, group_name, is_initialized
+from .groups import get_all_ranks_from_group, get_global_rank, get_rank, get_world_size, group_name, is_initialized
 from .logger import CommsLogger
 
 ReduceOp = dist.ReduceOp
@@ -89,6 +89,8 @@ def _run(op: str, group, nbytes: int, call: Callable[[], Any], async_op: bool, l
                 torch.cuda.synchronize(device_tensor.device)
             comms_logger.record(name, op, nbytes, time.perf_counter() - start, gname, get_world_size(group),
                                 debug or (_caller() if comms_logger.debug else None))
+            peer = group_key[2] if isinstance(group_key, tuple) and group_key[:1] == ("p2p",) else None
+            comms_logger.traffic.record(op, gname, nbytes, get_rank(), get_all_ranks_from_group(group), peer)
             recorder.end(entry)
         elif async_op and work is not None:
             recorder.end(entry, work)

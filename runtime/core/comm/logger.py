@@ -13,12 +13,17 @@ does; it records op, message size, group, latency, and the algorithmic and bus b
 (the nccl-tests convention; size is the larger of input and output, n the group size; Gbps,
 as DeepSpeed prints). `verbose` prints each op as it is recorded; `debug` appends the
 caller's function to the record name. `summary()` is a table per op and message size.
+
+Each profiled op is also counted in bytes by process group and by the peer ranks it sends
+to (`traffic`, traffic.py), so that a report can add them up per host pair.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
+
+from .traffic import TrafficCounter
 
 _ALLGATHER_LIKE = ("all_gather", "reduce_scatter", "all_to_all")
 
@@ -66,6 +71,7 @@ class CommsLogger:
         self.prof_ops: List[str] = []
         self.debug = False
         self.data: Dict[str, Dict[int, OpStats]] = {}
+        self.traffic = TrafficCounter()
 
     def configure(self, enabled=None, verbose=None, prof_all=None, prof_ops=None, debug=None) -> None:
         if enabled is not None:
@@ -116,6 +122,11 @@ class CommsLogger:
 
     def reset(self) -> None:
         self.data.clear()
+        self.traffic.reset()
+
+    def set_phase(self, name: str) -> None:
+        """Tag the ops counted from now on (traffic rows are keyed by phase)."""
+        self.traffic.phase = name
 
     reset_data = reset
 

@@ -13,10 +13,13 @@ all of its ranks together (all_gather_object over the group, so every rank takes
 path): the group's rank 0 creates the segment as an anonymous file (memfd_create) with a
 random token and reserves its pages (posix_fallocate: no room is an error now, not a SIGBUS
 later); every rank opens it through /proc/<rank 0's pid>/fd/<fd>, maps it, and checks the
-token and that it sees every peer's pid; only when every rank could, the group uses it.
+token and that it sees every peer's pid; only when every rank could, and every rank names the
+same host (traffic.host_key: the launcher's NODE_RANK, else the hostname), the group uses it.
 DSLAUNCH_SHM_COMM must therefore be the same on every rank, as launchers set it. The file
 has no name, so nothing is left behind however a rank ends. Ranks on different hosts (or in
-other pid namespaces) fail the check and the group stays on gloo.
+other pid namespaces) fail the check and the group stays on gloo; so do "hosts" that are
+network namespaces of one machine (tests/testbed.py), which could map each other's memory
+but stand for machines that cannot.
 
 Which calls: all_reduce, reduce, all_gather_into_tensor, reduce_scatter_tensor and
 all_to_all_single with even splits (no split sizes given) on CPU tensors of a gloo group, of
@@ -352,8 +355,10 @@ def _setup(group) -> Optional[Segment]:
             offer = (seg.path, token)
         except (OSError, RuntimeError):
             seg = None
+    from .traffic import host_key
+
     seen = [None] * world
-    _c10d.all_gather_object(seen, (offer, os.getpid()), group=group)
+    _c10d.all_gather_object(seen, (offer, os.getpid(), host_key()), group=group)
     path, token = seen[0][0] if seen[0][0] is not None else (None, None)
     if rank != 0:
         seg = None
@@ -365,7 +370,8 @@ def _setup(group) -> Optional[Segment]:
     # every peer's pid must be one this rank sees (not another pid namespace),
     # or a live peer would be taken for one that exited
     ok = [None] * world
-    _c10d.all_gather_object(ok, seg is not None and all(_alive(pid) for _, pid in seen), group=group)
+    one_host = len({host for _, _, host in seen}) == 1
+    _c10d.all_gather_object(ok, seg is not None and one_host and all(_alive(pid) for _, pid, _ in seen), group=group)
     if rank == 0 and seg is not None:
         seg.close_fd()  # every rank has it mapped (or gave up)
     return seg if all(ok) else None

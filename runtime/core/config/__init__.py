@@ -21,6 +21,7 @@ from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
 from .compression import CompressionConfig
 from .compute import ActivationCheckpointingConfig, CompileConfig
 from .elasticity.elasticity import engine_batch_sizes
+from .expert_parallel import ExpertParallelConfig
 from .monitor import DeepSpeedMonitorConfig
 from .numbers import check_optimizer_params, check_scheduler_params
 from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig,
@@ -129,9 +130,7 @@ class DeepSpeedConfig:
         "the Ulysses all-to-alls send activations in their own dtype (no separate communication dtype); remove it",
         "fp32")
     tensor_parallel: TensorParallelConfig = supported(factory=TensorParallelConfig, note="")
-    expert_parallel: Any = refused(
-        "AutoEP (swapping Hugging Face MoE blocks for expert-parallel layers) is not implemented; remove it: "
-        "HF MoE models train with every expert on each rank (at ZeRO-3 with set_z3_leaf_modules)", disabled)
+    expert_parallel: ExpertParallelConfig = supported(factory=ExpertParallelConfig, note="")
     use_data_before_expert_parallelism: Any = refused(
         "expert groups are laid out only DeepSpeed's default way (expert-parallel ranks consecutive); remove it", False)
     hybrid_engine: Any = refused("the RLHF hybrid engine is not supported; remove it", disabled)
@@ -168,6 +167,10 @@ class DeepSpeedConfig:
                               f"(or Infinity for never), got {self.steps_per_print}")
         positive(path, "comms_timeout", self.comms_timeout)
         check_precision(self.fp16, self.bf16, self.torch_autocast)
+        if self.torch_autocast.enabled and self.zero_optimization.zero_quantized_weights:
+            # DeepSpeed asserts the same when it sets up autocast
+            raise ConfigError("torch_autocast.enabled: cannot be combined with zero_optimization.zero_quantized_weights "
+                              "(as in DeepSpeed); choose one")
         self._check_reduction()
         if self.allgather_size is not None:
             if not self.zero_optimization.legacy_bool:
@@ -428,3 +431,5 @@ def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "wo
     else:
         raise bad("set train_batch_size or train_micro_batch_size_per_gpu (neither is in the config)")
     return BatchSizes(tb, mb, gas)
+
+from .getters import get_gradient_clipping, get_log_level  # noqa: E402  (DeepSpeed's one-key readers)

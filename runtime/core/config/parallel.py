@@ -23,6 +23,11 @@ class PipelineConfig:
     pipe_partitioned: bool = supported(True, "no effect needed: training has no tensor-parallel group to split "
                                              "activations over, so they go between stages whole")
     grad_partitioned: bool = supported(True, "no effect needed: as pipe_partitioned, for the gradients sent back")
+    # not a DeepSpeed key (its pipeline engine always runs 1F1B): the schedule's name is
+    # checked by the pipeline engine, which knows the schedules (the config may not import pipe/)
+    schedule: str = supported("1f1b", "dslaunch's: the pipeline schedule by name, \"1f1b\" (DeepSpeed's), \"zb-h1\" "
+                                      "(zero-bubble: backward split into input- and weight-gradient passes) or "
+                                      "\"interleaved-1f1b\" (PipelineModule(virtual_stages=v > 1))")
 
     def validate(self, path: str) -> None:
         positive(path, "activation_checkpoint_interval", self.activation_checkpoint_interval, allow_zero=True)

@@ -16,7 +16,8 @@ from ..strict import ConfigError, disabled, parse_dataclass, refused, supported
 from .checks import positive
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
-ZEROPP = "ZeRO++ {what} are not supported; remove it"
+ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+               "zero_quantized_gradients")
 
 
 @dataclass
@@ -111,10 +112,15 @@ class ZeroConfig:
                "ranks at once (what DeepSpeed's round robin achieves)")
     parameter_alignment: Any = refused("16-byte parameter alignment in flat buffers is not supported; remove it",
                                        False)
-    zero_hpz_partition_size: Any = refused("hierarchical partitioning (ZeRO++ hpZ) is not supported; remove it", 1)
-    zero_quantized_weights: Any = refused(ZEROPP.format(what="quantized weights"), False)
-    zero_quantized_nontrainable_weights: Any = refused(ZEROPP.format(what="quantized frozen weights"), False)
-    zero_quantized_gradients: Any = refused(ZEROPP.format(what="quantized gradients"), False)
+    zero_hpz_partition_size: int = supported(
+        1, "ZeRO++ hpZ (stage 3): a second copy of each parameter cut over this many ranks of one host; backward "
+           "gathers from it inside the host (0 or 1: off)")
+    zero_quantized_weights: bool = supported(
+        False, "ZeRO++ qwZ (stage 3): parameter all-gathers carry int8 blocks with fp32 scales; masters stay fp32")
+    zero_quantized_nontrainable_weights: bool = supported(
+        False, "ZeRO++ (stage 3): frozen parameters are partitioned, kept and gathered as int8 blocks")
+    zero_quantized_gradients: bool = supported(
+        False, "ZeRO++ qgZ (stage 3): gradients reduce as int4 blocks, inside each host first, then across hosts")
     memory_efficient_linear: Any = refused(
         "false is not supported: stage 3 never keeps gathered weights alive for backward", True)
     pipeline_loading_checkpoint: Any = refused("pipeline-mode checkpoint loading is not supported; remove it",
@@ -162,8 +168,13 @@ class ZeroConfig:
             positive(path, key, getattr(self, key))
         # 0 prefetch: every module waits for its own gather (DeepSpeed accepts 0 too)
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                    "stage3_max_reuse_distance"):
+                    "stage3_max_reuse_distance", "zero_hpz_partition_size"):
             positive(path, key, getattr(self, key), allow_zero=True)
+        on = [k for k in ZEROPP_KEYS if self.zeropp_on(k)]
+        if on and self.stage != 3:
+            # DeepSpeed reads these only in its stage-3 optimizer and ignores them below it
+            raise ConfigError(f"{path}.{on[0]}: ZeRO++ applies to ZeRO stage 3 (partitioned parameters and "
+                              f"gradients); stage {self.stage} would ignore it: set stage 3 or remove it")
         self._apply_deprecated(path)
 
     def _apply_deprecated(self, path: str) -> None:
@@ -194,6 +205,11 @@ class ZeroConfig:
     @property
     def offload_param_device(self) -> str:
         return self.offload_param.device if self.offload_param else "none"
+
+    def zeropp_on(self, key: str) -> bool:
+        """Whether ZeRO++ key `key` asks for anything (hpZ: a size above 1)."""
+        value = getattr(self, key)
+        return value > 1 if key == "zero_hpz_partition_size" else bool(value)
 
     def sanity_checks(self) -> bool:
         """enable_sanity_checks, unless DSLAUNCH_ZERO3_CHECK says otherwise."""

@@ -213,6 +213,50 @@ def checkpoint(function, *args, **kwargs):
     return outputs[0] if holder and holder[0] else outputs
 
 
-__all__ = ["configure", "checkpoint", "is_configured", "reset", "set_num_layers", "get_cuda_rng_tracker",
+class _RngReplay:
+    """torch's non-reentrant checkpoint's contexts: the forward one records the generators as
+    the segment starts (the CPU's, the device's and the model-parallel tracker's named states),
+    the recompute one runs the segment again from them, then puts back the states it found."""
+
+    def __init__(self):
+        self.at_forward = None
+
+    @contextlib.contextmanager
+    def forward(self):
+        self.at_forward = rng.snapshot()
+        yield
+
+    @contextlib.contextmanager
+    def recompute(self):
+        now = rng.snapshot()
+        rng.restore(self.at_forward)
+        try:
+            yield
+        finally:
+            rng.restore(now)
+
+
+def non_reentrant_checkpoint(function, *args, **kwargs):
+    """DeepSpeed's non-reentrant checkpoint: the segment runs with grad, its saved activations
+    are dropped and recomputed when backward first needs them (torch's saved-tensor hooks), so
+    its parameters get gradients even when no input requires grad, and outputs may be any
+    mix of tensors and other values. The recompute draws the same random numbers (tracker
+    included). Keeping inputs partitioned, on the CPU or in contiguous buffers is done by
+    `checkpoint` only: under those settings this refuses rather than ignore them."""
+    if state.partition_activations or state.cpu_checkpointing or state.contiguous_memory_optimization:
+        on = [k for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+              if getattr(state, k)]
+        raise ConfigError(f"activation_checkpointing: {', '.join(on)} applies to deepspeed.checkpointing.checkpoint "
+                          "(reentrant) only; non_reentrant_checkpoint keeps its inputs as they are: turn "
+                          f"{'it' if len(on) == 1 else 'them'} off or use checkpoint")
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    replay = _RngReplay()
+    return torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False,
+                            context_fn=lambda: (replay.forward(), replay.recompute()), **kwargs)
+
+
+__all__ = ["configure", "checkpoint", "non_reentrant_checkpoint", "is_configured", "reset", "set_num_layers",
+           "get_cuda_rng_tracker",
            "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed", "CudaRNGStatesTracker",
            "CheckpointFunction", "partition_activations_in_checkpoint"]

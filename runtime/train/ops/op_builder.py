@@ -99,6 +99,11 @@ def cast_to_byte_tensor(tensors):
     return tensors.reshape(-1).view(torch.uint8)
 
 
+class QuantizerBuilder(OpBuilder):
+    NAME = "quantizer"
+    _why_not = "dslaunch has no quantizer kernel (ZeRO++'s quantized weights and gradients are refused in the config)"
+
+
 class UtilsBuilder(OpBuilder):
     """flatten/unflatten of tensor lists, which torch provides, and the byte view of tensors."""
 
@@ -117,7 +122,8 @@ class UtilsBuilder(OpBuilder):
 
 
 ALL_OPS = {b.NAME: b() for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder,
-                                 FusedLambBuilder, FusedLionBuilder, AsyncIOBuilder, UtilsBuilder)}
+                                 FusedLambBuilder, FusedLionBuilder, AsyncIOBuilder, QuantizerBuilder, UtilsBuilder)}
 
 __all__ = ["OpBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "FusedAdamBuilder",
-           "FusedLambBuilder", "FusedLionBuilder", "AsyncIOBuilder", "UtilsBuilder", "ALL_OPS"]
+           "FusedLambBuilder", "FusedLionBuilder", "AsyncIOBuilder", "QuantizerBuilder", "UtilsBuilder",
+           "ALL_OPS"]

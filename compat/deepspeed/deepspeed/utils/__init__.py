@@ -4,7 +4,7 @@
 leaf-module calls are dslaunch.runtime.zero.hook_scope's; the tensor-fragment calls
 (safe_get_full_fp32_param and friends) are dslaunch.runtime.zero.fragments'.
 """
-import logging
+import logging as _logging
 
 from dslaunch.runtime.core.comm import is_initialized
 from dslaunch.runtime.train.dataloader import RepeatingLoader
@@ -21,7 +21,7 @@ from dslaunch.runtime.zero.fragments import (
 from dslaunch.runtime.train.compression.helper import recursive_getattr, recursive_setattr
 from dslaunch.runtime.inference import OnDevice
 
-logger = logging.getLogger("dslaunch.runtime")
+logger = _logging.getLogger("dslaunch.runtime")
 
 
 from dslaunch.runtime import log_dist  # noqa: E402  (one implementation for both import paths)
@@ -29,7 +29,7 @@ from dslaunch.runtime import log_dist  # noqa: E402  (one implementation for bot
 _logged_once = set()
 
 
-def log_dist_once(message: str, ranks=None, level: int = logging.INFO) -> None:
+def log_dist_once(message: str, ranks=None, level: int = _logging.INFO) -> None:
     """log_dist, each distinct (message, ranks, level) once per process."""
     key = (message, tuple(ranks) if ranks is not None else None, level)
     if key not in _logged_once:
@@ -39,7 +39,7 @@ def log_dist_once(message: str, ranks=None, level: int = logging.INFO) -> None:
 
 def set_log_level_from_string(log_level_str: str, custom_logger=None) -> None:
     """Set the logger's level by name ("info", "WARNING", ...), as DeepSpeed's --log_level."""
-    level = logging.getLevelName(str(log_level_str).upper())
+    level = _logging.getLevelName(str(log_level_str).upper())
     if not isinstance(level, int):
         raise ValueError(f"log level {log_level_str!r}: expected debug, info, warning, error or critical")
     (custom_logger or logger).setLevel(level)
@@ -77,3 +77,6 @@ __all__ = ["logger", "log_dist", "log_dist_once", "is_initialized", "RepeatingLo
            "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
            "safe_set_local_fp32_param", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
            "safe_get_local_grad", "safe_set_local_grad", "safe_update_full_grad_vectorized"]
+
+# `deepspeed.utils.logging` is the submodule (DeepSpeed's logger module), not the standard library's
+from . import logging  # noqa: E402,F401

@@ -1,4 +1,5 @@
-"""`deepspeed.utils.numa.parse_range_list`: DeepSpeed's parser of a core list such as "0,2-4,6".
+"""`deepspeed.utils.numa`: get_numa_cores (the accelerator's, runtime/accelerator/cpu_devices.py) and
+parse_range_list, DeepSpeed's parser of a core list such as "0,2-4,6".
 
 The numbers and ranges are read by dslaunch's --bind_core_list parser (launcher/cores.py);
 DeepSpeed's function also requires the pieces in ascending order without overlap, which
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import List
 
 from dslaunch.launcher.cores import parse_core_list
+from dslaunch.runtime.accelerator.cpu_devices import get_numa_cores
 
 
 def parse_range_list(range_str: str) -> List[int]:
@@ -19,4 +21,4 @@ def parse_range_list(range_str: str) -> List[int]:
     return cores
 
 
-__all__ = ["parse_range_list"]
+__all__ = ["parse_range_list", "get_numa_cores"]
