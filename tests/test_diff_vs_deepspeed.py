@@ -84,9 +84,11 @@ def test_the_classifier_separates_the_classes():
 
 def test_listed_reasons_come_from_the_config_page():
     reasons = dvd.listed_reasons()
-    assert "hierarchical partitioning (ZeRO++ hpZ) is not supported; remove it" in reasons
-    assert dvd.is_listed("ConfigError: zero_optimization.zero_hpz_partition_size: hierarchical partitioning "
-                         "(ZeRO++ hpZ) is not supported; remove it", reasons)
+    # a refused key of the config-key table, and a refused combination of the list below it
+    assert "graph harvesting is not supported (DeepSpeed removed it too); remove it" in reasons
+    assert dvd.is_listed("ConfigError: graph_harvesting: graph harvesting is not supported (DeepSpeed removed it "
+                         "too); remove it", reasons)
+    assert dvd.is_listed('ConfigError: x: "moe" param groups need ZeRO stage 0, 1 or 2 without offload', reasons)
     assert not dvd.is_listed("KeyError: 'x'", reasons)
 
 
