@@ -368,6 +368,14 @@ def _effects():
             out[name] = "ok"
         except Err as exc:
             out[name] = str(exc)
+    # the guard looks at client optimizers only (as DeepSpeed's): torch's AdamW that the config asks for
+    # (torch_adam) steps on the host
+    try:
+        engine({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1, "offload_optimizer": {
+            "device": "cpu"}}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}})
+        out["config_torch_adam"] = "ok"
+    except Err as exc:
+        out["config_torch_adam"] = str(exc)
     # bf16.check_grad_overflow (and the old "bfloat16" spelling): an inf loss skips the step, or poisons the
     # weights (DeepSpeed's behaviour; dslaunch's own nonfinite_check, on by default, is off here to show it,
     # and so is clipping, whose norm would see the inf too)
@@ -412,6 +420,7 @@ def test_engine_effects_of_reporting_and_guard_keys():
     assert out["untested"].startswith("zero_allow_untested_optimizer: ZeRO stage 1 is not tested with SGD")
     assert out["untested_allowed"] == "ok" and out["not_forced"] == "ok"
     assert out["forced"].startswith("zero_force_ds_cpu_optimizer: offload_optimizer would step SGD with torch's")
+    assert out["config_torch_adam"] == "ok"
     assert out["overflow_True"] == (1, True) and out["overflow_False"] == (0, False)
     assert out["autocast"] == ("torch.float32", "torch.bfloat16")
     assert out["norm_True"] is not None and out["norm_True"] > 0 and out["norm_False"] is None

@@ -124,3 +124,48 @@ def test_engine_skips_poisoned_steps_and_backs_off():
         64.0,
         (False, 138.0, False, False, None),
     ]
+
+
+def growth_step_body():
+    """Weights after each step under a dynamic scale that grows every 2 clean steps, and
+    under the static scale it starts at, for ZeRO stages 0-2."""
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    out = {}
+    for stage in (0, 1, 2):
+        for fp16 in ({"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}, {"loss_scale": 256}):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 2)
+            cfg = {"train_batch_size": 2, "steps_per_print": 1000, "zero_allow_untested_optimizer": True,
+                   "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage},
+                   "fp16": {"enabled": True, **fp16}}
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            g = torch.Generator().manual_seed(1)
+            trace = []
+            for _ in range(5):
+                x = torch.randn(2, 4, generator=g).half()
+                engine.backward(engine(x).float().pow(2).mean())
+                engine.step()
+                trace.append((engine.loss_scale(), model.weight.detach().float().clone()))
+            out[(stage, "loss_scale" in fp16)] = trace
+    return out
+
+
+def test_a_growing_scale_unscales_the_step_by_the_scale_it_was_computed_with():
+    """DeepSpeed 0.19.8 raises the scale before it unscales the step's gradients, so each step
+    where the scale grows moves the weights by half the gradient; here the scale a step used
+    unscales it, and a dynamic scale that never overflows trains what its static start does."""
+    out = run_function(growth_step_body, nprocs=1, timeout=120)[0]
+    for stage in (0, 1, 2):
+        dynamic, static = out[(stage, False)], out[(stage, True)]
+        assert [s for s, _ in dynamic] == [256.0, 256.0, 512.0, 512.0, 1024.0]  # it grew (twice)
+        for (_, a), (_, b) in zip(dynamic, static):
+            assert torch_equal(a, b), stage
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

@@ -159,7 +159,7 @@ class DeepSpeedEngine(torch.nn.Module):
             tag_parameters(model)  # as DeepSpeed's initialize: which parameters Muon steps, by shape and name
         self.optimizer = self._make_optimizer(optimizer, model_parameters, model)
         if self.optimizer is not None:
-            check_optimizer(self.optimizer, self.config)
+            check_optimizer(self.optimizer, self.config, client=optimizer is not None)
             # DeepSpeed's optimizers say whether the last step was skipped (fp16 overflow);
             # Accelerate reads it so that a scheduler it steps skips that step too.
             self.optimizer.overflow = False
@@ -666,6 +666,14 @@ class DeepSpeedEngine(torch.nn.Module):
         return norm
 
     def zero_grad(self) -> None:
+        if self.zero_optimization_stage() >= 2:
+            # DeepSpeed 0.19.8's engine.zero_grad sets each parameter's .grad to None and nothing
+            # more: at ZeRO 2-3 what earlier backwards of the window reduced into the gradient
+            # partitions stays and the next step uses it (its ZeRO 0-1 lose it, as we do there).
+            # The step clears the partitions itself.
+            for p in self.module.parameters():
+                p.grad = None
+            return
         self.strategy.zero_grad()
         self.strategy.close_grad_window()
 

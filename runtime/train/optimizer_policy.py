@@ -2,9 +2,11 @@
 
 - `zero_allow_untested_optimizer`: with ZeRO (stage >= 1) an optimizer whose class is not
   among those the ZeRO tests cover is refused unless this key is true.
-- `zero_force_ds_cpu_optimizer` (default true): with `offload_optimizer`, an optimizer
-  that the offload cannot step with a fused CPU kernel (torch's generic loop on the CPU is
-  slow) is refused unless this key is false.
+- `zero_force_ds_cpu_optimizer` (default true): with `offload_optimizer`, a client optimizer
+  (passed to initialize) that the offload cannot step with a fused CPU kernel (torch's
+  generic loop on the CPU is slow) is refused unless this key is false. As in DeepSpeed, an
+  optimizer the config names is never refused here: the config chose it (`torch_adam: true`
+  asks for torch's own step on purpose).
 """
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ class ForcedCPUOptimizerError(ConfigError, ZeRORuntimeException):
     """The refusal DeepSpeed raises as ZeRORuntimeException; a ConfigError here too."""
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, config) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, config, client: bool = True) -> None:
+    """`client`: the script built the optimizer (initialize(optimizer=...)), not the config."""
     name = type(optimizer).__name__
     zero = config.zero_optimization
     if zero.stage >= 1 and name not in ZERO_TESTED_OPTIMIZERS and not config.zero_allow_untested_optimizer:
         raise ConfigError(f"zero_allow_untested_optimizer: ZeRO stage {zero.stage} is not tested with {name} "
                           f"(tested: {', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); add "
                           f"\"zero_allow_untested_optimizer\": true to use it")
-    if zero.offload_optimizer_device != "none" and config.zero_force_ds_cpu_optimizer:
+    if client and zero.offload_optimizer_device != "none" and config.zero_force_ds_cpu_optimizer:
         from dslaunch.kernels.fused_step import FusedStepUnavailable, KernelUnavailable, fused_cpu_step
 
         try:

@@ -203,15 +203,18 @@ class DeepSpeedConfig:
 
         model = torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16.enabled else torch.float32
         name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+        # each message ends in a fixed reason, which docs/configuration.md lists among the refused combinations
         if self.zero_optimization.stage <= 1 and accum != model:
             # stages 0-1 accumulate the full gradients in param.grad, in the model dtype (DeepSpeed
-            # refuses other mixes at stage 0 too)
+            # refuses other mixes at stage 0 too; at stage 1 it takes them)
             raise ConfigError(f"data_types.grad_accum_dtype: stage {self.zero_optimization.stage} accumulates "
-                              f"gradients in the model dtype ({name[model]}); {name[accum]} accumulation needs "
-                              "zero_optimization stage 2 or 3, or remove the key")
+                              f"gradients in the model dtype ({name[model]}), not {name[accum]}: stages 0 and 1 "
+                              "sum micro-batch gradients in the parameters' own .grad; another dtype needs ZeRO "
+                              "stage 2 or 3, or remove the key")
         if accum not in (model, torch.float32):
-            raise ConfigError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model; use fp32 or "
-                              f"{name[model]}")
+            raise ConfigError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model: accumulating "
+                              "gradients in a dtype other than fp32 or the model's is not supported; use one of "
+                              "those, or remove the key")
 
     def _check_allreduce_op(self) -> None:
         op = self.gradient_allreduce_op.lower() if isinstance(self.gradient_allreduce_op, str) else None
