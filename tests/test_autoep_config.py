@@ -65,7 +65,7 @@ def test_defaults_are_deepspeeds():
     ({"comm_max_tokens_per_rank": 4096}, "only read by the DeepEP backend"),
     ({"row_weighting_impl": "fused"}, "only runs inside the DeepEP route"),
     ({"combine_impl": "fused_weighted_sum"}, "Triton kernel, which dslaunch does not have"),
-    ({"combine_impl": "bmm"}, "combine_impl must be one of"),
+    ({"combine_impl": "bmm"}, "combine_impl: \"bmm\" is not one of"),
     ({"load_balance_coeff": 0.001}, "set load_balance_coeff to null or remove it"),
     ({"expert_tensor_parallel_size": 2}, "reserved for expert-internal tensor parallelism"),
     ({"validate_folding_routing": True}, "AutoEP + AutoTP folding"),

@@ -34,6 +34,19 @@ ZERO = {
     "stage3_gather_16bit_weights_on_model_save": True, "gather_16bit_weights_on_model_save": True,
     "stage3_gather_fp16_weights_on_model_save": True, "elastic_checkpoint": True, "round_robin_gradients": True,
     "enable_sanity_checks": True, "all_reduce_bucket_size": 1000, "allreduce_bucket_size": 1000,
+    "reduce_scatter": True, "save_muon_momentum_buffer_in_memory": False,
+    "zero_quantized_weights": True, "zero_quantized_nontrainable_weights": True, "zero_quantized_gradients": True,
+    "zero_hpz_partition_size": 1,
+}
+# AutoEP's section, every key at DeepSpeed's value ("auto" is one of them here, not a placeholder)
+EXPERT_PARALLEL = {
+    "enabled": False, "autoep_size": 1, "preset_model": None, "moe_layer_pattern": None, "expert_pattern": None,
+    "router_pattern": None, "use_grouped_mm": True, "disable_triton_grouped_mm": False, "route_norm": None,
+    "route_scale": 1.0, "score_apply": "auto", "combine_impl": "auto", "row_weighting_impl": "auto",
+    "gate_up_impl": "separate", "comm_backend": "comm", "num_expert_groups": None, "num_limited_groups": None,
+    "score_func": "auto", "top_k": "auto", "routed_scaling_factor": "auto", "expert_w1": None, "expert_w2": None,
+    "expert_w3": None, "num_experts_attr": None, "top_k_attr": None, "has_shared_experts": None,
+    "shared_experts_pattern": None, "shared_experts_gate_pattern": None, "expert_activation": None,
 }
 ALL = {
     "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
@@ -70,7 +83,9 @@ ALL = {
     "elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2, 4], "min_gpus": 1,
                    "max_gpus": 8, "min_time": 0, "version": 0.1, "ignore_non_elastic_batch_info": True,
                    "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
-    "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True},
+    "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True,
+                 "schedule": "zb-h1"},
+    "expert_parallel": EXPERT_PARALLEL,
     "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False, "load_universal": False},
     "compression_training": {
         "sparse_pruning": {"shared_parameters": {"enabled": False, "method": "l1", "schedule_offset": 0,
@@ -99,7 +114,8 @@ ALL = {
 # Keys that cannot sit in ALL next to the others (each is tested below on its own).
 ALONE = {"allgather_size"}
 # Sections whose keys other parts of the runtime own, with their own tests.
-ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+# expert_parallel: tests/test_autoep_config.py (every key DeepSpeed reads, defaults, refusals) and test_autoep.py.
+ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "expert_parallel.", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
              "zero_optimization.gather_16bit", "zero_optimization.stage3_gather_fp16")
 
 T = "tests/test_config_effects.py::"
@@ -259,6 +275,16 @@ EFFECTS = {
         "shared_parameters.schedule_offset", "different_groups")},
     **{f"compression_training.layer_reduction.{k}": C + "test_layer_reduction_matches_deepspeed_0_17" for k in (
         "enabled", "keep_number_layer", "module_name_prefix", "teacher_layer", "other_module_name")},
+    "zero_optimization.reduce_scatter": "tests/test_muon.py::test_losses_equal_deepspeeds_on_two_ranks",
+    "zero_optimization.save_muon_momentum_buffer_in_memory":
+        "tests/test_muon.py::test_nvme_offload_and_the_in_memory_momentum",
+    "zero_optimization.zero_quantized_weights":
+        "tests/test_zeropp.py::test_qwz_forward_sees_the_int8_round_trip_and_masters_stay_exact",
+    "zero_optimization.zero_quantized_nontrainable_weights":
+        "tests/test_zeropp.py::test_frozen_weights_are_partitioned_and_kept_as_int8_blocks",
+    "zero_optimization.zero_quantized_gradients": "tests/test_zeropp.py::test_qgz_gives_deepspeeds_all_to_all_quant_reduce_bits",
+    "zero_optimization.zero_hpz_partition_size":
+        "tests/test_zeropp.py::test_hpz_trains_exactly_as_zero3_and_keeps_backward_gathers_inside_each_host",
     "elasticity.min_time": "tests/test_elasticity.py::test_basic_10k",  # read and validated; the scheduler's value
     "elasticity.prefer_larger_batch": "tests/test_elasticity.py::test_proper_micro_batch_and_cap",
     "elasticity.num_gpus_per_node": "tests/test_elasticity.py::test_version_02_micro_batch_is_per_data_parallel_rank",

@@ -64,9 +64,10 @@ class ExpertParallelConfig:
                                         "routed_scaling_factor wins when the model has one)")
     score_apply: Literal["auto", "pre", "post"] = supported(
         "auto", "post: weight expert outputs by their scores; pre: weight the tokens before the experts")
-    combine_impl: str = supported("auto", "auto or weighted_sum: outputs x scores summed over top-k in fp32; "
+    # Literal, not str: "auto" is one of DeepSpeed's values here, not a placeholder to resolve
+    combine_impl: Literal["auto", "weighted_sum", "fused_weighted_sum", "legacy_bmm"] = supported("auto", "auto or weighted_sum: outputs x scores summed over top-k in fp32; "
                                           "legacy_bmm: the same sum as one batched matmul")
-    row_weighting_impl: str = supported("auto", "auto or eager (the only form without DeepEP)")
+    row_weighting_impl: Literal["auto", "eager", "fused"] = supported("auto", "auto or eager (the only form without DeepEP)")
     gate_up_impl: Literal["separate", "fused"] = supported(
         "separate", "fused: the gate and up projections as one grouped matmul (needs use_grouped_mm)")
     comm_backend: str = supported("comm", "comm: all-to-all over the mesh's expert group (deepep refused)")
@@ -109,11 +110,9 @@ class ExpertParallelConfig:
         if self.combine_impl == "fused_weighted_sum":
             raise ConfigError(f"{key}combine_impl: \"fused_weighted_sum\" runs DeepSpeed's Triton kernel, which "
                               "dslaunch does not have; use \"weighted_sum\" (the same sum) or leave it unset")
-        _one_of(key, "combine_impl", self.combine_impl, ("auto", "weighted_sum", "fused_weighted_sum", "legacy_bmm"))
         if self.row_weighting_impl == "fused":
             raise ConfigError(f"{key}row_weighting_impl: row_weighting_impl=\"fused\" only runs inside the DeepEP "
                               f"route: {DEEPEP}; leave it unset")
-        _one_of(key, "row_weighting_impl", self.row_weighting_impl, ("auto", "eager", "fused"))
         if self.comm_backend == "deepep":
             raise ConfigError(f"{key}comm_backend: \"deepep\" is not supported: {DEEPEP}; use \"comm\"")
         _one_of(key, "comm_backend", self.comm_backend, ("comm", "deepep"))
