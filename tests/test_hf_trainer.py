@@ -51,7 +51,7 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])
 def test_trainer_losses_and_weights_equal_the_trainers_ddp_run(runs, mode):
     ddp, run = runs["ddp"], runs[mode]
-    assert run["engine"] == "dslaunch.runtime.engine.DeepSpeedEngine"
+    assert run["engine"] == "dslaunch.runtime.train.engine.DeepSpeedEngine"
     assert sorted(run["losses"]) == ["1", "2", "3", "4"]
     for step, loss in ddp["losses"].items():
         assert abs(run["losses"][step] - loss) <= TOL, (step, run["losses"], ddp["losses"])

@@ -233,6 +233,7 @@ def test_a_second_failure_says_exactly_what_is_wrong(tmp_path, spec, good_librar
         [ "$1" = "--version" ] && exec c++ --version
         out=""; prev=""
         for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+        [ -n "$out" ] || exec c++ "$@"  # a probe with no output file (a flag check): the real compiler
         printf 'int unrelated(void) {{ return 0; }}\\n' > "$out.c"
         exec cc -shared -fPIC "$out.c" -o "$out"
     """))

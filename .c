@@ -1,1 +1,0 @@
-int unrelated(void) { return 0; }
