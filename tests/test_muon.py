@@ -119,7 +119,7 @@ def _engine(cfg, model=None):
 
 @pytest.mark.parametrize("params, match", [
     ({"per_head_muon": True}, "per_head_muon: per-head Newton-Schulz"),
-    ({"ns_method": "exact"}, "ns_method: 'exact' is not one of gram, standard"),
+    ({"ns_method": "exact"}, 'ns_method: must be one of "gram", "standard", got "exact"'),
     ({"nesterov": False}, "optimizer.params.nesterov: not a parameter of Muon"),
     ({"fp32_optimizer_states": False}, "fp32_optimizer_states"),
 ])

@@ -101,8 +101,11 @@ class Pair:
 
     first: Any
     second: Any
+    optional: bool = False  # null (None) accepted: the argument's default
 
     def __call__(self, where: str, value) -> None:
+        if value is None and self.optional:
+            return
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ConfigError(f"{where}: expected a list of 2 numbers, got {_shown(value)}")
         self.first(f"{where}[0]", value[0])
@@ -132,8 +135,11 @@ class OneOf:
     """One of a few strings."""
 
     choices: Tuple[str, ...]
+    optional: bool = False  # null (None) accepted: the argument's default
 
     def __call__(self, where: str, value) -> None:
+        if value is None and self.optional:
+            return
         if value not in self.choices:
             raise ConfigError(f"{where}: must be one of {', '.join(json.dumps(c) for c in self.choices)}, "
                               f"got {_shown(value)}")
@@ -186,6 +192,11 @@ OPTIMIZER_PARAMS: Dict[str, Any] = {
 OPTIMIZER_OVERRIDES: Dict[str, Dict[str, Any]] = {
     # torch's Adafactor: (eps1 or null for the dtype's own, eps2)
     "adafactor": {"eps": Pair(Num(low=0, optional=True), NON_NEGATIVE)},
+    # Muon (DeepSpeed's MuonWithAuxAdam): null is "not given", each half's DeepSpeed default
+    "muon": {"lr": Num(low=0, optional=True), "muon_lr": Num(low=0, optional=True),
+             "adam_lr": Num(low=0, optional=True), "momentum": Num(low=0, optional=True),
+             "eps": Num(low=0, optional=True), "betas": Pair(BETA, BETA, optional=True),
+             "ns_method": OneOf(("gram", "standard"), optional=True), "per_head_muon": FLAG},
 }
 
 LR = PerGroup(NON_NEGATIVE)
