@@ -218,7 +218,7 @@ def _attribute(spec: str, name: str):
         return importlib.import_module(f"{base.__name__}.{attr}")
 
 
-class _AliasSpec(importlib.machinery.ModuleSpec):
+class AliasSpec(importlib.machinery.ModuleSpec):
     """An alias's spec. Its `parent` is the real module's package: runpy (`python -m <alias>`)
     resolves the real code's relative imports against it. An import never reads it (the real
     module keeps its own __package__)."""
@@ -232,7 +232,9 @@ class _AliasSpec(importlib.machinery.ModuleSpec):
         return self.target if self.submodule_search_locations is not None else self.target.rpartition(".")[0]
 
 
-class _AliasLoader(importlib.abc.Loader):
+class AliasLoader(importlib.abc.Loader):
+    """Loads an alias as the real module object itself (also used by the `deepspeed` package's finder)."""
+
     def __init__(self, target: str):
         self.target = target
         self.own_spec = None
@@ -301,7 +303,7 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         if spec is None:
             return None
         # the real file as origin: runpy makes it sys.argv[0] under `python -m <alias>`
-        return _AliasSpec(fullname, _AliasLoader(dest), dest, origin=spec.origin,
+        return AliasSpec(fullname, AliasLoader(dest), dest, origin=spec.origin,
                           is_package=spec.submodule_search_locations is not None)
 
 

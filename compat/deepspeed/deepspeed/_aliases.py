@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
+
+from dslaunch.compat import paths
 
 PREFIX = "deepspeed"
 # Packages shipped here whose missing children map somewhere other than dslaunch.runtime.<same path>.
@@ -50,8 +51,6 @@ def target_of(fullname: str) -> str | None:
         # parent deepspeed.ops is dslaunch.runtime.train.ops, is the table's "ops.aio")
         rest = fullname[len("deepspeed.runtime."):] if fullname.startswith("deepspeed.runtime.") else \
             fullname[len("deepspeed."):]
-        from dslaunch.compat import paths
-
         if rest in paths.PATHS:
             return f"{paths.PACKAGE}.{rest}"
         return f"{parent.__name__}.{leaf}"
@@ -62,34 +61,21 @@ def target_of(fullname: str) -> str | None:
     return f"{base}.{leaf}" if base else None
 
 
-class _AliasLoader(importlib.abc.Loader):
-    def __init__(self, target: str):
-        self.target = target
-        self.own_spec = None
-
-    def create_module(self, spec):
-        module = importlib.import_module(self.target)
-        self.own_spec = module.__spec__
-        return module
-
-    def exec_module(self, module) -> None:
-        # The import system has just stamped the alias's spec on the module; give the module
-        # its own back (its __name__, __file__ and __path__ were never touched).
-        module.__spec__ = self.own_spec
-
-
 class AliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith(PREFIX + "."):
             return None
         dest = target_of(fullname)
+        if dest is None:
+            return None
         try:
-            if dest is None or importlib.util.find_spec(dest) is None:
-                return None
+            spec = importlib.util.find_spec(dest)
         except ImportError:  # dest's parent is a plain module, or missing
             return None
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(dest),
-                                              is_package=hasattr(importlib.import_module(dest), "__path__"))
+        if spec is None:
+            return None
+        return paths.AliasSpec(fullname, paths.AliasLoader(dest), dest, origin=spec.origin,
+                               is_package=spec.submodule_search_locations is not None)
 
 
 _FINDER = AliasFinder()
