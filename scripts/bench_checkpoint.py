@@ -17,12 +17,15 @@ import argparse
 import mmap
 import os
 import shutil
-import statistics
+import sys
 import tempfile
 import time
 import zlib
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 
 def main() -> None:
@@ -90,7 +93,7 @@ def main() -> None:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
-    med = statistics.median
+    med = median
     gb = size / (1 << 30)
     print(f"checkpoint: {gb:.2f} GiB ({layers} x Linear({width},{width}), stage 0 fp32 + AdamW), "
           f"{args.rounds} rounds, load average {os.getloadavg()[0]:.1f}")

@@ -13,10 +13,14 @@ ns_method gram and standard, with OMP_NUM_THREADS as set in the environment.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_timing import median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
 
 from dslaunch.runtime.core.muon import newton_schulz as ns
 
@@ -37,7 +41,7 @@ def timed(fn, repeats: int, sync) -> float:
         fn()
         sync()
         out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return median(out)
 
 
 def main(argv=None) -> int:

@@ -23,15 +23,8 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_timing import free_port  # noqa: E402  (scripts/: the port helper every script shares)
 from config_number_cases import CASES  # noqa: E402  the cases, shared with the test
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(text: str) -> dict:
