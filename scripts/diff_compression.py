@@ -42,7 +42,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from diff_compression_cases import CLASSES, COUNT, OPEN, SEED, CompCase, classify, generate  # noqa: E402
+from diff_compression_cases import CLASSES, COUNT, MEASURED, OPEN, SEED, CompCase, classify, generate  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "ds_diff_compression")
 RESULTS = os.path.join(FIXTURES, "deepspeed.pt")
@@ -172,10 +172,13 @@ def summary(cases: List[CompCase], fixtures: Dict[str, dict], verdicts) -> str:
     return "\n".join(lines)
 
 
-def details(verdicts, kinds) -> str:
+def details(verdicts, kinds, short: bool = False) -> str:
+    """Per class, each distinct reason with its count; `short`: a listed reason without what
+    each case measured (the docs' form)."""
     out = []
     for kind in kinds:
-        by_reason = collections.Counter(v.detail for v in verdicts.values() if v.kind == kind)
+        by_reason = collections.Counter(v.detail.split(MEASURED)[0] if short else v.detail
+                                        for v in verdicts.values() if v.kind == kind)
         if by_reason:
             out.append(f"\n{kind}:")
             out += [f"  {n:4d}  {reason}" for reason, n in by_reason.most_common()]
@@ -222,7 +225,7 @@ def write_docs(table: str, verdicts) -> None:
 
     with open(SUMMARY_DOC, encoding="utf-8") as fh:
         text = fh.read()
-    reasons = details(verdicts, [k for k in CLASSES if k != "equal"]).strip()
+    reasons = details(verdicts, [k for k in CLASSES if k != "equal"], short=True).strip()
     text = _replace_block(text, "diffcomp-summary", f"{table}\n\n```text\n{reasons}\n```")
     with open(SUMMARY_DOC, "w", encoding="utf-8") as fh:
         fh.write(text)

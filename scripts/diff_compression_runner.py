@@ -50,10 +50,28 @@ class CNN(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
-def build_model(case: CompCase) -> nn.Module:
-    """The model, its weights from a generator by sorted parameter name (batch norm: 1 and 0)."""
-    model = MLP() if case.model == "mlp" else CNN()
-    g = torch.Generator().manual_seed(0)
+class Stack(nn.Module):
+    def __init__(self, depth: int):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(depth))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.relu(layer(h)) + h
+        return self.head(h)
+
+
+def build_model(case: CompCase, teacher: bool = False) -> nn.Module:
+    """The model (the stack's teacher: 4 layers, another seed), its weights from a generator by
+    sorted parameter name (batch norm: 1 and 0)."""
+    if case.model == "stack":
+        model = Stack(4 if teacher else case.student)
+    else:
+        model = MLP() if case.model == "mlp" else CNN()
+    g = torch.Generator().manual_seed(1 if teacher else 0)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if name.startswith("bn1."):
@@ -65,7 +83,7 @@ def build_model(case: CompCase) -> nn.Module:
 
 def data(case: CompCase):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, 8, generator=g) if case.model == "mlp" else torch.randn(BATCH, 3, 6, 6, generator=g)
+    x = torch.randn(BATCH, 8, generator=g) if case.model != "cnn" else torch.randn(BATCH, 3, 6, 6, generator=g)
     return x, torch.randn(BATCH, 4, generator=g)
 
 
@@ -77,13 +95,17 @@ def _technique(shared: dict, modules: List[str], params: dict, related=None) -> 
 
 
 def compression_section(case: CompCase) -> dict:
-    mlp = case.model == "mlp"
+    mlp, stack = case.model == "mlp", case.model == "stack"
     out = {}
+    if case.reduce != "none":
+        out["layer_reduction"] = {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "layers",
+                                  "teacher_layer": [int(t) for t in case.reduce.split(",")],
+                                  "other_module_name": ["emb", "head"]}
     if case.sparse != "none":
-        first = "fc1" if mlp else "conv1"
+        first, every = {"mlp": ("fc1", "fc"), "cnn": ("conv1", "conv"), "stack": ("layers.0", "layers.")}[case.model]
         out["sparse_pruning"] = _technique(
             {"method": case.sparse, "schedule_offset": case.sparse_at},
-            [("fc" if mlp else "conv") if case.sparse_all else first], {"dense_ratio": case.sparse_ratio})
+            [every if case.sparse_all else first], {"dense_ratio": case.sparse_ratio})
     if case.row != "none":
         out["row_pruning"] = _technique({"method": case.row, "schedule_offset": case.row_at}, ["fc2"],
                                         {"dense_ratio": case.row_ratio}, [["fc3"]] if case.row_rel else None)
@@ -99,13 +121,13 @@ def compression_section(case: CompCase) -> dict:
         out["weight_quantization"] = _technique(
             {"quantize_weight_in_forward": True, "schedule_offset": case.wq_at, "quantize_groups": case.wq_groups,
              "quantization_type": "symmetric" if case.wq == "sym" else "asymmetric"},
-            ["fc"] if mlp or not case.wq_conv else ["conv", "fc"],
+            ["emb", "head"] if stack else ["fc"] if mlp or not case.wq_conv else ["conv", "fc"],
             {"start_bits": case.wq_start or case.wq_bits, "target_bits": case.wq_bits, "quantization_period": 1})
     if case.aq != "none":
         out["activation_quantization"] = _technique(
             {"quantization_type": "symmetric" if case.aq == "sym" else "asymmetric",
              "range_calibration": "static" if case.aq_static else "dynamic", "schedule_offset": case.aq_at},
-            ["fc2", "fc3"] if mlp else ["conv2", "fc"], {"bits": case.aq_bits})
+            ["fc2", "fc3"] if mlp else ["layers.1", "head"] if stack else ["conv2", "fc"], {"bits": case.aq_bits})
     return out
 
 
@@ -135,7 +157,8 @@ def run_case(rt, compress, case: CompCase, scores=None) -> dict:
     cfg = config(case)
     model = build_model(case)
     torch.manual_seed(0)  # topk methods draw their scores at init_compression
-    compress.init_compression(model, cfg)
+    teacher = build_model(case, teacher=True) if case.model == "stack" else None
+    compress.init_compression(model, cfg, teacher_model=teacher)
     if scores:
         _load_scores(model, scores)
     drawn = _scores(model)

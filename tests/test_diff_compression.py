@@ -35,7 +35,8 @@ def test_every_generated_case_has_deepspeeds_answer(fixtures):
 
 def test_the_grammar_covers_every_technique_offset_and_related_modules():
     """Every technique both sides have, at every schedule offset 0-3, with and without its
-    related modules, at ZeRO 0 and 2, on both models."""
+    related modules, at ZeRO 0 and 2, on every model; layer reduction from every teacher
+    layer choice."""
     cases = cases_mod.generate()
     for t in ("sparse", "row", "head", "channel", "wq", "aq"):
         offsets = {getattr(c, f"{t}_at") for c in cases if getattr(c, t) != "none"}
@@ -44,7 +45,9 @@ def test_the_grammar_covers_every_technique_offset_and_related_modules():
         assert {getattr(c, f"{t}_rel") for c in cases if getattr(c, t) != "none"} == {False, True}, t
     for t in ("sparse", "row", "channel"):
         assert {getattr(c, t) for c in cases} >= {"l1", "topk"}, t
-    assert {c.stage for c in cases} >= {0, 2} and {c.model for c in cases} == {"mlp", "cnn"}
+    assert {c.stage for c in cases} >= {0, 2} and {c.model for c in cases} == set(cases_mod.MODELS)
+    assert {c.reduce for c in cases if c.reduce != "none"} == set(cases_mod.TEACHER_LAYERS)  # layer reduction
+    assert {c.clip for c in cases} == {0.0, 1.0}
 
 
 def test_case_lines_read_back():
