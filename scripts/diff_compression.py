@@ -117,7 +117,7 @@ def load_fixtures() -> Dict[str, dict]:
 
     if not os.path.exists(RESULTS):
         return {}
-    return torch.load(RESULTS, weights_only=False)["results"]
+    return torch.load(RESULTS, weights_only=True)["results"]
 
 
 def save_fixtures(results: Dict[str, dict], ds_python: str) -> None:
@@ -126,7 +126,7 @@ def save_fixtures(results: Dict[str, dict], ds_python: str) -> None:
     os.makedirs(FIXTURES, exist_ok=True)
     version = subprocess.run([ds_python, "-c", "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"],
                              capture_output=True, text=True, env=worker_env("deepspeed"))
-    ds_version, torch_version = (version.stdout.split() + ["?", "?"])[-2:]
+    ds_version, torch_version = (version.stdout.split()[-2:] + ["?", "?"])[:2]  # the last line: the versions
     torch.save({"deepspeed": ds_version, "torch": torch_version, "seed": SEED, "count": COUNT,
                 "results": dict(sorted(results.items()))}, RESULTS)
 

@@ -31,6 +31,10 @@ def test_every_generated_case_has_deepspeeds_answer(fixtures):
     missing = [c.line for c in cases if c.line not in fixtures]
     assert not missing, f"generated cases without a DeepSpeed 0.17.6 record (--record --missing): {missing[:5]}"
     assert 60 <= len(cases) <= 150
+    import torch
+
+    recorded_by = torch.load(dc.RESULTS, weights_only=True)["deepspeed"]
+    assert recorded_by.startswith("0.17."), f"the fixtures name DeepSpeed {recorded_by!r}, not 0.17.x"
 
 
 def test_the_grammar_covers_every_technique_offset_and_related_modules():
