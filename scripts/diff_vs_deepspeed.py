@@ -322,7 +322,7 @@ def save_fixtures(results: Dict[str, dict], ds_python: str) -> None:
     os.makedirs(FIXTURES, exist_ok=True)
     version = subprocess.run([ds_python, "-c", "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"],
                              capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    ds_version, torch_version = (version.stdout.split() + ["?", "?"])[-2:]
+    ds_version, torch_version = (version.stdout.split()[-2:] + ["?", "?"])[:2]  # the last line: the versions
     slim, weights = {}, {}
     for line in sorted(results):
         res = dict(results[line])

@@ -253,6 +253,23 @@ def test_bits_fall_from_start_to_target_bits():
     assert [min(n, 16) for n in levels[1:]] == [16, 16, 8, 8, 4, 4]
 
 
+def test_asymmetric_grid_starts_at_the_minimum_of_positive_weights():
+    """Asymmetric quantization of a group whose values are all positive: DeepSpeed 0.17.6's grid
+    starts at the multiple of the scale nearest the minimum (here 4 x 0.075 = 0.3), with 16
+    levels up to 0.3 + 15 x 0.075 = 1.425. A grid whose zero point is clamped into [0, 15] (torch's
+    fake-quant op) would start at 0 and round 1.5 down to 1.125."""
+    section = cm.technique({"quantize_weight_in_forward": True, "schedule_offset": 0, "quantize_groups": 1,
+                            "quantization_type": "asymmetric"},
+                           g=cm.group({"start_bits": 4, "target_bits": 4}, ["fc"]))
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(4, 1, bias=False))
+    with torch.no_grad():
+        model.fc.weight.copy_(torch.tensor([[0.3, 0.5, 1.1, 1.5]]))
+    init_compression(model, _config({"weight_quantization": section}))
+    compression_schedule(model).update(0)
+    torch.testing.assert_close(model.fc.weight.detach(), torch.tensor([[0.3, 0.525, 1.125, 1.425]]))
+
+
 def test_embedding_weights_quantized_per_token():
     """An embedding gets one scale per token (DeepSpeed's rule), whatever quantize_groups says."""
     section = cm.technique({"quantize_weight_in_forward": True, "schedule_offset": 0, "quantize_groups": 1},

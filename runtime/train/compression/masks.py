@@ -8,7 +8,7 @@ parametrization, so they are in the model's state_dict: a checkpoint resumes wit
 Every mask keeps the entries ranked first by `keep_top`: l1 ranks magnitudes (single weights)
 or row / channel L1 norms, topk ranks learnt scores (DeepSpeed's movement-pruning variant),
 which get the mask's gradient straight through. Weight quantization uses
-torch.fake_quantize_per_channel_affine on groups of whole rows with a straight-through gradient
+fake quantization (DeepSpeed's grids) on groups of whole rows with a straight-through gradient
 (DeepSpeed passes the gradient unchanged, clipped values included). They are applied in
 DeepSpeed's order: quantize, then sparse, row and head masks.
 """
@@ -190,8 +190,12 @@ class HeadMask(_Technique):
 
 def fake_quantize(w: torch.Tensor, bits: int, groups: int, symmetric: bool, low=None, high=None) -> torch.Tensor:
     """w rounded to `bits` bits, one scale per group of whole rows (DeepSpeed's Sym/AsymQuantizer
-    values, through torch.fake_quantize_per_channel_affine). The range of each group is its
-    own min and max unless `low` / `high` (one value, static calibration) are given."""
+    values). The range of each group is its own min and max unless `low` / `high` (one value,
+    static calibration) are given. Symmetric: torch.fake_quantize_per_channel_affine (zero point
+    0). Asymmetric: the grid starts at the multiple of the scale nearest the minimum, wherever
+    that is, as DeepSpeed's AsymQuantizer; torch's fake-quant op would clamp the zero point into
+    [0, 2^bits - 1], which moves the grid of a group whose values are all positive (inputs after
+    a ReLU) or all negative."""
     levels = 2 ** bits
     x = w.detach().float().reshape(groups, -1)
     if low is None:
@@ -202,12 +206,11 @@ def fake_quantize(w: torch.Tensor, bits: int, groups: int, symmetric: bool, low=
     if symmetric:
         scale = (2 * torch.maximum(low.abs(), high) / levels).clamp_min(tiny)
         zero = torch.zeros(groups, dtype=torch.int32, device=x.device)
-        qmin, qmax = -levels // 2, levels // 2 - 1
+        q = torch.fake_quantize_per_channel_affine(x, scale, zero, 0, -levels // 2, levels // 2 - 1)
     else:
-        scale = ((high - low) / levels).clamp_min(tiny)
-        qmin, qmax = 0, levels - 1
-        zero = (-(low / scale).round()).clamp(qmin, qmax).to(torch.int32)
-    q = torch.fake_quantize_per_channel_affine(x, scale, zero, 0, qmin, qmax)
+        scale = ((high - low) / levels).clamp_min(tiny).reshape(-1, 1)
+        start = (low.reshape(-1, 1) / scale).round() * scale  # the grid's first value
+        q = ((x - start) / scale).round().clamp(0, levels - 1) * scale + start
     return q.reshape(w.shape).to(w.dtype)
 
 
