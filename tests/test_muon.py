@@ -323,7 +323,7 @@ def test_checkpoints_cross_between_stage0_and_zero(tmp_path):
 DS_DATA = os.path.join(DATA, "ds")
 # (DeepSpeed's case, the stage to resume at) on 1 and on 2 ranks
 DS_RESUME = {1: [("s0_fp32", 0), ("s2_fp32", 2), ("s2_fp32", 1), ("s3_fp32", 1)],
-             2: [("s0_fp32", 0), ("s2_fp32", 3), ("s3_fp32", 3)]}
+             2: [("s0_fp32", 0), ("s1_fp32", 1), ("s2_fp32", 3), ("s3_fp32", 3)]}
 
 
 @pytest.mark.timeout(900)

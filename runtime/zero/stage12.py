@@ -453,7 +453,7 @@ class _PartitionedStage(ShardedStrategy):
             if self.muon is not None and gi in self.muon.groups() and torch.is_tensor(state.get(MOMENTUM)):
                 # DeepSpeed's layout on disk: the whole momentum of each matrix the partition touches
                 groups[-1]["whole_state"] = {MOMENTUM: whole_momenta(state[MOMENTUM], g.layout, g.pieces, g.axis,
-                                                                     self.ctx.communicates(g.axis))}
+                                                                     self.ctx.communicates(g.axis), self.ctx.device)}
         return {"format": "dslaunch-zero-shard/1", "stage": self.stage, "world_size": self.world,
                 "rank": self.rank, "groups": groups}
 

@@ -162,10 +162,11 @@ def _crossing(layout) -> List:
     return [s for s in layout.slots if s.numel and s.offset // size != (s.offset + s.numel - 1) // size]
 
 
-def _gather_crossing(part: torch.Tensor, layout, mine: Dict[str, List], axis, label: str) -> Dict[str, torch.Tensor]:
+def _gather_crossing(part: torch.Tensor, layout, mine: Dict[str, List], axis, label: str, device=None
+                     ) -> Dict[str, torch.Tensor]:
     """Every matrix crossing a partition boundary, whole on every rank of the axis: each owner
-    adds its pieces of `part` into one zero buffer, summed by one all-reduce ({} in `label`
-    takes the count)."""
+    adds its pieces of `part` into one zero buffer (on `device`, the communication device;
+    `part`'s by default), summed by one all-reduce ({} in `label` takes the count)."""
     crossing = _crossing(layout)
     if not crossing:
         return {}
@@ -173,31 +174,32 @@ def _gather_crossing(part: torch.Tensor, layout, mine: Dict[str, List], axis, la
     for s in crossing:
         starts[s.name] = total
         total += s.numel
-    buf = torch.zeros(total, dtype=part.dtype, device=part.device)
+    buf = torch.zeros(total, dtype=part.dtype, device=part.device if device is None else device)
     for s in crossing:
         for piece in mine.get(s.name, ()):
             at = starts[s.name]
-            buf[at + piece.start:at + piece.end] = part[piece.offset:piece.offset + piece.numel]
+            buf[at + piece.start:at + piece.end] = part[piece.offset:piece.offset + piece.numel].to(buf.device)
     comm.all_reduce(buf, group=axis.group, label=label.format(len(crossing)))
     return {s.name: buf[starts[s.name]:starts[s.name] + s.numel] for s in crossing}
 
 
-def whole_momenta(momentum: torch.Tensor, layout, pieces, axis, communicates: bool) -> Dict[str, torch.Tensor]:
+def whole_momenta(momentum: torch.Tensor, layout, pieces, axis, communicates: bool, device=None
+                  ) -> Dict[str, torch.Tensor]:
     """Stages 1-2, for a checkpoint: the whole momentum of every matrix this rank's partition
     touches, in layout order, flattened. That is what DeepSpeed 0.19.8 keeps (and saves and
     loads) per rank, where a rank here keeps only its own elements between steps: the
     matrices crossing a boundary are gathered now, for the save only (one all-reduce over the
-    group's axis; every rank of it takes part)."""
+    group's axis on `device`; every rank of it takes part). The results are on the momentum's device."""
     mine = _by_name(pieces)
-    whole = _gather_crossing(momentum, layout, mine, axis, "muon: {} momenta across partitions (checkpoint)") \
-        if communicates else {}
+    whole = _gather_crossing(momentum, layout, mine, axis, "muon: {} momenta across partitions (checkpoint)",
+                             device) if communicates else {}
     out: Dict[str, torch.Tensor] = {}
     for s in layout.slots:
         here = mine.get(s.name)
         if not here:
             continue
         if s.name in whole:
-            out[s.name] = whole[s.name].clone()
+            out[s.name] = whole[s.name].to(momentum.device, copy=True)
         elif here[0].numel == s.numel:
             out[s.name] = momentum[here[0].offset:here[0].offset + s.numel].clone()
         else:
