@@ -114,7 +114,8 @@ def test_whole_matrix_momentum_round_trips_where_its_length_is_the_partitions():
     """Stages 1-2 write Muon's momentum as DeepSpeed does, the whole of each matrix a rank's
     partition touches. On rank 1 of 2 here that is all of B (8 elements), the partition's own
     length (6 of B's elements and 2 of padding): the reader takes the whole-matrix layout for
-    the momentum, so rank 1 gets B's last 6 elements back, not its first 6."""
+    the momentum, so rank 1 gets B's last 6 elements back, not its first 6 (unless the run
+    offloaded the optimizer, where DeepSpeed keeps the momentum over the partition)."""
     from dslaunch.runtime.checkpoint import dsformat
 
     shapes = {"A": [2, 3], "B": [2, 4]}  # 14 elements: partitions of 8, A and B[0:2] | B[2:8] + 2 padding
@@ -131,9 +132,13 @@ def test_whole_matrix_momentum_round_trips_where_its_length_is_the_partitions():
     assert optim["group_paddings"] == [2] and optim["single_partition_of_fp32_groups"][0].numel() == 6
     back = dsformat.shard_from_ds(optim, [shapes], rank=1)["groups"][0]
     assert back["pieces"] == pieces and torch.equal(back["state"]["momentum_buffer"]["B"], b[2:])
-    # SGD's momentum_buffer of the same length is the partition's (a group without use_muon)
-    optim["base_optimizer_state"]["param_groups"][0]["use_muon"] = False
+    # under CPU offload DeepSpeed keeps Muon's momentum over the partition: a file whose config
+    # offloads is read so; and SGD's momentum_buffer is always the partition's (no use_muon)
     optim["base_optimizer_state"]["state"][0]["momentum_buffer"] = torch.arange(8, dtype=torch.float32)
+    back = dsformat.shard_from_ds(optim, [shapes], rank=1, offload=dsformat.offloaded(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))["groups"][0]
+    assert torch.equal(back["state"]["momentum_buffer"]["B"], torch.arange(6, dtype=torch.float32))
+    optim["base_optimizer_state"]["param_groups"][0]["use_muon"] = False
     back = dsformat.shard_from_ds(optim, [shapes], rank=1)["groups"][0]
     assert torch.equal(back["state"]["momentum_buffer"]["B"], torch.arange(6, dtype=torch.float32))
 

@@ -450,8 +450,10 @@ class _PartitionedStage(ShardedStrategy):
                               if torch.is_tensor(v) and v.numel() == g.master.numel() else v)
                           for k, v in state.items()},
             })
-            if self.muon is not None and gi in self.muon.groups() and torch.is_tensor(state.get(MOMENTUM)):
+            if self.muon is not None and gi in self.muon.groups() and torch.is_tensor(state.get(MOMENTUM)) and \
+                    self.offload_device == "none":
                 # DeepSpeed's layout on disk: the whole momentum of each matrix the partition touches
+                # (its CPU-offload path keeps the momentum over the partition, as the shard does)
                 groups[-1]["whole_state"] = {MOMENTUM: whole_momenta(state[MOMENTUM], g.layout, g.pieces, g.axis,
                                                                      self.ctx.communicates(g.axis), self.ctx.device)}
         return {"format": "dslaunch-zero-shard/1", "stage": self.stage, "world_size": self.world,

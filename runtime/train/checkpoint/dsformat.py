@@ -36,8 +36,8 @@ from .foreign import PickledRecord, loss_scaler_record
 from .optimizer_state import for_deepspeed_group_state, for_deepspeed_groups, for_deepspeed_torch
 
 # Muon's state key: at stages 1-2 DeepSpeed (and dslaunch, on disk) keeps it, in a use_muon group, as
-# the whole of every matrix a rank's partition touches; read that way first (its length can equal
-# the partition's)
+# the whole of every matrix a rank's partition touches (over the partition under CPU offload); read
+# that way first (its length can equal the partition's)
 MUON_MOMENTUM = "momentum_buffer"
 DS_VERSION = "0.19.8"  # the DeepSpeed release whose format we write (its loaders check >= 0.3.17)
 SHARD_FORMAT = "dslaunch-zero-shard/1"
@@ -324,8 +324,21 @@ def _cut(flat: torch.Tensor, pieces: List[Dict[str, Any]]) -> Dict[str, torch.Te
     return {p["name"]: flat[p["offset"]:p["offset"] + p["end"] - p["start"]] for p in pieces}
 
 
-def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]], rank: int) -> Dict[str, Any]:
-    """One rank's DeepSpeed optimizer states (the file's "optimizer_state_dict") as our shard."""
+def offloaded(ds_config: Any) -> Optional[bool]:
+    """Whether a checkpoint's saved config offloads the optimizer (None: the file does not say)."""
+    if not isinstance(ds_config, dict):
+        return None
+    zero = ds_config.get("zero_optimization")
+    off = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    return isinstance(off, dict) and off.get("device") in ("cpu", "nvme")
+
+
+def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]], rank: int,
+                  offload: Optional[bool] = None) -> Dict[str, Any]:
+    """One rank's DeepSpeed optimizer states (the file's "optimizer_state_dict") as our shard.
+    offload: whether the saving run offloaded the optimizer (None: not known). At stages 1-2
+    DeepSpeed keeps Muon's momentum over whole matrices, but over the partition under CPU
+    offload; when the file does not say, a length that fits both is read as whole matrices."""
     try:
         stage = int(optim["zero_stage"])
         groups, hyper = [], None
@@ -344,7 +357,7 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
                 g_rank = rank // (world // int(optim["partition_count"][gi]))
                 pieces = pieces_in(slots, g_rank * size, (g_rank + 1) * size)
                 gstate = base["state"].get(gi, {}) if isinstance(base, dict) else base[gi]
-                muon = _is_muon_group(base, gi)
+                muon = _is_muon_group(base, gi) and not offload
                 state = {k: (_whole_matrices(k, v, pieces, shapes, gi) if muon and k == MUON_MOMENTUM
                              and _is_vector(v) and v.numel() == _touched_numel(pieces, shapes) else
                              _cut(v, pieces) if _partitioned(v, size) or _partitioned(v, fp32.numel()) else
