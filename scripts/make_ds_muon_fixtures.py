@@ -62,10 +62,10 @@ CASES = {
 # DeepSpeed stops on these (see "refused_by_deepspeed" in expected.json); dslaunch runs them
 REFUSED = {"s3_fp32_reduce_scatter": Case(3, reduce_scatter=True)}
 # DeepSpeed's own checkpoint of these at step SAVE_AT goes to tests/data/ds_muon/ds/CASE (resumed here)
-DS_SAVED = ("s0_fp32", "s2_fp32", "s3_fp32")
+DS_SAVED = ("s0_fp32", "s1_fp32", "s2_fp32", "s3_fp32")
 # dslaunch's checkpoint of these at step SAVE_AT goes to tests/data/ds_muon/dslaunch/CASE, and
 # DeepSpeed resumes it on the same ranks: its losses, or the error it stops with, are recorded
-OURS_SAVED = ("s0_fp32", "s1_fp32", "s2_fp32", "s3_fp32")
+OURS_SAVED = ("s0_fp32", "s1_fp32", "s2_fp32", "s2_fp32_gas2", "s1_fp32_offload", "s2_fp32_offload", "s3_fp32")
 
 
 # -- the training script both engines run ----------------------------------------------------------

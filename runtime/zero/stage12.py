@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..core.muon.sharded import ShardedMuon, resident_keys, flat_layout_updates
+from ..core.muon.sharded import MOMENTUM, ShardedMuon, flat_layout_updates, resident_keys, whole_momenta
 from ..core.reduction import GradReduction, plan_buckets
 from ..core.strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
 from ..core import comm
@@ -450,6 +450,12 @@ class _PartitionedStage(ShardedStrategy):
                               if torch.is_tensor(v) and v.numel() == g.master.numel() else v)
                           for k, v in state.items()},
             })
+            if self.muon is not None and gi in self.muon.groups() and torch.is_tensor(state.get(MOMENTUM)) and \
+                    self.offload_device == "none":
+                # DeepSpeed's layout on disk: the whole momentum of each matrix the partition touches
+                # (its CPU-offload path keeps the momentum over the partition, as the shard does)
+                groups[-1]["whole_state"] = {MOMENTUM: whole_momenta(state[MOMENTUM], g.layout, g.pieces, g.axis,
+                                                                     self.ctx.communicates(g.axis), self.ctx.device)}
         return {"format": "dslaunch-zero-shard/1", "stage": self.stage, "world_size": self.world,
                 "rank": self.rank, "groups": groups}
 

@@ -28,6 +28,10 @@ leaves the update itself.
 
 The new momentum is staged and committed at the step, so a step skipped for an overflow
 leaves it as it was (`commit` / `discard`).
+
+Checkpoints at stages 1-2 carry the momentum in DeepSpeed's layout, the whole of every matrix a
+rank's partition touches (`whole_momenta`): the crossing matrices are gathered for the save
+only, so between steps a rank still holds just its partition.
 """
 from __future__ import annotations
 
@@ -123,25 +127,9 @@ def flat_layout_updates(muon: ShardedMuon, gi: int, grad: torch.Tensor, master: 
     scale = muon.scale()
     blend = muon.blend(gi, master, grad, scale)
     _, method = muon.settings(gi)
-    mine: Dict[str, List] = {}
-    for piece in pieces:
-        mine.setdefault(piece.name, []).append(piece)
-    size = layout.partition_size  # a slot crosses when its first and last elements have different owners
-    crossing = [s for s in layout.slots if s.numel and s.offset // size != (s.offset + s.numel - 1) // size]
-    whole: Dict[str, torch.Tensor] = {}
-    if crossing and communicates:
-        starts, total = {}, 0
-        for s in crossing:
-            starts[s.name] = total
-            total += s.numel
-        buf = torch.zeros(total, dtype=blend.dtype, device=blend.device)
-        for s in crossing:
-            for piece in mine.get(s.name, ()):
-                at = starts[s.name]
-                buf[at + piece.start:at + piece.end] = blend[piece.offset:piece.offset + piece.numel]
-        comm.all_reduce(buf, group=axis.group, label=f"muon: {len(crossing)} matrices across partitions "
-                                                      f"(group {gi})")
-        whole = {s.name: buf[starts[s.name]:starts[s.name] + s.numel] for s in crossing}
+    mine = _by_name(pieces)
+    whole = _gather_crossing(blend, layout, mine, axis, f"muon: {{}} matrices across partitions (group {gi})") \
+        if communicates else {}
     names, mats, shapes = [], [], []
     for s in layout.slots:
         here = mine.get(s.name)
@@ -159,6 +147,64 @@ def flat_layout_updates(muon: ShardedMuon, gi: int, grad: torch.Tensor, master: 
             update = update * scale
         for piece in mine[s.name]:
             grad[piece.offset:piece.offset + piece.numel].copy_(update[piece.start:piece.end])
+
+
+def _by_name(pieces) -> Dict[str, List]:
+    mine: Dict[str, List] = {}
+    for piece in pieces:
+        mine.setdefault(piece.name, []).append(piece)
+    return mine
+
+
+def _crossing(layout) -> List:
+    """The slots whose first and last elements have different owners."""
+    size = layout.partition_size
+    return [s for s in layout.slots if s.numel and s.offset // size != (s.offset + s.numel - 1) // size]
+
+
+def _gather_crossing(part: torch.Tensor, layout, mine: Dict[str, List], axis, label: str, device=None
+                     ) -> Dict[str, torch.Tensor]:
+    """Every matrix crossing a partition boundary, whole on every rank of the axis: each owner
+    adds its pieces of `part` into one zero buffer (on `device`, the communication device;
+    `part`'s by default), summed by one all-reduce ({} in `label` takes the count)."""
+    crossing = _crossing(layout)
+    if not crossing:
+        return {}
+    starts, total = {}, 0
+    for s in crossing:
+        starts[s.name] = total
+        total += s.numel
+    buf = torch.zeros(total, dtype=part.dtype, device=part.device if device is None else device)
+    for s in crossing:
+        for piece in mine.get(s.name, ()):
+            at = starts[s.name]
+            buf[at + piece.start:at + piece.end] = part[piece.offset:piece.offset + piece.numel].to(buf.device)
+    comm.all_reduce(buf, group=axis.group, label=label.format(len(crossing)))
+    return {s.name: buf[starts[s.name]:starts[s.name] + s.numel] for s in crossing}
+
+
+def whole_momenta(momentum: torch.Tensor, layout, pieces, axis, communicates: bool, device=None
+                  ) -> Dict[str, torch.Tensor]:
+    """Stages 1-2, for a checkpoint: the whole momentum of every matrix this rank's partition
+    touches, in layout order, flattened. That is what DeepSpeed 0.19.8 keeps (and saves and
+    loads) per rank, where a rank here keeps only its own elements between steps: the
+    matrices crossing a boundary are gathered now, for the save only (one all-reduce over the
+    group's axis on `device`; every rank of it takes part). The results are on the momentum's device."""
+    mine = _by_name(pieces)
+    whole = _gather_crossing(momentum, layout, mine, axis, "muon: {} momenta across partitions (checkpoint)",
+                             device) if communicates else {}
+    out: Dict[str, torch.Tensor] = {}
+    for s in layout.slots:
+        here = mine.get(s.name)
+        if not here:
+            continue
+        if s.name in whole:
+            out[s.name] = whole[s.name].to(momentum.device, copy=True)
+        elif here[0].numel == s.numel:
+            out[s.name] = momentum[here[0].offset:here[0].offset + s.numel].clone()
+        else:
+            raise ValueError(f"muon: {s.name} crosses a partition boundary but the group does not communicate")
+    return out
 
 
 def deal(costs: Sequence[float], ranks: int) -> List[int]:

@@ -35,6 +35,10 @@ from ...core.errors import CheckpointError
 from .foreign import PickledRecord, loss_scaler_record
 from .optimizer_state import for_deepspeed_group_state, for_deepspeed_groups, for_deepspeed_torch
 
+# Muon's state key: at stages 1-2 DeepSpeed (and dslaunch, on disk) keeps it, in a use_muon group, as
+# the whole of every matrix a rank's partition touches (over the partition under CPU offload); read
+# that way first (its length can equal the partition's)
+MUON_MOMENTUM = "momentum_buffer"
 DS_VERSION = "0.19.8"  # the DeepSpeed release whose format we write (its loaders check >= 0.3.17)
 SHARD_FORMAT = "dslaunch-zero-shard/1"
 
@@ -161,15 +165,29 @@ def _flat_from_pieces(group: Dict[str, Any], key, size: int) -> torch.Tensor:
 
 
 def _group_state(group: Dict[str, Any], size: int) -> Dict[str, Any]:
+    whole = group.get("whole_state", {})
     out = {}
     for k, v in group["state"].items():
-        if isinstance(v, dict):
+        if k in whole:  # stages 1-2, Muon's momentum: the whole of each matrix the partition touches
+            out[k] = _whole_flat(whole[k], group["pieces"])
+        elif k == "step" and whole:
+            continue  # DeepSpeed's Muon group keeps no count (the momentum needs none; the loader adds ours)
+        elif isinstance(v, dict):
             out[k] = _flat_from_pieces(group, k, size)
         elif k == "step" and not torch.is_tensor(v):
             out[k] = torch.tensor(float(v), dtype=torch.float32)  # torch's Adam keeps step as a tensor
         else:
             out[k] = v
     return out
+
+
+def _whole_flat(whole: Dict[str, torch.Tensor], pieces: List[Dict[str, Any]]) -> torch.Tensor:
+    """DeepSpeed's stage 1-2 Muon momentum of one rank: the whole tensors of the parameters its
+    partition touches, end to end in layout order (no padding)."""
+    names = list(dict.fromkeys(p["name"] for p in pieces))
+    if not names:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat([whole[n].reshape(-1) for n in names])
 
 
 def _hyper(param_groups: Sequence[Dict[str, Any]], gi: int, params: List[int]) -> Dict[str, Any]:
@@ -276,6 +294,17 @@ def _is_vector(v: Any) -> bool:
     return torch.is_tensor(v) and v.dim() == 1 and v.numel() > 1
 
 
+def _is_muon_group(base: Any, gi: int) -> bool:
+    """A Muon param group (its hyperparameters say use_muon; SGD's momentum_buffer is partition-shaped)."""
+    groups = base.get("param_groups") if isinstance(base, dict) else None
+    return isinstance(groups, list) and gi < len(groups) and isinstance(groups[gi], dict) and \
+        bool(groups[gi].get("use_muon", False))
+
+
+def _touched_numel(pieces: List[Dict[str, Any]], shapes) -> int:
+    return sum(_numel(shapes[n]) for n in dict.fromkeys(p["name"] for p in pieces))
+
+
 def _whole_matrices(key: str, v: torch.Tensor, pieces: List[Dict[str, Any]], shapes, gi: int
                     ) -> Dict[str, torch.Tensor]:
     """A stage 1-2 state tensor that holds, end to end, the whole of every parameter the
@@ -295,8 +324,21 @@ def _cut(flat: torch.Tensor, pieces: List[Dict[str, Any]]) -> Dict[str, torch.Te
     return {p["name"]: flat[p["offset"]:p["offset"] + p["end"] - p["start"]] for p in pieces}
 
 
-def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]], rank: int) -> Dict[str, Any]:
-    """One rank's DeepSpeed optimizer states (the file's "optimizer_state_dict") as our shard."""
+def offloaded(ds_config: Any) -> Optional[bool]:
+    """Whether a checkpoint's saved config offloads the optimizer (None: the file does not say)."""
+    if not isinstance(ds_config, dict):
+        return None
+    zero = ds_config.get("zero_optimization")
+    off = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    return isinstance(off, dict) and off.get("device") in ("cpu", "nvme")
+
+
+def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]], rank: int,
+                  offload: Optional[bool] = None) -> Dict[str, Any]:
+    """One rank's DeepSpeed optimizer states (the file's "optimizer_state_dict") as our shard.
+    offload: whether the saving run offloaded the optimizer (None: not known). At stages 1-2
+    DeepSpeed keeps Muon's momentum over whole matrices, but over the partition under CPU
+    offload; when the file does not say, a length that fits both is read as whole matrices."""
     try:
         stage = int(optim["zero_stage"])
         groups, hyper = [], None
@@ -315,7 +357,10 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
                 g_rank = rank // (world // int(optim["partition_count"][gi]))
                 pieces = pieces_in(slots, g_rank * size, (g_rank + 1) * size)
                 gstate = base["state"].get(gi, {}) if isinstance(base, dict) else base[gi]
-                state = {k: (_cut(v, pieces) if _partitioned(v, size) or _partitioned(v, fp32.numel()) else
+                muon = _is_muon_group(base, gi) and not offload
+                state = {k: (_whole_matrices(k, v, pieces, shapes, gi) if muon and k == MUON_MOMENTUM
+                             and _is_vector(v) and v.numel() == _touched_numel(pieces, shapes) else
+                             _cut(v, pieces) if _partitioned(v, size) or _partitioned(v, fp32.numel()) else
                              _whole_matrices(k, v, pieces, shapes, gi) if _is_vector(v) else v)
                          for k, v in gstate.items()}
                 groups.append({"pieces": pieces, "shapes": {n: list(s) for n, s in shapes.items()},

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .dsformat import DS_KEYS, ShapeError, loss_scaler_from_ds, shard_from_ds, shape_problem, stage0_from_ds
+from .dsformat import DS_KEYS, ShapeError, loss_scaler_from_ds, offloaded, shard_from_ds, shape_problem, stage0_from_ds
 from ...core.errors import CheckpointError
 from .files import load_torch
 from .layout import MANIFEST, model_states_name, optim_states_name, zero_model_states_name
@@ -85,7 +85,8 @@ class Checkpoint:
         name = self.optim_name(dp_rank, slice_)
         state = self.read(name, mmap=mmap)
         try:
-            return shard_from_ds(state["optimizer_state_dict"], self.param_shapes(slice_), dp_rank)
+            return shard_from_ds(state["optimizer_state_dict"], self.param_shapes(slice_), dp_rank,
+                                 offloaded(state.get("ds_config")))
         except (KeyError, TypeError):
             raise CheckpointError(f"checkpoint file {self.path}/{name} holds no optimizer_state_dict") from None
         except ShapeError as exc:  # the model states' param_shapes, measured against this file's buffers
