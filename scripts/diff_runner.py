@@ -207,7 +207,7 @@ def config(case: Case, world: int, resuming: bool = False) -> dict:
         cfg["bf16"] = {"enabled": True}
     if case.dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": case.loss_scale, "initial_scale_power": case.scale_power,
-                       "loss_scale_window": 2, "hysteresis": 1}
+                       "loss_scale_window": case.scale_window, "hysteresis": 1}
     if case.prescale:
         cfg["prescale_gradients"] = True
     if case.predivide != 1.0:

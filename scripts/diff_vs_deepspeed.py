@@ -58,7 +58,8 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from diff_cases import CLASSES, COUNT, OPEN, SEED, Case, Verdict, classify, equivalent, generate  # noqa: E402
+from diff_cases import (CLASSES, COUNT, DEEPSPEED_WRONG, OPEN, SEED, Case, Verdict, classify, equivalent,  # noqa: E402
+                        generate)
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "ds_diff")
 RESULTS = os.path.join(FIXTURES, "deepspeed.json")
@@ -379,6 +380,8 @@ def judge(case: Case, fixtures: Dict[str, dict], ours: dict, reasons: List[str])
                        twin=fixtures.get(twin.line) if twin is not None else None, rules=rules)
     if verdict.kind == "divergence" and case.line in OPEN:
         return Verdict("open divergence (listed)", f"{OPEN[case.line]} ({verdict.detail})")
+    if verdict.kind == "divergence" and case.line in DEEPSPEED_WRONG:
+        return Verdict("DeepSpeed wrong, no equivalent", DEEPSPEED_WRONG[case.line])
     return verdict
 
 

@@ -134,4 +134,7 @@ def test_replay_generated_cases(fixtures):
     assert not bad, f"{len(bad)} divergences from DeepSpeed:\n" + "\n".join(bad[:20])
     healed = [line for line, v in verdicts.items() if line in diff_cases.OPEN and v.kind != "open divergence (listed)"]
     assert not healed, f"listed as open divergences in diff_cases.OPEN but no longer diverging: {healed}"
+    agreeing = [line for line, v in verdicts.items()
+                if line in diff_cases.DEEPSPEED_WRONG and v.kind != "DeepSpeed wrong, no equivalent"]
+    assert not agreeing, f"listed in diff_cases.DEEPSPEED_WRONG but agreeing with DeepSpeed now: {agreeing}"
     assert sum(counts.values()) == len(cases)

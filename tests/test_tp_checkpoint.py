@@ -31,7 +31,7 @@ def run_body(tp, stage, first, steps, load=None, save=None, full_out=None):
     net = tiny_llama(VOCAB, kv_heads=4, attn="eager")
     world = comm.get_world_size()
     dp = world // tp
-    cfg = {"train_batch_size": MICRO, "steps_per_print": 1000, "gradient_clipping": 1.0,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO // dp, "steps_per_print": 1000, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage}}
     if tp > 1:

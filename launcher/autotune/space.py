@@ -98,7 +98,9 @@ class Candidate:
         cfg["zero_optimization"] = zero
         cfg["train_micro_batch_size_per_gpu"] = self.micro_batch
         cfg["gradient_accumulation_steps"] = self.grad_accum
-        cfg["train_batch_size"] = self.train_batch(dp)
+        # train_batch(dp) samples per step; the runtime, as DeepSpeed 0.19.8, checks the key against
+        # every rank (tensor-parallel ones included under AutoTP), which is dp here
+        cfg["train_batch_size"] = self.micro_batch * self.grad_accum * dp
         return cfg
 
 

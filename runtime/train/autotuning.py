@@ -272,10 +272,13 @@ class TrialProbe:
             gc.collect()  # tensors only an uncollected reference cycle holds are not the configuration's
             held = max(_live_tensor_bytes(), self.held_after_backward or 0)
             measured = held - self._baseline + self.peak_saved
+        # samples per step: not b.train_batch_size, which under AutoTP counts tensor-parallel ranks
+        # as DeepSpeed's does
+        samples = b.micro_batch_per_gpu * b.gradient_accumulation_steps * e.dp_world_size
         metrics = {
             "rank": e.global_rank, "steps": steps, "elapsed_s": elapsed,
-            "throughput": b.train_batch_size * steps / elapsed, "latency": elapsed / steps,
-            "train_batch_size": b.train_batch_size, "micro_batch": b.micro_batch_per_gpu,
+            "throughput": samples * steps / elapsed, "latency": elapsed / steps,
+            "train_batch_size": samples, "micro_batch": b.micro_batch_per_gpu,
             "gradient_accumulation_steps": b.gradient_accumulation_steps, "zero_stage": e.zero_optimization_stage(),
             "dp": e.dp_world_size, "params": params,
             "activation_bytes_per_sample": self.peak_saved / b.micro_batch_per_gpu,

@@ -47,7 +47,7 @@ from .resize import batch as resize_batch
 from .resize.contract import ResizeEnv
 from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
 from ..core.strict import ConfigError
-from .tensor_backward import SCALE_REQUIRED, BackwardUsageError, OutputGrads, engine_backward
+from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
 
 
 def _config_source(args, config, config_params):
@@ -131,8 +131,11 @@ class DeepSpeedEngine(torch.nn.Module):
         # in a resizable job the configured global batch holds at every size (resize/batch.py)
         self._resize_env = ResizeEnv.from_environ()
         self._resize = None  # the ResizeDriver initialize() attaches (resize_driver.py)
-        self.batch = resize_batch.batch_sizes(self.config, self.dp_world_size, mesh_select.dp_size_source(
-            self.mesh, mpu, comm.world_source(), self.world_size), self.world_size, self._resize_env.base_world)
+        autotp = self.config.tensor_parallel.size
+        self.batch = resize_batch.batch_sizes(
+            self.config, mesh_select.batch_world_size(self.mesh, mpu, autotp),
+            mesh_select.dp_size_source(self.mesh, mpu, comm.world_source(), self.world_size, autotp), self.world_size,
+            self._resize_env.base_world)
         self.device = (torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
         if self.config.expert_parallel.enabled:  # AutoEP: this rank's experts take the blocks' place
             from ..moe import autoep
@@ -501,7 +504,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """The first gradient of a backward pass the script started itself reached this engine's
         outputs: run the prologue, and return the epilogue to run once the pass is done."""
         if self._needs_scaled_loss() and not self._scale_called:
-            raise RuntimeError(SCALE_REQUIRED)
+            raise RuntimeError(SCALE_REQUIRED if self.loss_scaler.dynamic else SCALE_REQUIRED_STATIC)
         boundary = self._backward_prologue()
         self._scale_called = False
         self._meter.begin("backward")

@@ -45,6 +45,11 @@ class BackwardUsageError(AssertionError):
 SCALE_REQUIRED = ("Loss scaling is required for this configuration, but backward() was called directly without "
                   "scaling the loss. Please use one of the following: 1. engine.backward(loss) "
                   "2. engine.scale(loss).backward()")
+# Under a static scale DeepSpeed 0.19.8 raises nothing: it lets the unscaled loss's gradients
+# through and divides them by the scale at the step. Refused here, its words first, then why.
+STATIC_SCALE_UNSCALED = ("a static fp16 loss_scale needs it too: DeepSpeed 0.19.8 lets loss.backward() run unscaled "
+                         "there and then divides the gradients by the scale")
+SCALE_REQUIRED_STATIC = f"{SCALE_REQUIRED} ({STATIC_SCALE_UNSCALED})"
 
 
 @contextlib.contextmanager

@@ -95,10 +95,25 @@ def norm_axis(mesh) -> Optional[str]:
     return "replica" if mesh.size("replica") > 1 else None
 
 
-def dp_size_source(mesh, mpu, world_source: str, world_size: int) -> str:
+def batch_world_size(mesh, mpu, autotp_size: int) -> int:
+    """The rank count the batch rule multiplies micro batch x accumulation by. DeepSpeed 0.19.8
+    reads it when the config is parsed, before AutoTP builds its groups: without an mpu that
+    is every rank, tensor-parallel ones included (runtime/config.py: dist.get_world_size()), so
+    a config written for it names train_batch_size = micro x accumulation x world size. The
+    training itself does not depend on it: each data-parallel rank still runs `accumulation`
+    micro batches per step. With an mpu, or no AutoTP, it is the data-parallel size."""
+    if mpu is None and autotp_size > 1:
+        return mesh.size("data") * mesh.size("tensor")
+    return mesh.size("data")
+
+
+def dp_size_source(mesh, mpu, world_source: str, world_size: int, autotp_size: int = 1) -> str:
     """Where the data-parallel size came from, for the batch-size error."""
     if mpu is not None:
         return f"from mpu.get_data_parallel_world_size(); {world_source}"
+    if autotp_size > 1:
+        return (f"world size {world_size} ({world_source}), tensor-parallel ranks included as DeepSpeed counts them "
+                "under tensor_parallel.autotp_size")
     parts = [f"{mesh.size(a)} {label}" for a, label in (("pipe", "pipeline stages"), ("sequence", "sequence slices"),
                                                         ("tensor", "tensor slices")) if mesh.size(a) > 1]
     if parts:
