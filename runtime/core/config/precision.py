@@ -38,8 +38,8 @@ class FP16Config:
     consecutive_hysteresis: bool = supported(False, "a clean step refills the hysteresis")
     min_loss_scale: float = supported(1.0, "the dynamic scale never drops below this (a clear error when stuck)")
     fp16_master_weights_and_grads: bool = supported(
-        False, "ZeRO 1-3 keep master weights and gradient partitions in fp16 (DeepSpeed: only under CPU offload "
-               "with DeepSpeedCPUAdam); see check_master_states")
+        False, "ZeRO 1-3 keep master weights and gradient partitions in fp16, moments fp32, under the loss scaler "
+               "(as DeepSpeed: only under CPU offload with DeepSpeedCPUAdam); see check_master_states")
 
     def validate(self, path: str) -> None:
         positive(path, "loss_scale", self.loss_scale, allow_zero=True)
@@ -143,10 +143,6 @@ def check_master_states(fp16: FP16Config, bf16: BF16Config, stage: int, offload_
     if f16 and offload_device != "cpu":
         raise ConfigError("fp16.fp16_master_weights_and_grads: requires zero_optimization.offload_optimizer.device "
                           "\"cpu\" with DeepSpeedCPUAdam (as DeepSpeed 0.19.8)")
-    if f16:
-        # DeepSpeed 0.19.8 runs no fp16 on the CPU, so no run of it can check ours: refused until one can
-        raise ConfigError("fp16.fp16_master_weights_and_grads: not supported yet (DeepSpeed 0.19.8 runs fp16 only "
-                          "on a GPU, so there is no reference run to hold it to); use bf16.bf16_master_weights_and_grads")
     if b16 and not states and offload_device != "cpu":
         raise ConfigError("bf16.bf16_master_weights_and_grads: fp32 optimizer states beside bf16 masters need "
                           "zero_optimization.offload_optimizer.device \"cpu\" with DeepSpeedCPUAdam (as DeepSpeed "
