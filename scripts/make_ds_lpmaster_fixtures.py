@@ -47,7 +47,7 @@ class Case(NamedTuple):
     parameters under torch_autocast bf16, "fp32"); the master flags; offload; the optimizer
     (make_ds_fixtures.OPTIMIZERS' name: torch_adamw, or adam, which offload makes DeepSpeedCPUAdam);
     "autocast16" is fp32 parameters under torch_autocast float16. scale_power: fp16's
-    initial_scale_power (0: DeepSpeed's default), set high so the first steps overflow and are skipped."""
+    initial_scale_power (0: DeepSpeed's default), set high so that steps overflow and are skipped."""
 
     stage: int
     dtype: str = "bf16"
@@ -62,7 +62,7 @@ class Case(NamedTuple):
 # What DeepSpeed 0.19.8 allows (stage_1_and_2.py / stage3.py `_configure_master_weights`):
 # bf16 masters with bf16 optimizer states on the device at stages 1-3; bf16 masters with fp32
 # states only under CPU offload with DeepSpeedCPUAdam; fp16 masters (fp32 moments) only under CPU
-# offload with DeepSpeedCPUAdam, with fp16 parameters or under torch_autocast.
+# offload with DeepSpeedCPUAdam, with fp16 parameters or under torch_autocast bfloat16.
 _F16 = dict(bf16_masters=False, bf16_states=False, fp16_masters=True)
 CASES = {
     "z1_bf16": Case(1), "z2_bf16": Case(2), "z3_bf16": Case(3),
@@ -71,10 +71,11 @@ CASES = {
     "z2_bf16_offload_bf16_states": Case(2, offload=True, optimizer="adam"),
     "z3_bf16_offload_fp32_states": Case(3, bf16_states=False, offload=True, optimizer="adam"),
     "z1_fp16_offload": Case(1, "fp16", offload=True, optimizer="adam", **_F16),
-    # 2**24 overflows: the first steps are skipped while the dynamic scale comes down
-    "z2_fp16_offload_overflow": Case(2, "fp16", offload=True, optimizer="adam", scale_power=24, **_F16),
-    "z3_fp16_offload_overflow": Case(3, "fp16", offload=True, optimizer="adam", scale_power=24, **_F16),
-    "z2_fp16_autocast16_offload": Case(2, "autocast16", offload=True, optimizer="adam", **_F16),
+    # at 2**17 the first step overflows and is skipped, the scale halves to 2**16 and training goes
+    # on (hysteresis 1: each overflow halves the scale)
+    "z2_fp16_offload_overflow": Case(2, "fp16", offload=True, optimizer="adam", scale_power=17, **_F16),
+    "z3_fp16_offload_overflow": Case(3, "fp16", offload=True, optimizer="adam", scale_power=17, **_F16),
+    "z2_fp16_autocast_offload": Case(2, "autocast", offload=True, optimizer="adam", **_F16),
 }
 # What it refuses: the one line it stops with is recorded.
 REFUSED = {
@@ -86,6 +87,9 @@ REFUSED = {
     "z2_fp16_masters_no_offload": Case(2, "fp16", **_F16),
     "z3_fp16_masters_no_offload": Case(3, "fp16", **_F16),
     "z2_fp16_masters_offload_torch_adamw": Case(2, "fp16", offload=True, **_F16),
+    # allowed by its checks, but its ZeRO steps through torch's GradScaler, which refuses fp16
+    # gradients at the first step
+    "z2_fp16_autocast16_offload": Case(2, "autocast16", offload=True, optimizer="adam", **_F16),
 }
 
 
