@@ -169,6 +169,25 @@ def test_what_deepspeed_refuses_is_refused_with_its_reason(name):
     assert ours in line and "\n" not in line, line
 
 
+def test_fp16_moments_beside_fp16_masters_are_refused_in_one_line():
+    # DeepSpeed builds DeepSpeedCPUAdam with fp16 moments for fp32_optimizer_states false beside fp16
+    # masters; here the moments' dtype is the precision policy's, and fp16 moments are not built
+    from dslaunch.runtime.core.strict import ConfigError
+
+    cfg = lp.case_config(lp.CASES["z1_fp16_offload"], 1)
+    cfg["optimizer"]["params"]["fp32_optimizer_states"] = False
+    with pytest.raises(ConfigError) as err:
+        _engine(lp.CASES["z1_fp16_offload"], 1, cfg)
+    assert "fp32_optimizer_states: false (moments in the masters' dtype) is not supported" in str(err.value)
+    assert "\n" not in str(err.value)
+    # beside bf16 masters with bf16 states it says what the policy does: accepted
+    cfg = lp.case_config(lp.CASES["z2_bf16_offload_bf16_states"], 1)
+    cfg["optimizer"]["params"]["fp32_optimizer_states"] = False
+    engine = _engine(lp.CASES["z2_bf16_offload_bf16_states"], 1, cfg)
+    assert engine.precision.optimizer_state == torch.bfloat16
+    engine.destroy()
+
+
 def test_policy_from_config():
     from dslaunch.runtime.core.config import DeepSpeedConfig
     from dslaunch.runtime.core.precision import PrecisionPolicy
