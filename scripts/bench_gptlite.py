@@ -192,6 +192,14 @@ class EngineRun:
     def __init__(self, impl, model, cfg_path, device):
         if impl == "deepspeed":
             import deepspeed
+            from deepspeed.accelerator import get_accelerator
+
+            with open(cfg_path) as fh:
+                fp16 = json.load(fh).get("fp16", {}).get("enabled", False)
+            if device.type == "cpu" and fp16:
+                # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels; torch
+                # computes fp16 on any CPU, so it is told it may (make_ds_pystyle_fixtures.py does too)
+                type(get_accelerator()).is_fp16_supported = lambda self: True
         else:
             import dslaunch.runtime as deepspeed
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -255,7 +263,8 @@ class ComputeFloor:
 
     def __init__(self, model, cfg, device):
         model = model.to(device)
-        self.module = model.to(torch.bfloat16) if cfg.get("bf16", {}).get("enabled", False) else model
+        self.module = model.to(torch.bfloat16) if cfg.get("bf16", {}).get("enabled", False) else \
+            model.to(torch.float16) if cfg.get("fp16", {}).get("enabled", False) else model
 
     forward, backward = TorchRun.forward, TorchRun.backward
 

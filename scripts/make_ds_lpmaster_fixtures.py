@@ -16,6 +16,11 @@ running 3 steps more. For each case it writes:
 
 tests/test_lpmaster.py replays our side against them without DeepSpeed: the losses, dslaunch
 resuming ds/CASE, and our refusals carrying DeepSpeed's reason.
+
+fp16: DeepSpeed's CPU accelerator refuses fp16 unless the processor's oneDNN has fp16 kernels
+("Type fp16 is not supported on your device"); for the fp16 cases the DeepSpeed workers tell it
+they have them (CPU_Accelerator.is_fp16_supported, as make_ds_pystyle_fixtures.py does); torch
+computes fp16 on any CPU and nothing else of DeepSpeed is changed.
 """
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ WORLD, SAVE_AT = 2, 3
 class Case(NamedTuple):
     """One combination: ZeRO stage; the model dtype ("bf16": bf16.enabled, "autocast": fp32
     parameters under torch_autocast bf16, "fp32"); the master flags; offload; the optimizer
-    (make_ds_fixtures.OPTIMIZERS' name: torch_adamw, or adam, which offload makes DeepSpeedCPUAdam)."""
+    (make_ds_fixtures.OPTIMIZERS' name: torch_adamw, or adam, which offload makes DeepSpeedCPUAdam);
+    "autocast16" is fp32 parameters under torch_autocast float16. scale_power: fp16's
+    initial_scale_power (0: DeepSpeed's default), set high so that steps overflow and are skipped."""
 
     stage: int
     dtype: str = "bf16"
@@ -49,17 +56,26 @@ class Case(NamedTuple):
     fp16_masters: bool = False
     offload: bool = False
     optimizer: str = "torch_adamw"
+    scale_power: int = 0
 
 
 # What DeepSpeed 0.19.8 allows (stage_1_and_2.py / stage3.py `_configure_master_weights`):
 # bf16 masters with bf16 optimizer states on the device at stages 1-3; bf16 masters with fp32
-# states only under CPU offload with DeepSpeedCPUAdam; fp16 masters only under CPU offload.
+# states only under CPU offload with DeepSpeedCPUAdam; fp16 masters (fp32 moments) only under CPU
+# offload with DeepSpeedCPUAdam, with fp16 parameters or under torch_autocast bfloat16.
+_F16 = dict(bf16_masters=False, bf16_states=False, fp16_masters=True)
 CASES = {
     "z1_bf16": Case(1), "z2_bf16": Case(2), "z3_bf16": Case(3),
     "z2_autocast": Case(2, "autocast"), "z3_autocast": Case(3, "autocast"),
     "z2_bf16_offload_fp32_states": Case(2, bf16_states=False, offload=True, optimizer="adam"),
     "z2_bf16_offload_bf16_states": Case(2, offload=True, optimizer="adam"),
     "z3_bf16_offload_fp32_states": Case(3, bf16_states=False, offload=True, optimizer="adam"),
+    "z1_fp16_offload": Case(1, "fp16", offload=True, optimizer="adam", **_F16),
+    # at 2**17 the first step overflows and is skipped, the scale halves to 2**16 and training goes
+    # on (hysteresis 1: each overflow halves the scale)
+    "z2_fp16_offload_overflow": Case(2, "fp16", offload=True, optimizer="adam", scale_power=17, **_F16),
+    "z3_fp16_offload_overflow": Case(3, "fp16", offload=True, optimizer="adam", scale_power=17, **_F16),
+    "z2_fp16_autocast_offload": Case(2, "autocast", offload=True, optimizer="adam", **_F16),
 }
 # What it refuses: the one line it stops with is recorded.
 REFUSED = {
@@ -67,11 +83,13 @@ REFUSED = {
     "z2_states_without_masters": Case(2, bf16_masters=False),
     "z2_bf16_fp32_states_no_offload": Case(2, bf16_states=False),
     "z2_bf16_offload_torch_adamw": Case(2, bf16_states=False, offload=True),
-    "z2_fp16_masters_no_offload": Case(2, "fp16", bf16_masters=False, bf16_states=False, fp16_masters=True),
-    "z2_fp16_masters_offload": Case(2, "fp16", bf16_masters=False, bf16_states=False, fp16_masters=True,
-                                    offload=True, optimizer="adam"),
-    "z3_fp16_masters_offload": Case(3, "fp16", bf16_masters=False, bf16_states=False, fp16_masters=True,
-                                    offload=True, optimizer="adam"),
+    "z0_fp16_masters": Case(0, "fp16", **_F16),
+    "z2_fp16_masters_no_offload": Case(2, "fp16", **_F16),
+    "z3_fp16_masters_no_offload": Case(3, "fp16", **_F16),
+    "z2_fp16_masters_offload_torch_adamw": Case(2, "fp16", offload=True, **_F16),
+    # allowed by its checks, but its ZeRO steps through torch's GradScaler, which refuses fp16
+    # gradients at the first step
+    "z2_fp16_autocast16_offload": Case(2, "autocast16", offload=True, optimizer="adam", **_F16),
 }
 
 
@@ -81,8 +99,8 @@ def case_config(case: Case, world: int) -> dict:
     cfg = fx.config(case.stage, model_dtype, world, case.optimizer)
     if case.offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    if case.dtype == "autocast":
-        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    if case.dtype in ("autocast", "autocast16"):
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if case.dtype == "autocast" else "float16"}
     if case.bf16_masters or case.bf16_states:
         cfg.setdefault("bf16", {"enabled": False})
         cfg["bf16"].update(bf16_master_weights_and_grads=case.bf16_masters,
@@ -90,6 +108,8 @@ def case_config(case: Case, world: int) -> dict:
     if case.fp16_masters:
         cfg.setdefault("fp16", {"enabled": False})
         cfg["fp16"]["fp16_master_weights_and_grads"] = True
+    if case.scale_power:
+        cfg["fp16"].update(initial_scale_power=case.scale_power, hysteresis=1)
     return cfg
 
 
@@ -103,6 +123,10 @@ def worker(rank: int, job: dict) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
+        if job["case"]["dtype"] == "fp16" or job["case"]["fp16_masters"]:
+            from deepspeed.accelerator import get_accelerator
+
+            type(get_accelerator()).is_fp16_supported = lambda self: True  # see the module docstring
     else:
         import dslaunch.runtime as deepspeed
     case = Case(**job["case"])
@@ -114,7 +138,7 @@ def worker(rank: int, job: dict) -> None:
         path, _ = engine.load_checkpoint(job["load"])
         assert path is not None, job["load"]
         start = engine.global_steps
-    losses = []
+    losses, skipped, scales = [], [], []
     xdtype = fx.torch_dtype(case.dtype)  # autocast: fp32 inputs
     for step in range(start, SAVE_AT + 3):
         x, y = fx.batch(step, rank, job["world"], xdtype)
@@ -124,11 +148,17 @@ def worker(rank: int, job: dict) -> None:
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(float(total) / job["world"])
+        if job.get("scaler"):  # after each step: steps skipped so far, and the loss scale
+            skipped.append(int(engine.skipped_steps))
+            scales.append(float(engine.optimizer.loss_scaler.cur_scale))
         if job.get("save") and step + 1 == SAVE_AT:
             engine.save_checkpoint(job["save"], tag=f"global_step{SAVE_AT}", client_state={"source": job["engine"]})
     if rank == 0:
         with open(job["result"], "w") as fh:
             json.dump(losses, fh)
+        if job.get("scaler"):
+            with open(job["scaler"], "w") as fh:
+                json.dump({"skipped": skipped, "scale": scales}, fh)
     dist.barrier()
 
 
@@ -168,17 +198,29 @@ def main() -> None:
         ds_dir, our_dir = os.path.join(OUT, "ds", name), os.path.join(OUT, "dslaunch", name)
         entry = expected.setdefault("cases", {}).setdefault(name, {})
         entry["case"] = case._asdict()
+        scaler = os.path.join(OUT, f".{name}.scaler.json") if case.scale_power else None
         if not args.ours_only:
             shutil.rmtree(ds_dir, ignore_errors=True)
-            entry["deepspeed"] = run(args.ds_python, dict(base, engine="deepspeed", save=ds_dir))
+            entry["deepspeed"] = run(args.ds_python, dict(base, engine="deepspeed", save=ds_dir, scaler=scaler))
             fx._tidy(ds_dir)
+            if scaler:
+                entry["deepspeed_scaler"] = _pop_json(scaler)
         if not args.deepspeed_only:
             shutil.rmtree(our_dir, ignore_errors=True)
-            entry["dslaunch"] = run(sys.executable, dict(base, engine="dslaunch", save=our_dir))
+            entry["dslaunch"] = run(sys.executable, dict(base, engine="dslaunch", save=our_dir, scaler=scaler))
+            if scaler:
+                entry["dslaunch_scaler"] = _pop_json(scaler)
             entry["deepspeed_resumed_dslaunch"] = run(args.ds_python, dict(base, engine="deepspeed", load=our_dir))
             fx._tidy(our_dir)
         print(f"{name}: {json.dumps(entry)}", flush=True)
         _write(path, "cases", name, entry)
+
+
+def _pop_json(path: str):
+    with open(path) as fh:
+        got = json.load(fh)
+    os.remove(path)
+    return got
 
 
 def _write(path: str, section: str, name: str, entry: dict) -> None:

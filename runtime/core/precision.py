@@ -81,15 +81,17 @@ class PrecisionPolicy:
 
     def check_optimizer(self, optimizer, offload: bool, stage: int) -> None:
         """DeepSpeed 0.19.8's requirement on the optimizer that steps low-precision masters:
-        under CPU offload (always for fp32 states beside bf16 masters) it is DeepSpeedCPUAdam,
-        keeping its moments in the dtype the policy says."""
+        under CPU offload (always for fp32 states beside bf16 masters, and for fp16 masters, whose
+        states are fp32) it is DeepSpeedCPUAdam, keeping its moments in the dtype the policy says."""
         if not self.low_precision_masters or optimizer is None:
             return
         if not (offload or self.optimizer_state == torch.float32):
             return
         name = type(optimizer).__name__
+        key = "bf16.bf16_master_weights_and_grads" if self.master == torch.bfloat16 else \
+            "fp16.fp16_master_weights_and_grads"
         if not getattr(optimizer, "low_precision_params", False) or name != "DeepSpeedCPUAdam":
-            raise ConfigError(f"bf16.bf16_master_weights_and_grads: under ZeRO-{stage} CPU offload the optimizer "
+            raise ConfigError(f"{key}: under ZeRO-{stage} CPU offload the optimizer "
                               f"must be DeepSpeedCPUAdam (optimizer type Adam/AdamW builds it), not {name} (as "
                               "DeepSpeed 0.19.8)")
         fp32_states = bool(getattr(optimizer, "fp32_optimizer_states", True))

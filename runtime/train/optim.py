@@ -53,10 +53,19 @@ class OptimizerTarget:
                    master_dtype=master, state_dtype=state)
 
 
-def _only_fp32_states(fp32_optimizer_states: bool) -> None:
+def _only_fp32_states(fp32_optimizer_states: bool, target: Optional[OptimizerTarget] = None) -> None:
     # DeepSpeedCPUAdam(..., fp32_optimizer_states=False) keeps a bf16/fp16 parameter's moments in
-    # its dtype when a script steps such parameters itself; the engine's optimizer always steps
-    # fp32 masters, whose moments are fp32 either way, so the key would do nothing here.
+    # its dtype when a script steps such parameters itself; the engine's optimizer steps fp32
+    # masters, whose moments are fp32 either way, so the key would do nothing there. Beside
+    # low-precision masters the precision policy says the moments' dtype: false agrees with
+    # bf16.bf16_optimizer_states; beside fp32 moments (fp16 masters, or bf16 ones without bf16
+    # states) DeepSpeed would keep them in the masters' dtype, which is not built here.
+    if target is not None and target.master_dtype != torch.float32:
+        if not fp32_optimizer_states and target.state_dtype == torch.float32:
+            raise ConfigError("optimizer.params.fp32_optimizer_states: false (moments in the masters' dtype) is not "
+                              "supported beside fp32 moments; for bf16 moments set bf16.bf16_optimizer_states true "
+                              "(fp16 masters keep fp32 moments)")
+        return
     if not fp32_optimizer_states:
         raise ConfigError("optimizer.params.fp32_optimizer_states: false (bf16/fp16 moments) would do nothing: "
                           "the engine's optimizer steps fp32 master parameters, whose moments are fp32")
@@ -97,7 +106,7 @@ def _adam_impl(params, target: OptimizerTarget, adam_w_mode: bool, torch_adam: b
 def _adam(params, target, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: Optional[float] = None,
           adam_w_mode: bool = True, bias_correction: bool = True, amsgrad: bool = False, torch_adam: bool = False,
           fp32_optimizer_states: bool = True):
-    _only_fp32_states(fp32_optimizer_states)
+    _only_fp32_states(fp32_optimizer_states, target)
     return _adam_impl(params, target, adam_w_mode, torch_adam, lr=lr, betas=betas, eps=eps,
                       weight_decay=weight_decay, bias_correction=bias_correction, amsgrad=amsgrad)
 
@@ -117,7 +126,7 @@ def _cpu_adam(params, target, lr: float = 1e-3, bias_correction: bool = True, be
     from dslaunch.runtime.train.ops.adam import DeepSpeedCPUAdam
 
     _refuse_cuda_without_offload("CPUAdam", target)
-    _only_fp32_states(fp32_optimizer_states)
+    _only_fp32_states(fp32_optimizer_states, target)
     return DeepSpeedCPUAdam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode,
                             fp32_optimizer_states)
 

@@ -173,7 +173,7 @@ class DeepSpeedConfig:
             raise ConfigError("torch_autocast.enabled: cannot be combined with zero_optimization.zero_quantized_weights "
                               "(as in DeepSpeed); choose one")
         check_master_states(self.fp16, self.bf16, self.zero_optimization.stage,
-                            self.zero_optimization.offload_optimizer_device)
+                            self.zero_optimization.offload_optimizer_device, self.torch_autocast)
         self._check_reduction()
         if self.allgather_size is not None:
             if not self.zero_optimization.legacy_bool:

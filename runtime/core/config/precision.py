@@ -38,8 +38,9 @@ class FP16Config:
     consecutive_hysteresis: bool = supported(False, "a clean step refills the hysteresis")
     min_loss_scale: float = supported(1.0, "the dynamic scale never drops below this (a clear error when stuck)")
     fp16_master_weights_and_grads: bool = supported(
-        False, "ZeRO 1-3 keep master weights and gradient partitions in fp16 (DeepSpeed: only under CPU offload "
-               "with DeepSpeedCPUAdam); see check_master_states")
+        False, "ZeRO 1-3 under CPU offload with DeepSpeedCPUAdam (as DeepSpeed) keep master weights and gradient "
+               "partitions in fp16, moments fp32, under fp16's loss scaler; refused at stage 0, without offload and "
+               "with torch_autocast float16 (docs/zero.md, low-precision master states)")
 
     def validate(self, path: str) -> None:
         positive(path, "loss_scale", self.loss_scale, allow_zero=True)
@@ -89,6 +90,10 @@ class TorchAutocastConfig:
         "fp32", None)
 
     @property
+    def torch_dtype_name(self) -> str:
+        return "bfloat16" if self.dtype in ("bfloat16", "bf16") else "float16"
+
+    @property
     def torch_dtype(self):
         import torch
 
@@ -118,7 +123,8 @@ def check_precision(fp16: FP16Config, bf16: BF16Config, autocast: TorchAutocastC
                           "parameters); choose one")
 
 
-def check_master_states(fp16: FP16Config, bf16: BF16Config, stage: int, offload_device: str) -> None:
+def check_master_states(fp16: FP16Config, bf16: BF16Config, stage: int, offload_device: str,
+                        autocast: Optional[TorchAutocastConfig] = None) -> None:
     """The low-precision master-state combinations DeepSpeed 0.19.8 allows (its config check and
     its ZeRO optimizers' `_configure_master_weights`), each refusal one line with its reason.
     The optimizer's own requirement (DeepSpeedCPUAdam under offload) is checked where the
@@ -143,10 +149,12 @@ def check_master_states(fp16: FP16Config, bf16: BF16Config, stage: int, offload_
     if f16 and offload_device != "cpu":
         raise ConfigError("fp16.fp16_master_weights_and_grads: requires zero_optimization.offload_optimizer.device "
                           "\"cpu\" with DeepSpeedCPUAdam (as DeepSpeed 0.19.8)")
-    if f16:
-        # DeepSpeed 0.19.8 runs no fp16 on the CPU, so no run of it can check ours: refused until one can
-        raise ConfigError("fp16.fp16_master_weights_and_grads: not supported yet (DeepSpeed 0.19.8 runs fp16 only "
-                          "on a GPU, so there is no reference run to hold it to); use bf16.bf16_master_weights_and_grads")
+    if f16 and autocast is not None and autocast.enabled and autocast.torch_dtype_name == "float16":
+        # DeepSpeed 0.19.8 passes its checks, then steps through torch's GradScaler, which stops at
+        # the first step on the fp16 gradient partitions
+        raise ConfigError("fp16.fp16_master_weights_and_grads: with torch_autocast dtype float16 is not supported: "
+                          "DeepSpeed 0.19.8 steps it through torch's GradScaler, which fails at the first step "
+                          "(\"Attempting to unscale FP16 gradients\"); use torch_autocast dtype bfloat16 or fp16.enabled")
     if b16 and not states and offload_device != "cpu":
         raise ConfigError("bf16.bf16_master_weights_and_grads: fp32 optimizer states beside bf16 masters need "
                           "zero_optimization.offload_optimizer.device \"cpu\" with DeepSpeedCPUAdam (as DeepSpeed "
