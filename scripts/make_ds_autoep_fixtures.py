@@ -33,6 +33,8 @@ Cases:
   {m}_ep4_s2      4 ranks, autoep_size 4, ZeRO 2
   {m}_ep4_s{0,1}  the same at ZeRO 0 and 1, for Mixtral and DeepSeek-V3 (EP4_ALL_STAGES)
   mixtral_w4_ep2_s1   4 ranks, autoep_size 2 (two expert-data-parallel replicas), ZeRO 1
+  {m}_one2_muon, {m}_ep1_s{Z}_muon, {m}_ep2_s{Z}_muon   Mixtral and DeepSeek-V3 with Muon
+                  (MUON says why the reference is AutoEP at size 1)
 A case's losses are averaged over ranks or micro-batches. DeepSpeed's ZeRO-0 runs with expert
 parallelism differ from its one-process run (its ZeRO-0 gradient norm under expert parallelism;
 the same as for deepspeed.moe, see docs/moe.md): their losses are recorded as they come.
@@ -52,6 +54,7 @@ VOCAB, HIDDEN, EXPERTS, TOP_K, SEQ, ROWS, STEPS = 64, 32, 4, 2, 8, 2, 3
 RIGGED_EXPERT = 3
 EP_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 EP4_ALL_STAGES = ("mixtral", "deepseek_v3")
+MUON_MODELS = ("mixtral", "deepseek_v3")
 ONE_MODELS = ("deepseek_v2", "qwen3_5_moe", "minimax_m3", "olmoe_aux")
 # DeepSpeed has no OLMoE preset; every other model is found by model_type
 PRESET = {"olmoe": "mixtral", "olmoe_aux": "mixtral"}
@@ -61,6 +64,14 @@ DS_FAILS = {"olmoe_aux_ep1"}
 # DeepSpeed 0.19.8 trains another loss here: its layer hands Qwen3.5's load-balancing loss the
 # router's softmax probabilities where the model records logits (the loss takes a softmax again)
 DS_DIFFERS = {"qwen3_5_moe_ep1"}
+
+# Muon (muon_lr for the matrices, adam_lr for the rest). AutoEP's experts are 3-D [experts, out,
+# in] tensors marked is_expert_group: Newton-Schulz runs on each expert's matrix, and on w1 (gate)
+# and w3 (up) apart, where the Hugging Face model's fused gate_up_proj [experts, 2 x ffn, hidden]
+# is orthogonalised as one matrix per expert; so with Muon, AutoEP trains another model than the
+# unmodified one ({m}_one2_muon records it), and a case's reference is AutoEP at size 1 on one
+# process, at the same ZeRO stage (stages 1-2 clip the orthogonalised update, stage 0 the gradient).
+MUON = {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 0.003, "momentum": 0.9, "weight_decay": 0.0}}
 
 CASES = {}
 for _m in EP_MODELS + ONE_MODELS:
@@ -75,11 +86,18 @@ for _m in EP4_ALL_STAGES:  # ep 4 at every stage for two families (the others at
     for _z in (0, 1):
         CASES[f"{_m}_ep4_s{_z}"] = dict(model=_m, world=4, gas=1, stage=_z, ep=4)
 CASES["mixtral_w4_ep2_s1"] = dict(model="mixtral", world=4, gas=1, stage=1, ep=2)
+for _m in MUON_MODELS:
+    CASES[f"{_m}_one2_muon"] = dict(model=_m, world=1, gas=2, stage=0, ep=None, muon=True)
+    for _z in (0, 1, 2):
+        CASES[f"{_m}_ep1_s{_z}_muon"] = dict(model=_m, world=1, gas=2, stage=_z, ep=1, muon=True)
+        CASES[f"{_m}_ep2_s{_z}_muon"] = dict(model=_m, world=2, gas=1, stage=_z, ep=2, muon=True)
 
 
 def reference(name: str) -> str:
     """The one-process case a case must equal."""
     job = CASES[name]
+    if job.get("muon"):  # AutoEP at size 1, same stage: see MUON
+        return f"{job['model']}_ep1_s{job['stage']}_muon"
     return f"{job['model']}_one{job['world'] * job['gas']}"
 
 
@@ -184,6 +202,8 @@ def config(job: dict, extra: dict = None) -> dict:
            # DeepSpeed's default clipping (1.0; spelled out: dslaunch's default is off); eps keeps
            # Adam from magnifying the float noise of near-zero gradients (the rigged expert's router row)
            "gradient_clipping": 1.0, "zero_optimization": {"stage": job["stage"]}}
+    if job.get("muon"):
+        cfg["optimizer"] = MUON
     if job["ep"] is not None:
         cfg["expert_parallel"] = autoep_section(job)
     cfg.update(extra or {})

@@ -88,7 +88,9 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time():
     from dslaunch.runtime.core.muon import newton_schulz as ns
 
     g = torch.Generator().manual_seed(0)
-    shapes = [(12, 48), (12, 48), (48, 12), (12, 12), (2, 5, 7), (4, 2, 3, 3), (12, 48)]
+    # (5, 7) beside the stacks (2, 5, 7) and (3, 5, 7): a 2-D weight and stacked expert weights
+    # of the same matrix shape go through one batch (AutoEP's experts beside the model's matrices)
+    shapes = [(12, 48), (12, 48), (48, 12), (12, 12), (2, 5, 7), (4, 2, 3, 3), (12, 48), (5, 7), (3, 5, 7)]
     mats = [torch.randn(s, generator=g) for s in shapes]
     batched = ns.orthogonalize(mats, shapes, "gram", torch.float32)
     for m, s, got in zip(mats, shapes, batched):

@@ -730,19 +730,11 @@ class DeepSpeedEngine(torch.nn.Module):
                                              f"{self.seq_parallel_size} are not supported; save the weights with "
                                              "the module's state_dict on one rank instead")
 
-    def _refuse_autoep_checkpoint(self, what: str) -> None:
-        if self.config.expert_parallel.enabled:
-            raise checkpoint.CheckpointError(
-                f"{what}: checkpoints of a model trained with AutoEP (expert_parallel) are not supported; save its "
-                "weights with engine.save_16bit_model or dslaunch.runtime.moe.autoep.save_pretrained (every expert "
-                "gathered, in the model's own layout)")
-
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True, allow_pickle: bool = False) -> str:
         """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
         need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
         self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
-        self._refuse_autoep_checkpoint("save_checkpoint")
         return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
@@ -756,7 +748,6 @@ class DeepSpeedEngine(torch.nn.Module):
         """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
         weights_only=True unless trust_pickle=True."""
         self._refuse_sequence_checkpoint("load_checkpoint")
-        self._refuse_autoep_checkpoint("load_checkpoint")
         return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

@@ -145,11 +145,16 @@ def orthogonalize(updates: Sequence[torch.Tensor], shapes: Sequence[Sequence[int
         by_shape.setdefault(tuple(view[-2:]), []).append(i)
     out: List[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
     for (rows, cols), idx in by_shape.items():
-        batch = torch.stack([updates[i].reshape(-1, rows, cols) for i in idx]) if len(idx) > 1 else \
-            updates[idx[0]].reshape(1, -1, rows, cols)
-        result = newton_schulz(batch.reshape(-1, rows, cols), method).view(len(idx), -1, rows, cols)
-        for j, i in enumerate(idx):
-            out[i] = (result[j].reshape(-1) * aspect_scale(shapes[i])).to(out_dtype)
+        # each update contributes its count of (rows x cols) matrices: a 2-D weight one, a
+        # stacked [experts, rows, cols] weight one per expert; concatenated along that count
+        parts = [updates[i].reshape(-1, rows, cols) for i in idx]
+        batch = torch.cat(parts) if len(parts) > 1 else parts[0]
+        result = newton_schulz(batch, method)
+        at = 0
+        for i, part in zip(idx, parts):
+            n = part.size(0)
+            out[i] = (result[at:at + n].reshape(-1) * aspect_scale(shapes[i])).to(out_dtype)
+            at += n
     return out
 
 

@@ -48,6 +48,7 @@ DS_KEYS = frozenset({
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers",
     "dslaunch"})
 
 

@@ -29,7 +29,7 @@ from .files import load_torch
 from .layout import LATEST, model_states_name, read_latest, rng_states_name, validate_tag
 from .reader import Checkpoint, open_checkpoint
 from .saving import CLIENT_STATE_FILE
-from . import moe, optimizer_state, parallel, tensor_slices, universal
+from . import autoep, moe, optimizer_state, parallel, tensor_slices, universal
 
 
 @dataclass
@@ -109,8 +109,10 @@ def _optimizer_state(engine, ck: Checkpoint) -> Any:
 
 def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
           trust_pickle: bool) -> _Loaded:
-    rank = engine.global_rank
     ck = open_checkpoint(path, trust_pickle=trust_pickle, placement=parallel.placement(engine))
+    autoep_records = autoep.saved_layers(ck)
+    if autoep_records is not None or autoep.layers(engine.module):
+        return _read_autoep(engine, ck, autoep_records, strict, load_optimizer_states, load_module_only, trust_pickle)
     experts = moe.saved_experts(ck)
     if experts is None and moe.moe_layers(engine.module) and engine.expert_parallel_size > 1:
         raise CheckpointError(f"checkpoint {path} has no MoE expert files (layer_*_expert_*); this model's experts "
@@ -120,6 +122,39 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
     # the module state under this module's names: its own, or rebuilt from a pipeline's layer
     # files, or (MoE) the dense weights and this rank's experts by global expert id
     module = moe.module_state(ck, engine, experts) if experts is not None else parallel.module_state(ck, engine)
+    optim = None
+    if load_optimizer_states and not load_module_only:
+        # MoE: every saved optimizer state, renamed to this rank's experts, re-cut by the strategy
+        optim = moe.optimizer_shards(ck, engine, experts) if experts is not None else _optimizer_state(engine, ck)
+    return _finish(engine, ck, module, optim, strict, load_module_only, trust_pickle)
+
+
+def _read_autoep(engine, ck: Checkpoint, records, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+                 trust_pickle: bool) -> _Loaded:
+    """An AutoEP model (autoep.py): its experts stacked from the per-expert files; the
+    optimizer state at the autoep_size (and ZeRO layout) that saved it."""
+    if records is None:
+        raise CheckpointError(f"checkpoint {ck.path} has no AutoEP layer records ({autoep.LAYERS_KEY}); this model's "
+                              "MoE blocks were swapped by AutoEP (expert_parallel)")
+    if not autoep.layers(engine.module):
+        raise CheckpointError(f"checkpoint {ck.path} was saved with AutoEP (expert_parallel) and this model has no "
+                              "AutoEP layers; enable the same expert_parallel section")
+    module = autoep.module_state(ck, engine, records)
+    optim = None
+    if load_optimizer_states and not load_module_only:
+        autoep.check_optimizer_layout(ck, engine, records, parallel.same_layout(ck, engine))
+        if ck.zero_stage != engine.strategy.stage:
+            raise CheckpointError(f"checkpoint {ck.path} was saved at ZeRO stage {ck.zero_stage} and this job runs "
+                                  f"stage {engine.strategy.stage}: an AutoEP model's optimizer state is not re-cut "
+                                  "here (load with load_optimizer_states=False)")
+        optim = autoep.stage0_state(ck, engine) if not ck.sharded else ck.shard(parallel.placement(engine).dp_rank,
+                                                                                 parallel.placement(engine).slice)
+    return _finish(engine, ck, module, optim, strict, load_module_only, trust_pickle)
+
+
+def _finish(engine, ck: Checkpoint, module, optim, strict: bool, load_module_only: bool, trust_pickle: bool
+            ) -> _Loaded:
+    path, rank = ck.path, engine.global_rank
     check_module_shapes(engine.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
     client_state = ck.client_state()
     if ck.manifest is not None and ck.manifest.pickled_client_state:
@@ -127,10 +162,6 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
             raise CheckpointError(f"checkpoint {path}: its client_state was saved with allow_pickle=True and needs "
                                   "pickle to load; pass trust_pickle=True if you trust its source")
         client_state = load_torch(ck.manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True, within=path)
-    optim = None
-    if load_optimizer_states and not load_module_only:
-        # MoE: every saved optimizer state, renamed to this rank's experts, re-cut by the strategy
-        optim = moe.optimizer_shards(ck, engine, experts) if experts is not None else _optimizer_state(engine, ck)
     # whatever optimizer saved it (DeepSpeed's FusedAdam, its CPU optimizers, torch's), in this one's form
     optim = optimizer_state.to_ours(optim, getattr(engine.strategy, "optimizer", None), f"checkpoint {path}")
     rng = None

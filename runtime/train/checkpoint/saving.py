@@ -53,7 +53,7 @@ from .manifest import Manifest
 from .optimizer_state import deepspeed_optimizer_of
 from ...zero.reshard import tied_aliases
 from .rng import rng_state
-from . import moe, parallel
+from . import autoep, moe, parallel
 
 CLIENT_STATE_FILE = "client_state.pt"  # only with allow_pickle=True and objects that need pickle
 
@@ -225,6 +225,10 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
     layers = moe.moe_layers(module) if moe.uses_layout(engine) else []
     if layers:  # expert weights go to their own files (moe.py), as DeepSpeed's MoE layout
         module_state = moe.without_experts(module_state)
+    autoep_layers = autoep.layers(module)
+    if autoep_layers:  # AutoEP's stacked experts too, one file per expert (autoep.py)
+        layers = autoep_layers
+        module_state = autoep.without_experts(module_state, module)
     state = {
         "module": None if parallel.is_pipeline(engine) else module_state,  # pipelines: one file per layer
         "buffer_names": _buffer_names(module),
@@ -253,6 +257,14 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
     }
     if layers:
         state["num_experts"] = [layer.num_experts for _, layer in layers]
+    if autoep_layers:
+        ep = engine.expert_parallel_size
+        records = autoep.layer_records(module, engine.mesh.rank("expert_data") if ep > 1 else place.dp_rank,
+                                       engine.mesh.size("expert_data") if ep > 1 else place.dp_size)
+        state[autoep.LAYERS_KEY] = records
+        state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.4,
+                                              "expert_parameter_patterns": [autoep.EXPERT_PATTERN],
+                                              autoep.LAYERS_KEY: records}
     state.update(client_state)
     state["dslaunch"] = {"counters": engine.counters_state(), "loss_scaler": scaler_state,
                          "client_keys": sorted(client_state)}
@@ -297,7 +309,8 @@ def _write_rank_files(engine, staging: str, module_state, optim_state, client_st
 def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[str, FileRecord]:
     """MoE layers (moe.py): the first rank of each expert-data-parallel group writes its
     experts' files and, at stage 0, its expert-parallel rank's optimizer file."""
-    if not moe.uses_layout(engine):
+    autoep_layout = autoep.uses_layout(engine)
+    if not moe.uses_layout(engine) and not autoep_layout:
         return {}
     ep = engine.expert_parallel_size
     if ep > 1 and engine.config.checkpoint.use_node_local_storage:
@@ -309,7 +322,9 @@ def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[st
         return {}
     ep_rank = engine.mesh.rank("expert") if ep > 1 else 0
     records = {}
-    for name, experts in moe.expert_files(engine.module, module_state, ep_rank).items():
+    files = autoep.expert_files(engine.module) if autoep_layout else moe.expert_files(engine.module, module_state,
+                                                                                        ep_rank)
+    for name, experts in files.items():
         records[name] = write_torch(os.path.join(staging, name), experts)
     if engine.strategy.stage == 0:
         scaler = engine.loss_scaler
