@@ -367,12 +367,6 @@ CLASSES = ("equal", "equal to an equivalent case", "refused by both", "refused h
 # classified apart; the test fails on any other divergence, and on a listed one that no longer
 # diverges (so that this list stays true).
 OPEN: Dict[str, str] = {
-    "model=moe world=3 stage=2 dtype=fp16 scale_power=16 clip=0.05 gad=fp32 batch=1 micro=1 steps=6":
-        "ours skips the first step as an overflow where DeepSpeed trains it: each rank's scaled fp16 gradients "
-        "are the same on both sides (at most 51808), but our ZeRO-2 sums them over the 3 ranks in fp16 before "
-        "dividing, past 65504, where DeepSpeed's ZeRO 1-2 reduce-scatter divides each by the world size first "
-        "(stage_1_and_2 average_tensor); the fix is to divide first at ZeRO 1-2 as it does. The later steps also "
-        "meet DeepSpeed's growth-before-unscale (see DEEPSPEED_WRONG)",
     "model=mlp world=4 stage=3 dtype=bf16 opt=adagrad sched=client clip=1.0 micro=1 steps=4":
         "bf16: the loss after the first update is the same bf16 value on both sides, the one after the second "
         "is 3% apart (within the loss tolerance) and out.bias ends 1.15x the tolerance apart, every element "

@@ -70,6 +70,14 @@ class PrecisionPolicy:
     def low_precision_masters(self) -> bool:
         return self.master != torch.float32
 
+    @property
+    def sums_in_fp16(self) -> bool:
+        """Whether a ZeRO stage's gradient sum can pass fp16's range: the sum runs in fp16 on the
+        wire (communication dtype, else the parameters' own) or lands in fp16 partitions. There
+        the stages divide by N before the sum, as DeepSpeed's ZeRO 1-2 reduce-scatter and ZeRO-3
+        always do, so a loss-scaled step overflows (and is skipped) exactly when DeepSpeed's does."""
+        return torch.float16 in (self.comm or self.compute, self.grad)
+
     def describe(self) -> str:
         """One line for the start-up report: "compute bf16, masters bf16, grads bf16, optimizer state bf16"."""
         parts = [f"compute {_NAMES[self.compute]}"]

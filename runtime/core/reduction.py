@@ -35,15 +35,15 @@ class GradReduction:
     @classmethod
     def from_config(cls, config, world: int, divide_first: bool = False) -> "GradReduction":
         """`divide_first`: each rank's gradients are divided by N before the sum, as DeepSpeed's
-        ZeRO 1-2 reduce-scatter and ZeRO-3 do; the ZeRO stages ask for it where they sum into
-        fp16 gradient partitions (fp16 masters)."""
+        ZeRO 1-2 reduce-scatter and ZeRO-3 do; the ZeRO stages ask for it where the sum runs in
+        fp16 or lands in fp16 partitions (PrecisionPolicy.sums_in_fp16)."""
         if config.gradient_allreduce_op == "sum":
             pre, post = 1.0, 1.0  # the plain sum (the config refuses prescaling and a predivide factor with it)
         elif config.prescale_gradients:
             pre, post = float(world), 1.0
         elif divide_first and config.gradient_predivide_factor == 1.0:
             # in fp16 the order decides whether a loss-scaled sum overflows (and the step is
-            # skipped), so fp16 partitions take DeepSpeed's order; elsewhere dividing after keeps
+            # skipped), so fp16 sums take DeepSpeed's order; elsewhere dividing after keeps
             # DDP's bits
             pre, post = float(world), 1.0
         else:

@@ -94,13 +94,13 @@ class _PartitionedStage(ShardedStrategy):
         self.overlap_comm = z.overlap_comm
         self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
         self.pin = bool(getattr(offload, "pin_memory", False))
-        # fp16 partitions: divided before the sum as DeepSpeed's reduce-scatter does (core/reduction.py)
-        fp16_partitions = ctx.precision.grad == torch.float16 and z.reduce_scatter
-        self.reduction = GradReduction.from_config(ctx.config, self.world, fp16_partitions)
+        # summed in fp16: divided before the sum as DeepSpeed's reduce-scatter does (core/precision.py)
+        divide_first = ctx.precision.sums_in_fp16 and z.reduce_scatter
+        self.reduction = GradReduction.from_config(ctx.config, self.world, divide_first)
         self._reductions = {DATA_AXIS: self.reduction}
         for axis in ctx.axes:
             self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over,
-                                                                             fp16_partitions))
+                                                                             divide_first))
         # the masters' dtype, and the reduced gradient partition's (stage 2: always; stage 1: from
         # the boundary backward to the step): the precision policy's
         self.precision = ctx.precision

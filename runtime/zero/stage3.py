@@ -163,8 +163,8 @@ class ZeroStage3(ShardedStrategy):
             if offload_param is not None and offload_param.device == "cpu" and p._zero.packed is None:
                 p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
         self.groups: List[Dict[str, Any]] = []
-        # fp16 gradient partitions: divided before the sum, as DeepSpeed's stage 3 does (core/reduction.py)
-        self.reduction = GradReduction.from_config(ctx.config, self.world, ctx.precision.grad == torch.float16)
+        # summed in fp16: divided before the sum, as DeepSpeed's stage 3 does (core/precision.py)
+        self.reduction = GradReduction.from_config(ctx.config, self.world, ctx.precision.sums_in_fp16)
         # the masters', gradient partitions' and optimizer state's dtypes: the precision policy's
         self.precision = ctx.precision
         master_dtype, accum = ctx.precision.master, ctx.precision.grad
