@@ -12,8 +12,8 @@ from this interpreter. Both run scripts/bench_gptlite.py, the same DeepSpeed-sty
 Per config (ZeRO stage 0-3 x fp32/bf16 x offload none/cpu, plus NVMe rows, Muon rows:
 `"optimizer": {"type": "Muon"}` at stages 0-3, names ending in -muon, and the low-precision
 master rows: bf16 masters and moments at stages 1-3 (`-m16`), under CPU offload with bf16 or fp32
-moments (`-cpu-m16`, `-cpu-m16s32`), and fp16 parameters with fp16 masters and fp32 moments under
-CPU offload (`N-fp16-cpu-m16s32`), each side against its own formula) every
+moments (`-cpu-m16`, `-cpu-m16s32`), and fp16 parameters with fp16 masters and fp32 or fp16 moments
+under CPU offload (`N-fp16-cpu-m16s32`, `N-fp16-cpu-m16`), each side against its own formula) every
 contender is started in turn (time to first step is taken with the others idle: DeepSpeed
 compiles its CPU ops on first use), then all are stepped round-robin, one step each, the
 order rotating every step, while the others wait on a pipe: load from the rest of the
@@ -73,12 +73,13 @@ class Row:
     # bf16_optimizer_states: masters, gradient partitions and Adam's moments in bf16); "bf16s32"
     # (bf16 masters and gradients, fp32 moments: DeepSpeed allows it under CPU offload only);
     # "fp16s32" (fp16.fp16_master_weights_and_grads: fp16 masters and gradients, fp32 moments;
-    # CPU offload only)
+    # CPU offload only); "fp16" (fp16 masters and gradients with fp16 moments:
+    # optimizer.params.fp32_optimizer_states false, CPU offload only)
     masters: str = "fp32"
 
     @property
     def name(self) -> str:
-        suffix = {"fp32": "", "bf16": "-m16", "bf16s32": "-m16s32", "fp16s32": "-m16s32"}[self.masters]
+        suffix = {"fp32": "", "bf16": "-m16", "bf16s32": "-m16s32", "fp16s32": "-m16s32", "fp16": "-m16"}[self.masters]
         return f"{self.stage}-{self.dtype}" + ("" if self.offload == "none" else f"-{self.offload}") + \
             ("" if self.optimizer == "adam" else f"-{self.optimizer}") + suffix
 
@@ -95,7 +96,7 @@ def all_rows() -> List[Row]:
     # low-precision master states, each combination DeepSpeed 0.19.8 allows
     rows += [Row(s, "bf16", masters="bf16") for s in (1, 2, 3)]
     rows += [Row(s, "bf16", "cpu", masters=masters) for masters in ("bf16", "bf16s32") for s in (1, 2, 3)]
-    rows += [Row(s, "fp16", "cpu", masters="fp16s32") for s in (1, 2, 3)]
+    rows += [Row(s, "fp16", "cpu", masters=masters) for masters in ("fp16s32", "fp16") for s in (1, 2, 3)]
     return rows
 
 
@@ -135,8 +136,10 @@ def ds_config(row: Row, args, nvme_dir: str) -> dict:
         cfg["bf16"] = {"enabled": True}
     if row.dtype == "fp16":
         cfg["fp16"] = {"enabled": True}
-    if row.masters == "fp16s32":
+    if row.masters in ("fp16s32", "fp16"):
         cfg["fp16"]["fp16_master_weights_and_grads"] = True
+        if row.masters == "fp16":  # DeepSpeedCPUAdam keeps the moments in the masters' dtype
+            cfg["optimizer"]["params"]["fp32_optimizer_states"] = False
     elif row.masters != "fp32":
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=row.masters == "bf16")
     if args.grad_accum_dtype:
@@ -173,13 +176,13 @@ def formula_bytes(row: Row, P: int, N: int, grad_bytes: int, device_only: bool =
 
     Low-precision masters (row.masters): bf16 or fp16 masters 2 on DeepSpeed's side, none extra
     on ours (a rank's master is its slice of the 16-bit parameters, one copy); Adam's moments 4 in
-    bf16, 8 in fp32 (always fp32 beside fp16 masters). So stage 3 with bf16 parameters, masters and moments between steps: DeepSpeed
+    bf16 or fp16, 8 in fp32. So stage 3 with bf16 parameters, masters and moments between steps: DeepSpeed
     2 + 2 + 4 = 8P/N, ours 2 + 4 = 6P/N, against 2 + 4 + 8 = 14P/N with fp32 masters."""
     b = 4 if row.dtype == "fp32" else 2
     if row.masters == "fp32":
         master, moments = (0 if b == 4 else 4), (8 if row.optimizer == "adam" else (4 * muon + 8 * (P - muon)) / P)
     else:
-        master, moments = (2 if side == "deepspeed" else 0), (4 if row.masters == "bf16" else 8)  # bf16s32, fp16s32
+        master, moments = (2 if side == "deepspeed" else 0), (4 if row.masters in ("bf16", "fp16") else 8)  # 16-bit moments, or fp32
     opt = master + moments
     on_host = row.offload in ("cpu", "nvme")
     if row.offload == "nvme":

@@ -47,7 +47,9 @@ class Case(NamedTuple):
     parameters under torch_autocast bf16, "fp32"); the master flags; offload; the optimizer
     (make_ds_fixtures.OPTIMIZERS' name: torch_adamw, or adam, which offload makes DeepSpeedCPUAdam);
     "autocast16" is fp32 parameters under torch_autocast float16. scale_power: fp16's
-    initial_scale_power (0: DeepSpeed's default), set high so that steps overflow and are skipped."""
+    initial_scale_power (0: DeepSpeed's default), set high so that steps overflow and are skipped.
+    low_states: optimizer.params.fp32_optimizer_states false (under offload DeepSpeedCPUAdam then keeps
+    the moments in the masters' dtype)."""
 
     stage: int
     dtype: str = "bf16"
@@ -57,12 +59,15 @@ class Case(NamedTuple):
     offload: bool = False
     optimizer: str = "torch_adamw"
     scale_power: int = 0
+    low_states: bool = False
+    offload_param: bool = False
 
 
 # What DeepSpeed 0.19.8 allows (stage_1_and_2.py / stage3.py `_configure_master_weights`):
 # bf16 masters with bf16 optimizer states on the device at stages 1-3; bf16 masters with fp32
-# states only under CPU offload with DeepSpeedCPUAdam; fp16 masters (fp32 moments) only under CPU
-# offload with DeepSpeedCPUAdam, with fp16 parameters or under torch_autocast bfloat16.
+# states only under CPU offload with DeepSpeedCPUAdam; fp16 masters (fp32 moments, or fp16 ones with
+# fp32_optimizer_states false) only under CPU offload with DeepSpeedCPUAdam, with fp16 parameters or
+# under torch_autocast bfloat16.
 _F16 = dict(bf16_masters=False, bf16_states=False, fp16_masters=True)
 CASES = {
     "z1_bf16": Case(1), "z2_bf16": Case(2), "z3_bf16": Case(3),
@@ -76,6 +81,11 @@ CASES = {
     "z2_fp16_offload_overflow": Case(2, "fp16", offload=True, optimizer="adam", scale_power=17, **_F16),
     "z3_fp16_offload_overflow": Case(3, "fp16", offload=True, optimizer="adam", scale_power=17, **_F16),
     "z2_fp16_autocast_offload": Case(2, "autocast", offload=True, optimizer="adam", **_F16),
+    # fp16 moments: DeepSpeedCPUAdam(fp32_optimizer_states=False) beside fp16 masters
+    "z2_fp16_offload_fp16_states": Case(2, "fp16", offload=True, optimizer="adam", low_states=True, **_F16),
+    "z3_fp16_offload_fp16_states": Case(3, "fp16", offload=True, optimizer="adam", low_states=True, **_F16),
+    "z3_fp16_offload_all_fp16_states": Case(3, "fp16", offload=True, optimizer="adam", low_states=True,
+                                            offload_param=True, **_F16),
 }
 # What it refuses: the one line it stops with is recorded.
 REFUSED = {
@@ -99,6 +109,8 @@ def case_config(case: Case, world: int) -> dict:
     cfg = fx.config(case.stage, model_dtype, world, case.optimizer)
     if case.offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if case.offload_param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if case.dtype in ("autocast", "autocast16"):
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16" if case.dtype == "autocast" else "float16"}
     if case.bf16_masters or case.bf16_states:
@@ -110,6 +122,8 @@ def case_config(case: Case, world: int) -> dict:
         cfg["fp16"]["fp16_master_weights_and_grads"] = True
     if case.scale_power:
         cfg["fp16"].update(initial_scale_power=case.scale_power, hysteresis=1)
+    if case.low_states:
+        cfg["optimizer"] = dict(cfg["optimizer"], params=dict(cfg["optimizer"]["params"], fp32_optimizer_states=False))
     return cfg
 
 

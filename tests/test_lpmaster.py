@@ -134,7 +134,8 @@ def _check(outs, cases):
         assert got["client"] == {"source": "deepspeed"}, name
         # DeepSpeed's load_checkpoint resumed our checkpoint and went on as we did (fixture script)
         assert want["deepspeed_resumed_dslaunch"] == pytest.approx(want["dslaunch"][lp.SAVE_AT:], rel=tol), name
-        state = "torch.bfloat16" if case.bf16_states else "torch.float32"
+        # moments: bf16 states, or the masters' dtype under fp32_optimizer_states false, else fp32
+        state = "torch.bfloat16" if case.bf16_states else master if case.low_states else "torch.float32"
         assert got["kept"]["master"] == [master] and got["kept"]["state"] == [state], (name, got["kept"])
         assert not got["kept"]["grads_held"], name
         if case.scale_power:  # the same steps overflowed and were skipped, the scale came down alike
@@ -169,17 +170,18 @@ def test_what_deepspeed_refuses_is_refused_with_its_reason(name):
     assert ours in line and "\n" not in line, line
 
 
-def test_fp16_moments_beside_fp16_masters_are_refused_in_one_line():
-    # DeepSpeed builds DeepSpeedCPUAdam with fp16 moments for fp32_optimizer_states false beside fp16
-    # masters; here the moments' dtype is the precision policy's, and fp16 moments are not built
-    from dslaunch.runtime.core.strict import ConfigError
+def test_fp32_optimizer_states_false_keeps_moments_in_the_masters_dtype_under_offload():
+    # DeepSpeed 0.19.8 builds DeepSpeedCPUAdam(fp32_optimizer_states=False) beside low-precision
+    # masters under offload: the moments are the masters' dtype (z2_fp16_offload_fp16_states holds
+    # the fp16 case to DeepSpeed's run); the precision policy says so
+    from dslaunch.runtime.core.config import DeepSpeedConfig
+    from dslaunch.runtime.core.precision import PrecisionPolicy
 
-    cfg = lp.case_config(lp.CASES["z1_fp16_offload"], 1)
-    cfg["optimizer"]["params"]["fp32_optimizer_states"] = False
-    with pytest.raises(ConfigError) as err:
-        _engine(lp.CASES["z1_fp16_offload"], 1, cfg)
-    assert "fp32_optimizer_states: false (moments in the masters' dtype) is not supported" in str(err.value)
-    assert "\n" not in str(err.value)
+    for name, dtype in (("z1_fp16_offload", torch.float16), ("z2_bf16_offload_fp32_states", torch.bfloat16)):
+        cfg = lp.case_config(lp.CASES[name], 2)
+        assert PrecisionPolicy.from_config(DeepSpeedConfig.load(cfg)).optimizer_state == torch.float32, name
+        cfg["optimizer"] = dict(cfg["optimizer"], params=dict(cfg["optimizer"]["params"], fp32_optimizer_states=False))
+        assert PrecisionPolicy.from_config(DeepSpeedConfig.load(cfg)).optimizer_state == dtype, name
     # beside bf16 masters with bf16 states it says what the policy does: accepted
     cfg = lp.case_config(lp.CASES["z2_bf16_offload_bf16_states"], 1)
     cfg["optimizer"]["params"]["fp32_optimizer_states"] = False

@@ -9,7 +9,9 @@ engine does to a forward's inputs and context for mixed precision.
   master           ZeRO's master weights (fp32; bf16.bf16_master_weights_and_grads: bf16)
   grad             ZeRO's reduced gradient partitions, where micro-steps accumulate (the master's
                    dtype, or data_types.grad_accum_dtype)
-  optimizer_state  what the optimizer keeps its moments in (fp32; bf16.bf16_optimizer_states: bf16)
+  optimizer_state  what the optimizer keeps its moments in (fp32; bf16.bf16_optimizer_states: bf16;
+                   beside bf16/fp16 masters under CPU offload, optimizer.params.fp32_optimizer_states
+                   false: the masters' dtype, as DeepSpeed's DeepSpeedCPUAdam then keeps them)
   comm             what gradients are summed in (communication_data_type; None: their own dtype)
   loss_scaler      fp16's one loss scaler (core/loss_scaler.py), or None
 
@@ -61,6 +63,12 @@ class PrecisionPolicy:
             raise ConfigError(f"data_types.grad_accum_dtype: {_NAMES[accum]} with {_NAMES[master]} master weights "
                               "and gradients; the gradient partitions are the masters' dtype, remove the key")
         state = torch.bfloat16 if config.bf16.bf16_optimizer_states else torch.float32
+        params = config.optimizer.params if config.optimizer is not None else {}
+        if (master != torch.float32 and params.get("fp32_optimizer_states") is False
+                and config.zero_optimization.offload_optimizer_device != "none"):
+            # DeepSpeed 0.19.8 builds DeepSpeedCPUAdam(fp32_optimizer_states=False): moments in the
+            # dtype of the masters it steps
+            state = master
         ac = config.torch_autocast
         return cls(compute=compute, master=master, grad=accum or master, optimizer_state=state,
                    comm=config.communication_dtype, autocast=ac.torch_dtype if ac.enabled else None,

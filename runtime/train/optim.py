@@ -57,14 +57,14 @@ def _only_fp32_states(fp32_optimizer_states: bool, target: Optional[OptimizerTar
     # DeepSpeedCPUAdam(..., fp32_optimizer_states=False) keeps a bf16/fp16 parameter's moments in
     # its dtype when a script steps such parameters itself; the engine's optimizer steps fp32
     # masters, whose moments are fp32 either way, so the key would do nothing there. Beside
-    # low-precision masters the precision policy says the moments' dtype: false agrees with
-    # bf16.bf16_optimizer_states; beside fp32 moments (fp16 masters, or bf16 ones without bf16
-    # states) DeepSpeed would keep them in the masters' dtype, which is not built here.
+    # low-precision masters the precision policy says the moments' dtype (under CPU offload, false
+    # makes them the masters' dtype, as DeepSpeed's DeepSpeedCPUAdam); on the device the moments
+    # are bf16.bf16_optimizer_states' dtype, and false beside fp32 ones would do nothing.
     if target is not None and target.master_dtype != torch.float32:
         if not fp32_optimizer_states and target.state_dtype == torch.float32:
-            raise ConfigError("optimizer.params.fp32_optimizer_states: false (moments in the masters' dtype) is not "
-                              "supported beside fp32 moments; for bf16 moments set bf16.bf16_optimizer_states true "
-                              "(fp16 masters keep fp32 moments)")
+            raise ConfigError("optimizer.params.fp32_optimizer_states: false beside low-precision masters on the "
+                              "device would do nothing (the moments follow bf16.bf16_optimizer_states there; "
+                              "under CPU offload false keeps them in the masters' dtype)")
         return
     if not fp32_optimizer_states:
         raise ConfigError("optimizer.params.fp32_optimizer_states: false (bf16/fp16 moments) would do nothing: "

@@ -39,7 +39,8 @@ class FP16Config:
     min_loss_scale: float = supported(1.0, "the dynamic scale never drops below this (a clear error when stuck)")
     fp16_master_weights_and_grads: bool = supported(
         False, "ZeRO 1-3 under CPU offload with DeepSpeedCPUAdam (as DeepSpeed) keep master weights and gradient "
-               "partitions in fp16, moments fp32, under fp16's loss scaler; refused at stage 0, without offload and "
+               "partitions in fp16, moments fp32 (fp16 with optimizer.params.fp32_optimizer_states false), under fp16's "
+               "loss scaler; refused at stage 0, without offload and "
                "with torch_autocast float16 (docs/zero.md, low-precision master states)")
 
     def validate(self, path: str) -> None:
