@@ -35,6 +35,7 @@ Cases:
   mixtral_w4_ep2_s1   4 ranks, autoep_size 2 (two expert-data-parallel replicas), ZeRO 1
   {m}_one2_muon, {m}_ep1_s{Z}_muon, {m}_ep2_s{Z}_muon   Mixtral and DeepSeek-V3 with Muon
                   (MUON says why the reference is AutoEP at size 1)
+  {m}_ep1g4_s2_muon, {m}_ep4_s2_muon   the same at autoep_size 4, ZeRO 2 (reference: 4 parts)
 A case's losses are averaged over ranks or micro-batches. DeepSpeed's ZeRO-0 runs with expert
 parallelism differ from its one-process run (its ZeRO-0 gradient norm under expert parallelism;
 the same as for deepspeed.moe, see docs/moe.md): their losses are recorded as they come.
@@ -91,13 +92,17 @@ for _m in MUON_MODELS:
     for _z in (0, 1, 2):
         CASES[f"{_m}_ep1_s{_z}_muon"] = dict(model=_m, world=1, gas=2, stage=_z, ep=1, muon=True)
         CASES[f"{_m}_ep2_s{_z}_muon"] = dict(model=_m, world=2, gas=1, stage=_z, ep=2, muon=True)
+    # ep 4 at ZeRO 2, against AutoEP at size 1 over the same 4 micro-batches
+    CASES[f"{_m}_ep1g4_s2_muon"] = dict(model=_m, world=1, gas=4, stage=2, ep=1, muon=True)
+    CASES[f"{_m}_ep4_s2_muon"] = dict(model=_m, world=4, gas=1, stage=2, ep=4, muon=True)
 
 
 def reference(name: str) -> str:
     """The one-process case a case must equal."""
     job = CASES[name]
-    if job.get("muon"):  # AutoEP at size 1, same stage: see MUON
-        return f"{job['model']}_ep1_s{job['stage']}_muon"
+    if job.get("muon"):  # AutoEP at size 1, same stage, same micro-batches: see MUON
+        g4 = "g4" if job["world"] * job["gas"] == 4 else ""
+        return f"{job['model']}_ep1{g4}_s{job['stage']}_muon"
     return f"{job['model']}_one{job['world'] * job['gas']}"
 
 

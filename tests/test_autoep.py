@@ -12,7 +12,8 @@ its router is rigged so that even ranks send expert 3 no tokens at every step.
              (Mixtral, DeepSeek-V3), the unmodified model and autoep_size 1 at ZeRO 0, 1, 2
     2 ranks: autoep_size 2 at ZeRO 0, 1, 2 (5 models, and Mixtral and DeepSeek-V3 with Muon);
              the gathered model saved with save_pretrained; a model AutoEP cannot split, refused
-    4 ranks: autoep_size 4 at ZeRO 2 (5 models) and at ZeRO 0 and 1 (Mixtral, DeepSeek-V3);
+    4 ranks: autoep_size 4 at ZeRO 2 (5 models; and Mixtral and DeepSeek-V3 with Muon) and at ZeRO 0
+             and 1 (Mixtral, DeepSeek-V3);
              autoep_size 2 x 2 replicas at ZeRO 1 (Mixtral); save_pretrained
 
 Every run's losses equal its one-process reference to 1e-5 (fp32) and DeepSpeed's run of the
