@@ -26,14 +26,16 @@ me = os.getpid()
 # the worker: a child of its own (sleep 60), a daemon that setsid-escapes and is orphaned
 # when its subshell exits (sleep 61, re-parented to us), and then the worker itself (sleep 62)
 worker = subprocess.Popen(["sh", "-c", "sleep 60 & (setsid sleep 61 &); exec sleep 62"])
-held = threading.Event()
+held, spawned = threading.Event(), threading.Event()
 from_thread = {}
 
 def spawn_and_hold():
     from_thread["proc"] = subprocess.Popen(["sleep", "63"])
+    spawned.set()
     held.wait()
 
-t = threading.Thread(target=spawn_and_hold)
+# a daemon thread: if an assertion below fails, the process exits with it instead of waiting on `held`
+t = threading.Thread(target=spawn_and_hold, daemon=True)
 t.start()
 
 def scan(p, exclude=()):
@@ -43,9 +45,23 @@ def scan(p, exclude=()):
     finally:
         reaper._children_files = None
 
+def commands(pids):
+    out = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                out.append(fh.read().rstrip(b"\0").replace(b"\0", b" ").decode())
+        except OSError:
+            out.append("gone")
+    return sorted(out)
+
+# wait for exactly the four sleeps: until then the tree also holds short-lived shells (sh before its
+# exec, the subshell that starts the daemon), and the thread may not have started its child yet
+SLEEPS = ["sleep 60", "sleep 61", "sleep 62", "sleep 63"]
 deadline = time.monotonic() + 20
-while len(scan(me)) < 4 and time.monotonic() < deadline:  # sleep 60, 61, 62 and 63
+while not (spawned.is_set() and commands(scan(me)) == SLEEPS) and time.monotonic() < deadline:
     time.sleep(0.02)
+assert spawned.is_set() and commands(scan(me)) == SLEEPS, commands(scan(me))
 out = {"has_lists": reaper._has_children_files(), "reference": scan(me),
        "walk": sorted(reaper.descendants(me)), "worker": worker.pid,
        "thread_child": from_thread["proc"].pid,
