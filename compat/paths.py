@@ -109,6 +109,7 @@ PATHS: Dict[str, Entry] = {
     "module_inject": Names("deepspeed.module_inject: AutoTP's training/inference switch and its shard sizes.",
                            {"set_autotp_mode": "tensor_parallel.mode", "tp_shard": "tensor_parallel"}),
     "module_inject.tp_shard": "tensor_parallel.tp_shard",  # DeepSpeed's uneven (kv-head, grain) shard sizes
+    "moe.sharded_moe": "moe.sharded",  # DeepSpeed's gating functions with its arguments and return values
     "moe.fused_expert_layout": Names("deepspeed.moe.fused_expert_layout: a fused gate+up expert weight's layout.",
                                      {"FusedExpertLayout": "moe.autoep.detect",
                                       "classify_fused_gate_up_layout": "moe.autoep.detect"}),
