@@ -107,7 +107,14 @@ PATHS: Dict[str, Entry] = {
     # deepspeed.module_inject: AutoTP's mode switch and the shard sizes; DeepSpeed's kernel
     # injection and its layer classes are not provided (their paths are not found)
     "module_inject": Names("deepspeed.module_inject: AutoTP's training/inference switch and its shard sizes.",
-                           {"set_autotp_mode": "tensor_parallel.mode", "tp_shard": "tensor_parallel"}),
+                           {"set_autotp_mode": "tensor_parallel.mode", "tp_shard": "tensor_parallel",
+                            **{name: "tensor_parallel.autotp_config" for name in (
+                                "AutoTPConfig", "PartitionType", "TPLayerSpec", "merge_autotp_configs")}}),
+    "module_inject.autotp_config": "tensor_parallel.autotp_config",  # DeepSpeed's layer-spec objects
+    "module_inject.tp_plan_converter": Names("deepspeed.module_inject.tp_plan_converter: a Hugging Face tp plan "
+                                             "as AutoTP layer specs.",
+                                             {"TPPlanConverter": "tensor_parallel.autotp_config",
+                                              "SUPPORTED_STYLES": "tensor_parallel.autotp_config"}),
     "module_inject.tp_shard": "tensor_parallel.tp_shard",  # DeepSpeed's uneven (kv-head, grain) shard sizes
     "moe.sharded_moe": "moe.sharded",  # DeepSpeed's gating functions with its arguments and return values
     "moe.fused_expert_layout": Names("deepspeed.moe.fused_expert_layout: a fused gate+up expert weight's layout.",

@@ -75,3 +75,38 @@ def plan_models():
         "none_plan_config": instance(Plain, _tp_plan=None, config=N(base_model_tp_plan={"a.*.b": "rowwise"})),
         "nothing": instance(Plain),
     }
+
+
+# Hugging Face tp plans for TPPlanConverter.convert (the last two are rejected whole)
+HF_PLANS = [
+    {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"},
+    {"lm_head": "colwise_gather_output", "legacy_lm_head": "colwise_rep", "model.embed_tokens": "embedding_rowwise",
+     "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce", "layers.*.mlp.up_proj.weight": "COLWISE"},
+    {},
+    {"layers.*.q_proj": "local_colwise", "layers.*.o_proj": "rowwise"},
+    {"layers.*.experts": "moe_tp_experts", "layers.*.q_proj": "sequence_parallel"},
+]
+
+# partition_config dicts for AutoTPConfig.from_dict, then the names find_matching_spec is asked
+SPEC_DICTS = [
+    {"layer_specs": [{"patterns": [r".*\.lm_head\.weight$"], "partition_type": "column", "gather_output": True}]},
+    {"tp_size": 4, "strict_mode": True, "lm_head_patterns": ["out"],
+     "layer_specs": [{"patterns": [r".*\.qkv\.weight$"], "partition_type": "COLUMN", "shape": [[64, 16, 16], -1]},
+                     {"patterns": [r".*\.o_proj\.weight$", r".*\.qkv\.weight$"], "partition_type": "row",
+                      "model_types": ["Llama"]},
+                     {"patterns": [r".*\.experts\.w1$"], "partition_type": "column", "shape": [8, -1, 32],
+                      "partition_dim": 1},
+                     {"patterns": [r".*\.gate$"], "partition_type": "skip", "grad_allreduce": True}]},
+]
+MATCH_NAMES = [("model.layers.0.qkv.weight", None), ("model.layers.0.qkv.weight", "llama"),
+               ("model.layers.0.o_proj.weight", "LLAMA"), ("model.layers.0.o_proj.weight", "gpt2"),
+               ("model.layers.1.mlp.gate", None), ("x.lm_head.weight", None), ("nothing", None)]
+
+# TPLayerSpec(shape=..., partition_type=..., partition_dim=...) that DeepSpeed refuses or takes
+SHAPE_CASES = [
+    ((3, -1), "column", None), (((4096, 1024, 1024), -1), "column", None), ((8, -1, 32), "column", 1),
+    ((-1, (2, 2)), "row", None), (((2, 2), -1), "row", None), ((0, -1), "column", None), ((-2, 4), "column", None),
+    ((3, -1), "column", 2), ((((1, 2),), -1), "column", None), (((), -1), "column", None),
+    (((2, 0), -1), "column", None), ((2.5, -1), "column", None), (([4, 4], -1), "column", None),
+    ([[[1, 2]], -1], "column", None), ([[2, 2], -1], "column", None),
+]

@@ -15,7 +15,8 @@ import dslaunch.runtime  # noqa: F401  installs the alias table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from ds_inject_cases import LAYOUT_CASES, SHARD_CASES, config_cases, plan_models  # noqa: E402
+from ds_inject_cases import (HF_PLANS, LAYOUT_CASES, MATCH_NAMES, SHAPE_CASES, SHARD_CASES, SPEC_DICTS,  # noqa: E402
+                             config_cases, plan_models)
 
 DS = json.loads((ROOT / "tests" / "data" / "ds_inject.json").read_text())
 tp_shard = importlib.import_module("dslaunch.runtime.module_inject.tp_shard")
@@ -97,3 +98,66 @@ def test_hf_tp_plan_equals_deepspeeds(name):
     assert got == DS["plans"][name]
     if got is not None:  # and in DeepSpeed's order
         assert list(got) == list(DS["plans"][name])
+
+
+autotp_config = importlib.import_module("dslaunch.runtime.module_inject.autotp_config")
+TPPlanConverter = importlib.import_module("dslaunch.runtime.module_inject.tp_plan_converter").TPPlanConverter
+
+
+def _spec(s):  # as scripts/make_ds_inject_fixtures.py records one (JSON: tuples as lists)
+    return json.loads(json.dumps({
+        "patterns": list(s.patterns), "partition_type": s.partition_type.value, "shape": s.shape,
+        "partition_dim": s.partition_dim, "model_types": s.model_types, "gather_output": s.gather_output,
+        "grad_allreduce": s.grad_allreduce, "dim": s.get_partition_dim(), "unequal": s.has_unequal_sub_params(),
+        "sizes": s.get_sub_param_sizes(), "count": s.get_num_sub_params()}))
+
+
+def _config(c):
+    return {"tp_size": c.tp_size, "layer_specs": [_spec(s) for s in c.layer_specs],
+            "embedding_partition_dim": c.embedding_partition_dim, "lm_head_patterns": c.lm_head_patterns,
+            "use_default_specs": c.use_default_specs, "strict_mode": c.strict_mode}
+
+
+@pytest.mark.parametrize("i", range(len(HF_PLANS)))
+def test_tp_plan_converter_equals_deepspeeds(i):
+    want = DS["converted"][i]
+    if isinstance(want, dict):
+        with pytest.raises(ValueError) as err:
+            TPPlanConverter.convert(HF_PLANS[i])
+        assert str(err.value) == want["error"]
+        return
+    got = TPPlanConverter.convert(HF_PLANS[i])
+    assert (None if got is None else [_spec(s) for s in got]) == want
+
+
+@pytest.mark.parametrize("i", range(len(SPEC_DICTS)))
+def test_autotp_config_from_dict_and_matching_equal_deepspeeds(i):
+    c = autotp_config.AutoTPConfig.from_dict(SPEC_DICTS[i])
+    assert _config(c) == DS["configs"][i]["config"]
+    found = [c.find_matching_spec(n, t) for n, t in MATCH_NAMES]
+    assert [None if f is None else c.layer_specs.index(f) for f in found] == DS["configs"][i]["matches"]
+
+
+def test_merge_autotp_configs_equals_deepspeeds():
+    merged = autotp_config.merge_autotp_configs(autotp_config.AutoTPConfig.from_dict(SPEC_DICTS[1]),
+                                                autotp_config.AutoTPConfig.from_dict(SPEC_DICTS[0]))
+    assert _config(merged) == DS["merged"]
+
+
+@pytest.mark.parametrize("i", range(len(SHAPE_CASES)))
+def test_layer_spec_shapes_equal_deepspeeds(i):
+    shape, ptype, dim = SHAPE_CASES[i]
+    want = DS["shapes"][i]
+    if "error" in want:
+        with pytest.raises(ValueError) as err:
+            autotp_config.TPLayerSpec(patterns=["x"], partition_type=ptype, shape=shape, partition_dim=dim)
+        assert str(err.value) == want["error"]
+    else:
+        assert _spec(autotp_config.TPLayerSpec(patterns=["x"], partition_type=ptype, shape=shape,
+                                               partition_dim=dim)) == want
+
+
+def test_module_inject_exports_the_spec_objects():
+    inject = importlib.import_module("dslaunch.runtime.module_inject")
+    assert inject.AutoTPConfig is autotp_config.AutoTPConfig and inject.TPLayerSpec is autotp_config.TPLayerSpec
+    assert inject.PartitionType.ROW.value == "row"
