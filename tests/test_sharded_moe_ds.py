@@ -64,3 +64,9 @@ def test_no_drop_without_a_group_makes_no_collective(monkeypatch):
     _, combine, _, counts = sharded_moe.top2gating(torch.randn(8, 4), 1, 0, drop_tokens=False,
                                                    top2_2nd_expert_sampling=False)
     assert combine.shape[-1] == int(counts.max())
+
+
+def test_the_moe_layer_exchanges_through_deepspeeds_all_to_all():
+    # DeepSpeed's tests and scripts patch sharded_moe._AllToAll.apply to watch a layer's exchanges
+    layer = importlib.import_module("dslaunch.runtime.moe.layer")
+    assert layer._AllToAll is sharded_moe._AllToAll

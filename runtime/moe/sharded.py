@@ -47,7 +47,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         input = input.contiguous()
         out = torch.empty_like(input)
-        dist.all_to_all_single(out, input, group=group, label="sharded_moe all-to-all")
+        dist.all_to_all_single(out, input, group=group, label="moe all-to-all")
         return out
 
     @staticmethod
