@@ -26,7 +26,7 @@ are not part of dslaunch), enable_expert_tensor_parallelism (no tensor-parallel 
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
