@@ -34,6 +34,9 @@ from torch import Tensor
 from ..core import comm as dist
 from ..core.parallel import groups
 
+# DeepSpeed's flag for the Tutel kernels: dslaunch has none (MoE(use_tutel=True) is refused in one line)
+TUTEL_INSTALLED = False
+
 _DENSE = Tuple[Tensor, Tensor, Tensor, Tensor]
 _SPARSE = Tuple[Tensor, Any, int, Tensor, Tensor, Tensor, Tensor]
 
