@@ -104,9 +104,22 @@ PATHS: Dict[str, Entry] = {
     "fp16.unfused_optimizer": Names("DeepSpeed's unfused fp16 optimizer wrapper, named for isinstance checks only.",
                                     {"FP16_UnfusedOptimizer": "core.internals"}),
     "lr_schedules": "train.lr_schedules",  # deepspeed.runtime.lr_schedules
-    # DeepSpeed keeps set_autotp_mode in deepspeed.module_inject; only that module's AutoTP mode
-    # switch is served (a plain module: deepspeed.module_inject.<anything> is not found)
-    "module_inject": "tensor_parallel.mode",
+    # deepspeed.module_inject: AutoTP's mode switch and the shard sizes; DeepSpeed's kernel
+    # injection and its layer classes are not provided (their paths are not found)
+    "module_inject": Names("deepspeed.module_inject: AutoTP's training/inference switch and its shard sizes.",
+                           {"set_autotp_mode": "tensor_parallel.mode", "tp_shard": "tensor_parallel",
+                            **{name: "tensor_parallel.autotp_config" for name in (
+                                "AutoTPConfig", "PartitionType", "TPLayerSpec", "merge_autotp_configs")}}),
+    "module_inject.autotp_config": "tensor_parallel.autotp_config",  # DeepSpeed's layer-spec objects
+    "module_inject.tp_plan_converter": Names("deepspeed.module_inject.tp_plan_converter: a Hugging Face tp plan "
+                                             "as AutoTP layer specs.",
+                                             {"TPPlanConverter": "tensor_parallel.autotp_config",
+                                              "SUPPORTED_STYLES": "tensor_parallel.autotp_config"}),
+    "module_inject.tp_shard": "tensor_parallel.tp_shard",  # DeepSpeed's uneven (kv-head, grain) shard sizes
+    "moe.sharded_moe": "moe.sharded",  # DeepSpeed's gating functions with its arguments and return values
+    "moe.fused_expert_layout": Names("deepspeed.moe.fused_expert_layout: a fused gate+up expert weight's layout.",
+                                     {"FusedExpertLayout": "moe.autoep.detect",
+                                      "classify_fused_gate_up_layout": "moe.autoep.detect"}),
     "monitor": "train.monitor",  # deepspeed.monitor
     "monitor.comet": Names("deepspeed.monitor.comet", {"CometMonitor": "train.monitor.monitor"}),
     "monitor.config": "core.config.monitor",  # deepspeed.monitor.config: the sections live with the config
@@ -130,6 +143,9 @@ PATHS: Dict[str, Entry] = {
                     "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
                     "partition_balanced": "pipe.partition", "prefix_sum_inc": "pipe.partitioned",
                     **{name: "zero.fragments" for name in _FRAGMENTS}}),
+    "tensor_parallel.config": Names("deepspeed.runtime.tensor_parallel.config: the Hugging Face tp plan reader "
+                                    "(the section itself is parsed with the config).",
+                                    {"_get_hf_tp_plan": "tensor_parallel.autotp:hf_tp_plan"}),
     "swap_tensor": Names("deepspeed.runtime.swap_tensor: the size from which DeepSpeed's NVMe offload swaps.",
                          {"MIN_SWAPPABLE_BYTES": "zero.param_swap"}),
     "utils.comms_logging": Names("deepspeed.utils.comms_logging: the comms logger deepspeed.comm records into.",

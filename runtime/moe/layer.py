@@ -26,7 +26,7 @@ are not part of dslaunch), enable_expert_tensor_parallelism (no tensor-parallel 
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -36,26 +36,13 @@ from ..core import comm
 from ..core.strict import ConfigError
 from . import gating
 from .experts import Experts
+# DeepSpeed's all-to-all (sharded_moe._AllToAll, apply(group, input)): scripts and DeepSpeed's tests
+# patch that one to watch the layer's exchanges
+from .sharded import _AllToAll
 
 
 class MoEError(ConfigError):
     """A bad MoE argument or layout, as the one line the user should see."""
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single over `group`; its gradient is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx: Any, group, label: str, x: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.label = group, label
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.all_to_all_single(out, x, group=group, label=label)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return None, None, _AllToAll.apply(ctx.group, ctx.label + " (backward)", grad)
 
 
 def encode(x: torch.Tensor, routing: gating.Routing) -> torch.Tensor:
@@ -133,11 +120,11 @@ class MOELayer(nn.Module):
         self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
         buf = encode(tokens, routing)
         if self.ep_size > 1:
-            buf = _AllToAll.apply(self.ep_group, f"moe {self.ep_group_name} dispatch", buf)
+            buf = _AllToAll.apply(self.ep_group, buf)
         out = self.experts(buf.reshape(self.ep_size, self.num_local_experts, -1, h))
         out = out.reshape(self.ep_size * self.num_local_experts, -1, h)
         if self.ep_size > 1:
-            out = _AllToAll.apply(self.ep_group, f"moe {self.ep_group_name} combine", out)
+            out = _AllToAll.apply(self.ep_group, out)
         return decode(out, routing).reshape(x.shape)
 
 

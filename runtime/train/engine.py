@@ -222,6 +222,21 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.config.compile.enabled:
             self.compile()
 
+    def __getattr__(self, name: str):
+        """The model's attributes through the engine (`engine.moe_1`, `engine.config` of a
+        Hugging Face model when the engine has none), as DeepSpeed's engine passes them; the
+        engine's own attributes come first."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     def _apply_tensor_parallel(self, model, optimizer, model_parameters):
         """AutoTP training: shard the model's layers over the mesh's tensor axis (unless the
         script already did, with tp_model_init), and point a client optimizer or parameter

@@ -78,15 +78,35 @@ def _shape(t) -> Tuple[int, ...]:
     return tuple(getattr(t, "ds_shape", t.shape))
 
 
-def _fused_layout(w1: Tuple[int, ...], w2: Tuple[int, ...]) -> Optional[Tuple[str, int, int]]:
-    """(layout, hidden, ffn) of a fused gate+up weight and its down weight (DeepSpeed's two layouts)."""
+@dataclass(frozen=True)
+class FusedExpertLayout:
+    """How a fused gate+up expert weight is laid out (deepspeed.moe.fused_expert_layout's
+    classification): gate_up_first is [E, 2F, H] with down [E, H, F]; hidden_first is
+    [E, H, 2F] with down [E, F, H] and needs a transpose to the former."""
+
+    layout: str  # gate_up_first | hidden_first
+    hidden_size: int
+    ffn_hidden_size: int
+    needs_transpose: bool
+
+
+def classify_fused_gate_up_layout(w1_shape: Tuple[int, ...], w2_shape: Tuple[int, ...]) -> Optional[FusedExpertLayout]:
+    """The layout of a fused gate+up weight of shape `w1_shape` and its down weight, read from
+    the shapes alone; None when they are not 3-D or match neither layout."""
+    w1, w2 = tuple(w1_shape), tuple(w2_shape)
     if len(w1) != 3 or len(w2) != 3:
         return None
     if w1[1] % 2 == 0 and w2[1:] == (w1[2], w1[1] // 2):
-        return "gate_up_first", w1[2], w1[1] // 2  # [E, 2F, H] and [E, H, F]
+        return FusedExpertLayout("gate_up_first", w1[2], w1[1] // 2, False)
     if w1[2] % 2 == 0 and w2[1:] == (w1[2] // 2, w1[1]):
-        return "hidden_first", w1[1], w1[2] // 2  # [E, H, 2F] and [E, F, H]
+        return FusedExpertLayout("hidden_first", w1[1], w1[2] // 2, True)
     return None
+
+
+def _fused_layout(w1: Tuple[int, ...], w2: Tuple[int, ...]) -> Optional[Tuple[str, int, int]]:
+    """(layout, hidden, ffn) of a fused gate+up weight and its down weight (DeepSpeed's two layouts)."""
+    found = classify_fused_gate_up_layout(w1, w2)
+    return None if found is None else (found.layout, found.hidden_size, found.ffn_hidden_size)
 
 
 def expert_weight(expert: nn.Module, name: str) -> Optional[torch.Tensor]:
