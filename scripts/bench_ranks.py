@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -17,12 +18,18 @@ import torch.multiprocessing as mp
 from bench_timing import free_port  # noqa: F401  (the make_ds_*_fixtures scripts take it from here too)
 
 
+def rank_env(rank: int, world: int, port: int, **more: str) -> None:
+    """Inside a rank: the environment the launcher gives one local rank (`more`: other
+    variables a script needs too)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), **more)
+
+
 def start_rank(rank: int, world: int, port: int, as_peer: bool, cuda: bool) -> Tuple[object, torch.device]:
     """Inside a spawned rank: the launcher's environment, one CPU thread (each rank should own
     a core), the runtime module (`deepspeed` for the peer) with its process group started,
     and the rank's device."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    rank_env(rank, world, port)
     torch.set_num_threads(1)
     rt = importlib.import_module("deepspeed" if as_peer else "dslaunch.runtime")
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -70,6 +77,42 @@ def run_script_ranks(python: str, script: str, job: dict, world: int, cwd: str, 
             raise SystemExit(f"{os.path.basename(script)} {job}: exit codes {codes}")
         with open(job["result"]) as fh:
             return json.load(fh)
+
+
+# -- inside a rank of run_script_ranks (a make_ds_*_fixtures script run as `--worker RANK JOB`) --
+def script_main(worker: Callable[[int, dict], None], main: Callable[[], object]) -> None:
+    """A script's entry: `--worker RANK JOB` (as run_script_ranks starts each rank) runs
+    worker(rank, job); anything else runs main()."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), json.loads(sys.argv[3]))
+    else:
+        main()
+
+
+def script_rank(rank: int, job: dict, deepspeed_only: bool = False):
+    """The start of a worker rank: the environment for job["world"] ranks on job["port"], and
+    the runtime it trains with: DeepSpeed, its gloo process group started, where job["engine"]
+    is "deepspeed" (every job where `deepspeed_only`); else dslaunch.runtime, which starts its
+    group at initialize."""
+    rank_env(rank, job["world"], job["port"])
+    if deepspeed_only or job["engine"] == "deepspeed":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        return deepspeed
+    return importlib.import_module("dslaunch.runtime")
+
+
+def finish_script_rank(rank: int, job: dict, result) -> None:
+    """The end of a worker rank: rank 0 writes `result` to job["result"] as JSON (what
+    run_script_ranks returns), then every rank waits for the others, so that none leaves
+    the process group while another still uses it."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(job["result"], "w") as fh:
+            json.dump(result, fh)
+    dist.barrier(group=dist.group.WORLD)
 
 
 def run_peer(python: str, script: str, argv: Sequence[str], cache_name: str) -> dict:

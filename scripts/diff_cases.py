@@ -6,15 +6,18 @@ A case is one training script drawn from the grammar: a model, a world size, a c
 reduction settings) and a loop (engine.backward or PyTorch-style backward, accumulation,
 no_sync, zero_grad placement, evaluation between steps, a save and a resume, possibly at
 another world size). Its one-line form (`Case.line`) names every field that differs from
-the default, `key=value` separated by spaces; that line is the case's name in the fixtures,
-and `Case.parse` reads it back, so a case nobody drew is one more line in EXTRA_CASES.
+the default, `key=value` separated by spaces (scripts/case_line.py); that line is the case's
+name in the fixtures, and `Case.parse` reads it back, so a case nobody drew is one more line
+in EXTRA_CASES.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
+from case_line import CaseLine, draw_distinct
 
 SEED = 20250
 COUNT = 560  # cases drawn from SEED; EXTRA_CASES are added to them
@@ -41,7 +44,7 @@ REDUCE_DTYPES = ("none", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(CaseLine):
     model: str = "mlp"
     world: int = 1
     ep: int = 1            # expert-parallel size (model moe)
@@ -73,31 +76,6 @@ class Case:
                               # (checkpoint.load_universal), DeepSpeed's way to change the world size
     allow_untested: bool = False  # zero_allow_untested_optimizer (EQUIVALENTS set it where they move to ZeRO)
 
-    # -- the one-line form ------------------------------------------------------------------
-    @property
-    def line(self) -> str:
-        parts = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "model" or value != f.default:
-                parts.append(f"{f.name}={_fmt(value)}")
-        return " ".join(parts)
-
-    @classmethod
-    def parse(cls, line: str) -> "Case":
-        kinds = {f.name: f.type for f in fields(cls)}
-        values = {}
-        for part in line.split():
-            key, sep, raw = part.partition("=")
-            if not sep or key not in kinds:
-                raise ValueError(f"case {line!r}: {part!r} is not key=value with a key of {sorted(kinds)}")
-            values[key] = _read(kinds[key], raw)
-        case = cls(**values)
-        problem = case.problem()
-        if problem:
-            raise ValueError(f"case {line!r}: {problem}")
-        return case
-
     def problem(self) -> Optional[str]:
         """Why the fields cannot describe a run (not: why an engine would refuse it)."""
         if self.model not in MODELS:
@@ -127,23 +105,6 @@ class Case:
         """Cases of one layout share worker processes (DeepSpeed keeps tensor-parallel
         groups for the life of a process)."""
         return ("tp", self.tp) if self.tp > 1 else ("dp", 1)
-
-
-def _fmt(value) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
-def _read(kind, raw: str):
-    kind = kind if isinstance(kind, str) else kind.__name__
-    if kind == "bool":
-        return raw in ("1", "true", "True")
-    if kind == "int":
-        return int(raw)
-    if kind == "float":
-        return float(raw)
-    return raw
 
 
 # -- the generator -------------------------------------------------------------------------
@@ -242,15 +203,7 @@ EXTRA_CASES: List[str] = [
 
 def generate(seed: int = SEED, count: int = COUNT) -> List[Case]:
     """COUNT distinct cases drawn from SEED, then EXTRA_CASES (duplicates dropped)."""
-    rng = random.Random(seed)
-    seen: Dict[str, Case] = {}
-    while len(seen) < count:
-        case = draw(rng)
-        seen.setdefault(case.line, case)
-    for line in EXTRA_CASES:
-        case = Case.parse(line)
-        seen.setdefault(case.line, case)
-    return list(seen.values())
+    return draw_distinct(draw, Case, EXTRA_CASES, seed, count)
 
 
 # -- comparing -----------------------------------------------------------------------------

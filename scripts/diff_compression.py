@@ -28,7 +28,6 @@ group, a fresh engine per case). Classes (diff_compression_cases.classify):
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import subprocess
 import sys
@@ -42,6 +41,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from diff_compression_cases import CLASSES, COUNT, MEASURED, OPEN, SEED, CompCase, classify, generate  # noqa: E402
+from diff_report import (details, divergences, error_answer, healed, print_report, recorded_versions,  # noqa: E402
+                         summary_block, write_blocks)
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "ds_diff_compression")
 RESULTS = os.path.join(FIXTURES, "deepspeed.pt")
@@ -83,10 +84,7 @@ def worker(side: str, jobs: str, out: str) -> None:
         try:
             results[line] = runner.run_case(rt, compress, CompCase.parse(line), job.get("scores"))
         except Exception as exc:  # noqa: BLE001 (a refusal is an answer)
-            text = str(exc).strip()
-            lines = [ln for ln in text.splitlines() if ln.strip()]
-            results[line] = {"error": f"{type(exc).__name__}: {lines[0] if lines else ''}",
-                             "lines": max(1, len(lines))}
+            results[line] = error_answer(exc)
         print(f"{side}: {line}: {results[line].get('error') or 'trained'}", file=sys.stderr, flush=True)
     torch.save(results, out)
 
@@ -123,9 +121,7 @@ def save_fixtures(results: Dict[str, dict], ds_python: str) -> None:
     import torch
 
     os.makedirs(FIXTURES, exist_ok=True)
-    version = subprocess.run([ds_python, "-c", "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"],
-                             capture_output=True, text=True, env=worker_env("deepspeed"))
-    ds_version, torch_version = (version.stdout.split()[-2:] + ["?", "?"])[:2]  # the last line: the versions
+    ds_version, torch_version = recorded_versions(ds_python, worker_env("deepspeed"))
     torch.save({"deepspeed": ds_version, "torch": torch_version, "seed": SEED, "count": COUNT,
                 "results": dict(sorted(results.items()))}, RESULTS)
 
@@ -160,30 +156,6 @@ def compare(cases: List[CompCase], fixtures: Dict[str, dict], python: str = sys.
     return ours, verdicts
 
 
-def summary(cases: List[CompCase], fixtures: Dict[str, dict], verdicts) -> str:
-    counts = collections.Counter(v.kind for v in verdicts.values())
-    lines = ["| class | cases |", "|---|---|"]
-    lines += [f"| {k} | {counts.get(k, 0)} |" for k in CLASSES]
-    lines.append(f"| total | {len(verdicts)} |")
-    missing = [c for c in cases if c.line not in fixtures]
-    if missing:
-        lines.append(f"| not recorded under DeepSpeed | {len(missing)} |")
-    return "\n".join(lines)
-
-
-def details(verdicts, kinds, short: bool = False) -> str:
-    """Per class, each distinct reason with its count; `short`: a listed reason without what
-    each case measured (the docs' form)."""
-    out = []
-    for kind in kinds:
-        by_reason = collections.Counter(v.detail.split(MEASURED)[0] if short else v.detail
-                                        for v in verdicts.values() if v.kind == kind)
-        if by_reason:
-            out.append(f"\n{kind}:")
-            out += [f"  {n:4d}  {reason}" for reason, n in by_reason.most_common()]
-    return "\n".join(out)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="run DeepSpeed 0.17.6's side and write the fixtures")
@@ -208,26 +180,16 @@ def main(argv=None) -> int:
     if args.verbose:
         for line, v in verdicts.items():
             print(f"{v.kind:28s} {line}  {v.detail}")
-    table = summary(cases, fixtures, verdicts)
-    print(table)
-    print(details(verdicts, [k for k in CLASSES if k != "equal"]))
-    print(f"\n{len(verdicts)} cases in {elapsed:.0f} s")
+    table = print_report(cases, fixtures, verdicts, CLASSES, elapsed)
     if args.write_docs:
         write_docs(table, verdicts)
-    bad = [line for line, v in verdicts.items() if v.kind == "divergence"]
-    healed = [line for line in OPEN if line in verdicts and verdicts[line].kind != "open divergence (listed)"]
-    return 1 if bad or healed else 0
+    return 1 if divergences(verdicts) or healed(verdicts, OPEN) else 0
 
 
 def write_docs(table: str, verdicts) -> None:
-    from diff_vs_deepspeed import _replace_block
-
-    with open(SUMMARY_DOC, encoding="utf-8") as fh:
-        text = fh.read()
-    reasons = details(verdicts, [k for k in CLASSES if k != "equal"], short=True).strip()
-    text = _replace_block(text, "diffcomp-summary", f"{table}\n\n```text\n{reasons}\n```")
-    with open(SUMMARY_DOC, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    """The docs' form: a listed reason without what each case measured."""
+    reasons = details(verdicts, [k for k in CLASSES if k != "equal"], cut=MEASURED).strip()
+    write_blocks(SUMMARY_DOC, {"diffcomp-summary": summary_block(table, reasons)})
 
 
 if __name__ == "__main__":

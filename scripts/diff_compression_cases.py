@@ -9,16 +9,18 @@ with its method, schedule offset (0-3), ratio or bits, and with or without its
 `related_modules`. DeepSpeed 0.17.6 is the reference: the last release that shipped
 `deepspeed.compression` (0.19.8, the project's specification elsewhere, no longer has it).
 
-Its one-line form (`CompCase.line`) names every field that differs from the default, as
-`key=value`; `CompCase.parse` reads it back, so a case nobody drew is one line in EXTRA_CASES.
+Its one-line form (`CompCase.line`, scripts/case_line.py) names every field that differs from
+the default, as `key=value`; `CompCase.parse` reads it back, so a case nobody drew is one
+line in EXTRA_CASES.
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from diff_cases import Tolerance, Verdict, _fmt, _pick, _read, _short, close, tensors_apart
+from case_line import CaseLine, draw_distinct
+from diff_cases import Tolerance, Verdict, _pick, _short, close, tensors_apart
 
 SEED = 20176
 COUNT = 110  # cases drawn from SEED; EXTRA_CASES are added to them
@@ -41,7 +43,7 @@ QUANT_TYPES = ("none", "sym", "asym")
 
 
 @dataclass(frozen=True)
-class CompCase:
+class CompCase(CaseLine):
     model: str = "mlp"
     stage: int = 0                 # ZeRO stage (0 or 2; ZeRO-3 is refused by both)
     clip: float = 0.0              # gradient_clipping, always given: its default is 0 in DeepSpeed 0.17.6,
@@ -74,30 +76,6 @@ class CompCase:
     aq_static: bool = False        # range_calibration static (else dynamic)
     reduce: str = "none"           # layer_reduction (stack): teacher_layer, e.g. "1,3" (keep_number_layer 2)
     student: int = 2               # the student's depth before init_compression (stack)
-
-    @property
-    def line(self) -> str:
-        parts = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "model" or value != f.default:
-                parts.append(f"{f.name}={_fmt(value)}")
-        return " ".join(parts)
-
-    @classmethod
-    def parse(cls, line: str) -> "CompCase":
-        kinds = {f.name: f.type for f in fields(cls)}
-        values = {}
-        for part in line.split():
-            key, sep, raw = part.partition("=")
-            if not sep or key not in kinds:
-                raise ValueError(f"case {line!r}: {part!r} is not key=value with a key of {sorted(kinds)}")
-            values[key] = _read(kinds[key], raw)
-        case = cls(**values)
-        problem = case.problem()
-        if problem:
-            raise ValueError(f"case {line!r}: {problem}")
-        return case
 
     def techniques(self) -> List[str]:
         """The techniques the case enables, by this grammar's short names."""
@@ -200,15 +178,7 @@ EXTRA_CASES: List[str] = [
 
 def generate(seed: int = SEED, count: int = COUNT) -> List[CompCase]:
     """COUNT distinct cases drawn from SEED, then EXTRA_CASES (duplicates dropped)."""
-    rng = random.Random(seed)
-    seen: Dict[str, CompCase] = {}
-    while len(seen) < count:
-        case = draw(rng)
-        seen.setdefault(case.line, case)
-    for line in EXTRA_CASES:
-        case = CompCase.parse(line)
-        seen.setdefault(case.line, case)
-    return list(seen.values())
+    return draw_distinct(draw, CompCase, EXTRA_CASES, seed, count)
 
 
 # -- comparing -------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from compression_nets import CNN, Stack
 from diff_compression_cases import STEPS, CompCase
 
 BATCH = 8
@@ -34,34 +35,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
-
-
-class CNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 6, 3, padding=1)
-        self.fc = nn.Linear(6, 4)
-
-    def forward(self, x):
-        h = torch.relu(self.bn1(self.conv1(x)))
-        h = torch.relu(self.conv2(h))
-        return self.fc(h.mean(dim=(2, 3)))
-
-
-class Stack(nn.Module):
-    def __init__(self, depth: int):
-        super().__init__()
-        self.emb = nn.Linear(8, 16)
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(depth))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for layer in self.layers:
-            h = torch.relu(layer(h)) + h
-        return self.head(h)
 
 
 def build_model(case: CompCase, teacher: bool = False) -> nn.Module:

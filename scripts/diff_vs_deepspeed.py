@@ -39,7 +39,6 @@ Hugging Face models.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import gc
 import json
@@ -60,6 +59,8 @@ if HERE not in sys.path:
 
 from diff_cases import (CLASSES, COUNT, DEEPSPEED_WRONG, OPEN, SEED, Case, Verdict, classify, equivalent,  # noqa: E402
                         generate)
+from diff_report import (details, divergences, error_answer, print_report, recorded_versions,  # noqa: E402
+                         summary_block, write_blocks)
 
 FIXTURES = os.path.join(ROOT, "tests", "data", "ds_diff")
 RESULTS = os.path.join(FIXTURES, "deepspeed.json")
@@ -137,13 +138,6 @@ def worker(side: str, rank: int, world: int, port: int) -> None:
         gc.collect()
         answers.write(json.dumps(answer) + "\n")
     answers.close()
-
-
-def error_answer(exc: BaseException) -> dict:
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    first = lines[0] if lines else ""
-    return {"error": f"{type(exc).__name__}: {first}", "lines": max(1, len(lines))}
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -321,9 +315,7 @@ def save_fixtures(results: Dict[str, dict], ds_python: str) -> None:
     import torch
 
     os.makedirs(FIXTURES, exist_ok=True)
-    version = subprocess.run([ds_python, "-c", "import deepspeed, torch; print(deepspeed.__version__, torch.__version__)"],
-                             capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
-    ds_version, torch_version = (version.stdout.split()[-2:] + ["?", "?"])[:2]  # the last line: the versions
+    ds_version, torch_version = recorded_versions(ds_python, dict(os.environ, DS_ACCELERATOR="cpu"))
     slim, weights = {}, {}
     for line in sorted(results):
         res = dict(results[line])
@@ -421,33 +413,6 @@ def compare(cases: List[Case], fixtures: Dict[str, dict], python: str = sys.exec
     return ours, verdicts
 
 
-def summary(cases: List[Case], fixtures: Dict[str, dict], verdicts) -> str:
-    counts = collections.Counter(v.kind for v in verdicts.values())
-    missing = [c for c in cases if c.line not in fixtures]
-    lines = ["| class | cases |", "|---|---|"]
-    lines += [f"| {k} | {counts.get(k, 0)} |" for k in CLASSES]
-    lines.append(f"| total | {len(verdicts)} |")
-    unrun = [c for c in cases if c.line in fixtures and c.line not in verdicts]
-    if unrun:
-        lines.append(f"| recorded under DeepSpeed, not replayed in this run | {len(unrun)} |")
-    if missing:
-        lines.append(f"| not recorded under DeepSpeed | {len(missing)} |")
-    return "\n".join(lines)
-
-
-def details(verdicts, kinds: Iterable[str]) -> str:
-    """Per class, each distinct reason (the error line) with its count."""
-    out = []
-    for kind in kinds:
-        by_reason = collections.Counter(v.detail for v in verdicts.values() if v.kind == kind)
-        if not by_reason:
-            continue
-        out.append(f"\n{kind}:")
-        for reason, n in by_reason.most_common():
-            out.append(f"  {n:4d}  {reason}")
-    return "\n".join(out)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", action="store_true", help="run DeepSpeed's side and write the fixtures")
@@ -502,20 +467,10 @@ def main(argv=None) -> int:
     else:
         _, verdicts = compare(cases, fixtures, progress=progress)
     elapsed = time.monotonic() - started
-    table = summary(cases, fixtures, verdicts)
-    print(table)
-    print(details(verdicts, [k for k in CLASSES if k != "equal"]))
-    print(f"\n{len(verdicts)} cases in {elapsed:.0f} s")
+    table = print_report(cases, fixtures, verdicts, CLASSES, elapsed)
     if args.write_docs:
         write_docs(table, verdicts, elapsed)
-    return 1 if any(v.kind == "divergence" for v in verdicts.values()) else 0
-
-
-def _replace_block(text: str, name: str, block: str) -> str:
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    return f"{head}{begin}\n{block}\n{end}{tail}"
+    return 1 if divergences(verdicts) else 0
 
 
 def tolerance_table() -> str:
@@ -538,14 +493,9 @@ def equivalents_table() -> str:
 
 
 def write_docs(table: str, verdicts, elapsed: float) -> None:
-    with open(SUMMARY_DOC, encoding="utf-8") as fh:
-        text = fh.read()
     reasons = details(verdicts, [k for k in CLASSES if k != "equal"]).strip()
-    text = _replace_block(text, "diff-tolerances", tolerance_table())
-    text = _replace_block(text, "diff-equivalents", equivalents_table())
-    text = _replace_block(text, "diff-summary", f"{table}\n\n```text\n{reasons}\n```")
-    with open(SUMMARY_DOC, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    write_blocks(SUMMARY_DOC, {"diff-tolerances": tolerance_table(), "diff-equivalents": equivalents_table(),
+                               "diff-summary": summary_block(table, reasons)})
 
 
 if __name__ == "__main__":

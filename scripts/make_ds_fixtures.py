@@ -185,17 +185,11 @@ def batch(step: int, rank: int, world: int, dtype):
 
 
 def worker(rank: int, job: dict) -> None:
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    if job["engine"] == "deepspeed":
-        import deepspeed
+    from bench_ranks import finish_script_rank, script_rank  # scripts/, on sys.path in a worker
 
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        import dslaunch.runtime as deepspeed
+    deepspeed = script_rank(rank, job)
     stage, dtype, save_at = job["stage"], job["dtype"], job.get("save_at", SAVE_AT)
     if job.get("pipe"):
         model = make_pipe(deepspeed, job["world"])
@@ -226,10 +220,7 @@ def worker(rank: int, job: dict) -> None:
             losses.append(float(total) / job["world"])
         if job.get("save") and step + 1 == save_at:
             engine.save_checkpoint(job["save"], tag=f"global_step{save_at}", client_state={"epoch": 1, "source": job["engine"]})
-    if rank == 0:
-        with open(job["result"], "w") as fh:
-            json.dump(losses, fh)
-    dist.barrier()
+    finish_script_rank(rank, job, losses)
 
 
 def run(python: str, job: dict, capture: bool = False) -> list:
@@ -301,7 +292,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), json.loads(sys.argv[3]))
-    else:
-        main()
+    from bench_ranks import script_main  # scripts/, on sys.path when run as a script
+
+    script_main(worker, main)

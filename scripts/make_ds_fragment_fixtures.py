@@ -153,11 +153,9 @@ def worker(rank: int, job: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(job["port"]))
-    import deepspeed
+    from bench_ranks import script_rank  # scripts/, on sys.path in a worker
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = script_rank(rank, dict(job, world=WORLD), deepspeed_only=True)
     results = {}
     for name in job["cases"]:
         results[name] = exercise(deepspeed, *CASES[name], rank)

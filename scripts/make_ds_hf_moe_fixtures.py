@@ -200,19 +200,12 @@ def train(deepspeed, set_z3_leaf_modules, job: dict, rank: int, extra_config: di
 
 
 def worker(rank: int, job: dict) -> None:
-    import torch.distributed as dist
+    from bench_ranks import finish_script_rank, script_rank  # scripts/, on sys.path in a worker
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    import deepspeed
+    deepspeed = script_rank(rank, job, deepspeed_only=True)
     from deepspeed.utils import set_z3_leaf_modules
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    result = train(deepspeed, set_z3_leaf_modules, job, rank)
-    if rank == 0:
-        with open(job["result"], "w") as fh:
-            json.dump(result, fh)
-    dist.barrier()
+    finish_script_rank(rank, job, train(deepspeed, set_z3_leaf_modules, job, rank))
 
 
 def run(job: dict) -> dict:
@@ -236,7 +229,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), json.loads(sys.argv[3]))
-    else:
-        main()
+    from bench_ranks import script_main  # scripts/, on sys.path when run as a script
+
+    script_main(worker, main)

@@ -128,21 +128,15 @@ def case_config(case: Case, world: int) -> dict:
 
 
 def worker(rank: int, job: dict) -> None:
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    if job["engine"] == "deepspeed":
-        import deepspeed
+    from bench_ranks import finish_script_rank, script_rank  # scripts/, on sys.path in a worker
 
-        deepspeed.init_distributed(dist_backend="gloo")
-        if job["case"]["dtype"] == "fp16" or job["case"]["fp16_masters"]:
-            from deepspeed.accelerator import get_accelerator
+    deepspeed = script_rank(rank, job)
+    if job["engine"] == "deepspeed" and (job["case"]["dtype"] == "fp16" or job["case"]["fp16_masters"]):
+        from deepspeed.accelerator import get_accelerator
 
-            type(get_accelerator()).is_fp16_supported = lambda self: True  # see the module docstring
-    else:
-        import dslaunch.runtime as deepspeed
+        type(get_accelerator()).is_fp16_supported = lambda self: True  # see the module docstring
     case = Case(**job["case"])
     model = fx.make_model()
     engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
@@ -167,13 +161,10 @@ def worker(rank: int, job: dict) -> None:
             scales.append(float(engine.optimizer.loss_scaler.cur_scale))
         if job.get("save") and step + 1 == SAVE_AT:
             engine.save_checkpoint(job["save"], tag=f"global_step{SAVE_AT}", client_state={"source": job["engine"]})
-    if rank == 0:
-        with open(job["result"], "w") as fh:
-            json.dump(losses, fh)
-        if job.get("scaler"):
-            with open(job["scaler"], "w") as fh:
-                json.dump({"skipped": skipped, "scale": scales}, fh)
-    dist.barrier()
+    if rank == 0 and job.get("scaler"):
+        with open(job["scaler"], "w") as fh:
+            json.dump({"skipped": skipped, "scale": scales}, fh)
+    finish_script_rank(rank, job, losses)
 
 
 def run(python: str, job: dict, capture: bool = False):
@@ -251,7 +242,6 @@ def _write(path: str, section: str, name: str, entry: dict) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), json.loads(sys.argv[3]))
-    else:
-        main()
+    from bench_ranks import script_main  # scripts/, on sys.path when run as a script
+
+    script_main(worker, main)

@@ -156,16 +156,9 @@ def train(engine, case: Case, rank: int, start: int, stop: int, save=None) -> li
 
 
 def worker(rank: int, job: dict) -> None:
-    import torch.distributed as dist
+    from bench_ranks import finish_script_rank, script_rank  # scripts/, on sys.path in a worker
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["world"]),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    if job["engine"] == "deepspeed":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        import dslaunch.runtime as deepspeed
+    deepspeed = script_rank(rank, job)
     case = Case(**{k: job[k] for k in Case._fields if k in job})
     model = make_model()
     engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(case))[0]
@@ -173,11 +166,7 @@ def worker(rank: int, job: dict) -> None:
     if job.get("load"):  # resume a checkpoint saved at SAVE_AT (the other engine's, below)
         engine.load_checkpoint(job["load"])
         start = engine.global_steps
-    losses = train(engine, case, rank, start, STEPS, save=job.get("save"))
-    if rank == 0:
-        with open(job["result"], "w") as fh:
-            json.dump(losses, fh)
-    dist.barrier()
+    finish_script_rank(rank, job, train(engine, case, rank, start, STEPS, save=job.get("save")))
 
 
 def run(python: str, job: dict, capture: bool = False):
@@ -267,7 +256,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), json.loads(sys.argv[3]))
-    else:
-        main()
+    from bench_ranks import script_main  # scripts/, on sys.path when run as a script
+
+    script_main(worker, main)

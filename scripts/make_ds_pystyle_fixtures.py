@@ -33,8 +33,9 @@ OUT = os.path.join(TESTS, "data", "ds_pystyle")
 
 def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
     """Run job["names"] under job["engine"] ("deepspeed" or "dslaunch") on this rank."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    from bench_ranks import rank_env, write_result  # on sys.path when run as a script
+
+    rank_env(rank, world, port)
     import torch
     import torch.distributed as dist
 
@@ -58,7 +59,6 @@ def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
         results[name] = pystyle_workload.run_case(ds, pystyle_workload.CASES[name], rank, world)
         if rank == 0 and job["engine"] == "deepspeed":
             print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    from bench_ranks import write_result  # on sys.path when run as a script
     write_result(out, rank, results)
 
 

@@ -34,18 +34,14 @@ MICRO = 2
 
 
 def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    import torch
+    from bench_ranks import start_rank, write_result  # on sys.path when run as a script (tests import this file without it)
 
-    torch.set_num_threads(1)
-    sys.path.insert(0, TESTS)
-    import deepspeed
+    deepspeed, _ = start_rank(rank, world, port, as_peer=True, cuda=False)
     from deepspeed.sequence.layer import DistributedAttention
 
+    sys.path.insert(0, TESTS)
     import sp_workload
 
-    deepspeed.init_distributed("gloo")
     sp = job["sp"]
     init = {}
     if sp > 1:
@@ -59,7 +55,6 @@ def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
         init["mpu"] = parallel_state_sp
     losses, _ = sp_workload.train(deepspeed, DistributedAttention, sp, MICRO, stage=job["stage"],
                                   optimizer=job["optimizer"], init_kwargs=init)
-    from bench_ranks import write_result  # on sys.path when run as a script (tests import this file without it)
     write_result(out, rank, losses)
 
 

@@ -103,17 +103,10 @@ def train(deepspeed, stage: int, tp: int, first: int, steps: int, load=None, sav
 
 
 def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
-    import importlib
+    from bench_ranks import start_rank, write_result  # on sys.path when run as a script (tests import this file without it)
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    import torch
-
-    torch.set_num_threads(1)
-    rt = importlib.import_module(job["module"])
-    rt.init_distributed("gloo")
+    rt, _ = start_rank(rank, world, port, as_peer=job["module"] == "deepspeed", cuda=False)
     losses = train(rt, job["stage"], job["tp"], 0, STEPS, save=job.get("save"))
-    from bench_ranks import write_result  # on sys.path when run as a script (tests import this file without it)
     write_result(out, rank, losses)
 
 

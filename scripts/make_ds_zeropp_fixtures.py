@@ -31,8 +31,9 @@ OUT = os.path.join(TESTS, "data", "ds_zeropp")
 
 
 def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_SIZE=str(job["per_host"]))
+    from bench_ranks import rank_env, write_result  # scripts/, on sys.path when run as a script
+
+    rank_env(rank, world, port, LOCAL_SIZE=str(job["per_host"]))
     import torch
 
     torch.set_num_threads(1)
@@ -58,8 +59,6 @@ def worker(rank: int, world: int, port: int, job: dict, out: str) -> None:
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
     result = zeropp_workload.run_case(ds, zeropp_workload.CASES[job["name"]], rank)
-    from bench_ranks import write_result
-
     write_result(out, rank, result)
 
 

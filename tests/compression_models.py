@@ -1,12 +1,18 @@
 """The tiny models and runs of the compression fixtures, shared by
 scripts/make_ds_compression_fixtures.py (under DeepSpeed 0.17.6) and tests/test_compression.py
-(under dslaunch): plain torch only, so either side imports it."""
+(under dslaunch): plain torch only, so either side imports it. The CNN and the layer stack are
+scripts/compression_nets.py's, which the generated differential cases train too."""
 from __future__ import annotations
 
 import copy
 
 import torch
 from torch import nn
+
+from script_modules import load_script
+
+_nets = load_script("compression_nets")
+CNN, Stack = _nets.CNN, _nets.Stack
 
 STEPS = 3
 LR = 0.1
@@ -45,36 +51,6 @@ class Attention(nn.Module):
         att = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, dim=-1)
         y = (att @ v).transpose(1, 2).reshape(b, t, heads * self.head_dim)
         return self.head(self.o(y))
-
-
-class CNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 6, 3, padding=1)
-        self.fc = nn.Linear(6, 4)
-
-    def forward(self, x):
-        h = torch.relu(self.bn1(self.conv1(x)))
-        h = torch.relu(self.conv2(h))
-        return self.fc(h.mean(dim=(2, 3)))
-
-
-class Stack(nn.Module):
-    """A stack of layers between an input and an output module, for layer reduction."""
-
-    def __init__(self, depth=4):
-        super().__init__()
-        self.emb = nn.Linear(8, 16)
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(depth))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for layer in self.layers:
-            h = torch.relu(layer(h)) + h
-        return self.head(h)
 
 
 LAYER_REDUCTION = {"layer_reduction": {"enabled": True, "keep_number_layer": 2, "module_name_prefix": "layers",

@@ -7,7 +7,6 @@ and a generated case without a record."""
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import sys
 
@@ -18,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 
 import diff_compression as dc  # noqa: E402
 import diff_compression_cases as cases_mod  # noqa: E402
+import diff_report  # noqa: E402
 from diff_compression_cases import CompCase, classify  # noqa: E402
 
 
@@ -87,14 +87,10 @@ def ci_cases(fixtures):
     """Every recorded case under DIFF_ALL=1; otherwise EXTRA_CASES, every listed case (OPEN,
     and those DESIGN covers, so that a healed one is noticed) and a fixed share of the drawn
     cases, picked by a hash of their line (a new case does not reshuffle the others)."""
-    cases = [c for c in cases_mod.generate() if c.line in fixtures]
-    if os.environ.get("DIFF_ALL") == "1":
-        return cases
+    cases = cases_mod.generate()
     keep = {CompCase.parse(line).line for line in cases_mod.EXTRA_CASES} | set(cases_mod.OPEN)
     keep |= {c.line for c in cases if cases_mod.design_reason(c)}
-    drawn = sorted((c for c in cases if c.line not in keep),
-                   key=lambda c: hashlib.sha256(c.line.encode()).hexdigest())[:CI_DRAWN]
-    return [c for c in cases if c.line in keep] + drawn
+    return diff_report.replayed(cases, fixtures, keep, CI_DRAWN, every=os.environ.get("DIFF_ALL") == "1")
 
 
 CI_DRAWN = 24  # drawn cases replayed in CI (with the kept ones); DIFF_ALL=1 replays all of them
@@ -105,10 +101,10 @@ def test_replay_generated_cases(fixtures):
     refusal of ours that GAPS does not list, and no listed divergence that stopped diverging."""
     cases = ci_cases(fixtures)
     _, verdicts = dc.compare(cases, fixtures)
-    print(dc.summary(cases, fixtures, verdicts))
-    bad = [f"{line}: {v.detail}" for line, v in verdicts.items() if v.kind == "divergence"]
+    print(diff_report.summary(cases, fixtures, verdicts, cases_mod.CLASSES))
+    bad = diff_report.divergences(verdicts)
     assert not bad, f"{len(bad)} divergences from DeepSpeed 0.17.6:\n" + "\n".join(bad[:20])
-    healed = [line for line, v in verdicts.items() if line in cases_mod.OPEN and v.kind != "open divergence (listed)"]
+    healed = diff_report.healed(verdicts, cases_mod.OPEN)
     assert not healed, f"listed in OPEN but no longer diverging: {healed}"
     by_design = [line for line, v in verdicts.items()
                  if cases_mod.design_reason(CompCase.parse(line)) and v.kind == "equal"]

@@ -6,7 +6,6 @@ than 500 recorded cases or a line of EXTRA_CASES without a record."""
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import sys
 
@@ -16,6 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
 
 import diff_cases  # noqa: E402
+import diff_report  # noqa: E402
 import diff_vs_deepspeed as dvd  # noqa: E402
 from diff_cases import Case, classify, equivalent  # noqa: E402
 
@@ -111,13 +111,9 @@ def ci_cases(fixtures):
     the same and prints the table docs/deepspeed-differential.md shows); otherwise EXTRA_CASES
     and a fixed share of the drawn cases, picked by a hash of their line (so a new case does
     not reshuffle the others), small enough for CI's two cores."""
-    cases = [c for c in diff_cases.generate() if c.line in fixtures]
-    if os.environ.get("DIFF_ALL") == "1":
-        return cases
     extra = {Case.parse(line).line for line in diff_cases.EXTRA_CASES}
-    drawn = sorted((c for c in cases if c.line not in extra),
-                   key=lambda c: hashlib.sha256(c.line.encode()).hexdigest())[:CI_DRAWN]
-    return [c for c in cases if c.line in extra] + drawn
+    return diff_report.replayed(diff_cases.generate(), fixtures, extra, CI_DRAWN,
+                                every=os.environ.get("DIFF_ALL") == "1")
 
 
 CI_DRAWN = 36  # drawn cases replayed in CI (with the EXTRA_CASES); DIFF_ALL=1 replays all of them
@@ -129,12 +125,11 @@ def test_replay_generated_cases(fixtures):
     cases = ci_cases(fixtures)
     _, verdicts = dvd.compare(cases, fixtures)
     counts = collections.Counter(v.kind for v in verdicts.values())
-    print(dvd.summary(cases, fixtures, verdicts))
-    bad = [f"{line}: {v.detail}" for line, v in verdicts.items() if v.kind == "divergence"]
+    print(diff_report.summary(cases, fixtures, verdicts, diff_cases.CLASSES))
+    bad = diff_report.divergences(verdicts)
     assert not bad, f"{len(bad)} divergences from DeepSpeed:\n" + "\n".join(bad[:20])
-    healed = [line for line, v in verdicts.items() if line in diff_cases.OPEN and v.kind != "open divergence (listed)"]
+    healed = diff_report.healed(verdicts, diff_cases.OPEN)
     assert not healed, f"listed as open divergences in diff_cases.OPEN but no longer diverging: {healed}"
-    agreeing = [line for line, v in verdicts.items()
-                if line in diff_cases.DEEPSPEED_WRONG and v.kind != "DeepSpeed wrong, no equivalent"]
+    agreeing = diff_report.healed(verdicts, diff_cases.DEEPSPEED_WRONG, kind="DeepSpeed wrong, no equivalent")
     assert not agreeing, f"listed in diff_cases.DEEPSPEED_WRONG but agreeing with DeepSpeed now: {agreeing}"
     assert sum(counts.values()) == len(cases)

@@ -28,25 +28,18 @@ universal-checkpoint conversion for AutoEP, which is not built here.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ...core.errors import CheckpointError
 from ...moe.autoep.layer import AutoEPMoELayer
-from .dsformat import stage0_from_ds
-from .moe import expp_file_name
+from .moe import expert_file_name, expp_file_name, read_expp_state
 
 WEIGHTS = ("w1", "w2", "w3")
 LAYERS_KEY = "ds_autoep_layers"
 FORMAT = "per_expert_files"
 EXPERT_PATTERN = r".*\.experts\.w[123]$"  # DeepSpeed's expert_parameter_patterns entry for AutoEP
-_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
-
-
-def expert_file_name(layer: int, expert: int) -> str:
-    return f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
 
 
 def layers(module: torch.nn.Module) -> List[Tuple[str, AutoEPMoELayer]]:
@@ -177,17 +170,9 @@ def stage0_state(ck, engine) -> Dict[str, Any]:
     name = expp_file_name(engine.mesh.rank("expert") if ep > 1 else 0)
     if ck.manifest is not None and name not in ck.manifest.files:
         raise CheckpointError(f"checkpoint {ck.path}: {name} is missing (the optimizer state of this rank's experts)")
-    f = ck.read(name)
-    if not isinstance(f, dict):
-        raise CheckpointError(f"checkpoint {ck.path}: {name} is not an optimizer-states dict")
-    try:
-        state = stage0_from_ds(f.get("optimizer"))
-    except CheckpointError as exc:
-        raise CheckpointError(f"checkpoint {ck.path}: {name} {exc}") from None
-    names = (f.get("dslaunch") or {}).get("param_names")
+    state, names = read_expp_state(ck, name)
     if names is not None:
         state["param_names"] = names
-        state["master_names"] = [n for group in names for n in group]
     return state
 
 

@@ -200,6 +200,22 @@ def rename_shards(shards: List[Dict[str, Any]], rename) -> List[Dict[str, Any]]:
     return out
 
 
+def read_expp_state(ck, name: str) -> Tuple[Dict[str, Any], Optional[List[List[str]]]]:
+    """An expp optimizer file's stage-0 state and its param groups' parameter names (None: a
+    DeepSpeed file, which records none; given, they also name the state's fp32 masters)."""
+    f = ck.read(name)
+    if not isinstance(f, dict):
+        raise CheckpointError(f"checkpoint {ck.path}: {name} is not an optimizer-states dict")
+    try:
+        state = stage0_from_ds(f.get("optimizer"))
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {ck.path}: {name} {exc}") from None
+    names = (f.get("dslaunch") or {}).get("param_names")
+    if names is not None:
+        state["master_names"] = [n for group in names for n in group]
+    return state, names
+
+
 def global_shards(ck, saved: SavedExperts, full: Dict[str, torch.Tensor],
                   group_names: Optional[Callable[[int, int], List[List[str]]]] = None) -> List[Dict[str, Any]]:
     """Every saved optimizer state as name-keyed shards under global expert names.
@@ -214,20 +230,11 @@ def global_shards(ck, saved: SavedExperts, full: Dict[str, torch.Tensor],
         return shards
     for r in range(saved.ep_size):
         name = expp_file_name(r)
-        f = ck.read(name)
-        if not isinstance(f, dict):
-            raise CheckpointError(f"checkpoint {ck.path}: {name} is not an optimizer-states dict")
-        try:
-            state = stage0_from_ds(f.get("optimizer"))
-        except CheckpointError as exc:
-            raise CheckpointError(f"checkpoint {ck.path}: {name} {exc}") from None
-        names = (f.get("dslaunch") or {}).get("param_names")
+        state, names = read_expp_state(ck, name)
         if names is None:
             if group_names is None:
                 raise CheckpointError(f"checkpoint {ck.path}: {name} names no parameters")
             names = group_names(r, saved.ep_size)
-        else:
-            state["master_names"] = [n for g in names for n in g]
         to_global = renamer(num, saved.ep_size, r, True)
         own = rename_state(full, renamer(num, saved.ep_size, r, False))
         shards += rename_shards(shards_from_stage0(state, names, own), to_global)
