@@ -53,9 +53,9 @@ def layers(module: torch.nn.Module) -> List[Tuple[str, AutoEPMoELayer]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]
 
 
-def uses_layout(engine) -> bool:
+def uses_layout(module: torch.nn.Module) -> bool:
     """AutoEP runs at ZeRO 0-2 only (attach.py refuses stage 3)."""
-    return bool(layers(engine.module))
+    return bool(layers(module))
 
 
 def _prefix(name: str) -> str:

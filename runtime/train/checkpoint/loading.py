@@ -25,6 +25,7 @@ import torch
 
 from .agree import agree
 from ...core.errors import CheckpointError
+from ...core.shard_state import SavedShards, ShardLayout
 from .files import load_torch
 from .layout import LATEST, model_states_name, read_latest, rng_states_name, validate_tag
 from .reader import Checkpoint, open_checkpoint
@@ -70,13 +71,12 @@ def check_module_shapes(module: torch.nn.Module, saved: Dict[str, Tuple[int, ...
             raise CheckpointError(f"checkpoint {path}: {k} has shape {tuple(saved[k])}, the model has {shape}")
 
 
-def _optimizer_state(engine, ck: Checkpoint) -> Any:
-    strategy = engine.strategy
+def _optimizer_state(engine, ck: Checkpoint, layout: ShardLayout) -> Any:
     place = parallel.placement(engine)
     if tensor_slices.applies(ck, place, parallel.is_pipeline(engine)):
-        if not getattr(strategy, "loads_any_world_size", False):
+        if not layout.recuts:
             raise CheckpointError(f"checkpoint {ck.path} was saved at topology {ck.topology} and this job runs "
-                                  f"{place.topology()}; ZeRO stage {strategy.stage} cannot re-cut its optimizer "
+                                  f"{place.topology()}; ZeRO stage {layout.zero_stage} cannot re-cut its optimizer "
                                   "state (load with load_optimizer_states=False)")
         return tensor_slices.optimizer_shard(ck, engine.module, place.mp_size, place.mp_rank,
                                              lambda s: parallel.slice_shards(ck, s))
@@ -87,12 +87,12 @@ def _optimizer_state(engine, ck: Checkpoint) -> Any:
     # another topology or stage (reshard.py, parallel.py): they get every saved rank's
     # state keyed by parameter name, ZeRO files memory-mapped so only the overlapping
     # pieces are read.
-    anywhere = getattr(strategy, "loads_any_world_size", False)
+    anywhere = layout.recuts
     if not same and not anywhere:
         raise CheckpointError(f"checkpoint {ck.path} was saved at topology {ck.topology} and this job runs "
                               f"{place.topology()}; its optimizer state cannot be re-cut here (consolidate it or "
                               "load with load_optimizer_states=False)")
-    if not same or (ck.sharded and anywhere and ck.zero_stage != strategy.stage):
+    if not same or (ck.sharded and anywhere and ck.zero_stage != layout.zero_stage):
         if ck.manifest is not None and ck.manifest.node_local:
             needed = ([ck.optim_name(d, s) for s in range(ck.slices) for d in range(ck.world_size)] if ck.sharded
                       else [model_states_name(s) for s in range(ck.slices)]) + sorted(ck.layers)
@@ -107,12 +107,13 @@ def _optimizer_state(engine, ck: Checkpoint) -> Any:
     return ck.stage0_state()
 
 
-def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+def _read(engine, layout: ShardLayout, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
           trust_pickle: bool) -> _Loaded:
     ck = open_checkpoint(path, trust_pickle=trust_pickle, placement=parallel.placement(engine))
     autoep_records = autoep.saved_layers(ck)
     if autoep_records is not None or autoep.layers(engine.module):
-        return _read_autoep(engine, ck, autoep_records, strict, load_optimizer_states, load_module_only, trust_pickle)
+        return _read_autoep(engine, layout, ck, autoep_records, strict, load_optimizer_states, load_module_only,
+                            trust_pickle)
     experts = moe.saved_experts(ck)
     if experts is None and moe.moe_layers(engine.module) and engine.expert_parallel_size > 1:
         raise CheckpointError(f"checkpoint {path} has no MoE expert files (layer_*_expert_*); this model's experts "
@@ -125,11 +126,12 @@ def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_mod
     optim = None
     if load_optimizer_states and not load_module_only:
         # MoE: every saved optimizer state, renamed to this rank's experts, re-cut by the strategy
-        optim = moe.optimizer_shards(ck, engine, experts) if experts is not None else _optimizer_state(engine, ck)
+        optim = (moe.optimizer_shards(ck, engine, experts) if experts is not None
+                 else _optimizer_state(engine, ck, layout))
     return _finish(engine, ck, module, optim, strict, load_module_only, trust_pickle)
 
 
-def _read_autoep(engine, ck: Checkpoint, records, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+def _read_autoep(engine, layout: ShardLayout, ck: Checkpoint, records, strict: bool, load_optimizer_states: bool, load_module_only: bool,
                  trust_pickle: bool) -> _Loaded:
     """An AutoEP model (autoep.py): its experts stacked from the per-expert files; the
     optimizer state at the autoep_size (and ZeRO layout) that saved it."""
@@ -143,9 +145,9 @@ def _read_autoep(engine, ck: Checkpoint, records, strict: bool, load_optimizer_s
     optim = None
     if load_optimizer_states and not load_module_only:
         autoep.check_optimizer_layout(ck, engine, records, parallel.same_layout(ck, engine))
-        if ck.zero_stage != engine.strategy.stage:
+        if ck.zero_stage != layout.zero_stage:
             raise CheckpointError(f"checkpoint {ck.path} was saved at ZeRO stage {ck.zero_stage} and this job runs "
-                                  f"stage {engine.strategy.stage}: an AutoEP model's optimizer state is not re-cut "
+                                  f"stage {layout.zero_stage}: an AutoEP model's optimizer state is not re-cut "
                                   "here (load with load_optimizer_states=False)")
         optim = autoep.stage0_state(ck, engine) if not ck.sharded else ck.shard(parallel.placement(engine).dp_rank,
                                                                                  parallel.placement(engine).slice)
@@ -172,7 +174,7 @@ def _finish(engine, ck: Checkpoint, module, optim, strict: bool, load_module_onl
                    ck.loss_scaler_state() if engine.loss_scaler is not None and not load_module_only else None)
 
 
-def _read_universal(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+def _read_universal(engine, layout: ShardLayout, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
                     trust_pickle: bool) -> _Loaded:
     """A DeepSpeed universal folder (universal.py): whole fp32 weights and optimizer states per
     parameter, handed to the strategy as one name-keyed shard it re-cuts for this world size
@@ -186,8 +188,8 @@ def _read_universal(engine, path: str, strict: bool, load_optimizer_states: bool
     check_module_shapes(engine.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
     optim = None
     if load_optimizer_states and not load_module_only:
-        if not getattr(engine.strategy, "loads_any_world_size", False):
-            raise CheckpointError(f"universal checkpoint {path}: ZeRO stage {engine.strategy.stage} cannot load "
+        if not layout.recuts:
+            raise CheckpointError(f"universal checkpoint {path}: ZeRO stage {layout.zero_stage} cannot load "
                                   "re-cut optimizer state (load with load_optimizer_states=False)")
         optim = optimizer_state.to_ours([uc.shard()], getattr(engine.strategy, "optimizer", None),
                                         f"universal checkpoint {path}")
@@ -196,19 +198,15 @@ def _read_universal(engine, path: str, strict: bool, load_optimizer_states: bool
                    uc.loss_scaler_state() if engine.loss_scaler is not None and not load_module_only else None)
 
 
-def _load_stage0_into_stage0(engine, state: Dict[str, Any]) -> None:
-    """A stage-0 state into stage 0: the torch state_dict, then the fp32 copies (DeepSpeed's
-    fp32_groups order: param group by param group) into the tensors the optimizer steps."""
-    engine.strategy.load_optimizer_state_dict({"optimizer": state["optimizer"]})
-    masters = state.get("fp32_masters")
-    if masters:
-        targets = [p for g in engine.optimizer.param_groups for p in g["params"]]
-        if len(targets) != len(masters) or any(t.shape != m.shape for t, m in zip(targets, masters)):
-            raise CheckpointError("the checkpoint's fp32 weights do not match this optimizer's parameters")
-        with torch.no_grad():
-            for t, m in zip(targets, masters):
-                if t.dtype == torch.float32:
-                    t.copy_(m)
+def saved_shards(optim: Any) -> SavedShards:
+    """What was read for this rank's optimizer in the shard vocabulary: a list of name-keyed
+    shards (every saved rank's, or a universal folder's one), one shard (this rank's), or a
+    whole state ({"optimizer": torch state_dict, ...})."""
+    if isinstance(optim, list):
+        return SavedShards(shards=optim)
+    if isinstance(optim, dict) and "groups" in optim:
+        return SavedShards(shards=[optim])
+    return SavedShards(whole=optim)
 
 
 def _apply(engine, got: _Loaded, strict: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
@@ -216,10 +214,8 @@ def _apply(engine, got: _Loaded, strict: bool, load_lr_scheduler_states: bool, l
     strategy.load_module_state_dict(got.module, strict=strict)
     if load_module_only:
         return
-    if isinstance(got.optim, dict) and "optimizer" in got.optim and strategy.stage == 0:
-        _load_stage0_into_stage0(engine, got.optim)
-    elif got.optim is not None:
-        strategy.load_optimizer_state_dict(got.optim)
+    if got.optim is not None:
+        strategy.load_shard_state(saved_shards(got.optim))
     if load_lr_scheduler_states and engine.lr_scheduler is not None and got.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(got.lr_scheduler)
     if engine.loss_scaler is not None and got.loss_scaler is not None:
@@ -283,7 +279,7 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
     got = None
     try:
         read = _read_universal if load_universal else _read
-        got = read(engine, path, load_module_strict, load_optimizer_states, load_module_only, trust_pickle)
+        got = read(engine, engine.strategy.shard_layout(), path, load_module_strict, load_optimizer_states, load_module_only, trust_pickle)
     except CheckpointError as exc:
         error = str(exc)
     agree(error)

@@ -54,11 +54,12 @@ def moe_layers(module: torch.nn.Module) -> List[Tuple[str, Any]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, MoE)]
 
 
-def uses_layout(engine) -> bool:
-    """Whether this engine saves in the MoE layout: MoE layers at ZeRO 0-2 (ZeRO-3 takes
-    MoE only at ep_size 1, where every rank holds every expert, and saves as any model;
-    DeepSpeed refuses MoE with ZeRO-3, so it has no MoE layout to follow there)."""
-    return engine.strategy.stage < 3 and bool(moe_layers(engine.module))
+def uses_layout(module: torch.nn.Module, layout) -> bool:
+    """Whether a model saves in the MoE layout: it has MoE layers and its shard layout keeps
+    DeepSpeed's per-expert files (ZeRO-3's does not: it takes MoE only at ep_size 1, where
+    every rank holds every expert, and saves as any model; DeepSpeed refuses MoE with
+    ZeRO-3, so it has no MoE layout to follow there)."""
+    return layout.expert_files and bool(moe_layers(module))
 
 
 def is_expert_key(name: str) -> bool:

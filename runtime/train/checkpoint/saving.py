@@ -51,6 +51,7 @@ from .foreign import loss_scaler_record
 from .layout import LATEST, PREVIOUS, RECOVERY_SCRIPT, STAGING, TRASH, read_latest, rng_states_name, validate_tag
 from .manifest import Manifest
 from .optimizer_state import deepspeed_optimizer_of
+from ...core.shard_state import FrozenRecord, ShardKind, ShardState
 from ...zero.reshard import tied_aliases
 from .rng import rng_state
 from . import autoep, moe, parallel
@@ -209,20 +210,36 @@ def _fragment(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     return padded[rank * chunk:(rank + 1) * chunk].clone()
 
 
-def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any]) -> Dict[str, Any]:
+def _param_shapes(shard: ShardState):
+    """DeepSpeed's param_shapes: how the shard's kind lays each param group out (none when whole)."""
+    kind, state = shard.layout.kind, shard.state
+    if kind is ShardKind.PER_PARAMETER:
+        return dsformat.stage3_param_shapes(state, shard.layout.sub_group_size)
+    return dsformat.stage12_param_shapes(state) if kind is ShardKind.FLAT else None
+
+
+def _whole_optimizer(engine, shard: ShardState) -> Dict[str, Any]:
+    """DeepSpeed's "optimizer" entry for a whole (unsharded) state."""
+    scaler = engine.loss_scaler
+    return dsformat.stage0_optimizer(shard.state, shard.param_groups, engine.compute_dtype != torch.float32,
+                                     scaler.state_dict() if scaler is not None else None, _dynamic_settings(scaler),
+                                     engine.global_steps, deepspeed_optimizer_of(engine))
+
+
+def _model_states(engine, module_state, shard: ShardState, client_state: Dict[str, Any]) -> Dict[str, Any]:
     """DeepSpeed's model-states dict (engine._common_checkpoint_state plus client_state at the
-    top level), with dslaunch's extras under "dslaunch"."""
-    module, stage = engine.module, engine.strategy.stage
+    top level), with dslaunch's extras under "dslaunch". What the shard layout decides
+    (frozen parameters, placeholders, the optimizer's place) comes from `shard.layout`."""
+    module, lay = engine.module, shard.layout
     place = parallel.placement(engine)
-    world, rank = place.dp_size, place.dp_rank  # ZeRO shards over the data-parallel group
     scaler = engine.loss_scaler
     scaler_state = scaler.state_dict() if scaler is not None else None
-    frozen = {n: module_state[n] for n in _frozen(module)} if stage >= 2 else {}
-    if stage == 3:  # parameters live in the fp32 shards; DeepSpeed keeps empty placeholders
+    recorded = lay.frozen is not FrozenRecord.NONE
+    frozen = {n: module_state[n] for n in _frozen(module)} if recorded else {}
+    if lay.module_in_shards:  # parameters live in the fp32 shards; DeepSpeed keeps empty placeholders
         params = dict(module.named_parameters(remove_duplicate=False))
         module_state = {k: (torch.empty(0, dtype=v.dtype) if k in params else v) for k, v in module_state.items()}
-    sub_group = engine.config.zero_optimization.sub_group_size
-    layers = moe.moe_layers(module) if moe.uses_layout(engine) else []
+    layers = moe.moe_layers(module) if moe.uses_layout(module, lay) else []
     if layers:  # expert weights go to their own files (moe.py), as DeepSpeed's MoE layout
         module_state = moe.without_experts(module_state)
     autoep_layers = autoep.layers(module)
@@ -232,24 +249,20 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
     state = {
         "module": None if parallel.is_pipeline(engine) else module_state,  # pipelines: one file per layer
         "buffer_names": _buffer_names(module),
-        "optimizer": (dsformat.stage0_optimizer(optim_state, engine.optimizer.param_groups,
-                                                engine.compute_dtype != torch.float32, scaler_state,
-                                                _dynamic_settings(scaler), engine.global_steps,
-                                                deepspeed_optimizer_of(engine))
-                      if stage == 0 else None),
-        "param_shapes": (None if stage == 0 else dsformat.stage3_param_shapes(optim_state, sub_group) if stage == 3
-                         else dsformat.stage12_param_shapes(optim_state)),
-        "frozen_param_shapes": OrderedDict((n, v.shape) for n, v in frozen.items()) if stage >= 2 else None,
-        "shared_params": tied_aliases(module) if stage > 0 else None,
-        "frozen_param_fragments": (OrderedDict((n, v if stage == 2 else _fragment(v, world, rank))
-                                               for n, v in frozen.items()) if stage >= 2 else None),
+        "optimizer": None if lay.sharded else _whole_optimizer(engine, shard),
+        "param_shapes": _param_shapes(shard),
+        "frozen_param_shapes": OrderedDict((n, v.shape) for n, v in frozen.items()) if recorded else None,
+        "shared_params": tied_aliases(module) if lay.records_tied else None,
+        "frozen_param_fragments": (OrderedDict((n, v if lay.frozen is FrozenRecord.WHOLE
+                                                else _fragment(v, lay.dp_size, lay.dp_rank))
+                                               for n, v in frozen.items()) if recorded else None),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "data_sampler": None,
         "random_ltd": None,
         "skipped_steps": engine.skipped_steps,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "dp_world_size": world,
+        "dp_world_size": place.dp_size,
         "mp_world_size": place.slices,  # DeepSpeed's grid: the (pipe, model) slice size
         "checkpoint_parallel_dimensions": {"pp_degree": place.pp_size, "tp_degree": place.mp_size},
         "ds_config": engine.config.to_dict(),
@@ -268,49 +281,50 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
     state.update(client_state)
     state["dslaunch"] = {"counters": engine.counters_state(), "loss_scaler": scaler_state,
                          "client_keys": sorted(client_state)}
-    if stage == 0 and optim_state is not None and "param_names" in optim_state:
+    if not lay.sharded and shard.state is not None and "param_names" in shard.state:
         # every group's parameter names: another topology or stage re-cuts this state by name
-        state["dslaunch"]["param_names"] = optim_state["param_names"]
+        state["dslaunch"]["param_names"] = shard.state["param_names"]
     if place.mp_size > 1:
         # how each tensor-parallel shard sits in its full parameter: another tensor size re-cuts by it
         state["dslaunch"]["tensor_parallel_shards"] = tensor_slices.shard_specs(module)
     return state
 
 
-def _write_rank_files(engine, staging: str, module_state, optim_state, client_state: Dict[str, Any],
+def _write_rank_files(engine, staging: str, module_state, shard: ShardState, client_state: Dict[str, Any],
                       writes_shared: bool) -> Dict[str, FileRecord]:
-    """This rank's files: RNG states, its ZeRO optimizer states, and the model states (ZeRO-3:
-    every rank its own; otherwise one writer per (pipe, model) slice, parallel.py), with a
-    pipeline stage's layer files."""
-    rank, stage = engine.global_rank, engine.strategy.stage
+    """This rank's files: RNG states, its optimizer shard when sharded, and the model states
+    (a partitioned module: every rank its own; otherwise one writer per (pipe, model) slice,
+    parallel.py), with a pipeline stage's layer files."""
+    rank, lay = engine.global_rank, shard.layout
     records = {rng_states_name(rank): write_torch(os.path.join(staging, rng_states_name(rank)), rng_state())}
-    if stage > 0:
+    if lay.sharded:
         scaler = engine.loss_scaler
         scaler_state = scaler.state_dict() if scaler is not None else None
         dynamic = _dynamic_settings(scaler)
         optim = dsformat.zero_optim_states(
-            optim_state, engine.optimizer.param_groups, clip_grad=float(engine.config.gradient_clipping),
+            shard.state, shard.param_groups, clip_grad=float(engine.config.gradient_clipping),
             loss_scaler=loss_scaler_record(scaler_state, dynamic), dynamic_loss_scale=dynamic is not None,
-            sub_group_size=engine.config.zero_optimization.sub_group_size, ds_class=deepspeed_optimizer_of(engine))
+            sub_group_size=lay.sub_group_size, ds_class=deepspeed_optimizer_of(engine))
         name = parallel.optim_states_file(engine)
         records[name] = write_torch(os.path.join(staging, name), {
             "optimizer_state_dict": optim, "ds_config": engine.config.to_dict(), "ds_version": dsformat.DS_VERSION},
             deepspeed_objects=True)
-    records.update(_write_moe_files(engine, staging, module_state, optim_state))
-    if stage == 3 or parallel.writes_model_states(engine, writes_shared):
-        name = parallel.zero_model_states_file(engine) if stage == 3 else parallel.model_states_file(engine)
+    records.update(_write_moe_files(engine, staging, module_state, shard))
+    if lay.own_model_file or parallel.writes_model_states(engine, writes_shared):
+        name = parallel.zero_model_states_file(engine) if lay.own_model_file else parallel.model_states_file(engine)
         records[name] = write_torch(os.path.join(staging, name),
-                                    _model_states(engine, module_state, optim_state, client_state))
+                                    _model_states(engine, module_state, shard, client_state))
         for name, layer in parallel.layer_files(engine, module_state).items():
             records[name] = write_torch(os.path.join(staging, name), layer)
     return records
 
 
-def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[str, FileRecord]:
+def _write_moe_files(engine, staging: str, module_state, shard: ShardState) -> Dict[str, FileRecord]:
     """MoE layers (moe.py): the first rank of each expert-data-parallel group writes its
-    experts' files and, at stage 0, its expert-parallel rank's optimizer file."""
-    autoep_layout = autoep.uses_layout(engine)
-    if not moe.uses_layout(engine) and not autoep_layout:
+    experts' files and, with a whole (unsharded) optimizer state, its expert-parallel rank's
+    optimizer file."""
+    autoep_layout = autoep.uses_layout(engine.module)
+    if not moe.uses_layout(engine.module, shard.layout) and not autoep_layout:
         return {}
     ep = engine.expert_parallel_size
     if ep > 1 and engine.config.checkpoint.use_node_local_storage:
@@ -326,15 +340,10 @@ def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[st
                                                                                         ep_rank)
     for name, experts in files.items():
         records[name] = write_torch(os.path.join(staging, name), experts)
-    if engine.strategy.stage == 0:
-        scaler = engine.loss_scaler
-        optimizer = dsformat.stage0_optimizer(
-            optim_state, engine.optimizer.param_groups, engine.compute_dtype != torch.float32,
-            scaler.state_dict() if scaler is not None else None, _dynamic_settings(scaler), engine.global_steps,
-            deepspeed_optimizer_of(engine))
+    if not shard.layout.sharded:
         name = moe.expp_file_name(ep_rank)
         records[name] = write_torch(os.path.join(staging, name), {
-            "optimizer": optimizer, "dslaunch": {"param_names": optim_state["param_names"]}})
+            "optimizer": _whole_optimizer(engine, shard), "dslaunch": {"param_names": shard.state["param_names"]}})
     return records
 
 
@@ -384,18 +393,19 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
 
     # 2. every rank writes its files
     module_state = strategy.module_state_dict()  # collective under ZeRO-3
-    optim_state = strategy.optimizer_state_dict()
+    shard = strategy.shard_state()
     records: Dict[str, FileRecord] = {}
     error = None
     try:
-        records.update(_write_rank_files(engine, staging, module_state, optim_state,
+        records.update(_write_rank_files(engine, staging, module_state, shard,
                                          {} if pickled else client_state, writes_shared))
         if writes_shared and pickled:
             records[CLIENT_STATE_FILE] = write_torch(os.path.join(staging, CLIENT_STATE_FILE), client_state)
         _step("files-written")
     except CheckpointError as exc:
         error = str(exc)
-    del module_state, optim_state
+    layout = shard.layout
+    del module_state, shard
     all_records = agree(error, (leader, records), on_failure=lambda: writes_shared and remove_tree(staging))
 
     # 3. each storage leader writes the manifest of the files in its storage and commits
@@ -406,8 +416,8 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
             for r_leader, r_files in all_records:
                 if r_leader == leader:
                     files.update(r_files)
-            manifest = Manifest(tag=tag, world_size=engine.world_size, zero_stage=strategy.stage,
-                                sharded_optimizer_state=strategy.sharded_optimizer_state, files=files,
+            manifest = Manifest(tag=tag, world_size=engine.world_size, zero_stage=layout.zero_stage,
+                                sharded_optimizer_state=layout.sharded, files=files,
                                 pickled_client_state=pickled, node_local=leader != 0 or any(
                                     r_leader != 0 for r_leader, _ in all_records),
                                 **parallel.manifest_fields(engine))
