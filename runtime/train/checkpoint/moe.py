@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .run import Run
 from ...core.errors import CheckpointError
 from ...moe.layer import MoE
 from ...zero.reshard import shards_from_stage0
@@ -249,29 +250,29 @@ def _num_by_prefix(full: Dict[str, torch.Tensor], saved: SavedExperts, path: str
 
 
 # -- loading into an engine ------------------------------------------------------------------------
-def _engine_renamer(ck, engine, saved: SavedExperts, full):
-    layers = moe_layers(engine.module)
+def _engine_renamer(ck, run: Run, saved: SavedExperts, full):
+    layers = moe_layers(run.module)
     if len(layers) != len(saved.num_experts) or any(
             l.num_experts != n for (_, l), n in zip(layers, saved.num_experts)):
         raise CheckpointError(f"checkpoint {ck.path}: its MoE layers have {saved.num_experts} experts, this model's "
                               f"{[l.num_experts for _, l in layers]}")
     ep = layers[0][1].ep_size
-    return renamer(_num_by_prefix(full, saved, ck.path), ep, engine.mesh.rank("expert") if ep > 1 else 0, False)
+    return renamer(_num_by_prefix(full, saved, ck.path), ep, run.expert_rank if ep > 1 else 0, False)
 
 
-def module_state(ck, engine, saved: SavedExperts) -> Dict[str, torch.Tensor]:
+def module_state(ck, run: Run, saved: SavedExperts) -> Dict[str, torch.Tensor]:
     """This rank's module state: the dense weights and its own experts under local ids."""
     full = global_module_state(ck, saved)
-    return rename_state(full, _engine_renamer(ck, engine, saved, full))
+    return rename_state(full, _engine_renamer(ck, run, saved, full))
 
 
-def _ds_group_names(engine) -> Callable[[int, int], List[List[str]]]:
+def _ds_group_names(run: Run) -> Callable[[int, int], List[List[str]]]:
     """The names of a DeepSpeed expp file's param groups, which it records none of: this
     engine's groups, each layer's expert parameters re-listed for the saving rank's local
     experts (module order, as DeepSpeed's moe param groups list them)."""
-    strategy = engine.strategy
+    strategy = run.strategy
     names = getattr(strategy, "_group_names", None) or getattr(strategy, "listed_names", None) or []
-    experts_of = {prefix: layer.num_experts for prefix, layer in moe_layers(engine.module)}
+    experts_of = {prefix: layer.num_experts for prefix, layer in moe_layers(run.module)}
 
     def for_rank(r: int, ep: int) -> List[List[str]]:
         out = []
@@ -295,8 +296,8 @@ def _ds_group_names(engine) -> Callable[[int, int], List[List[str]]]:
     return for_rank
 
 
-def optimizer_shards(ck, engine, saved: SavedExperts) -> List[Dict[str, Any]]:
+def optimizer_shards(ck, run: Run, saved: SavedExperts) -> List[Dict[str, Any]]:
     """This rank's optimizer state as name-keyed shards under its local expert names."""
     full = global_module_state(ck, saved)
-    shards = global_shards(ck, saved, full, _ds_group_names(engine))
-    return rename_shards(shards, _engine_renamer(ck, engine, saved, full))
+    shards = global_shards(ck, saved, full, _ds_group_names(run))
+    return rename_shards(shards, _engine_renamer(ck, run, saved, full))
