@@ -52,7 +52,8 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="bench-ckpt-")
     save_dir = os.path.join(root, "ckpt")
     plain, ours, saves, loads, verifies, crcs = [], [], [], [], [], []
-    state = _model_states(engine, engine.strategy.module_state_dict(), engine.strategy.optimizer_state_dict(), {})
+    state = _model_states(engine._checkpoint_run(), engine.strategy.module_state_dict(), engine.strategy.shard_state(),
+                          {})
     size = 0
     try:
         for r in range(args.rounds):

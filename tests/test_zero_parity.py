@@ -179,7 +179,7 @@ def train_zero(cfg, rank, world, steps, nvme_dir=None, load_from=None, first_ste
         params = {n: v.float() for n, v in z.module_state_dict().items()}
     else:
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    shard = z.shard_state()
+    shard = z.partition_state()
     kernel = getattr(z.host, "kernel", None) is not None
     if cfg.offload == "nvme":  # every chunk's state went through the files, read back each later step
         assert len(z.host.units) > 3 and z.host.bytes_read > 0 and z.host.bytes_written >= z.host.bytes_read

@@ -86,6 +86,8 @@ Contract details:
   was saved for that rank; masters must be refreshed from the loaded module weights. A
   strategy with `loads_any_world_size = True` is instead handed the list of every saved
   rank's ZeRO shard when the checkpoint's stage or world size differs from its own.
+  The checkpoint writer sees none of this directly: it calls `shard_state()` (the state
+  with its `shard_layout()`, core/shard_state.py) and `load_shard_state(SavedShards)`.
 """
 from __future__ import annotations
 
@@ -97,6 +99,7 @@ import torch
 import torch.distributed as dist
 
 from .precision import PrecisionPolicy
+from .shard_state import SavedShards, ShardLayout, ShardState
 from .strict import ConfigError
 
 if TYPE_CHECKING:  # the strategies read the parsed config the engine hands them; they never parse one
@@ -390,6 +393,21 @@ class GradientStrategy:
 
     def load_optimizer_state_dict(self, state: Dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+
+    # -- the checkpoint contract (core/shard_state.py) --------------------------------------
+    def shard_layout(self) -> ShardLayout:
+        """How this strategy holds its optimizer state, as the checkpoint files describe it."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe its shard layout")
+
+    def shard_state(self) -> ShardState:
+        """This rank's optimizer state for the checkpoint writer (collective where
+        optimizer_state_dict is)."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return ShardState(self.shard_layout(), self.optimizer_state_dict(), groups)
+
+    def load_shard_state(self, saved: SavedShards) -> None:
+        """What a checkpoint holds for this rank, fitted to this strategy's partition."""
+        self.load_optimizer_state_dict(saved.whole if saved.is_whole else saved.shards)
 
     def close(self) -> None:
         """Remove hooks; the engine calls this when it is destroyed or replaced."""

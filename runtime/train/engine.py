@@ -737,6 +737,22 @@ class DeepSpeedEngine(torch.nn.Module):
         """The process group of this rank's sequence axis (DistributedAttention's group)."""
         return self.seq_parallel_group
 
+    def _checkpoint_run(self) -> checkpoint.Run:
+        """What checkpoint/ sees of this engine for one save or load: plain values as of now,
+        and the objects that own state (it never gets the engine itself)."""
+        m, ep = self.mesh, self.expert_parallel_size
+        place = checkpoint.Placement(self.global_rank, m.rank("data"), m.size("data"), m.rank("pipe"), m.size("pipe"),
+                                     m.rank("tensor"), m.size("tensor"))
+        return checkpoint.Run(
+            module=self.module, strategy=self.strategy, place=place, local_rank=self.local_rank,
+            world_size=self.world_size, config=self.config, compute_dtype=self.compute_dtype,
+            loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler, global_steps=self.global_steps,
+            skipped_steps=self.skipped_steps, global_samples=self.global_samples, counters=self.counters_state(),
+            accumulation=self.gradient_accumulation_steps(), restore_counters=self.load_counters_state,
+            expert_parallel_size=ep, expert_rank=m.rank("expert") if ep > 1 else 0,
+            expert_data_rank=m.rank("expert_data") if ep > 1 else place.dp_rank,
+            expert_data_size=m.size("expert_data") if ep > 1 else place.dp_size)
+
     def _refuse_sequence_checkpoint(self, what: str) -> None:
         # ZeRO state is sharded over data x sequence ranks, which DeepSpeed's file layout
         # (one shard per data-parallel rank) does not name
@@ -750,7 +766,8 @@ class DeepSpeedEngine(torch.nn.Module):
         """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
         need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
         self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest, allow_pickle=allow_pickle)
+        return checkpoint.save(self._checkpoint_run(), save_dir, tag, client_state, save_latest=save_latest,
+                               allow_pickle=allow_pickle)
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
         """DeepSpeed's name for making the saved zero_to_fp32.py executable, where a file
@@ -763,7 +780,7 @@ class DeepSpeedEngine(torch.nn.Module):
         """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
         weights_only=True unless trust_pickle=True."""
         self._refuse_sequence_checkpoint("load_checkpoint")
-        return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
+        return checkpoint.load(self._checkpoint_run(), load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                trust_pickle=trust_pickle)

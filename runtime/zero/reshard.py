@@ -4,7 +4,7 @@ The shard arithmetic of the ZeRO stages: the stages call it to resume (assemble,
 shards_from_stage0, whole_optimizer_state) and checkpoint/ calls it to write, consolidate
 and convert files; it knows nothing of files or of the engine.
 
-A shard (PartitionedOptimizer.shard_state / the stage-3 equivalent) holds, per param
+A shard (ZeroStage1/2.partition_state / the stage-3 equivalent) holds, per param
 group, the pieces this rank owned as {"name", "start", "end"} in the parameter's
 flattened coordinates, the full shape of every parameter, and tensors keyed by
 parameter name: "master" (fp32 weights) and, under "state", each optimizer state tensor

@@ -2,11 +2,13 @@
 call order): the data-parallel group they shard over, and checkpoints of one optimizer
 shard per rank.
 
-The checkpoint contract: `optimizer_state_dict()` returns this rank's shard (pieces of
-fp32 masters and optimizer state, keyed by parameter name); the engine saves one file
-per rank. `load_optimizer_state_dict` accepts this rank's own shard or, when the saved
-world size differs, the list of every saved rank's shard, and re-cuts them to this
-rank's partition, so any saved world size and stage loads directly.
+The checkpoint contract (core/shard_state.py): `shard_state()` hands over this rank's
+shard (pieces of fp32 masters and optimizer state, keyed by parameter name) with the
+subclass's `shard_layout()`; the checkpoint writer saves one file per rank.
+`load_shard_state` accepts this rank's own shard, every saved rank's shards (another world
+size or stage), or a whole stage-0 state, and re-cuts them to this rank's partition, so any
+saved world size and stage loads directly. `optimizer_state_dict` /
+`load_optimizer_state_dict` are the same state as plain values.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Dict, List, Union
 
 from ..core.strategy import GradientStrategy, StrategyContext
 from ..core import comm
+from ..core.shard_state import SavedShards
 from .reshard import shards_from_stage0
 
 
@@ -33,7 +36,7 @@ def offload_optimizer(ctx: StrategyContext):
 
 
 class ShardedStrategy(GradientStrategy):
-    """Base of ZeroStage1/2/3. Subclasses provide `shard_state()` / `load_shards(shards)`
+    """Base of ZeroStage1/2/3. Subclasses provide `partition_state()` / `load_shards(shards)`
     (their pieces of masters and optimizer state) and `listed_names` (each optimizer
     group's parameter names, for re-cutting a stage-0 checkpoint)."""
 
@@ -52,7 +55,7 @@ class ShardedStrategy(GradientStrategy):
         self.listed_names: List[List[str]] = []
 
     def optimizer_state_dict(self) -> Dict[str, Any]:
-        state = self.shard_state()
+        state = self.partition_state()
         # The groups' hyperparameters (lr, betas, weight_decay, ...), as torch's state_dict keeps
         # them: a scheduler the engine does not own (the HF Trainer's LambdaLR) restores only its
         # own counters, and the lr it set last must come back with the optimizer.
@@ -61,7 +64,13 @@ class ShardedStrategy(GradientStrategy):
         return state
 
     def load_optimizer_state_dict(self, state: Union[Dict[str, Any], List[Dict[str, Any]]]) -> None:
-        shards = _as_shards(state, self.listed_names, self._module_state)
+        self._load_all(_as_shards(state, self.listed_names, self._module_state))
+
+    def load_shard_state(self, saved: SavedShards) -> None:
+        self._load_all(shards_from_stage0(saved.whole, self.listed_names, self._module_state or {})
+                       if saved.is_whole else saved.shards)
+
+    def _load_all(self, shards: List[Dict[str, Any]]) -> None:
         self.load_shards(shards)
         saved = shards[0].get("param_groups") if shards else None
         if saved is not None and self.optimizer is not None and len(saved) == len(self.optimizer.param_groups):
@@ -71,7 +80,7 @@ class ShardedStrategy(GradientStrategy):
     def _excluded_names(self) -> set:
         return {n for n, p in self.module.named_parameters() if id(p) in self.ctx.norm_exclude}
 
-    def shard_state(self) -> Dict[str, Any]:
+    def partition_state(self) -> Dict[str, Any]:
         raise NotImplementedError
 
     def load_shards(self, shards: List[Dict[str, Any]], load_optimizer: bool = True) -> None:

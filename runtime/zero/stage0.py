@@ -35,7 +35,9 @@ from typing import Dict, List, Optional
 import torch
 
 from ..core import comm
+from ..core.errors import CheckpointError
 from ..core.reduction import GradReduction
+from ..core.shard_state import SavedShards, ShardKind, ShardLayout
 from ..core.strategy import (DATA_AXIS, GradientStrategy, ReduceAxis, StrategyContext, check_numel, register_strategy,
                              state_tensor)
 from .reshard import whole_optimizer_state
@@ -335,6 +337,28 @@ class DataParallelStrategy(GradientStrategy):
             state["fp32_masters"] = [m.detach().clone() for m in self.masters]
             state["master_names"] = [self._first_name[id(p)] for b in self.buckets for p in b.params]
         return state
+
+    def shard_layout(self) -> ShardLayout:
+        return ShardLayout(ShardKind.WHOLE, self.stage, self.ctx.world_size, self.ctx.rank,
+                           recuts=self.loads_any_world_size)
+
+    def load_shard_state(self, saved: SavedShards) -> None:
+        """A whole state: torch's state_dict, then the fp32 copies (DeepSpeed's fp32_groups
+        order, param group by param group) into the fp32 tensors the optimizer steps; ZeRO
+        shards (any stage, any world size): re-cut into whole tensors."""
+        if not saved.is_whole:
+            self.load_optimizer_state_dict(saved.shards)
+            return
+        self.optimizer.load_state_dict(saved.whole["optimizer"])
+        masters = saved.whole.get("fp32_masters")
+        if masters:
+            targets = [p for g in self.optimizer.param_groups for p in g["params"]]
+            if len(targets) != len(masters) or any(t.shape != m.shape for t, m in zip(targets, masters)):
+                raise CheckpointError("the checkpoint's fp32 weights do not match this optimizer's parameters")
+            with torch.no_grad():
+                for t, m in zip(targets, masters):
+                    if t.dtype == torch.float32:
+                        t.copy_(m)
 
     def load_optimizer_state_dict(self, state) -> None:
         if isinstance(state, list):

@@ -41,6 +41,7 @@ import torch
 
 from ..core.muon.sharded import MOMENTUM, ShardedMuon, flat_layout_updates, resident_keys, whole_momenta
 from ..core.reduction import GradReduction, plan_buckets
+from ..core.shard_state import FrozenRecord, ShardKind, ShardLayout
 from ..core.strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
 from ..core import comm
 from .offload import OptimizerHost, make_host, pin_host
@@ -439,7 +440,11 @@ class _PartitionedStage(ShardedStrategy):
         self._scatter_pieces(mine, self._grad_partition(g), flat)
 
     # -- checkpoints ------------------------------------------------------------------------
-    def shard_state(self) -> Dict[str, Any]:
+    def shard_layout(self) -> ShardLayout:
+        return ShardLayout(ShardKind.FLAT, self.stage, self.world, self.rank, frozen=self.frozen_record,
+                           records_tied=True, recuts=self.loads_any_world_size)
+
+    def partition_state(self) -> Dict[str, Any]:
         """This rank's pieces of masters and optimizer state, keyed by parameter name."""
         groups = []
         for gi, g in enumerate(self.groups):
@@ -502,9 +507,13 @@ class _PartitionedStage(ShardedStrategy):
 class ZeroStage1(_PartitionedStage):
     """Optimizer state partitioned; full gradients until the boundary reduce-scatter."""
 
+    frozen_record = FrozenRecord.NONE  # DeepSpeed's stage 1 records no frozen parameters
+
 
 @register_strategy(2)
 class ZeroStage2(_PartitionedStage):
     """Optimizer state and gradients partitioned; gradients reduced during backward."""
+
+    frozen_record = FrozenRecord.WHOLE  # DeepSpeed's stage 2 keeps each frozen tensor whole
 
     communicates_every_micro_step = True

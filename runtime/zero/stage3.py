@@ -35,6 +35,7 @@ import torch
 from ..core.internals import internal_optimizer
 from ..core.muon.sharded import ShardedMuon, resident_keys, chunked_updates
 from ..core.reduction import GradReduction
+from ..core.shard_state import FrozenRecord, ShardKind, ShardLayout
 from ..core.strict import ConfigError
 from ..core.strategy import StrategyContext, check_numel, register_strategy, state_tensor
 from ..core import comm
@@ -721,7 +722,15 @@ class ZeroStage3(ShardedStrategy):
         if buffers:
             self.module.load_state_dict(buffers, strict=False)
 
-    def shard_state(self) -> Dict[str, Any]:
+    def shard_layout(self) -> ShardLayout:
+        # parameters live in the fp32 shards and every rank writes its own model file; DeepSpeed
+        # refuses MoE with ZeRO-3, so there is no per-expert file layout to follow here
+        return ShardLayout(ShardKind.PER_PARAMETER, self.stage, self.world, self.rank, frozen=FrozenRecord.FRAGMENT,
+                           module_in_shards=True, own_model_file=True, records_tied=True, expert_files=False,
+                           sub_group_size=int(self.ctx.config.zero_optimization.sub_group_size),
+                           recuts=self.loads_any_world_size)
+
+    def partition_state(self) -> Dict[str, Any]:
         groups = []
         for gi, g in enumerate(self.groups):
             m = g["master"]

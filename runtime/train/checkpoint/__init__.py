@@ -6,6 +6,7 @@
     manifest.py     manifest.json: every file's size and XXH3-64 checksum, written last
     rng.py          per-rank RNG states as plain values
     agree.py        every rank learns whether every other rank's part succeeded
+    run.py          Run: what a save or load sees of the training run (built by the engine), Placement
     saving.py       engine.save_checkpoint: write, then commit the tag atomically
     loading.py      engine.load_checkpoint: read and check everything, then apply
     reshard.py      ZeRO shards re-cut for any world size and stage; consolidation maths
@@ -19,6 +20,7 @@
 """
 from ...core.errors import CheckpointError
 from .loading import load
+from .run import Placement, Run
 from .saving import save
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["CheckpointError", "Placement", "Run", "load", "save"]

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .run import Run
 from ...core.errors import CheckpointError
 from ...moe.autoep.layer import AutoEPMoELayer
 from .moe import expert_file_name, expp_file_name, read_expp_state
@@ -46,9 +47,9 @@ def layers(module: torch.nn.Module) -> List[Tuple[str, AutoEPMoELayer]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]
 
 
-def uses_layout(engine) -> bool:
+def uses_layout(module: torch.nn.Module) -> bool:
     """AutoEP runs at ZeRO 0-2 only (attach.py refuses stage 3)."""
-    return bool(layers(engine.module))
+    return bool(layers(module))
 
 
 def _prefix(name: str) -> str:
@@ -114,8 +115,8 @@ def saved_ep_size(records: List[Dict[str, Any]]) -> int:
     return int(records[0]["ep_size"]) if records else 1
 
 
-def check_model(ck, engine, records: List[Dict[str, Any]]) -> None:
-    own = layers(engine.module)
+def check_model(ck, run: Run, records: List[Dict[str, Any]]) -> None:
+    own = layers(run.module)
     theirs = [(r["expert_key_prefix"], int(r["num_experts"])) for r in records]
     mine = [(_prefix(n), m.num_experts) for n, m in own]
     if theirs != mine:
@@ -124,12 +125,12 @@ def check_model(ck, engine, records: List[Dict[str, Any]]) -> None:
                               f"{' ...' if len(mine) > 3 else ''}")
 
 
-def module_state(ck, engine, records: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+def module_state(ck, run: Run, records: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     """The dense weights and this rank's experts, stacked from their per-expert files."""
-    check_model(ck, engine, records)
+    check_model(ck, run, records)
     names = set(ck.manifest.files) if ck.manifest is not None else None
     out = dict(ck.module_state())
-    for index, (name, layer) in enumerate(layers(engine.module)):
+    for index, (name, layer) in enumerate(layers(run.module)):
         local = layer.num_local_experts
         rows: Dict[str, List[torch.Tensor]] = {w: [] for w in WEIGHTS}
         for e in range(local):
@@ -150,10 +151,10 @@ def module_state(ck, engine, records: List[Dict[str, Any]]) -> Dict[str, torch.T
     return out
 
 
-def check_optimizer_layout(ck, engine, records: List[Dict[str, Any]], same_layout: bool) -> None:
+def check_optimizer_layout(ck, run: Run, records: List[Dict[str, Any]], same_layout: bool) -> None:
     """The saved optimizer state holds the saving ranks' local experts: it fits this job only
     at the same autoep_size (and, ZeRO 1/2, the same data-parallel layout)."""
-    saved, ep = saved_ep_size(records), engine.expert_parallel_size
+    saved, ep = saved_ep_size(records), run.expert_parallel_size
     if saved != ep:
         raise CheckpointError(f"checkpoint {ck.path} was saved at expert_parallel.autoep_size {saved} and this job "
                               f"runs {ep}: its optimizer state holds each rank's own experts and is not re-cut here; "
@@ -164,10 +165,10 @@ def check_optimizer_layout(ck, engine, records: List[Dict[str, Any]], same_layou
                               "load_optimizer_states=False)")
 
 
-def stage0_state(ck, engine) -> Dict[str, Any]:
+def stage0_state(ck, run: Run) -> Dict[str, Any]:
     """ZeRO 0: this expert-parallel rank's optimizer state, from its expp file."""
-    ep = engine.expert_parallel_size
-    name = expp_file_name(engine.mesh.rank("expert") if ep > 1 else 0)
+    ep = run.expert_parallel_size
+    name = expp_file_name(run.expert_rank if ep > 1 else 0)
     if ck.manifest is not None and name not in ck.manifest.files:
         raise CheckpointError(f"checkpoint {ck.path}: {name} is missing (the optimizer state of this rank's experts)")
     state, names = read_expp_state(ck, name)

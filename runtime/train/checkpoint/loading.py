@@ -23,8 +23,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .run import Run
 from .agree import agree
 from ...core.errors import CheckpointError
+from ...core.shard_state import SavedShards, ShardLayout
 from .files import load_torch
 from .layout import LATEST, model_states_name, read_latest, rng_states_name, validate_tag
 from .reader import Checkpoint, open_checkpoint
@@ -70,29 +72,28 @@ def check_module_shapes(module: torch.nn.Module, saved: Dict[str, Tuple[int, ...
             raise CheckpointError(f"checkpoint {path}: {k} has shape {tuple(saved[k])}, the model has {shape}")
 
 
-def _optimizer_state(engine, ck: Checkpoint) -> Any:
-    strategy = engine.strategy
-    place = parallel.placement(engine)
-    if tensor_slices.applies(ck, place, parallel.is_pipeline(engine)):
-        if not getattr(strategy, "loads_any_world_size", False):
+def _optimizer_state(run: Run, ck: Checkpoint, layout: ShardLayout) -> Any:
+    place = run.place
+    if tensor_slices.applies(ck, place, parallel.is_pipeline(run)):
+        if not layout.recuts:
             raise CheckpointError(f"checkpoint {ck.path} was saved at topology {ck.topology} and this job runs "
-                                  f"{place.topology()}; ZeRO stage {strategy.stage} cannot re-cut its optimizer "
+                                  f"{place.topology()}; ZeRO stage {layout.zero_stage} cannot re-cut its optimizer "
                                   "state (load with load_optimizer_states=False)")
-        return tensor_slices.optimizer_shard(ck, engine.module, place.mp_size, place.mp_rank,
+        return tensor_slices.optimizer_shard(ck, run.module, place.mp_size, place.mp_rank,
                                              lambda s: parallel.slice_shards(ck, s))
-    if not ck.sharded and ck.slices == 1 and not ck.layers and not parallel.is_pipeline(engine):
+    if not ck.sharded and ck.slices == 1 and not ck.layers and not parallel.is_pipeline(run):
         return ck.stage0_state()  # one whole state, whatever the data-parallel size
-    same = parallel.same_layout(ck, engine)
+    same = parallel.same_layout(ck, run)
     # Strategies with loads_any_world_size (stage 0 and ZeRO) re-cut what was saved at
     # another topology or stage (reshard.py, parallel.py): they get every saved rank's
     # state keyed by parameter name, ZeRO files memory-mapped so only the overlapping
     # pieces are read.
-    anywhere = getattr(strategy, "loads_any_world_size", False)
+    anywhere = layout.recuts
     if not same and not anywhere:
         raise CheckpointError(f"checkpoint {ck.path} was saved at topology {ck.topology} and this job runs "
                               f"{place.topology()}; its optimizer state cannot be re-cut here (consolidate it or "
                               "load with load_optimizer_states=False)")
-    if not same or (ck.sharded and anywhere and ck.zero_stage != strategy.stage):
+    if not same or (ck.sharded and anywhere and ck.zero_stage != layout.zero_stage):
         if ck.manifest is not None and ck.manifest.node_local:
             needed = ([ck.optim_name(d, s) for s in range(ck.slices) for d in range(ck.world_size)] if ck.sharded
                       else [model_states_name(s) for s in range(ck.slices)]) + sorted(ck.layers)
@@ -101,61 +102,63 @@ def _optimizer_state(engine, ck: Checkpoint) -> Any:
                 raise CheckpointError(f"checkpoint {ck.path} was saved with checkpoint.use_node_local_storage: this "
                                       f"node holds {len(held)} of the {len(needed)} files needed to re-shard it; "
                                       "resume on the nodes and world size that saved it")
-        return parallel.all_shards(ck, engine)
+        return parallel.all_shards(ck, run)
     if ck.sharded:
         return ck.shard(place.dp_rank, place.slice)
     return ck.stage0_state()
 
 
-def _read(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+def _read(run: Run, layout: ShardLayout, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
           trust_pickle: bool) -> _Loaded:
-    ck = open_checkpoint(path, trust_pickle=trust_pickle, placement=parallel.placement(engine))
+    ck = open_checkpoint(path, trust_pickle=trust_pickle, placement=run.place)
     autoep_records = autoep.saved_layers(ck)
-    if autoep_records is not None or autoep.layers(engine.module):
-        return _read_autoep(engine, ck, autoep_records, strict, load_optimizer_states, load_module_only, trust_pickle)
+    if autoep_records is not None or autoep.layers(run.module):
+        return _read_autoep(run, layout, ck, autoep_records, strict, load_optimizer_states, load_module_only,
+                            trust_pickle)
     experts = moe.saved_experts(ck)
-    if experts is None and moe.moe_layers(engine.module) and engine.expert_parallel_size > 1:
+    if experts is None and moe.moe_layers(run.module) and run.expert_parallel_size > 1:
         raise CheckpointError(f"checkpoint {path} has no MoE expert files (layer_*_expert_*); this model's experts "
-                              f"are spread over {engine.expert_parallel_size} ranks")
-    if experts is not None and not moe.moe_layers(engine.module):
+                              f"are spread over {run.expert_parallel_size} ranks")
+    if experts is not None and not moe.moe_layers(run.module):
         raise CheckpointError(f"checkpoint {path} holds MoE expert files but this model has no MoE layers")
     # the module state under this module's names: its own, or rebuilt from a pipeline's layer
     # files, or (MoE) the dense weights and this rank's experts by global expert id
-    module = moe.module_state(ck, engine, experts) if experts is not None else parallel.module_state(ck, engine)
+    module = moe.module_state(ck, run, experts) if experts is not None else parallel.module_state(ck, run)
     optim = None
     if load_optimizer_states and not load_module_only:
         # MoE: every saved optimizer state, renamed to this rank's experts, re-cut by the strategy
-        optim = moe.optimizer_shards(ck, engine, experts) if experts is not None else _optimizer_state(engine, ck)
-    return _finish(engine, ck, module, optim, strict, load_module_only, trust_pickle)
+        optim = (moe.optimizer_shards(ck, run, experts) if experts is not None
+                 else _optimizer_state(run, ck, layout))
+    return _finish(run, ck, module, optim, strict, load_module_only, trust_pickle)
 
 
-def _read_autoep(engine, ck: Checkpoint, records, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+def _read_autoep(run: Run, layout: ShardLayout, ck: Checkpoint, records, strict: bool, load_optimizer_states: bool, load_module_only: bool,
                  trust_pickle: bool) -> _Loaded:
     """An AutoEP model (autoep.py): its experts stacked from the per-expert files; the
     optimizer state at the autoep_size (and ZeRO layout) that saved it."""
     if records is None:
         raise CheckpointError(f"checkpoint {ck.path} has no AutoEP layer records ({autoep.LAYERS_KEY}); this model's "
                               "MoE blocks were swapped by AutoEP (expert_parallel)")
-    if not autoep.layers(engine.module):
+    if not autoep.layers(run.module):
         raise CheckpointError(f"checkpoint {ck.path} was saved with AutoEP (expert_parallel) and this model has no "
                               "AutoEP layers; enable the same expert_parallel section")
-    module = autoep.module_state(ck, engine, records)
+    module = autoep.module_state(ck, run, records)
     optim = None
     if load_optimizer_states and not load_module_only:
-        autoep.check_optimizer_layout(ck, engine, records, parallel.same_layout(ck, engine))
-        if ck.zero_stage != engine.strategy.stage:
+        autoep.check_optimizer_layout(ck, run, records, parallel.same_layout(ck, run))
+        if ck.zero_stage != layout.zero_stage:
             raise CheckpointError(f"checkpoint {ck.path} was saved at ZeRO stage {ck.zero_stage} and this job runs "
-                                  f"stage {engine.strategy.stage}: an AutoEP model's optimizer state is not re-cut "
+                                  f"stage {layout.zero_stage}: an AutoEP model's optimizer state is not re-cut "
                                   "here (load with load_optimizer_states=False)")
-        optim = autoep.stage0_state(ck, engine) if not ck.sharded else ck.shard(parallel.placement(engine).dp_rank,
-                                                                                 parallel.placement(engine).slice)
-    return _finish(engine, ck, module, optim, strict, load_module_only, trust_pickle)
+        optim = autoep.stage0_state(ck, run) if not ck.sharded else ck.shard(run.place.dp_rank,
+                                                                                 run.place.slice)
+    return _finish(run, ck, module, optim, strict, load_module_only, trust_pickle)
 
 
-def _finish(engine, ck: Checkpoint, module, optim, strict: bool, load_module_only: bool, trust_pickle: bool
+def _finish(run: Run, ck: Checkpoint, module, optim, strict: bool, load_module_only: bool, trust_pickle: bool
             ) -> _Loaded:
-    path, rank = ck.path, engine.global_rank
-    check_module_shapes(engine.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
+    path, rank = ck.path, run.global_rank
+    check_module_shapes(run.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
     client_state = ck.client_state()
     if ck.manifest is not None and ck.manifest.pickled_client_state:
         if not trust_pickle:
@@ -163,70 +166,64 @@ def _finish(engine, ck: Checkpoint, module, optim, strict: bool, load_module_onl
                                   "pickle to load; pass trust_pickle=True if you trust its source")
         client_state = load_torch(ck.manifest.verify(path, CLIENT_STATE_FILE), trust_pickle=True, within=path)
     # whatever optimizer saved it (DeepSpeed's FusedAdam, its CPU optimizers, torch's), in this one's form
-    optim = optimizer_state.to_ours(optim, getattr(engine.strategy, "optimizer", None), f"checkpoint {path}")
+    optim = optimizer_state.to_ours(optim, getattr(run.strategy, "optimizer", None), f"checkpoint {path}")
     rng = None
     if not load_module_only and ck.manifest is not None and rng_states_name(rank) in ck.manifest.files:
         rng = ck.read(rng_states_name(rank))
     return _Loaded(path, module, optim, rng, client_state,
-                   ck.counters(engine.gradient_accumulation_steps()), ck.lr_scheduler,
-                   ck.loss_scaler_state() if engine.loss_scaler is not None and not load_module_only else None)
+                   ck.counters(run.accumulation), ck.lr_scheduler,
+                   ck.loss_scaler_state() if run.loss_scaler is not None and not load_module_only else None)
 
 
-def _read_universal(engine, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
+def _read_universal(run: Run, layout: ShardLayout, path: str, strict: bool, load_optimizer_states: bool, load_module_only: bool,
                     trust_pickle: bool) -> _Loaded:
     """A DeepSpeed universal folder (universal.py): whole fp32 weights and optimizer states per
     parameter, handed to the strategy as one name-keyed shard it re-cuts for this world size
     and stage, as any re-shard."""
-    place = parallel.placement(engine)
-    if parallel.is_pipeline(engine) or place.mp_size > 1:
+    place = run.place
+    if parallel.is_pipeline(run) or place.mp_size > 1:
         raise CheckpointError(f"universal checkpoint {path}: loading one into a pipeline or a tensor-parallel job is "
                               "not supported (load it without them, save, and resume from that checkpoint)")
     uc = universal.open_universal(path, trust_pickle=trust_pickle)
     module = uc.module_state()
-    check_module_shapes(engine.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
+    check_module_shapes(run.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
     optim = None
     if load_optimizer_states and not load_module_only:
-        if not getattr(engine.strategy, "loads_any_world_size", False):
-            raise CheckpointError(f"universal checkpoint {path}: ZeRO stage {engine.strategy.stage} cannot load "
+        if not layout.recuts:
+            raise CheckpointError(f"universal checkpoint {path}: ZeRO stage {layout.zero_stage} cannot load "
                                   "re-cut optimizer state (load with load_optimizer_states=False)")
-        optim = optimizer_state.to_ours([uc.shard()], getattr(engine.strategy, "optimizer", None),
+        optim = optimizer_state.to_ours([uc.shard()], getattr(run.strategy, "optimizer", None),
                                         f"universal checkpoint {path}")
-    return _Loaded(path, module, optim, None, uc.client_state(), uc.counters(engine.gradient_accumulation_steps()),
+    return _Loaded(path, module, optim, None, uc.client_state(), uc.counters(run.accumulation),
                    uc.model.get("lr_scheduler"),
-                   uc.loss_scaler_state() if engine.loss_scaler is not None and not load_module_only else None)
+                   uc.loss_scaler_state() if run.loss_scaler is not None and not load_module_only else None)
 
 
-def _load_stage0_into_stage0(engine, state: Dict[str, Any]) -> None:
-    """A stage-0 state into stage 0: the torch state_dict, then the fp32 copies (DeepSpeed's
-    fp32_groups order: param group by param group) into the tensors the optimizer steps."""
-    engine.strategy.load_optimizer_state_dict({"optimizer": state["optimizer"]})
-    masters = state.get("fp32_masters")
-    if masters:
-        targets = [p for g in engine.optimizer.param_groups for p in g["params"]]
-        if len(targets) != len(masters) or any(t.shape != m.shape for t, m in zip(targets, masters)):
-            raise CheckpointError("the checkpoint's fp32 weights do not match this optimizer's parameters")
-        with torch.no_grad():
-            for t, m in zip(targets, masters):
-                if t.dtype == torch.float32:
-                    t.copy_(m)
+def saved_shards(optim: Any) -> SavedShards:
+    """What was read for this rank's optimizer in the shard vocabulary: a list of name-keyed
+    shards (every saved rank's, or a universal folder's one), one shard (this rank's), or a
+    whole state ({"optimizer": torch state_dict, ...})."""
+    if isinstance(optim, list):
+        return SavedShards(shards=optim)
+    if isinstance(optim, dict) and "groups" in optim:
+        return SavedShards(shards=[optim])
+    return SavedShards(whole=optim)
 
 
-def _apply(engine, got: _Loaded, strict: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
-    strategy = engine.strategy
+def _apply(run: Run, got: _Loaded, strict: bool, load_lr_scheduler_states: bool, load_module_only: bool) -> None:
+    strategy = run.strategy
     strategy.load_module_state_dict(got.module, strict=strict)
     if load_module_only:
         return
-    if isinstance(got.optim, dict) and "optimizer" in got.optim and strategy.stage == 0:
-        _load_stage0_into_stage0(engine, got.optim)
-    elif got.optim is not None:
-        strategy.load_optimizer_state_dict(got.optim)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and got.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(got.lr_scheduler)
-    if engine.loss_scaler is not None and got.loss_scaler is not None:
-        state = engine.loss_scaler.state_dict()
+    if got.optim is not None:
+        strategy.load_shard_state(saved_shards(got.optim))
+    if load_lr_scheduler_states and run.lr_scheduler is not None and got.lr_scheduler is not None:
+        run.lr_scheduler.load_state_dict(got.lr_scheduler)
+    if run.loss_scaler is not None and got.loss_scaler is not None:
+        state = run.loss_scaler.state_dict()
         state.update({k: v for k, v in got.loss_scaler.items() if k in state})
-        engine.loss_scaler.load_state_dict(state)
-    engine.load_counters_state(got.counters)
+        run.loss_scaler.load_state_dict(state)
+    run.restore_counters(got.counters)
     if got.rng is not None:
         from .rng import set_rng_state
 
@@ -260,12 +257,12 @@ def _same_checkpoint(paths) -> Optional[str]:
     return None
 
 
-def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+def load(run: Run, load_dir: str, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False,
          trust_pickle: bool = False) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     load_dir = str(load_dir)
     path, error = None, None
-    load_universal = bool(engine.config.checkpoint.load_universal)
+    load_universal = bool(run.config.checkpoint.load_universal)
     try:
         path = resolve(load_dir, tag, load_universal)
     except CheckpointError as exc:
@@ -276,17 +273,17 @@ def load(engine, load_dir: str, tag=None, load_module_strict: bool = True, load_
         raise CheckpointError(error)
     if path is None:
         # DeepSpeed's behaviour, which "resume if possible" scripts rely on: nothing to load.
-        if engine.global_rank == 0:
+        if run.global_rank == 0:
             print(f"dslaunch: load_checkpoint: no checkpoint in {load_dir} ({os.path.join(load_dir, 'latest')} does "
                   "not exist); nothing loaded", file=sys.stderr, flush=True)
         return None, None
     got = None
     try:
         read = _read_universal if load_universal else _read
-        got = read(engine, path, load_module_strict, load_optimizer_states, load_module_only, trust_pickle)
+        got = read(run, run.strategy.shard_layout(), path, load_module_strict, load_optimizer_states, load_module_only, trust_pickle)
     except CheckpointError as exc:
         error = str(exc)
     agree(error)
     with torch.no_grad():  # restoring state is not part of any graph
-        _apply(engine, got, load_module_strict, load_lr_scheduler_states, load_module_only)
+        _apply(run, got, load_module_strict, load_lr_scheduler_states, load_module_only)
     return got.path, got.client_state

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .run import Run
 from ...core.errors import CheckpointError
 from ...moe.layer import MoE
 from ...zero.reshard import shards_from_stage0
@@ -54,11 +55,12 @@ def moe_layers(module: torch.nn.Module) -> List[Tuple[str, Any]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, MoE)]
 
 
-def uses_layout(engine) -> bool:
-    """Whether this engine saves in the MoE layout: MoE layers at ZeRO 0-2 (ZeRO-3 takes
-    MoE only at ep_size 1, where every rank holds every expert, and saves as any model;
-    DeepSpeed refuses MoE with ZeRO-3, so it has no MoE layout to follow there)."""
-    return engine.strategy.stage < 3 and bool(moe_layers(engine.module))
+def uses_layout(module: torch.nn.Module, layout) -> bool:
+    """Whether a model saves in the MoE layout: it has MoE layers and its shard layout keeps
+    DeepSpeed's per-expert files (ZeRO-3's does not: it takes MoE only at ep_size 1, where
+    every rank holds every expert, and saves as any model; DeepSpeed refuses MoE with
+    ZeRO-3, so it has no MoE layout to follow there)."""
+    return layout.expert_files and bool(moe_layers(module))
 
 
 def is_expert_key(name: str) -> bool:
@@ -255,29 +257,29 @@ def _num_by_prefix(full: Dict[str, torch.Tensor], saved: SavedExperts, path: str
 
 
 # -- loading into an engine ------------------------------------------------------------------------
-def _engine_renamer(ck, engine, saved: SavedExperts, full):
-    layers = moe_layers(engine.module)
+def _engine_renamer(ck, run: Run, saved: SavedExperts, full):
+    layers = moe_layers(run.module)
     if len(layers) != len(saved.num_experts) or any(
             l.num_experts != n for (_, l), n in zip(layers, saved.num_experts)):
         raise CheckpointError(f"checkpoint {ck.path}: its MoE layers have {saved.num_experts} experts, this model's "
                               f"{[l.num_experts for _, l in layers]}")
     ep = layers[0][1].ep_size
-    return renamer(_num_by_prefix(full, saved, ck.path), ep, engine.mesh.rank("expert") if ep > 1 else 0, False)
+    return renamer(_num_by_prefix(full, saved, ck.path), ep, run.expert_rank if ep > 1 else 0, False)
 
 
-def module_state(ck, engine, saved: SavedExperts) -> Dict[str, torch.Tensor]:
+def module_state(ck, run: Run, saved: SavedExperts) -> Dict[str, torch.Tensor]:
     """This rank's module state: the dense weights and its own experts under local ids."""
     full = global_module_state(ck, saved)
-    return rename_state(full, _engine_renamer(ck, engine, saved, full))
+    return rename_state(full, _engine_renamer(ck, run, saved, full))
 
 
-def _ds_group_names(engine) -> Callable[[int, int], List[List[str]]]:
+def _ds_group_names(run: Run) -> Callable[[int, int], List[List[str]]]:
     """The names of a DeepSpeed expp file's param groups, which it records none of: this
     engine's groups, each layer's expert parameters re-listed for the saving rank's local
     experts (module order, as DeepSpeed's moe param groups list them)."""
-    strategy = engine.strategy
+    strategy = run.strategy
     names = getattr(strategy, "_group_names", None) or getattr(strategy, "listed_names", None) or []
-    experts_of = {prefix: layer.num_experts for prefix, layer in moe_layers(engine.module)}
+    experts_of = {prefix: layer.num_experts for prefix, layer in moe_layers(run.module)}
 
     def for_rank(r: int, ep: int) -> List[List[str]]:
         out = []
@@ -301,8 +303,8 @@ def _ds_group_names(engine) -> Callable[[int, int], List[List[str]]]:
     return for_rank
 
 
-def optimizer_shards(ck, engine, saved: SavedExperts) -> List[Dict[str, Any]]:
+def optimizer_shards(ck, run: Run, saved: SavedExperts) -> List[Dict[str, Any]]:
     """This rank's optimizer state as name-keyed shards under its local expert names."""
     full = global_module_state(ck, saved)
-    shards = global_shards(ck, saved, full, _ds_group_names(engine))
-    return rename_shards(shards, _engine_renamer(ck, engine, saved, full))
+    shards = global_shards(ck, saved, full, _ds_group_names(run))
+    return rename_shards(shards, _engine_renamer(ck, run, saved, full))

@@ -114,13 +114,13 @@ def deepspeed_optimizer(opt_type: Optional[str], params: Mapping[str, Any], offl
             "deepspeedcpuadagrad": "DeepSpeedCPUAdagrad", "fusedlamb": "FusedLamb"}.get(name)
 
 
-def deepspeed_optimizer_of(engine) -> Optional[str]:
-    """deepspeed_optimizer for an engine that built its optimizer from the config (a client's
-    optimizer is saved as torch keeps it, as DeepSpeed would)."""
-    cfg = engine.config.optimizer
+def deepspeed_optimizer_of(config) -> Optional[str]:
+    """deepspeed_optimizer for a run whose config builds its optimizer (a client's optimizer
+    is saved as torch keeps it, as DeepSpeed would)."""
+    cfg = config.optimizer
     if cfg is None:
         return None
-    return deepspeed_optimizer(cfg.type, cfg.params, engine.config.zero_optimization.offload_optimizer_device != "none")
+    return deepspeed_optimizer(cfg.type, cfg.params, config.zero_optimization.offload_optimizer_device != "none")
 
 
 # -- reading --------------------------------------------------------------------------------

@@ -22,8 +22,7 @@ through its `to_layers()` (each layer module's name in the model).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -31,52 +30,23 @@ from ...core.errors import CheckpointError
 from ...pipe.module import PipelineError, PipelineModule, to_layers_prefixes
 from ...zero.reshard import shards_from_stage0
 from . import tensor_slices
-from .layout import layer_states_name, model_states_name, optim_states_name, slice_rank, zero_model_states_name
+from .layout import layer_states_name, model_states_name, optim_states_name, zero_model_states_name
+from .run import Run
 
 
-@dataclass(frozen=True)
-class Placement:
-    """This rank's coordinates, as the file names need them."""
-
-    global_rank: int
-    dp_rank: int
-    dp_size: int
-    pp_rank: int
-    pp_size: int
-    mp_rank: int
-    mp_size: int
-
-    @property
-    def slice(self) -> int:
-        return slice_rank(self.pp_rank, self.mp_rank, self.mp_size)
-
-    @property
-    def slices(self) -> int:
-        return self.pp_size * self.mp_size
-
-    def topology(self) -> Dict[str, int]:
-        return {"pipe": self.pp_size, "data": self.dp_size, "model": self.mp_size}
+def _pipeline_module(run: Run):
+    return run.module if isinstance(run.module, PipelineModule) else None
 
 
-def placement(engine) -> Placement:
-    m = engine.mesh
-    return Placement(engine.global_rank, m.rank("data"), m.size("data"), m.rank("pipe"), m.size("pipe"),
-                     m.rank("tensor"), m.size("tensor"))
-
-
-def _pipeline_module(engine):
-    return engine.module if isinstance(engine.module, PipelineModule) else None
-
-
-def is_pipeline(engine) -> bool:
-    return _pipeline_module(engine) is not None
+def is_pipeline(run: Run) -> bool:
+    return _pipeline_module(run) is not None
 
 
 # -- saving ----------------------------------------------------------------------------------------
-def manifest_fields(engine) -> Dict[str, Any]:
+def manifest_fields(run: Run) -> Dict[str, Any]:
     """What the manifest records about the layout (any rank computes the same)."""
-    pipe = _pipeline_module(engine)
-    p = placement(engine)
+    pipe = _pipeline_module(run)
+    p = run.place
     layers = {}
     if pipe is not None:
         layers = {layer_states_name(idx, p.mp_rank if p.mp_size > 1 else None): prefix
@@ -84,35 +54,35 @@ def manifest_fields(engine) -> Dict[str, Any]:
     return {"topology": p.topology(), "layers": layers}
 
 
-def model_states_file(engine) -> str:
-    return model_states_name(placement(engine).slice)
+def model_states_file(run: Run) -> str:
+    return model_states_name(run.place.slice)
 
 
-def optim_states_file(engine) -> str:
+def optim_states_file(run: Run) -> str:
     """DeepSpeed's name, bf16_ prefix included under bf16."""
-    p = placement(engine)
-    return optim_states_name(p.dp_rank, p.slice, bf16=engine.compute_dtype == torch.bfloat16)
+    p = run.place
+    return optim_states_name(p.dp_rank, p.slice, bf16=run.compute_dtype == torch.bfloat16)
 
 
-def zero_model_states_file(engine) -> str:
+def zero_model_states_file(run: Run) -> str:
     """ZeRO-3: every rank writes its own model-states file."""
-    p = placement(engine)
+    p = run.place
     return zero_model_states_name(p.dp_rank, p.slice)
 
 
-def writes_model_states(engine, writes_shared: bool) -> bool:
+def writes_model_states(run: Run, writes_shared: bool) -> bool:
     """One writer per (pipe, model) slice: its first data-parallel rank (rank 0 / the
     storage leader when the model is not split)."""
-    p = placement(engine)
+    p = run.place
     return writes_shared if p.slices == 1 else p.dp_rank == 0
 
 
-def layer_files(engine, module_state: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, torch.Tensor]]:
+def layer_files(run: Run, module_state: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, torch.Tensor]]:
     """A pipeline stage's layer files: file name -> that layer's own state_dict."""
-    pipe = _pipeline_module(engine)
+    pipe = _pipeline_module(run)
     if pipe is None:
         return {}
-    p = placement(engine)
+    p = run.place
     out = {}
     for idx, prefix in pipe.layer_state_prefixes(own=True).items():
         head = prefix + "."
@@ -122,42 +92,42 @@ def layer_files(engine, module_state: Dict[str, torch.Tensor]) -> Dict[str, Dict
 
 
 # -- loading (reader.Checkpoint, dslaunch's or DeepSpeed's) -----------------------------------------
-def same_layout(ck, engine) -> bool:
+def same_layout(ck, run: Run) -> bool:
     """Saved and resumed at the same topology, with the same kind of model."""
-    return ck.topology == placement(engine).topology() and bool(ck.layers) == (_pipeline_module(engine) is not None)
+    return ck.topology == run.place.topology() and bool(ck.layers) == (_pipeline_module(run) is not None)
 
 
 def _layer_index(name: str) -> int:
     return int(name.split("_", 1)[1].split("-", 1)[0])
 
 
-def target_prefixes(engine, ck) -> Dict[int, str]:
+def target_prefixes(run: Run, ck) -> Dict[int, str]:
     """Global layer index -> the prefix its state takes in this engine's module."""
-    pipe = _pipeline_module(engine)
+    pipe = _pipeline_module(run)
     if pipe is not None:
         return pipe.layer_state_prefixes(own=True)
     try:
-        return to_layers_prefixes(engine.module)
+        return to_layers_prefixes(run.module)
     except PipelineError:
         raise CheckpointError(f"checkpoint {ck.path} was saved by a pipeline (one file per layer); to load it into a "
                               "model without a pipeline, the model needs to_layers() (its layers in pipeline "
                               "order)") from None
 
 
-def module_state(ck, engine, everything: bool = False) -> Dict[str, torch.Tensor]:
+def module_state(ck, run: Run, everything: bool = False) -> Dict[str, torch.Tensor]:
     """The module state this engine loads: the saved module (no pipeline), or the state
     rebuilt from layer files under this module's names (`everything`: every saved layer,
     under the saved pipeline names, e.g. to re-cut optimizer state by name)."""
-    if engine is not None and not everything:
-        place = placement(engine)
-        if tensor_slices.applies(ck, place, _pipeline_module(engine) is not None):
-            return tensor_slices.module_state(ck, engine.module, place.mp_size, place.mp_rank)
+    if run is not None and not everything:
+        place = run.place
+        if tensor_slices.applies(ck, place, _pipeline_module(run) is not None):
+            return tensor_slices.module_state(ck, run.module, place.mp_size, place.mp_rank)
     if not ck.layers:
-        if engine is not None and _pipeline_module(engine) is not None and not everything:
+        if run is not None and _pipeline_module(run) is not None and not everything:
             raise CheckpointError(f"checkpoint {ck.path} was saved without a pipeline; a PipelineModule loads only "
                                   "pipeline checkpoints (load it into the model it was saved from)")
         return ck.module_state()
-    prefixes = None if everything or engine is None else target_prefixes(engine, ck)
+    prefixes = None if everything or run is None else target_prefixes(run, ck)
     out = {}
     for name, saved_prefix in sorted(ck.layers.items()):
         idx = _layer_index(name)
@@ -165,7 +135,7 @@ def module_state(ck, engine, everything: bool = False) -> Dict[str, torch.Tensor
             prefix = saved_prefix
         elif idx in prefixes:
             prefix = prefixes[idx]
-        elif _pipeline_module(engine) is not None:
+        elif _pipeline_module(run) is not None:
             continue  # another stage's layer
         else:
             raise CheckpointError(f"checkpoint {ck.path}: layer {idx} has weights ({name}) but layer {idx} of this "
@@ -202,11 +172,11 @@ def _rename(shards: List[Dict[str, Any]], rename: Dict[str, str]) -> List[Dict[s
     return out
 
 
-def saved_name_map(ck, engine) -> Dict[str, str]:
+def saved_name_map(ck, run: Run) -> Dict[str, str]:
     """Saved parameter name -> this engine's name (identity within pipelines)."""
-    if not ck.layers or _pipeline_module(engine) is not None:
+    if not ck.layers or _pipeline_module(run) is not None:
         return {}
-    prefixes = target_prefixes(engine, ck)
+    prefixes = target_prefixes(run, ck)
     out = {}
     for name, saved_prefix in ck.layers.items():
         idx = _layer_index(name)
@@ -224,7 +194,7 @@ def slice_shards(ck, slice_: int) -> List[Dict[str, Any]]:
     return _stage0_as_shard(ck, ck.stage0_state(model), model["module"])
 
 
-def all_shards(ck, engine=None) -> List[Dict[str, Any]]:
+def all_shards(ck, run: Optional[Run] = None) -> List[Dict[str, Any]]:
     """Every saved rank's optimizer state as name-keyed shards (ZeRO files converted from
     DeepSpeed's flat partitions, each slice's unsharded state re-cut by name), renamed for
     `engine`'s module."""
@@ -236,10 +206,10 @@ def all_shards(ck, engine=None) -> List[Dict[str, Any]]:
         for s in range(ck.slices):
             state = ck.stage0_state(ck.model_of(s))
             if full is None:
-                full = module_state(ck, engine, everything=True)
+                full = module_state(ck, run, everything=True)
             shards += _stage0_as_shard(ck, state, full)
-    if engine is not None:
-        rename = saved_name_map(ck, engine)
+    if run is not None:
+        rename = saved_name_map(ck, run)
         if rename:
             shards = _rename(shards, rename)
     return shards

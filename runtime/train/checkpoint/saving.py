@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .run import Run
 from .agree import agree
 from ...core.errors import CheckpointError
 from .files import FileRecord, ensure_writable_dir, fsync_dir, plain_value_problem, remove_tree, write_bytes, \
@@ -51,6 +52,7 @@ from .foreign import loss_scaler_record
 from .layout import LATEST, PREVIOUS, RECOVERY_SCRIPT, STAGING, TRASH, read_latest, rng_states_name, validate_tag
 from .manifest import Manifest
 from .optimizer_state import deepspeed_optimizer_of
+from ...core.shard_state import FrozenRecord, ShardKind, ShardState
 from ...zero.reshard import tied_aliases
 from .rng import rng_state
 from . import autoep, moe, parallel
@@ -209,20 +211,36 @@ def _fragment(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     return padded[rank * chunk:(rank + 1) * chunk].clone()
 
 
-def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any]) -> Dict[str, Any]:
+def _param_shapes(shard: ShardState):
+    """DeepSpeed's param_shapes: how the shard's kind lays each param group out (none when whole)."""
+    kind, state = shard.layout.kind, shard.state
+    if kind is ShardKind.PER_PARAMETER:
+        return dsformat.stage3_param_shapes(state, shard.layout.sub_group_size)
+    return dsformat.stage12_param_shapes(state) if kind is ShardKind.FLAT else None
+
+
+def _whole_optimizer(run: Run, shard: ShardState) -> Dict[str, Any]:
+    """DeepSpeed's "optimizer" entry for a whole (unsharded) state."""
+    scaler = run.loss_scaler
+    return dsformat.stage0_optimizer(shard.state, shard.param_groups, run.compute_dtype != torch.float32,
+                                     scaler.state_dict() if scaler is not None else None, _dynamic_settings(scaler),
+                                     run.global_steps, deepspeed_optimizer_of(run.config))
+
+
+def _model_states(run: Run, module_state, shard: ShardState, client_state: Dict[str, Any]) -> Dict[str, Any]:
     """DeepSpeed's model-states dict (engine._common_checkpoint_state plus client_state at the
-    top level), with dslaunch's extras under "dslaunch"."""
-    module, stage = engine.module, engine.strategy.stage
-    place = parallel.placement(engine)
-    world, rank = place.dp_size, place.dp_rank  # ZeRO shards over the data-parallel group
-    scaler = engine.loss_scaler
+    top level), with dslaunch's extras under "dslaunch". What the shard layout decides
+    (frozen parameters, placeholders, the optimizer's place) comes from `shard.layout`."""
+    module, lay = run.module, shard.layout
+    place = run.place
+    scaler = run.loss_scaler
     scaler_state = scaler.state_dict() if scaler is not None else None
-    frozen = {n: module_state[n] for n in _frozen(module)} if stage >= 2 else {}
-    if stage == 3:  # parameters live in the fp32 shards; DeepSpeed keeps empty placeholders
+    recorded = lay.frozen is not FrozenRecord.NONE
+    frozen = {n: module_state[n] for n in _frozen(module)} if recorded else {}
+    if lay.module_in_shards:  # parameters live in the fp32 shards; DeepSpeed keeps empty placeholders
         params = dict(module.named_parameters(remove_duplicate=False))
         module_state = {k: (torch.empty(0, dtype=v.dtype) if k in params else v) for k, v in module_state.items()}
-    sub_group = engine.config.zero_optimization.sub_group_size
-    layers = moe.moe_layers(module) if moe.uses_layout(engine) else []
+    layers = moe.moe_layers(module) if moe.uses_layout(module, lay) else []
     if layers:  # expert weights go to their own files (moe.py), as DeepSpeed's MoE layout
         module_state = moe.without_experts(module_state)
     autoep_layers = autoep.layers(module)
@@ -230,146 +248,136 @@ def _model_states(engine, module_state, optim_state, client_state: Dict[str, Any
         layers = autoep_layers
         module_state = autoep.without_experts(module_state, module)
     state = {
-        "module": None if parallel.is_pipeline(engine) else module_state,  # pipelines: one file per layer
+        "module": None if parallel.is_pipeline(run) else module_state,  # pipelines: one file per layer
         "buffer_names": _buffer_names(module),
-        "optimizer": (dsformat.stage0_optimizer(optim_state, engine.optimizer.param_groups,
-                                                engine.compute_dtype != torch.float32, scaler_state,
-                                                _dynamic_settings(scaler), engine.global_steps,
-                                                deepspeed_optimizer_of(engine))
-                      if stage == 0 else None),
-        "param_shapes": (None if stage == 0 else dsformat.stage3_param_shapes(optim_state, sub_group) if stage == 3
-                         else dsformat.stage12_param_shapes(optim_state)),
-        "frozen_param_shapes": OrderedDict((n, v.shape) for n, v in frozen.items()) if stage >= 2 else None,
-        "shared_params": tied_aliases(module) if stage > 0 else None,
-        "frozen_param_fragments": (OrderedDict((n, v if stage == 2 else _fragment(v, world, rank))
-                                               for n, v in frozen.items()) if stage >= 2 else None),
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "optimizer": None if lay.sharded else _whole_optimizer(run, shard),
+        "param_shapes": _param_shapes(shard),
+        "frozen_param_shapes": OrderedDict((n, v.shape) for n, v in frozen.items()) if recorded else None,
+        "shared_params": tied_aliases(module) if lay.records_tied else None,
+        "frozen_param_fragments": (OrderedDict((n, v if lay.frozen is FrozenRecord.WHOLE
+                                                else _fragment(v, lay.dp_size, lay.dp_rank))
+                                               for n, v in frozen.items()) if recorded else None),
+        "lr_scheduler": run.lr_scheduler.state_dict() if run.lr_scheduler is not None else None,
         "data_sampler": None,
         "random_ltd": None,
-        "skipped_steps": engine.skipped_steps,
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "dp_world_size": world,
+        "skipped_steps": run.skipped_steps,
+        "global_steps": run.global_steps,
+        "global_samples": run.global_samples,
+        "dp_world_size": place.dp_size,
         "mp_world_size": place.slices,  # DeepSpeed's grid: the (pipe, model) slice size
         "checkpoint_parallel_dimensions": {"pp_degree": place.pp_size, "tp_degree": place.mp_size},
-        "ds_config": engine.config.to_dict(),
+        "ds_config": run.config.to_dict(),
         "ds_version": dsformat.DS_VERSION,
     }
     if layers:
         state["num_experts"] = [layer.num_experts for _, layer in layers]
     if autoep_layers:
-        ep = engine.expert_parallel_size
-        records = autoep.layer_records(module, engine.mesh.rank("expert_data") if ep > 1 else place.dp_rank,
-                                       engine.mesh.size("expert_data") if ep > 1 else place.dp_size)
+        records = autoep.layer_records(module, run.expert_data_rank, run.expert_data_size)
         state[autoep.LAYERS_KEY] = records
         state["universal_checkpoint_info"] = {"universal_checkpoint_version": 0.4,
                                               "expert_parameter_patterns": [autoep.EXPERT_PATTERN],
                                               autoep.LAYERS_KEY: records}
     state.update(client_state)
-    state["dslaunch"] = {"counters": engine.counters_state(), "loss_scaler": scaler_state,
+    state["dslaunch"] = {"counters": run.counters, "loss_scaler": scaler_state,
                          "client_keys": sorted(client_state)}
-    if stage == 0 and optim_state is not None and "param_names" in optim_state:
+    if not lay.sharded and shard.state is not None and "param_names" in shard.state:
         # every group's parameter names: another topology or stage re-cuts this state by name
-        state["dslaunch"]["param_names"] = optim_state["param_names"]
+        state["dslaunch"]["param_names"] = shard.state["param_names"]
     if place.mp_size > 1:
         # how each tensor-parallel shard sits in its full parameter: another tensor size re-cuts by it
         state["dslaunch"]["tensor_parallel_shards"] = tensor_slices.shard_specs(module)
     return state
 
 
-def _write_rank_files(engine, staging: str, module_state, optim_state, client_state: Dict[str, Any],
+def _write_rank_files(run: Run, staging: str, module_state, shard: ShardState, client_state: Dict[str, Any],
                       writes_shared: bool) -> Dict[str, FileRecord]:
-    """This rank's files: RNG states, its ZeRO optimizer states, and the model states (ZeRO-3:
-    every rank its own; otherwise one writer per (pipe, model) slice, parallel.py), with a
-    pipeline stage's layer files."""
-    rank, stage = engine.global_rank, engine.strategy.stage
+    """This rank's files: RNG states, its optimizer shard when sharded, and the model states
+    (a partitioned module: every rank its own; otherwise one writer per (pipe, model) slice,
+    parallel.py), with a pipeline stage's layer files."""
+    rank, lay = run.global_rank, shard.layout
     records = {rng_states_name(rank): write_torch(os.path.join(staging, rng_states_name(rank)), rng_state())}
-    if stage > 0:
-        scaler = engine.loss_scaler
+    if lay.sharded:
+        scaler = run.loss_scaler
         scaler_state = scaler.state_dict() if scaler is not None else None
         dynamic = _dynamic_settings(scaler)
         optim = dsformat.zero_optim_states(
-            optim_state, engine.optimizer.param_groups, clip_grad=float(engine.config.gradient_clipping),
+            shard.state, shard.param_groups, clip_grad=float(run.config.gradient_clipping),
             loss_scaler=loss_scaler_record(scaler_state, dynamic), dynamic_loss_scale=dynamic is not None,
-            sub_group_size=engine.config.zero_optimization.sub_group_size, ds_class=deepspeed_optimizer_of(engine))
-        name = parallel.optim_states_file(engine)
+            sub_group_size=lay.sub_group_size, ds_class=deepspeed_optimizer_of(run.config))
+        name = parallel.optim_states_file(run)
         records[name] = write_torch(os.path.join(staging, name), {
-            "optimizer_state_dict": optim, "ds_config": engine.config.to_dict(), "ds_version": dsformat.DS_VERSION},
+            "optimizer_state_dict": optim, "ds_config": run.config.to_dict(), "ds_version": dsformat.DS_VERSION},
             deepspeed_objects=True)
-    records.update(_write_moe_files(engine, staging, module_state, optim_state))
-    if stage == 3 or parallel.writes_model_states(engine, writes_shared):
-        name = parallel.zero_model_states_file(engine) if stage == 3 else parallel.model_states_file(engine)
+    records.update(_write_moe_files(run, staging, module_state, shard))
+    if lay.own_model_file or parallel.writes_model_states(run, writes_shared):
+        name = parallel.zero_model_states_file(run) if lay.own_model_file else parallel.model_states_file(run)
         records[name] = write_torch(os.path.join(staging, name),
-                                    _model_states(engine, module_state, optim_state, client_state))
-        for name, layer in parallel.layer_files(engine, module_state).items():
+                                    _model_states(run, module_state, shard, client_state))
+        for name, layer in parallel.layer_files(run, module_state).items():
             records[name] = write_torch(os.path.join(staging, name), layer)
     return records
 
 
-def _write_moe_files(engine, staging: str, module_state, optim_state) -> Dict[str, FileRecord]:
+def _write_moe_files(run: Run, staging: str, module_state, shard: ShardState) -> Dict[str, FileRecord]:
     """MoE layers (moe.py): the first rank of each expert-data-parallel group writes its
-    experts' files and, at stage 0, its expert-parallel rank's optimizer file."""
-    autoep_layout = autoep.uses_layout(engine)
-    if not moe.uses_layout(engine) and not autoep_layout:
+    experts' files and, with a whole (unsharded) optimizer state, its expert-parallel rank's
+    optimizer file."""
+    autoep_layout = autoep.uses_layout(run.module)
+    if not moe.uses_layout(run.module, shard.layout) and not autoep_layout:
         return {}
-    ep = engine.expert_parallel_size
-    if ep > 1 and engine.config.checkpoint.use_node_local_storage:
+    ep = run.expert_parallel_size
+    if ep > 1 and run.config.checkpoint.use_node_local_storage:
         raise CheckpointError("save_checkpoint: checkpoint.use_node_local_storage with MoE ep_size > 1 is not "
                               "supported (a rank's experts are saved by a rank that may be on another node); "
                               "save to shared storage")
-    first = engine.mesh.rank("expert_data") == 0 if ep > 1 else engine.mesh.rank("data") == 0
+    first = run.expert_data_rank == 0
     if not first:
         return {}
-    ep_rank = engine.mesh.rank("expert") if ep > 1 else 0
+    ep_rank = run.expert_rank if ep > 1 else 0
     records = {}
-    files = autoep.expert_files(engine.module) if autoep_layout else moe.expert_files(engine.module, module_state,
+    files = autoep.expert_files(run.module) if autoep_layout else moe.expert_files(run.module, module_state,
                                                                                         ep_rank)
     for name, experts in files.items():
         records[name] = write_torch(os.path.join(staging, name), experts)
-    if engine.strategy.stage == 0:
-        scaler = engine.loss_scaler
-        optimizer = dsformat.stage0_optimizer(
-            optim_state, engine.optimizer.param_groups, engine.compute_dtype != torch.float32,
-            scaler.state_dict() if scaler is not None else None, _dynamic_settings(scaler), engine.global_steps,
-            deepspeed_optimizer_of(engine))
+    if not shard.layout.sharded:
         name = moe.expp_file_name(ep_rank)
         records[name] = write_torch(os.path.join(staging, name), {
-            "optimizer": optimizer, "dslaunch": {"param_names": optim_state["param_names"]}})
+            "optimizer": _whole_optimizer(run, shard), "dslaunch": {"param_names": shard.state["param_names"]}})
     return records
 
 
-def _agreed_tag(engine, tag) -> str:
+def _agreed_tag(run: Run, tag) -> str:
     """Every rank's tag compared (checkpoint.tag_validation: Ignore, Warn or Fail, as in
     DeepSpeed); all ranks then save under rank 0's tag, so a mismatch can never split one
     checkpoint over several directories (DeepSpeed would write it half in each)."""
-    wanted = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    wanted = str(tag) if tag is not None else f"global_step{run.global_steps}"
     tags = agree(None, wanted)
-    mode = str(engine.config.checkpoint.tag_validation).lower()
+    mode = str(run.config.checkpoint.tag_validation).lower()
     differ = [f"rank {r} {t!r}" for r, t in enumerate(tags) if t != tags[0]]
     if differ and mode != "ignore":
         msg = (f"checkpoint tag differs across ranks: rank 0 {tags[0]!r}, {', '.join(differ[:3])}"
                f"{' ...' if len(differ) > 3 else ''}")
         if mode == "fail":
             raise CheckpointError(msg + " (checkpoint.tag_validation: Fail)")
-        if engine.global_rank == 0:
+        if run.global_rank == 0:
             print(f"dslaunch: warning: {msg}; saving under rank 0's tag", file=sys.stderr, flush=True)
     return validate_tag(tags[0], "save_checkpoint tag")
 
 
-def storage_leader(engine) -> int:
+def storage_leader(run: Run) -> int:
     """The rank that writes the files every rank shares (model states, manifest, latest) into
     the storage this rank writes to: rank 0, or with checkpoint.use_node_local_storage the
     node's local rank 0 (launchers number the ranks of a node consecutively)."""
-    return engine.global_rank - engine.local_rank if engine.config.checkpoint.use_node_local_storage else 0
+    return run.global_rank - run.local_rank if run.config.checkpoint.use_node_local_storage else 0
 
 
-def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
+def save(run: Run, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
          allow_pickle: bool = False) -> str:
     save_dir = str(save_dir)
-    tag = _agreed_tag(engine, tag)
+    tag = _agreed_tag(run, tag)
     client_state = dict(client_state) if client_state is not None else {}
-    rank, strategy = engine.global_rank, engine.strategy
-    leader = storage_leader(engine)
+    rank, strategy = run.global_rank, run.strategy
+    leader = storage_leader(run)
     writes_shared = rank == leader
     staging = os.path.join(save_dir, STAGING + tag)
 
@@ -384,18 +392,19 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
 
     # 2. every rank writes its files
     module_state = strategy.module_state_dict()  # collective under ZeRO-3
-    optim_state = strategy.optimizer_state_dict()
+    shard = strategy.shard_state()
     records: Dict[str, FileRecord] = {}
     error = None
     try:
-        records.update(_write_rank_files(engine, staging, module_state, optim_state,
+        records.update(_write_rank_files(run, staging, module_state, shard,
                                          {} if pickled else client_state, writes_shared))
         if writes_shared and pickled:
             records[CLIENT_STATE_FILE] = write_torch(os.path.join(staging, CLIENT_STATE_FILE), client_state)
         _step("files-written")
     except CheckpointError as exc:
         error = str(exc)
-    del module_state, optim_state
+    layout = shard.layout
+    del module_state, shard
     all_records = agree(error, (leader, records), on_failure=lambda: writes_shared and remove_tree(staging))
 
     # 3. each storage leader writes the manifest of the files in its storage and commits
@@ -406,11 +415,11 @@ def save(engine, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]]
             for r_leader, r_files in all_records:
                 if r_leader == leader:
                     files.update(r_files)
-            manifest = Manifest(tag=tag, world_size=engine.world_size, zero_stage=strategy.stage,
-                                sharded_optimizer_state=strategy.sharded_optimizer_state, files=files,
+            manifest = Manifest(tag=tag, world_size=run.world_size, zero_stage=layout.zero_stage,
+                                sharded_optimizer_state=layout.sharded, files=files,
                                 pickled_client_state=pickled, node_local=leader != 0 or any(
                                     r_leader != 0 for r_leader, _ in all_records),
-                                **parallel.manifest_fields(engine))
+                                **parallel.manifest_fields(run))
             write_bytes(os.path.join(staging, "manifest.json"), manifest.to_json().encode())
             fsync_dir(staging)
             _step("manifest-written")
