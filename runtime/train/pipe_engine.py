@@ -51,7 +51,7 @@ from .engine import DeepSpeedEngine, _config_source
 from ..core.strict import ConfigError
 from ..pipe import schedule as S
 from ..pipe.module import Piece, PipelineError, PipelineModule, detach_floating
-from ..pipe.p2p import AbortNotice, StageLink, floating
+from ..pipe.p2p import AbortNotice, StageLink, floating, share_memory
 
 
 # nn.Module's own bookkeeping, which both objects have: never written through to the engine
@@ -104,6 +104,14 @@ class PipelineEngine(torch.nn.Module):
         first_chunk = S.PipeSchedule(1, self.num_stages, self.stage_id).link(0)
         self.link = self._link(first_chunk, False)  # 1F1B's and the inference schedule's
         self._links: List[StageLink] = [self.link]
+        # stages on one host pass activations and gradients through shared memory; every flow
+        # of every chunk is set up now, with the whole pipeline group (a collective)
+        self.shared_memory_flows: List[Any] = []
+        if self.num_stages > 1:
+            sched = S.train_schedule(self.schedule_name, self.micro_batches, self.num_stages,
+                                     self.stage_id, self.chunks)
+            self.shared_memory_flows = share_memory([sched.link(c) for c in range(self.chunks)],
+                                                    engine.grid.stage_to_global, engine.grid.get_pipe_parallel_group())
         self.data_iterator = None
         if engine.training_dataloader is not None:
             # DeepSpeed's pipeline reads training_data in order (no shuffling); the first and
