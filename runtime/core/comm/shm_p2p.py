@@ -32,6 +32,7 @@ DSLAUNCH_SHM_COMM=0 keeps every flow on gloo, as it does every collective.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import secrets
 import threading
@@ -78,25 +79,28 @@ class Ring:
     def __init__(self, mem: torch.Tensor, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES):
         self.mem, self.slots, self.slot_bytes = mem, slots, slot_bytes
         words = mem[:_HEAD].view(torch.int64).view(-1, _LINE // 8)
-        self.written, self.read = words[_WRITTEN:_WRITTEN + 1, 0], words[_READ:_READ + 1, 0]
         self.writer_pid, self.reader_pid = words[_WRITER:_WRITER + 1, 0], words[_READER:_READER + 1, 0]
-        self.written_addr, self.read_addr = self.written.data_ptr(), self.read.data_ptr()
+        self.written_addr, self.read_addr = words[_WRITTEN].data_ptr(), words[_READ].data_ptr()
+        # the counters as ctypes views: an aligned 8-byte load or store (atomic on x86-64) for
+        # a fraction of a tensor element access, which every poll makes
+        self.written = ctypes.c_int64.from_address(self.written_addr)
+        self.read = ctypes.c_int64.from_address(self.read_addr)
         self._fence = threading.Lock()
 
     def _slot(self, k: int, n: int) -> torch.Tensor:
         at = _HEAD + (k % self.slots) * self.slot_bytes
         return self.mem[at:at + n]
 
-    def _publish(self, counter: torch.Tensor, value: int, addr: int) -> None:
+    def _publish(self, counter: ctypes.c_int64, value: int, addr: int) -> None:
         with self._fence:  # a locked instruction: the copy's (possibly non-temporal) stores go first
             pass
-        counter[0] = value
+        counter.value = value
         shm._futex(addr, shm._FUTEX_WAKE, shm._INT_MAX)
 
     def try_write(self, piece: torch.Tensor) -> bool:
         """Put one piece (uint8, at most slot_bytes) in the next slot, if it is free."""
-        k = int(self.written[0])
-        if k - int(self.read[0]) >= self.slots:
+        k = self.written.value
+        if k - self.read.value >= self.slots:
             return False
         self._slot(k, piece.numel()).copy_(piece)
         self._publish(self.written, k + 1, self.written_addr)
@@ -104,8 +108,8 @@ class Ring:
 
     def try_read(self, out: torch.Tensor) -> bool:
         """Take the next piece into `out` (uint8, its length), if it has been written."""
-        k = int(self.read[0])
-        if k >= int(self.written[0]):
+        k = self.read.value
+        if k >= self.written.value:
             return False
         out.copy_(self._slot(k, out.numel()))
         self._publish(self.read, k + 1, self.read_addr)
@@ -174,9 +178,9 @@ def _wait(ready, ch: Channel, addr: int, what: str) -> None:
         if ready():
             return
         spins += 1
-        if spins < shm._SPINS:
+        if spins < _SPINS:
             continue
-        if spins < shm._SPINS + shm._YIELDS:
+        if spins < _SPINS + _YIELDS:
             os.sched_yield()
             continue
         now = time.monotonic()
@@ -188,13 +192,17 @@ def _wait(ready, ch: Channel, addr: int, what: str) -> None:
             check = now + 1.0
         queued = any(c.queue for c in _out.values())
         counter = ch.ring.read if addr == ch.ring.read_addr else ch.ring.written
-        seen = int(counter[0])  # read before ready(): a move after it makes the futex return at once
+        seen = counter.value  # read before ready(): a move after it makes the futex return at once
         if ready():  # ready() may take what it waits for (a receive's piece): never call it again after True
             return
         shm._futex(addr, shm._FUTEX_WAIT, seen & 0xFFFFFFFF, _MILLI if queued else shm._SECOND)
 
 
-_MILLI = shm.ctypes.byref(shm._Timespec(0, 200_000))  # 0.2 ms: our own queued sends may have room by then
+# A wait polls a few times, then sleeps on the futex. Unlike shm.py's collectives it does not
+# yield its core first: on the loaded 2-core machine yielding made a round trip of 8 KiB 5x
+# slower than gloo's, polling 8 times and sleeping about gloo's (scripts/bench_p2p.py).
+_SPINS, _YIELDS = 8, 0
+_MILLI = ctypes.byref(shm._Timespec(0, 200_000))  # 0.2 ms: our own queued sends may have room by then
 
 
 class _SendWork:
