@@ -6,8 +6,8 @@ reuse by sequence number, a full ring refusing, wrap-around. Then through comm.s
 / recv / irecv on 2 ranks, against what was sent (bit for bit): every dtype the pipeline
 sends (bool as uint8), an empty tensor, messages larger than the whole ring (queued and
 written as the receiver frees slots), several tags between the same two ranks received out
-of their send order, both ranks sending 3 rings' worth to each other before either receives
-(gloo's blocking send would deadlock there; the queues drain while each waits), and ranks
+of their send order, both ranks isending 3 rings' worth to each other before either receives
+(the queues drain while each waits in its receive), blocking sends in a ping-pong, and ranks
 that name different hosts staying on gloo with the same results.
 """
 import os
@@ -46,37 +46,41 @@ def _payloads(seed):
     big = 3 * P.SLOTS * P.SLOT_BYTES // 4 + 123  # three rings' worth of float32, not a whole number of slots
     return [torch.randn(5, 7, generator=g), torch.randn(4, generator=g).to(torch.bfloat16),
             torch.randn(3, generator=g, dtype=torch.float64), torch.randint(0, 9, (6,), generator=g),
-            (torch.randn(10, generator=g) > 0).view(torch.uint8), torch.empty(0),
-            torch.randn(big, generator=g)]
+            (torch.randn(10, generator=g) > 0).view(torch.uint8), torch.empty(0), torch.randn(2, 3, generator=g),
+            torch.randn(big, generator=g)]  # odd index: sent with isend (see _exchange)
 
 
-def _exchange(rank, tags=(0, 5), blocking_sends=True):
-    """Both ranks send every payload on two tags, then receive the other's: tag 5's messages
-    first, although they were sent after tag 0's. Every other send is comm.send (which gloo
-    could not take without the receiver: then all are isends)."""
+def _exchange(rank, tags=(0, 5)):
+    """Both ranks isend every payload on two tags, then receive the other's: tag 5's messages
+    first, although they were sent after tag 0's (half through irecv). Then a ping-pong of
+    blocking sends: rank 0 sends each payload and receives it back from rank 1."""
     from dslaunch.runtime import comm
 
+    world = comm.get_world_group()
     peer = 1 - rank
     mine = {tag: _payloads(10 * rank + tag) for tag in tags}
-    works = []
-    for tag in tags:
-        for k, t in enumerate(mine[tag]):
-            if k % 2 or not blocking_sends:
-                works.append(comm.isend(t, peer, group=comm.get_world_group(), tag=tag, label="test"))
-            else:
-                comm.send(t, peer, group=comm.get_world_group(), tag=tag, label="test")
+    works = [comm.isend(t, peer, group=world, tag=tag, label="test") for tag in tags for t in mine[tag]]
     got_ok = []
     for tag in reversed(tags):
         want = _payloads(10 * peer + tag)
         for k, t in enumerate(want):
             buf = torch.empty_like(t)
             if k % 2:
-                comm.irecv(buf, peer, group=comm.get_world_group(), tag=tag, label="test").wait()
+                comm.irecv(buf, peer, group=world, tag=tag, label="test").wait()
             else:
-                comm.recv(buf, peer, group=comm.get_world_group(), tag=tag, label="test")
+                comm.recv(buf, peer, group=world, tag=tag, label="test")
             got_ok.append(torch.equal(buf, t))
     for w in works:
         w.wait()
+    for t in _payloads(7):
+        buf = torch.empty_like(t)
+        if rank == 0:
+            comm.send(t, peer, group=world, tag=tags[0], label="test")
+            comm.recv(buf, peer, group=world, tag=tags[0], label="test")
+            got_ok.append(torch.equal(buf, t))
+        else:
+            comm.recv(buf, peer, group=world, tag=tags[0], label="test")
+            comm.send(buf, peer, group=world, tag=tags[0], label="test")
     return got_ok
 
 
@@ -89,7 +93,7 @@ def _worker(other_hosts=False):
     peer = 1 - rank
     tags = (0, 5)
     flows = comm.connect_same_host_p2p(comm.get_world_group(), [(peer, t) for t in tags], [(peer, t) for t in tags])
-    ok = _exchange(rank, tags, blocking_sends=not other_hosts)
+    ok = _exchange(rank, tags)
     comm.wait_p2p_sends()
     return {"flows": flows, "ok": ok}
 

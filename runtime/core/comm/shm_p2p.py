@@ -17,12 +17,13 @@ the hostname), see each other's pid and could map the file; every other flow sta
 and the two ranks decide alike (the result is exchanged over the group). comm.send, isend,
 recv and irecv then route a CPU tensor to a flow's ring when it has one (collectives.py).
 
-Sends do not wait for the receiver: a send whose pieces do not all fit is kept in the flow's
-queue (with its tensor, as gloo's isend keeps its own) and written as slots free up, by the
-next call that touches this process's rings; any wait in here first moves every queued
-piece it can, so a rank blocked on a receive still drains its own sends and two ranks can
-never wait on each other's full rings. send() returns once its message is queued; isend()'s
-handle waits until every piece of it is in the ring; wait_all() before a batch ends.
+An isend does not wait for the receiver: pieces that do not fit are kept in the flow's queue
+(with the tensor, as gloo's isend keeps its own) and written as slots free up, by the next
+call that touches this process's rings; any wait in here first moves every queued piece it
+can, so a rank blocked on a receive still drains its own isends and two ranks cannot wait on
+each other's full rings through them. isend()'s handle, and send(), wait until every piece
+of the message is in the ring (not until it is received: less than gloo's send waits for, so
+an order of blocking sends that is safe over gloo is safe here); wait_all() before a batch ends.
 
 Waiting and memory order are shm.py's (x86-64 only, futex sleeps, a peer that exited is
 an error within a second): data is written before its counter and read after it, and the
@@ -254,8 +255,11 @@ def _queue(ch: Channel, tensor: torch.Tensor) -> _SendWork:
 
 
 def send(ch: Channel, tensor: torch.Tensor) -> None:
-    """Queued, not waited for (see the module docstring): the receiver takes it in order."""
-    _queue(ch, tensor)
+    """Returns once the whole message is in the ring (gloo's returns once it is delivered): the
+    sender may then exit, and the receiver still takes it."""
+    work = _queue(ch, tensor)
+    if not work.msg.done:
+        work.wait()
 
 
 def recv(ch: Channel, tensor: torch.Tensor) -> None:
