@@ -11,7 +11,9 @@ Calls go through `torch.distributed.<name>` at call time everywhere in dslaunch,
 wrapping the module attributes sees them all; torch's internal calls are not counted.
 Collectives of same-host groups that run through shared memory (dslaunch.runtime.comm.shm)
 never reach torch.distributed: the segment's methods are wrapped too, and record under the
-name of the torch.distributed function they stand for.
+name of the torch.distributed function they stand for; so do the sends and receives of
+same-host flows through shared-memory rings (dslaunch.runtime.comm.shm_p2p), on the world
+group, with their peer.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ NAMES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_ten
          "barrier", "all_gather_object", "broadcast_object_list", "gather", "scatter", "send", "recv", "isend",
          "irecv", "batch_isend_irecv")
 
+P2P_NAMES = ("send", "isend", "recv", "irecv")  # shm_p2p's functions, named as torch.distributed's
 SHM_NAMES = {"all_reduce": "all_reduce", "reduce": "reduce", "all_gather_into": "all_gather_into_tensor",
              "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
 
@@ -33,6 +36,8 @@ class CollectiveRecorder:
         self.records: List[Tuple[str, Tuple[int, ...], Optional[int]]] = []
         self._saved = {}
         self._saved_shm = {}
+        self._saved_p2p = {}
+        self.ring_calls = 0  # of the point-to-point records, those that went through a shared-memory ring
 
     def _wrap(self, name, fn):
         def wrapper(*args, **kwargs):
@@ -52,8 +57,20 @@ class CollectiveRecorder:
             return fn(seg, *args, **kwargs)
         return wrapper
 
+    def _wrap_p2p(self, name, fn):
+        def wrapper(ch, *args, **kwargs):
+            self.records.append((name, tuple(dist.get_process_group_ranks(dist.group.WORLD)), ch.peer()))
+            self.ring_calls += 1
+            return fn(ch, *args, **kwargs)
+        return wrapper
+
     def install(self) -> "CollectiveRecorder":
+        from dslaunch.runtime.comm import shm_p2p
         from dslaunch.runtime.comm.shm import Segment
+
+        for name in P2P_NAMES:
+            self._saved_p2p[name] = getattr(shm_p2p, name)
+            setattr(shm_p2p, name, self._wrap_p2p(name, self._saved_p2p[name]))
 
         for name in NAMES:
             fn = getattr(dist, name, None)
@@ -67,7 +84,12 @@ class CollectiveRecorder:
         return self
 
     def uninstall(self) -> None:
+        from dslaunch.runtime.comm import shm_p2p
         from dslaunch.runtime.comm.shm import Segment
+
+        for name, fn in self._saved_p2p.items():
+            setattr(shm_p2p, name, fn)
+        self._saved_p2p.clear()
 
         for name, fn in self._saved.items():
             setattr(dist, name, fn)

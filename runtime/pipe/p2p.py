@@ -1,5 +1,9 @@
 """Activations and gradients between neighbouring stages: send/recv through runtime.comm
 (torch.distributed point-to-point, which gloo and NCCL both provide) on the world group.
+Between two stages on one host, CPU tensors go through shared-memory rings instead
+(comm/shm_p2p.py): share_memory() sets them up for a pipeline's flows when the engine is
+built, and comm's send/recv route each flow that got one; cross-host neighbours (and CUDA
+tensors) stay on gloo (NCCL).
 
 What travels is a tensor or a tuple of tensors. Before the first transfer of a batch the
 sender describes it (kind, and each tensor's dtype and shape) in one fixed-size int64
@@ -31,6 +35,7 @@ import torch
 
 from ..core import comm
 from .module import PipelineError
+from .schedule import Link
 
 HEADER = 256  # int64 slots: [kind, count, then per tensor: dtype, ndim, *shape]
 KIND_TENSOR, KIND_TUPLE = 0, 2  # DeepSpeed's codes
@@ -139,10 +144,12 @@ class StageLink:
             comm.send(tensor, peer, group=self.group, tag=tag, label=label)
 
     def wait_sends(self) -> None:
-        """Wait until every posted send has gone (its tensor may then be freed)."""
+        """Wait until every posted send has gone (its tensor may then be freed), and every
+        send queued on a shared-memory ring is in it."""
         posted, self._posted = self._posted, []
         for work, _ in posted:
             work.wait()
+        comm.wait_p2p_sends()
 
     # -- activations (forward) ------------------------------------------------------------
     def send_activation(self, payload: Payload) -> None:
@@ -208,6 +215,24 @@ class StageLink:
                 comm.recv(g, self.next_rank, group=self.group, tag=self.recv_grad_tag, label="activation grad")
                 grads.append(g)
         return grads
+
+
+def share_memory(links: Sequence[Link], to_global, group) -> List[Tuple[int, int, int]]:
+    """Collective over the pipeline's group (every stage of this replica): a shared-memory
+    ring for each flow of these links (activations out and in, gradients out and in) whose two
+    ranks are on this host. `to_global` maps a stage to its global rank. Returns the flows
+    (sender, receiver, tag) that got one, the same on every stage."""
+    sends, recvs = set(), set()
+    for link in links:
+        if link.next_stage is not None:
+            nxt = to_global(link.next_stage)
+            sends.add((nxt, link.send_act_tag))
+            recvs.add((nxt, link.recv_grad_tag))
+        if link.prev_stage is not None:
+            prev = to_global(link.prev_stage)
+            recvs.add((prev, link.recv_act_tag))
+            sends.add((prev, link.send_grad_tag))
+    return comm.connect_same_host_p2p(group, sends, recvs)
 
 
 def floating(payload: Payload) -> Sequence[torch.Tensor]:

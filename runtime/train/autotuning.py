@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from ..core.comm import shm
+from ..core.comm import shm, shm_p2p
 from ..tensor_parallel import TensorParallelError
 from ..tensor_parallel.autotp import plan_training_shards
 
@@ -53,8 +53,10 @@ class TrialComplete(BaseException):
 
 def _live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process (CPU or device), the
-    communication segments of same-host groups aside (comm/shm.py: transport buffers)."""
-    seen, total = {(torch.device("cpu"), ptr) for ptr in shm.buffer_pointers()}, 0
+    communication segments of same-host groups and rings of same-host pipeline stages aside
+    (comm/shm.py, comm/shm_p2p.py: transport buffers)."""
+    buffers = {**shm.buffer_pointers(), **shm_p2p.buffer_pointers()}
+    seen, total = {(torch.device("cpu"), ptr) for ptr in buffers}, 0
     with warnings.catch_warnings():  # isinstance() on some of torch's deprecated module objects warns
         warnings.simplefilter("ignore")
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]

@@ -14,6 +14,7 @@ the name DeepSpeed's engine gives it.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import copy
 from typing import Any, Dict, Optional
@@ -88,7 +89,10 @@ def _with_tp_model_init(source, mpu):
     return raw, group
 
 
-class DeepSpeedEngine(torch.nn.Module):
+# An ABC only so that an engine built by composition can count as one: the pipeline engine
+# holds a DeepSpeedEngine and registers itself (pipe_engine.py), as DeepSpeed's PipelineEngine,
+# a subclass there, passes isinstance(engine, DeepSpeedEngine) in scripts and Hugging Face.
+class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
     def __init__(self, args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
                  training_data=None, lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None,
                  collate_fn=None, config=None, config_class=None, mesh_device=None, dont_change_device: bool = False,

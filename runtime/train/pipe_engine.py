@@ -26,6 +26,15 @@ every layer's input, layer by layer from the last, keeping each layer's output g
 its BackwardWeight then takes each layer's weight gradients from those alone. A schedule of
 several model chunks (interleaved) names the chunk in every instruction: buffers and links
 are per (chunk, micro-batch) and per chunk.
+
+The pipeline engine holds a DeepSpeedEngine (built from the same arguments) rather than
+being one: the engine does what it does for any model (config, precision, the ZeRO strategy,
+the optimizer step at the boundary, checkpoints, logging) and this class runs schedules on
+top. What a script reaches that the pipeline does not answer itself is the engine's, by
+delegation (see __getattr__). DeepSpeed's PipelineEngine subclasses its DeepSpeedEngine, so
+scripts and Hugging Face test isinstance(engine, DeepSpeedEngine): this class is registered
+as a virtual subclass (DeepSpeedEngine is an ABC for that alone), and is an nn.Module whose
+only submodule is the stage's module, under the name the engine gives it.
 """
 from __future__ import annotations
 
@@ -42,10 +51,15 @@ from .engine import DeepSpeedEngine, _config_source
 from ..core.strict import ConfigError
 from ..pipe import schedule as S
 from ..pipe.module import Piece, PipelineError, PipelineModule, detach_floating
-from ..pipe.p2p import AbortNotice, StageLink, floating
+from ..pipe.p2p import AbortNotice, StageLink, floating, share_memory
 
 
-class PipelineEngine(DeepSpeedEngine):
+# nn.Module's own bookkeeping, which both objects have: never written through to the engine
+_MODULE_STATE = frozenset(vars(torch.nn.Module()))
+
+
+@DeepSpeedEngine.register  # isinstance(engine, DeepSpeedEngine) holds, as for DeepSpeed's subclass
+class PipelineEngine(torch.nn.Module):
     def __init__(self, *args, **kwargs):
         model = kwargs.get("model")
         if not isinstance(model, PipelineModule):
@@ -66,13 +80,18 @@ class PipelineEngine(DeepSpeedEngine):
             raise ConfigError("zero_optimization.stage: ZeRO stage 3 cannot run under pipeline parallelism "
                               "(each stage already holds only its layers, and stage 3's gather-around-forward "
                               "does not follow 1F1B's interleaved micro-batches); use stage 1 or 2")
-        super().__init__(*args, **kwargs)
-        if self.config.pipeline.activation_checkpoint_interval > 0:
-            model.set_checkpoint_interval(self.config.pipeline.activation_checkpoint_interval)
-        self.num_stages = self.grid.get_pipe_parallel_world_size()
-        self.stage_id = self.grid.get_stage_id()
-        self.micro_batches = self.batch.gradient_accumulation_steps
-        self.micro_batch_size = self.batch.micro_batch_per_gpu
+        super().__init__()
+        engine = DeepSpeedEngine(*args, **kwargs)
+        # kept out of nn.Module's registry: the stage's module is registered here under the
+        # engine's name for it, so parameters and state_dict keys read "module.<name>" as DeepSpeed's
+        object.__setattr__(self, "_engine", engine)
+        self.module = engine.module
+        if engine.config.pipeline.activation_checkpoint_interval > 0:
+            model.set_checkpoint_interval(engine.config.pipeline.activation_checkpoint_interval)
+        self.num_stages = engine.grid.get_pipe_parallel_world_size()
+        self.stage_id = engine.grid.get_stage_id()
+        self.micro_batches = engine.batch.gradient_accumulation_steps
+        self.micro_batch_size = engine.batch.micro_batch_per_gpu
         self.schedule_name, self.chunks = schedule_name, model.virtual_stages
         if self.schedule_name in S.CHUNKED and self.micro_batches % self.num_stages:
             raise ConfigError(f"pipeline.schedule: {self.schedule_name!r} needs gradient_accumulation_steps "
@@ -85,16 +104,25 @@ class PipelineEngine(DeepSpeedEngine):
         first_chunk = S.PipeSchedule(1, self.num_stages, self.stage_id).link(0)
         self.link = self._link(first_chunk, False)  # 1F1B's and the inference schedule's
         self._links: List[StageLink] = [self.link]
+        # stages on one host pass activations and gradients through shared memory; every flow
+        # of every chunk is set up now, with the whole pipeline group (a collective)
+        self.shared_memory_flows: List[Any] = []
+        if self.num_stages > 1:
+            sched = S.train_schedule(self.schedule_name, self.micro_batches, self.num_stages,
+                                     self.stage_id, self.chunks)
+            self.shared_memory_flows = share_memory([sched.link(c) for c in range(self.chunks)],
+                                                    engine.grid.stage_to_global, engine.grid.get_pipe_parallel_group())
         self.data_iterator = None
-        if self.training_dataloader is not None:
+        if engine.training_dataloader is not None:
             # DeepSpeed's pipeline reads training_data in order (no shuffling); the first and
-            # last stage of a pipeline must see the same samples, and do with the same sampler
-            loader = self.training_dataloader
-            self.training_dataloader = DistributedDataLoader(loader.dataset, loader.batch_size, self.dp_rank,
-                                                             self.dp_world_size, collate_fn=loader.loader.collate_fn,
-                                                             shuffle=False)
-        if self.training_dataloader is not None and self._reads_data():
-            self.data_iterator = RepeatingLoader(self.training_dataloader)
+            # last stage of a pipeline must see the same samples, and do with the same sampler.
+            # The engine keeps it: its checkpoints record the loader's position.
+            loader = engine.training_dataloader
+            engine.training_dataloader = DistributedDataLoader(loader.dataset, loader.batch_size, engine.dp_rank,
+                                                               engine.dp_world_size,
+                                                               collate_fn=loader.loader.collate_fn, shuffle=False)
+        if engine.training_dataloader is not None and self._reads_data():
+            self.data_iterator = RepeatingLoader(engine.training_dataloader)
         self.batch_fn = None
         self.agg_train_loss: Optional[torch.Tensor] = None
         self._boundary_flag = False
@@ -107,8 +135,49 @@ class PipelineEngine(DeepSpeedEngine):
         # and time.perf_counter() at the schedule's start and at the end of its last forward or
         # backward pass (start, compute_end: one clock for every process of a host)
         self.step_timings: Dict[str, float] = {}
-        if self.global_rank == 0:
+        if engine.global_rank == 0:
             self._print_layout(model)
+
+    # -- the engine's surface, by delegation -------------------------------------------------------
+    # Everything DeepSpeedEngine offers a script (config accessors, counters, checkpoints, the
+    # optimizer and scheduler, get_lr, ...) is the held engine's: read through __getattr__, and
+    # an attribute the engine holds is written there too (engine.global_steps = n,
+    # initialize's engine._resize), so there is one copy of each. What the pipeline answers
+    # differently is defined on this class and found first.
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, submodules
+        except AttributeError:
+            pass
+        engine = self.__dict__.get("_engine")
+        if engine is None:  # before the engine exists (or in copy/pickle's bare instance)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(engine, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        engine = self.__dict__.get("_engine")
+        if engine is not None and name not in self.__dict__ and name not in _MODULE_STATE and name in vars(engine):
+            setattr(engine, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(dir(self.__dict__.get("_engine", None) or object())))
+
+    # nn.Module methods the engine answers itself (found on nn.Module first, so named here)
+    def zero_grad(self, *args, **kwargs):
+        return self._engine.zero_grad(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self._engine.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def compile(self, *args, **kwargs):
+        return self._engine.compile(*args, **kwargs)
 
     def _print_layout(self, model: PipelineModule) -> None:
         names, parts, p = model.layer_names(), model.parts, self.num_stages
@@ -117,7 +186,7 @@ class PipelineEngine(DeepSpeedEngine):
             return f"stage {k}" if self.chunks == 1 else f"stage {k % p} chunk {k // p}"
         stages = "; ".join(f"{where(k)}: layers {parts[k]}-{parts[k + 1] - 1} "
                            f"({', '.join(names[parts[k]:parts[k + 1]])})" for k in range(len(parts) - 1))
-        print(f"pipeline: {self.num_stages} stages x {self.dp_world_size} data-parallel, "
+        print(f"pipeline: {self.num_stages} stages x {self._engine.dp_world_size} data-parallel, "
               f"{self.micro_batches} micro-batches of {self.micro_batch_size}; {stages}; "
               f"schedule {self.schedule_name}", flush=True)
 
@@ -126,8 +195,8 @@ class PipelineEngine(DeepSpeedEngine):
         the shapes described in the current batch)."""
         key = (link, async_sends)
         if key not in self._stage_links:
-            rank = (lambda st: None if st is None else self.grid.stage_to_global(st))
-            self._stage_links[key] = StageLink(rank(link.prev_stage), rank(link.next_stage), self.device,
+            rank = (lambda st: None if st is None else self._engine.grid.stage_to_global(st))
+            self._stage_links[key] = StageLink(rank(link.prev_stage), rank(link.next_stage), self._engine.device,
                                                dynamic_shape=self.module.dynamic_shape,
                                                tags=(link.recv_act_tag, link.send_act_tag, link.recv_grad_tag,
                                                      link.send_grad_tag), async_sends=async_sends)
@@ -153,14 +222,14 @@ class PipelineEngine(DeepSpeedEngine):
 
     def set_dataloader(self, loader) -> None:
         if self._reads_data():
-            self.training_dataloader = loader
+            self._engine.training_dataloader = loader
             self.data_iterator = RepeatingLoader(loader)
 
     def _restart_data_iterator(self) -> None:
         """After a checkpoint moved the engine's loader (resize_driver.py resume): read on from
         its new position; an iterator the script set is the script's."""
-        if isinstance(self.data_iterator, RepeatingLoader) and self.data_iterator.loader is self.training_dataloader:
-            self.data_iterator = RepeatingLoader(self.training_dataloader)
+        if isinstance(self.data_iterator, RepeatingLoader) and self.data_iterator.loader is self._engine.training_dataloader:
+            self.data_iterator = RepeatingLoader(self._engine.training_dataloader)
 
     def set_batch_fn(self, fn) -> None:
         self.batch_fn = fn
@@ -190,8 +259,8 @@ class PipelineEngine(DeepSpeedEngine):
     # -- batches ---------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
         """Run one global batch and step; returns the mean loss (same on every rank)."""
-        if self._resize is not None:
-            self._resize.check_stop()
+        if self._engine._resize is not None:
+            self._engine._resize.check_stop()
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch: gradients are disabled (torch.no_grad); use eval_batch() instead")
         if data_iter is not None:
@@ -200,15 +269,15 @@ class PipelineEngine(DeepSpeedEngine):
         self._compute_loss = True
         start = time.perf_counter()
         sched = S.train_schedule(self.schedule_name, self.micro_batches, self.num_stages, self.stage_id, self.chunks)
-        if self._trial is not None:
-            self._trial.in_flight = sched.activations_in_flight()
+        if self._engine._trial is not None:
+            self._engine._trial.in_flight = sched.activations_in_flight()
         losses = self._exec_schedule(sched)
         self.agg_train_loss = self._aggregate_loss(losses, self.micro_batches)
         self.step_timings["total"] = time.perf_counter() - start
-        self._meter.add_loss(float(self.agg_train_loss))
-        self._report_step()  # the log line and monitors, once the batch's loss is known
-        if self._resize is not None:
-            self._resize.after_step()
+        self._engine._meter.add_loss(float(self.agg_train_loss))
+        self._engine._report_step()  # the log line and monitors, once the batch's loss is known
+        if self._engine._resize is not None:
+            self._engine._resize.after_step()
         return self.agg_train_loss
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True, reduce_output="avg",
@@ -218,8 +287,8 @@ class PipelineEngine(DeepSpeedEngine):
         rank when bcast_loss), and the last micro-batch's outputs too with return_logits."""
         if reduce_output not in (None, "avg"):
             raise PipelineError(f"eval_batch: reduce_output={reduce_output!r}; use \"avg\" or None")
-        if self._resize is not None:
-            self._resize.check_stop()
+        if self._engine._resize is not None:
+            self._engine._resize.check_stop()
         self.module.eval()
         self._compute_loss = compute_loss
         self.eval_return_logits = return_logits
@@ -327,18 +396,18 @@ class PipelineEngine(DeepSpeedEngine):
         batch = self._batch_data.pop(0)
         if self.is_first_stage():
             x = batch[0]
-            self._buf["inputs"][0, cmd.buffer_id] = (move_to(tuple(x), self.device) if isinstance(x, (tuple, list))
-                                                     else move_to(x, self.device))
+            self._buf["inputs"][0, cmd.buffer_id] = (move_to(tuple(x), self._engine.device) if isinstance(x, (tuple, list))
+                                                     else move_to(x, self._engine.device))
         if self.is_last_stage():
-            self._buf["labels"][self.chunks - 1, cmd.buffer_id] = move_to(batch[1], self.device)
+            self._buf["labels"][self.chunks - 1, cmd.buffer_id] = move_to(batch[1], self._engine.device)
 
     def _forward(self, cmd) -> None:
         key = (cmd.chunk, cmd.buffer_id)
         x = self._buf["inputs"][key]
         chunk = None if self.chunks == 1 else cmd.chunk
         # an autotuning trial counts what one training micro-batch saves for backward
-        probe = self._trial.forward() if self._trial is not None and torch.is_grad_enabled() else nullcontext()
-        with self._meter.timed("forward"), probe:
+        probe = self._engine._trial.forward() if self._engine._trial is not None and torch.is_grad_enabled() else nullcontext()
+        with self._engine._meter.timed("forward"), probe:
             if self._split:
                 out, pieces = self.module.forward_split(x, chunk=chunk)
                 self._buf["pieces"][key] = pieces
@@ -376,11 +445,11 @@ class PipelineEngine(DeepSpeedEngine):
         key = (cmd.chunk, cmd.buffer_id)
         boundary = self._accumulating()
         self._boundary_flag = boundary
-        with self._meter.timed("backward"):
-            self.strategy.before_backward(boundary)
+        with self._engine._meter.timed("backward"):
+            self._engine.strategy.before_backward(boundary)
             if self._is_last(cmd.chunk):
                 loss = self._buf["loss"].pop(key)
-                factor = self.loss_scale() / self.micro_batches
+                factor = self._engine.loss_scale() / self.micro_batches
                 (loss.float() * factor).backward()
             else:
                 outs = floating(self._buf["outputs"][key])
@@ -388,9 +457,9 @@ class PipelineEngine(DeepSpeedEngine):
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 self._grads = None
-            self.strategy.after_backward(boundary)
-        if boundary and self._trial is not None:
-            self._trial.after_backward()  # the batch's gradients are held now; the step frees them
+            self._engine.strategy.after_backward(boundary)
+        if boundary and self._engine._trial is not None:
+            self._engine._trial.after_backward()  # the batch's gradients are held now; the step frees them
         self._boundary_flag = False
         self._buf["outputs"].pop(key, None)
 
@@ -400,10 +469,10 @@ class PipelineEngine(DeepSpeedEngine):
         gets its gradient in .grad (what SendGrad sends). No weight gradient is touched."""
         key = (cmd.chunk, cmd.buffer_id)
         pieces: List[Piece] = self._buf["pieces"][key]
-        with self._meter.timed("backward"):
+        with self._engine._meter.timed("backward"):
             if self._is_last(cmd.chunk):
                 loss = self._buf["loss"].pop(key)
-                factor = self.loss_scale() / self.micro_batches
+                factor = self._engine.loss_scale() / self.micro_batches
                 if self.module.loss_fn is None:  # the last layer's output is the loss
                     pieces[-1].outputs = [loss.float()]
                 grads = [torch.full_like(loss.float(), factor)]
@@ -433,15 +502,15 @@ class PipelineEngine(DeepSpeedEngine):
         boundary = self._accumulating()
         self._boundary_flag = boundary
         params = [p for p in self.module.parameters() if p.requires_grad]
-        with self._meter.timed("backward"):
-            self.strategy.before_backward(boundary)
+        with self._engine._meter.timed("backward"):
+            self._engine.strategy.before_backward(boundary)
             for piece in pieces:
                 pairs = [(o, g) for o, g in zip(piece.outputs, piece.grads or []) if o.requires_grad]
                 if pairs and params:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
-            self.strategy.after_backward(boundary)
-        if boundary and self._trial is not None:
-            self._trial.after_backward()
+            self._engine.strategy.after_backward(boundary)
+        if boundary and self._engine._trial is not None:
+            self._engine._trial.after_backward()
         self._boundary_flag = False
 
     def _send_act(self, cmd) -> None:
@@ -464,20 +533,20 @@ class PipelineEngine(DeepSpeedEngine):
         sums commute, and a ZeRO strategy only has the reduced gradient in partitions."""
 
     def _reduce(self, cmd) -> None:
-        self.strategy.reduce_gradients()
+        self._engine.strategy.reduce_gradients()
         for weight, group in self.module.get_tied_weights_and_groups():
-            self.strategy.sum_param_grads_([weight], group)
+            self._engine.strategy.sum_param_grads_([weight], group)
 
     def _optimizer_step(self, cmd) -> None:
-        self._boundary_step({}, reduced=True)
-        self.micro_steps += self.micro_batches
+        self._engine._boundary_step({}, reduced=True)
+        self._engine.micro_steps += self.micro_batches
 
     # -- losses ----------------------------------------------------------------------------------
     def _mean_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().float().clone()
-        if self.dp_world_size > 1:
-            comm.all_reduce(value, group=self.dp_group, label="pipeline loss over replicas")
-            value /= self.dp_world_size
+        if self._engine.dp_world_size > 1:
+            comm.all_reduce(value, group=self._engine.dp_group, label="pipeline loss over replicas")
+            value /= self._engine.dp_world_size
         return value
 
     def _aggregate_loss(self, losses: List[torch.Tensor], m: int) -> torch.Tensor:
@@ -485,10 +554,10 @@ class PipelineEngine(DeepSpeedEngine):
         if self.is_last_stage():
             value = self._mean_over_replicas(torch.stack(losses).sum() / m).reshape(1)
         else:
-            value = torch.zeros(1, dtype=torch.float32, device=self.device)
+            value = torch.zeros(1, dtype=torch.float32, device=self._engine.device)
         if self.num_stages > 1:
-            comm.broadcast(value, src=self.grid.stage_to_global(self.num_stages - 1),
-                           group=self.grid.get_pipe_parallel_group(), label="pipeline loss")
+            comm.broadcast(value, src=self._engine.grid.stage_to_global(self.num_stages - 1),
+                           group=self._engine.grid.get_pipe_parallel_group(), label="pipeline loss")
         return value[0]
 
 

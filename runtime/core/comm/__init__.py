@@ -11,6 +11,8 @@
                     mismatch named, exit 124 on every reachable rank
     logger.py       the comms logger: latency, algbw/busbw per op and message size
     traffic.py      ... and bytes by process group and host pair (traffic_report)
+    shm.py          collectives through shared memory for groups on one host
+    shm_p2p.py      send/recv through shared-memory rings for flows between ranks of one host
     shutdown.py     orderly teardown at interpreter exit
 
 Importing this package registers the exit handler (shutdown.py).
@@ -31,6 +33,7 @@ from .collectives import (ReduceOp, all_gather, all_gather_into_tensor, all_gath
                           release_completed,
                           reduce_scatter, reduce_scatter_fn, reduce_scatter_tensor, scatter, send)
 from .coalesced import P2POp, all_gather_coalesced, all_reduce_coalesced, all_to_all, batch_isend_irecv
+from .shm_p2p import connect as connect_same_host_p2p, wait_all as wait_p2p_sends
 from .groups import (destroy_process_group, get_all_ranks_from_group, get_global_rank, get_rank, get_world_group,
                      get_world_size, group_name, is_available, is_initialized, new_group)
 

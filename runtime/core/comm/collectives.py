@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import shm, shutdown, watchdog
+from . import shm, shm_p2p, shutdown, watchdog
 from .flight import FlightRecorder
 from .groups import get_all_ranks_from_group, get_global_rank, get_rank, get_world_size, group_name, is_initialized
 from .logger import CommsLogger
@@ -355,24 +355,38 @@ def _p2p(op: str, tensor, peer, group, group_peer, async_op: bool, label, prof, 
                 group_key=("p2p", group_name(group), who), device_tensor=tensor)
 
 
+def _peer(peer, group, group_peer) -> int:
+    return peer if peer is not None else get_global_rank(group, group_peer)
+
+
+# A flow shm_p2p.connect() set up between two ranks of one host goes through its ring on both
+# ends (the receiver's recv and the sender's send route alike: both look the flow up by peer and tag).
 def send(tensor, dst=None, group=None, tag=0, group_dst=None, label=None, prof=False, log_name=None, debug=None):
+    ch = shm_p2p.channel_to(_peer(dst, group, group_dst), tag, tensor)
     return _p2p("send", tensor, dst, group, group_dst, False, label, prof, log_name, debug,
-                lambda: dist.send(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst))
+                (lambda: shm_p2p.send(ch, tensor)) if ch is not None else
+                (lambda: dist.send(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)))
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None, label=None, prof=False, log_name=None, debug=None):
+    ch = shm_p2p.channel_from(_peer(src, group, group_src), tag, tensor)
     return _p2p("recv", tensor, src, group, group_src, False, label, prof, log_name, debug,
-                lambda: dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src))
+                (lambda: shm_p2p.recv(ch, tensor)) if ch is not None else
+                (lambda: dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)))
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None, label=None, prof=False, log_name=None, debug=None):
+    ch = shm_p2p.channel_to(_peer(dst, group, group_dst), tag, tensor)
     return _p2p("isend", tensor, dst, group, group_dst, True, label, prof, log_name, debug,
-                lambda: dist.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst))
+                (lambda: shm_p2p.isend(ch, tensor)) if ch is not None else
+                (lambda: dist.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)))
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None, label=None, prof=False, log_name=None, debug=None):
+    ch = shm_p2p.channel_from(_peer(src, group, group_src), tag, tensor)
     return _p2p("irecv", tensor, src, group, group_src, True, label, prof, log_name, debug,
-                lambda: dist.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src))
+                (lambda: shm_p2p.irecv(ch, tensor)) if ch is not None else
+                (lambda: dist.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)))
 
 
 def has_all_gather_into_tensor() -> bool:

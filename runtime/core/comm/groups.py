@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from . import shm, shutdown
+from . import shm, shm_p2p, shutdown
 
 _names: Dict[int, str] = {}  # id(group) -> name for records (the group itself is not kept alive here)
 
@@ -93,6 +93,7 @@ def destroy_process_group(group=None) -> None:
         watchdog.stop()
         _names.clear()
         shm.forget_all()
+        shm_p2p.forget_all()
         dist.destroy_process_group()
         return
     shutdown.forget_group(group)

@@ -197,9 +197,10 @@ def _sync_device() -> None:
 def _destroy_groups() -> None:
     import torch.distributed as dist
 
-    from . import shm
+    from . import shm, shm_p2p
 
     shm.forget_all()
+    shm_p2p.forget_all()
     groups, _groups[:] = list(reversed(_groups)), []
     if not (dist.is_available() and dist.is_initialized()):
         _dead_groups.extend(groups)
