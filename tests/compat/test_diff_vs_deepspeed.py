@@ -13,8 +13,7 @@ import sys
 import pytest
 import repo_paths
 
-HERE = str(repo_paths.TESTS)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+sys.path.insert(0, str(repo_paths.SCRIPTS))
 
 import diff_cases  # noqa: E402
 import diff_vs_deepspeed as dvd  # noqa: E402

@@ -20,7 +20,7 @@ from dslaunch.runtime.ops.lion import DeepSpeedCPULion
 import repo_paths
 
 HERE = str(repo_paths.TESTS)
-sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+sys.path.insert(0, str(repo_paths.SCRIPTS))
 from make_ds_cpu_optim_fixtures import run  # noqa: E402  (the replay the fixture was made with)
 
 FIXTURE = torch.load(os.path.join(HERE, "data", "ds_cpu_optim.pt"))

@@ -155,7 +155,7 @@ def test_deepspeeds_cuda_swizzle_and_reduction_are_what_qgz_and_the_fixture_run_
     quantized_reduction bytes; scales within 2 ulps (fast math)."""
     import sys
 
-    sys.path.insert(0, str(repo_paths.ROOT / "scripts"))
+    sys.path.insert(0, str(repo_paths.SCRIPTS))
     import ds_cpu_quantizer as dsq
 
     from dslaunch.runtime.zero.zeropp import _swizzle

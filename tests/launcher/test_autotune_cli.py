@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from dslaunch.launcher.autotune.memory import mib
 from dslaunch.launcher.cli import launch
 import repo_paths
+from dist_harness import DSLAUNCH
 
 JOB = str(repo_paths.WORKERS / "autotune_job.py")
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 # With this limit the memory model (ZeRO formulas + measured activations of the job's
 # model: 33088 fp32 parameters with Adam, 36 KiB of activations per sample, 2 ranks)
 # prunes stage 0 from micro-batch 4 up and stage 1 at micro-batch 8.

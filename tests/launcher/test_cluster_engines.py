@@ -18,8 +18,8 @@ import pytest
 
 import slurm_cluster
 import testbed
+from dist_harness import DSLAUNCH
 
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 pytestmark = pytest.mark.testbed
 
 ALLREDUCE = """

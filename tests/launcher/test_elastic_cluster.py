@@ -22,8 +22,8 @@ import pytest
 
 import testbed
 import repo_paths
+from dist_harness import DSLAUNCH
 
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 WORKER = str(repo_paths.WORKERS / "elastic_job.py")
 STEP = re.compile(r"^\[(\S+):(\d+)\] step (\d+) loss (\S+) world (\d+)$")
 pytestmark = [pytest.mark.testbed, pytest.mark.timeout(900)]

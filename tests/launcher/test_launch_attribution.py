@@ -3,14 +3,13 @@ console, even when a peer that waited in a collective for it fails and exits fir
 runtime's excepthook tells the supervisor (supervisor.py, "Which worker failed first")."""
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import repo_paths
+from dist_harness import DSLAUNCH
 
 WORKER = str(repo_paths.WORKERS / "raise_in_collective.py")
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 REPEAT = int(os.environ.get("DSLAUNCH_ATTRIBUTION_REPEAT", "2"))
 
 

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 
 from dslaunch.launcher.cli import launch
 import repo_paths
+from dist_harness import DSLAUNCH
 
 ROOT = repo_paths.ROOT
 BEHAVE = str(repo_paths.WORKERS / "behave.py")
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 
 
 def cli(args, env=None, cwd=None):

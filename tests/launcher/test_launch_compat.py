@@ -10,7 +10,6 @@ there is nothing to launch, which is an error here too.
 import json
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -21,9 +20,9 @@ from click.testing import CliRunner
 from dslaunch.launcher import machine
 from dslaunch.launcher.cli import launch
 import repo_paths
+from dist_harness import DSLAUNCH
 
 BEHAVE = str(repo_paths.WORKERS / "behave.py")
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 ONE = "worker-0 slots=4\n"
 TWO = "worker-0 slots=4\nworker-1 slots=4\n"
 

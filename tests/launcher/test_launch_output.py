@@ -14,9 +14,9 @@ import pytest
 from dslaunch.launcher.failure import Failure
 from dslaunch.launcher.output import AttemptSummary, JobOutput, OutputLine
 import repo_paths
+from dist_harness import DSLAUNCH
 
 BEHAVE = str(repo_paths.WORKERS / "behave.py")
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 
 
 def _wait_for(path: Path, proc, timeout: float = 60) -> None:

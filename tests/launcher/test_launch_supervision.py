@@ -11,10 +11,10 @@ import time
 import psutil
 import pytest
 import repo_paths
+from dist_harness import DSLAUNCH
 
 ROOT = repo_paths.ROOT
 BEHAVE = str(repo_paths.WORKERS / "behave.py")
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 import repo_paths
+from dist_harness import DSLAUNCH
 
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 pytestmark = pytest.mark.testbed
 
 

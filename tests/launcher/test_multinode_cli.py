@@ -1,6 +1,5 @@
 """Multi-node CLI paths that need no cluster: env forwarding rules, masking, usage errors."""
 import subprocess
-import sys
 
 import pytest
 
@@ -9,8 +8,7 @@ from dslaunch.launcher.errors import LaunchConfigError
 from dslaunch.launcher.masking import MASK, looks_secret, masked
 from dslaunch.launcher.options import LaunchOptions
 from dslaunch.launcher.plan import passed_env
-
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
+from dist_harness import DSLAUNCH
 
 
 def test_forwarded_env_prefixes_file_and_exports():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
+from dist_harness import DSLAUNCH
 
 
 @pytest.mark.timeout(120)

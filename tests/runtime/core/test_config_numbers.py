@@ -17,7 +17,7 @@ import torch
 import repo_paths
 
 ROOT = repo_paths.ROOT
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(repo_paths.SCRIPTS))
 from config_number_cases import CASES  # noqa: E402
 
 import dslaunch.runtime as deepspeed  # noqa: E402

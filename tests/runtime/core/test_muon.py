@@ -8,7 +8,6 @@ The pieces are held to their definitions: DeepSpeed's tagging rule and group set
 batched Newton-Schulz against one matrix at a time, the gram iteration against the
 standard one, and the optimizer state against its formula.
 """
-import importlib.util
 import json
 import os
 
@@ -17,13 +16,11 @@ import torch
 
 from dist_harness import run_function
 import repo_paths
+from script_modules import load_script
 
 ROOT = str(repo_paths.ROOT)
 DATA = os.path.join(ROOT, "tests", "data", "ds_muon")
-_spec = importlib.util.spec_from_file_location("make_ds_muon_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_muon_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_muon_fixtures")
 
 with open(os.path.join(DATA, "expected.json")) as _fh:
     EXPECTED = json.load(_fh)

@@ -28,7 +28,6 @@ With Muon the reference is AutoEP at size 1 at the same stage (fx.MUON says why:
 orthogonalises gate and up apart, as DeepSpeed's does, where the unmodified model fuses them;
 and stages 1-2 clip the update where stage 0 clips the gradient).
 """
-import importlib.util
 import json
 import os
 
@@ -36,12 +35,10 @@ import pytest
 
 from dist_harness import run_function
 import repo_paths
+from script_modules import load_script
 
 ROOT = str(repo_paths.ROOT)
-_spec = importlib.util.spec_from_file_location("make_ds_autoep_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_autoep_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_autoep_fixtures")
 EXPECTED = json.load(open(os.path.join(ROOT, "tests", "data", "ds_autoep", "expected.json")))
 TOL = 1e-5
 WATCHDOG = {"comms_timeout": 120}  # a hang fails the rank (exit 124) long before the harness's timeout

@@ -10,19 +10,14 @@ with AdamW, and ZeRO 2 with Muon (its momentum buffer resumes too). The same che
 at autoep_size 1 with load_optimizer_states=False (the weights, every expert on every rank,
 equal the saved run's gathered model); with the optimizer state it is refused in one line.
 """
-import importlib.util
 import os
 
 import pytest
 
 from dist_harness import run_function
-import repo_paths
+from script_modules import load_script
 
-ROOT = str(repo_paths.ROOT)
-_spec = importlib.util.spec_from_file_location("make_ds_autoep_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_autoep_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_autoep_fixtures")
 TOL = 1e-5
 STEPS, SAVE_AT = 4, 2
 CASES = {"s0": dict(stage=0), "s1": dict(stage=1), "s2": dict(stage=2), "s2_muon": dict(stage=2, muon=True)}

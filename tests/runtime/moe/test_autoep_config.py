@@ -6,8 +6,6 @@ hf_state_dict gives back the model's own state dict, for every family and expert
 The multi-rank training runs are tests/runtime/moe/test_autoep.py's."""
 import copy
 import dataclasses
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -15,13 +13,9 @@ import torch
 from dslaunch.runtime.config import DeepSpeedConfig
 from dslaunch.runtime.config.expert_parallel import ExpertParallelConfig
 from dslaunch.runtime.strict import ConfigError
-import repo_paths
+from script_modules import load_script
 
-ROOT = str(repo_paths.ROOT)
-_spec = importlib.util.spec_from_file_location("make_ds_autoep_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_autoep_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_autoep_fixtures")
 MODELS = fx.EP_MODELS + fx.ONE_MODELS
 
 # the keys DeepSpeed 0.19.8's parse_autoep_config reads (module_inject/auto_ep_config.py)
@@ -249,10 +243,7 @@ def test_hf_state_dict_is_the_models_own(name):
 
 def _list_model():
     """Mixtral with transformers 4.x's layout: a ModuleList of w1/w2/w3 expert MLPs."""
-    spec = importlib.util.spec_from_file_location("make_ds_hf_moe_fixtures",
-                                                  os.path.join(ROOT, "scripts", "make_ds_hf_moe_fixtures.py"))
-    hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hf)
+    hf = load_script("make_ds_hf_moe_fixtures")
     return hf.make_model("mixtral_list")[0]
 
 

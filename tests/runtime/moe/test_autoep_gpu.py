@@ -9,18 +9,12 @@ a different point)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
-import repo_paths
+from script_modules import load_script
 
-ROOT = str(repo_paths.ROOT)
-_spec = importlib.util.spec_from_file_location("make_ds_autoep_fixtures",
-                                               os.path.join(ROOT, "scripts", "make_ds_autoep_fixtures.py"))
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
+fx = load_script("make_ds_autoep_fixtures")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 pytest.importorskip("transformers")

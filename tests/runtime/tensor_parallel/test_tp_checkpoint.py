@@ -10,6 +10,7 @@ import pytest
 from dist_harness import run_function
 from hf_fixture import tiny_llama
 import repo_paths
+from script_modules import load_script
 
 SEQ, VOCAB, MICRO = 8, 64, 2
 
@@ -100,20 +101,15 @@ def test_tp2_by_dp2_resumes_at_tp1_by_dp2_and_consolidates(tmp_path):
 
 # -- DeepSpeed's AutoTP checkpoints (scripts/make_ds_tp_fixtures.py, real DeepSpeed 0.19.8) ---------------
 FIXTURES = os.path.join(repo_paths.DATA, "ds_autotp")
-SCRIPT = os.path.join(repo_paths.SCRIPTS, "make_ds_tp_fixtures.py")
 
 
 def resume_ds_body(case, tp, stage):
     """Resume DeepSpeed's checkpoint of `case` at tensor size tp (dp = world / tp) and train
     the fixture's steps after the save; the losses averaged over the data ranks."""
-    import importlib.util
-
     import dslaunch.runtime as deepspeed
     from dslaunch.runtime import comm
 
-    spec = importlib.util.spec_from_file_location("make_ds_tp_fixtures", SCRIPT)
-    fx = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fx)
+    fx = load_script("make_ds_tp_fixtures")
     world = comm.get_world_size()
     dp = world // tp
     cfg = {"train_micro_batch_size_per_gpu": fx.ROWS // dp, "steps_per_print": 1000, "gradient_clipping": 1.0,

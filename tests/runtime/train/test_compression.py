@@ -27,7 +27,7 @@ import repo_paths
 
 HERE = str(repo_paths.TESTS)
 FIXTURES = os.path.join(HERE, "data", "ds_compression")
-sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+sys.path.insert(0, str(repo_paths.SCRIPTS))
 
 import compare_ds_compression as compare  # noqa: E402  (scripts/: our side of the engine cases)
 

@@ -17,7 +17,7 @@ from dslaunch.runtime.strict import ConfigError
 import repo_paths
 
 ROOT = repo_paths.ROOT
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(repo_paths.SCRIPTS))
 from ds_lr_cases import ONE_CYCLE_CASES, STEPS  # noqa: E402
 
 DS = json.loads((ROOT / "tests" / "data" / "ds_lr_schedules.json").read_text())

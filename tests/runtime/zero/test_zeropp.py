@@ -25,7 +25,7 @@ from dist_harness import run_function
 import repo_paths
 
 ROOT = repo_paths.ROOT
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(repo_paths.SCRIPTS))
 import ds_cpu_quantizer as dsq  # noqa: E402  (DeepSpeed's kernels re-implemented on the CPU)
 import zeropp_workload as work  # noqa: E402
 
