@@ -20,7 +20,7 @@ The CUDA fused Adam is built the same way, `load(..., with_cuda)`: its kernels
 (fused_adam.cu, no torch header) and its torch op (fused_adam_op.cpp, the stable API,
 no CUDA header) in one library. That needs a CUDA build of torch; on a CPU-only torch
 the build is refused in one line, and CI instead compiles both translation units with
-nvcc against torch's headers (`nvcc_check_commands()`, tests/test_fused_adam.py), links
+nvcc against torch's headers (`nvcc_check_commands()`, tests/kernels/test_fused_adam.py), links
 them and checks the exports, so syntax, symbol and visibility errors still fail there.
 
 Ahead of time (`DSLAUNCH_BUILD_OPS=1 pip install --no-build-isolation .`, aot.py), setup.py

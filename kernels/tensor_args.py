@@ -141,7 +141,7 @@ def step_args(op: str, step: StepCount, n: int):
 # The mark torch.compiler.assume_constant_result sets. That decorator imports torch._dynamo
 # first, which costs seconds (2.4 s idle on the 2-core CI machine, 8 s loaded) in every process
 # that builds a CPU optimizer, torch.compile or not; setting the mark directly costs nothing, and
-# dynamo reads it when it meets the function. tests/test_kernel_torch_ops.py checks the name
+# dynamo reads it when it meets the function. tests/kernels/test_kernel_torch_ops.py checks the name
 # against torch's decorator and that a fullgraph compile of step() still traces through it.
 DYNAMO_CONSTANT_MARK = "_dynamo_marked_constant"
 

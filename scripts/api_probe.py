@@ -4,7 +4,7 @@
 
 scripts/deepspeed_api_surface.py runs it twice, under real DeepSpeed's interpreter and under
 ours with the compatibility package on the path, and compares the two answers; the test of
-the committed table (tests/test_deepspeed_api.py) runs it under ours. It prints JSON:
+the committed table (tests/compat/test_deepspeed_api.py) runs it under ours. It prints JSON:
 
     {"modules": {MODULE: [public names defined in DeepSpeed's code] | {"error": "..."}},
      "names":   {NAME: {"found": bool, "kind": "function|class|module|value",

@@ -5,7 +5,7 @@
 Each run: `dslaunch --num_gpus 2` on tests/workers/raise_in_collective.py CASE, where rank 0
 raises while rank 1 waits in a collective. Right means: rank 0 named as the failure, its
 traceback shown, nothing of rank 1's follow-on gloo error on the console (the test suite's
-own check, tests/test_launch_attribution.attributed_to_rank_0). --busy N starts N busy-loop
+own check, tests/launcher/test_launch_attribution.attributed_to_rank_0). --busy N starts N busy-loop
 processes for the duration, to run it under load. Prints one line per case: right/runs.
 Exit status 1 if any run was wrong (its stderr is printed).
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "launcher")]  # its helpers, and the test itself
 
 from test_launch_attribution import attributed_to_rank_0, run_case  # noqa: E402
 

@@ -9,7 +9,7 @@ init_compression, deepspeed.initialize, the training steps, redundancy_clean. Pr
 the largest relative difference of the losses, the largest absolute difference of the cleaned
 weights and of the cleaned model's output, and whether the pruning masks as trained (which
 weights, rows and heads were kept) and the cleaned shapes are the same.
-tests/test_compression.py asserts the same comparison (`replay`).
+tests/runtime/train/test_compression.py asserts the same comparison (`replay`).
 No DeepSpeed is needed.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Config files with numbers and keys that poison training or confuse a reader: the cases
-tests/test_config_numbers.py holds dslaunch's config reader to, and that
+tests/runtime/core/test_config_numbers.py holds dslaunch's config reader to, and that
 scripts/make_ds_config_number_fixtures.py runs through DeepSpeed 0.19.8 for the record.
 
 Each case is the text of a JSON config file (the text, not a dict: NaN, Infinity and a key

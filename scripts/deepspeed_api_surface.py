@@ -19,7 +19,7 @@ Status of an entry:
   differs    provided with a documented difference (DIFFERENCES: the reason);
   refused    deliberately absent (REFUSED, by name prefix: the reason);
   missing    none of the above: work to do.
-Writes tests/data/deepspeed_api.json (tests/test_deepspeed_api.py re-checks every entry
+Writes tests/data/deepspeed_api.json (tests/compat/test_deepspeed_api.py re-checks every entry
 against the package, so the table cannot claim what the package does not do) and
 docs/deepspeed-api.md.
 """
@@ -373,7 +373,7 @@ def render(table: dict) -> str:
         "",
         f"Every `deepspeed.*` name that {', '.join(table['sources'])} import, and the public API of the modules "
         f"users import, looked up in DeepSpeed {table['deepspeed_version']} and in dslaunch's `deepspeed` "
-        "compatibility package. Written by `scripts/deepspeed_api_surface.py`; `tests/test_deepspeed_api.py` "
+        "compatibility package. Written by `scripts/deepspeed_api_surface.py`; `tests/compat/test_deepspeed_api.py` "
         "checks every row against the package.",
         "",
         "- **provided**: importable, and its signature accepts DeepSpeed's arguments;",

@@ -4,7 +4,7 @@ Run with the reference DeepSpeed's interpreter (never a dependency of ours):
 
     /work/ds-venv/bin/python scripts/deepspeed_config_keys.py tests/data/deepspeed_config_keys.txt
 
-tests/test_config_keys.py checks that every listed key is declared by our config (as
+tests/runtime/core/test_config_keys.py checks that every listed key is declared by our config (as
 supported or refused), so a DeepSpeed key can never fall through to "unknown key".
 Keys come from: the pydantic models (field names and their aliases), the constants the
 dict-reading sections use, and the keys DeepSpeed itself rejects as removed. Sections that

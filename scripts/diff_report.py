@@ -1,7 +1,7 @@
 """What the two generated differential tests share around their own grammar and classifier
 (scripts/diff_vs_deepspeed.py against DeepSpeed 0.19.8, scripts/diff_compression.py against
-0.17.6) and around the tests that replay their fixtures (tests/test_diff_vs_deepspeed.py,
-tests/test_diff_compression.py): a refusal as a worker answers it, the versions a recording
+0.17.6) and around the tests that replay their fixtures (tests/compat/test_diff_vs_deepspeed.py,
+tests/compat/test_diff_compression.py): a refusal as a worker answers it, the versions a recording
 names, the table and reasons of a run's verdicts, the docs blocks they are written into, and
 which recorded cases CI replays. Pure logic (the versions aside: one subprocess)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The calls of DeepSpeed's deepspeed.module_inject.tp_shard and
-deepspeed.moe.fused_expert_layout that tests/test_module_inject_ds.py compares: recorded from
+deepspeed.moe.fused_expert_layout that tests/runtime/tensor_parallel/test_module_inject_ds.py compares: recorded from
 DeepSpeed by scripts/make_ds_inject_fixtures.py (tests/data/ds_inject.json)."""
 
 # (total_size, tp, meta kwargs, layer name): head splits, MLP / vocabulary names that never

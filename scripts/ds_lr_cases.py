@@ -1,5 +1,5 @@
 """The OneCycle cases scripts/make_ds_lr_fixture.py runs under DeepSpeed and
-tests/test_lr_schedules_ds.py runs here (one list, so the two cannot drift apart)."""
+tests/runtime/train/test_lr_schedules_ds.py runs here (one list, so the two cannot drift apart)."""
 STEPS = 22
 ONE_CYCLE_CASES = {
     # per-group bounds, stairs on both halves (3 up, 2 down), then decay every 4 steps

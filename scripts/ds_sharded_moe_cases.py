@@ -1,4 +1,4 @@
-"""The calls of DeepSpeed's sharded_moe gating functions that tests/test_sharded_moe_ds.py
+"""The calls of DeepSpeed's sharded_moe gating functions that tests/runtime/moe/test_sharded_moe_ds.py
 compares: run against DeepSpeed's module by scripts/make_ds_sharded_moe_fixtures.py (recorded
 in tests/data/ds_sharded_moe.pt) and against dslaunch's by the test. Each case seeds torch's
 generator itself, so the random token selection and the Gumbel draws are the same streams."""

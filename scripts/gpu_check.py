@@ -283,7 +283,7 @@ def gpu_test_files() -> List[str]:
         have_paramiko = importlib.util.find_spec("paramiko") is not None
     except Exception:
         have_paramiko = False
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):  # tests/<area>/...
         text = path.read_text()
         if "mark.gpu" not in text:
             continue

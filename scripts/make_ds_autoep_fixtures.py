@@ -7,7 +7,7 @@ with a Python that has DeepSpeed 0.19.8 and transformers 5.17.0 (the DeepSpeed v
 transformers; a venv whose .pth file adds the DeepSpeed venv's site-packages, with
 transformers installed into it, keeps that venv unchanged).
 
-`train` is the training script both engines run (tests/test_autoep.py runs it with
+`train` is the training script both engines run (tests/runtime/moe/test_autoep.py runs it with
 `import dslaunch.runtime as deepspeed`). The models are transformers' own classes built from
 small configs (2 layers, hidden 32, 4 experts, top-2, no hub access), every parameter given a
 value of its own by name. The router is rigged as in make_ds_hf_moe_fixtures.py: token

@@ -21,7 +21,7 @@ For each of its ENGINE_CASES, at each of ENGINE_STAGES (ZeRO stages), DeepSpeed'
 in one process (gloo): init_compression, deepspeed.initialize, ENGINE_STEPS steps of Adam,
 redundancy_clean. One file engine.pt: per case and stage the same items as above, and the
 pruning masks as trained (before redundancy_clean).
-tests/test_compression.py runs the same with dslaunch.
+tests/runtime/train/test_compression.py runs the same with dslaunch.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 scripts/config_number_cases.py (NaN and Infinity, numbers as strings, negative or
 out-of-range values, duplicate keys, deep nesting): refused (the exception's type and first
 line) or trained (one step of a 4->2 linear layer: are the weights still finite, and the lr
-the optimizer ended up with). tests/test_config_numbers.py holds dslaunch to refusing every
+the optimizer ended up with). tests/runtime/core/test_config_numbers.py holds dslaunch to refusing every
 case, so it does at least as well as DeepSpeed on each.
 
 Run it with a DeepSpeed install, in its own environment (it is never a dependency here):

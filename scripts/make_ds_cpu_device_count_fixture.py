@@ -9,7 +9,7 @@ Also the dtypes it reports (is_fp16_supported, is_bf16_supported, supported_dtyp
 oneDNN's fp16 answer on the recording machine, which they follow from.
 Where DeepSpeed raises (numactl output without an `available:` line leaves its node count
 unset), the case records the error; dslaunch answers 1 there, as for no numactl.
-tests/test_accelerator_cpu_devices.py replays the cases against dslaunch's accelerator.
+tests/runtime/core/test_accelerator_cpu_devices.py replays the cases against dslaunch's accelerator.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ rollback_subgroup, and on sparse gradients.
     /work/ds-venv/bin/python scripts/make_ds_cpu_optim_fixtures.py [--out tests/data/ds_cpu_optim.pt]
 
 Run it with a Python that has DeepSpeed 0.19.8 (its CPU ops build or load from torch's
-extension cache); tests/test_deepspeed_cpu_optimizers.py replays every case through
+extension cache); tests/kernels/test_deepspeed_cpu_optimizers.py replays every case through
 dslaunch's `deepspeed.ops` classes without DeepSpeed. A case is the optimizer's class
 name, its keyword arguments, the starting parameter and one gradient per step (dense, or
 the (indices, values) of a sparse one), the calls ("step", "step_subgroup",

@@ -20,7 +20,7 @@ its CPU Adam/Lion/Adagrad under offload, torch's Adagrad). For each it writes:
                       "unsupported_by_deepspeed_on_cpu" the error DeepSpeed stops with for
                       each UNSUPPORTED case (fp16 and the CUDA-only FusedLion/FusedLamb)
 
-tests/test_checkpoint_deepspeed.py uses them without DeepSpeed: dslaunch resumes ds/CASE at
+tests/runtime/train/checkpoint/test_checkpoint_deepspeed.py uses them without DeepSpeed: dslaunch resumes ds/CASE at
 1 and 2 ranks into other stages with DeepSpeed's losses, rewrites dslaunch/CASE identically,
 and consolidates both like DeepSpeed's zero_to_fp32. DeepSpeed's own recovery scripts are
 not copied into the fixtures.

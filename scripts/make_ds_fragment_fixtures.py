@@ -8,7 +8,7 @@ stage, a dtype, CPU offload or not): the MLP of make_ds_fixtures.py, AdamW, two 
 a third backward; in the gradient window it reads every parameter's fp32 master,
 exp_avg, exp_avg_sq and gradient (and, at stage 3, each rank's local chunks), then writes
 a new master, a new exp_avg and a new gradient for three parameters, steps, and reads the
-masters again. tests/test_fragments.py runs the same `exercise` under dslaunch's
+masters again. tests/runtime/zero/test_fragments.py runs the same `exercise` under dslaunch's
 compatibility package and compares, without DeepSpeed.
 
 Stage 0 in fp32 is left out: DeepSpeed has no fp32 master there and returns None; in bf16

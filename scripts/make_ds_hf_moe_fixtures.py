@@ -3,7 +3,7 @@ of tiny Hugging Face MoE models (Mixtral, Qwen2-MoE) trained under ZeRO-2 and Ze
 
     /work/ds-venv/bin/python scripts/make_ds_hf_moe_fixtures.py [--cases a,b]
 
-`train` is the training script both engines run (tests/test_hf_moe.py runs it with
+`train` is the training script both engines run (tests/runtime/moe/test_hf_moe.py runs it with
 `import dslaunch.runtime as deepspeed`). The models are built from small configs (2 layers,
 hidden 32, 4 experts, top-2; no hub access), every parameter given a value of its own by
 name, so transformers versions that name and shape parameters alike build the same model.

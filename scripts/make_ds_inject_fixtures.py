@@ -3,7 +3,7 @@ tp_shard: AutoTPMeta.from_model_config and get_shard_size_list / get_shard_size)
 expert layouts (deepspeed.moe.fused_expert_layout) and Hugging Face tp plans
 (deepspeed.runtime.tensor_parallel.config._get_hf_tp_plan), AutoTP's layer-spec objects
 (deepspeed.module_inject.autotp_config) and tp-plan converter (tp_plan_converter) for the cases in scripts/ds_inject_cases.py;
-tests/test_module_inject_ds.py holds dslaunch's against them.
+tests/runtime/tensor_parallel/test_module_inject_ds.py holds dslaunch's against them.
 
 Run it with a DeepSpeed install, in its own environment (it is never a dependency here):
 

@@ -14,7 +14,7 @@ running 3 steps more. For each case it writes:
                     resuming dslaunch/CASE; under "refused" the one line DeepSpeed stops with
                     for each combination it does not allow (REFUSED)
 
-tests/test_lpmaster.py replays our side against them without DeepSpeed: the losses, dslaunch
+tests/runtime/zero/test_lpmaster.py replays our side against them without DeepSpeed: the losses, dslaunch
 resuming ds/CASE, and our refusals carrying DeepSpeed's reason.
 
 fp16: DeepSpeed's CPU accelerator refuses fp16 unless the processor's oneDNN has fp16 kernels

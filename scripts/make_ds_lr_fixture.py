@@ -1,5 +1,5 @@
 """Write tests/data/ds_lr_schedules.json: what DeepSpeed's own LR schedules give for the cases
-tests/test_lr_schedules_ds.py holds dslaunch's against (OneCycle's stair counts, decay and
+tests/runtime/train/test_lr_schedules_ds.py holds dslaunch's against (OneCycle's stair counts, decay and
 per-group bounds; WarmupLR's per-group default maximum; a tensor lr filled in place).
 
 Run it with a DeepSpeed install, in its own environment (it is never a dependency here):

@@ -18,7 +18,7 @@ ckpt_<case>/    per CHECKPOINT_CASES entry: the checkpoint DeepSpeed saved after
                 steps of `train` (its MoE layout: expert, expp_rank and model-states files;
                 a zero_to_fp32.py beside the tag would be left out)
 
-`train` is the training script both engines run (tests/test_moe_training.py runs it with
+`train` is the training script both engines run (tests/runtime/moe/test_moe_training.py runs it with
 `import dslaunch.runtime as deepspeed`): dense layer, MoE(num_experts=4, drop_tokens=False,
 use_rts=False) with its experts given distinct weights by global expert id, dense layer;
 loss = MSE + 0.01 x l_aux; AdamW (torch's); fixed global batches of ROWS sequences split

@@ -20,7 +20,7 @@ and dslaunch its checkpoint of the OURS_SAVED cases (tests/data/ds_muon/dslaunch
 then resumes: "deepspeed_resumed_dslaunch" holds DeepSpeed's losses for the steps after SAVE_AT,
 or "deepspeed_resumed_dslaunch_error" the line it stopped with.
 
-tests/test_muon.py replays dslaunch's side against these without DeepSpeed, resumes
+tests/runtime/core/test_muon.py replays dslaunch's side against these without DeepSpeed, resumes
 dslaunch's checkpoints and DeepSpeed's at other world sizes and stages against DeepSpeed's
 uninterrupted losses, and checks that dslaunch runs the cases DeepSpeed refuses.
 """

@@ -7,7 +7,7 @@ DeepSpeed (0.19.8, CPU accelerator, gloo) runs every case of tests/pystyle_workl
 engine.backward(loss), loss.backward(), engine.scale(loss).backward() and out.backward(grad)
 at ZeRO 0-3, 1 and 2 ranks (processes on this host, a free loopback port), accumulation 1 and 2,
 fp32/bf16/fp16, CPU offload, no_sync and two engines with one loss. Each case's per-step
-losses, or the error DeepSpeed stops with, are recorded. tests/test_pytorch_style_backward.py
+losses, or the error DeepSpeed stops with, are recorded. tests/runtime/train/test_pytorch_style_backward.py
 runs the same cases under dslaunch and compares; `--compare` runs them here and prints each
 case's difference from the recording. DeepSpeed is run, never imported by the project.
 

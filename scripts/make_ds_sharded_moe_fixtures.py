@@ -1,5 +1,5 @@
 """Write tests/data/ds_sharded_moe.pt: what DeepSpeed's deepspeed.moe.sharded_moe gating
-functions return for the calls in scripts/ds_sharded_moe_cases.py (tests/test_sharded_moe_ds.py
+functions return for the calls in scripts/ds_sharded_moe_cases.py (tests/runtime/moe/test_sharded_moe_ds.py
 holds dslaunch's against them).
 
 Run it with a DeepSpeed install, in its own environment (it is never a dependency here):

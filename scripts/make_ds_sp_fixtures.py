@@ -12,7 +12,7 @@ process over the whole sequence. Cases (losses of 3 steps, averaged over the ran
   sp2_zero2   sp=2, ZeRO 2, AdamW
   sp1_sgd, sp2_sgd   the same with SGD, where the size of the gradient shows in the loss
 
-tests/test_sequence_engine.py trains the same cases under dslaunch and compares. DeepSpeed
+tests/runtime/sequence/test_sequence_engine.py trains the same cases under dslaunch and compares. DeepSpeed
 is run, never imported by the project.
 """
 from __future__ import annotations

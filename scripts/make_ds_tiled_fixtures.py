@@ -6,7 +6,7 @@ Runs tests/tiled_workload.py's cases (TiledMLP, sequence_tiled_compute, TiledFus
 at shard counts that do and do not divide the rows; fp32, CPU, one process) with
 `deepspeed.runtime.sequence_parallel.ulysses_sp` and records each output and every gradient,
 and the cases where DeepSpeed's gradients are wrong (tiled_workload.DIFFERS).
-tests/test_sequence_tiled.py runs the same cases with dslaunch's module and compares. DeepSpeed
+tests/runtime/sequence/test_sequence_tiled.py runs the same cases with dslaunch's module and compares. DeepSpeed
 is run, never imported by the project.
 """
 from __future__ import annotations

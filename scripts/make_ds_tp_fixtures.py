@@ -12,7 +12,7 @@ gradient clipping, 6 steps of fixed batches, saving at step 3. dslaunch runs the
                       states, and ZeRO shards per (data, tensor) rank
   expected.json       per case: DeepSpeed's 6 losses and dslaunch's 6 losses
 
-tests/test_tp_checkpoint.py resumes CASE under dslaunch at tp 2 (the layout that saved it)
+tests/runtime/tensor_parallel/test_tp_checkpoint.py resumes CASE under dslaunch at tp 2 (the layout that saved it)
 and tp 1 and checks steps 4-6 against DeepSpeed's losses. DeepSpeed is run, never imported
 by the project.
 """

@@ -20,7 +20,7 @@ another world size, 1 rank:
                       OURS_ONLY cases (stage 0, which DeepSpeed's converter refuses: its error is
                       recorded as deepspeed_converter_error) have no ds/CASE
 
-tests/test_checkpoint_universal.py uses them without DeepSpeed: dslaunch resumes ds/CASE at 1
+tests/runtime/train/checkpoint/test_checkpoint_universal.py uses them without DeepSpeed: dslaunch resumes ds/CASE at 1
 and 2 ranks with DeepSpeed's losses, and our converter reproduces dslaunch/CASE (the folder
 DeepSpeed resumed) and DeepSpeed's own ds/CASE, tensor for tensor. The script stops with a
 non-zero status if DeepSpeed's resumed losses differ from its uninterrupted run.

@@ -8,7 +8,7 @@ tests/zeropp_workload.py: ZeRO-3, qwZ, qgZ, hpZ, all three (also with accumulati
 with CPU offload of the optimizer), and frozen weights kept quantized. Its ranks are laid out as
 2 hosts of 2 (LOCAL_SIZE=2: DeepSpeed's CPU accelerator reports that many devices per node,
 which is what its qgZ and hpZ read). Each case's per-step losses, or the error DeepSpeed
-stops with, are recorded; tests/test_zeropp.py runs the same cases under dslaunch and
+stops with, are recorded; tests/runtime/zero/test_zeropp.py runs the same cases under dslaunch and
 compares. Each case runs in fresh processes (DeepSpeed creates hpZ's group once per process).
 
 DeepSpeed's quantizer kernels exist only for CUDA; scripts/ds_cpu_quantizer.py (a CPU

@@ -5,7 +5,7 @@ instruction streams, for many shapes.
     /work/ds-venv/bin/python scripts/make_pipe_fixtures.py     # real DeepSpeed, CPU
     -> tests/fixtures/deepspeed_pipe.json
 
-The test suite never imports DeepSpeed; tests/test_pipe_pure.py compares our pure
+The test suite never imports DeepSpeed; tests/runtime/pipe/test_pipe_pure.py compares our pure
 topology, partition and schedule code with this file.
 """
 import json

@@ -13,7 +13,7 @@
    - scripts/ds_cpu_quantizer.py (the CPU re-implementation the DeepSpeed fixtures ran with);
    counting equal bytes and scales, and the largest scale difference in float32 ulps (DeepSpeed's
    fast-math division may differ from IEEE division by up to 2);
-3. with --record, saves the inputs and DeepSpeed's outputs, so that tests/test_quantizer.py
+3. with --record, saves the inputs and DeepSpeed's outputs, so that tests/kernels/test_quantizer.py
    replays dslaunch's CPU op against DeepSpeed's real bytes on any machine.
 Prints one JSON line per comparison and a summary; exits 1 if a build fails.
 """

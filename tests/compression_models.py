@@ -1,5 +1,5 @@
 """The tiny models and runs of the compression fixtures, shared by
-scripts/make_ds_compression_fixtures.py (under DeepSpeed 0.17.6) and tests/test_compression.py
+scripts/make_ds_compression_fixtures.py (under DeepSpeed 0.17.6) and tests/runtime/train/test_compression.py
 (under dslaunch): plain torch only, so either side imports it. The CNN and the layer stack are
 scripts/compression_nets.py's, which the generated differential cases train too."""
 from __future__ import annotations

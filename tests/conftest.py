@@ -18,6 +18,7 @@ import pytest
 
 from cluster_fixture import ns_cluster, ssh_home  # noqa: F401  (the multi-host SSH test cluster, issue #3)
 from hf_fixture import deepspeed_compat, tiny_gpt2  # noqa: F401  (the deepspeed compatibility package, issue #14)
+from process_marks import Finder, item_starts_processes
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # No fixed ports: every dslaunch a test (or a script, a docs example, an autotuning trial) starts
@@ -57,6 +58,16 @@ def _no_process_group_outlives_its_test():
         from dist_harness import teardown
 
         teardown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow`: every test that starts processes (ranks, dslaunch, a compiler, a cluster), found
+    from its code by process_marks.py. The default run still runs them all (CI does);
+    `-m "not slow"` runs the rest, the in-process tests, in a fraction of the time."""
+    finder = Finder()
+    for item in items:
+        if item.get_closest_marker("slow") is None and item_starts_processes(finder, item):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 HERE = os.path.abspath(__file__)
+# The dslaunch command as the tests start it: this interpreter's, whatever PATH holds.
+DSLAUNCH = [sys.executable, "-m", "dslaunch.launcher"]
 
 
 class DistHang(AssertionError):

@@ -1,4 +1,4 @@
-"""The training script of tests/test_pytorch_style_backward.py and
+"""The training script of tests/runtime/train/test_pytorch_style_backward.py and
 scripts/make_ds_pystyle_fixtures.py (which runs it under real DeepSpeed 0.19.8): the same
 small MLP trained with `engine.backward(loss)` and with PyTorch-style backward. Written
 against DeepSpeed's API only: `ds` is `deepspeed` or `dslaunch.runtime`, with a process group
@@ -89,7 +89,7 @@ def _differs() -> Dict[str, tuple]:
 
 
 # Where DeepSpeed 0.19.8's own answer is wrong: name -> (the case whose DeepSpeed answer this
-# one must give instead, why). tests/test_pytorch_style_backward.py checks both halves.
+# one must give instead, why). tests/runtime/train/test_pytorch_style_backward.py checks both halves.
 DEEPSPEED_DIFFERS: Dict[str, tuple] = _differs()
 
 

@@ -3,9 +3,10 @@
 a script's own logic load it through here, once per session."""
 import importlib.util
 import sys
-from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+import repo_paths
+
+SCRIPTS = repo_paths.SCRIPTS
 
 
 def load_script(name: str):

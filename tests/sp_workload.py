@@ -1,5 +1,5 @@
 """A tiny causal attention network trained under Ulysses sequence parallelism, shared by
-tests/test_sequence_engine.py and scripts/make_ds_sp_fixtures.py (which runs it under real
+tests/runtime/sequence/test_sequence_engine.py and scripts/make_ds_sp_fixtures.py (which runs it under real
 DeepSpeed). Written against DeepSpeed's API only: `ds` is `deepspeed` or
 `dslaunch.runtime`, and the attention wrapper is `ds.sequence.layer.DistributedAttention`
 (DeepSpeed) or dslaunch's; `init_kwargs` carries what only DeepSpeed's initialize takes

@@ -1,5 +1,5 @@
 """Tiled compute cases (TiledMLP, sequence_tiled_compute, TiledFusedLogitsLoss), shared by
-tests/test_sequence_tiled.py and scripts/make_ds_tiled_fixtures.py (which runs them under
+tests/runtime/sequence/test_sequence_tiled.py and scripts/make_ds_tiled_fixtures.py (which runs them under
 real DeepSpeed 0.19.8). Written against DeepSpeed's API only: `usp` is
 `deepspeed.runtime.sequence_parallel.ulysses_sp` or dslaunch's module of that name.
 

@@ -1,4 +1,4 @@
-"""The training script of tests/test_zeropp.py and scripts/make_ds_zeropp_fixtures.py (which
+"""The training script of tests/runtime/zero/test_zeropp.py and scripts/make_ds_zeropp_fixtures.py (which
 runs it under real DeepSpeed 0.19.8): a small transformer-like block trained with ZeRO-3 and
 each ZeRO++ feature, on 4 ranks laid out as 2 hosts of 2 (rank // 2 is the host). Written
 against DeepSpeed's API only: `ds` is `deepspeed` or `dslaunch.runtime`, with a process group

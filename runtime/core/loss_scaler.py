@@ -8,7 +8,7 @@ zero. After each optimizer step the engine reports whether any gradient overflow
   below `min_scale`). An overflow while already at `min_scale` cannot be cured by scaling
   and raises LossScaleStuck (unless raise_error_at_min_scale is false: the scale stays).
 - Every `scale_window` clean steps after the first clean one since the last overflow double
-  the scale (and refill hysteresis), as DeepSpeed 0.19 counts them (tests/test_loss_scaler.py
+  the scale (and refill hysteresis), as DeepSpeed 0.19 counts them (tests/runtime/core/test_loss_scaler.py
   holds its sequences). With `consecutive_hysteresis` every clean step refills it.
 
 The classes are DeepSpeed's own (`deepspeed.runtime.fp16.loss_scaler` is this module):

@@ -15,7 +15,7 @@ import torch
 from ..core.errors import ZeRORuntimeException
 from ..core.strict import ConfigError
 
-# Classes the ZeRO tests run (tests/test_zero_*.py, test_optimizer_types.py); others may add theirs.
+# Classes the ZeRO tests run (tests/runtime/zero/test_zero_*.py, test_optimizer_types.py); others may add theirs.
 ZERO_TESTED_OPTIMIZERS = {"Adam", "AdamW", "CPUAdam", "FusedAdam", "DeepSpeedCPUAdam", "CPULion", "DeepSpeedCPULion",
                           "Lion", "FusedLion", "CPUAdagrad", "DeepSpeedCPUAdagrad", "Adagrad", "MuonWithAuxAdam"}
 

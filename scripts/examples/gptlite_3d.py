@@ -16,7 +16,7 @@ How the ranks are laid out (DeepSpeed's order: tensor fastest, then data, then p
 8 ranks: tensor groups [0,1] [2,3] [4,5] [6,7]; data groups [0,2] [1,3] [4,6] [5,7]; pipelines
 [0,4] [1,5] [2,6] [3,7]; stage 0 is ranks 0-3. The tensor ranks of one stage are neighbours
 (the most traffic: two all-reduces per block, forward and backward), and the stages furthest
-apart (one activation per micro-batch). tests/test_tp_3d.py checks both layouts against the
+apart (one activation per micro-batch). tests/runtime/pipe/test_tp_3d.py checks both layouts against the
 same model trained without any parallelism.
 """
 import argparse

@@ -8,7 +8,7 @@ stages, and `engine.train_batch()` runs each global batch.
     dslaunch --num_gpus 4 scripts/examples/gptlite_pipeline.py --pipeline_stages 2 ...  # 2 stages x 2 replicas
 
 For DeepSpeed the file differs only in its import line (`import deepspeed`).
-tests/test_pipe_script.py runs it on 2 ranks.
+tests/runtime/pipe/test_pipe_script.py runs it on 2 ranks.
 The corpus is this Python's own standard-library source, so nothing is downloaded.
 """
 import argparse

@@ -18,7 +18,7 @@ for part in "${PARTS[@]}"; do
   case "$part" in
     tests)
       # only files whose imports exist there (paramiko is not installed on the device image)
-      files=$(grep -l "mark.gpu" tests/test_*.py | xargs grep -L "paramiko\|testbed" | tr '\n' ' ')
+      files=$(grep -rl --include="test_*.py" "mark.gpu" tests | xargs grep -L "paramiko\|testbed" | tr '\n' ' ')
       python3 -m pytest -p no:cacheprovider -q -m gpu $files -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log" ;;
     adam)
       python3 scripts/bench_adam.py --cuda --no-default --threads 8 2>&1 | tee "$OUT/bench-adam.log" ;;

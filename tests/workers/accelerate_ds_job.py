@@ -3,7 +3,7 @@
     accelerate launch --use_deepspeed --deepspeed_config_file ds.json --num_processes 2 \
         accelerate_ds_job.py OUT_DIR
 
-The DeepSpeed config (written by tests/test_accelerate_deepspeed.py) either holds the
+The DeepSpeed config (written by tests/compat/test_accelerate_deepspeed.py) either holds the
 optimizer (AdamW, "auto" lr/weight decay filled from DummyOptim) and a WarmupDecayLR schedule
 (filled from DummyScheduler), or none: then the script passes torch's AdamW and no schedule
 (with offload_optimizer, Accelerate swaps it for deepspeed.ops.adam.DeepSpeedCPUAdam).

@@ -1,4 +1,4 @@
-"""A tiny CPU script with an activation checkpointing switch (tests/test_autotune_cli.py).
+"""A tiny CPU script with an activation checkpointing switch (tests/launcher/test_autotune_cli.py).
 
     autotune_ckpt_job.py --deepspeed_config CFG --batch N --ckpt true|false
 

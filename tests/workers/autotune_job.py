@@ -1,4 +1,4 @@
-"""A tiny CPU training script for `dslaunch --autotuning` (tests/test_autotune_cli.py).
+"""A tiny CPU training script for `dslaunch --autotuning` (tests/launcher/test_autotune_cli.py).
 
     autotune_job.py --deepspeed_config CFG --batch N [--steps S] [--out FILE]
                     [--crash STAGE:MBS] [--hang STAGE:MBS]

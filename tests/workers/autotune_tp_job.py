@@ -1,4 +1,4 @@
-"""A tiny CPU training script that AutoTP can split (tests/test_autotune_cli.py).
+"""A tiny CPU training script that AutoTP can split (tests/launcher/test_autotune_cli.py).
 
     autotune_tp_job.py --deepspeed_config CFG --batch N
 

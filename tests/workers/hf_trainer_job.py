@@ -1,4 +1,4 @@
-"""One HF Trainer job, run on 2 ranks under `dslaunch --num_gpus 2` by tests/test_hf_trainer.py.
+"""One HF Trainer job, run on 2 ranks under `dslaunch --num_gpus 2` by tests/compat/test_hf_trainer.py.
 
     hf_trainer_job.py --mode ddp|zero2|zero3 --model DIR --out DIR [--resume CKPT | --evaluate_only]
                       [--no_cpu_recipe]   (leave out the gloo set-up a CPU-only machine needs)

@@ -1,5 +1,5 @@
 """The seed's inference examples on tiny models built here (nothing downloaded), run by
-tests/test_inference_cli.py under `dslaunch --num_gpus 2` and as a single process.
+tests/runtime/inference/test_inference_cli.py under `dslaunch --num_gpus 2` and as a single process.
 
     gpt_neo  generator = pipeline('text-generation', ...); generator.model = deepspeed.init_inference(
              generator.model, mp_size=world_size, dtype=torch.float, replace_with_kernel_inject=True)

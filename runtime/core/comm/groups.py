@@ -2,7 +2,7 @@
 runtime creates (tracked so that shutdown can destroy them), and their names in records.
 
 `group=None` means the default group, as in torch.distributed; the runtime always names
-the group it means (tests/test_comm_api.py checks that every call site passes `group=`).
+the group it means (tests/runtime/core/test_comm_api.py checks that every call site passes `group=`).
 Without an initialised torch.distributed every group is this one process: rank 0 of 1.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ schema's types cannot check them. Left alone, Python's JSON reader hands on NaN,
 and -Infinity, a quoted "0.01" reaches the optimizer's kernel as a string, and `true`
 counts as 1: an lr of NaN makes every weight non-finite after one step without a word, and
 a negative lr or a beta of 1.5 fails inside the optimizer with a traceback. So every
-argument of every optimizer and schedule built by name has a rule here (tests/test_config_numbers.py
+argument of every optimizer and schedule built by name has a rule here (tests/runtime/core/test_config_numbers.py
 holds the table to the builders' signatures), and a value that breaks it is one line
 naming the key: `optimizer.params.lr: must be finite, got NaN`.
 

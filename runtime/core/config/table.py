@@ -5,7 +5,7 @@
     python -m dslaunch.runtime.config.table --write FILE   # ... or in FILE
 
 The table lives in docs/configuration.md (the configuration page of the docs site);
-tests/test_config_keys.py fails when that page's block differs from what this prints.
+tests/runtime/core/test_config_keys.py fails when that page's block differs from what this prints.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Reading: an allow-list for torch's own weights_only unpickler, mapping exactly t
 names to inert stand-ins (`read_globals`). A stand-in is a plain record: the unpickler
 creates it with object.__new__ and fills its __dict__ from the pickled state; nothing
 else is called. Any other GLOBAL is still refused, so a crafted file runs no code (test:
-tests/test_checkpoint_safety.py and test_checkpoint_deepspeed.py).
+tests/runtime/train/checkpoint/test_checkpoint_safety.py and test_checkpoint_deepspeed.py).
 
 Writing: DeepSpeed's ZeRO-3 loader requires its loss-scaler object in the optimizer
 states (state_dict["loss_scaler"].cur_scale ...). `save_with_deepspeed_globals` pickles our

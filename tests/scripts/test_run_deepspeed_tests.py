@@ -1,0 +1,203 @@
+"""scripts/run_deepspeed_tests.py's table, from a junit report written here (no DeepSpeed
+checkout needed): per-file and per-directory counts, a file that fails to import counting its
+reference tests, causes, skip reasons, the tests failed on purpose and the reasons file."""
+import json
+import sys
+
+import pytest
+
+from script_modules import load_script
+import repo_paths
+
+ROOT = repo_paths.ROOT
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="" name="unit.runtime.test_gone" time="0"><error message="collection failure">
+E   ModuleNotFoundError: No module named 'deepspeed.gone'</error></testcase>
+<testcase classname="unit.runtime.test_a.TestA" name="test_ok" file="unit/runtime/test_a.py" time="1"/>
+<testcase classname="unit.runtime.test_a.TestA" name="test_skip" file="unit/runtime/test_a.py" time="0">
+<skipped message="unit/common.py:273: Skipping test because not enough GPUs are available: 8 required, 4 available"/>
+</testcase>
+<testcase classname="unit.runtime.test_a.TestA" name="test_bad[1]" file="unit/runtime/test_a.py" time="1">
+<failure message="AssertionError: 0x7f00 != 3">trace</failure></testcase>
+<testcase classname="unit.runtime.test_a.TestA" name="test_bad[2]" file="unit/runtime/test_a.py" time="1">
+<failure message="AssertionError: 0x7f11 != 4">trace</failure></testcase>
+<testcase classname="unit.ops.adam.test_x" name="test_y" time="1"/>
+</testsuite></testsuites>"""
+REFERENCE = {"runtime/test_gone.py": 7, "runtime/test_a.py": 4, "ops/adam/test_x.py": 1, "ops/adam/test_z.py": 3,
+             "comm/test_c.py": 2}
+
+
+def _script():
+    return load_script("run_deepspeed_tests")
+
+
+def _args(**kw):
+    return type("A", (), dict({"out": None, "json": None, "readme": None}, **kw))
+
+
+def test_table_counts_causes_skips_and_the_failures_on_purpose(tmp_path):
+    s = _script()
+    (tmp_path / "r.xml").write_text(JUNIT)
+    results = s.parse_junit(str(tmp_path / "r.xml"), reference=REFERENCE)
+    gone, a, x = results["runtime/test_gone.py"], results["runtime/test_a.py"], results["ops/adam/test_x.py"]
+    # a file that fails to import counts every test the reference collection found in it
+    assert (gone.collected, gone.failed, gone.collection_errors) == (7, 7, 7)
+    assert (a.collected, a.passed, a.failed, a.skipped) == (4, 1, 2, 1)
+    assert (x.collected, x.passed) == (1, 1)  # no file attribute: the dotted class name gives the file
+    # numbers and addresses blanked: one cause however many tests hit it
+    assert a.causes == {"AssertionError: 0x… != N": 2}
+    assert gone.causes == {"ModuleNotFoundError: No module named 'deepspeed.gone'": 7}
+    assert a.skips == {"Skipping test because not enough GPUs are available: N required, N available": 1}
+    # a file of the reference under a path that ran, never reported: its tests fail as not collected
+    s.complete(results, REFERENCE, ["runtime", "ops"], timed_out=False)
+    assert results["ops/adam/test_z.py"].failed == 3 and "comm/test_c.py" not in results
+    assert results["ops/adam/test_z.py"].causes == {"not collected here": 3}
+    out = sorted(results.values(), key=lambda r: r.path)
+    reasons = {"unit.runtime.test_gone": "not provided, because", "unit.runtime.test_a.TestA::test_bad": "differs"}
+    text = s.render(out, "abc123", "python", reasons, "the reference", "LOCAL_SIZE=4")
+    assert "commit `abc123`" in text and "**2 of 14 passed (14.3%)**" in text
+    assert "12 failed (7 of them in 1 files that fail to import)" in text and "9 of the failures are on purpose" in text
+    assert "| `runtime/` | 11 | 1 | 9 | 1 | 7 | 0 | 10% |" in text
+    assert "| `ops/adam/` | 4 | 1 | 3 | 0 | 0 | 0 | 25% |" in text
+    assert "| **total** | 15 | 2 | 12 | 1 | 7 | 0 | 14% |" in text
+    assert "| `unit.runtime.test_gone` | 7 | not provided, because |" in text
+    assert "| `unit.runtime.test_a.TestA::test_bad[2]` | 1 | differs |" in text
+    assert "| 1 | Skipping test because not enough GPUs are available: N required, N available |" in text
+    # the JSON round trip renders the same table; the README row states the whole-tree figure
+    readme = tmp_path / "README.md"
+    readme.write_text("| a | b |\n| DeepSpeed names scripts import | x |\n| c | d |\n")
+    s.write_table(out, "abc123", "the reference", "LOCAL_SIZE=4",
+                  _args(out=str(tmp_path / "t.md"), json=str(tmp_path / "t.json"), readme=str(readme)), reasons)
+    s.write_table(out, "abc123", "the reference", "LOCAL_SIZE=4", _args(readme=str(readme)), reasons)
+    rows = readme.read_text().split("\n")
+    assert len(rows) == 5 and rows[2].startswith("| DeepSpeed's own unit tests")
+    assert "2 of 14 pass (14.3%) over the whole tree" in rows[2]
+    again = s.from_json([str(tmp_path / "t.json")])
+    assert s.render(*again[:2], "python", reasons, *again[2:]) == (tmp_path / "t.md").read_text() == text
+    # a later run of the same file replaces the earlier one
+    rerun = s.FileResult("runtime/test_gone.py", collected=7, passed=7)
+    s.write_table([rerun], "abc123", "the reference", "", _args(json=str(tmp_path / "u.json")), reasons)
+    merged = s.from_json([str(tmp_path / "t.json"), str(tmp_path / "u.json")])[0]
+    assert {m.path: m.passed for m in merged}["runtime/test_gone.py"] == 7 and len(merged) == 4
+
+
+def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
+    s = _script()
+    items = [f"unit/runtime/test_a.py::TestA::test_{i}" for i in range(8)] + ["unit/ops/adam/test_x.py::test_y"]
+    results = s.sample_results(items, {"unit/runtime/test_gone.py": "ModuleNotFoundError: No module named 'x'",
+                                       "unit/inference/test_inf.py": "ImportError: no InferenceBuilder"},
+                               REFERENCE, None)
+    assert results["runtime/test_gone.py"].failed == 7 and results["runtime/test_a.py"].not_run == 8
+    # a file DeepSpeed's own collection lists no test of (all deselected by pytest.ini's markers) counts none
+    inf = results["inference/test_inf.py"]
+    assert (inf.collected, inf.failed, inf.deselected_import_error) == (0, 0, "ImportError: no InferenceBuilder")
+    assert results["runtime/test_gone.py"].failed_ids == ["unit.runtime.test_gone"]  # as the reasons name it
+    junit = tmp_path / "s.xml"
+    junit.write_text("""<testsuites><testsuite>
+<testcase classname="unit.runtime.test_a.TestA" name="test_0" file="unit/runtime/test_a.py"/>
+<testcase classname="unit.runtime.test_a.TestA" name="test_1" file="unit/runtime/test_a.py"/>
+<testcase classname="unit.runtime.test_a.TestA" name="test_2" file="unit/runtime/test_a.py"><failure message="x"/>
+</testcase><testcase classname="unit.runtime.test_a.TestA" name="test_3" file="unit/runtime/test_a.py">
+<skipped message="no"/></testcase></testsuite></testsuites>""")
+    s.fold_sample(results, str(junit))
+    a = results["runtime/test_a.py"]
+    assert (a.collected, a.passed, a.failed, a.skipped, a.not_run) == (8, 2, 1, 1, 4)
+    total = s.totals(list(results.values()))
+    # 9 tests collect, 7 fail to import; of 4 sampled, 2 pass and 1 skips: 4.5 of 9 pass, 6.75 + 7 run
+    est, lo, hi = s.estimate(total)
+    assert est == pytest.approx(4.5 / 13.75) and lo < est < hi
+    text = s.render(sorted(results.values(), key=lambda r: r.path), "abc", "py", {}, "", "")
+    assert "Whole tree: 16 tests; 7 of them are in 1 files that fail to import" in text
+    assert "A uniform random sample of 4 of the 9 tests that collect ran: 2 passed, 1 failed, 1 skipped" in text
+    assert "| `runtime/` | 15 | 2 | 8 | 1 | 7 | 4 | 20% |" in text and "`inference/`" not in text.split("## Files")[0]
+    assert "| `inference/test_inf.py` | ImportError: no InferenceBuilder |" in text
+    # the collection alone (--sample 0) states the import failures and runs nothing
+    alone = s.sample_results(items, {"unit/runtime/test_gone.py": "E"}, REFERENCE, None)
+    assert "none of the 9 tests that collect ran" in s.render(list(alone.values()), "abc", "py", {}, "", "")
+
+
+def test_syntax_tree_count_expands_literal_parametrize():
+    s = _script()
+    src = '''
+import pytest
+def helper(): pass
+def test_plain(): pass
+@pytest.mark.parametrize("a", [1, 2, 3])
+@pytest.mark.parametrize("b,c", [(1, 2), (3, 4)])
+def test_grid(a, b, c): pass
+@pytest.mark.parametrize("d", [1, 2])
+class TestK:
+    def test_one(self): pass
+    @pytest.mark.parametrize("e", (1, 2, 3))
+    def test_two(self, e): pass
+    def helper(self): pass
+class Other:
+    def test_not_collected(self): pass
+'''
+    assert s.count_tests_in_source(src) == 1 + 6 + 2 + 6
+
+
+def test_reference_is_used_only_at_its_commit(tmp_path):
+    s = _script()
+    ref = tmp_path / "c.json"
+    ref.write_text(json.dumps({"commit": "edaa72212abc", "deepspeed": "0.19.6", "files": {"a/test_b.py": 3}}))
+    files, how = s.load_reference(str(ref), "edaa72212abc")
+    assert files == {"a/test_b.py": 3} and "same commit" in how
+    files, how = s.load_reference(str(ref), "0123456")
+    assert files is None and "syntax tree" in how
+
+
+def test_recorded_collection_covers_the_tree():
+    data = json.loads((ROOT / "tests/data/deepspeed_unit_collection.json").read_text())
+    assert data["tests"] == sum(data["files"].values()) > 3000 and not data["collection_errors"]
+
+
+def test_command_is_deepspeeds_ci_invocation():
+    cmd = _script().pytest_command("py", ["."], "j.xml", 4, 600)
+    assert cmd[:4] == ["py", "-m", "pytest", "unit/"] and "--forked" in cmd and cmd[-2:] == ["-n", "4"]
+    assert "--timeout=600" in cmd and "--continue-on-collection-errors" in cmd
+
+
+def test_reasons_file_parses_and_bad_lines_name_themselves(tmp_path):
+    s = _script()
+    assert all(why for why in s.load_reasons(s.REASONS_FILE).values())
+    bad = tmp_path / "reasons.txt"
+    bad.write_text("# comment\nunit.x.test_y without a reason\n")
+    with pytest.raises(SystemExit, match=r"reasons.txt:2: expected `<test id prefix> \| reason`"):
+        s.load_reasons(str(bad))
+
+
+def test_usage_errors(capsys, tmp_path):
+    assert _script().main([]) == 2
+    assert "--deepspeed-src DIR (or --render-json) is required" in capsys.readouterr().err
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    assert _script().main(["--deepspeed-src", str(tmp_path), "--paths", "nowhere"]) == 2
+    assert "--paths nowhere: not in" in capsys.readouterr().err
+
+
+def test_collection_pass_and_sampled_run_on_a_small_tree(tmp_path):
+    """collect_tree and run_tree against a tree of two files (one fails to import), with this
+    environment's pytest; then the sample folded in."""
+    s = _script()
+    unit = tmp_path / "tests" / "unit"
+    unit.mkdir(parents=True)
+    (unit / "test_ok.py").write_text("import pytest\n@pytest.mark.parametrize('x', [1, 2, 3])\n"
+                                     "def test_x(x):\n    assert x != 3\n")
+    (unit / "test_broken.py").write_text("import deepspeed_no_such_module\ndef test_y():\n    pass\n")
+    env = dict(__import__("os").environ)
+    items, errors = s.collect_tree(sys.executable, str(tmp_path / "tests"), ["."], env, str(tmp_path), 300)
+    assert sorted(items) == [f"unit/test_ok.py::test_x[{i}]" for i in (1, 2, 3)]
+    assert errors == {"unit/test_broken.py": "ModuleNotFoundError: No module named 'deepspeed_no_such_module'"}
+    results = s.sample_results(items, errors, None, lambda rel: 1)
+    cmd = s.pytest_command(sys.executable, items[:2], "x.xml", 0, 60)
+    assert cmd[3:5] == items[:2]
+    # run_tree adds --forked (DeepSpeed's CI): not installed in this environment, so run pytest directly
+    import subprocess
+    junit = tmp_path / "j.xml"
+    subprocess.run([sys.executable, "-m", "pytest", *items, "-p", "no:cacheprovider", "--junitxml", str(junit),
+                    "-o", "junit_family=xunit1", "-q"], cwd=tmp_path / "tests", env=env, capture_output=True,
+                   timeout=300)
+    s.fold_sample(results, str(junit))
+    ok, broken = results["test_ok.py"], results["test_broken.py"]
+    assert (ok.collected, ok.passed, ok.failed, ok.not_run) == (3, 2, 1, 0)
+    assert (broken.failed, broken.collection_errors, broken.failed_ids) == (1, 1, ["unit.test_broken"])
