@@ -171,7 +171,12 @@ class DeepSpeedAccelerator:
         return psutil.virtual_memory().available
 
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Pinned on CUDA, counted by deepspeed.utils.pin_memory_tracker; the CPU has nothing to pin."""
+        """Pinned on CUDA, counted by deepspeed.utils.pin_memory_tracker; the CPU has nothing to pin.
+        DS_PIN_MEMORY_BACKEND=native (DeepSpeed's mlock allocator) is refused, never ignored."""
+        from .native_pinning import REASON, native_backend_selected
+
+        if native_backend_selected():
+            raise RuntimeError(REASON)
         if not self._cuda:
             return tensor
         from .pin_memory_tracker import track_pinned_memory

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from ..strict import ConfigError, disabled, parse_dataclass, refused, supported
 from .checks import positive
@@ -31,6 +31,45 @@ class _OffloadTarget:
     def validate(self, path: str) -> None:
         if self.device == "nvme" and not self.nvme_path:
             raise ConfigError(f"{path}.nvme_path: required when device is \"nvme\"")
+
+
+# The classes DeepSpeed 0.19.8 marks as ZeRO-3 leaf modules unless the config says otherwise
+# (zero_optimization.leaf_module): transformers' MoE blocks that call only the experts that got
+# tokens, so that every rank gathers the whole block at once (docs/zero.md, leaf modules).
+DEFAULT_LEAF_MODULE_CLASSES: List[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+DEFAULT_LEAF_MODULE_NAMES: List[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: List[str] = []
+
+
+def _string_list(path: str, key: str, value) -> List[str]:
+    """A list of strings, a lone string taken as a list of one (DeepSpeed's coercion), in
+    order with duplicates dropped."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{path}.{key}: expected a string or a list of strings, got {value!r}")
+    return list(dict.fromkeys(items))
+
+
+@dataclass
+class LeafModuleConfig:
+    """`zero_optimization.leaf_module`: the modules marked as ZeRO-3 leaves when the engine is
+    built, as deepspeed.utils.set_z3_leaf_modules (classes), set_z3_leaf_modules_by_name
+    (names) and set_z3_leaf_modules_by_suffix (name_suffixes) mark them."""
+
+    classes: Union[str, List[str]] = supported(
+        factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES),
+        note="class names (plain or module-qualified) whose instances are leaves; default: transformers' "
+             "Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks")
+    names: Union[str, List[str]] = supported(factory=list, note="module names (as named_modules() gives them)")
+    name_suffixes: Union[str, List[str]] = supported(factory=list, note="suffixes of module names")
+
+    def validate(self, path: str) -> None:
+        for key in ("classes", "names", "name_suffixes"):
+            setattr(self, key, _string_list(path, key, getattr(self, key)))
 
 
 NVME_POOL = "NVMe buffer pools are not used here (one chunk is read ahead and one written behind); remove it"
@@ -135,7 +174,9 @@ class ZeroConfig:
                "(DSLAUNCH_ZERO3_CHECK=1/0 overrides)")
     save_muon_momentum_buffer_in_memory: bool = supported(
         False, "with Muon and offload_optimizer nvme: the momentum stays in host memory, out of the NVMe files")
-    leaf_module: Any = refused("ZeRO-3 leaf modules are not supported; remove it", disabled)
+    leaf_module: LeafModuleConfig = supported(
+        factory=LeafModuleConfig, note="modules marked as ZeRO-3 leaves when the engine is built (by class, "
+                                       "name or name suffix), as deepspeed.utils' set_z3_leaf_modules* calls")
     zenflow: Any = refused("ZenFlow is not supported; remove it", None)
     mics_shard_size: Any = refused("MiCS sharding is not supported (DeepSpeed removed it too); remove it", -1)
     mics_hierarchical_params_gather: Any = refused(
