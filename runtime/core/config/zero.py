@@ -102,8 +102,11 @@ class ZeroConfig:
     stages 1-3 are provided by strategies registered from dslaunch.runtime.zero."""
 
     stage: int = supported(0, "0 data parallel, 1 optimizer state, 2 + gradients, 3 + parameters partitioned")
-    contiguous_gradients: Any = refused(
-        "false is not supported: gradients always go to contiguous buckets here", True)
+    # false in DeepSpeed only stops copying each gradient into one preallocated buffer (memory
+    # layout); what is reduced and stepped is the same, so the results are identical either way
+    contiguous_gradients: bool = supported(
+        True, "no effect needed: gradients are packed into reduce buckets either way; false (DeepSpeed: no "
+              "preallocated gradient buffer) gives the same results")
     overlap_comm: bool = supported(True, "gradient buckets are reduced from backward hooks as they fill")
     reduce_scatter: bool = supported(
         True, "no effect needed: each partition's gradient sum reaches its owner the same either way (DeepSpeed's "
@@ -144,8 +147,13 @@ class ZeroConfig:
     load_from_fp32_weights: Any = refused(
         "false (rebuild masters from the 16-bit weights) is not supported: masters load from the fp32 copies",
         True)
-    ignore_unused_parameters: Any = refused(
-        "false (stop on unused parameters) is not supported: unused parameters get zero gradients", True)
+    # DeepSpeed 0.19.8 reads false in one place only, stages 1-2 with offload_optimizer: a trainable
+    # parameter that got no gradient in the step's window stops the step (AssertionError naming
+    # this key). Everywhere else false changes nothing there, nor here (unused parameters get
+    # zero gradients either way), so it is accepted and acts exactly where DeepSpeed's does.
+    ignore_unused_parameters: bool = supported(
+        True, "false, at stages 1-2 with offload_optimizer: a trainable parameter that got no gradient "
+              "since the last step stops the step with an AssertionError naming it (DeepSpeed's check)")
     legacy_stage1: Any = refused("the legacy stage 1 implementation is not supported; remove it", False)
     round_robin_gradients: bool = supported(
         False, "no effect needed: with offload each rank copies only its own gradient partition to the host, all "
