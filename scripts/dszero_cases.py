@@ -90,3 +90,32 @@ UNUSED_CASES = {
     "s2_false": {"stage": 2, "ignore_unused_parameters": False},
     "s2_contiguous_false": {"stage": 2, "contiguous_gradients": False},
 }
+
+
+class FineBlock(torch.nn.Module):
+    def __init__(self, hidden, n):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(hidden, hidden) for _ in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class FineModel(torch.nn.Module):
+    """Two coarse linears and a block of small ones (DeepSpeed's granularity test, tiny)."""
+
+    def __init__(self, hidden=8, n=4):
+        super().__init__()
+        self.coarse1 = torch.nn.Linear(hidden, 4 * hidden)
+        self.coarse2 = torch.nn.Linear(4 * hidden, hidden)
+        self.fine = FineBlock(hidden, n)
+
+    def forward(self, x):
+        return self.fine(self.coarse2(self.coarse1(x))).pow(2).mean()
+
+
+# stage3_module_granularity_threshold values: the modules marked as leaves, and the losses of
+# three steps (the same as without a threshold)
+GRANULARITY_THRESHOLDS = [0, 40, 100, 10_000_000]

@@ -2,7 +2,8 @@
 cases: DeepSpeedFP16Config's accepted and refused values, the zero_optimization.leaf_module
 section and the leaf-marking calls (by name, by suffix, by class name), TiledLinear's tiles
 and outputs (its weights given, so no random stream is shared), and one step at stages 1-2
-with an unused parameter under ignore_unused_parameters (and contiguous_gradients false).
+with an unused parameter under ignore_unused_parameters (and contiguous_gradients false), and
+the modules stage3_module_granularity_threshold makes leaves (with three steps' losses).
 tests/test_ds_unit_paths.py replays each case with dslaunch and compares.
 
 Run it with a DeepSpeed install, in its own environment (it is never a dependency here):
@@ -104,6 +105,26 @@ def unused_case(zero):
                 "names_key": "ignore_unused_parameters" in message}
 
 
+def granularity_case(threshold):
+    torch.manual_seed(0)
+    model = cases.FineModel()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_module_granularity_threshold": threshold}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    marked = sorted(n for n, m in model.named_modules() if getattr(m, "_z3_leaf", False))
+    losses = []
+    for step in range(3):
+        # the input needs a gradient: DeepSpeed's leaf modules fail in backward without one
+        x = (torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step)).requires_grad_(True)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return {"marked": marked, "losses": losses}
+
+
 def main():
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     out = {"deepspeed": deepspeed.__version__,
@@ -112,7 +133,8 @@ def main():
            "leaf_calls": {name: leaf_call_case(*c) for name, c in cases.LEAF_CALL_CASES.items()},
            "tiled": {name: tiled_case(*c) for name, c in cases.TILED_CASES.items()},
            "tiled_bad": {name: tiled_bad(*c) for name, c in cases.TILED_BAD.items()},
-           "unused": {name: unused_case(z) for name, z in cases.UNUSED_CASES.items()}}
+           "unused": {name: unused_case(z) for name, z in cases.UNUSED_CASES.items()},
+           "granularity": {str(t): granularity_case(t) for t in cases.GRANULARITY_THRESHOLDS}}
     with open(sys.argv[1], "w") as fh:
         json.dump(out, fh, indent=1)
         fh.write("\n")

@@ -238,3 +238,27 @@ def test_multiple_all_gather_handles_wait_each_by_keyword():
     MultipleAllGatherHandles([Positional(), KeywordOnly()]).wait(handle_dependency=False)
     assert seen == [("positional", False), ("keyword", False)]
     assert partitioned_param_data_shape == [0]
+
+
+# -- stage3_module_granularity_threshold -------------------------------------------------------
+@pytest.mark.parametrize("threshold", cases.GRANULARITY_THRESHOLDS)
+def test_granularity_threshold_makes_deepspeeds_leaves_and_keeps_the_losses(threshold):
+    from dslaunch.runtime.zero.hook_scope import z3_leaf_module
+
+    want = DS["granularity"][str(threshold)]
+    torch.manual_seed(0)
+    model = cases.FineModel()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_module_granularity_threshold": threshold}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert sorted(n for n, m in model.named_modules() if z3_leaf_module(m)) == want["marked"]
+    losses = []
+    for step in range(3):
+        x = (torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step)).requires_grad_(True)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    assert losses == pytest.approx(want["losses"], rel=1e-5, abs=1e-7)

@@ -23,7 +23,8 @@ module but `module`'s forward uses it (weight-norm convolutions in HF speech mod
 from __future__ import annotations
 
 import logging
-from typing import Iterable, List, Tuple, Type, Union
+import sys
+from typing import Dict, Iterable, List, Tuple, Type, Union
 
 import torch
 
@@ -217,3 +218,76 @@ def unmarked_expert_lists(model: torch.nn.Module) -> List[tuple]:
         if isinstance(experts, torch.nn.ModuleList) and sum(1 for e in experts if next(e.parameters(), None) is not None) > 1:
             out.append((name or type(m).__name__, type(m).__name__))
     return out
+
+
+# -- stage3_module_granularity_threshold: small modules as leaves ----------------------------
+# DeepSpeed's rule: a module's granularity is its parameter count over the number of modules
+# with parameters in its subtree (itself included); modules without children or parameters,
+# torch's containers (ModuleList, Sequential, ...) and subtrees over 1e9 parameters never
+# qualify. From the root down, the first module whose granularity is at most the threshold
+# becomes a leaf (its subtree gathered in one collective, saving the per-module hooks); the
+# results are unchanged, only how often parameters are gathered.
+_NEVER = sys.maxsize
+_MAX_LEAF_PARAMS = 1e9
+_CONTAINERS = frozenset(torch.nn.modules.container.__all__)
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # a partitioned parameter's full size
+
+
+def module_granularity(model: torch.nn.Module) -> Dict[int, int]:
+    """{id(module): granularity} for every module of `model` (sys.maxsize where it never qualifies)."""
+    out: Dict[int, int] = {}
+
+    def visit(m: torch.nn.Module) -> Tuple[int, int]:  # (modules with parameters, parameters) below m
+        if not any(True for _ in m.parameters()):
+            out[id(m)] = _NEVER
+            return 0, 0
+        params = sum(_numel(p) for p in m.parameters(recurse=False))
+        children = list(m.children())
+        if not children:
+            out[id(m)] = _NEVER
+            return 1, params
+        layers = 0
+        for c in children:
+            n_layers, n_params = visit(c)
+            layers, params = layers + n_layers, params + n_params
+        if type(m).__name__ in _CONTAINERS:
+            out[id(m)] = _NEVER
+            return layers, params
+        layers += 1
+        out[id(m)] = params // layers if params <= _MAX_LEAF_PARAMS else _NEVER
+        return layers, params
+
+    visit(model)
+    return out
+
+
+def set_leaves_by_granularity(model: torch.nn.Module, threshold: int) -> List[torch.nn.Module]:
+    """Mark, from the root down, each module whose granularity is at most `threshold` as a leaf
+    (not looking inside it further); returns the marked modules. A threshold below every
+    module's granularity marks nothing and says in a warning which value would."""
+    if threshold <= 0:
+        return []
+    granularity = module_granularity(model)
+    smallest = min(granularity.values(), default=_NEVER)
+    if smallest > threshold:
+        if smallest != _NEVER:
+            _log.warning("zero_optimization.stage3_module_granularity_threshold %d marks no module: the smallest "
+                         "granularity is %d", threshold, smallest)
+        return []
+    marked: List[torch.nn.Module] = []
+
+    def visit(m: torch.nn.Module) -> None:
+        if not any(True for _ in m.parameters()):
+            return
+        if granularity[id(m)] <= threshold:
+            setattr(m, _FLAG, True)
+            marked.append(m)
+            return
+        for c in m.children():
+            visit(c)
+
+    visit(model)
+    return marked

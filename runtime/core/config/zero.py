@@ -137,7 +137,9 @@ class ZeroConfig:
                                                               "to backward when reused within this many elements")
     stage3_gather_16bit_weights_on_model_save: bool = supported(
         False, "engine.save_16bit_model() (the HF Trainer's save_model) gathers the full weights onto rank 0")
-    stage3_module_granularity_threshold: Any = refused("fine-grained module grouping is not supported; remove it", 0)
+    stage3_module_granularity_threshold: int = supported(
+        0, "modules of at most this many parameters per module with parameters in their subtree become ZeRO-3 "
+           "leaves (gathered whole, fewer hooks), as DeepSpeed picks them; 0: none")
     stage3_use_all_reduce_for_fetch_params: Any = refused(
         "all-reduce parameter fetching is not supported; parameters are all-gathered", False)
     stage3_allgather_sequential: Any = refused("per-parameter sequential all-gather is not supported; remove it",
@@ -219,7 +221,7 @@ class ZeroConfig:
             positive(path, key, getattr(self, key))
         # 0 prefetch: every module waits for its own gather (DeepSpeed accepts 0 too)
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                    "stage3_max_reuse_distance", "zero_hpz_partition_size"):
+                    "stage3_max_reuse_distance", "zero_hpz_partition_size", "stage3_module_granularity_threshold"):
             positive(path, key, getattr(self, key), allow_zero=True)
         on = [k for k in ZEROPP_KEYS if self.zeropp_on(k)]
         if on and self.stage != 3:
