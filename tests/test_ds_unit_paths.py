@@ -215,8 +215,15 @@ def test_native_pinning_is_refused_in_one_line_and_torch_pinning_stays(monkeypat
     assert torch.equal(get_accelerator().pin_memory(t), t)
     with pytest.raises(RuntimeError, match="DS_PIN_MEMORY_BACKEND=native.*not provided"):
         NativePinnedMemory()
+    assert get_accelerator().unpin_memory(t) is None  # torch frees pinned memory itself
+    from dslaunch.runtime.ops.op_builder import PinMemoryBuilder
+
+    assert PinMemoryBuilder().is_compatible() is False
+    with pytest.raises(RuntimeError, match="pin_memory op cannot run here"):
+        PinMemoryBuilder().load()
     monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
-    for call in (get_active_native_pinned_memory, lambda: get_accelerator().pin_memory(t)):
+    for call in (get_active_native_pinned_memory, lambda: get_accelerator().pin_memory(t),
+                 lambda: get_accelerator().unpin_memory(t)):
         with pytest.raises(RuntimeError, match="not provided") as info:
             call()
         assert "\n" not in str(info.value)
@@ -262,3 +269,27 @@ def test_granularity_threshold_makes_deepspeeds_leaves_and_keeps_the_losses(thre
         losses.append(loss.item())
     engine.destroy()
     assert losses == pytest.approx(want["losses"], rel=1e-5, abs=1e-7)
+
+
+def test_leaves_train_with_inputs_that_need_no_gradient():
+    """Better than DeepSpeed: its leaf modules fail in backward when the leaf's input needs no
+    gradient (its unit test expects that RuntimeError); here the leaf's gathered parameters get
+    their gradients either way, and the losses are those of the same run without leaves."""
+    runs = []
+    for threshold in (0, 10_000_000):  # no leaf; the whole model one leaf
+        torch.manual_seed(0)
+        model = cases.FineModel()
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "stage3_module_granularity_threshold": threshold}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        losses = []
+        for step in range(3):
+            loss = engine(torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.destroy()
+        runs.append(losses)
+    assert runs[0] == runs[1]
+    assert runs[0] == pytest.approx(DS["granularity"]["0"]["losses"], rel=1e-5)

@@ -29,8 +29,15 @@ def native_backend_selected() -> bool:
     return os.environ.get(BACKEND_VARIABLE, "torch").strip().lower() == "native"
 
 
+# DeepSpeed's process-wide handle, built on first use; none is ever built here (construction
+# is refused), so it stays None
+_shared_native_pins = None
+
+
 def get_native_pinned_memory() -> NativePinnedMemory:
     """The process's native pinning handle: refused, as NativePinnedMemory() is."""
+    if _shared_native_pins is not None:
+        return _shared_native_pins
     return NativePinnedMemory()
 
 

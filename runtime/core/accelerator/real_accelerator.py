@@ -185,6 +185,15 @@ class DeepSpeedAccelerator:
         track_pinned_memory(pinned.nbytes)
         return pinned
 
+    def unpin_memory(self, tensor: torch.Tensor):
+        """None: torch frees pinned memory when the tensor goes (nothing to release by hand),
+        as DeepSpeed's torch backend answers; the native backend is refused as in pin_memory."""
+        from .native_pinning import REASON, native_backend_selected
+
+        if native_backend_selected():
+            raise RuntimeError(REASON)
+        return None
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if self._cuda else False
 
