@@ -293,3 +293,29 @@ def test_leaves_train_with_inputs_that_need_no_gradient():
         runs.append(losses)
     assert runs[0] == runs[1]
     assert runs[0] == pytest.approx(DS["granularity"]["0"]["losses"], rel=1e-5)
+
+
+def test_zero_init_sets_up_the_process_group_as_deepspeeds_does(tmp_path):
+    """deepspeed.zero.Init() with no process group yet initialises it (DeepSpeed's Init calls
+    init_distributed), then partitions: run in a child process, from the launcher's environment."""
+    import os
+    import subprocess
+    import textwrap
+
+    from dist_harness import free_port
+
+    script = tmp_path / "init.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        import dslaunch.runtime as deepspeed
+        assert not dist.is_initialized()
+        with deepspeed.zero.Init():
+            assert dist.is_initialized()
+            layer = torch.nn.Linear(4, 4)
+        print("OK", dist.get_world_size(), hasattr(layer.weight, "ds_status"))
+    """))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "OK 1 True"

@@ -464,9 +464,10 @@ class Init:
 
     @staticmethod
     def _require_process_group() -> None:
+        # as DeepSpeed's Init: the process group is set up here when the script has not done
+        # it (from the launcher's environment, or MPI discovery, as init_distributed does)
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("zero.Init() needs torch.distributed initialised first "
-                               "(call dslaunch.runtime.init_distributed())")
+            comm.init_distributed()
 
     def _partition_own(self, module) -> None:
         for name, p in module.named_parameters(recurse=False):
