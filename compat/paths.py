@@ -132,7 +132,8 @@ PATHS: Dict[str, Entry] = {
     "pipe.engine": "train.pipe_engine",  # deepspeed.runtime.pipe.engine
     "pipe.topology": _TOPOLOGY,
     "precision_config": Names("deepspeed.runtime.precision_config: one precision section of a config dict, parsed.",
-                              {"get_bfloat16_config": "core.config", "get_float16_config": "core.config"}),
+                              {"get_bfloat16_config": "core.config", "get_float16_config": "core.config",
+                               "DeepSpeedFP16Config": "core.config", "DeepSpeedBF16Config": "core.config"}),
     "profiling": "train.profiling",  # deepspeed.profiling
     "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
     # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
@@ -152,6 +153,7 @@ PATHS: Dict[str, Entry] = {
                                  {"CommsLogger": "core.comm.logger", "bandwidths_gbps": "core.comm.logger",
                                   "bus_factor": "core.comm.logger"}),
     "utils.groups": "core.parallel.groups",  # deepspeed.utils.groups: answered by the mesh
+    "utils.pin_memory": "core.accelerator.native_pinning",  # deepspeed.utils.pin_memory: refused native backend
     "utils.pin_memory_tracker": "core.accelerator.pin_memory_tracker",  # deepspeed.utils.pin_memory_tracker
     "utils.timer": Names("deepspeed.utils.timer: the trimmed mean of the comms logger's averages.",
                          {"trim_mean": "core.comm.logger"}),
@@ -167,7 +169,13 @@ PATHS: Dict[str, Entry] = {
                                      "DeepSpeedZeroOffloadParamConfig")}),
     "zero.partition_parameters": Names("deepspeed.runtime.zero.partition_parameters: ZeRO-3's parameter names.",
                                        {"GatheredParameters": "zero.params", "Init": "zero.params",
-                                        "ZeroParamStatus": "zero.params"}),
+                                        "ZeroParamStatus": "zero.params", "MultipleAllGatherHandles": "zero.params",
+                                        "partitioned_param_data_shape": "zero.params"}),
+    "zero.leaf_module_config": Names("deepspeed.runtime.zero.leaf_module_config: the leaf_module section's defaults.",
+                                     {"DEFAULT_LEAF_MODULE_CLASSES": "core.config.zero",
+                                      "DEFAULT_LEAF_MODULE_NAMES": "core.config.zero",
+                                      "DEFAULT_LEAF_MODULE_NAME_SUFFIXES": "core.config.zero",
+                                      "DeepSpeedZeroLeafModuleConfig": "core.config.zero:LeafModuleConfig"}),
     "zero.muon": "core.muon",  # deepspeed.runtime.zero.muon: DeepSpeed's Muon package
     "zero.muon.muon_optimizer": "core.muon.optimizer",  # where DeepSpeed's MuonWithAuxAdam is imported from
     "zero.utils": Names("deepspeed.runtime.zero.utils: the class DeepSpeed raises its ZeRO refusals as.",

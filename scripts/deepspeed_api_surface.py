@@ -117,7 +117,7 @@ def _internal(module: str, names: str, reason: str) -> None:
 ZERO3 = "an internal of DeepSpeed's ZeRO-3 partitioner (dslaunch's is runtime/zero)"
 _internal("deepspeed.runtime.zero.partition_parameters",
           "AllGatherCoalescedHandle AllGatherHandle AllReduceCoalescedHandle AsyncPartitionedParameterSwapper "
-          "CUDAQuantizer InsertPostInitMethodToModuleSubClasses MultipleAllGatherHandles NoGatherCoalescedHandle "
+          "CUDAQuantizer InsertPostInitMethodToModuleSubClasses NoGatherCoalescedHandle "
           "NoGatherHandle QuantizationInfo assert_ints_same_as_other_ranks debug_module2name debug_param2name_id "
           "debug_param2name_id_shape debug_param2name_id_shape_device debug_param2name_id_shape_status debug_rank0 "
           "free_param get_all_subclasses get_allgather_dtype get_comm_dtype get_config_default "

@@ -47,6 +47,7 @@ from .progress import ProgressLog
 from .resize import batch as resize_batch
 from .resize.contract import ResizeEnv
 from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
+from ..zero.hook_scope import apply_leaf_module_config
 from ..core.strict import ConfigError
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
 
@@ -180,6 +181,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                 g.get("moe", False) for g in self.optimizer.param_groups):
             raise ConfigError(f"sequence_parallel_size {self.seq_parallel_size} with \"moe\" param groups (expert "
                               "parallelism) is not supported")
+        # zero_optimization.leaf_module (by default transformers' MoE blocks), marked at every
+        # stage as DeepSpeed's engine does; only stage 3's hooks read the marks
+        apply_leaf_module_config(model, self.config.zero_optimization.leaf_module)
         ctx = StrategyContext(module=model, optimizer=self.optimizer, config=self.config, device=self.device,
                               compute_dtype=self.compute_dtype, rank=self._grad_rank, world_size=self._grad_world,
                               group=self.seq_data_parallel_group, norm_exclude=mesh_select.norm_exclude(model, self.mesh, mpu),

@@ -22,9 +22,15 @@ module but `module`'s forward uses it (weight-norm convolutions in HF speech mod
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Type, Union
+import logging
+import sys
+from typing import Dict, Iterable, List, Tuple, Type, Union
 
 import torch
+
+from ..core.config.zero import DEFAULT_LEAF_MODULE_CLASSES, DEFAULT_LEAF_MODULE_NAME_SUFFIXES, DEFAULT_LEAF_MODULE_NAMES
+
+_log = logging.getLogger("dslaunch.runtime")
 
 _FLAG = "_z3_leaf"
 
@@ -36,9 +42,13 @@ def _classes(leaf_module_classes: Iterable[Union[Type[torch.nn.Module], str]]) -
 
 
 def _matches(module: torch.nn.Module, classes: tuple) -> bool:
+    """A class given as a type matches its subclasses too; one given by name matches the exact
+    class, by its plain name or module-qualified ("pkg.mod.Class", as the config's classes)."""
     names = {c for c in classes if isinstance(c, str)}
     types = tuple(c for c in classes if isinstance(c, type))
-    return (bool(types) and isinstance(module, types)) or type(module).__name__ in names
+    cls = type(module)
+    return (bool(types) and isinstance(module, types)) or cls.__name__ in names \
+        or f"{cls.__module__}.{cls.__qualname__}" in names
 
 
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
@@ -65,6 +75,81 @@ def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_
         if hasattr(m, _FLAG):
             delattr(m, _FLAG)
     return found
+
+
+def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names: Iterable[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> Tuple[List[torch.nn.Module], List[str]]:
+    """Set (or, flag False, clear) the leaf mark of the submodules named in `module_names` (names
+    as model.named_modules() gives them); returns (the modules, the names not found). A name not
+    found is a ValueError unless raise_if_not_found is False."""
+    by_name = dict(model.named_modules())
+    found, missing = [], []
+    for name in module_names:
+        module = by_name.get(name)
+        if module is None:
+            missing.append(name)
+            continue
+        setattr(module, _FLAG, flag)
+        found.append(module)
+    if missing and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules_by_name: no module named {missing} in {type(model).__name__}")
+    return found, missing
+
+
+def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: Iterable[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> Tuple[List[torch.nn.Module], List[str]]:
+    """As set_z3_leaf_modules_by_name, for every submodule whose name ends with one of
+    `module_name_suffixes`; each module is returned once, the suffixes matching none are missing."""
+    found, missing, seen = [], [], set()
+    for suffix in module_name_suffixes:
+        hit = False
+        for name, module in model.named_modules():
+            if name.endswith(suffix):
+                hit = True
+                setattr(module, _FLAG, flag)
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    found.append(module)
+        if not hit:
+            missing.append(suffix)
+    if missing and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules_by_suffix: no module name ends with {missing} in "
+                         f"{type(model).__name__}")
+    return found, missing
+
+
+def apply_leaf_module_config(model: torch.nn.Module, cfg) -> List[torch.nn.Module]:
+    """Mark the leaves `zero_optimization.leaf_module` names (a LeafModuleConfig), as the engine
+    does when it is built; returns the marked modules, each once. Names or suffixes the user
+    gave that match nothing are logged as a warning (DeepSpeed's behaviour), not an error: the
+    default classes match nothing in most models."""
+    if cfg is None:
+        return []
+    marked, seen = [], set()
+
+    def keep(modules):
+        for m in modules:
+            if id(m) not in seen:
+                seen.add(id(m))
+                marked.append(m)
+
+    if cfg.classes:
+        keep(set_z3_leaf_modules(model, cfg.classes, raise_if_not_found=False))
+    if cfg.names:
+        found, missing = set_z3_leaf_modules_by_name(model, cfg.names, raise_if_not_found=False)
+        keep(found)
+        if missing and cfg.names != DEFAULT_LEAF_MODULE_NAMES:
+            _log.warning("zero_optimization.leaf_module.names: no module named %s in the model", missing)
+    if cfg.name_suffixes:
+        found, missing = set_z3_leaf_modules_by_suffix(model, cfg.name_suffixes, raise_if_not_found=False)
+        keep(found)
+        if missing and cfg.name_suffixes != DEFAULT_LEAF_MODULE_NAME_SUFFIXES:
+            _log.warning("zero_optimization.leaf_module.name_suffixes: no module name ends with %s", missing)
+    customized = (cfg.classes != DEFAULT_LEAF_MODULE_CLASSES or cfg.names != DEFAULT_LEAF_MODULE_NAMES
+                  or cfg.name_suffixes != DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+    if not marked and customized:
+        _log.warning("zero_optimization.leaf_module matched no module; every module keeps its own hooks")
+    return marked
 
 
 def z3_leaf_module(module: torch.nn.Module) -> bool:
@@ -133,3 +218,76 @@ def unmarked_expert_lists(model: torch.nn.Module) -> List[tuple]:
         if isinstance(experts, torch.nn.ModuleList) and sum(1 for e in experts if next(e.parameters(), None) is not None) > 1:
             out.append((name or type(m).__name__, type(m).__name__))
     return out
+
+
+# -- stage3_module_granularity_threshold: small modules as leaves ----------------------------
+# DeepSpeed's rule: a module's granularity is its parameter count over the number of modules
+# with parameters in its subtree (itself included); modules without children or parameters,
+# torch's containers (ModuleList, Sequential, ...) and subtrees over 1e9 parameters never
+# qualify. From the root down, the first module whose granularity is at most the threshold
+# becomes a leaf (its subtree gathered in one collective, saving the per-module hooks); the
+# results are unchanged, only how often parameters are gathered.
+_NEVER = sys.maxsize
+_MAX_LEAF_PARAMS = 1e9
+_CONTAINERS = frozenset(torch.nn.modules.container.__all__)
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))  # a partitioned parameter's full size
+
+
+def module_granularity(model: torch.nn.Module) -> Dict[int, int]:
+    """{id(module): granularity} for every module of `model` (sys.maxsize where it never qualifies)."""
+    out: Dict[int, int] = {}
+
+    def visit(m: torch.nn.Module) -> Tuple[int, int]:  # (modules with parameters, parameters) below m
+        if not any(True for _ in m.parameters()):
+            out[id(m)] = _NEVER
+            return 0, 0
+        params = sum(_numel(p) for p in m.parameters(recurse=False))
+        children = list(m.children())
+        if not children:
+            out[id(m)] = _NEVER
+            return 1, params
+        layers = 0
+        for c in children:
+            n_layers, n_params = visit(c)
+            layers, params = layers + n_layers, params + n_params
+        if type(m).__name__ in _CONTAINERS:
+            out[id(m)] = _NEVER
+            return layers, params
+        layers += 1
+        out[id(m)] = params // layers if params <= _MAX_LEAF_PARAMS else _NEVER
+        return layers, params
+
+    visit(model)
+    return out
+
+
+def set_leaves_by_granularity(model: torch.nn.Module, threshold: int) -> List[torch.nn.Module]:
+    """Mark, from the root down, each module whose granularity is at most `threshold` as a leaf
+    (not looking inside it further); returns the marked modules. A threshold below every
+    module's granularity marks nothing and says in a warning which value would."""
+    if threshold <= 0:
+        return []
+    granularity = module_granularity(model)
+    smallest = min(granularity.values(), default=_NEVER)
+    if smallest > threshold:
+        if smallest != _NEVER:
+            _log.warning("zero_optimization.stage3_module_granularity_threshold %d marks no module: the smallest "
+                         "granularity is %d", threshold, smallest)
+        return []
+    marked: List[torch.nn.Module] = []
+
+    def visit(m: torch.nn.Module) -> None:
+        if not any(True for _ in m.parameters()):
+            return
+        if granularity[id(m)] <= threshold:
+            setattr(m, _FLAG, True)
+            marked.append(m)
+            return
+        for c in m.children():
+            visit(c)
+
+    visit(model)
+    return marked

@@ -264,6 +264,25 @@ class PendingGather:
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
+class MultipleAllGatherHandles:
+    """Several gather handles waited as one (DeepSpeed's name, which ZeRO-3 hook code and its
+    tests build from per-bucket handles): `wait(handle_dependency=...)` waits each handle in
+    order, passing handle_dependency by keyword so that handles whose wait takes it
+    keyword-only, or as **kwargs, receive it too."""
+
+    def __init__(self, handles) -> None:
+        self.handles = list(handles)
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
+
+# The shape of a partitioned parameter's .data at rest (an empty tensor), DeepSpeed's
+# module-level name for it: code checks `p.shape == torch.Size(partitioned_param_data_shape)`.
+partitioned_param_data_shape = [0]
+
+
 def _source(p, training: bool):
     """(kind, group, rows, width, source) of p's next gather: its hpZ second shard when it has
     a valid one and this is a training gather, else its primary shard; the kind says how the
@@ -445,9 +464,10 @@ class Init:
 
     @staticmethod
     def _require_process_group() -> None:
+        # as DeepSpeed's Init: the process group is set up here when the script has not done
+        # it (from the launcher's environment, or MPI discovery, as init_distributed does)
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("zero.Init() needs torch.distributed initialised first "
-                               "(call dslaunch.runtime.init_distributed())")
+            comm.init_distributed()
 
     def _partition_own(self, module) -> None:
         for name, p in module.named_parameters(recurse=False):

@@ -127,6 +127,11 @@ class _PartitionedStage(ShardedStrategy):
                                              resident_keys(ctx.config))
         # Muon: whole-matrix updates from the partitions, before the norm (muon/sharded.py)
         self.muon = ShardedMuon(optimizer, self.host, ctx.loss_scale) if ShardedMuon.applies(optimizer) else None
+        # ignore_unused_parameters false: DeepSpeed checks, with offload_optimizer only, that every
+        # trainable parameter got a gradient since the last step (its per-parameter norms under
+        # CPU offload); _got_grad records whose hooks fired in the window
+        self.check_unused = offload is not None and not z.ignore_unused_parameters
+        self._got_grad: set = set()
         self._boundary = True
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
@@ -194,6 +199,8 @@ class _PartitionedStage(ShardedStrategy):
 
     def _make_hook(self, gi, pi):
         def hook(param):
+            if self.check_unused:
+                self._got_grad.add((gi, pi))
             if not self.overlap_comm or (self.stage == 1 and not self._boundary):
                 return
             bi = self._bucket_of[(gi, pi)]
@@ -272,7 +279,21 @@ class _PartitionedStage(ShardedStrategy):
         self._land()
         self._reset_buckets()
 
+    def _check_unused(self) -> None:
+        """ignore_unused_parameters false: stop when a trainable parameter got no gradient since
+        the last step (AssertionError, DeepSpeed's type for it); the window starts again."""
+        got, self._got_grad = self._got_grad, set()
+        unused = [g.names[pi] for gi, g in enumerate(self.groups) for pi in range(len(g.params))
+                  if (gi, pi) not in got]
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise AssertionError(f"ZeRO stage {self.stage}: parameters got no gradient in this step ({shown}): "
+                                 "set zero_optimization.ignore_unused_parameters to true, or make every trainable "
+                                 "parameter contribute to the loss")
+
     def reduce_gradients(self) -> None:
+        if self.check_unused:
+            self._check_unused()
         if not self._reduced:  # stage 1 with no boundary backward seen: reduce what param.grad holds now
             self._flush_buckets()
         for g in self.groups:

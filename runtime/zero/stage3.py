@@ -40,7 +40,8 @@ from ..core.strict import ConfigError
 from ..core.strategy import StrategyContext, check_numel, register_strategy, state_tensor
 from ..core import comm
 from . import hook_scope
-from .hook_scope import hooked_modules, module_params, unmarked_expert_lists, z3_leaf_module
+from .hook_scope import (hooked_modules, module_params, set_leaves_by_granularity, unmarked_expert_lists,
+                         z3_leaf_module)
 from .offload import OptimizerHost, make_host, pin_host
 from .params import gather, is_partitioned, is_present, pack_shard, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
@@ -103,6 +104,8 @@ class ZeroStage3(ShardedStrategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         ctx.refuse_foreign_axes("ZeRO stage 3")  # one group for every parameter (DeepSpeed refuses MoE here too)
+        # small modules as leaves (stage3_module_granularity_threshold), before the hooks are placed
+        set_leaves_by_granularity(ctx.module, ctx.config.zero_optimization.stage3_module_granularity_threshold)
         unmarked = unmarked_expert_lists(ctx.module)
         if unmarked:  # without the leaf, ranks that route differently gather different experts: a hang
             name, cls = unmarked[0]

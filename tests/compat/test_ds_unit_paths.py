@@ -1,121 +1,321 @@
-"""DeepSpeed module paths its unit tests import, served by dslaunch: each does its job here.
+"""DeepSpeed module paths and config keys its own unit tests import or set, each behaving as
+DeepSpeed 0.19.8's (recorded in tests/data/ds_dszero.json by scripts/make_ds_dszero_fixtures.py,
+cases in scripts/dszero_cases.py):
 
-Through the installed compatibility package (one fresh interpreter): the modules are
-dslaunch's own objects under DeepSpeed's names. Then each module's behaviour against a
-one-process reference: rotary embedding against the rotation it defines, zero3_linear_wrap's
-gradients against nn.functional.linear's (plain and under bf16 autocast), the config getters
-against the full config parser, prefix_sum_inc, and the forced-CPU-optimizer refusal being
-DeepSpeed's ZeRORuntimeException as well as a ConfigError."""
+- deepspeed.runtime.precision_config.DeepSpeedFP16Config: the values it accepts and refuses
+  (pydantic's ValidationError), loss_scale_window / min_loss_scale checked only under dynamic scaling;
+- zero_optimization.leaf_module and set_z3_leaf_modules_by_name / _by_suffix / by class name;
+- deepspeed.runtime.zero.tiling.TiledLinear: tiles, outputs and gradients;
+- zero_optimization.ignore_unused_parameters false (stages 1-2 with offload stop on an unused
+  parameter) and contiguous_gradients false (same step);
+- deepspeed.utils.pin_memory (the native backend refused in one line) and
+  partition_parameters.MultipleAllGatherHandles.
+One process, tiny models."""
 import json
-import math
-import os
-import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-PROBE = textwrap.dedent('''
-    import json
-    import deepspeed, dslaunch.runtime as rt
-    from deepspeed.ops.aio import AsyncIOBuilder
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.utils import ZeRORuntimeException
-    from deepspeed.runtime.swap_tensor import MIN_SWAPPABLE_BYTES
-    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT, LOG_LEVEL_DEFAULT
-    from deepspeed.runtime.config import get_gradient_clipping, get_log_level
-    from deepspeed.runtime.utils import prefix_sum_inc
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap, LinearModuleForZeroStage3
-    from deepspeed.sequence.layer import apply_rotary_pos_emb, _rotate_half, _torchembed_available
-    from deepspeed.utils import logging as ds_logging
-    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced, all_to_all_quant_reduce
-    from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
-    from deepspeed.ops.op_builder import QuantizerBuilder
-    import dslaunch.runtime.comm.coalesced as co, dslaunch.runtime.activation_checkpointing.checkpointing as ac
-    import dslaunch.runtime.ops.op_builder as ob, dslaunch.runtime.zero.linear as zl
-    print(json.dumps({
-        "aio": [AsyncIOBuilder is ob.AsyncIOBuilder, deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]],
-        "same": [zero3_linear_wrap is zl.zero3_linear_wrap, ZeRORuntimeException is rt.zero.utils.ZeRORuntimeException],
-        "more": [reduce_scatter_coalesced is co.reduce_scatter_coalesced,
-                 non_reentrant_checkpoint is deepspeed.checkpointing.non_reentrant_checkpoint
-                 is ac.non_reentrant_checkpoint,
-                 deepspeed.ops.__compatible_ops__[QuantizerBuilder.NAME]],
-        "logger": ds_logging.logger is deepspeed.utils.logger and ds_logging.__name__ == "deepspeed.utils.logging",
-        "constants": [GRADIENT_CLIPPING_DEFAULT, LOG_LEVEL_DEFAULT, MIN_SWAPPABLE_BYTES, _torchembed_available],
-    }))
-''')
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import dszero_cases as cases  # noqa: E402
+
+import dslaunch.runtime as deepspeed  # noqa: E402
+from dslaunch.runtime.strict import ConfigError  # noqa: E402
+
+DS = json.loads((ROOT / "tests" / "data" / "ds_dszero.json").read_text())
 
 
-def test_paths_under_the_compatibility_package(deepspeed_compat):
-    env = dict(os.environ, PYTHONPATH=str(deepspeed_compat.target), CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["aio"] == [True, False]  # no libaio op here: NVMe cases take DeepSpeed's no-libaio path
-    assert got["same"] == [True, True] and got["logger"] is True
-    assert got["more"] == [True, True, False]  # no quantizer op: DeepSpeed's tests of it skip, as on its CPU build
-    assert got["constants"] == [1.0, None, 1024 ** 2, False]
+def test_every_case_has_deepspeeds_answer_on_record():
+    assert DS["deepspeed"] == "0.19.8"
+    assert set(DS["fp16"]) == set(cases.FP16_CASES) and set(DS["tiled"]) == set(cases.TILED_CASES)
+    assert set(DS["unused"]) == set(cases.UNUSED_CASES) and set(DS["leaf_calls"]) == set(cases.LEAF_CALL_CASES)
 
 
-def test_rotary_embedding_rotates_each_pair_by_its_angle():
-    from dslaunch.runtime.sequence.layer import apply_rotary_pos_emb
+# -- precision_config ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(cases.FP16_CASES))
+def test_fp16_config_model_accepts_and_refuses_as_deepspeed(name):
+    from pydantic import ValidationError
 
+    from dslaunch.runtime.precision_config import DeepSpeedFP16Config
+
+    want = DS["fp16"][name]
+    kwargs = cases.FP16_CASES[name]
+    if want["outcome"] == "refused":
+        with pytest.raises(ValidationError) as info:
+            DeepSpeedFP16Config(**kwargs)
+        assert "config: fp16." in str(info.value)  # our one line, naming the key, inside it
+        return
+    cfg = DeepSpeedFP16Config(**kwargs)
+    assert isinstance(cfg, DeepSpeedFP16Config)
+    got = {k: getattr(cfg, k) for k in ("loss_scale", "loss_scale_window", "min_loss_scale")}
+    assert got == {k: want[k] for k in got}
+
+
+def test_a_whole_config_takes_unused_scaler_values_as_deepspeed_and_refuses_them_when_dynamic():
+    from dslaunch.runtime.config import DeepSpeedConfig
+
+    DeepSpeedConfig.load({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale": 64, "min_loss_scale": 0}})
+    with pytest.raises(ConfigError, match=r"^config: fp16.min_loss_scale: must be > 0, got 0"):
+        DeepSpeedConfig.load({"train_batch_size": 1, "fp16": {"enabled": True, "min_loss_scale": 0}})
+
+
+def test_bf16_config_model_is_the_bf16_section():
+    from dslaunch.runtime.config import BF16Config
+    from dslaunch.runtime.precision_config import DeepSpeedBF16Config
+
+    cfg = DeepSpeedBF16Config(enabled=True)
+    assert isinstance(cfg, BF16Config) and isinstance(cfg, DeepSpeedBF16Config) and cfg.enabled
+
+
+# -- leaf modules ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(cases.LEAF_CONFIG_CASES))
+def test_leaf_module_section_parses_as_deepspeed(name):
+    from dslaunch.runtime.zero.config import DeepSpeedZeroConfig
+
+    section = cases.LEAF_CONFIG_CASES[name]
+    cfg = DeepSpeedZeroConfig() if section is None else DeepSpeedZeroConfig(leaf_module=section)
+    lm = cfg.leaf_module
+    assert {"classes": lm.classes, "names": lm.names, "name_suffixes": lm.name_suffixes} == DS["leaf_config"][name]
+
+
+def test_leaf_module_section_refuses_what_is_not_names():
+    from dslaunch.runtime.zero.config import DeepSpeedZeroConfig
+
+    with pytest.raises(ConfigError, match=r"leaf_module.names"):
+        DeepSpeedZeroConfig(leaf_module={"names": [1]})
+
+
+@pytest.mark.parametrize("name", sorted(cases.LEAF_CALL_CASES))
+def test_leaf_marking_calls_mark_what_deepspeed_marks(name):
+    from dslaunch.runtime.zero.hook_scope import (set_z3_leaf_modules, set_z3_leaf_modules_by_name,
+                                                  set_z3_leaf_modules_by_suffix, z3_leaf_module)
+
+    kind, arg = cases.LEAF_CALL_CASES[name]
+    model = cases.Net()
+    names = {id(m): n for n, m in model.named_modules()}
+    if kind == "by_name":
+        found, missing = set_z3_leaf_modules_by_name(model, arg, raise_if_not_found=False)
+    elif kind == "by_suffix":
+        found, missing = set_z3_leaf_modules_by_suffix(model, arg, raise_if_not_found=False)
+    else:
+        found, missing = set_z3_leaf_modules(model, arg, raise_if_not_found=False), []
+    marked = sorted(n for n, m in model.named_modules() if z3_leaf_module(m))
+    assert {"returned": [names[id(m)] for m in found], "missing": missing, "marked": marked} == \
+        DS["leaf_calls"][name]
+
+
+def test_leaf_marking_by_name_raises_on_a_missing_name_unless_told_not_to():
+    from dslaunch.runtime.zero.hook_scope import set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
+
+    with pytest.raises(ValueError, match="nope"):
+        set_z3_leaf_modules_by_name(cases.Net(), ["first", "nope"])
+    with pytest.raises(ValueError, match="zzz"):
+        set_z3_leaf_modules_by_suffix(cases.Net(), ["zzz"])
+
+
+def test_engine_marks_the_configured_leaves_at_build_time():
+    from dslaunch.runtime.zero.hook_scope import z3_leaf_module
+
+    class Model(cases.Net):
+        def forward(self, x):
+            return self.head(self.first.inner(x)).sum()
+
+    model = Model()
+    deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                         config={"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                                 "zero_optimization": {"stage": 1, "leaf_module": {
+                                     "classes": [f"{cases.__name__}.Block"], "name_suffixes": ["head"]}}})
+    assert sorted(n for n, m in model.named_modules() if z3_leaf_module(m)) == ["first", "head", "second"]
+
+
+# -- TiledLinear -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(cases.TILED_CASES))
+def test_tiled_linear_matches_deepspeeds(name):
+    from dslaunch.runtime.zero.tiling import TiledLinear
+
+    in_f, out_f, bias, in_splits, out_splits = cases.TILED_CASES[name]
+    want = DS["tiled"][name]
+    base = torch.nn.Linear(in_f, out_f, bias=bias)
+    with torch.no_grad():
+        base.weight.copy_(torch.tensor(want["weight"]))
+        if bias:
+            base.bias.copy_(torch.tensor(want["bias"]))
+    tiled = TiledLinear(in_f, out_f, bias=bias, in_splits=in_splits, out_splits=out_splits, init_linear=base)
+    assert (tiled.in_parts, tiled.out_parts) == (want["in_parts"], want["out_parts"])
+    assert [[t.bias is not None for t in row] for row in tiled.linears] == want["tile_bias"]
+    out = tiled(torch.tensor(want["x"]))
+    torch.testing.assert_close(out, torch.tensor(want["out"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, base(torch.tensor(want["x"])), rtol=1e-5, atol=1e-6)  # one linear's answer
+    out.pow(2).sum().backward()
+    for row, want_row in zip(tiled.linears, want["tile_grads"]):
+        for tile, g in zip(row, want_row):
+            torch.testing.assert_close(tile.weight.grad, torch.tensor(g), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(cases.TILED_BAD))
+def test_tiled_linear_refuses_bad_splits_as_deepspeed(name):
+    from dslaunch.runtime.zero.tiling import TiledLinear
+
+    in_f, out_f, in_splits, out_splits = cases.TILED_BAD[name]
+    assert DS["tiled_bad"][name] == "RuntimeError"
+    with pytest.raises(RuntimeError, match="splits"):
+        TiledLinear(in_f, out_f, in_splits=in_splits, out_splits=out_splits)
+
+
+def test_tiled_linear_return_bias_passes_the_tiles_biases_through():
+    from dslaunch.runtime.zero.tiling import TiledLinearReturnBias
+
+    class BiasOut(torch.nn.Linear):  # Megatron-style: returns its bias instead of adding it
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight), self.bias
+
+    base = torch.nn.Linear(6, 4)
+    tiled = TiledLinearReturnBias(6, 4, in_splits=2, out_splits=2, linear_cls=BiasOut, init_linear=base)
+    x = torch.randn(3, 6)
+    out, bias = tiled(x)
+    torch.testing.assert_close(out, x @ base.weight.T)
+    torch.testing.assert_close(bias, base.bias.detach())
+
+
+# -- ignore_unused_parameters / contiguous_gradients --------------------------------------------
+@pytest.mark.parametrize("name", sorted(cases.UNUSED_CASES))
+def test_unused_parameters_stop_the_step_where_deepspeeds_do(name):
+    from dslaunch.runtime.zero.fragments import safe_get_full_fp32_param
+
+    want = DS["unused"][name]
     torch.manual_seed(0)
-    seq, heads, dim, rot = 5, 2, 8, 6
-    t = torch.randn(seq, heads, dim)
-    angles = torch.rand(seq, 1, rot // 2) * math.pi
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    got = apply_rotary_pos_emb(t, cos, sin)
-    half = rot // 2
-    for i in range(half):  # feature i and feature i + half form one complex number, rotated by its angle
-        z = torch.complex(t[..., i], t[..., i + half]) * torch.polar(torch.ones(()), angles[..., i])
-        assert torch.allclose(got[..., i], z.real, atol=1e-6) and torch.allclose(got[..., i + half], z.imag, atol=1e-6)
-    assert torch.equal(got[..., rot:], t[..., rot:])  # features past the tables' width pass through
+    model = cases.TwoHeads()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": cases.UNUSED_CASES[name]}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.arange(8, dtype=torch.float32).view(2, 4) / 8
+    engine.backward(engine(x))
+    if want["outcome"] == "refused":
+        assert want["error"] == "AssertionError" and want["names_key"]
+        with pytest.raises(AssertionError, match=r"ignore_unused_parameters.*$") as info:
+            engine.step()
+        assert "unused.weight" in str(info.value) and "\n" not in str(info.value)
+        return
+    engine.step()
+    torch.testing.assert_close(safe_get_full_fp32_param(engine.module.used.weight),
+                               torch.tensor(want["used_weight"]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(3,), (4, 3), (2, 4, 3)])
-@pytest.mark.parametrize("autocast", [False, True])
-def test_zero3_linear_wrap_matches_linear(shape, autocast):
-    from dslaunch.runtime.zero.linear import LinearModuleForZeroStage3, zero3_linear_wrap
+# -- pin_memory / gather handles -----------------------------------------------------------------
+def test_native_pinning_is_refused_in_one_line_and_torch_pinning_stays(monkeypatch):
+    from dslaunch.runtime.accelerator import get_accelerator
+    from dslaunch.runtime.utils.pin_memory import NativePinnedMemory, get_active_native_pinned_memory
 
+    monkeypatch.delenv("DS_PIN_MEMORY_BACKEND", raising=False)
+    assert get_active_native_pinned_memory() is None
+    t = torch.ones(3)
+    assert torch.equal(get_accelerator().pin_memory(t), t)
+    with pytest.raises(RuntimeError, match="DS_PIN_MEMORY_BACKEND=native.*not provided"):
+        NativePinnedMemory()
+    assert get_accelerator().unpin_memory(t) is None  # torch frees pinned memory itself
+    from dslaunch.runtime.ops.op_builder import PinMemoryBuilder
+
+    assert PinMemoryBuilder().is_compatible() is False
+    with pytest.raises(RuntimeError, match="pin_memory op cannot run here"):
+        PinMemoryBuilder().load()
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
+    for call in (get_active_native_pinned_memory, lambda: get_accelerator().pin_memory(t),
+                 lambda: get_accelerator().unpin_memory(t)):
+        with pytest.raises(RuntimeError, match="not provided") as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
+def test_multiple_all_gather_handles_wait_each_by_keyword():
+    from dslaunch.runtime.zero.partition_parameters import MultipleAllGatherHandles, partitioned_param_data_shape
+
+    seen = []
+
+    class Positional:
+        def wait(self, handle_dependency=True):
+            seen.append(("positional", handle_dependency))
+
+    class KeywordOnly:
+        def wait(self, *, handle_dependency=True):
+            seen.append(("keyword", handle_dependency))
+
+    MultipleAllGatherHandles([Positional(), KeywordOnly()]).wait(handle_dependency=False)
+    assert seen == [("positional", False), ("keyword", False)]
+    assert partitioned_param_data_shape == [0]
+
+
+# -- stage3_module_granularity_threshold -------------------------------------------------------
+@pytest.mark.parametrize("threshold", cases.GRANULARITY_THRESHOLDS)
+def test_granularity_threshold_makes_deepspeeds_leaves_and_keeps_the_losses(threshold):
+    from dslaunch.runtime.zero.hook_scope import z3_leaf_module
+
+    want = DS["granularity"][str(threshold)]
     torch.manual_seed(0)
-    ref = torch.nn.Linear(3, 5)
-    x = torch.randn(*shape, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
-    w, b = ref.weight.detach().clone().requires_grad_(True), ref.bias.detach().clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out_ref, out = ref(x), zero3_linear_wrap(x2, w, b)
-    # (a custom autograd function's forward runs below autocast in torch, DeepSpeed's as this one:
-    # the product is in the inputs' dtype, where nn.Linear's is bf16)
-    assert torch.allclose(out.float(), out_ref.float(), atol=1e-2 if autocast else 1e-6)
-    out_ref.float().square().sum().backward()
-    out.float().square().sum().backward()
-    tol = 5e-2 if autocast else 1e-5
-    for mine, theirs in ((x2.grad, x.grad), (w.grad, ref.weight.grad), (b.grad, ref.bias.grad)):
-        assert mine.dtype == theirs.dtype == torch.float32
-        assert torch.allclose(mine, theirs, rtol=tol, atol=tol)
-    layer = LinearModuleForZeroStage3(3, 5)
-    layer.load_state_dict(ref.state_dict())
-    assert torch.allclose(layer(x.detach()), ref(x.detach()))
+    model = cases.FineModel()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_module_granularity_threshold": threshold}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert sorted(n for n, m in model.named_modules() if z3_leaf_module(m)) == want["marked"]
+    losses = []
+    for step in range(3):
+        x = (torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step)).requires_grad_(True)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    assert losses == pytest.approx(want["losses"], rel=1e-5, abs=1e-7)
 
 
-def test_config_getters_parse_as_the_config_does():
-    from dslaunch.runtime import ConfigError
-    from dslaunch.runtime.config import get_gradient_clipping, get_log_level
-    from dslaunch.runtime.utils import prefix_sum_inc
+def test_leaves_train_with_inputs_that_need_no_gradient():
+    """Better than DeepSpeed: its leaf modules fail in backward when the leaf's input needs no
+    gradient (its unit test expects that RuntimeError); here the leaf's gathered parameters get
+    their gradients either way, and the losses are those of the same run without leaves."""
+    runs = []
+    for threshold in (0, 10_000_000):  # no leaf; the whole model one leaf
+        torch.manual_seed(0)
+        model = cases.FineModel()
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "stage3_module_granularity_threshold": threshold}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        losses = []
+        for step in range(3):
+            loss = engine(torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.destroy()
+        runs.append(losses)
+    assert runs[0] == runs[1]
+    assert runs[0] == pytest.approx(DS["granularity"]["0"]["losses"], rel=1e-5)
 
-    assert get_gradient_clipping({}) == 1.0 and get_gradient_clipping({"gradient_clipping": 0.0}) == 0.0
-    assert get_log_level({}) is None and get_log_level({"log_level": "error"}) == "error"
-    with pytest.raises(ConfigError, match="log_level"):
-        get_log_level({"log_level": "loud"})
-    assert prefix_sum_inc([3, 4, 5]) == [3, 7, 12] and prefix_sum_inc([]) == []
 
+def test_zero_init_sets_up_the_process_group_as_deepspeeds_does(tmp_path):
+    """deepspeed.zero.Init() with no process group yet initialises it (DeepSpeed's Init calls
+    init_distributed), then partitions: run in a child process, from the launcher's environment."""
+    import os
+    import subprocess
+    import textwrap
 
-def test_forced_cpu_optimizer_refusal_is_zero_runtime_exception():
-    from dslaunch.runtime import ConfigError
-    from dslaunch.runtime.optimizer_policy import ForcedCPUOptimizerError
-    from dslaunch.runtime.zero.utils import ZeRORuntimeException
+    from dist_harness import free_port
 
-    assert issubclass(ForcedCPUOptimizerError, ConfigError)
-    assert issubclass(ForcedCPUOptimizerError, ZeRORuntimeException)
+    script = tmp_path / "init.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        import dslaunch.runtime as deepspeed
+        assert not dist.is_initialized()
+        with deepspeed.zero.Init():
+            assert dist.is_initialized()
+            layer = torch.nn.Linear(4, 4)
+        print("OK", dist.get_world_size(), hasattr(layer.weight, "ds_status"))
+    """))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "OK 1 True"

@@ -171,7 +171,12 @@ class DeepSpeedAccelerator:
         return psutil.virtual_memory().available
 
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Pinned on CUDA, counted by deepspeed.utils.pin_memory_tracker; the CPU has nothing to pin."""
+        """Pinned on CUDA, counted by deepspeed.utils.pin_memory_tracker; the CPU has nothing to pin.
+        DS_PIN_MEMORY_BACKEND=native (DeepSpeed's mlock allocator) is refused, never ignored."""
+        from .native_pinning import REASON, native_backend_selected
+
+        if native_backend_selected():
+            raise RuntimeError(REASON)
         if not self._cuda:
             return tensor
         from .pin_memory_tracker import track_pinned_memory
@@ -179,6 +184,15 @@ class DeepSpeedAccelerator:
         pinned = tensor.pin_memory()
         track_pinned_memory(pinned.nbytes)
         return pinned
+
+    def unpin_memory(self, tensor: torch.Tensor):
+        """None: torch frees pinned memory when the tensor goes (nothing to release by hand),
+        as DeepSpeed's torch backend answers; the native backend is refused as in pin_memory."""
+        from .native_pinning import REASON, native_backend_selected
+
+        if native_backend_selected():
+            raise RuntimeError(REASON)
+        return None
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if self._cuda else False

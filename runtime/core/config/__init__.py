@@ -436,3 +436,54 @@ def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "wo
     return BatchSizes(tb, mb, gas)
 
 from .getters import get_gradient_clipping, get_log_level  # noqa: E402  (DeepSpeed's one-key readers)
+
+
+# -- DeepSpeed's pydantic model names for the precision sections (deepspeed.runtime.precision_config)
+# `DeepSpeedFP16Config(**section)` builds the section through the strict parser (the same checks
+# a whole config gets); an FP16Config is an instance of it. DeepSpeed's models raise pydantic's
+# ValidationError on a bad value, and scripts catch that type: where pydantic is installed (it
+# always is beside DeepSpeed) the one-line ConfigError is raised as a ValidationError holding
+# that line; without pydantic the ConfigError itself is raised.
+
+def _as_validation_error(title: str, section: Dict[str, Any], exc: ConfigError) -> Exception:
+    try:
+        from pydantic import ValidationError
+    except ImportError:
+        return exc
+    message = str(exc)
+    field = next((k for k in section if f".{k}:" in message), None)
+    loc = (field,) if field is not None else ()
+    return ValidationError.from_exception_data(title, [{
+        "type": "value_error", "loc": loc, "input": section.get(field, section),
+        "ctx": {"error": ValueError(message)}}])
+
+
+class _SectionByName(type):
+    def __call__(cls, **section):
+        try:
+            return cls._parse(section)
+        except ConfigError as exc:
+            raise _as_validation_error(cls.__name__, section, exc) from exc
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls._parsed)
+
+
+class DeepSpeedFP16Config(metaclass=_SectionByName):
+    """DeepSpeed's name for the `fp16` section (dslaunch's FP16Config)."""
+
+    _parsed = FP16Config
+
+    @staticmethod
+    def _parse(section: Dict[str, Any]) -> FP16Config:
+        return get_float16_config({"fp16": section})
+
+
+class DeepSpeedBF16Config(metaclass=_SectionByName):
+    """DeepSpeed's name for the `bf16` section (dslaunch's BF16Config)."""
+
+    _parsed = BF16Config
+
+    @staticmethod
+    def _parse(section: Dict[str, Any]) -> BF16Config:
+        return get_bfloat16_config({"bf16": section})

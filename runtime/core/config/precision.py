@@ -45,14 +45,22 @@ class FP16Config:
 
     def validate(self, path: str) -> None:
         positive(path, "loss_scale", self.loss_scale, allow_zero=True)
-        positive(path, "loss_scale_window", self.loss_scale_window)
         positive(path, "hysteresis", self.hysteresis)
-        positive(path, "min_loss_scale", self.min_loss_scale)
         # a scale multiplies an fp32 loss: beyond fp32's range every step would overflow
         # (and 2.0 ** a large power is an OverflowError)
         within(path, "initial_scale_power", self.initial_scale_power, FP32_MIN_POWER, FP32_MAX_POWER)
         within(path, "loss_scale", self.loss_scale, 0, FP32_MAX)
-        within(path, "min_loss_scale", self.min_loss_scale, 0, FP32_MAX)
+        # The dynamic scaler's window and floor are read only while it runs (fp16 on, loss_scale
+        # 0); with a static scale or fp16 off DeepSpeed 0.19.8 accepts any value there, and so
+        # does this (their types are still checked by the parser).
+        if self.dynamic_scaling():
+            positive(path, "loss_scale_window", self.loss_scale_window)
+            positive(path, "min_loss_scale", self.min_loss_scale)
+            within(path, "min_loss_scale", self.min_loss_scale, 0, FP32_MAX)
+
+    def dynamic_scaling(self) -> bool:
+        """Whether the dynamic loss scaler runs: fp16 on and no static loss_scale."""
+        return bool(self.enabled) and self.loss_scale == 0
 
 
 @dataclass

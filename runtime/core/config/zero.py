@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Union
 
 from ..strict import ConfigError, disabled, parse_dataclass, refused, supported
 from .checks import positive
@@ -31,6 +31,45 @@ class _OffloadTarget:
     def validate(self, path: str) -> None:
         if self.device == "nvme" and not self.nvme_path:
             raise ConfigError(f"{path}.nvme_path: required when device is \"nvme\"")
+
+
+# The classes DeepSpeed 0.19.8 marks as ZeRO-3 leaf modules unless the config says otherwise
+# (zero_optimization.leaf_module): transformers' MoE blocks that call only the experts that got
+# tokens, so that every rank gathers the whole block at once (docs/zero.md, leaf modules).
+DEFAULT_LEAF_MODULE_CLASSES: List[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+DEFAULT_LEAF_MODULE_NAMES: List[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: List[str] = []
+
+
+def _string_list(path: str, key: str, value) -> List[str]:
+    """A list of strings, a lone string taken as a list of one (DeepSpeed's coercion), in
+    order with duplicates dropped."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{path}.{key}: expected a string or a list of strings, got {value!r}")
+    return list(dict.fromkeys(items))
+
+
+@dataclass
+class LeafModuleConfig:
+    """`zero_optimization.leaf_module`: the modules marked as ZeRO-3 leaves when the engine is
+    built, as deepspeed.utils.set_z3_leaf_modules (classes), set_z3_leaf_modules_by_name
+    (names) and set_z3_leaf_modules_by_suffix (name_suffixes) mark them."""
+
+    classes: Union[str, List[str]] = supported(
+        factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES),
+        note="class names (plain or module-qualified) whose instances are leaves; default: transformers' "
+             "Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks")
+    names: Union[str, List[str]] = supported(factory=list, note="module names (as named_modules() gives them)")
+    name_suffixes: Union[str, List[str]] = supported(factory=list, note="suffixes of module names")
+
+    def validate(self, path: str) -> None:
+        for key in ("classes", "names", "name_suffixes"):
+            setattr(self, key, _string_list(path, key, getattr(self, key)))
 
 
 NVME_POOL = "NVMe buffer pools are not used here (one chunk is read ahead and one written behind); remove it"
@@ -63,8 +102,11 @@ class ZeroConfig:
     stages 1-3 are provided by strategies registered from dslaunch.runtime.zero."""
 
     stage: int = supported(0, "0 data parallel, 1 optimizer state, 2 + gradients, 3 + parameters partitioned")
-    contiguous_gradients: Any = refused(
-        "false is not supported: gradients always go to contiguous buckets here", True)
+    # false in DeepSpeed only stops copying each gradient into one preallocated buffer (memory
+    # layout); what is reduced and stepped is the same, so the results are identical either way
+    contiguous_gradients: bool = supported(
+        True, "no effect needed: gradients are packed into reduce buckets either way; false (DeepSpeed: no "
+              "preallocated gradient buffer) gives the same results")
     overlap_comm: bool = supported(True, "gradient buckets are reduced from backward hooks as they fill")
     reduce_scatter: bool = supported(
         True, "no effect needed: each partition's gradient sum reaches its owner the same either way (DeepSpeed's "
@@ -95,7 +137,9 @@ class ZeroConfig:
                                                               "to backward when reused within this many elements")
     stage3_gather_16bit_weights_on_model_save: bool = supported(
         False, "engine.save_16bit_model() (the HF Trainer's save_model) gathers the full weights onto rank 0")
-    stage3_module_granularity_threshold: Any = refused("fine-grained module grouping is not supported; remove it", 0)
+    stage3_module_granularity_threshold: int = supported(
+        0, "modules of at most this many parameters per module with parameters in their subtree become ZeRO-3 "
+           "leaves (gathered whole, fewer hooks), as DeepSpeed picks them; 0: none")
     stage3_use_all_reduce_for_fetch_params: Any = refused(
         "all-reduce parameter fetching is not supported; parameters are all-gathered", False)
     stage3_allgather_sequential: Any = refused("per-parameter sequential all-gather is not supported; remove it",
@@ -105,8 +149,13 @@ class ZeroConfig:
     load_from_fp32_weights: Any = refused(
         "false (rebuild masters from the 16-bit weights) is not supported: masters load from the fp32 copies",
         True)
-    ignore_unused_parameters: Any = refused(
-        "false (stop on unused parameters) is not supported: unused parameters get zero gradients", True)
+    # DeepSpeed 0.19.8 reads false in one place only, stages 1-2 with offload_optimizer: a trainable
+    # parameter that got no gradient in the step's window stops the step (AssertionError naming
+    # this key). Everywhere else false changes nothing there, nor here (unused parameters get
+    # zero gradients either way), so it is accepted and acts exactly where DeepSpeed's does.
+    ignore_unused_parameters: bool = supported(
+        True, "false, at stages 1-2 with offload_optimizer: a trainable parameter that got no gradient "
+              "since the last step stops the step with an AssertionError naming it (DeepSpeed's check)")
     legacy_stage1: Any = refused("the legacy stage 1 implementation is not supported; remove it", False)
     round_robin_gradients: bool = supported(
         False, "no effect needed: with offload each rank copies only its own gradient partition to the host, all "
@@ -135,7 +184,9 @@ class ZeroConfig:
                "(DSLAUNCH_ZERO3_CHECK=1/0 overrides)")
     save_muon_momentum_buffer_in_memory: bool = supported(
         False, "with Muon and offload_optimizer nvme: the momentum stays in host memory, out of the NVMe files")
-    leaf_module: Any = refused("ZeRO-3 leaf modules are not supported; remove it", disabled)
+    leaf_module: LeafModuleConfig = supported(
+        factory=LeafModuleConfig, note="modules marked as ZeRO-3 leaves when the engine is built (by class, "
+                                       "name or name suffix), as deepspeed.utils' set_z3_leaf_modules* calls")
     zenflow: Any = refused("ZenFlow is not supported; remove it", None)
     mics_shard_size: Any = refused("MiCS sharding is not supported (DeepSpeed removed it too); remove it", -1)
     mics_hierarchical_params_gather: Any = refused(
@@ -170,7 +221,7 @@ class ZeroConfig:
             positive(path, key, getattr(self, key))
         # 0 prefetch: every module waits for its own gather (DeepSpeed accepts 0 too)
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                    "stage3_max_reuse_distance", "zero_hpz_partition_size"):
+                    "stage3_max_reuse_distance", "zero_hpz_partition_size", "stage3_module_granularity_threshold"):
             positive(path, key, getattr(self, key), allow_zero=True)
         on = [k for k in ZEROPP_KEYS if self.zeropp_on(k)]
         if on and self.stage != 3:

@@ -87,6 +87,12 @@ class AsyncIOBuilder(OpBuilder):
     _why_not = "NVMe offload reads and writes through torch's file I/O, not DeepSpeed's libaio op"
 
 
+class PinMemoryBuilder(OpBuilder):
+    NAME = "pin_memory"
+    _why_not = ("host memory is pinned with torch's pin_memory(); DeepSpeed's native mlock allocator "
+                "(DS_PIN_MEMORY_BACKEND=native) is not provided")
+
+
 def cast_to_byte_tensor(tensors):
     """The bytes of a contiguous tensor (or of each of a list) as a flat uint8 view of the same
     memory, as DeepSpeed's utils op returns them."""
@@ -122,8 +128,9 @@ class UtilsBuilder(OpBuilder):
 
 
 ALL_OPS = {b.NAME: b() for b in (CPUAdamBuilder, CPUAdagradBuilder, CPULionBuilder, FusedAdamBuilder,
-                                 FusedLambBuilder, FusedLionBuilder, AsyncIOBuilder, QuantizerBuilder, UtilsBuilder)}
+                                 FusedLambBuilder, FusedLionBuilder, AsyncIOBuilder, PinMemoryBuilder, QuantizerBuilder,
+                                 UtilsBuilder)}
 
 __all__ = ["OpBuilder", "CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "FusedAdamBuilder",
-           "FusedLambBuilder", "FusedLionBuilder", "AsyncIOBuilder", "QuantizerBuilder", "UtilsBuilder",
-           "ALL_OPS"]
+           "FusedLambBuilder", "FusedLionBuilder", "AsyncIOBuilder", "PinMemoryBuilder", "QuantizerBuilder",
+           "UtilsBuilder", "ALL_OPS"]

@@ -9,7 +9,8 @@ import logging as _logging
 from dslaunch.runtime.core.comm import is_initialized
 from dslaunch.runtime.train.dataloader import RepeatingLoader
 from dslaunch.runtime.zero.hook_scope import (
-    get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
+    get_z3_leaf_modules, set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules, z3_leaf_module,
 )
 from dslaunch.runtime.zero.fragments import (
     safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state, safe_get_local_fp32_param,
@@ -71,7 +72,8 @@ class DeprecatedException(Exception):
 
 
 __all__ = ["logger", "log_dist", "log_dist_once", "is_initialized", "RepeatingLoader", "set_z3_leaf_modules",
-           "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "OnDevice", "set_log_level_from_string",
+           "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules",
+           "get_z3_leaf_modules", "z3_leaf_module", "OnDevice", "set_log_level_from_string",
            "recursive_getattr", "recursive_setattr", "instrument_w_nvtx", "DeprecatedException",
            "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
            "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad", "safe_get_local_fp32_param",
