@@ -13,19 +13,19 @@ cases in scripts/dszero_cases.py):
 One process, tiny models."""
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from repo_paths import DATA, SCRIPTS  # noqa: E402
+
+sys.path.insert(0, str(SCRIPTS))
 import dszero_cases as cases  # noqa: E402
 
 import dslaunch.runtime as deepspeed  # noqa: E402
 from dslaunch.runtime.strict import ConfigError  # noqa: E402
 
-DS = json.loads((ROOT / "tests" / "data" / "ds_dszero.json").read_text())
+DS = json.loads((DATA / "ds_dszero.json").read_text())
 
 
 def test_every_case_has_deepspeeds_answer_on_record():
