@@ -32,8 +32,21 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...core.errors import CheckpointError
+from ...core.shard_state import ShardKind
 from .foreign import PickledRecord, loss_scaler_record
 from .optimizer_state import for_deepspeed_group_state, for_deepspeed_groups, for_deepspeed_torch
+
+# DeepSpeed's files (and our manifest) record the ZeRO stage as a number: this table is the one
+# place checkpoint/ turns that number into a shard layout (stages 1 and 2 share one flat format).
+_KIND_OF_STAGE = {0: ShardKind.WHOLE, 1: ShardKind.FLAT, 2: ShardKind.FLAT, 3: ShardKind.PER_PARAMETER}
+
+
+def kind_of_stage(stage: int, where: str = "") -> ShardKind:
+    """The shard kind of a saved ZeRO stage number; `where` starts the error line."""
+    kind = _KIND_OF_STAGE.get(stage)
+    if kind is None:
+        raise CheckpointError(f"{where}unknown ZeRO stage {stage}")
+    return kind
 
 # Muon's state key: at stages 1-2 DeepSpeed (and dslaunch, on disk) keeps it, in a use_muon group, as
 # the whole of every matrix a rank's partition touches (over the partition under CPU offload); read
@@ -206,7 +219,7 @@ def zero_optim_states(shard: Dict[str, Any], param_groups: Sequence[Dict[str, An
     world, rank, stage = int(shard["world_size"]), int(shard["rank"]), int(shard["stage"])
     groups = shard["groups"]
     out: Dict[str, Any] = {"loss_scaler": loss_scaler, "dynamic_loss_scale": dynamic_loss_scale, "overflow": False}
-    if stage in (1, 2):
+    if kind_of_stage(stage) is ShardKind.FLAT:
         fp32, states, paddings, counts = [], {}, [], []
         for gi, g in enumerate(groups):
             # a group is partitioned over its own axis ("moe" groups: the expert-data-parallel one)
@@ -342,8 +355,9 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
     offload; when the file does not say, a length that fits both is read as whole matrices."""
     try:
         stage = int(optim["zero_stage"])
+        kind = _KIND_OF_STAGE.get(stage)
         groups, hyper = [], None
-        if stage in (1, 2):
+        if kind is ShardKind.FLAT:
             base = optim["base_optimizer_state"]
             if isinstance(base, dict):
                 hyper = _hyperparameters(base.get("param_groups"))
@@ -366,7 +380,7 @@ def shard_from_ds(optim: Dict[str, Any], param_shapes: Sequence[Dict[str, Any]],
                          for k, v in gstate.items()}
                 groups.append({"pieces": pieces, "shapes": {n: list(s) for n, s in shapes.items()},
                                "master": _cut(fp32, pieces), "state": state})
-        elif stage == 3:
+        elif kind is ShardKind.PER_PARAMETER:
             world = int(optim["partition_count"])
             hyper = _hyperparameters(optim["optimizer_state_dict"].get("param_groups"))
             base = optim["optimizer_state_dict"]["state"]
@@ -425,4 +439,5 @@ def loss_scaler_from_ds(record: Any) -> Optional[Dict[str, Any]]:
             "hysteresis_left": int(d.get("cur_hysteresis", 1))}
 
 
-__all__ = ["DS_KEYS", "DS_VERSION", "loss_scaler_record", "shard_from_ds", "stage0_from_ds", "zero_optim_states"]
+__all__ = ["DS_KEYS", "DS_VERSION", "kind_of_stage", "loss_scaler_record", "shard_from_ds", "stage0_from_ds",
+           "zero_optim_states"]

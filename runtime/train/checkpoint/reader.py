@@ -24,8 +24,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .dsformat import DS_KEYS, ShapeError, loss_scaler_from_ds, offloaded, shard_from_ds, shape_problem, stage0_from_ds
+from .dsformat import (DS_KEYS, ShapeError, kind_of_stage, loss_scaler_from_ds, offloaded, shard_from_ds, shape_problem,
+                       stage0_from_ds)
 from ...core.errors import CheckpointError
+from ...core.shard_state import ShardKind
 from .files import load_torch
 from .layout import MANIFEST, model_states_name, optim_states_name, zero_model_states_name
 from .manifest import Manifest
@@ -51,7 +53,7 @@ class Checkpoint:
 
     def model_of(self, slice_: int) -> Dict[str, Any]:
         """The model-states file of one (pipe, model) slice (ZeRO-3: its data-parallel rank 0's)."""
-        name = zero_model_states_name(0, slice_) if self.zero_stage == 3 else model_states_name(slice_)
+        name = zero_model_states_name(0, slice_) if self.kind is ShardKind.PER_PARAMETER else model_states_name(slice_)
         if name not in self._models:
             model = self.read(name)
             if not isinstance(model, dict):
@@ -65,8 +67,13 @@ class Checkpoint:
         return extra if isinstance(extra, dict) else {}
 
     @property
+    def kind(self) -> ShardKind:
+        """How the saved optimizer state is laid out (from the ZeRO stage its files record)."""
+        return kind_of_stage(self.zero_stage, f"checkpoint {self.path}: ")
+
+    @property
     def sharded(self) -> bool:
-        return self.zero_stage > 0
+        return self.kind is not ShardKind.WHOLE
 
     @property
     def world_size(self) -> int:
@@ -121,7 +128,7 @@ class Checkpoint:
         if not isinstance(module, dict) or not all(torch.is_tensor(v) for v in module.values()):
             raise CheckpointError(f"checkpoint {self.path} is damaged: its module state is not a dict of tensors")
         module = dict(module)
-        if self.zero_stage != 3:
+        if self.kind is not ShardKind.PER_PARAMETER:
             return module
         full = full_fp32_params([self.shard(r, mmap=True) for r in range(self.world_size)])
         for name, value in full.items():
@@ -182,15 +189,15 @@ class Checkpoint:
     def loss_scaler_state(self) -> Optional[Dict[str, Any]]:
         if "loss_scaler" in self.dslaunch:
             return self.dslaunch["loss_scaler"]
-        if self.zero_stage == 0:
+        if self.kind is ShardKind.WHOLE:
             opt = self.model.get("optimizer")
             return stage0_from_ds(opt)["loss_scale"] if isinstance(opt, dict) else None
         optim = self.read(self.optim_name(0), mmap=True).get("optimizer_state_dict", {})
         return loss_scaler_from_ds(optim.get("loss_scaler"))
 
 
-def _own_model_name(stage: int, dp_rank: int, slice_: int, listed, same: bool) -> str:
-    if stage == 3:
+def _own_model_name(kind: ShardKind, dp_rank: int, slice_: int, listed, same: bool) -> str:
+    if kind is ShardKind.PER_PARAMETER:
         own = zero_model_states_name(dp_rank, slice_)
         return own if same and own in listed else zero_model_states_name(0)
     own = model_states_name(slice_)
@@ -209,7 +216,7 @@ def open_checkpoint(path: str, trust_pickle: bool = False, placement=None) -> Ch
         ck = Checkpoint(path, manifest, {}, manifest.zero_stage, topology, dict(manifest.layers), trust_pickle)
         ck._bf16 = any(n.startswith("bf16_") for n in manifest.files)
         same = placement is not None and placement.topology() == topology
-        name = _own_model_name(ck.zero_stage, placement.dp_rank if placement else 0,
+        name = _own_model_name(ck.kind, placement.dp_rank if placement else 0,
                                placement.slice if placement else 0, manifest.files, same)
         ck.model = ck.read(name)
         if not isinstance(ck.model, dict):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ...core.errors import CheckpointError
+from ...core.shard_state import ShardKind
 from ...tensor_parallel.layers import ParamShard, TensorParallelLayer
 from ...zero.reshard import whole_optimizer_state
 
@@ -60,7 +61,7 @@ def applies(ck, place, pipeline: bool) -> bool:
         raise CheckpointError(f"checkpoint {ck.path} was saved at topology {ck.topology} and this job runs "
                               f"{place.topology()}: re-cutting a pipeline's tensor slices is not supported; resume "
                               f"at the topology that saved it (or consolidate it and load the full weights)")
-    if ck.zero_stage == 3:
+    if ck.kind is ShardKind.PER_PARAMETER:
         raise CheckpointError(f"checkpoint {ck.path}: a ZeRO-3 checkpoint with tensor slices cannot be re-cut")
     return True
 
