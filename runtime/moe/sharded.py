@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core import comm as dist
+from ..core import comm
 from ..core.parallel import groups
 
 # DeepSpeed's flag for the Tutel kernels: dslaunch has none (MoE(use_tutel=True) is refused in one line)
@@ -50,7 +50,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         input = input.contiguous()
         out = torch.empty_like(input)
-        dist.all_to_all_single(out, input, group=group, label="moe all-to-all")
+        comm.all_to_all_single(out, input, group=group, label="moe all-to-all")
         return out
 
     @staticmethod
@@ -66,14 +66,14 @@ def _capacity(gates: Tensor, capacity_factor: Tensor, min_capacity: Tensor) -> T
 
 
 def _is_parallel(group) -> bool:
-    return group is not None and dist.get_world_size(group=group) > 1
+    return group is not None and comm.get_world_size(group=group) > 1
 
 
 def _no_drop_capacity(exp_counts: Tensor, ep_group) -> Tensor:
     """The busiest expert's count, agreed over ep_group, padded to the tensor-parallel degree."""
     top = torch.max(exp_counts)
     if _is_parallel(ep_group):
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ep_group)
+        comm.all_reduce(top, op=comm.ReduceOp.MAX, group=ep_group)
     tp = groups._get_model_parallel_world_size()
     if tp > 1:
         top = (torch.ceil(top / tp) * tp).to(top.dtype)

@@ -36,7 +36,9 @@ ZERO = {
     "enable_sanity_checks": True, "all_reduce_bucket_size": 1000, "allreduce_bucket_size": 1000,
     "reduce_scatter": True, "save_muon_momentum_buffer_in_memory": False,
     "zero_quantized_weights": True, "zero_quantized_nontrainable_weights": True, "zero_quantized_gradients": True,
-    "zero_hpz_partition_size": 1,
+    "zero_hpz_partition_size": 1, "contiguous_gradients": True, "ignore_unused_parameters": True,
+    "leaf_module": {"classes": ["Linear"], "names": [], "name_suffixes": []},
+    "stage3_module_granularity_threshold": 0, "module_granularity_threshold": 0,
 }
 # AutoEP's section, every key at DeepSpeed's value ("auto" is one of them here, not a placeholder)
 EXPERT_PARALLEL = {
@@ -121,6 +123,7 @@ ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "expert_parallel.", "z
 T = "tests/runtime/core/test_config_effects.py::"
 TP = "tests/runtime/tensor_parallel/test_tp_training.py::"
 C = "tests/runtime/train/test_compression.py::"
+U = "tests/compat/test_ds_unit_paths.py::"
 EFFECTS = {
     "sequence_parallel_size": "tests/runtime/sequence/test_sequence_engine.py::test_sp2_and_zero2_equal_one_process_and_deepspeed",
     "tensor_parallel": TP + "test_tp2_equals_one_process",
@@ -285,6 +288,12 @@ EFFECTS = {
     "zero_optimization.zero_quantized_gradients": "tests/runtime/zero/test_zeropp.py::test_qgz_gives_deepspeeds_all_to_all_quant_reduce_bits",
     "zero_optimization.zero_hpz_partition_size":
         "tests/runtime/zero/test_zeropp.py::test_hpz_trains_exactly_as_zero3_and_keeps_backward_gathers_inside_each_host",
+    "zero_optimization.contiguous_gradients": U + "test_unused_parameters_stop_the_step_where_deepspeeds_do",
+    "zero_optimization.ignore_unused_parameters": U + "test_unused_parameters_stop_the_step_where_deepspeeds_do",
+    **{f"zero_optimization.leaf_module{k}": U + "test_engine_marks_the_configured_leaves_at_build_time" for k in (
+        "", ".classes", ".names", ".name_suffixes")},
+    **{f"zero_optimization.{k}": U + "test_granularity_threshold_makes_deepspeeds_leaves_and_keeps_the_losses" for k in (
+        "stage3_module_granularity_threshold", "module_granularity_threshold")},
     "elasticity.min_time": "tests/runtime/train/test_elasticity.py::test_basic_10k",  # read and validated; the scheduler's value
     "elasticity.prefer_larger_batch": "tests/runtime/train/test_elasticity.py::test_proper_micro_batch_and_cap",
     "elasticity.num_gpus_per_node": "tests/runtime/train/test_elasticity.py::test_version_02_micro_batch_is_per_data_parallel_rank",
