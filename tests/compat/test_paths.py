@@ -33,7 +33,11 @@ def test_a_names_module_holds_exactly_its_names(rel):
     for name, where in entry.names.items():
         source, _, attr = where.partition(":")
         base = importlib.import_module(f"dslaunch.runtime.{source}")
-        expected = getattr(base, attr or name, None) or importlib.import_module(f"{base.__name__}.{attr or name}")
+        # a name may hold a falsy value (an empty default list): only a missing one is a submodule
+        missing = object()
+        expected = getattr(base, attr or name, missing)
+        if expected is missing:
+            expected = importlib.import_module(f"{base.__name__}.{attr or name}")
         assert getattr(module, name) is expected, (rel, name)
 
 
