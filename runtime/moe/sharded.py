@@ -34,6 +34,10 @@ from torch import Tensor
 from ..core import comm
 from ..core.parallel import groups
 
+# DeepSpeed's sharded_moe holds deepspeed.comm as `dist`, and scripts patch its collectives there
+# (the same module object as `comm`, so a patch reaches the calls below)
+dist = comm
+
 # DeepSpeed's flag for the Tutel kernels: dslaunch has none (MoE(use_tutel=True) is refused in one line)
 TUTEL_INSTALLED = False
 
