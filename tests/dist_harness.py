@@ -89,12 +89,15 @@ def _on_a_free_port(start: Callable[[int], List["RankRun"]]) -> List["RankRun"]:
 
 
 def _rank_env(rank: int, nprocs: int, port: int, extra: Optional[Dict[str, str]]) -> Dict[str, str]:
+    # The caller's variables first, the rendezvous last: an `extra` copied from os.environ may
+    # carry RANK, WORLD_SIZE and MASTER_PORT that a one-process init_distributed earlier in this
+    # pytest process set (its store may still hold that port), and they must not win.
     env = dict(os.environ)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-               PYTHONFAULTHANDLER="1")
     if extra:
         env.update(extra)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONFAULTHANDLER="1")
     return env
 
 
