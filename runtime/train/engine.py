@@ -49,6 +49,7 @@ from .resize.contract import ResizeEnv
 from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
 from ..zero.hook_scope import apply_leaf_module_config
 from ..core.strict import ConfigError
+from .accumulation import check_accumulation_mode, samples_in_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
 
 
@@ -111,6 +112,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         source = config_class if config_class is not None else _config_source(args, config, config_params)
         source, self._given_tp_group = _with_tp_model_init(source, mpu)
         self.config = DeepSpeedConfig.load(source)
+        check_accumulation_mode(self.config, pipeline=False)
         if dist_init_required is not False:
             comm.init_distributed()
         section = self.config.comms_logger
@@ -214,11 +216,17 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         self._step_applied = False
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
+        # managed_gradient_accumulation false (accumulation.py): step() is the boundary, and counts
+        # the backwards since the last one for global_samples
+        self._managed = self.config.managed_gradient_accumulation
+        self._in_step = False
+        self._backwards_since_step = 0
         # PyTorch-style backward (tensor_backward.py): forward() returns its outputs as aliases whose
         # gradients run this engine's backward prologue and epilogue
         self._own_backward = 0  # this engine's engine.backward() calls in progress
         self._scale_called = False  # engine.scale(loss) since the last backward the script started itself
         self._no_sync = False  # inside no_sync(): backward reduces nothing
+        self._prologue_open = False  # a backward's prologue ran and its epilogue has not yet
         self._output_grads = OutputGrads(self._tensor_backward_started, self.gradient_accumulation_steps,
                                          lambda: self._own_backward > 0)
         self._setup_reporting()
@@ -451,7 +459,13 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         """False when the last optimizer step was skipped for an fp16 overflow."""
         return self._step_applied
 
+    def managed_gradient_accumulation(self) -> bool:
+        """False when the script owns the boundary: every step() reduces and updates."""
+        return self._managed
+
     def is_gradient_accumulation_boundary(self) -> bool:
+        if not self._managed:
+            return self._in_step  # the script's step() is the boundary, and nothing else
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
@@ -460,6 +474,10 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         """Say whether the next backward/step ends an accumulation window (Accelerate and the HF
         Trainer call this before every backward and step only at the boundary); overrides the
         micro-step count from then on."""
+        if not self._managed:
+            raise BackwardUsageError("set_gradient_accumulation_boundary() is not supported with "
+                                     "managed_gradient_accumulation=False: the script owns the boundary by calling "
+                                     "step()")
         self._boundary_override = bool(is_boundary)
 
     # -- training ---------------------------------------------------------------------------
@@ -508,13 +526,21 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             raise FragmentError("engine.backward(): this step's gradients were already reduced for "
                                 "safe_get_full_grad / safe_set_full_grad; call engine.step() before the next backward")
         boundary = self.is_gradient_accumulation_boundary()
+        self._backwards_since_step += 1
+        self._prologue_open = True
         self.strategy.before_backward(boundary and not self._no_sync)
         return boundary
 
-    def _backward_epilogue(self, boundary: bool) -> None:
+    def _backward_epilogue(self, boundary: Optional[bool] = None) -> None:
         """Once every gradient of the backward pass is computed: the strategy reduces what the
         micro-step calls for (nothing inside no_sync), and at the boundary the gradients are
-        readable until step()."""
+        readable until step().
+
+        With no argument it is DeepSpeed's call for a script that ran backward on the outputs
+        of `engine.module(...)` itself (one loss over several engines), so no prologue ran."""
+        if boundary is None and not self._prologue_open:
+            boundary = self._unprologued_backward()
+        self._prologue_open = False
         reduce = boundary and not self._no_sync
         self.strategy.after_backward(reduce)
         if reduce:
@@ -522,6 +548,24 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             if self._trial is not None:
                 self._trial.after_backward()  # the gradients are held now; the step frees them
         self._memory("after backward")
+
+    def _unprologued_backward(self) -> bool:
+        """The boundary of a backward that ran past the engine's forward, where the strategy's
+        hooks already did their part without being told the micro-step: stage 3 reduces every
+        gradient regardless, stage 2 every micro-step, stage 1 with one micro-step per step only
+        reduces at boundaries, which every micro-step is. Stage 0 is refused, as DeepSpeed does."""
+        self._require_optimizer("_backward_epilogue")
+        stage = self.config.zero_optimization.stage
+        if stage == 0 or (stage == 1 and (self.batch.gradient_accumulation_steps > 1 or not self._managed)):
+            raise BackwardUsageError(
+                f"_backward_epilogue() after a backward that did not go through the engine's forward is not supported "
+                f"at ZeRO stage {stage}"
+                + (" with gradient_accumulation_steps > 1 or unmanaged accumulation" if stage == 1 else "") +
+                ": call outputs = engine(...) so that loss.backward() runs the engine's prologue, or use "
+                "engine.backward(loss)")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._backwards_since_step += 1
+        return boundary
 
     def _tensor_backward_started(self):
         """The first gradient of a backward pass the script started itself reached this engine's
@@ -586,11 +630,16 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         if self._no_sync:
             raise BackwardUsageError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
                                      "block first (the step needs the reduced gradients)")
-        boundary = self.is_gradient_accumulation_boundary()
-        with self._meter.timed("step"):
-            if boundary:
-                self._boundary_step(lr_kwargs or {})
-            self.micro_steps += 1
+        self._step_applied = False  # as DeepSpeed: a step() that is no boundary applies nothing
+        self._in_step = True
+        try:
+            boundary = self.is_gradient_accumulation_boundary()
+            with self._meter.timed("step"):
+                if boundary:
+                    self._boundary_step(lr_kwargs or {})
+                self.micro_steps += 1
+        finally:
+            self._in_step = False
         if boundary:
             self._report_step()
             if self._resize is not None:
@@ -647,7 +696,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
         self.global_steps += 1
-        self.global_samples += self.batch.train_batch_size
+        self.global_samples += samples_in_step(self.batch.train_batch_size, self.batch.gradient_accumulation_steps,
+                                               self._managed, self._backwards_since_step)
+        self._backwards_since_step = 0
         self._update_compression()
 
     def _compression_schedule(self, model):

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .accumulation import check_accumulation_mode
 from ..core import comm
 from .dataloader import DistributedDataLoader, RepeatingLoader, move_to
 from ..core.config import DeepSpeedConfig
@@ -76,6 +77,7 @@ class PipelineEngine(torch.nn.Module):
         source = _config_source(kwargs.get("args"), kwargs.get("config"), kwargs.get("config_params"))
         loaded = DeepSpeedConfig.load(source)
         schedule_name = _checked_schedule(loaded.pipeline.schedule, model)
+        check_accumulation_mode(loaded, pipeline=True)
         if loaded.zero_optimization.stage == 3:
             raise ConfigError("zero_optimization.stage: ZeRO stage 3 cannot run under pipeline parallelism "
                               "(each stage already holds only its layers, and stage 3's gather-around-forward "

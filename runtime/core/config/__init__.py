@@ -62,8 +62,10 @@ class DeepSpeedConfig:
     train_batch_size: Optional[int] = supported(None, "global batch per optimizer step")
     train_micro_batch_size_per_gpu: Optional[int] = supported(None, "batch per rank per forward/backward")
     gradient_accumulation_steps: Optional[int] = supported(None, "micro-batches per optimizer step")
-    managed_gradient_accumulation: Any = refused(
-        "false (the script calls step() only at boundaries) is not supported: the engine counts micro-steps", True)
+    managed_gradient_accumulation: bool = supported(
+        True, "false: every backward only accumulates and every step() is the boundary (reduce and update), "
+              "for scripts that own the boundary; not with pipeline parallelism, nor with an explicit "
+              "overlap_comm at ZeRO stage 0 or 1 (as DeepSpeed)")
     dataloader_drop_last: bool = supported(False, "initialize()'s data loader drops the last incomplete batch")
     # -- optimizer and schedule ----------------------------------------------------------
     optimizer: Optional[OptimizerConfig] = supported(None, "built by name when initialize() gets no optimizer")

@@ -107,7 +107,10 @@ class ZeroConfig:
     contiguous_gradients: bool = supported(
         True, "no effect needed: gradients are packed into reduce buckets either way; false (DeepSpeed: no "
               "preallocated gradient buffer) gives the same results")
-    overlap_comm: bool = supported(True, "gradient buckets are reduced from backward hooks as they fill")
+    # None (not given) runs as true here; DeepSpeed's default is on at stage 3 only, and unmanaged
+    # accumulation refuses only an overlap_comm the config gives at stage 0 or 1
+    overlap_comm: Optional[bool] = supported(
+        None, "gradient buckets are reduced from backward hooks as they fill (on unless false)")
     reduce_scatter: bool = supported(
         True, "no effect needed: each partition's gradient sum reaches its owner the same either way (DeepSpeed's "
               "stage 3 needs false for Muon; here Muon runs with either)")

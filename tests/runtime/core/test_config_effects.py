@@ -51,7 +51,7 @@ EXPERT_PARALLEL = {
     "shared_experts_pattern": None, "shared_experts_gate_pattern": None, "expert_activation": None,
 }
 ALL = {
-    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "managed_gradient_accumulation": True,
     "dataloader_drop_last": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
@@ -138,6 +138,7 @@ EFFECTS = {
     "train_batch_size": "tests/runtime/core/test_config.py::test_batch_size_table",
     "train_micro_batch_size_per_gpu": "tests/runtime/core/test_config.py::test_batch_size_table",
     "gradient_accumulation_steps": "tests/runtime/train/test_engine_parity.py::test_two_ranks_match_one_rank_and_resume_exactly",
+    "managed_gradient_accumulation": "tests/runtime/train/test_unmanaged_accumulation.py::test_unmanaged_steps_equal_managed_accumulation",
     "dataloader_drop_last": T + "test_engine_effects_of_reporting_and_guard_keys",
     "optimizer": "tests/runtime/core/test_config.py::test_optimizers_by_deepspeed_name",
     "optimizer.type": "tests/runtime/core/test_config.py::test_optimizers_by_deepspeed_name",
