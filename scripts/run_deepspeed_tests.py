@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -675,6 +676,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     return write_table(out, commit, counting, settings, args, reasons)
 
 
+def merged_result(earlier: FileResult, later: FileResult) -> FileResult:
+    """A later run of a file replaces an earlier one, except where the later one ran none of its
+    tests while the file imports (a collection, or a sample that drew none of them): then what an
+    earlier run measured of the importing file stands, over the later run's count of its tests."""
+    later_ran = later.passed + later.failed + later.skipped
+    earlier_ran = earlier.passed + earlier.failed + earlier.skipped
+    if later_ran or later.collection_errors or earlier.collection_errors or not earlier_ran:
+        return later
+    return dataclasses.replace(earlier, collected=later.collected, not_run=max(0, later.collected - earlier_ran))
+
+
 def from_json(paths: List[str]) -> "tuple[List[FileResult], str, str, str]":
     results: Dict[str, FileResult] = {}  # a later run of a file replaces an earlier one
     commits, counting, settings = set(), "", ""
@@ -685,7 +697,9 @@ def from_json(paths: List[str]) -> "tuple[List[FileResult], str, str, str]":
         counting = data.get("counting", counting)
         settings = data.get("settings", settings)
         for r in data["results"]:
-            results[r["path"]] = FileResult(**r)
+            later = FileResult(**r)
+            earlier = results.get(later.path)
+            results[later.path] = later if earlier is None else merged_result(earlier, later)
     if len(commits) != 1:
         raise SystemExit(f"run_deepspeed_tests: the JSON files ran against different commits: {sorted(commits)}")
     return sorted(results.values(), key=lambda r: r.path), commits.pop(), counting, settings

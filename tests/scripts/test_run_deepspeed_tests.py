@@ -79,6 +79,17 @@ def test_table_counts_causes_skips_and_the_failures_on_purpose(tmp_path):
     s.write_table([rerun], "abc123", "the reference", "", _args(json=str(tmp_path / "u.json")), reasons)
     merged = s.from_json([str(tmp_path / "t.json"), str(tmp_path / "u.json")])[0]
     assert {m.path: m.passed for m in merged}["runtime/test_gone.py"] == 7 and len(merged) == 4
+    # a later collection (nothing run) keeps what an earlier run measured of a file that still
+    # imports, and replaces the entry of a file that failed to import then
+    sampled = s.FileResult("runtime/test_a.py", collected=11, passed=1, failed=1, not_run=9)
+    was_broken = s.FileResult("runtime/test_b.py", collected=3, failed=3, collection_errors=3)
+    collected = [s.FileResult("runtime/test_a.py", collected=11, not_run=11),
+                 s.FileResult("runtime/test_b.py", collected=3, not_run=3)]
+    s.write_table([sampled, was_broken], "abc123", "r", "", _args(json=str(tmp_path / "v.json")), reasons)
+    s.write_table(collected, "abc123", "r", "", _args(json=str(tmp_path / "w.json")), reasons)
+    merged = {m.path: m for m in s.from_json([str(tmp_path / "v.json"), str(tmp_path / "w.json")])[0]}
+    assert (merged["runtime/test_a.py"].passed, merged["runtime/test_a.py"].not_run) == (1, 9)
+    assert (merged["runtime/test_b.py"].failed, merged["runtime/test_b.py"].not_run) == (0, 3)
 
 
 def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
