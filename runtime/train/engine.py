@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import dataclasses
 from typing import Any, Dict, Optional
 
 import torch
@@ -433,6 +434,37 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
 
     def gradient_accumulation_steps(self) -> int:
         return self.batch.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch from more or fewer micro-batches per step (the
+        micro-batch size stays); it must be a multiple of micro-batch x data-parallel ranks."""
+        b = self.batch
+        ranks = b.train_batch_size // (b.micro_batch_per_gpu * b.gradient_accumulation_steps)
+        per_micro = b.micro_batch_per_gpu * ranks
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0 \
+                or train_batch_size % per_micro:
+            raise ValueError(f"Train batch size must be divisible by micro-batch data parallelism: "
+                             f"set_train_batch_size({train_batch_size!r}) needs a positive multiple of "
+                             f"{b.micro_batch_per_gpu} (micro-batch) x {ranks} (data-parallel ranks) = {per_micro}")
+        self.batch = dataclasses.replace(b, train_batch_size=train_batch_size,
+                                         gradient_accumulation_steps=train_batch_size // per_micro)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: a new micro-batch size with the same accumulation steps, so the global
+        batch changes with it (a data loader already built keeps its own batch size)."""
+        b = self.batch
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
+            raise ValueError(f"set_train_micro_batch_size({micro_batch_size!r}): the micro-batch size must be a "
+                             "positive integer")
+        ranks = b.train_batch_size // (b.micro_batch_per_gpu * b.gradient_accumulation_steps)
+        self.batch = dataclasses.replace(b, micro_batch_per_gpu=micro_batch_size,
+                                         train_batch_size=micro_batch_size * b.gradient_accumulation_steps * ranks)
+
+    def tput_log(self, *msg) -> None:
+        """DeepSpeed's: print on rank 0 at the steps_per_print cadence."""
+        every = self.config.steps_per_print
+        if self.global_rank == 0 and every and self.global_steps % every == 0:
+            print(*msg, flush=True)
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled

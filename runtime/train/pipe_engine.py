@@ -130,6 +130,7 @@ class PipelineEngine(torch.nn.Module):
         self._boundary_flag = False
         self._compute_loss = True
         self.eval_return_logits = False
+        self.has_attention_mask = type(model).__name__ == "GPT2ModelPipe"  # DeepSpeed's default
         self.outputs = None
         self._grads: Optional[List[torch.Tensor]] = None
         # seconds of the last batch: forward+backward (compute), sends and receives including
@@ -165,6 +166,24 @@ class PipelineEngine(torch.nn.Module):
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(dir(self.__dict__.get("_engine", None) or object())))
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """The engine's, and the pipeline runs that many micro-batches per train_batch()."""
+        before = self._engine.batch
+        self._engine.set_train_batch_size(train_batch_size)
+        micro = self._engine.batch.gradient_accumulation_steps
+        if self.schedule_name in S.CHUNKED and micro % self.num_stages:
+            self._engine.batch = before
+            raise ConfigError(f"set_train_batch_size({train_batch_size}): {micro} micro-batches, and schedule "
+                              f"{self.schedule_name!r} needs a multiple of the pipeline stages ({self.num_stages})")
+        self.micro_batches = micro
+
+    def set_has_attention_mask(self, value: bool) -> None:
+        """DeepSpeed's switch for sending a boolean mask between stages; here tensors of every
+        dtype travel between stages as they are, so only the value is kept (has_attention_mask)."""
+        if not isinstance(value, bool):
+            raise TypeError(f"set_has_attention_mask({value!r}): a bool")
+        self.has_attention_mask = value
 
     # nn.Module methods the engine answers itself (found on nn.Module first, so named here)
     def zero_grad(self, *args, **kwargs):
