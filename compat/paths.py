@@ -136,7 +136,6 @@ PATHS: Dict[str, Entry] = {
                                "DeepSpeedFP16Config": "core.config", "DeepSpeedBF16Config": "core.config"}),
     "profiling": "train.profiling",  # deepspeed.profiling
     "rollout": "inference.rollout",  # deepspeed.runtime.rollout: on-policy generation for RL/distillation
-    "rollout.hybrid_engine_rollout": "inference.rollout.hybrid",
     "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
     # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
     "utils": Names("deepspeed.runtime.utils / deepspeed.utils: the helpers scripts call, each dslaunch's own.",

@@ -1,10 +1,10 @@
 """On-policy rollout for RL and distillation training (DeepSpeed's deepspeed.runtime.rollout):
-the interface (base.py), generation by the training engine's module (hybrid.py), and the
-response-token distillation loss (opsd.py)."""
+the interface (base.py), generation by the training engine's module
+(hybrid_engine_rollout.py), and the response-token distillation loss (opsd.py)."""
 from __future__ import annotations
 
 from .base import RolloutBatch, RolloutConfig, RolloutEngine, RolloutRequest, SamplingConfig
-from .hybrid import HybridEngineRollout, HybridEngineRolloutConfig
+from .hybrid_engine_rollout import HybridEngineRollout, HybridEngineRolloutConfig
 from .opsd import JSDLossOutput, ResponseTokenBatch, generalized_jsd_loss
 
 __all__ = ["HybridEngineRollout", "HybridEngineRolloutConfig", "JSDLossOutput", "RolloutBatch", "RolloutConfig",
