@@ -148,6 +148,9 @@ PATHS: Dict[str, Entry] = {
     "tensor_parallel.config": Names("deepspeed.runtime.tensor_parallel.config: the Hugging Face tp plan reader "
                                     "(the section itself is parsed with the config).",
                                     {"_get_hf_tp_plan": "tensor_parallel.autotp:hf_tp_plan"}),
+    "sparse_tensor": Refused("deepspeed.runtime.sparse_tensor (SparseTensor, the container of DeepSpeed's sparse "
+                             "embedding-gradient all-reduce) is not provided: sparse_gradients is refused, and the "
+                             "engine reduces every gradient dense"),
     "swap_tensor": Names("deepspeed.runtime.swap_tensor: the size from which DeepSpeed's NVMe offload swaps.",
                          {"MIN_SWAPPABLE_BYTES": "zero.param_swap"}),
     "utils.comms_logging": Names("deepspeed.utils.comms_logging: the comms logger deepspeed.comm records into.",
