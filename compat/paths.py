@@ -129,6 +129,14 @@ PATHS: Dict[str, Entry] = {
     "ops": "train.ops",  # deepspeed.ops
     "ops.aio": Names("deepspeed.ops.aio: the async-I/O op's builder (False here: NVMe offload uses torch's file I/O).",
                      {"AsyncIOBuilder": "train.ops.op_builder"}),
+    # DeepSpeed's JIT build machinery: its op builders answer here for dslaunch's own kernels
+    # (ops/op_builder/), which torch.utils.cpp_extension builds; no CUDA/CUTLASS build is driven
+    "ops.op_builder.builder": Refused("deepspeed.ops.op_builder.builder (OpBuilder/CUDAOpBuilder, DeepSpeed's "
+                                      "nvcc/JIT build machinery) is not provided: dslaunch builds its own kernels "
+                                      "with torch.utils.cpp_extension; ask deepspeed.ops.op_builder's builders "
+                                      "whether an op runs here"),
+    "ops.op_builder.evoformer_attn": Refused("deepspeed.ops.op_builder.evoformer_attn (DeepSpeed4Science's "
+                                             "Evoformer attention, a CUTLASS CUDA kernel) is not provided"),
     "pipe.engine": "train.pipe_engine",  # deepspeed.runtime.pipe.engine
     "pipe.topology": _TOPOLOGY,
     "precision_config": Names("deepspeed.runtime.precision_config: one precision section of a config dict, parsed.",
