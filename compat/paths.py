@@ -103,6 +103,18 @@ PATHS: Dict[str, Entry] = {
                            "train.optim:ONE_BIT_PACKAGE"),
     "fp16.unfused_optimizer": Names("DeepSpeed's unfused fp16 optimizer wrapper, named for isinstance checks only.",
                                     {"FP16_UnfusedOptimizer": "core.internals"}),
+    # deepspeed.inference.quantization: post-init group-wise int4/int8 weight quantization
+    "inference.quantization": Names("deepspeed.inference.quantization: group-wise weight quantization.",
+                                    {name: "inference.groupwise" for name in (
+                                        "Quantizer", "DeQuantizer", "QuantizedLinear", "QuantizedEmbedding")}),
+    "inference.quantization.quantization": Names(
+        "deepspeed.inference.quantization.quantization: a model's layers replaced by quantized ones.",
+        {"_init_group_wise_weight_quantization": "inference.groupwise"}),
+    "inference.quantization.utils": Names("deepspeed.inference.quantization.utils: the group-wise (de)quantizers.",
+                                          {"Quantizer": "inference.groupwise", "DeQuantizer": "inference.groupwise"}),
+    "inference.quantization.layers": Names("deepspeed.inference.quantization.layers: the quantized layers.",
+                                           {"QuantizedLinear": "inference.groupwise",
+                                            "QuantizedEmbedding": "inference.groupwise"}),
     "lr_schedules": "train.lr_schedules",  # deepspeed.runtime.lr_schedules
     # deepspeed.module_inject: AutoTP's mode switch and the shard sizes; DeepSpeed's kernel
     # injection and its layer classes are not provided (their paths are not found)
