@@ -206,6 +206,20 @@ PATHS: Dict[str, Entry] = {
                         {"ZeRORuntimeException": "core.errors"}),
     "zero.stage_1_and_2": Names("DeepSpeed's ZeRO-1/2 optimizer wrapper, named for isinstance checks only.",
                                 {"DeepSpeedZeroOptimizer": "core.internals"}),
+    # DeepSpeed's autotuner classes: dslaunch tunes from the launcher (`dslaunch --autotuning`)
+    **{f"autotuning.{name}": Refused(f"deepspeed.autotuning.{name} (DeepSpeed's Autotuner, ResourceManager and "
+                                     "their config helpers) is not provided: autotuning runs as `dslaunch "
+                                     "--autotuning tune|run` (docs/autotuning.md), with dslaunch's own search, "
+                                     "trials and memory model") for name in ("autotuner", "scheduler", "utils")},
+    "checkpoint_engine": Refused("deepspeed.runtime.checkpoint_engine (DeepSpeed's pluggable checkpoint writers: "
+                                 "Torch, Fast, Decoupled, DataStates) is not provided: save_checkpoint and "
+                                 "load_checkpoint write and read through dslaunch's own checkpoint writer"),
+    "compression.basic_layer": Refused("deepspeed.compression.basic_layer (LinearLayer_Compress and DeepSpeed's "
+                                       "other replacement layers) is not provided: init_compression keeps the "
+                                       "model's own layers and attaches each technique as a torch parametrization"),
+    "linear": Refused("deepspeed.linear (OptimizedLinear, LoRAOptimizedLinear, init_lora: LoRA adapters over "
+                      "sharded, optionally quantized base weights) is not provided; add LoRA adapters with a "
+                      "library such as peft"),
     # -- the runtime's own former paths (before core/, the strategies and train/) --------------
     "autotuning": "train.autotuning",
     "checkpoint.errors": "core.errors",
@@ -368,4 +382,6 @@ def top_level(name: str) -> Optional[types.ModuleType]:
     """dslaunch.runtime.<name> for a top-level entry (the runtime's module __getattr__), else None."""
     if name not in PATHS:
         return None
+    if isinstance(PATHS[name], Refused):  # an attribute lookup's failure, so hasattr() answers False
+        raise AttributeError(PATHS[name].message())
     return importlib.import_module(f"{PACKAGE}.{name}")
