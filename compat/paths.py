@@ -103,6 +103,18 @@ PATHS: Dict[str, Entry] = {
                            "train.optim:ONE_BIT_PACKAGE"),
     "fp16.unfused_optimizer": Names("DeepSpeed's unfused fp16 optimizer wrapper, named for isinstance checks only.",
                                     {"FP16_UnfusedOptimizer": "core.internals"}),
+    # deepspeed.inference.quantization: post-init group-wise int4/int8 weight quantization
+    "inference.quantization": Names("deepspeed.inference.quantization: group-wise weight quantization.",
+                                    {name: "inference.groupwise" for name in (
+                                        "Quantizer", "DeQuantizer", "QuantizedLinear", "QuantizedEmbedding")}),
+    "inference.quantization.quantization": Names(
+        "deepspeed.inference.quantization.quantization: a model's layers replaced by quantized ones.",
+        {"_init_group_wise_weight_quantization": "inference.groupwise"}),
+    "inference.quantization.utils": Names("deepspeed.inference.quantization.utils: the group-wise (de)quantizers.",
+                                          {"Quantizer": "inference.groupwise", "DeQuantizer": "inference.groupwise"}),
+    "inference.quantization.layers": Names("deepspeed.inference.quantization.layers: the quantized layers.",
+                                           {"QuantizedLinear": "inference.groupwise",
+                                            "QuantizedEmbedding": "inference.groupwise"}),
     "lr_schedules": "train.lr_schedules",  # deepspeed.runtime.lr_schedules
     # deepspeed.module_inject: AutoTP's mode switch and the shard sizes; DeepSpeed's kernel
     # injection and its layer classes are not provided (their paths are not found)
@@ -129,12 +141,21 @@ PATHS: Dict[str, Entry] = {
     "ops": "train.ops",  # deepspeed.ops
     "ops.aio": Names("deepspeed.ops.aio: the async-I/O op's builder (False here: NVMe offload uses torch's file I/O).",
                      {"AsyncIOBuilder": "train.ops.op_builder"}),
+    # DeepSpeed's JIT build machinery: its op builders answer here for dslaunch's own kernels
+    # (ops/op_builder/), which torch.utils.cpp_extension builds; no CUDA/CUTLASS build is driven
+    "ops.op_builder.builder": Refused("deepspeed.ops.op_builder.builder (OpBuilder/CUDAOpBuilder, DeepSpeed's "
+                                      "nvcc/JIT build machinery) is not provided: dslaunch builds its own kernels "
+                                      "with torch.utils.cpp_extension; ask deepspeed.ops.op_builder's builders "
+                                      "whether an op runs here"),
+    "ops.op_builder.evoformer_attn": Refused("deepspeed.ops.op_builder.evoformer_attn (DeepSpeed4Science's "
+                                             "Evoformer attention, a CUTLASS CUDA kernel) is not provided"),
     "pipe.engine": "train.pipe_engine",  # deepspeed.runtime.pipe.engine
     "pipe.topology": _TOPOLOGY,
     "precision_config": Names("deepspeed.runtime.precision_config: one precision section of a config dict, parsed.",
                               {"get_bfloat16_config": "core.config", "get_float16_config": "core.config",
                                "DeepSpeedFP16Config": "core.config", "DeepSpeedBF16Config": "core.config"}),
     "profiling": "train.profiling",  # deepspeed.profiling
+    "rollout": "inference.rollout",  # deepspeed.runtime.rollout: on-policy generation for RL/distillation
     "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
     # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
     "utils": Names("deepspeed.runtime.utils / deepspeed.utils: the helpers scripts call, each dslaunch's own.",
@@ -147,6 +168,9 @@ PATHS: Dict[str, Entry] = {
     "tensor_parallel.config": Names("deepspeed.runtime.tensor_parallel.config: the Hugging Face tp plan reader "
                                     "(the section itself is parsed with the config).",
                                     {"_get_hf_tp_plan": "tensor_parallel.autotp:hf_tp_plan"}),
+    "sparse_tensor": Refused("deepspeed.runtime.sparse_tensor (SparseTensor, the container of DeepSpeed's sparse "
+                             "embedding-gradient all-reduce) is not provided: sparse_gradients is refused, and the "
+                             "engine reduces every gradient dense"),
     "swap_tensor": Names("deepspeed.runtime.swap_tensor: the size from which DeepSpeed's NVMe offload swaps.",
                          {"MIN_SWAPPABLE_BYTES": "zero.param_swap"}),
     "utils.comms_logging": Names("deepspeed.utils.comms_logging: the comms logger deepspeed.comm records into.",
@@ -182,6 +206,20 @@ PATHS: Dict[str, Entry] = {
                         {"ZeRORuntimeException": "core.errors"}),
     "zero.stage_1_and_2": Names("DeepSpeed's ZeRO-1/2 optimizer wrapper, named for isinstance checks only.",
                                 {"DeepSpeedZeroOptimizer": "core.internals"}),
+    # DeepSpeed's autotuner classes: dslaunch tunes from the launcher (`dslaunch --autotuning`)
+    **{f"autotuning.{name}": Refused(f"deepspeed.autotuning.{name} (DeepSpeed's Autotuner, ResourceManager and "
+                                     "their config helpers) is not provided: autotuning runs as `dslaunch "
+                                     "--autotuning tune|run` (docs/autotuning.md), with dslaunch's own search, "
+                                     "trials and memory model") for name in ("autotuner", "scheduler", "utils")},
+    "checkpoint_engine": Refused("deepspeed.runtime.checkpoint_engine (DeepSpeed's pluggable checkpoint writers: "
+                                 "Torch, Fast, Decoupled, DataStates) is not provided: save_checkpoint and "
+                                 "load_checkpoint write and read through dslaunch's own checkpoint writer"),
+    "compression.basic_layer": Refused("deepspeed.compression.basic_layer (LinearLayer_Compress and DeepSpeed's "
+                                       "other replacement layers) is not provided: init_compression keeps the "
+                                       "model's own layers and attaches each technique as a torch parametrization"),
+    "linear": Refused("deepspeed.linear (OptimizedLinear, LoRAOptimizedLinear, init_lora: LoRA adapters over "
+                      "sharded, optionally quantized base weights) is not provided; add LoRA adapters with a "
+                      "library such as peft"),
     # -- the runtime's own former paths (before core/, the strategies and train/) --------------
     "autotuning": "train.autotuning",
     "checkpoint.errors": "core.errors",
@@ -344,4 +382,6 @@ def top_level(name: str) -> Optional[types.ModuleType]:
     """dslaunch.runtime.<name> for a top-level entry (the runtime's module __getattr__), else None."""
     if name not in PATHS:
         return None
+    if isinstance(PATHS[name], Refused):  # an attribute lookup's failure, so hasattr() answers False
+        raise AttributeError(PATHS[name].message())
     return importlib.import_module(f"{PACKAGE}.{name}")

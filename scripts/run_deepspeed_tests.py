@@ -65,7 +65,7 @@ ROOT = os.path.dirname(HERE)
 # dependencies; pytest at the versions DeepSpeed pins (its DistributedFixture does not resolve
 # under pytest 8.4 and later), shadowing this environment's own.
 TEST_DEPS = ["hjson", "py-cpuinfo", "pytest>=7.2.0,<8.4.0", "pytest-forked", "pytest-xdist", "execnet",
-             "pytest-timeout"]
+             "pytest-timeout", "mup"]
 
 # Tests dslaunch fails on purpose (it behaves differently, and better): `<test id prefix> | reason`
 # per line; listed with the reason in the table, and counted as failures.

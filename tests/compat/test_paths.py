@@ -65,6 +65,10 @@ def test_top_level_entries_are_attributes_of_the_runtime():
     assert deepspeed.comm.configure is importlib.import_module("dslaunch.runtime.core.comm").configure
     with pytest.raises(AttributeError):
         deepspeed.no_such_name  # noqa: B018
+    # a refused top-level path is an absent attribute (hasattr answers False) carrying the reason
+    assert not hasattr(deepspeed, "linear")
+    with pytest.raises(AttributeError, match="deepspeed.linear .* is not provided"):
+        deepspeed.linear  # noqa: B018
 
 
 def test_python_dash_m_runs_the_module_an_alias_names():

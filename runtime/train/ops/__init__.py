@@ -20,7 +20,7 @@ def _probe_compatible_ops():
 
 def __getattr__(name):
     # `deepspeed.ops.__compatible_ops__`: which ops can run here, asked of the builders
-    # (op_builder.py) on first access, since asking builds dslaunch's CPU kernels; DeepSpeed
+    # (op_builder/) on first access, since asking builds dslaunch's CPU kernels; DeepSpeed
     # probes on first access too. Cached so the one dict persists.
     if name == "__compatible_ops__":
         globals()[name] = _probe_compatible_ops()

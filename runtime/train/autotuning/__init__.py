@@ -39,9 +39,9 @@ from typing import Optional
 
 import torch
 
-from ..core.comm import shm, shm_p2p
-from ..tensor_parallel import TensorParallelError
-from ..tensor_parallel.autotp import plan_training_shards
+from ...core.comm import shm, shm_p2p
+from ...tensor_parallel import TensorParallelError
+from ...tensor_parallel.autotp import plan_training_shards
 
 TRIAL_DIR_VAR = "DSLAUNCH_TRIAL_DIR"  # launcher/autotune/trial.py TRIAL_DIR_VAR
 TRIAL_STEPS_VAR = "DSLAUNCH_TRIAL_STEPS"  # launcher/autotune/trial.py TRIAL_STEPS_VAR
