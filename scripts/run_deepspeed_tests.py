@@ -562,7 +562,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--deepspeed-src", help="a DeepSpeed checkout (its tests/unit is used)")
     ap.add_argument("--render-json", nargs="+", default=None, metavar="JSON",
                     help="run nothing: write the table of earlier runs' --json files (same commit), in order; a "
-                         "later file's result for a test file replaces an earlier one's")
+                         "later file's result for a test file replaces an earlier one's, unless it ran none of that "
+                         "file's tests while the file imports")
     ap.add_argument("--paths", nargs="*", default=["."], help="paths under tests/unit/ (default: the whole tree)")
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers (-n; DeepSpeed's CI uses 4; 0: none)")
     ap.add_argument("--local-size", type=int, default=4, help="LOCAL_SIZE: the CPU devices the accelerator reports, "
