@@ -56,6 +56,20 @@ class SchedulerConfig:
         check_scheduler_params(path or "scheduler", self.params)
 
 
+def _prefixed(exc: ConfigError, source: str) -> ConfigError:
+    """The same error named after its source, keeping its class (some are also DeepSpeed's
+    exception types, which scripts and DeepSpeed's tests catch)."""
+    try:
+        return type(exc)(f"{source}: {exc}")
+    except TypeError:  # a subclass with its own constructor
+        return ConfigError(f"{source}: {exc}")
+
+
+class GradAccumDtypeError(ConfigError, NotImplementedError):
+    """A model dtype and data_types.grad_accum_dtype this engine does not combine; also a
+    NotImplementedError, the type DeepSpeed raises for the mixes it refuses."""
+
+
 @dataclass
 class DeepSpeedConfig:
     # -- batch ---------------------------------------------------------------------------
@@ -209,12 +223,12 @@ class DeepSpeedConfig:
         if self.zero_optimization.stage <= 1 and accum != model:
             # stages 0-1 accumulate the full gradients in param.grad, in the model dtype (DeepSpeed
             # refuses other mixes at stage 0 too; at stage 1 it takes them)
-            raise ConfigError(f"data_types.grad_accum_dtype: stage {self.zero_optimization.stage} accumulates "
+            raise GradAccumDtypeError(f"data_types.grad_accum_dtype: stage {self.zero_optimization.stage} accumulates "
                               f"gradients in the model dtype ({name[model]}), not {name[accum]}: stages 0 and 1 "
                               "sum micro-batch gradients in the parameters' own .grad; another dtype needs ZeRO "
                               "stage 2 or 3, or remove the key")
         if accum not in (model, torch.float32):
-            raise ConfigError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model: accumulating "
+            raise GradAccumDtypeError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model: accumulating "
                               "gradients in a dtype other than fp32 or the model's is not supported; use one of "
                               "those, or remove the key")
 
@@ -268,7 +282,7 @@ class DeepSpeedConfig:
         try:
             return parse_dataclass(cls, data)
         except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            raise _prefixed(exc, source) from None
 
     @classmethod
     def load(cls, source) -> "DeepSpeedConfig":

@@ -147,3 +147,12 @@ def test_reduction_keys_at_every_stage():
 def test_reduction_keys_refuse_what_they_cannot_do(cfg, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         DeepSpeedConfig.load({"train_batch_size": 2, **cfg})
+
+
+def test_grad_accum_refusals_are_deepspeeds_exception_type_too():
+    # DeepSpeed raises NotImplementedError for the mixes it refuses (its own tests expect that
+    # type); the refusal here is both that and the one-line ConfigError
+    with pytest.raises(NotImplementedError, match="data_types.grad_accum_dtype: stage 0"):
+        DeepSpeedConfig.load({"train_batch_size": 2, "data_types": {"grad_accum_dtype": "bf16"}})
+    with pytest.raises(ConfigError, match="^config: data_types.grad_accum_dtype: stage 0"):
+        DeepSpeedConfig.load({"train_batch_size": 2, "data_types": {"grad_accum_dtype": "bf16"}})
