@@ -14,38 +14,36 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_timing import free_port, median  # noqa: E402  (scripts/: the timing helpers every benchmark shares)
+from bench_ranks import spawn, start_rank, write_result  # noqa: E402  (scripts/: the rank start benchmarks share)
+from bench_timing import median  # noqa: E402
 
 RING_TAG, GLOO_TAG = 1, 2
 
 
-def rank_main(args) -> None:
+def rank_main(rank: int, world: int, port: int, args, result_path: str) -> None:
+    """One of the two ranks: its round trips per size and tag, in seconds, as the result."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    from dslaunch.runtime import comm
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rt, _ = start_rank(rank, world, port, as_peer=False, cuda=False)
+    comm = rt.comm
     peer = 1 - rank
-    world = comm.get_world_group()
-    flows = comm.connect_same_host_p2p(world, [(peer, RING_TAG)], [(peer, RING_TAG)])
+    group = comm.get_world_group()
+    flows = comm.connect_same_host_p2p(group, [(peer, RING_TAG)], [(peer, RING_TAG)])
     if rank == 0:
         print(f"ring flows: {flows}", flush=True)
 
     def round_trip(t, buf, tag):
         if rank == 0:
-            comm.send(t, peer, group=world, tag=tag, label="bench")
-            comm.recv(buf, peer, group=world, tag=tag, label="bench")
+            comm.send(t, peer, group=group, tag=tag, label="bench")
+            comm.recv(buf, peer, group=group, tag=tag, label="bench")
         else:
-            comm.recv(buf, peer, group=world, tag=tag, label="bench")
-            comm.send(buf, peer, group=world, tag=tag, label="bench")
+            comm.recv(buf, peer, group=group, tag=tag, label="bench")
+            comm.send(buf, peer, group=group, tag=tag, label="bench")
         comm.wait_p2p_sends()
 
     times = {}
@@ -60,40 +58,28 @@ def rank_main(args) -> None:
                 dist.barrier()
                 start = time.perf_counter()
                 round_trip(t, buf, tag)
-                times.setdefault((kib, tag), []).append(time.perf_counter() - start)
+                times.setdefault(f"{kib} {tag}", []).append(time.perf_counter() - start)
         if rank == 0 and not torch.equal(buf, t):
             raise SystemExit(f"bench_p2p: the {kib} KiB round trip came back different")
-    if rank == 0:
-        print(f"{'KiB':>6} {'gloo ms':>8} {'(min)':>7} {'ring ms':>8} {'(min)':>7} {'gloo/ring':>10}")
-        for kib in args.sizes:
-            g, s = times[(kib, GLOO_TAG)], times[(kib, RING_TAG)]
-            gm, sm = median(g) * 1e3, median(s) * 1e3
-            print(f"{kib:6d} {gm:8.3f} {min(g) * 1e3:7.3f} {sm:8.3f} {min(s) * 1e3:7.3f} {gm / sm:10.1f}")
     dist.barrier()
-    dist.destroy_process_group()
+    write_result(result_path, rank, times)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 1024, 8192])
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.rank_main:
-        rank_main(args)
-        return 0
-    port = free_port()
     print(f"bench_p2p: 2 ranks, one thread each; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-main", "--sizes",
-                                       *map(str, args.sizes), "--rounds", str(args.rounds)], env=env))
-    codes = [p.wait() for p in procs]
+    times = spawn(rank_main, 2, args)[0]  # rank 0's clock: it starts and ends each round trip
+    print(f"{'KiB':>6} {'gloo ms':>8} {'(min)':>7} {'ring ms':>8} {'(min)':>7} {'gloo/ring':>10}")
+    for kib in args.sizes:
+        g, s = times[f"{kib} {GLOO_TAG}"], times[f"{kib} {RING_TAG}"]
+        gm, sm = median(g) * 1e3, median(s) * 1e3
+        print(f"{kib:6d} {gm:8.3f} {min(g) * 1e3:7.3f} {sm:8.3f} {min(s) * 1e3:7.3f} {gm / sm:10.1f}")
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end", flush=True)
-    return max(codes)
+    return 0
 
 
 if __name__ == "__main__":
