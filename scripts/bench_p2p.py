@@ -7,7 +7,7 @@ through dslaunch.runtime.comm: rank 0 sends, rank 1 receives and sends it back, 
 receives (a pipeline's activation and its gradient). One tag's flows were set up with
 comm.connect_same_host_p2p (rings: runtime/core/comm/shm_p2p.py), another's were not
 (gloo), and the two alternate round by round after a barrier so load falls on both alike.
-Rank 0 prints the median and minimum round trip of each and gloo's median over the rings'.
+The table gives rank 0's median and minimum round trip of each, and gloo's median over the rings'.
 8 KiB is the activation of a 16-row micro-batch of width 128 (scripts/bench_pipeline.py).
 """
 from __future__ import annotations
