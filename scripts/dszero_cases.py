@@ -119,3 +119,54 @@ class FineModel(torch.nn.Module):
 # stage3_module_granularity_threshold values: the modules marked as leaves, and the losses of
 # three steps (the same as without a threshold)
 GRANULARITY_THRESHOLDS = [0, 40, 100, 10_000_000]
+
+
+# -- the runs both sides make, given the package (`deepspeed` or `dslaunch.runtime`) ------------
+def leaf_call(utils, kind, arg, is_leaf):
+    """One LEAF_CALL_CASES call on a fresh Net with `utils`' marking functions; `is_leaf` reads
+    a module's mark (each package keeps its own)."""
+    model = Net()
+    names = {id(m): n for n, m in model.named_modules()}
+    if kind == "by_name":
+        found, missing = utils.set_z3_leaf_modules_by_name(model, arg, raise_if_not_found=False)
+    elif kind == "by_suffix":
+        found, missing = utils.set_z3_leaf_modules_by_suffix(model, arg, raise_if_not_found=False)
+    else:
+        found, missing = utils.set_z3_leaf_modules(model, arg, raise_if_not_found=False), []
+    marked = sorted(n for n, m in model.named_modules() if is_leaf(m))
+    return {"returned": [names[id(m)] for m in found], "missing": list(missing), "marked": marked}
+
+
+def unused_engine(deepspeed, zero):
+    """The one-step ignore_unused_parameters run: the engine, after its backward (the step is
+    the caller's: that is where an unused parameter stops it)."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": zero}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.arange(8, dtype=torch.float32).view(2, 4) / 8
+    engine.backward(engine(x))
+    return engine
+
+
+def granularity_run(deepspeed, threshold, is_leaf, input_grad=True):
+    """Three stage-3 steps of FineModel under stage3_module_granularity_threshold: the modules
+    marked as leaves and the losses. DeepSpeed's leaves need an input that requires a gradient
+    (`input_grad`)."""
+    torch.manual_seed(0)
+    model = FineModel()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_module_granularity_threshold": threshold}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    marked = sorted(n for n, m in model.named_modules() if is_leaf(m))
+    losses = []
+    for step in range(3):
+        x = (torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step)).requires_grad_(input_grad)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return {"marked": marked, "losses": losses}

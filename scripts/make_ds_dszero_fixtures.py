@@ -46,18 +46,9 @@ def leaf_config_case(section):
 
 
 def leaf_call_case(kind, arg):
-    from deepspeed.utils import set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix
+    from deepspeed import utils
 
-    model = cases.Net()
-    names = {id(m): n for n, m in model.named_modules()}
-    if kind == "by_name":
-        found, missing = set_z3_leaf_modules_by_name(model, arg, raise_if_not_found=False)
-    elif kind == "by_suffix":
-        found, missing = set_z3_leaf_modules_by_suffix(model, arg, raise_if_not_found=False)
-    else:
-        found, missing = set_z3_leaf_modules(model, arg, raise_if_not_found=False), []
-    marked = sorted(n for n, m in model.named_modules() if getattr(m, "_z3_leaf", False))
-    return {"returned": [names[id(m)] for m in found], "missing": list(missing), "marked": marked}
+    return cases.leaf_call(utils, kind, arg, lambda m: getattr(m, "_z3_leaf", False))
 
 
 def tiled_case(in_f, out_f, bias, in_splits, out_splits):
@@ -86,15 +77,8 @@ def tiled_bad(in_f, out_f, in_splits, out_splits):
 
 
 def unused_case(zero):
-    torch.manual_seed(0)
-    model = cases.TwoHeads()
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": zero}
     try:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        x = torch.arange(8, dtype=torch.float32).view(2, 4) / 8
-        loss = engine(x)
-        engine.backward(loss)
+        engine = cases.unused_engine(deepspeed, zero)
         engine.step()
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -106,23 +90,7 @@ def unused_case(zero):
 
 
 def granularity_case(threshold):
-    torch.manual_seed(0)
-    model = cases.FineModel()
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_module_granularity_threshold": threshold}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    marked = sorted(n for n, m in model.named_modules() if getattr(m, "_z3_leaf", False))
-    losses = []
-    for step in range(3):
-        # the input needs a gradient: DeepSpeed's leaf modules fail in backward without one
-        x = (torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step)).requires_grad_(True)
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    engine.destroy()
-    return {"marked": marked, "losses": losses}
+    return cases.granularity_run(deepspeed, threshold, lambda m: getattr(m, "_z3_leaf", False))
 
 
 def main():

@@ -90,20 +90,9 @@ def test_leaf_module_section_refuses_what_is_not_names():
 
 @pytest.mark.parametrize("name", sorted(cases.LEAF_CALL_CASES))
 def test_leaf_marking_calls_mark_what_deepspeed_marks(name):
-    from dslaunch.runtime.zero.hook_scope import (set_z3_leaf_modules, set_z3_leaf_modules_by_name,
-                                                  set_z3_leaf_modules_by_suffix, z3_leaf_module)
+    from dslaunch.runtime.zero import hook_scope  # where DeepSpeed's utils names for these live here
 
-    kind, arg = cases.LEAF_CALL_CASES[name]
-    model = cases.Net()
-    names = {id(m): n for n, m in model.named_modules()}
-    if kind == "by_name":
-        found, missing = set_z3_leaf_modules_by_name(model, arg, raise_if_not_found=False)
-    elif kind == "by_suffix":
-        found, missing = set_z3_leaf_modules_by_suffix(model, arg, raise_if_not_found=False)
-    else:
-        found, missing = set_z3_leaf_modules(model, arg, raise_if_not_found=False), []
-    marked = sorted(n for n, m in model.named_modules() if z3_leaf_module(m))
-    assert {"returned": [names[id(m)] for m in found], "missing": missing, "marked": marked} == \
+    assert cases.leaf_call(hook_scope, *cases.LEAF_CALL_CASES[name], hook_scope.z3_leaf_module) == \
         DS["leaf_calls"][name]
 
 
@@ -186,13 +175,7 @@ def test_unused_parameters_stop_the_step_where_deepspeeds_do(name):
     from dslaunch.runtime.zero.fragments import safe_get_full_fp32_param
 
     want = DS["unused"][name]
-    torch.manual_seed(0)
-    model = cases.TwoHeads()
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": cases.UNUSED_CASES[name]}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    x = torch.arange(8, dtype=torch.float32).view(2, 4) / 8
-    engine.backward(engine(x))
+    engine = cases.unused_engine(deepspeed, cases.UNUSED_CASES[name])
     if want["outcome"] == "refused":
         assert want["error"] == "AssertionError" and want["names_key"]
         with pytest.raises(AssertionError, match=r"ignore_unused_parameters.*$") as info:
@@ -253,21 +236,9 @@ def test_granularity_threshold_makes_deepspeeds_leaves_and_keeps_the_losses(thre
     from dslaunch.runtime.zero.hook_scope import z3_leaf_module
 
     want = DS["granularity"][str(threshold)]
-    torch.manual_seed(0)
-    model = cases.FineModel()
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_module_granularity_threshold": threshold}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    assert sorted(n for n, m in model.named_modules() if z3_leaf_module(m)) == want["marked"]
-    losses = []
-    for step in range(3):
-        x = (torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step)).requires_grad_(True)
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    engine.destroy()
+    got = cases.granularity_run(deepspeed, threshold, z3_leaf_module)
+    assert got["marked"] == want["marked"]
+    losses = got["losses"]
     assert losses == pytest.approx(want["losses"], rel=1e-5, abs=1e-7)
 
 
@@ -275,22 +246,11 @@ def test_leaves_train_with_inputs_that_need_no_gradient():
     """Better than DeepSpeed: its leaf modules fail in backward when the leaf's input needs no
     gradient (its unit test expects that RuntimeError); here the leaf's gathered parameters get
     their gradients either way, and the losses are those of the same run without leaves."""
-    runs = []
-    for threshold in (0, 10_000_000):  # no leaf; the whole model one leaf
-        torch.manual_seed(0)
-        model = cases.FineModel()
-        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                        "stage3_module_granularity_threshold": threshold}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        losses = []
-        for step in range(3):
-            loss = engine(torch.arange(16, dtype=torch.float32).view(2, 8) / (8 + step))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        engine.destroy()
-        runs.append(losses)
+    from dslaunch.runtime.zero.hook_scope import z3_leaf_module
+
+    # no leaf; the whole model one leaf
+    runs = [cases.granularity_run(deepspeed, threshold, z3_leaf_module, input_grad=False)["losses"]
+            for threshold in (0, 10_000_000)]
     assert runs[0] == runs[1]
     assert runs[0] == pytest.approx(DS["granularity"]["0"]["losses"], rel=1e-5)
 
