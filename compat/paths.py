@@ -79,6 +79,8 @@ _TOPOLOGY = Names(
 PATHS: Dict[str, Entry] = {
     # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
     "accelerator": "core.accelerator",  # deepspeed.accelerator
+    "accelerator.cpu_accelerator": Names("deepspeed.accelerator.cpu_accelerator: the CPU accelerator class.",
+                                         {"CPU_Accelerator": "core.accelerator.real_accelerator"}),
     "activation_checkpointing": "train.activation_checkpointing",  # deepspeed.runtime.activation_checkpointing
     "bf16_optimizer": Names("DeepSpeed's bf16 optimizer wrapper, named for isinstance checks only.",
                             {"BF16_Optimizer": "core.internals"}),
