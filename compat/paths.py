@@ -41,6 +41,9 @@ class Names:
 
     doc: str
     names: Dict[str, str] = field(default_factory=dict)
+    # set: the module's other (non-dunder) names are refused, `from m import x` being one
+    # ImportError line "<deepspeed path>.x <refused>" instead of Python's bare "cannot import name"
+    refused: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,8 @@ PATHS: Dict[str, Entry] = {
     # the class AutoEP swaps into the model, for scripts' isinstance checks (its router, experts and
     # ep_group_name as DeepSpeed's have them); DeepSpeed's split-plan and combine helpers are not here
     "module_inject.auto_ep_layer": Names("deepspeed.module_inject.auto_ep_layer: the layer AutoEP puts in place of "
-                                         "a model's MoE blocks.", {"AutoEPMoELayer": "moe.autoep.layer"}),
+                                         "a model's MoE blocks.", {"AutoEPMoELayer": "moe.autoep.layer"},
+                                         refused=_AUTOEP_OWN),
     "module_inject.auto_ep_folding": Refused(f"deepspeed.module_inject.auto_ep_folding {_FOLDING}"),
     "moe.ep_tp_dispatch": Refused(f"deepspeed.moe.ep_tp_dispatch (AutoEP's dispatch under AutoTP folding) {_FOLDING}"),
     "checkpoint.autoep_universal": Refused(f"deepspeed.checkpoint.autoep_universal {_AUTOEP_UNIVERSAL}"),
@@ -333,6 +337,20 @@ class _NamesLoader(importlib.abc.Loader):
         for name, where in self.names.names.items():
             setattr(module, name, _attribute(where, name))
         module.__all__ = sorted(self.names.names)
+        if self.names.refused is not None:
+            module.__getattr__ = _refuse_other_names(f"deepspeed.{self.rel}", self.names.refused)
+
+
+def _refuse_other_names(path: str, reason: str):
+    """A module __getattr__ refusing every name it is asked for; dunder names stay plain
+    AttributeErrors, as hasattr() and the import system probe those."""
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ImportError(f"{path}.{name} {reason}")
+
+    return __getattr__
 
 
 class _RefusingLoader(importlib.abc.Loader):

@@ -56,3 +56,16 @@ def test_deepspeeds_internal_autoep_paths_are_refused_saying_why(rel, words):
         importlib.import_module(f"dslaunch.runtime.{rel}")
     text = str(err.value)
     assert "\n" not in text and f"deepspeed.{rel}" in text and words in text
+
+
+def test_deepspeeds_other_names_in_the_layer_module_are_refused_saying_why():
+    import dslaunch.runtime.module_inject.auto_ep_layer as layer_module
+
+    with pytest.raises(ImportError) as err:
+        from dslaunch.runtime.module_inject.auto_ep_layer import combine_from_routed  # noqa: F401
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("deepspeed.module_inject.auto_ep_layer.combine_from_routed is not provided: ")
+    assert "expert_parallel section" in text
+    # probes of dunder names stay plain attribute misses (hasattr, the import system)
+    assert not hasattr(layer_module, "__path__") and not hasattr(layer_module, "__wrapped__")
