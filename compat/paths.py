@@ -41,6 +41,9 @@ class Names:
 
     doc: str
     names: Dict[str, str] = field(default_factory=dict)
+    # set: the module's other (non-dunder) names are refused, `from m import x` being one
+    # ImportError line "<deepspeed path>.x <refused>" instead of Python's bare "cannot import name"
+    refused: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -75,10 +78,39 @@ _TOPOLOGY = Names(
      "ProcessMesh": "core.parallel.mesh", "data_parallel_grid": "core.parallel.mesh", "new_group": "core.parallel.mesh",
      "MpuGrid": "core.parallel.mpu", "MpuMesh": "core.parallel.mpu"})
 
+# DeepSpeed 0.19.8's AutoEP is a set of internal modules (config dataclasses, the layer, the
+# router, the expert repacking, their collectives); dslaunch's AutoEP is its own code
+# (runtime/moe/autoep) behind the same `expert_parallel` config section, so a script reaches it
+# through deepspeed.initialize, and DeepSpeed's internal module paths are refused, each saying so.
+_AUTOEP_OWN = ("is not provided: DeepSpeed's AutoEP internals have no counterpart here; dslaunch's AutoEP "
+               "(dslaunch.runtime.moe.autoep) is driven by the config's expert_parallel section through "
+               "deepspeed.initialize")
+_AUTOEP_INTERNALS = {
+    "module_inject.auto_ep": "AutoEP model surgery",
+    "module_inject.auto_ep_comm": "AutoEP's all-to-all backends",
+    "module_inject.auto_ep_config": "AutoEP's config and layer-spec dataclasses",
+    "module_inject.auto_ep_preset_adapters": "AutoEP's per-model adapters",
+    "module_inject.auto_ep_presets": "AutoEP's preset registry",
+    "moe.ep_count": "AutoEP's token counting",
+    "moe.ep_experts": "AutoEP's grouped experts",
+    "moe.ep_kernels": "AutoEP's Triton kernels",
+    "moe.ep_repack": "AutoEP's expert weight repacking",
+    "moe.ep_router": "AutoEP's top-k router",
+}
+# AutoEP + AutoTP folding (experts and tensor slices on the same ranks): not supported here
+_FOLDING = ("is not provided: AutoEP + AutoTP folding is not supported here (AutoEP runs with tensor_parallel "
+            "off; the expert_parallel keys only folding reads are refused)")
+# what AutoEP checkpoints do here instead of DeepSpeed's universal conversion (train/checkpoint/autoep.py)
+_AUTOEP_UNIVERSAL = ("is not provided: an AutoEP checkpoint loads at the autoep_size that saved it, and its weights "
+                     "alone (load_optimizer_states=False) at any autoep_size; DeepSpeed's universal conversion for "
+                     "AutoEP is not built here")
+
 # Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
 PATHS: Dict[str, Entry] = {
     # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
     "accelerator": "core.accelerator",  # deepspeed.accelerator
+    "accelerator.cpu_accelerator": Names("deepspeed.accelerator.cpu_accelerator: the CPU accelerator class.",
+                                         {"CPU_Accelerator": "core.accelerator.real_accelerator"}),
     "activation_checkpointing": "train.activation_checkpointing",  # deepspeed.runtime.activation_checkpointing
     "bf16_optimizer": Names("DeepSpeed's bf16 optimizer wrapper, named for isinstance checks only.",
                             {"BF16_Optimizer": "core.internals"}),
@@ -220,6 +252,19 @@ PATHS: Dict[str, Entry] = {
     "linear": Refused("deepspeed.linear (OptimizedLinear, LoRAOptimizedLinear, init_lora: LoRA adapters over "
                       "sharded, optionally quantized base weights) is not provided; add LoRA adapters with a "
                       "library such as peft"),
+    **{rel: Refused(f"deepspeed.{rel} ({what}) {_AUTOEP_OWN}") for rel, what in _AUTOEP_INTERNALS.items()},
+    # the class AutoEP swaps into the model, for scripts' isinstance checks (its router, experts and
+    # ep_group_name as DeepSpeed's have them); DeepSpeed's split-plan and combine helpers are not here
+    "module_inject.auto_ep_layer": Names("deepspeed.module_inject.auto_ep_layer: the layer AutoEP puts in place of "
+                                         "a model's MoE blocks.", {"AutoEPMoELayer": "moe.autoep.layer"},
+                                         refused=_AUTOEP_OWN),
+    "module_inject.auto_ep_folding": Refused(f"deepspeed.module_inject.auto_ep_folding {_FOLDING}"),
+    "moe.ep_tp_dispatch": Refused(f"deepspeed.moe.ep_tp_dispatch (AutoEP's dispatch under AutoTP folding) {_FOLDING}"),
+    "checkpoint.autoep_universal": Refused(f"deepspeed.checkpoint.autoep_universal {_AUTOEP_UNIVERSAL}"),
+    "checkpoint.autoep_affine": Refused(f"deepspeed.checkpoint.autoep_affine (AutoEP's universal-checkpoint "
+                                        f"resharding) {_AUTOEP_UNIVERSAL}"),
+    "checkpoint.autoep_zero3_metadata": Refused("deepspeed.checkpoint.autoep_zero3_metadata is not provided: AutoEP "
+                                                "at ZeRO stage 3 is not supported here (initialize refuses it)"),
     # -- the runtime's own former paths (before core/, the strategies and train/) --------------
     "autotuning": "train.autotuning",
     "checkpoint.errors": "core.errors",
@@ -330,6 +375,20 @@ class _NamesLoader(importlib.abc.Loader):
         for name, where in self.names.names.items():
             setattr(module, name, _attribute(where, name))
         module.__all__ = sorted(self.names.names)
+        if self.names.refused is not None:
+            module.__getattr__ = _refuse_other_names(f"deepspeed.{self.rel}", self.names.refused)
+
+
+def _refuse_other_names(path: str, reason: str):
+    """A module __getattr__ refusing every name it is asked for; dunder names stay plain
+    AttributeErrors, as hasattr() and the import system probe those."""
+
+    def __getattr__(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ImportError(f"{path}.{name} {reason}")
+
+    return __getattr__
 
 
 class _RefusingLoader(importlib.abc.Loader):

@@ -35,6 +35,24 @@ def moe_layers(model: nn.Module) -> List[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+class NativeMoEStage3Error(MoEError, AssertionError):
+    """deepspeed.moe layers spread over several ranks at ZeRO stage 3: an AssertionError as
+    DeepSpeed's engine raises it (scripts and tests catch that type), and the one line to show."""
+
+
+def refuse_native_moe_at_stage3(model: nn.Module, stage: int) -> None:
+    """Stage 3 partitions every parameter over the one data-parallel group, and experts spread
+    over an expert-parallel group would need their own: DeepSpeed refuses native MoE at stage 3
+    with these words. A layer with ep_size 1 keeps every expert on every rank, so it needs no
+    other group; it is left to stage 3's own checks (DeepSpeed refuses it too)."""
+    if stage != 3:
+        return
+    for name, layer in model.named_modules():
+        if isinstance(layer, MoE) and layer.ep_size > 1:
+            raise NativeMoEStage3Error(f"Native DeepSpeed MoE is not supported with ZeRO Stage 3: '{name}' spreads its "
+                                       f"experts over ep_size={layer.ep_size} ranks; choose ZeRO stage 1 or 2")
+
+
 def expert_layers(model: nn.Module) -> List[nn.Module]:
     """The model's expert-parallel layers: deepspeed.moe MoE layers and AutoEP's layers."""
     from .autoep.layer import AutoEPMoELayer

@@ -312,8 +312,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         return optimizer, model_parameters
 
     def _make_mesh(self, model, mpu):
-        from ..moe.utils import expert_parallel_size, moe_layers
+        from ..moe.utils import expert_parallel_size, moe_layers, refuse_native_moe_at_stage3
 
+        refuse_native_moe_at_stage3(model, self.config.zero_optimization.stage)
         try:
             expert = expert_parallel_size(model)
             if self.config.expert_parallel.enabled:  # AutoEP: checked now, the blocks swapped once the mesh exists

@@ -220,6 +220,16 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+class CPU_Accelerator(DeepSpeedAccelerator):
+    """The CPU accelerator whatever torch sees (DeepSpeed's deepspeed.accelerator.cpu_accelerator
+    class, which tests pass to set_accelerator to run on gloo on a GPU host). Its backend is
+    always gloo: DeepSpeed switches to "ccl" when Intel's oneCCL bindings are installed, a
+    backend dslaunch's comm layer does not speak."""
+
+    def __init__(self):
+        super().__init__(cuda=False)
+
+
 _ACCEL: Optional[DeepSpeedAccelerator] = None
 SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu"]
 

@@ -122,7 +122,7 @@ def test_expert_parallel_equals_one_process_holding_every_expert(runs, name):
 def test_what_expert_parallelism_does_not_do_is_one_line(runs):
     got = runs["refusals"]
     assert got["ep_not_dividing_world"] == "MoE ep_size 4 does not divide the data-parallel size 2 (the world)"
-    assert got["zero3"].startswith("ZeRO stage 3: a param group reduces over the 'expert_data' axis")
+    assert got["zero3"].startswith("Native DeepSpeed MoE is not supported with ZeRO Stage 3: ")
     assert got["optimizer_without_moe_group"] == (
         "optimizer: an expert parameter is in a param group without \"moe\": True; build the groups with "
         "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer")
