@@ -40,7 +40,11 @@ def main() -> None:
     except ImportError as exc:
         sys.exit(f"error: run this with a Python that has deepspeed installed ({exc})")
     from bench_ranks import spawn
+    import tempfile
 
+    # DeepSpeed builds its CPU shared-memory comm op at init_distributed: a folder of our own,
+    # so a build for another DeepSpeed source in the shared cache cannot be picked up
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "ds-autocast-fixture-ext"))
     result = spawn(worker, 1, {})[0]
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "expected.json"), "w") as fh:

@@ -46,6 +46,9 @@ def test_engine_forward_under_torch_autocast_equals_deepspeed():
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) < 1e-6, (case, losses, want_losses)
         # no parameter is marked: every gradient is reduced in its own dtype (see the docstring)
         assert set(comm.values()) == {"torch.float32"} and set(comm) == set(want_comm)
+    # DeepSpeed's answer there: the Linear's parameters reduced in bf16, the LayerNorm's in fp32
+    assert expected["bf16"][2] == {"linear.weight": "torch.bfloat16", "linear.bias": "torch.bfloat16",
+                                   "norm.weight": "torch.float32", "norm.bias": "torch.float32"}
     # nested: the forward sees the engine's setting, whatever the caller's (backward and step
     # still run under the caller's autocast, so only the first loss is the same as without it)
     assert got["nested_off"][1] == [[False, "torch.float32"]] * 3
