@@ -188,6 +188,7 @@ PATHS: Dict[str, Entry] = {
                                "DeepSpeedFP16Config": "core.config", "DeepSpeedBF16Config": "core.config"}),
     "profiling": "train.profiling",  # deepspeed.profiling
     "rollout": "inference.rollout",  # deepspeed.runtime.rollout: on-policy generation for RL/distillation
+    "sequence.fpdt_layer": "sequence.fpdt",  # deepspeed.sequence.fpdt_layer: FPDT's input layout (kernels refused)
     "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
     # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
     "utils": Names("deepspeed.runtime.utils / deepspeed.utils: the helpers scripts call, each dslaunch's own.",
@@ -197,6 +198,7 @@ PATHS: Dict[str, Entry] = {
                     "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
                     "partition_balanced": "pipe.partition", "prefix_sum_inc": "pipe.partitioned",
                     **{name: "zero.fragments" for name in _FRAGMENTS}}),
+    "torch_autocast": "core.autocast",  # deepspeed.runtime.torch_autocast: gradients' reduction dtypes
     "tensor_parallel.config": Names("deepspeed.runtime.tensor_parallel.config: the Hugging Face tp plan reader "
                                     "(the section itself is parsed with the config).",
                                     {"_get_hf_tp_plan": "tensor_parallel.autotp:hf_tp_plan"}),

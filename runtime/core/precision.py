@@ -132,9 +132,16 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
 
 
 def forward_context(policy: PrecisionPolicy, device: torch.device):
-    if policy.autocast is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=policy.autocast)
+    """The forward's autocast, as DeepSpeed's engine sets it: the config's (replacing a
+    caller's own autocast) when torch_autocast is enabled; otherwise a caller's autocast on the
+    engine's device is switched off inside, since the engine's precision is then the fp16/bf16
+    sections' (DeepSpeed 0.19.8 looks at CUDA's autocast only, so on CPU it leaves a caller's on;
+    dslaunch asks the engine's device)."""
+    if policy.autocast is not None:
+        return torch.autocast(device_type=device.type, dtype=policy.autocast)
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _floats(values: Iterable[Any]):

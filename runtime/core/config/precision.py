@@ -89,24 +89,27 @@ class NonFiniteCheckConfig:
         positive(path, "max_consecutive_steps", self.max_consecutive_steps)
 
 
+_BF16_NAMES = ("bfloat16", "bf16", "torch.bfloat16")
+
+
 @dataclass
 class TorchAutocastConfig:
     enabled: bool = supported(False, "the forward runs under torch.autocast (parameters stay fp32)")
-    dtype: Literal["bfloat16", "bf16", "float16", "fp16", "half"] = supported(
-        "bfloat16", "torch.autocast's lower precision dtype")
+    dtype: Literal["bfloat16", "bf16", "torch.bfloat16", "float16", "fp16", "half", "torch.float16"] = supported(
+        "bfloat16", "torch.autocast's lower precision dtype (str(torch.bfloat16) too, as DeepSpeed)")
     lower_precision_safe_modules: Any = refused(
         "reducing chosen modules' gradients in the autocast dtype is not supported; gradients are reduced in "
         "fp32", None)
 
     @property
     def torch_dtype_name(self) -> str:
-        return "bfloat16" if self.dtype in ("bfloat16", "bf16") else "float16"
+        return "bfloat16" if self.dtype in _BF16_NAMES else "float16"
 
     @property
     def torch_dtype(self):
         import torch
 
-        return torch.bfloat16 if self.dtype in ("bfloat16", "bf16") else torch.float16
+        return torch.bfloat16 if self.dtype in _BF16_NAMES else torch.float16
 
 
 @dataclass

@@ -146,3 +146,35 @@ class MpuMesh:
 
 # DeepSpeed-era name, kept for scripts and tests that import it
 MpuGrid = MpuMesh
+
+
+class SequenceOnlyMpu:
+    """DeepSpeed's reading of a sequence-parallel mpu, one with `initialize_sequence_parallel`
+    (its parallel_state_sp module, ours in runtime/sequence/parallel_state_sp.py): it aliases the
+    model-parallel getters to the sequence group, yet DeepSpeed's engine counts no model
+    parallelism for it (utils/groups.py: model-parallel size 1, so checkpoints are mp_rank 00).
+    This view answers model and tensor parallelism as size 1 and passes everything else on."""
+
+    def __init__(self, mpu):
+        self.mpu = mpu
+
+    def __getattr__(self, name):
+        return getattr(self.mpu, name)
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_group(self):
+        return None
+
+    get_slice_parallel_rank = get_model_parallel_rank
+    get_slice_parallel_world_size = get_model_parallel_world_size
+    get_slice_parallel_group = get_model_parallel_group
+
+
+def mpu_view(mpu):
+    """The mpu as the mesh reads it (SequenceOnlyMpu for a sequence-parallel mpu)."""
+    return SequenceOnlyMpu(mpu) if callable(getattr(mpu, "initialize_sequence_parallel", None)) else mpu

@@ -11,7 +11,7 @@ from typing import Optional
 from .dims import MeshDims, MeshError
 from .layout import topology_for
 from .mesh import PipelineParallelGrid, data_parallel_grid
-from .mpu import MpuMesh
+from .mpu import MpuMesh, mpu_view
 
 
 def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *, tensor: int = 1,
@@ -37,7 +37,7 @@ def mesh_for(model, mpu, global_rank: int, world_size: int, distributed: bool, *
                             f"num_mp={tensor}")
         return own
     if mpu is not None:
-        mesh = MpuMesh(mpu, global_rank)
+        mesh = MpuMesh(mpu_view(mpu), global_rank)
         if tensor > 1 and mesh.size("sequence") > 1 and mesh.size("tensor") == 1:
             raise MeshError(f"tensor_parallel.autotp_size {tensor} with the mpu's sequence-parallel size "
                             f"{mesh.size('sequence')} is not supported (an mpu from register_with_transformers has "
