@@ -65,8 +65,8 @@ REFUSED: Dict[str, str] = {
     "deepspeed.DualPipeVEngine": "DeepSpeed's DualPipeV schedule; dslaunch's pipeline runs 1F1B",
     "deepspeed.DualPipeVModule": "DeepSpeed's DualPipeV schedule; dslaunch's pipeline runs 1F1B",
     "deepspeed.runtime.data_pipeline": "DeepSpeed's data efficiency library (curriculum, random-LTD); not provided",
-    "deepspeed.sequence.fpdt_layer": "FPDT (chunked sequence parallelism with offload) is not provided; "
-                                     "Ulysses is (deepspeed.sequence.layer)",
+    "deepspeed.sequence.fpdt_layer": "FPDT's chunked attention, FFN and loss (sequence parallelism with offload, "
+                                     "flash-attn on CUDA) are not provided; Ulysses is (deepspeed.sequence.layer)",
     "deepspeed.ops.op_builder.AsyncIOBuilder": "NVMe offload in dslaunch uses its own aio through torch's file "
                                               "I/O, not DeepSpeed's libaio op",
     "deepspeed.ops.op_builder.GDSBuilder": "GPUDirect Storage is CUDA-only",
@@ -187,6 +187,10 @@ REFUSED["deepspeed.DeepSpeedDataLoader"] = "the engine builds its loader from tr
 
 # Provided with a difference the user should know.
 DIFFERENCES: Dict[str, str] = {
+    "deepspeed.sequence.fpdt_layer.FPDT_Attention": "named so Megatron-DeepSpeed's imports resolve; constructing it "
+                                                    "raises with the reason (FPDT's chunked attention kernels need "
+                                                    "flash-attn on CUDA); its input layout, FPDT_InputConstruct, "
+                                                    "is provided",
     "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer": "named for isinstance checks (nothing is one: the "
                                                              "engine keeps fp16 in its strategy); constructing it "
                                                              "raises with the reason",
