@@ -135,3 +135,56 @@ def test_two_ranks_equal_one_process_with_uneven_blocks(gather_output):
         assert r["out"] < 1e-5 and r["grad0"] < 1e-5 and r["grad1"] < 1e-5 and r["bias1"] < 1e-5
         assert max(r["state"].values()) == 0 and sorted(r["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
         assert r["gathered"] == 0 and r["after"] == r["shape0"]
+
+
+class _PreSplit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(4, 11), torch.nn.Linear(11, 4)
+
+    def forward(self, x):
+        return self.down(self.up(x)).square().mean()
+
+
+def _engine_with_hand_split_layers():
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime import comm
+    from dslaunch.runtime.tensor_parallel.mode import set_autotp_mode
+    set_autotp_mode(training=True)
+    torch.manual_seed(0)
+    model = _PreSplit()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    group = comm.new_group([0, 1])
+    model.up = layers.LinearLayer(model.up, group)
+    model.down = layers.LinearAllreduce(model.down, group)
+    mine = model.up.weight.detach().clone()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "tensor_parallel": {"autotp_size": 2}})
+    state = engine._consolidated_16bit_state_dict()
+    return {"kept": torch.equal(engine.module.up.weight.detach(), mine),
+            "state": None if state is None else {k: torch.equal(v, full[k]) for k, v in state.items()}}
+
+
+def test_an_engine_keeps_hand_split_layers_and_consolidates_them():
+    r0, r1 = run_function(_engine_with_hand_split_layers, nprocs=2, timeout=240)
+    # rank 1's own block survives initialize (nothing of a split layer is broadcast from rank 0)
+    assert r0["kept"] and r1["kept"]
+    assert r0["state"] == {"up.weight": True, "up.bias": True, "down.weight": True, "down.bias": True}
+    assert r1["state"] is None
+
+
+def _consolidate_unsplit():
+    import dslaunch.runtime as deepspeed
+    engine, *_ = deepspeed.initialize(model=_PreSplit(), config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        engine._consolidated_16bit_state_dict()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_consolidating_unsplit_weights_is_refused_as_deepspeed_does():
+    (line,) = run_function(_consolidate_unsplit, nprocs=1, timeout=120)
+    assert line.startswith("consolidated_16bit_state_dict needs split weights")
