@@ -809,6 +809,10 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                              f"{self.config.zero_optimization.stage})")
         return model_export.gathered_state_dict(self.module, exclude_frozen_parameters)
 
+    def autotp_size(self) -> int:
+        """DeepSpeed's accessor: the tensor-parallel size (tensor_parallel.autotp_size, 1 without AutoTP)."""
+        return self.config.tensor_parallel.size
+
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """Collective: the full state_dict on rank 0 (CPU), None elsewhere, where the weights are
         split: ZeRO-3 (frozen parameters left out on request), or AutoTP (tensor_parallel

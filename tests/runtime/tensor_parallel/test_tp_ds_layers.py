@@ -162,14 +162,14 @@ def _engine_with_hand_split_layers():
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "tensor_parallel": {"autotp_size": 2}})
     state = engine._consolidated_16bit_state_dict()
-    return {"kept": torch.equal(engine.module.up.weight.detach(), mine),
+    return {"kept": torch.equal(engine.module.up.weight.detach(), mine), "autotp_size": engine.autotp_size(),
             "state": None if state is None else {k: torch.equal(v, full[k]) for k, v in state.items()}}
 
 
 def test_an_engine_keeps_hand_split_layers_and_consolidates_them():
     r0, r1 = run_function(_engine_with_hand_split_layers, nprocs=2, timeout=240)
     # rank 1's own block survives initialize (nothing of a split layer is broadcast from rank 0)
-    assert r0["kept"] and r1["kept"]
+    assert r0["kept"] and r1["kept"] and r0["autotp_size"] == 2
     assert r0["state"] == {"up.weight": True, "up.bias": True, "down.weight": True, "down.bias": True}
     assert r1["state"] is None
 
