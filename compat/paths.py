@@ -155,6 +155,14 @@ PATHS: Dict[str, Entry] = {
                             **{name: "tensor_parallel.autotp_config" for name in (
                                 "AutoTPConfig", "PartitionType", "TPLayerSpec", "merge_autotp_configs")}}),
     "module_inject.autotp_config": "tensor_parallel.autotp_config",  # DeepSpeed's layer-spec objects
+    "module_inject.layers": Names("deepspeed.module_inject.layers: AutoTP's column- and row-parallel training layers "
+                                  "and the training/inference switch (DeepSpeed's other layer classes and its "
+                                  "universal-checkpoint metadata helpers are not provided).",
+                                  {"LinearLayer": "tensor_parallel.autotp_layers",
+                                   "LinearAllreduce": "tensor_parallel.autotp_layers",
+                                   "AUTOTP_MODE": "tensor_parallel.mode", "set_autotp_mode": "tensor_parallel.mode",
+                                   "is_autotp_training_mode": "tensor_parallel.mode",
+                                   "get_auto_tp_mode": "tensor_parallel.mode:get_autotp_mode"}),
     "module_inject.tp_plan_converter": Names("deepspeed.module_inject.tp_plan_converter: a Hugging Face tp plan "
                                              "as AutoTP layer specs.",
                                              {"TPPlanConverter": "tensor_parallel.autotp_config",

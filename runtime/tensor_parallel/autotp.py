@@ -253,6 +253,10 @@ def plan_training_shards(model: nn.Module, tp_size: int, partition_config: Any =
     hf = hf_tp_plan(model)
     if hf:
         return _plan_from_specs(model, tp_size, partition_config_from_hf_plan(hf))
+    if any(isinstance(m, TensorParallelLayer) for m in model.modules()):
+        # the script split the layers itself (DeepSpeed's LinearLayer / LinearAllreduce built by
+        # hand): its split stands, and no automatic choice is laid over it
+        return TrainingShardPlan(tp_size, "the script's own tensor-parallel layers")
     return _plan_structural(model, tp_size)
 
 
@@ -285,7 +289,10 @@ def _broadcast_model(model: nn.Module, group: Any) -> None:
     """Every parameter and buffer from the group's first rank, before anything is cut: ranks
     that built the model with different seeds (the default generator differs per rank) would
     otherwise hold shards of different models and replicated copies that disagree."""
-    seen = set()
+    # a layer the script split already (DeepSpeed's LinearLayer built by hand) holds this
+    # rank's own block: nothing of it is sent
+    seen = {id(t) for m in model.modules() if isinstance(m, TensorParallelLayer)
+            for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if id(t) in seen or t.device.type == "meta":

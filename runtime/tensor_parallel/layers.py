@@ -74,15 +74,20 @@ def vocab_lookup(ids: torch.Tensor, start: int, stop: int, rows: Callable[[torch
 class ParamShard:
     """A local parameter's place in the full one: split along `dim` into `parts` (widths, each
     split evenly), or by vocabulary blocks (`vocab`: full rows, the local tensor padded), or
-    replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
+    into one block per rank of the widths `sizes` (in rank order: DeepSpeed's uneven AutoTP
+    split), or replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
 
     dim: Optional[int]
     full: int = 0
     parts: Tuple[int, ...] = ()
     vocab: bool = False
     conv1d: bool = False
+    sizes: Tuple[int, ...] = ()
 
     def ranges(self, tp: int, rank: int) -> List[Tuple[int, int]]:
+        if self.sizes:
+            start = sum(self.sizes[:rank])
+            return [(start, start + self.sizes[rank])]
         if self.vocab:
             start, stop, _ = vocab_range(self.full, tp, rank)
             return [(start, stop)]
@@ -407,6 +412,21 @@ def _copy_from(new: TensorParallelLayer, module: nn.Module) -> None:
         new.load_full_("bias", module.bias.detach())
 
 
+def gather_uneven(local: torch.Tensor, dim: int, sizes: Sequence[int], group: Any, label: str) -> torch.Tensor:
+    """The full tensor from every rank's block along `dim`, the blocks `sizes` wide in rank order
+    (unequal allowed): each block is zero-padded to the widest so one all-gather of equal
+    tensors carries them, then trimmed. Collective over `group`; not differentiable."""
+    widest = max(sizes)
+    local = local.detach().contiguous()
+    if local.shape[dim] != widest:
+        pad = list(local.shape)
+        pad[dim] = widest - local.shape[dim]
+        local = torch.cat([local, local.new_zeros(pad)], dim)
+    gathered = torch.empty((len(sizes),) + tuple(local.shape), dtype=local.dtype, device=local.device)
+    comm.all_gather_into_tensor(gathered, local.unsqueeze(0), group=group, label=label)
+    return torch.cat([block.narrow(dim, 0, width) for block, width in zip(gathered.unbind(0), sizes)], dim)
+
+
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The unsharded state dict of a model holding tensor-parallel layers: each split
     parameter, under every key it has (tied weights, shared modules), all-gathered once over
@@ -428,6 +448,8 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
             local = value.detach().contiguous()
             if spec.dim is None or layer.tp_size == 1:
                 done[id(value)] = spec.assemble([local])
+            elif spec.sizes:
+                done[id(value)] = gather_uneven(local, spec.dim, spec.sizes, layer.group, f"tp full_state_dict {key}")
             else:
                 gathered = torch.empty((layer.tp_size,) + tuple(local.shape), dtype=local.dtype, device=local.device)
                 comm.all_gather_into_tensor(gathered, local.unsqueeze(0), group=layer.group,

@@ -893,6 +893,21 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                              f"{self.config.zero_optimization.stage})")
         return model_export.gathered_state_dict(self.module, exclude_frozen_parameters)
 
+    def autotp_size(self) -> int:
+        """DeepSpeed's accessor: the tensor-parallel size (tensor_parallel.autotp_size, 1 without AutoTP)."""
+        return self.config.tensor_parallel.size
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """Collective: the full state_dict on rank 0 (CPU), None elsewhere, where the weights are
+        split: ZeRO-3 (frozen parameters left out on request), or AutoTP (tensor_parallel
+        size > 1: every parameter, as DeepSpeed's tensor-parallel path gives)."""
+        if self.config.zero_optimization.stage == 3:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.config.tensor_parallel.size > 1:
+            return model_export.tensor_parallel_state_dict(self.module)
+        raise ValueError("consolidated_16bit_state_dict needs split weights: zero_optimization.stage 3 or "
+                         "tensor_parallel.autotp_size > 1")
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         return model_export.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)

@@ -55,6 +55,17 @@ def gathered_state_dict(module: torch.nn.Module, exclude_frozen_parameters: bool
     return out
 
 
+def tensor_parallel_state_dict(module: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+    """Collective over every tensor-parallel layer's group. The full (unsplit) state_dict of a
+    model holding tensor-parallel layers, as CPU tensors, on rank 0; None on the other ranks."""
+    from ..tensor_parallel import full_state_dict
+
+    full = full_state_dict(module)
+    if _rank() != 0:
+        return None
+    return OrderedDict((key, t.detach().to("cpu", copy=True)) for key, t in full.items())
+
+
 def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> bool:
     """Collective. Rank 0 writes save_dir/save_filename (torch.save of the full state_dict).
     Under ZeRO-3 only when zero_optimization.stage3_gather_16bit_weights_on_model_save is true
