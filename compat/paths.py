@@ -165,7 +165,8 @@ PATHS: Dict[str, Entry] = {
                              "get_zero_config")}),
     "zero.offload_config": Names("deepspeed.runtime.zero.offload_config: DeepSpeed's names for the offload sections.",
                                  {name: "core.config.zero" for name in (
-                                     "OffloadDeviceEnum", "DeepSpeedZeroOffloadOptimizerConfig",
+                                     "OffloadDeviceEnum", "OffloadStateTypeEnum",
+                                     "DeepSpeedZeroOffloadOptimizerConfig",
                                      "DeepSpeedZeroOffloadParamConfig")}),
     "zero.partition_parameters": Names("deepspeed.runtime.zero.partition_parameters: ZeRO-3's parameter names.",
                                        {"GatheredParameters": "zero.params", "Init": "zero.params",
