@@ -27,6 +27,7 @@ gradient reduction send, not what is computed: zeropp.py.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -811,6 +812,19 @@ class ZeroStage3(ShardedStrategy):
             if id(p) in self._shard_is_master:
                 z = p._zero
                 z.resident.data = self.groups[z.group_index]["master"][z.master_offset:z.master_offset + z.chunk]
+
+    @contextlib.contextmanager
+    def hooks_suspended(self):
+        """No ZeRO hook runs inside (unwrap_model_for_generation: the caller holds the whole
+        model gathered). The forward order recorded for prefetching is dropped on the way out:
+        generation's forwards are not the training step's, and the next forward records anew."""
+        self.remove_hooks()
+        try:
+            yield
+        finally:
+            self._prefetch.drop_all()
+            self._trace, self._recording, self._trace_ok, self._index = [], True, False, None
+            self.wrap_module()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
