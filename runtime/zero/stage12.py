@@ -123,6 +123,10 @@ class _PartitionedStage(ShardedStrategy):
                                                  axis))
         for pg, g in zip(optimizer.param_groups, self.groups):
             pg["params"] = [g.master]
+        # DeepSpeed's name for this rank's master partition of each group, which scripts (and
+        # its offload_states tests) read off engine.optimizer; the same tensor objects for the
+        # engine's life (offload_states swaps their .data, never the objects)
+        optimizer.single_partition_of_fp32_groups = [g.master for g in self.groups]
         optimizer.state.clear()
         # Where the update runs: in place on the masters, on the CPU with the fused
         # kernel, or with state swapped to NVMe files.

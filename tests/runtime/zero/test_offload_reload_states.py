@@ -80,6 +80,10 @@ def _steps(stage, bf16, offload, include, mid_backward, offload_optimizer):
             engine.offload_states(include=kinds, pin_memory=False)
             between = {k: sorted(str(d) for d in get_state_devices(engine, OffloadStateTypeEnum(k))) for k in KINDS}
             between["same_state_keys"] = keys == [id(k) for k in engine.optimizer.state]
+            if stage < 3:  # DeepSpeed's name for the masters: the optimizer's partitions, where they are now
+                parts = engine.optimizer.single_partition_of_fp32_groups
+                between["partitions"] = ([id(p) for p in parts] == [id(g["params"][0]) for g in engine.optimizer.
+                                                                     param_groups], sorted({str(p.device) for p in parts}))
             between["params_moved"] = all(a != b for a, b in zip(ptrs, _storages(engine)))
             engine.reload_states()
         losses.append(float(loss))
@@ -133,6 +137,8 @@ def test_states_report_the_requested_device(runs):
             for kind in ("optim_states", "hp_params", "lp_params"):
                 assert between[kind] == ["cpu"], (key, kind)
             assert between["lp_grads"] == [] and between["contiguous_grad_buffer"] == [], key
+            if key[0] < 3:
+                assert between["partitions"] == (True, ["cpu"]), key
         if len(key) == 4 and key[3]:  # between backward and step the reduced partitions exist
             assert between["lp_grads"] == ["cpu"], key
         if key[-1] == "simulated":  # fresh storage: the module's parameters follow what moved
