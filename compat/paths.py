@@ -231,17 +231,25 @@ PATHS: Dict[str, Entry] = {
                              "get_zero_config")}),
     "zero.offload_config": Names("deepspeed.runtime.zero.offload_config: DeepSpeed's names for the offload sections.",
                                  {name: "core.config.zero" for name in (
-                                     "OffloadDeviceEnum", "DeepSpeedZeroOffloadOptimizerConfig",
+                                     "OffloadDeviceEnum", "OffloadStateTypeEnum",
+                                     "DeepSpeedZeroOffloadOptimizerConfig",
                                      "DeepSpeedZeroOffloadParamConfig")}),
     "zero.partition_parameters": Names("deepspeed.runtime.zero.partition_parameters: ZeRO-3's parameter names.",
                                        {"GatheredParameters": "zero.params", "Init": "zero.params",
                                         "ZeroParamStatus": "zero.params", "MultipleAllGatherHandles": "zero.params",
-                                        "partitioned_param_data_shape": "zero.params"}),
+                                        "partitioned_param_data_shape": "zero.params",
+                                        "CUDAQuantizer": "zero.zeropp",
+                                        "_contradicting_single_rank_pg_error":  # DeepSpeed's private name
+                                            "zero.params:single_rank_group_contradiction"}),
     "zero.leaf_module_config": Names("deepspeed.runtime.zero.leaf_module_config: the leaf_module section's defaults.",
                                      {"DEFAULT_LEAF_MODULE_CLASSES": "core.config.zero",
                                       "DEFAULT_LEAF_MODULE_NAMES": "core.config.zero",
                                       "DEFAULT_LEAF_MODULE_NAME_SUFFIXES": "core.config.zero",
                                       "DeepSpeedZeroLeafModuleConfig": "core.config.zero:LeafModuleConfig"}),
+    "zero.parameter_offload": Refused(
+        "deepspeed.runtime.zero.parameter_offload (DeepSpeedZeRoOffload, ZeROOrderedDict) is not provided: dslaunch's "
+        "stage 3 gathers parameters in module hooks, not through the modules' _parameters dicts; outside forward "
+        "read them with deepspeed.zero.GatheredParameters"),
     "zero.muon": "core.muon",  # deepspeed.runtime.zero.muon: DeepSpeed's Muon package
     "zero.muon.muon_optimizer": "core.muon.optimizer",  # where DeepSpeed's MuonWithAuxAdam is imported from
     "zero.utils": Names("deepspeed.runtime.zero.utils: the class DeepSpeed raises its ZeRO refusals as.",

@@ -49,6 +49,8 @@ from .resize import batch as resize_batch
 from .resize.contract import ResizeEnv
 from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
 from ..zero.hook_scope import apply_leaf_module_config
+from ..zero.offload_states import offload_strategy_states, reload_strategy_states
+from ..core.config.zero import OffloadDeviceEnum
 from ..core.strict import ConfigError
 from .accumulation import check_accumulation_mode, samples_in_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
@@ -876,6 +878,17 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                                trust_pickle=trust_pickle)
+
+    # -- moving ZeRO's states off the accelerator between phases (zero/offload_states.py) ------
+    def offload_states(self, include=None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move the ZeRO states named in `include` (OffloadStateTypeEnum; all when None) to
+        `device` (cpu), page-locked when pin_memory; reload_states() brings them back."""
+        offload_strategy_states(self.strategy, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Put every state offload_states moved back on the device it came from."""
+        reload_strategy_states(self.strategy, non_blocking)
 
     def destroy(self) -> None:
         self.strategy.close()

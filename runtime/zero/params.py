@@ -402,6 +402,26 @@ class GatheredParameters:
         return False
 
 
+def single_rank_group_contradiction(dp_world_size: int, explicit_process_group=None, env=None) -> Optional[str]:
+    """Why zero.Init must stop, or None: the launcher started WORLD_SIZE > 1 processes but the
+    group parameters would be cut over has one rank (a one-process group set up before
+    zero.Init, e.g. by a library loading the model first), so every rank would hold the whole
+    model. A group the script passed itself is taken as meant; an unreadable WORLD_SIZE is
+    no evidence either way."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    env = os.environ if env is None else env
+    try:
+        launched = int(env.get("WORLD_SIZE") or 0)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init: the launcher reports WORLD_SIZE={launched} but the process group has 1 rank, so no parameter "
+            "would be partitioned (each rank would hold the whole model); call deepspeed.init_distributed() before "
+            "anything sets up a one-process group, or pass data_parallel_group= if one rank is intended")
+
+
 class Init:
     """`with Init():` modules constructed inside have their parameters partitioned as
     soon as each module's own __init__ returns, so the whole model never exists on one
@@ -442,6 +462,7 @@ class Init:
         self.enabled = enabled
         if data_parallel_group is None:
             data_parallel_group = sequence_data_parallel_group
+        self._explicit_group = data_parallel_group  # the script chose it: a 1-rank group is then intended
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
         self.group = data_parallel_group
@@ -462,12 +483,14 @@ class Init:
             for sub in module.modules():
                 self._partition_own(sub)
 
-    @staticmethod
-    def _require_process_group() -> None:
+    def _require_process_group(self) -> None:
         # as DeepSpeed's Init: the process group is set up here when the script has not done
         # it (from the launcher's environment, or MPI discovery, as init_distributed does)
         if not (dist.is_available() and dist.is_initialized()):
             comm.init_distributed()
+        problem = single_rank_group_contradiction(comm.get_world_size(self.group), self._explicit_group)
+        if problem is not None:
+            raise RuntimeError(problem)
 
     def _partition_own(self, module) -> None:
         for name, p in module.named_parameters(recurse=False):

@@ -45,6 +45,8 @@ from ..core.shard_state import FrozenRecord, ShardKind, ShardLayout
 from ..core.strategy import DATA_AXIS, ReduceAxis, StrategyContext, check_numel, register_strategy, state_tensor
 from ..core import comm
 from .offload import OptimizerHost, make_host, pin_host
+from .offload_states import StateMover
+from ..core.config.zero import OffloadStateTypeEnum
 from .partition import FlatLayout, Piece, pieces_to_dict
 from .sharded import ShardedStrategy, offload_optimizer
 from .reshard import assemble
@@ -60,6 +62,7 @@ class _Group:
     grad: Optional[torch.Tensor]  # fp32 partition gradient (stage 2, and stage 1 after reduce)
     pieces: List[Piece]
     axis: ReduceAxis  # what the group is partitioned over and its gradients reduced on
+    master_is_view: bool = False  # the master is this rank's slice of `flat` (one copy, fp32 or bf16 masters)
 
 
 @dataclass
@@ -120,6 +123,10 @@ class _PartitionedStage(ShardedStrategy):
                                                  axis))
         for pg, g in zip(optimizer.param_groups, self.groups):
             pg["params"] = [g.master]
+        # DeepSpeed's name for this rank's master partition of each group, which scripts (and
+        # its offload_states tests) read off engine.optimizer; the same tensor objects for the
+        # engine's life (offload_states swaps their .data, never the objects)
+        optimizer.single_partition_of_fp32_groups = [g.master for g in self.groups]
         optimizer.state.clear()
         # Where the update runs: in place on the masters, on the CPU with the fused
         # kernel, or with state swapped to NVMe files.
@@ -138,6 +145,8 @@ class _PartitionedStage(ShardedStrategy):
         self._inflight: List[_Inflight] = []  # reduces issued by the hooks, not yet added to the partition
         self._reduced = self.stage == 2  # stage 1: set once the boundary backward has reduced
         self._install_hooks()
+        self.optimizer_on_host = offload is not None  # offload_states leaves masters and state there
+        self.mover = StateMover()  # what engine.offload_states moved (offload_states.py)
 
     # -- construction ---------------------------------------------------------------------
     def _build_group(self, params, names, axis: ReduceAxis) -> _Group:
@@ -151,13 +160,15 @@ class _PartitionedStage(ShardedStrategy):
         lo, hi = layout.partition_range(axis.rank)
         # offloaded: masters, optimizer state and (stage 2) the gradient partition in host memory
         host = torch.device("cpu") if self.offload_device in ("cpu", "nvme") else device
-        if host == device and dtype == self.master_dtype:
+        master_is_view = host == device and dtype == self.master_dtype
+        if master_is_view:
             # parameters in the masters' dtype (fp32, or bf16 with bf16 masters): this rank's slice of
             # them is the master, one copy (DeepSpeed keeps a second, equal one)
             master = flat[lo:hi]
         else:
             master = pin_host(flat[lo:hi].detach().to(host, self.master_dtype).clone(), self.pin)
-        return _Group(list(params), list(names), layout, flat, master, None, layout.pieces(axis.rank), axis)
+        return _Group(list(params), list(names), layout, flat, master, None, layout.pieces(axis.rank), axis,
+                      master_is_view=master_is_view)
 
     def _grad_partition(self, g: _Group) -> torch.Tensor:
         """The group's reduced-gradient partition, allocated (zeroed, beside the master) by the
@@ -506,6 +517,30 @@ class _PartitionedStage(ShardedStrategy):
                         state[k.name] = k.value
                 self.host.load_state_of(gi, state)
         self.sync_params()
+
+    # -- engine.offload_states / reload_states (offload_states.py) --------------------------
+    def state_tensors(self, kind: OffloadStateTypeEnum) -> List[torch.Tensor]:
+        """This rank's tensors of one offloadable kind. A master that is a slice of the flat
+        parameter buffer is that buffer (moved whole, then re-seated by reseat_states)."""
+        if kind == OffloadStateTypeEnum.hp_params:
+            return [g.flat if g.master_is_view else g.master for g in self.groups]
+        if kind == OffloadStateTypeEnum.lp_params:
+            return [g.flat for g in self.groups]
+        if kind == OffloadStateTypeEnum.optim_states:
+            return [v for g in self.groups for v in self.optimizer.state.get(g.master, {}).values()
+                    if torch.is_tensor(v)]
+        if kind == OffloadStateTypeEnum.lp_grads:
+            return [g.grad for g in self.groups if g.grad is not None]
+        return []  # contiguous_grad_buffer: the reduce buckets exist only during backward
+
+    def reseat_states(self) -> None:
+        """After a move: the parameters (and a master sharing it) are views of the flat buffer again."""
+        for g in self.groups:
+            for p, s in zip(g.params, g.layout.slots):
+                p.data = g.flat[s.offset:s.offset + s.numel].view(s.shape)
+            if g.master_is_view:
+                lo, hi = g.layout.partition_range(g.axis.rank)
+                g.master.data = g.flat[lo:hi]
 
     def close(self) -> None:
         for h in self._hooks:

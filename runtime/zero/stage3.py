@@ -27,6 +27,7 @@ gradient reduction send, not what is computed: zeropp.py.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -43,6 +44,8 @@ from . import hook_scope
 from .hook_scope import (hooked_modules, module_params, set_leaves_by_granularity, unmarked_expert_lists,
                          z3_leaf_module)
 from .offload import OptimizerHost, make_host, pin_host
+from .offload_states import StateMover
+from ..core.config.zero import OffloadStateTypeEnum
 from .params import gather, is_partitioned, is_present, pack_shard, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
 from .prefetch import ModuleTrace, Prefetcher
@@ -177,6 +180,7 @@ class ZeroStage3(ShardedStrategy):
         param_groups = optimizer.param_groups if optimizer is not None else []
         self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in param_groups]
         seen = set()
+        self._shard_is_master: set = set()  # ids of params whose shard is a view of their group's master
         for gi, pg in enumerate(param_groups):
             params = [p for p in pg["params"] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
@@ -201,12 +205,15 @@ class ZeroStage3(ShardedStrategy):
                     # parameters in the masters' dtype (fp32, or bf16 with bf16 masters): the shard is the
                     # master, one copy updated in place by the step (DeepSpeed keeps a second, equal one)
                     z.shard = view
+                    self._shard_is_master.add(id(p))
             # "grad": the reduced gradient chunks, allocated by the window's first reduce-scatter (_grad)
             self.groups.append({"params": params, "master": master, "grad": None, "grad_dtype": accum, "pin": pin,
                                 "pieces": pieces, "shapes": {p._zero.name: list(p._zero.shape) for p in params}})
             pg["params"] = [master]
         if optimizer is not None:
             optimizer.state.clear()
+        self.optimizer_on_host = offload is not None  # offload_states leaves masters, state and gradients there
+        self.mover = StateMover()  # what engine.offload_states moved (offload_states.py)
         self.swapper = None
         if getattr(offload_param, "device", "none") == "nvme":  # shards rest in files between uses
             from .param_swap import ParamSwapper
@@ -768,6 +775,56 @@ class ZeroStage3(ShardedStrategy):
                 z.written()
                 rest([p], dirty=True)
             self._refresh_persistent(g["params"])
+
+    # -- engine.offload_states / reload_states (offload_states.py) --------------------------
+    def _stepped(self):
+        return [p for g in self.groups for p in g["params"]]
+
+    def state_tensors(self, kind: OffloadStateTypeEnum) -> List[torch.Tensor]:
+        """This rank's tensors of one offloadable kind. A shard that is a view of its master
+        (parameters in the masters' dtype) is that master: they move together."""
+        if kind == OffloadStateTypeEnum.hp_params:
+            return [g["master"] for g in self.groups]
+        if kind == OffloadStateTypeEnum.lp_params:
+            out, masters = [], set()
+            for p in self.module.parameters():
+                z = getattr(p, "_zero", None)
+                if z is None or z.owner is not self or z.packed is not None or z.resident is None:
+                    continue  # int8-packed frozen shards stay where they are
+                if id(p) in self._shard_is_master:
+                    gi = z.group_index
+                    if gi not in masters:
+                        masters.add(gi)
+                        out.append(self.groups[gi]["master"])
+                else:
+                    out.append(z.resident)
+            return out
+        if kind == OffloadStateTypeEnum.optim_states:
+            return [v for g in self.groups for v in self.optimizer.state.get(g["master"], {}).values()
+                    if torch.is_tensor(v)]
+        if kind == OffloadStateTypeEnum.lp_grads:
+            return [g["grad"] for g in self.groups if g["grad"] is not None]
+        return []  # contiguous_grad_buffer: the reduce-scatter buckets exist only during backward
+
+    def reseat_states(self) -> None:
+        """After a move: a shard that shares its master's storage is a view of it again."""
+        for p in self._stepped():
+            if id(p) in self._shard_is_master:
+                z = p._zero
+                z.resident.data = self.groups[z.group_index]["master"][z.master_offset:z.master_offset + z.chunk]
+
+    @contextlib.contextmanager
+    def hooks_suspended(self):
+        """No ZeRO hook runs inside (unwrap_model_for_generation: the caller holds the whole
+        model gathered). The forward order recorded for prefetching is dropped on the way out:
+        generation's forwards are not the training step's, and the next forward records anew."""
+        self.remove_hooks()
+        try:
+            yield
+        finally:
+            self._prefetch.drop_all()
+            self._trace, self._recording, self._trace_ok, self._index = [], True, False, None
+            self.wrap_module()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

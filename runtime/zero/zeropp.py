@@ -90,6 +90,38 @@ def qwz_quantize(flat: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return quantize(h, groups, QWZ_BITS)
 
 
+class CUDAQuantizer:
+    """DeepSpeed's qwZ quantizer object (deepspeed.runtime.zero.partition_parameters), for
+    scripts that quantize a tensor as qwZ does: `quantize(param, groups=None)` gives int8
+    blocks and one fp32 scale per block of the values read as fp16 (DeepSpeed's block count
+    when `groups` is None), `dequantize(q, scale, dtype=None)` the values back, in `dtype`
+    (fp16 when None). The blocks are computed by dslaunch's quantizer op (kernels/quantizer.py,
+    the CPU or CUDA build of the tensor's device); a script that sets the class attribute
+    `quantizer_cuda_module` to an op object with DeepSpeed's interface (quantize(x, groups,
+    bits, kind), dequantize(q, scale, groups, bits, kind), Symmetric) gets that op instead."""
+
+    quantizer_cuda_module = None
+
+    def quantize(self, param: torch.Tensor, groups: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if groups is None:
+            groups = quantize_ref.qwz_groups(param.numel())
+        # read as fp16 (DeepSpeed's kernel reads __half): a bf16 value is converted, not reinterpreted
+        half = param.detach().reshape(-1).to(torch.float16)
+        op = self.quantizer_cuda_module
+        if op is not None:
+            return op.quantize(half, groups, QWZ_BITS, op.Symmetric)
+        return quantize(half, groups, QWZ_BITS)
+
+    def dequantize(self, quantized_param: torch.Tensor, scale: torch.Tensor,
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        op = self.quantizer_cuda_module
+        if op is not None:
+            out = op.dequantize(quantized_param, scale, scale.numel(), QWZ_BITS, op.Symmetric)
+        else:
+            out = dequantize(quantized_param, scale, QWZ_BITS, torch.float16)
+        return out if dtype is None else out.to(dtype)
+
+
 @dataclass
 class Packed:
     """A flat tensor kept as qwZ's int8 blocks (frozen shards under zero_quantized_nontrainable_weights)."""

@@ -311,6 +311,18 @@ class OffloadDeviceEnum(str, Enum):
     nvme = "nvme"
 
 
+class OffloadStateTypeEnum(str, Enum):
+    """The kinds of ZeRO state engine.offload_states() moves (DeepSpeed's names): fp32 masters,
+    the module's compute-dtype parameters (stage 3: this rank's shards), optimizer state, the
+    reduced gradient partitions, and a persistent contiguous gradient buffer (dslaunch keeps
+    none: its reduce buckets live only during backward)."""
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
 def get_zero_config(param_dict: Dict[str, Any]) -> ZeroConfig:
     """The parsed `zero_optimization` section of a whole config dict (stage 0 if absent)."""
     section = param_dict.get("zero_optimization", {})
