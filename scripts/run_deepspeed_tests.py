@@ -440,23 +440,64 @@ def wilson(k: int, n: int, z: float = 1.96) -> Tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def estimate(total: FileResult) -> Tuple[float, float, float]:
-    """A sample's whole-tree share passed of those that run: (estimate, low, high). The sampled
-    tests stand for every test that collects; files that fail to import count exactly."""
-    n = total.passed + (total.failed - total.collection_errors) + total.skipped
-    collectable = total.collected - total.collection_errors
+@dataclass
+class Strata:
+    """The tree split for the estimate: files that fail to import (exact: each test a failure),
+    files every test of which ran (exact), and the other files that collect, of which a random
+    sample ran and stands for all of their tests."""
+    errors: int = 0
+    exact_files: int = 0
+    exact_passed: int = 0
+    exact_failed: int = 0
+    exact_skipped: int = 0
+    rest_tests: int = 0  # tests of the sampled files that collect
+    sampled_passed: int = 0
+    sampled_failed: int = 0
+    sampled_skipped: int = 0
+
+    @property
+    def sampled(self) -> int:
+        return self.sampled_passed + self.sampled_failed + self.sampled_skipped
+
+
+def strata(results) -> Strata:
+    """`results`: the per-file results, or one whole-tree total (all of it one sampled stratum)."""
+    st = Strata()
+    for r in ([results] if isinstance(results, FileResult) else results):
+        st.errors += r.collection_errors
+        collectable = r.collected - r.collection_errors
+        ran_failed = r.failed - r.collection_errors
+        if collectable > 0 and not r.not_run and r.path != "total":
+            st.exact_files += 1
+            st.exact_passed += r.passed
+            st.exact_failed += ran_failed
+            st.exact_skipped += r.skipped
+        elif collectable > 0:
+            st.rest_tests += collectable
+            st.sampled_passed += r.passed
+            st.sampled_failed += ran_failed
+            st.sampled_skipped += r.skipped
+    return st
+
+
+def estimate(results) -> Tuple[float, float, float]:
+    """The whole tree's share passed of the tests that run: (estimate, low, high). Files that fail
+    to import and files run in full count exactly; each sampled test stands for its share of the
+    other files' tests (the interval is the sample's)."""
+    st = strata(results)
+    n = st.sampled
 
     def share(pass_fraction: float) -> float:
-        skip_fraction = total.skipped / n
-        passed = pass_fraction * collectable
-        ran = (1 - skip_fraction) * collectable + total.collection_errors
+        skip_fraction = st.sampled_skipped / n if n else 0.0
+        passed = st.exact_passed + pass_fraction * st.rest_tests
+        ran = st.exact_passed + st.exact_failed + (1 - skip_fraction) * st.rest_tests + st.errors
         return passed / ran if ran else 0.0
 
-    lo, hi = wilson(total.passed, n)
-    return share(total.passed / n), share(lo), share(hi)
+    lo, hi = wilson(st.sampled_passed, n)
+    return share(st.sampled_passed / n if n else 0.0), share(lo), share(hi)
 
 
-def headline(total: FileResult, import_failed: int) -> str:
+def headline(total: FileResult, import_failed: int, results: Optional[List[FileResult]] = None) -> str:
     ran = total.passed + total.failed
     if not ran and not total.not_run:
         return "Nothing ran."
@@ -466,13 +507,21 @@ def headline(total: FileResult, import_failed: int) -> str:
             return (f"**Whole tree: {total.collected} tests; {total.collection_errors} of them are in "
                     f"{import_failed} files that fail to import (each counted as a failure); none of the "
                     f"{total.collected - total.collection_errors} tests that collect ran**")
-        est, lo, hi = estimate(total)
-        return (f"**Whole tree: {total.collected} tests; {total.collection_errors} of them are in {import_failed} "
-                f"files that fail to import (each counted as a failure). A uniform random sample of {sampled} of the "
-                f"{total.collected - total.collection_errors} tests that collect ran: {total.passed} passed, "
-                f"{total.failed - total.collection_errors} failed, {total.skipped} skipped. Estimated share of the "
-                f"whole tree that passes, of the tests that run: {100 * est:.1f}% (95% interval {100 * lo:.1f}-"
-                f"{100 * hi:.1f}%)**")
+        st = strata(results if results is not None else total)
+        est, lo, hi = estimate(results if results is not None else total)
+        head = (f"**Whole tree: {total.collected} tests; {total.collection_errors} of them are in {import_failed} "
+                f"files that fail to import (each counted as a failure). ")
+        tail = (f"Estimated share of the whole tree that passes, of the tests that run: {100 * est:.1f}% (95% "
+                f"interval {100 * lo:.1f}-{100 * hi:.1f}%)**")
+        if not st.exact_files:
+            return (head + f"A uniform random sample of {sampled} of the {total.collected - total.collection_errors} "
+                    f"tests that collect ran: {total.passed} passed, {total.failed - total.collection_errors} "
+                    f"failed, {total.skipped} skipped. " + tail)
+        exact = st.exact_passed + st.exact_failed + st.exact_skipped
+        return (head + f"All {exact} tests of {st.exact_files} files ran: {st.exact_passed} passed, "
+                f"{st.exact_failed} failed, {st.exact_skipped} skipped; of the other {st.rest_tests} tests that "
+                f"collect, a random sample of {st.sampled} ran: {st.sampled_passed} passed, {st.sampled_failed} "
+                f"failed, {st.sampled_skipped} skipped, each standing for its share of those. " + tail)
     return (f"**{total.passed} of {ran} passed ({100.0 * total.passed / ran:.1f}%)**, {total.failed} failed "
             f"({total.collection_errors} of them in {import_failed} files that fail to import), {total.skipped} "
             "skipped")
@@ -495,7 +544,7 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         "DeepSpeed's own skips on a CPU (below, by reason). Every failure on purpose is counted as a failure "
         "and listed with its reason.",
         "",
-        headline(total, import_failed) + (f"; {sum(n for _, _, n in purposed)} of the failures are on purpose "
+        headline(total, import_failed, results) + (f"; {sum(n for _, _, n in purposed)} of the failures are on purpose "
                                           "(below)." if ran else ""),
         "",
         "Reproduce with `python scripts/run_deepspeed_tests.py --deepspeed-src DIR` for a full run of the tree "
@@ -719,9 +768,10 @@ def readme_row(results: List[FileResult], commit: str) -> str:
         return (f"{head}whole tree: {t.collection_errors} of {t.collected} tests in files that fail to import; "
                 f"the rest not run{tail}")
     if t.not_run:
-        est, lo, hi = estimate(t)
+        est, lo, hi = estimate(results)
+        source = "a random sample" + (" and the files run in full" if strata(results).exact_files else "")
         return (f"{head}whole tree, multi-rank tests included: an estimated {100 * est:.0f}% pass (95% interval "
-                f"{100 * lo:.0f}-{100 * hi:.0f}%, from a random sample); {t.collection_errors} of {t.collected} "
+                f"{100 * lo:.0f}-{100 * hi:.0f}%, from {source}); {t.collection_errors} of {t.collected} "
                 f"tests are in files that fail to import{tail}")
     share = f"{100.0 * t.passed / ran:.1f}%" if ran else "-"
     return (f"{head}{t.passed} of {ran} pass ({share}) over the whole tree, multi-rank tests included (each test "

@@ -122,6 +122,15 @@ def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
     assert "A uniform random sample of 4 of the 9 tests that collect ran: 2 passed, 1 failed, 1 skipped" in text
     assert "| `runtime/` | 15 | 2 | 8 | 1 | 7 | 4 | 20% |" in text and "`inference/`" not in text.split("## Files")[0]
     assert "| `inference/test_inf.py` | ImportError: no InferenceBuilder |" in text
+    # a file run in full counts exactly; the sample stands for the other files' tests only
+    full = s.FileResult("ops/adam/test_x.py", collected=1, failed=1)
+    mixed = [r for r in results.values() if r.path != "ops/adam/test_x.py"] + [full]
+    # test_a: 8 tests, 2 of 4 sampled pass and 1 skips (4 pass, 6 run); test_x: 1 run, failed; 7 errors
+    est, lo, hi = s.estimate(mixed)
+    assert est == pytest.approx(4 / (6 + 1 + 7)) and lo < est < hi
+    text = s.render(sorted(mixed, key=lambda r: r.path), "abc", "py", {}, "", "")
+    assert ("All 1 tests of 1 files ran: 0 passed, 1 failed, 0 skipped; of the other 8 tests that collect, a random "
+            "sample of 4 ran: 2 passed, 1 failed, 1 skipped") in text
     # the collection alone (--sample 0) states the import failures and runs nothing
     alone = s.sample_results(items, {"unit/runtime/test_gone.py": "E"}, REFERENCE, None)
     assert "none of the 9 tests that collect ran" in s.render(list(alone.values()), "abc", "py", {}, "", "")
