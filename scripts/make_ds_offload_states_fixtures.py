@@ -57,21 +57,10 @@ def pg_case(world, explicit, env):
             "names_init_distributed": "init_distributed" in msg}
 
 
-class _RecordingOp:
-    Symmetric = 0
-
-    def __init__(self):
-        self.calls = []
-
-    def quantize(self, param, groups, bits, kind):
-        self.calls.append({"groups": groups, "bits": bits, "dtype": str(param.dtype)})
-        return param.to(torch.int8), torch.ones(groups)
-
-
 def quantizer_case(n):
     from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
 
-    op = _RecordingOp()
+    op = cases.RecordingQuantizerOp()
     CUDAQuantizer.quantizer_cuda_module = op  # set: its constructor builds nothing
     CUDAQuantizer.group_size_cache.clear()
     CUDAQuantizer().quantize(torch.ones(n, dtype=torch.bfloat16))

@@ -18,3 +18,24 @@ PG_CASES = {"launcher-8": (1, False, {"WORLD_SIZE": "8"}), "launcher-2": (1, Fal
 
 # CUDAQuantizer.quantize's block count for a tensor of n elements (groups=None)
 QUANTIZER_NUMELS = (8, 64, 4096, 8000, 8008, 16000, 24000, 65536, 1 << 20)
+
+
+class RecordingQuantizerOp:
+    """Stands in for CUDAQuantizer's compiled op on both sides: records the block count, bits
+    and input dtype each quantize call gets (DeepSpeed's CUDA op cannot be built on a CPU)."""
+
+    Symmetric = 0
+
+    def __init__(self):
+        self.calls = []
+
+    def quantize(self, param, groups, bits, kind):
+        import torch
+
+        self.calls.append({"groups": groups, "bits": bits, "dtype": str(param.dtype)})
+        return param.to(torch.int8), torch.ones(groups)
+
+    def dequantize(self, q, scale, groups, bits, kind):
+        import torch
+
+        return q.to(torch.half)

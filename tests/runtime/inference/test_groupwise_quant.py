@@ -1,7 +1,6 @@
 """deepspeed.inference.quantization through dslaunch.runtime: the packed integers, scales,
 minimums, dequantized weights and quantized layers' outputs DeepSpeed 0.19.8 recorded
 (scripts/make_ds_groupquant_fixtures.py), the model walk, and the one-line refusals."""
-import importlib.util
 from collections import OrderedDict
 
 import pytest
@@ -12,12 +11,11 @@ import dslaunch.runtime  # noqa: F401  (installs the alias table)
 from dslaunch.runtime.core.strict import ConfigError
 from dslaunch.runtime.inference.quantization import layers, utils
 from dslaunch.runtime.inference.quantization.quantization import _init_group_wise_weight_quantization
-from repo_paths import DATA, SCRIPTS
+from repo_paths import DATA
+from script_modules import load_script
 
 RECORDED = torch.load(DATA / "ds_groupquant" / "expected.pt")
-_spec = importlib.util.spec_from_file_location("make_ds_groupquant_fixtures", SCRIPTS / "make_ds_groupquant_fixtures.py")
-maker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(maker)
+maker = load_script("make_ds_groupquant_fixtures")
 
 
 @pytest.fixture(scope="module")

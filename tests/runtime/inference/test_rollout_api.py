@@ -1,7 +1,6 @@
 """deepspeed.runtime.rollout through dslaunch.runtime: the answers DeepSpeed 0.19.8 recorded
 (scripts/make_ds_rollout_fixtures.py) for the distillation loss, the response targets and
 generate() over a stand-in module, and the one-line refusals of what is not provided."""
-import importlib.util
 import json
 import types
 
@@ -11,12 +10,11 @@ import torch
 import dslaunch.runtime  # noqa: F401  (installs the alias table)
 from dslaunch.runtime import rollout
 from dslaunch.runtime.rollout import hybrid_engine_rollout as hybrid
-from repo_paths import DATA, SCRIPTS
+from repo_paths import DATA
+from script_modules import load_script
 
 RECORDED = json.loads((DATA / "ds_rollout" / "expected.json").read_text())
-_spec = importlib.util.spec_from_file_location("make_ds_rollout_fixtures", SCRIPTS / "make_ds_rollout_fixtures.py")
-maker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(maker)
+maker = load_script("make_ds_rollout_fixtures")
 
 
 @pytest.fixture(scope="module")

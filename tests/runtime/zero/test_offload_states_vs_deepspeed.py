@@ -82,23 +82,9 @@ def test_zero_init_stops_on_a_group_contradicting_the_launcher():
     assert out["explicit"] == (4, 4)
 
 
-class _RecordingOp:
-    Symmetric = 0
-
-    def __init__(self):
-        self.calls = []
-
-    def quantize(self, param, groups, bits, kind):
-        self.calls.append({"groups": groups, "bits": bits, "dtype": str(param.dtype)})
-        return param.to(torch.int8), torch.ones(groups)
-
-    def dequantize(self, q, scale, groups, bits, kind):
-        return q.to(torch.half)
-
-
 @pytest.mark.parametrize("n", cases.QUANTIZER_NUMELS)
 def test_quantizer_blocks_as_deepspeed(n, monkeypatch):
-    op = _RecordingOp()
+    op = cases.RecordingQuantizerOp()
     monkeypatch.setattr(CUDAQuantizer, "quantizer_cuda_module", op)
     CUDAQuantizer().quantize(torch.ones(n, dtype=torch.bfloat16))
     assert op.calls == [DS["quantizer"][str(n)]]
