@@ -181,10 +181,10 @@ PATHS: Dict[str, Entry] = {
     "ops": "train.ops",  # deepspeed.ops
     "ops.aio": Names("deepspeed.ops.aio: the async-I/O op's builder (False here: NVMe offload uses torch's file I/O).",
                      {"AsyncIOBuilder": "train.ops.op_builder"}),
-    # DeepSpeed's JIT build machinery: its op builders answer here for dslaunch's own kernels
+    # DeepSpeed's JIT op-building code: its op builders answer here for dslaunch's own kernels
     # (ops/op_builder/), which torch.utils.cpp_extension builds; no CUDA/CUTLASS build is driven
     "ops.op_builder.builder": Refused("deepspeed.ops.op_builder.builder (OpBuilder/CUDAOpBuilder, DeepSpeed's "
-                                      "nvcc/JIT build machinery) is not provided: dslaunch builds its own kernels "
+                                      "nvcc/JIT op-building code) is not provided: dslaunch builds its own kernels "
                                       "with torch.utils.cpp_extension; ask deepspeed.ops.op_builder's builders "
                                       "whether an op runs here"),
     "ops.op_builder.evoformer_attn": Refused("deepspeed.ops.op_builder.evoformer_attn (DeepSpeed4Science's "

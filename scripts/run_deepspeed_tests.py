@@ -769,9 +769,8 @@ def readme_row(results: List[FileResult], commit: str) -> str:
                 f"the rest not run{tail}")
     if t.not_run:
         est, lo, hi = estimate(results)
-        source = "a random sample" + (" and the files run in full" if strata(results).exact_files else "")
         return (f"{head}whole tree, multi-rank tests included: an estimated {100 * est:.0f}% pass (95% interval "
-                f"{100 * lo:.0f}-{100 * hi:.0f}%, from {source}); {t.collection_errors} of {t.collected} "
+                f"{100 * lo:.0f}-{100 * hi:.0f}%, from a random sample); {t.collection_errors} of {t.collected} "
                 f"tests are in files that fail to import{tail}")
     share = f"{100.0 * t.passed / ran:.1f}%" if ran else "-"
     return (f"{head}{t.passed} of {ran} pass ({share}) over the whole tree, multi-rank tests included (each test "
