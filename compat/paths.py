@@ -205,6 +205,8 @@ PATHS: Dict[str, Entry] = {
                     "see_memory_usage": "train.helpers", "set_random_seed": "train.helpers",
                     "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
                     "partition_balanced": "pipe.partition", "prefix_sum_inc": "pipe.partitioned",
+                    # deepspeed.utils imports its groups module, so scripts reach it as an attribute
+                    "groups": "core.parallel",
                     **{name: "zero.fragments" for name in _FRAGMENTS}}),
     "torch_autocast": "core.autocast",  # deepspeed.runtime.torch_autocast: gradients' reduction dtypes
     "tensor_parallel.config": Names("deepspeed.runtime.tensor_parallel.config: the Hugging Face tp plan reader "

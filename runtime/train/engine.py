@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import os
 import dataclasses
 from typing import Any, Dict, Optional
 
@@ -856,12 +857,21 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                                              "the module's state_dict on one rank instead")
 
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
-                        save_latest: bool = True, allow_pickle: bool = False) -> str:
-        """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
-        need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        allow_pickle: bool = False) -> str:
+        """DeepSpeed's save_checkpoint, its argument order kept; exclude_frozen_parameters leaves
+        the parameters that do not train out of the module state (loading such a checkpoint then
+        needs load_module_strict=False, as in DeepSpeed). allow_pickle=True lets client_state
+        hold objects that need pickle (they are then loaded only with
+        load_checkpoint(..., trust_pickle=True))."""
         self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
         return checkpoint.save(self._checkpoint_run(), save_dir, tag, client_state, save_latest=save_latest,
-                               allow_pickle=allow_pickle)
+                               allow_pickle=allow_pickle, exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag, expp_rank: int) -> str:
+        """DeepSpeed's name: the path of expert-parallel rank `expp_rank`'s optimizer file in an
+        MoE checkpoint, as the writer names it."""
+        return os.path.join(checkpoints_path, str(tag), checkpoint.moe.expp_file_name(expp_rank))
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
         """DeepSpeed's name for making the saved zero_to_fp32.py executable, where a file
@@ -886,6 +896,11 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         `device` (cpu), page-locked when pin_memory; reload_states() brings them back."""
         offload_strategy_states(self.strategy, include, device, pin_memory, non_blocking)
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's name: at ZeRO-3, free the full copies of gathered parameters (persistent
+        ones stay whole); at stages 0-2 parameters are never split, so nothing changes."""
+        self.strategy.empty_partition_cache()
+
     def reload_states(self, non_blocking: bool = False) -> None:
         """Put every state offload_states moved back on the device it came from."""
         reload_strategy_states(self.strategy, non_blocking)
@@ -905,6 +920,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage is "
                              f"{self.config.zero_optimization.stage})")
         return model_export.gathered_state_dict(self.module, exclude_frozen_parameters)
+
+    @property
+    def sparse_tensor_module_names(self) -> set:
+        """DeepSpeed's set of the embeddings whose gradients it reduces sparse: always empty
+        here, since sparse_gradients is refused and every gradient is reduced dense."""
+        return set()
 
     def autotp_size(self) -> int:
         """DeepSpeed's accessor: the tensor-parallel size (tensor_parallel.autotp_size, 1 without AutoTP)."""
