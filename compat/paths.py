@@ -111,7 +111,8 @@ PATHS: Dict[str, Entry] = {
     "accelerator": "core.accelerator",  # deepspeed.accelerator
     "accelerator.cpu_accelerator": Names("deepspeed.accelerator.cpu_accelerator: the CPU accelerator class.",
                                          {"CPU_Accelerator": "core.accelerator.real_accelerator"}),
-    "activation_checkpointing": "train.activation_checkpointing",  # deepspeed.runtime.activation_checkpointing
+    # deepspeed.runtime.activation_checkpointing, its children included (.checkpointing, .offload_activations)
+    "activation_checkpointing": "train.activation_checkpointing",
     "bf16_optimizer": Names("DeepSpeed's bf16 optimizer wrapper, named for isinstance checks only.",
                             {"BF16_Optimizer": "core.internals"}),
     "checkpoint": "train.checkpoint",  # deepspeed.checkpoint
