@@ -160,6 +160,10 @@ PATHS: Dict[str, Entry] = {
                                   "universal-checkpoint metadata helpers are not provided).",
                                   {"LinearLayer": "tensor_parallel.autotp_layers",
                                    "LinearAllreduce": "tensor_parallel.autotp_layers",
+                                   # the fused qkv / gate-up column layers (sub-parameter splits)
+                                   "SubParamColumnParallel": "tensor_parallel.autotp_layers",
+                                   "GateUpPack_LinearLayer": "tensor_parallel.autotp_layers",
+                                   "fused_LinearLayer": "tensor_parallel.autotp_layers",
                                    "AUTOTP_MODE": "tensor_parallel.mode", "set_autotp_mode": "tensor_parallel.mode",
                                    "is_autotp_training_mode": "tensor_parallel.mode",
                                    "get_auto_tp_mode": "tensor_parallel.mode:get_autotp_mode"}),
