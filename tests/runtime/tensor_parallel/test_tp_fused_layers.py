@@ -166,7 +166,11 @@ def _two_ranks():
         layer.weight.gather_params([layer.weight, layer.bias])
         gathered = (layer.weight.detach().clone(), layer.bias.detach().clone())
         layer.weight._tp_partition([layer.weight, layer.bias])
-        out[label] = {
+        shard = layer.bias.detach().clone()
+        layer.bias.gather_params([layer.bias])  # DeepSpeed's engine hands one parameter at a time
+        bias_alone = (layer.bias.detach() - full.bias).abs().max().item()
+        layer.bias._tp_partition([layer.bias])
+        out[label] = {"bias_alone": bias_alone, "bias_back": torch.equal(layer.bias.detach(), shard),
             "out": (y - full(x)[:, rows]).abs().max().item(),
             "grad": (layer.weight.grad - full.weight.grad[rows]).abs().max().item(),
             "bias_grad": (layer.bias.grad - full.bias.grad[rows]).abs().max().item(),
@@ -185,4 +189,4 @@ def test_two_ranks_equal_one_process():
     for r in ranks:
         for got in r.values():
             assert got["out"] < 1e-5 and got["grad"] < 1e-5 and got["bias_grad"] < 1e-5
-            assert got["state"] == 0 and got["gathered"] == 0
+            assert got["state"] == 0 and got["gathered"] == 0 and got["bias_alone"] == 0 and got["bias_back"]
