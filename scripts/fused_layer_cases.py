@@ -71,3 +71,17 @@ def full_linear(fin: int, fout: int, bias: bool) -> torch.nn.Linear:
         if bias:
             lin.bias.copy_(torch.arange(fout, dtype=torch.float32) + 1000)
     return lin
+
+# DeepSpeed's layer-spec layers with a `shape` (SubParamLinearLayer: column, dim 0;
+# SubParamLinearAllreduce: row, dim 1): (kind, in, out, shape, tp, name, meta).
+SHAPE_CASES = [
+    {"kind": "column", "in": 3, "out": 16, "shape": [2, -1], "tp": 2, "name": "mlp.gate_up_proj", "meta": _meta()},
+    {"kind": "column", "in": 2, "out": 16, "shape": [[8, 4, 4], -1], "tp": 2, "name": "self_attn.qkv_proj",
+     "meta": _meta()},
+    {"kind": "column", "in": 2, "out": 36, "shape": [[12, 12, 12], -1], "tp": 2, "name": "self_attn.qkv_proj",
+     "meta": _meta(kv=3)},
+    {"kind": "column", "in": 2, "out": 11, "shape": [-1, -1], "tp": 3, "name": "proj", "meta": _meta()},
+    {"kind": "row", "in": 16, "out": 3, "shape": [-1, [8, 4, 4]], "tp": 2, "name": "self_attn.o_proj",
+     "meta": _meta()},
+    {"kind": "row", "in": 18, "out": 2, "shape": [-1, 3], "tp": 4, "name": "self_attn.o_proj", "meta": _meta(kv=3)},
+]

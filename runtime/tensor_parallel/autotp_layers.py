@@ -23,6 +23,11 @@ sub-parameter, every sub-parameter split at its own (frozen) widths:
         q, k, v (or one Bloom block) as fused_qkv reads the block's layout; QWen's
         attn.split_size is set to this rank's query width. CodeGen / GPTBigCode layouts
         are refused when cut or gathered (they are not split per sub-parameter).
+    SubParamLinearLayer(module, mp_group, shape, partition_dim=0, name=None, tp_meta=None)
+    SubParamLinearAllreduce(module, mp_group, shape, partition_dim=1, ...)
+        a layer spec's 2-D `shape` names the sub-parameters of the split dimension (rows of a
+        column layer, input columns of a row layer, whose bias stays whole); deeper views
+        are refused (fused_qkv.shape_subparam_sizes)
 
 They are ordinary TensorParallelLayers here: the forward is layers.py's column_linear /
 row_linear, gradient norms and full_state_dict (the engine's consolidated state dict) read
@@ -331,3 +336,68 @@ class fused_LinearLayer(SubParamColumnParallel):  # noqa: N801  DeepSpeed's clas
             # QWen unpacks q, k, v from the layer's output by attn.split_size: this rank's width
             block.attn.split_size = fused_qkv.qwen_split_size(self._subparam_shard_widths, self.tp_rank)
         return sizes
+
+
+class SubParamLinearLayer(SubParamColumnParallel):
+    """DeepSpeed's column layer for a layer spec with a `shape`: the weight's output rows are
+    the sub-parameters `shape` names (fused_qkv.shape_subparam_sizes), each split at the
+    layer's sizing (its name), the bias split as the rows."""
+
+    def __init__(self, module: nn.Module, mp_group: Any, shape: Any, partition_dim: int = 0,
+                 name: Optional[str] = None, tp_meta: Optional[AutoTPMeta] = None):
+        self.shape, self.partition_dim = shape, partition_dim
+        if partition_dim != 0:
+            raise TensorParallelError(f"SubParamLinearLayer {name}: a column layer splits dim 0, not "
+                                      f"partition_dim={partition_dim}")
+        weight = _full_linear(module, type(self).__name__)[0]
+        sizes = fused_qkv.shape_subparam_sizes(tuple(weight.shape), shape, partition_dim, name)
+        # -1 at the partition dim: one block of the whole dim (DeepSpeed reports its sizes as None)
+        self._subparam_layout_spec = (sizes or (int(weight.shape[0]),), name)
+        super().__init__(module, mp_group, name=name, tp_meta=tp_meta)
+
+
+class SubParamLinearAllreduce(LinearAllreduce):
+    """DeepSpeed's row layer for a layer spec with a `shape`: the weight's input columns are
+    the sub-parameters `shape` names, each split at the layer's sizing; the bias stays whole
+    (added once after the sum), and is recognised by identity, not by its place in a list."""
+
+    def __init__(self, module: nn.Module, mp_group: Any, shape: Any, partition_dim: int = 1,
+                 name: Optional[str] = None, tp_meta: Optional[AutoTPMeta] = None):
+        self.shape, self.partition_dim = shape, partition_dim
+        if partition_dim != 1:
+            raise TensorParallelError(f"SubParamLinearAllreduce {name}: a row layer splits dim 1, not "
+                                      f"partition_dim={partition_dim}")
+        weight = _full_linear(module, type(self).__name__)[0]
+        self._subparam_sizes = fused_qkv.shape_subparam_sizes(tuple(weight.shape), shape, partition_dim, name)
+        self._layout_sizes = self._subparam_sizes or (weight.shape[1],)
+        super().__init__(module, mp_group, name=name, tp_meta=tp_meta)
+
+    def _freeze_partition_sizes(self, total: int) -> Tuple[int, ...]:
+        sizes = super()._freeze_partition_sizes(total)
+        meta = self.tp_meta if self.tp_meta is not None else settings_meta()
+        self._subparam_shard_widths = fused_qkv.subparam_widths(self._layout_sizes, self.tp_size, meta, self.name)
+        return sizes
+
+    def _configure(self) -> None:
+        super()._configure()
+        parts = tuple(tuple(w) for w in self._subparam_shard_widths)
+        self.shards["weight"] = ParamShard(1, self._orig_weight_shape[1], part_sizes=parts)
+
+    @torch.no_grad()
+    def _tp_partition(self, params_list: Sequence[Optional[torch.Tensor]]) -> None:
+        rows = fused_qkv.rank_rows(self._subparam_shard_widths, self.tp_rank)
+        for param in params_list:
+            if param is None or param is self.bias:
+                continue
+            param.data = take(param.data, 1, rows).detach().clone()
+
+    @torch.no_grad()
+    def gather_params(self, params_list: Sequence[Optional[torch.Tensor]]) -> None:
+        for param in params_list:
+            if param is None or param is self.bias:
+                continue
+            if self.tp_size == 1:
+                param.data = param.data.contiguous()
+            else:
+                param.data = gather_parts_uneven(param.data, 1, self._subparam_shard_widths, self.tp_rank, self.group,
+                                                 f"tp gather_params {self.label}")

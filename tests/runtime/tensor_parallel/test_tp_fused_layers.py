@@ -72,7 +72,8 @@ def test_recorded_from_deepspeed_0_19_8():
 
 def test_the_deepspeed_paths_are_our_layers():
     ours = importlib.import_module("dslaunch.runtime.tensor_parallel.autotp_layers")
-    for name in ("GateUpPack_LinearLayer", "fused_LinearLayer", "SubParamColumnParallel"):
+    for name in ("GateUpPack_LinearLayer", "fused_LinearLayer", "SubParamColumnParallel", "SubParamLinearLayer",
+                 "SubParamLinearAllreduce"):
         assert getattr(layers, name) is getattr(ours, name)
 
 
@@ -190,3 +191,65 @@ def test_two_ranks_equal_one_process():
         for got in r.values():
             assert got["out"] < 1e-5 and got["grad"] < 1e-5 and got["bias_grad"] < 1e-5
             assert got["state"] == 0 and got["gathered"] == 0 and got["bias_alone"] == 0 and got["bias_back"]
+
+
+@pytest.mark.parametrize("case", DS["shaped"], ids=lambda c: f"{c['kind']}-{c['name']}-tp{c['tp']}")
+def test_a_layer_specs_shape_splits_as_deepspeeds(case, training_mode, settings):
+    meta = tp_shard.AutoTPMeta(**case["meta"])
+    column = case["kind"] == "column"
+    cls = layers.SubParamLinearLayer if column else layers.SubParamLinearAllreduce
+    for rank, want in enumerate(case["ranks"]):
+        layer = cls(cases.full_linear(case["in"], case["out"], True), None, shape=case["shape"],
+                    partition_dim=0 if column else 1, name=case["name"], tp_meta=meta)
+        layer.tp_world_size, layer.tp_index = case["tp"], rank
+        layer._freeze_partition_sizes(case["out"] if column else case["in"])
+        # DeepSpeed reports no sizes for a -1 (one block); ours names that block's size
+        assert list(layer._subparam_sizes) == (case["subparam_sizes"] or [case["out"] if column else case["in"]])
+        assert layer._subparam_shard_widths == case["widths"]
+        layer._tp_partition([layer.weight, layer.bias])
+        assert layer.weight.detach().tolist() == want["weight"] and layer.bias.detach().tolist() == want["bias"]
+
+
+def test_a_shape_that_does_not_fit_is_refused():
+    with pytest.raises(ValueError, match="sum to 15, not the weight's 16"):
+        layers.SubParamLinearLayer(torch.nn.Linear(2, 16), None, shape=((8, 4, 3), -1))
+    with pytest.raises(ValueError, match="only a 2-D shape"):
+        layers.SubParamLinearLayer(torch.nn.Linear(2, 16), None, shape=(2, 8, -1))
+    with pytest.raises(ValueError, match="does not split into 3 equal"):
+        layers.SubParamLinearAllreduce(torch.nn.Linear(16, 2), None, shape=(-1, 3))
+
+
+def _two_ranks_shaped():
+    from dslaunch.runtime import comm
+    from dslaunch.runtime.tensor_parallel import full_state_dict
+    from dslaunch.runtime.tensor_parallel.mode import set_autotp_mode
+    set_autotp_mode(training=True)
+    group = comm.new_group([0, 1])
+    torch.manual_seed(0)
+    qkv_full, o_full = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    x = torch.randn(3, 8)
+    ref = o_full(qkv_full(x))
+    ref.square().sum().backward()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    model[0] = layers.SubParamLinearLayer(model[0], group, shape=((8, 4, 4), -1), name="self_attn.qkv_proj")
+    model[1] = layers.SubParamLinearAllreduce(model[1], group, shape=(-1, (8, 4, 4)), name="self_attn.o_proj")
+    out = model(x)  # the column block's q, k, v pieces are exactly the row block's input columns
+    out.square().sum().backward()
+    state = full_state_dict(model)
+    full = {"0.weight": qkv_full.weight, "0.bias": qkv_full.bias, "1.weight": o_full.weight, "1.bias": o_full.bias}
+    weight, bias = model[1].weight, model[1].bias
+    model[1].gather_params([weight])
+    gathered = (weight.detach() - o_full.weight).abs().max().item()
+    model[1]._tp_partition([weight])
+    model[1].gather_params([bias])  # the row layer's bias is whole: left alone
+    return {"out": (out - ref).abs().max().item(), "bias_grad": (bias.grad - o_full.bias.grad).abs().max().item(),
+            "state": max((state[k] - v).abs().max().item() for k, v in full.items()), "gathered": gathered,
+            "shapes": [tuple(model[0].weight.shape), tuple(weight.shape), tuple(bias.shape)]}
+
+
+def test_two_ranks_shaped_layers_equal_one_process():
+    ranks = run_function(_two_ranks_shaped, nprocs=2, timeout=240)
+    for r in ranks:
+        assert r["shapes"] == [(8, 8), (8, 8), (8,)]
+        assert r["out"] < 1e-5 and r["bias_grad"] < 1e-5 and r["state"] == 0 and r["gathered"] == 0
