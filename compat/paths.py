@@ -161,6 +161,12 @@ PATHS: Dict[str, Entry] = {
                                   "universal-checkpoint metadata helpers are not provided).",
                                   {"LinearLayer": "tensor_parallel.autotp_layers",
                                    "LinearAllreduce": "tensor_parallel.autotp_layers",
+                                   # the fused qkv / gate-up layers and a layer spec's shape (sub-parameter splits)
+                                   "SubParamColumnParallel": "tensor_parallel.autotp_layers",
+                                   "GateUpPack_LinearLayer": "tensor_parallel.autotp_layers",
+                                   "fused_LinearLayer": "tensor_parallel.autotp_layers",
+                                   "SubParamLinearLayer": "tensor_parallel.autotp_layers",  # a spec's 2-D shape
+                                   "SubParamLinearAllreduce": "tensor_parallel.autotp_layers",
                                    "AUTOTP_MODE": "tensor_parallel.mode", "set_autotp_mode": "tensor_parallel.mode",
                                    "is_autotp_training_mode": "tensor_parallel.mode",
                                    "get_auto_tp_mode": "tensor_parallel.mode:get_autotp_mode"}),

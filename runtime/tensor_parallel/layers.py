@@ -75,7 +75,9 @@ class ParamShard:
     """A local parameter's place in the full one: split along `dim` into `parts` (widths, each
     split evenly), or by vocabulary blocks (`vocab`: full rows, the local tensor padded), or
     into one block per rank of the widths `sizes` (in rank order: DeepSpeed's uneven AutoTP
-    split), or replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
+    split), or into stacked sub-parameters each split over the ranks at its own widths
+    (`part_sizes`: one rank-ordered list per sub-parameter; DeepSpeed's fused qkv / gate-up
+    layers), or replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
 
     dim: Optional[int]
     full: int = 0
@@ -83,8 +85,16 @@ class ParamShard:
     vocab: bool = False
     conv1d: bool = False
     sizes: Tuple[int, ...] = ()
+    part_sizes: Tuple[Tuple[int, ...], ...] = ()
 
     def ranges(self, tp: int, rank: int) -> List[Tuple[int, int]]:
+        if self.part_sizes:
+            out, offset = [], 0
+            for widths in self.part_sizes:
+                start = offset + sum(widths[:rank])
+                out.append((start, start + widths[rank]))
+                offset += sum(widths)
+            return out
         if self.sizes:
             start = sum(self.sizes[:rank])
             return [(start, start + self.sizes[rank])]
@@ -427,6 +437,17 @@ def gather_uneven(local: torch.Tensor, dim: int, sizes: Sequence[int], group: An
     return torch.cat([block.narrow(dim, 0, width) for block, width in zip(gathered.unbind(0), sizes)], dim)
 
 
+def gather_parts_uneven(local: torch.Tensor, dim: int, part_sizes: Sequence[Sequence[int]], rank: int, group: Any,
+                        label: str) -> torch.Tensor:
+    """The full tensor from every rank's block when the block stacks this rank's piece of each
+    sub-parameter (`part_sizes`: each sub-parameter's widths in rank order): each sub-parameter
+    is gathered on its own, then they are stacked back. Collective over `group` (one gather per
+    sub-parameter); not differentiable."""
+    pieces = local.split([widths[rank] for widths in part_sizes], dim)
+    return torch.cat([gather_uneven(piece, dim, widths, group, f"{label} part {i}")
+                      for i, (piece, widths) in enumerate(zip(pieces, part_sizes))], dim)
+
+
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The unsharded state dict of a model holding tensor-parallel layers: each split
     parameter, under every key it has (tied weights, shared modules), all-gathered once over
@@ -448,6 +469,9 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
             local = value.detach().contiguous()
             if spec.dim is None or layer.tp_size == 1:
                 done[id(value)] = spec.assemble([local])
+            elif spec.part_sizes:
+                done[id(value)] = gather_parts_uneven(local, spec.dim, spec.part_sizes, layer.tp_rank, layer.group,
+                                                      f"tp full_state_dict {key}")
             elif spec.sizes:
                 done[id(value)] = gather_uneven(local, spec.dim, spec.sizes, layer.group, f"tp full_state_dict {key}")
             else:
