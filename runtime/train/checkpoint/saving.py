@@ -352,6 +352,11 @@ def _write_moe_files(run: Run, staging: str, module_state, shard: ShardState) ->
     return records
 
 
+class TagMismatchError(CheckpointError, AssertionError):
+    """checkpoint.tag_validation Fail and the ranks' tags differ: DeepSpeed asserts here, so
+    its scripts and tests catch an AssertionError."""
+
+
 def _agreed_tag(run: Run, tag) -> str:
     """Every rank's tag compared (checkpoint.tag_validation: Ignore, Warn or Fail, as in
     DeepSpeed); all ranks then save under rank 0's tag, so a mismatch can never split one
@@ -364,7 +369,7 @@ def _agreed_tag(run: Run, tag) -> str:
         msg = (f"checkpoint tag differs across ranks: rank 0 {tags[0]!r}, {', '.join(differ[:3])}"
                f"{' ...' if len(differ) > 3 else ''}")
         if mode == "fail":
-            raise CheckpointError(msg + " (checkpoint.tag_validation: Fail)")
+            raise TagMismatchError(msg + " (checkpoint.tag_validation: Fail)")
         if run.global_rank == 0:
             print(f"dslaunch: warning: {msg}; saving under rank 0's tag", file=sys.stderr, flush=True)
     return validate_tag(tags[0], "save_checkpoint tag")
