@@ -9,12 +9,20 @@ positions, and the replicated things (the [CLS] copy, the text embeddings, the a
 and the projection's weights), whose per-rank gradients are shares, must sum over the
 group to the reference gradient. Cases: [CLS] or none, 8 patches (4 + 4) and 5 (3 + 2),
 an attention returning a tuple; the three fusion splices with a real projection; and
-auto_wrap_model_for_sp's choices. The splices' own arithmetic and their refusals are
-checked in one process.
+auto_wrap_model_for_sp's choices. In one process: the splices and the detector's registry
+equal DeepSpeed 0.19.8's on the same inputs (tests/data/ds_autosp.pt, written by
+scripts/make_ds_autosp_fixtures.py from the calls in scripts/autosp_cases.py), and where
+DeepSpeed fails inside torch, or silently drops an unpaired token, ours refuses in one line.
 """
 import pytest
+import torch
 
 from dist_harness import run_function
+from repo_paths import DATA
+from script_modules import load_script
+
+CASES = load_script("autosp_cases")  # the calls scripts/make_ds_autosp_fixtures.py records
+DS = torch.load(DATA / "ds_autosp.pt")
 
 
 def _vit_attention(hidden=8, heads=2, tuple_out=False):
@@ -196,35 +204,31 @@ def test_autosp_two_ranks_equal_one_process():
 
 
 
-def _adapter(cls, **kw):
-    import torch
-
-    adapter = cls.__new__(cls)  # the splice uses no process group
-    torch.nn.Module.__init__(adapter)
-    for k, v in kw.items():
-        setattr(adapter, k, v)
-    return adapter
+def test_recorded_from_deepspeed_0_19_8():
+    assert DS["deepspeed"] == "0.19.8"
 
 
-def test_splices_put_visual_tokens_where_deepspeed_does():
-    import torch
-
+@pytest.mark.parametrize("case", sorted(DS["splices"]))
+def test_splices_put_visual_tokens_where_deepspeed_does(case):
+    """Each splice against DeepSpeed's for the same inputs; where DeepSpeed fails inside
+    torch (more placeholders than visual tokens: a RuntimeError), one FusionSpliceError line."""
     from dslaunch.runtime.sequence import fusion
 
-    text = torch.arange(5.0).view(1, 5, 1)
-    visual = torch.tensor([10.0, 11.0, 12.0, 13.0]).view(1, 4, 1)
-    llava = _adapter(fusion.LlavaFusionAdapter, image_token_id=-200)
-    ids = torch.tensor([[7, -200, 7, -200, 7]])
-    assert llava._splice_visual_into_text(text, visual, ids).flatten().tolist() == [0, 10, 11, 2, 12, 13, 4]
-    two = torch.cat([text, text]), torch.cat([visual, visual]), torch.tensor([[7, -200, 7, 7, 7], [7] * 5])
-    out = llava._splice_visual_into_text(*two)  # sample 1 has no image: its text, zero-padded to 8
-    assert out[1].flatten().tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
-    intern = _adapter(fusion.InternVLFusionAdapter, image_token_id=9)
-    ids = torch.tensor([[1, 9, 9, 1, 9]])
-    assert intern._splice_visual_into_text(text, visual, ids).flatten().tolist() == [0, 10, 11, 3, 12]
-    qwen = _adapter(fusion.Qwen2VLFusionAdapter, vision_start_token_id=5, vision_end_token_id=6)
-    ids = torch.tensor([[5, 0, 0, 6, 0]])
-    assert qwen._splice_visual_into_text(text, visual, ids).flatten().tolist() == [0, 10, 11, 3, 4]
+    adapter, text, visual, ids = CASES.splice_inputs(fusion)[case]
+    want = DS["splices"][case]
+    if isinstance(want, str):
+        assert want == "RuntimeError"
+        with pytest.raises(fusion.FusionSpliceError, match="visual placeholders but only"):
+            adapter._splice_visual_into_text(text, visual, ids)
+        return
+    got = adapter._splice_visual_into_text(text, visual, ids)
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_detection_is_deepspeeds():
+    from dslaunch.runtime.sequence import autowrap
+
+    assert CASES.run_detector(autowrap) == DS["detector"]
 
 
 def test_splices_refuse_placeholders_that_do_not_match():
@@ -233,13 +237,13 @@ def test_splices_refuse_placeholders_that_do_not_match():
     from dslaunch.runtime.sequence import fusion
 
     text, visual = torch.zeros(1, 5, 2), torch.zeros(1, 2, 2)
-    intern = _adapter(fusion.InternVLFusionAdapter, image_token_id=9)
+    intern = CASES._adapter(fusion.InternVLFusionAdapter, image_token_id=9)
     with pytest.raises(fusion.FusionSpliceError, match="sample 0 has 3 visual placeholders but only 2 visual tokens"):
         intern._splice_visual_into_text(text, visual, torch.tensor([[9, 9, 9, 0, 0]]))
-    qwen = _adapter(fusion.Qwen2VLFusionAdapter, vision_start_token_id=5, vision_end_token_id=6)
+    qwen = CASES._adapter(fusion.Qwen2VLFusionAdapter, vision_start_token_id=5, vision_end_token_id=6)
     with pytest.raises(fusion.FusionSpliceError, match=r"vision_start at \[0\] and vision_end at \[\]"):
         qwen._splice_visual_into_text(text, visual, torch.tensor([[5, 0, 0, 0, 0]]))
-    llava = _adapter(fusion.LlavaFusionAdapter, image_token_id=-200)
+    llava = CASES._adapter(fusion.LlavaFusionAdapter, image_token_id=-200)
     with pytest.raises(fusion.FusionSpliceError, match="3 image placeholders but its 2 visual tokens make 2 chunks"):
         llava._splice_visual_into_text(text, visual, torch.tensor([[-200, -200, -200, 0, 0]]))
     with pytest.raises(fusion.FusionSpliceError, match="input_ids"):
