@@ -203,6 +203,12 @@ PATHS: Dict[str, Entry] = {
                                "DeepSpeedFP16Config": "core.config", "DeepSpeedBF16Config": "core.config"}),
     "profiling": "train.profiling",  # deepspeed.profiling
     "rollout": "inference.rollout",  # deepspeed.runtime.rollout: on-policy generation for RL/distillation
+    # deepspeed.sequence's AutoSP for multimodal models: the ViT attention wrapper, the fusion
+    # adapters, and the class-name detection with auto_wrap_model_for_sp (one module for both)
+    "sequence.autosp_vit": "sequence.vit_attention",
+    "sequence.autosp_fusion": "sequence.fusion",
+    "sequence.autosp_detector": "sequence.autowrap",
+    "sequence.auto_sp": "sequence.autowrap",
     "sequence.fpdt_layer": "sequence.fpdt",  # deepspeed.sequence.fpdt_layer: FPDT's input layout (kernels refused)
     "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
     # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
