@@ -17,6 +17,10 @@ class CheckpointError(OneLineMessage, RuntimeError):
     pass
 
 
+class CheckpointDirError(CheckpointError, ValueError):
+    """No checkpoint directory given (None or ""): DeepSpeed raises a ValueError here."""
+
+
 class ZeRORuntimeException(Exception):
     """The class DeepSpeed raises its ZeRO refusals as. dslaunch's refusals that DeepSpeed
     raises as this (a client optimizer under offload_optimizer with zero_force_ds_cpu_optimizer,

@@ -879,6 +879,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         needs load_module_strict=False, as in DeepSpeed). allow_pickle=True lets client_state
         hold objects that need pickle (they are then loaded only with
         load_checkpoint(..., trust_pickle=True))."""
+        if save_dir is None or str(save_dir) == "":  # DeepSpeed: a ValueError, before any collective
+            raise checkpoint.CheckpointDirError(f"save_checkpoint: save_dir is {save_dir!r}; pass the directory "
+                                                "to write the checkpoint into")
         self._refuse_unsupported_checkpoint("save_checkpoint")  # before any file or folder is made
         return checkpoint.save(self._checkpoint_run(), save_dir, tag, client_state, save_latest=save_latest,
                                allow_pickle=allow_pickle, exclude_frozen_parameters=exclude_frozen_parameters)

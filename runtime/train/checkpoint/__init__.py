@@ -18,9 +18,9 @@
     ds_to_universal.py  `dslaunch ds_to_universal` / deepspeed.checkpoint.ds_to_universal
     zero_to_fp32.py the script save_checkpoint ships beside the tags, as DeepSpeed does
 """
-from ...core.errors import CheckpointError
+from ...core.errors import CheckpointDirError, CheckpointError
 from .loading import load
 from .run import Placement, Run
 from .saving import save
 
-__all__ = ["CheckpointError", "Placement", "Run", "load", "save"]
+__all__ = ["CheckpointDirError", "CheckpointError", "Placement", "Run", "load", "save"]
