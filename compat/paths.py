@@ -105,6 +105,13 @@ _AUTOEP_UNIVERSAL = ("is not provided: an AutoEP checkpoint loads at the autoep_
                      "alone (load_optimizer_states=False) at any autoep_size; DeepSpeed's universal conversion for "
                      "AutoEP is not built here")
 
+# what deepspeed.runtime.zero.partition_parameters' other names get: the public ones are answered above
+_ZERO_INIT_INTERNALS = ("is not provided: dslaunch answers ZeRO-3's public names here (Init, GatheredParameters, "
+                        "ZeroParamStatus, ...), not DeepSpeed's zero.Init internals such as "
+                        "InsertPostInitMethodToModuleSubClasses and its process-wide replacement of "
+                        "torch.nn.functional.linear (memory_efficient_linear): stage 3 frees each gathered weight "
+                        "after forward and gathers it again for backward without patching torch")
+
 # Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
 PATHS: Dict[str, Entry] = {
     # -- DeepSpeed's paths whose module lives elsewhere here ------------------------------------
@@ -239,8 +246,10 @@ PATHS: Dict[str, Entry] = {
                                         "ZeroParamStatus": "zero.params", "MultipleAllGatherHandles": "zero.params",
                                         "partitioned_param_data_shape": "zero.params",
                                         "CUDAQuantizer": "zero.zeropp",
+                                        "get_allgather_dtype": "zero.params",
                                         "_contradicting_single_rank_pg_error":  # DeepSpeed's private name
-                                            "zero.params:single_rank_group_contradiction"}),
+                                            "zero.params:single_rank_group_contradiction"},
+                                       refused=_ZERO_INIT_INTERNALS),
     "zero.leaf_module_config": Names("deepspeed.runtime.zero.leaf_module_config: the leaf_module section's defaults.",
                                      {"DEFAULT_LEAF_MODULE_CLASSES": "core.config.zero",
                                       "DEFAULT_LEAF_MODULE_NAMES": "core.config.zero",
