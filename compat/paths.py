@@ -287,6 +287,21 @@ PATHS: Dict[str, Entry] = {
                                          refused=_AUTOEP_OWN),
     "module_inject.auto_ep_folding": Refused(f"deepspeed.module_inject.auto_ep_folding {_FOLDING}"),
     "moe.ep_tp_dispatch": Refused(f"deepspeed.moe.ep_tp_dispatch (AutoEP's dispatch under AutoTP folding) {_FOLDING}"),
+    # DeepSpeed's modules of its checkpoint-folder readers (train/checkpoint/ds_checkpoint.py, reshape3d.py)
+    "checkpoint.reshape_3d_utils": Names("deepspeed.checkpoint.reshape_3d_utils: a checkpoint's (pp, tp, dp) degrees "
+                                         "and which saved files each rank of smaller ones reads.",
+                                         {"model_3d_desc": "train.checkpoint.reshape3d",
+                                          "get_model_3d_descriptor": "train.checkpoint.ds_checkpoint",
+                                          "get_model_3d_descriptor_from_metadata":
+                                              "train.checkpoint.reshape3d:descriptor_from_metadata"}),
+    "checkpoint.reshape_meg_2d": Names("deepspeed.checkpoint.reshape_meg_2d: model-state files per (pp, tp) cell.",
+                                       {"meg_2d_parallel_map": "train.checkpoint.reshape3d",
+                                        "reshape_meg_2d_parallel": "train.checkpoint.reshape3d"}),
+    "checkpoint.zero_checkpoint": Names("deepspeed.checkpoint.zero_checkpoint: a folder's ZeRO files per rank.",
+                                        {"ZeROCheckpoint": "train.checkpoint.ds_checkpoint"}),
+    "checkpoint.deepspeed_checkpoint": Names("deepspeed.checkpoint.deepspeed_checkpoint: a Megatron-DeepSpeed "
+                                             "checkpoint folder, read per rank.",
+                                             {"DeepSpeedCheckpoint": "train.checkpoint.ds_checkpoint"}),
     "checkpoint.autoep_universal": Refused(f"deepspeed.checkpoint.autoep_universal {_AUTOEP_UNIVERSAL}"),
     "checkpoint.autoep_affine": Refused(f"deepspeed.checkpoint.autoep_affine (AutoEP's universal-checkpoint "
                                         f"resharding) {_AUTOEP_UNIVERSAL}"),
