@@ -28,7 +28,7 @@ import importlib.util
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 PACKAGE = "dslaunch.runtime"
 
@@ -44,6 +44,8 @@ class Names:
     # set: the module's other (non-dunder) names are refused, `from m import x` being one
     # ImportError line "<deepspeed path>.x <refused>" instead of Python's bare "cannot import name"
     refused: Optional[str] = None
+    # given: only these names are refused with `refused`; the others stay plain AttributeErrors
+    refused_names: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,11 +108,10 @@ _AUTOEP_UNIVERSAL = ("is not provided: an AutoEP checkpoint loads at the autoep_
                      "AutoEP is not built here")
 
 # what deepspeed.runtime.zero.partition_parameters' other names get: the public ones are answered above
-_ZERO_INIT_INTERNALS = ("is not provided: dslaunch answers ZeRO-3's public names here (Init, GatheredParameters, "
-                        "ZeroParamStatus, ...), not DeepSpeed's zero.Init internals such as "
-                        "InsertPostInitMethodToModuleSubClasses and its process-wide replacement of "
-                        "torch.nn.functional.linear (memory_efficient_linear): stage 3 frees each gathered weight "
-                        "after forward and gathers it again for backward without patching torch")
+_ZERO_INIT_INTERNALS = ("is not provided: it is DeepSpeed's base of zero.Init, which patches module classes and, "
+                        "under memory_efficient_linear, replaces torch.nn.functional.linear process-wide; "
+                        "dslaunch's stage 3 frees each gathered weight after forward and gathers it again for "
+                        "backward without patching torch (use deepspeed.zero.Init)")
 
 # Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
 PATHS: Dict[str, Entry] = {
@@ -247,9 +248,11 @@ PATHS: Dict[str, Entry] = {
                                         "partitioned_param_data_shape": "zero.params",
                                         "CUDAQuantizer": "zero.zeropp",
                                         "get_allgather_dtype": "zero.params",
+                                        "zero3_linear_wrap": "zero.linear",  # DeepSpeed imports it here too
                                         "_contradicting_single_rank_pg_error":  # DeepSpeed's private name
                                             "zero.params:single_rank_group_contradiction"},
-                                       refused=_ZERO_INIT_INTERNALS),
+                                       refused=_ZERO_INIT_INTERNALS,
+                                       refused_names=("InsertPostInitMethodToModuleSubClasses", )),
     "zero.leaf_module_config": Names("deepspeed.runtime.zero.leaf_module_config: the leaf_module section's defaults.",
                                      {"DEFAULT_LEAF_MODULE_CLASSES": "core.config.zero",
                                       "DEFAULT_LEAF_MODULE_NAMES": "core.config.zero",
@@ -418,16 +421,17 @@ class _NamesLoader(importlib.abc.Loader):
             setattr(module, name, _attribute(where, name))
         module.__all__ = sorted(self.names.names)
         if self.names.refused is not None:
-            module.__getattr__ = _refuse_other_names(f"deepspeed.{self.rel}", self.names.refused)
+            module.__getattr__ = _refuse_other_names(f"deepspeed.{self.rel}", self.names.refused,
+                                                     self.names.refused_names)
 
 
-def _refuse_other_names(path: str, reason: str):
-    """A module __getattr__ refusing every name it is asked for; dunder names stay plain
-    AttributeErrors, as hasattr() and the import system probe those."""
+def _refuse_other_names(path: str, reason: str, only: Tuple[str, ...] = ()):
+    """A module __getattr__ refusing every name it is asked for (or only those in `only`);
+    dunder names stay plain AttributeErrors, as hasattr() and the import system probe those."""
 
     def __getattr__(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
+        if name.startswith("__") or (only and name not in only):
+            raise AttributeError(f"module {path!r} has no attribute {name!r}")
         raise ImportError(f"{path}.{name} {reason}")
 
     return __getattr__

@@ -153,12 +153,12 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     return z
 
 
-def get_allgather_dtype(param: torch.Tensor, shard: torch.Tensor) -> torch.dtype:
+def get_allgather_dtype(param: torch.Tensor, param_ds_tensor: torch.Tensor) -> torch.dtype:
     """DeepSpeed's answer to which dtype `param` travels in when stage 3 gathers it: its
-    autocast communication dtype when torch_autocast marked it, else its shard's dtype.
-    dslaunch marks no parameter (core/autocast.py), so here it is the shard's dtype, the
-    dtype start_gather's plain leg carries."""
-    return get_comm_dtype(param) if has_comm_dtype(param) else shard.dtype
+    autocast communication dtype when torch_autocast marked it, else its shard's
+    (`param_ds_tensor`, DeepSpeed's name) dtype. dslaunch marks no parameter (core/autocast.py),
+    so here it is the shard's dtype, the dtype start_gather's plain leg carries."""
+    return get_comm_dtype(param) if has_comm_dtype(param) else param_ds_tensor.dtype
 
 
 def _empty_like(p: torch.Tensor) -> torch.Tensor:

@@ -73,12 +73,12 @@ def zero_files(folder: str) -> List[str]:
     return []
 
 
-def get_model_3d_descriptor(folder: str) -> model_3d_desc:
-    """The (pp, tp, dp) degrees `folder` was saved at (reshape3d.descriptor_from_metadata)."""
-    files = folder_files(folder)
+def get_model_3d_descriptor(dir: str) -> model_3d_desc:  # noqa: A002 (DeepSpeed's name)
+    """The (pp, tp, dp) degrees the folder `dir` was saved at (reshape3d.descriptor_from_metadata)."""
+    files = folder_files(dir)
     metadata = [(f, {CHECKPOINT_PARALLEL_DIMS: _read(f).get(CHECKPOINT_PARALLEL_DIMS)})
                 for f in with_prefix(files, MODEL_FILE_PREFIX)]
-    return descriptor_from_metadata(files, zero_files(folder), metadata)
+    return descriptor_from_metadata(files, zero_files(dir), metadata)
 
 
 def _read(path: str) -> Any:
