@@ -28,7 +28,7 @@ import importlib.util
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 PACKAGE = "dslaunch.runtime"
 
@@ -44,6 +44,8 @@ class Names:
     # set: the module's other (non-dunder) names are refused, `from m import x` being one
     # ImportError line "<deepspeed path>.x <refused>" instead of Python's bare "cannot import name"
     refused: Optional[str] = None
+    # given: only these names are refused with `refused`; the others stay plain AttributeErrors
+    refused_names: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,12 @@ _FOLDING = ("is not provided: AutoEP + AutoTP folding is not supported here (Aut
 _AUTOEP_UNIVERSAL = ("is not provided: an AutoEP checkpoint loads at the autoep_size that saved it, and its weights "
                      "alone (load_optimizer_states=False) at any autoep_size; DeepSpeed's universal conversion for "
                      "AutoEP is not built here")
+
+# what deepspeed.runtime.zero.partition_parameters' other names get: the public ones are answered above
+_ZERO_INIT_INTERNALS = ("is not provided: it is DeepSpeed's base of zero.Init, which patches module classes and, "
+                        "under memory_efficient_linear, replaces torch.nn.functional.linear process-wide; "
+                        "dslaunch's stage 3 frees each gathered weight after forward and gathers it again for "
+                        "backward without patching torch (use deepspeed.zero.Init)")
 
 # Path under dslaunch.runtime -> where it lives (relative to dslaunch.runtime).
 PATHS: Dict[str, Entry] = {
@@ -254,8 +262,12 @@ PATHS: Dict[str, Entry] = {
                                         "ZeroParamStatus": "zero.params", "MultipleAllGatherHandles": "zero.params",
                                         "partitioned_param_data_shape": "zero.params",
                                         "CUDAQuantizer": "zero.zeropp",
+                                        "get_allgather_dtype": "zero.params",
+                                        "zero3_linear_wrap": "zero.linear",  # DeepSpeed imports it here too
                                         "_contradicting_single_rank_pg_error":  # DeepSpeed's private name
-                                            "zero.params:single_rank_group_contradiction"}),
+                                            "zero.params:single_rank_group_contradiction"},
+                                       refused=_ZERO_INIT_INTERNALS,
+                                       refused_names=("InsertPostInitMethodToModuleSubClasses", )),
     "zero.leaf_module_config": Names("deepspeed.runtime.zero.leaf_module_config: the leaf_module section's defaults.",
                                      {"DEFAULT_LEAF_MODULE_CLASSES": "core.config.zero",
                                       "DEFAULT_LEAF_MODULE_NAMES": "core.config.zero",
@@ -293,6 +305,21 @@ PATHS: Dict[str, Entry] = {
                                          refused=_AUTOEP_OWN),
     "module_inject.auto_ep_folding": Refused(f"deepspeed.module_inject.auto_ep_folding {_FOLDING}"),
     "moe.ep_tp_dispatch": Refused(f"deepspeed.moe.ep_tp_dispatch (AutoEP's dispatch under AutoTP folding) {_FOLDING}"),
+    # DeepSpeed's modules of its checkpoint-folder readers (train/checkpoint/ds_checkpoint.py, reshape3d.py)
+    "checkpoint.reshape_3d_utils": Names("deepspeed.checkpoint.reshape_3d_utils: a checkpoint's (pp, tp, dp) degrees "
+                                         "and which saved files each rank of smaller ones reads.",
+                                         {"model_3d_desc": "train.checkpoint.reshape3d",
+                                          "get_model_3d_descriptor": "train.checkpoint.ds_checkpoint",
+                                          "get_model_3d_descriptor_from_metadata":
+                                              "train.checkpoint.reshape3d:descriptor_from_metadata"}),
+    "checkpoint.reshape_meg_2d": Names("deepspeed.checkpoint.reshape_meg_2d: model-state files per (pp, tp) cell.",
+                                       {"meg_2d_parallel_map": "train.checkpoint.reshape3d",
+                                        "reshape_meg_2d_parallel": "train.checkpoint.reshape3d"}),
+    "checkpoint.zero_checkpoint": Names("deepspeed.checkpoint.zero_checkpoint: a folder's ZeRO files per rank.",
+                                        {"ZeROCheckpoint": "train.checkpoint.ds_checkpoint"}),
+    "checkpoint.deepspeed_checkpoint": Names("deepspeed.checkpoint.deepspeed_checkpoint: a Megatron-DeepSpeed "
+                                             "checkpoint folder, read per rank.",
+                                             {"DeepSpeedCheckpoint": "train.checkpoint.ds_checkpoint"}),
     "checkpoint.autoep_universal": Refused(f"deepspeed.checkpoint.autoep_universal {_AUTOEP_UNIVERSAL}"),
     "checkpoint.autoep_affine": Refused(f"deepspeed.checkpoint.autoep_affine (AutoEP's universal-checkpoint "
                                         f"resharding) {_AUTOEP_UNIVERSAL}"),
@@ -409,16 +436,17 @@ class _NamesLoader(importlib.abc.Loader):
             setattr(module, name, _attribute(where, name))
         module.__all__ = sorted(self.names.names)
         if self.names.refused is not None:
-            module.__getattr__ = _refuse_other_names(f"deepspeed.{self.rel}", self.names.refused)
+            module.__getattr__ = _refuse_other_names(f"deepspeed.{self.rel}", self.names.refused,
+                                                     self.names.refused_names)
 
 
-def _refuse_other_names(path: str, reason: str):
-    """A module __getattr__ refusing every name it is asked for; dunder names stay plain
-    AttributeErrors, as hasattr() and the import system probe those."""
+def _refuse_other_names(path: str, reason: str, only: Tuple[str, ...] = ()):
+    """A module __getattr__ refusing every name it is asked for (or only those in `only`);
+    dunder names stay plain AttributeErrors, as hasattr() and the import system probe those."""
 
     def __getattr__(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
+        if name.startswith("__") or (only and name not in only):
+            raise AttributeError(f"module {path!r} has no attribute {name!r}")
         raise ImportError(f"{path}.{name} {reason}")
 
     return __getattr__

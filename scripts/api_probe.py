@@ -56,9 +56,12 @@ def resolve(dotted: str):
         except Exception as exc:  # a module that fails on import is missing to its users too
             return None, f"{type(exc).__name__}: {exc}"
         for attr in parts[cut:]:
-            if not hasattr(obj, attr):
+            try:
+                obj = getattr(obj, attr)
+            except AttributeError:
                 return None, f"AttributeError: {obj.__name__ if inspect.ismodule(obj) else attr!s} has no {attr!r}"
-            obj = getattr(obj, attr)
+            except ImportError as exc:  # a name the package refuses with its reason (compat/paths.py)
+                return None, f"ImportError: {exc}"
         return obj, None
     return None, error
 

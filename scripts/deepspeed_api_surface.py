@@ -120,10 +120,10 @@ _internal("deepspeed.runtime.zero.partition_parameters",
           "CUDAQuantizer InsertPostInitMethodToModuleSubClasses NoGatherCoalescedHandle "
           "NoGatherHandle QuantizationInfo assert_ints_same_as_other_ranks debug_module2name debug_param2name_id "
           "debug_param2name_id_shape debug_param2name_id_shape_device debug_param2name_id_shape_status debug_rank0 "
-          "free_param get_all_subclasses get_allgather_dtype get_comm_dtype get_config_default "
+          "free_param get_all_subclasses get_comm_dtype get_config_default "
           "get_new_tensor_fn_for_dtype get_only_unique_item has_comm_dtype instrument_w_nvtx keep_buffers_in_fp32 "
           "keep_in_fp32_pattern print_rank_0 restore_init_context shutdown_init_context sort_dtypes "
-          "wrap_load_from_state_dict wrap_quantized_functional zero3_linear_wrap "
+          "wrap_load_from_state_dict wrap_quantized_functional "
           "zero_wrapper_for_fp_tensor_constructor get_accelerator init_distributed see_memory_usage "
           "DeepSpeedZeroConfig OffloadDeviceEnum", ZERO3)
 _internal("deepspeed.runtime.utils",

@@ -24,6 +24,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import checkpoint, model_export
+# DeepSpeed's engine-level name for the parallel degrees a checkpoint records, which its tests import
+from .checkpoint.ds_checkpoint import parallel_dimensions_of as _checkpoint_parallel_metadata  # noqa: F401
 from .. import zero  # noqa: F401  (registers the ZeRO stages 0-3, the strategies strategy_for_stage picks)
 from ..core import comm
 from ..core.parallel import current as parallel_current

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import comm
+from ..core.autocast import get_comm_dtype, has_comm_dtype
 from ..core.strict import ConfigError
 from .partition import padded_size, param_shard
 
@@ -150,6 +151,14 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE
     return z
+
+
+def get_allgather_dtype(param: torch.Tensor, param_ds_tensor: torch.Tensor) -> torch.dtype:
+    """DeepSpeed's answer to which dtype `param` travels in when stage 3 gathers it: its
+    autocast communication dtype when torch_autocast marked it, else its shard's
+    (`param_ds_tensor`, DeepSpeed's name) dtype. dslaunch marks no parameter (core/autocast.py),
+    so here it is the shard's dtype, the dtype start_gather's plain leg carries."""
+    return get_comm_dtype(param) if has_comm_dtype(param) else param_ds_tensor.dtype
 
 
 def _empty_like(p: torch.Tensor) -> torch.Tensor:
@@ -315,12 +324,12 @@ def start_gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "
         raise RuntimeError("zero: one gather mixes parameters partitioned over different process groups")
     if check is not None:
         check(f"gather {what}")
-    dtype = need[0].dtype
     device = need[0].device  # the compute device, even when shards rest in CPU memory (offload_param)
     kinds: dict = {}
     for p in need:
         kind, grp, rows, width, src = _source(p, training)
-        key = (kind, id(grp), rows)
+        # one collective per dtype too: a float32 adapter gathered with bfloat16 weights keeps its precision
+        key = (kind, id(grp), rows, p.dtype)
         if key not in kinds:
             kinds[key] = (grp, rows, [], [], [])
         entry = kinds[key]
@@ -328,7 +337,7 @@ def start_gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "
         entry[3].append(width)
         entry[4].append(src if src is not None else p._zero.shard)
     legs = []
-    for (kind, _, rows), (grp, _, ps, widths, sources) in kinds.items():
+    for (kind, _, rows, dtype), (grp, _, ps, widths, sources) in kinds.items():
         where = "" if rows == need[0]._zero.world else " inside the host"
         legs.append(_LEGS[kind](ps, sources, grp, rows, widths, dtype, device, f"stage3 gather {what}{where}",
                                 async_op))

@@ -17,10 +17,15 @@
     universal.py    DeepSpeed's universal checkpoint folders: read (load_universal) and written
     ds_to_universal.py  `dslaunch ds_to_universal` / deepspeed.checkpoint.ds_to_universal
     zero_to_fp32.py the script save_checkpoint ships beside the tags, as DeepSpeed does
+    reshape3d.py    which saved files feed which rank at smaller (pp, tp, dp) degrees: model_3d_desc
+    ds_checkpoint.py  DeepSpeed's folder readers: DeepSpeedCheckpoint, ZeROCheckpoint, get_model_3d_descriptor
 """
 from ...core.errors import CheckpointDirError, CheckpointError
+from .ds_checkpoint import DeepSpeedCheckpoint, ZeROCheckpoint, get_model_3d_descriptor
 from .loading import load
+from .reshape3d import model_3d_desc
 from .run import Placement, Run
 from .saving import save
 
-__all__ = ["CheckpointDirError", "CheckpointError", "Placement", "Run", "load", "save"]
+__all__ = ["CheckpointDirError", "CheckpointError", "DeepSpeedCheckpoint", "Placement", "Run", "ZeROCheckpoint",
+           "get_model_3d_descriptor", "load", "model_3d_desc", "save"]

@@ -56,3 +56,12 @@ SUB_PARAMS_SHAPE = "sub_params_shape"
 CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
 CHECKPOINT_PP_DEGREE = "pp_degree"
 CHECKPOINT_TP_DEGREE = "tp_degree"
+
+# AutoEP's per-layer records in the model-states file (train/checkpoint/autoep.py writes them)
+AUTOEP_LAYERS_KEY = "ds_autoep_layers"
+AUTOEP_LAYERS_KEY_LEGACY = "autoep_layers"  # the key older DeepSpeed versions wrote
+AUTOEP_EXPERT_KEY_PREFIX = "expert_key_prefix"
+AUTOEP_NUM_EXPERTS = "num_experts"
+AUTOEP_NUM_LOCAL_EXPERTS = "num_local_experts"
+AUTOEP_EP_SIZE = "ep_size"
+AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)

@@ -25,6 +25,8 @@ from typing import Any, List, Optional
 import click
 
 from ...core.errors import CheckpointError
+# DeepSpeed's name for the check of a folder's per-file AutoEP metadata, which its tests import
+from .ds_checkpoint import autoep_zero12_metadata as _aggregate_autoep_zero12_metadata  # noqa: F401
 from .universal import convert
 
 _HELP = ("Write the checkpoint in --input_folder (a tag folder, or a save dir whose `latest` names one; "
