@@ -34,6 +34,7 @@ from .layers import ParamShard, TensorParallelLayer, column_linear, gather_uneve
 from .mode import is_autotp_training_mode
 from .shard import TensorParallelError
 from .tp_shard import AutoTPMeta, get_shard_size_list
+from .uc_meta import set_param_meta, shape_before_zero3
 
 
 def _group_place(mp_group: Any) -> Tuple[int, int]:
@@ -45,7 +46,7 @@ def _group_place(mp_group: Any) -> Tuple[int, int]:
 
 def _full_linear(module: nn.Module, what: str) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if not isinstance(weight, torch.Tensor) or len(shape_before_zero3(weight)) != 2:
         raise TensorParallelError(f"{what}: {type(module).__name__} has no 2-D weight [out, in] to split")
     return weight, getattr(module, "bias", None)
 
@@ -62,7 +63,9 @@ class _AutoTPLinear(TensorParallelLayer):
         self.mp_group, self.name = mp_group, name
         self.tp_meta = tp_meta
         self.weight, self.bias = _full_linear(module, type(self).__name__)
-        self._orig_weight_shape = tuple(self.weight.shape)
+        # a ZeRO-3 parameter is empty here; its shape before partitioning is the layer's
+        self._orig_weight_shape = shape_before_zero3(self.weight)
+        self._orig_bias_shape = shape_before_zero3(self.bias) if self.bias is not None else None
         self.support_training = True
 
     # DeepSpeed's names for the group's size and this rank (tp_size/tp_rank are ours)
@@ -102,6 +105,18 @@ class _AutoTPLinear(TensorParallelLayer):
         """(parameter name, dimension) of each parameter this layer splits."""
         raise NotImplementedError
 
+    def _mark_uc_metadata(self) -> None:
+        """Write each parameter's universal-checkpoint description (uc_meta.py) from the frozen
+        split and the current local shapes; called at construction and again by
+        collect_autotp_universal_checkpoint_info, so a split changed since is what is published."""
+        raise NotImplementedError
+
+    def _param_shard(self, pname: str, dim: Optional[int]) -> ParamShard:
+        """Where the local parameter sits in the full one (full_state_dict and norms read it)."""
+        if dim is None:
+            return ParamShard(None)
+        return ParamShard(dim, self._orig_weight_shape[self.split_dim], sizes=self._partition_sizes)
+
     def _configure(self) -> None:
         """The shard map, DeepSpeed's tags and hooks, and trainability by the AutoTP mode."""
         split = dict(self._split_params())
@@ -111,8 +126,7 @@ class _AutoTPLinear(TensorParallelLayer):
             if param is None:
                 continue
             dim = split.get(pname)
-            self.shards[pname] = ParamShard(dim, self._orig_weight_shape[self.split_dim] if dim is not None else 0,
-                                            sizes=self._partition_sizes if dim is not None else ())
+            self.shards[pname] = self._param_shard(pname, dim)
             if not training:
                 param.requires_grad = False
             if dim is not None:
@@ -120,6 +134,7 @@ class _AutoTPLinear(TensorParallelLayer):
                 param._tp_partition = self._tp_partition
                 param.ds_is_replaced_module = True
         self._mark_shards()
+        self._mark_uc_metadata()
         for pname in split:
             param = getattr(self, pname)
             if param is not None:
@@ -164,6 +179,16 @@ class LinearLayer(_AutoTPLinear):
     def _split_params(self) -> List[Tuple[str, int]]:
         return [("weight", 0), ("bias", 0)]
 
+    def _mark_uc_metadata(self) -> None:
+        out = self._orig_weight_shape[0]
+        set_param_meta(self.weight, partition_type="column", partition_dim=0, logical_shape=self._orig_weight_shape,
+                       output_shape=(out,), partition_sizes=self._partition_sizes,
+                       target_partition_shape=tuple(self.weight.shape), original_shape=self._orig_weight_shape)
+        set_param_meta(self.bias, partition_type="column", partition_dim=0, logical_shape=self._orig_bias_shape,
+                       output_shape=self._orig_bias_shape, partition_sizes=self._partition_sizes,
+                       target_partition_shape=None if self.bias is None else tuple(self.bias.shape),
+                       original_shape=self._orig_bias_shape, is_bias=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_linear(x, self.weight, self.bias, self.group, label=self.label)
         if not self.gather_output or self.tp_size == 1:
@@ -197,9 +222,43 @@ class LinearAllreduce(_AutoTPLinear):
     def _split_params(self) -> List[Tuple[str, int]]:
         return [("weight", 1)]
 
+    def _mark_uc_metadata(self) -> None:
+        set_param_meta(self.weight, partition_type="row", partition_dim=1, logical_shape=self._orig_weight_shape,
+                       output_shape=(self._orig_weight_shape[0],), partition_sizes=self._partition_sizes,
+                       target_partition_shape=tuple(self.weight.shape), original_shape=self._orig_weight_shape)
+        # the bias is added once after the sum: whole, the same on every rank
+        set_param_meta(self.bias, partition_type="row", partition_dim=None, logical_shape=self._orig_bias_shape,
+                       output_shape=self._orig_bias_shape, original_shape=self._orig_bias_shape, is_bias=True,
+                       replicated=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_linear(x, self.weight, self.bias, self.group, label=self.label)
 
     def extra_repr(self) -> str:
         return (f"in={self.weight.shape[1]} of {self._orig_weight_shape[1]}, out={self._orig_weight_shape[0]}, "
                 f"tp={self.tp_size}")
+
+
+class LmHeadLinearAllreduce(LinearAllreduce):
+    """DeepSpeed's row-parallel output head: the whole hidden state comes in, each rank
+    multiplies its columns of it by its block of the weight, and the products are summed.
+
+    The head gets Parameters of its own (a tied input embedding stays whole), is named
+    "lm_head" for the shard sizes, and cuts its input with the split frozen when it was built:
+    re-deriving it from tp_shard's process-wide settings, which a later model may change, would
+    slice the input differently from the weight (and the sum would hide it)."""
+
+    def __init__(self, module: nn.Module, mp_group: Any = None, name: Optional[str] = None,
+                 tp_meta: Optional[AutoTPMeta] = None):
+        module.weight = nn.Parameter(module.weight.detach().clone())
+        if getattr(module, "bias", None) is not None:
+            module.bias = nn.Parameter(module.bias.detach().clone())
+        super().__init__(module, mp_group, name="lm_head", tp_meta=tp_meta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = self._partition_sizes
+        if x.shape[-1] != sum(sizes):
+            raise TensorParallelError(f"{self.label}: built for {sum(sizes)} input features, got {x.shape[-1]}")
+        start = sum(sizes[:self.tp_rank])
+        return row_linear(x[..., start:start + sizes[self.tp_rank]], self.weight, self.bias, self.group,
+                          label=self.label)

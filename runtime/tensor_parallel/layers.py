@@ -75,7 +75,7 @@ class ParamShard:
     """A local parameter's place in the full one: split along `dim` into `parts` (widths, each
     split evenly), or by vocabulary blocks (`vocab`: full rows, the local tensor padded), or
     into one block per rank of the widths `sizes` (in rank order: DeepSpeed's uneven AutoTP
-    split), or replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
+    split), or into one piece of each sub-parameter (`sub_widths`), or replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
 
     dim: Optional[int]
     full: int = 0
@@ -83,8 +83,16 @@ class ParamShard:
     vocab: bool = False
     conv1d: bool = False
     sizes: Tuple[int, ...] = ()
+    sub_widths: Tuple[Tuple[int, ...], ...] = ()  # per sub-parameter, each rank's width (may be 0)
 
     def ranges(self, tp: int, rank: int) -> List[Tuple[int, int]]:
+        if self.sub_widths:  # one piece of each sub-parameter (DeepSpeed's SubParam layers)
+            out, offset = [], 0
+            for per_rank in self.sub_widths:
+                start = offset + sum(per_rank[:rank])
+                out.append((start, start + per_rank[rank]))
+                offset += sum(per_rank)
+            return out
         if self.sizes:
             start = sum(self.sizes[:rank])
             return [(start, start + self.sizes[rank])]
