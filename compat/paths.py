@@ -111,7 +111,8 @@ PATHS: Dict[str, Entry] = {
     "accelerator": "core.accelerator",  # deepspeed.accelerator
     "accelerator.cpu_accelerator": Names("deepspeed.accelerator.cpu_accelerator: the CPU accelerator class.",
                                          {"CPU_Accelerator": "core.accelerator.real_accelerator"}),
-    "activation_checkpointing": "train.activation_checkpointing",  # deepspeed.runtime.activation_checkpointing
+    # deepspeed.runtime.activation_checkpointing, its children included (.checkpointing, .offload_activations)
+    "activation_checkpointing": "train.activation_checkpointing",
     "bf16_optimizer": Names("DeepSpeed's bf16 optimizer wrapper, named for isinstance checks only.",
                             {"BF16_Optimizer": "core.internals"}),
     "checkpoint": "train.checkpoint",  # deepspeed.checkpoint
@@ -208,6 +209,12 @@ PATHS: Dict[str, Entry] = {
                                "DeepSpeedFP16Config": "core.config", "DeepSpeedBF16Config": "core.config"}),
     "profiling": "train.profiling",  # deepspeed.profiling
     "rollout": "inference.rollout",  # deepspeed.runtime.rollout: on-policy generation for RL/distillation
+    # deepspeed.sequence's AutoSP for multimodal models: the ViT attention wrapper, the fusion
+    # adapters, and the class-name detection with auto_wrap_model_for_sp (one module for both)
+    "sequence.autosp_vit": "sequence.vit_attention",
+    "sequence.autosp_fusion": "sequence.fusion",
+    "sequence.autosp_detector": "sequence.autowrap",
+    "sequence.auto_sp": "sequence.autowrap",
     "sequence.fpdt_layer": "sequence.fpdt",  # deepspeed.sequence.fpdt_layer: FPDT's input layout (kernels refused)
     "sequence_parallel": "sequence",  # deepspeed.runtime.sequence_parallel (ulysses_sp: the Hugging Face path)
     # deepspeed.runtime.utils and deepspeed.utils: helpers DeepSpeed gathers under one name
@@ -217,6 +224,8 @@ PATHS: Dict[str, Entry] = {
                     "see_memory_usage": "train.helpers", "set_random_seed": "train.helpers",
                     "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
                     "partition_balanced": "pipe.partition", "prefix_sum_inc": "pipe.partitioned",
+                    # deepspeed.utils imports its groups module, so scripts reach it as an attribute
+                    "groups": "core.parallel",
                     **{name: "zero.fragments" for name in _FRAGMENTS}}),
     "torch_autocast": "core.autocast",  # deepspeed.runtime.torch_autocast: gradients' reduction dtypes
     "tensor_parallel.config": Names("deepspeed.runtime.tensor_parallel.config: the Hugging Face tp plan reader "

@@ -409,6 +409,10 @@ class GradientStrategy:
         """What a checkpoint holds for this rank, fitted to this strategy's partition."""
         self.load_optimizer_state_dict(saved.whole if saved.is_whole else saved.shards)
 
+    def empty_partition_cache(self) -> None:
+        """Leave every split parameter at rest (engine.empty_partition_cache). Only stage 3
+        splits parameters; the other strategies keep them whole, so there is nothing to free."""
+
     def close(self) -> None:
         """Remove hooks; the engine calls this when it is destroyed or replaced."""
 

@@ -14,6 +14,9 @@ objects (the data is replaced by the rank's block), so an optimizer made before 
 cut sees the same tensors. Each split parameter carries DeepSpeed's `gather_params(params)` and
 `_tp_partition(params)`, which swap its data between the full tensor and the rank's block.
 
+The fused and sub-parameter layers (GateUpPack_LinearLayer, fused_LinearLayer, SubParam*, Yuan_*)
+build on these in autotp_subparam_layers.py.
+
 They are ordinary TensorParallelLayers here: the forward is layers.py's column_linear /
 row_linear, gradient norms and full_state_dict (the engine's consolidated state dict) read
 their `shards`. As in DeepSpeed, the parameters are trainable only in AutoTP training mode

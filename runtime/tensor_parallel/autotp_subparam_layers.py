@@ -12,10 +12,13 @@ keeping one piece of each, concatenated (subparams.py has the maths).
 is built (`_subparam_shard_widths`), and partition, gather, full_state_dict and the
 universal-checkpoint metadata all read them, so they agree on every cut.
 
-What is refused, in one line: a fused qkv weight needing DeepSpeed's prepare_tp_fused_qkvw
-cut (fused_LinearLayer at tp > 1 without skip_partition), Yuan's shared-QK head selection at
-tp > 1, and a sub-parameter split on a middle dimension of a >2-D view at tp > 1 (its pieces
-are strided in the 2-D weight, which full_state_dict cannot place). CodeGen's and GPTBigCode's
+A fused qkv layer reads its block's layout with fused_qkv.py; without a tp_meta, the fused
+layers size their split from tp_shard's module settings read when built (DeepSpeed's older
+convention). What is refused, in one line: gather_output on a fused column layer (a rank-order
+gather interleaves the sub-parameters), cutting or gathering CodeGen's and GPTBigCode's fused
+layouts, Yuan's shared-QK head selection at tp > 1, and a sub-parameter split on a middle
+dimension of a >2-D view at tp > 1 (its pieces are strided in the 2-D weight, which
+full_state_dict cannot place). CodeGen's and GPTBigCode's
 fused layouts and Yuan's are published as unsupported in the universal-checkpoint info, with
 the reason, as DeepSpeed does.
 """
@@ -28,11 +31,18 @@ import torch
 from torch import nn
 
 from .autotp_layers import LinearAllreduce, LinearLayer, _AutoTPLinear
-from .layers import ParamShard, column_linear, gather_uneven, row_linear
+from . import fused_qkv
+from .layers import ParamShard, column_linear, gather_parts_uneven, row_linear
 from .shard import TensorParallelError
 from .subparams import bias_shape_spec, infer_layout, subparam_shard_widths, take_rank_pieces
-from .tp_shard import AutoTPMeta
+from .tp_shard import AutoTPMeta, settings_meta
 from .uc_meta import set_param_meta
+
+
+def _meta_or_settings(tp_meta: Optional[AutoTPMeta]) -> AutoTPMeta:
+    """The layer's meta, or (DeepSpeed's older convention, no meta passed) tp_shard's module
+    settings read now, so the split is frozen when the layer is built."""
+    return tp_meta if tp_meta is not None else settings_meta()
 
 
 class _SubParamMixin:
@@ -48,13 +58,10 @@ class _SubParamMixin:
 
     def _gather(self, local: torch.Tensor, view: Tuple[int, ...], dim: int) -> torch.Tensor:
         """The full tensor of `view`'s shape from every rank's pieces (collective over the group)."""
-        mine = [w[self.tp_rank] for w in self._subparam_shard_widths]
         local_view = list(view)
-        local_view[dim] = sum(mine)
-        pieces = local.reshape(local_view).split(mine, dim=dim)
-        full = [gather_uneven(p, dim, widths, self.group, f"tp gather_params {self.label}")
-                for p, widths in zip(pieces, self._subparam_shard_widths)]
-        return full[0] if len(full) == 1 else torch.cat(full, dim)
+        local_view[dim] = sum(w[self.tp_rank] for w in self._subparam_shard_widths)
+        return gather_parts_uneven(local.reshape(local_view), dim, self._subparam_shard_widths, self.tp_rank,
+                                   self.group, f"tp gather_params {self.label}")
 
     def _sub_shard(self, view: Sequence[int], dim: Optional[int], local_dim: int, is_weight: bool) -> ParamShard:
         """The pieces' place in the 2-D weight (or the 1-D bias): a split on the view's first
@@ -87,15 +94,23 @@ class _SubParamLinear(_SubParamMixin, _AutoTPLinear):
         self._logical_shape, self._output_shape = layout.logical_shape, layout.output_shape
         self._subparam_sizes, self._bias_partition_dim = layout.sub_sizes, layout.bias_partition_dim
         self._bias_shape_spec = bias_shape_spec(layout)
-        self._subparam_shard_widths = subparam_shard_widths(self._sub_sizes(self._logical_shape, partition_dim),
-                                                            self.tp_size, tp_meta, name)
-        self._partition_sizes = ()  # not one block per rank: the pieces are in _subparam_shard_widths
+        self._freeze_partition_sizes(self._orig_weight_shape[self.split_dim])
         if self.bias is not None and self.bias.numel() != prod(self._output_shape):
             raise TensorParallelError(f"{self.label}: bias of {self.bias.numel()} does not match the output shape "
                                       f"{self._output_shape}")
         if self.tp_size > 1:
             self._tp_partition([self.weight, self.bias])
         self._configure()
+
+    def _freeze_partition_sizes(self, total: int) -> Tuple[int, ...]:
+        """Each sub-parameter's per-rank widths at the group's size now (DeepSpeed's scripts set
+        tp_world_size / tp_index and call this again), from the layer's meta or else tp_shard's
+        module settings, fixed until the next call."""
+        self._subparam_shard_widths = subparam_shard_widths(
+            self._sub_sizes(self._logical_shape, self.partition_dim), self.tp_size, _meta_or_settings(self.tp_meta),
+            self.name)
+        self._partition_sizes = ()  # not one block per rank: the pieces are in _subparam_shard_widths
+        return self._partition_sizes
 
     def _is_bias(self, param) -> bool:
         return self.bias is not None and param is self.bias
@@ -212,12 +227,23 @@ class SubParamColumnParallel(_SubParamMixin, LinearLayer):
     _unsupported_uc_reason = "its tensor parallel layout cannot be described per sub-parameter"
     _subparam_layout_spec: Tuple[Optional[Tuple[int, ...]], Optional[str]] = (None, None)
 
+    def __init__(self, module: nn.Module, mp_group: Any = None, skip_partition: bool = False,
+                 gather_output: bool = False, name: Optional[str] = None, tp_meta: Optional[AutoTPMeta] = None):
+        if gather_output:
+            # DeepSpeed gathers such outputs in rank order, which interleaves the sub-parameters
+            raise TensorParallelError(f"{type(self).__name__}: gather_output is not provided (its rank blocks stack "
+                                      f"pieces of several sub-parameters, so a rank-order gather is not the output)")
+        super().__init__(module, mp_group, skip_partition=skip_partition, name=name, tp_meta=tp_meta)
+
+    def _meta(self) -> AutoTPMeta:
+        return _meta_or_settings(self.tp_meta)
+
     def _freeze_partition_sizes(self, total: int) -> Tuple[int, ...]:
         sizes = super()._freeze_partition_sizes(total)
         self._subparam_sizes, shard_name = self._subparam_layout_spec
         self._subparam_shard_widths = None
         if self._subparam_sizes is not None:
-            self._subparam_shard_widths = subparam_shard_widths(self._subparam_sizes, self.tp_size, self.tp_meta,
+            self._subparam_shard_widths = subparam_shard_widths(self._subparam_sizes, self.tp_size, self._meta(),
                                                                 shard_name)
         return sizes
 
@@ -280,16 +306,22 @@ class GateUpPack_LinearLayer(SubParamColumnParallel):
         super().__init__(module, mp_group, name=name, tp_meta=tp_meta, **kwargs)
 
 
-# DeepSpeed's fused qkv module types whose layouts interleave (CodeGen) or replicate (GPTBigCode's
-# kv block) across ranks: no per-sub-parameter split describes them
-_UNDESCRIBED_FUSED = ("CodeGenBlock", "GPTBigCodeBlock")
+class _BlockRef:
+    """The block a fused layer belongs to, held outside the module tree (the layer is that
+    block's child: registering the block back would make a cycle). DeepSpeed's `.module`."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
 
 
 class fused_LinearLayer(SubParamColumnParallel):  # noqa: N801 (DeepSpeed's name)
-    """DeepSpeed's fused qkv column layer. Here only what needs no cut: the CodeGen and
-    GPTBigCode layouts published as unsupported (universal checkpoint), and any layout kept whole
-    (skip_partition, or tp 1). Cutting a fused qkv weight (DeepSpeed's prepare_tp_fused_qkvw for
-    Bloom, GLM, QWen, Phi3...) is refused in one line."""
+    """DeepSpeed's fused qkv column layer for the block `fused_module`: fused_qkv.py reads the
+    block's layout (q, k, v, or Bloom's one stacked block) from the layer's meta, or from
+    tp_shard's module settings when none is given, and each sub-parameter is split on its own
+    (head aware). QWen's attn.split_size is set to this rank's query width. CodeGen's and
+    GPTBigCode's layouts interleave or replicate blocks across ranks: they work whole (tp 1,
+    skip_partition), are refused when cut or gathered, and are published as unsupported in the
+    universal-checkpoint info, with the reason, as DeepSpeed does."""
 
     _unsupported_uc_reason = ("its fused qkv layout interleaves or replicates blocks across tensor parallel "
                               "ranks, so the original parameter cannot be reassembled from the shards")
@@ -298,14 +330,21 @@ class fused_LinearLayer(SubParamColumnParallel):  # noqa: N801 (DeepSpeed's name
                  fused_module: Optional[nn.Module] = None, name: Optional[str] = None,
                  tp_meta: Optional[AutoTPMeta] = None, **kwargs: Any):
         if fused_module is None:
-            raise TensorParallelError("fused_LinearLayer: fused_module (the block holding the fused qkv) is required")
-        block = type(fused_module).__name__
-        if not any(kind in str(fused_module) for kind in _UNDESCRIBED_FUSED):
-            self._unsupported_uc_reason = (f"the fused qkv layout of {block} (DeepSpeed's prepare_tp_fused_qkvw) is "
-                                           f"not provided by dslaunch")
-        self._subparam_layout_spec = (None, None)
-        self.fused_module_type = block
+            raise TensorParallelError("fused_LinearLayer: 'fused_module' (the block holding the fused qkv) is required")
+        self.fused_module = _BlockRef(fused_module)
+        self.fused_module_type = type(fused_module).__name__
+        # the fused qkv sizes are split without a layer name, as DeepSpeed sizes them
+        self._subparam_layout_spec = (fused_qkv.subparam_sizes(fused_module, tuple(module.weight.shape),
+                                                               _meta_or_settings(tp_meta)), None)
         super().__init__(module, mp_group, skip_partition=skip_partition, name=name, tp_meta=tp_meta, **kwargs)
+
+    def _freeze_partition_sizes(self, total: int) -> Tuple[int, ...]:
+        sizes = super()._freeze_partition_sizes(total)
+        block = self.fused_module.module
+        if self._subparam_shard_widths is not None and fused_qkv.fused_qkv_type(block) == "qwentype":
+            # QWen unpacks q, k, v from the layer's output by attn.split_size: this rank's width
+            block.attn.split_size = fused_qkv.qwen_split_size(self._subparam_shard_widths, self.tp_rank)
+        return sizes
 
 
 _YUAN_REASON = ("Yuan shared-QK tensor parallelism selects noncontiguous head groups that universal checkpoint "

@@ -75,7 +75,10 @@ class ParamShard:
     """A local parameter's place in the full one: split along `dim` into `parts` (widths, each
     split evenly), or by vocabulary blocks (`vocab`: full rows, the local tensor padded), or
     into one block per rank of the widths `sizes` (in rank order: DeepSpeed's uneven AutoTP
-    split), or into one piece of each sub-parameter (`sub_widths`), or replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
+    split), or into stacked sub-parameters each split over the ranks at its own widths
+    (`sub_widths`: one rank-ordered list per sub-parameter, a width may be 0; DeepSpeed's fused
+    and SubParam layers), or replicated (`dim` None). `conv1d`: the full tensor is stored
+    transposed (HF Conv1D)."""
 
     dim: Optional[int]
     full: int = 0
@@ -435,6 +438,17 @@ def gather_uneven(local: torch.Tensor, dim: int, sizes: Sequence[int], group: An
     return torch.cat([block.narrow(dim, 0, width) for block, width in zip(gathered.unbind(0), sizes)], dim)
 
 
+def gather_parts_uneven(local: torch.Tensor, dim: int, part_sizes: Sequence[Sequence[int]], rank: int, group: Any,
+                        label: str) -> torch.Tensor:
+    """The full tensor from every rank's block when the block stacks this rank's piece of each
+    sub-parameter (`part_sizes`: each sub-parameter's widths in rank order): each sub-parameter
+    is gathered on its own, then they are stacked back. Collective over `group` (one gather per
+    sub-parameter); not differentiable."""
+    pieces = local.split([widths[rank] for widths in part_sizes], dim)
+    return torch.cat([gather_uneven(piece, dim, widths, group, f"{label} part {i}")
+                      for i, (piece, widths) in enumerate(zip(pieces, part_sizes))], dim)
+
+
 def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     """The unsharded state dict of a model holding tensor-parallel layers: each split
     parameter, under every key it has (tied weights, shared modules), all-gathered once over
@@ -456,6 +470,9 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
             local = value.detach().contiguous()
             if spec.dim is None or layer.tp_size == 1:
                 done[id(value)] = spec.assemble([local])
+            elif spec.sub_widths:
+                done[id(value)] = gather_parts_uneven(local, spec.dim, spec.sub_widths, layer.tp_rank, layer.group,
+                                                      f"tp full_state_dict {key}")
             elif spec.sizes:
                 done[id(value)] = gather_uneven(local, spec.dim, spec.sizes, layer.group, f"tp full_state_dict {key}")
             else:

@@ -57,6 +57,10 @@ def infer_layout(weight_shape: Sequence[int], shape, partition_dim: int, name: O
         if i == partition_dim and isinstance(d, tuple):
             if not d or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in d):
                 raise TensorParallelError(f"{who}: sub-parameter sizes {d} must be positive integers")
+            # a 2-D view is the weight itself: name the mismatch rather than fail to infer
+            if len(spec) == len(weight_shape) and sum(d) != weight_shape[partition_dim]:
+                raise TensorParallelError(f"{who}: sub-parameter sizes {d} sum to {sum(d)}, not the weight's "
+                                          f"{weight_shape[partition_dim]}")
             sub_sizes = tuple(d)
             dims.append(sum(d))
         elif isinstance(d, int) and not isinstance(d, bool) and (d == -1 or d > 0):

@@ -104,6 +104,12 @@ def get_n_embd() -> Optional[int]:
     return n_embd
 
 
+def settings_meta() -> AutoTPMeta:
+    """The module settings (pre-0.19.8 convention) as a meta, read now: a layer built without
+    a meta freezes its split from this at construction."""
+    return _settings_meta(None)
+
+
 def _settings_meta(kv_heads: Optional[int]) -> AutoTPMeta:
     return AutoTPMeta(num_kv_heads=num_kv_heads if kv_heads is None else kv_heads,
                       num_attention_heads=num_attention_heads, n_embd=n_embd, tp_grain_size=tp_grain_size)

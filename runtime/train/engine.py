@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import os
 import dataclasses
 from typing import Any, Dict, Optional
 
@@ -54,6 +55,11 @@ from ..core.config.zero import OffloadDeviceEnum
 from ..core.strict import ConfigError
 from .accumulation import check_accumulation_mode, samples_in_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
+
+
+class OptimizerRequiredError(ConfigError, AssertionError):
+    """No optimizer where one is needed (ZeRO 1-2, backward, step): DeepSpeed asserts here,
+    so its tests catch an AssertionError."""
 
 
 def _config_source(args, config, config_params):
@@ -407,9 +413,13 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         if callable(optimizer):
             return moe_utils.check_moe_param_groups(optimizer(params), model)
         if self.config.optimizer is None:
-            if self.config.zero_optimization.stage == 3:
-                return None  # ZeRO inference: the model sharded, forward only (the HF Trainer's evaluate/predict)
-            raise ConfigError("optimizer: none given; add an \"optimizer\" section to the config or pass optimizer=")
+            stage = self.config.zero_optimization.stage
+            if stage in (0, 3):
+                # forward only, as DeepSpeed allows: ZeRO inference with the model sharded (the HF
+                # Trainer's evaluate/predict), or a plain engine; backward and step are refused
+                return None
+            raise OptimizerRequiredError(f"optimizer: none given, and ZeRO stage {stage} requires an optimizer; add "
+                                         f"an \"optimizer\" section to the config or pass optimizer=")
         if moe_utils.expert_layers(model):  # as DeepSpeed: expert parameters get "moe" param groups of their own
             params = moe_utils.configure_moe_param_groups(list(params))
         return moe_utils.check_moe_param_groups(
@@ -657,8 +667,8 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
-            raise ConfigError(f"optimizer: none given (no \"optimizer\" section, no initialize(optimizer=)), so this "
-                              f"ZeRO-3 engine runs forward only; {what}() needs one")
+            raise OptimizerRequiredError(f"optimizer: none given (no \"optimizer\" section, no initialize(optimizer=)), "
+                                         f"so this engine runs forward only; {what}() needs one")
 
     def step(self, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
         self._require_optimizer("step")
@@ -847,7 +857,13 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             expert_data_rank=m.rank("expert_data") if ep > 1 else place.dp_rank,
             expert_data_size=m.size("expert_data") if ep > 1 else place.dp_size)
 
-    def _refuse_sequence_checkpoint(self, what: str) -> None:
+    def _refuse_unsupported_checkpoint(self, what: str) -> None:
+        if self.optimizer is None:
+            # the checkpoint layout stores the weights with the optimizer's state (ZeRO-3: in the
+            # fp32 shards), which a forward-only engine does not have
+            raise checkpoint.CheckpointError(f"{what}: this engine has no optimizer (forward only), and checkpoints "
+                                             "are written with the optimizer's state; save the weights with "
+                                             "save_16bit_model() or the module's state_dict instead")
         # ZeRO state is sharded over data x sequence ranks, which DeepSpeed's file layout
         # (one shard per data-parallel rank) does not name
         if self.seq_parallel_size > 1:
@@ -856,12 +872,21 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                                              "the module's state_dict on one rank instead")
 
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None,
-                        save_latest: bool = True, allow_pickle: bool = False) -> str:
-        """DeepSpeed's save_checkpoint; allow_pickle=True lets client_state hold objects that
-        need pickle (they are then loaded only with load_checkpoint(..., trust_pickle=True))."""
-        self._refuse_sequence_checkpoint("save_checkpoint")  # before any file or folder is made
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        allow_pickle: bool = False) -> str:
+        """DeepSpeed's save_checkpoint, its argument order kept; exclude_frozen_parameters leaves
+        the parameters that do not train out of the module state (loading such a checkpoint then
+        needs load_module_strict=False, as in DeepSpeed). allow_pickle=True lets client_state
+        hold objects that need pickle (they are then loaded only with
+        load_checkpoint(..., trust_pickle=True))."""
+        self._refuse_unsupported_checkpoint("save_checkpoint")  # before any file or folder is made
         return checkpoint.save(self._checkpoint_run(), save_dir, tag, client_state, save_latest=save_latest,
-                               allow_pickle=allow_pickle)
+                               allow_pickle=allow_pickle, exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag, expp_rank: int) -> str:
+        """DeepSpeed's name: the path of expert-parallel rank `expp_rank`'s optimizer file in an
+        MoE checkpoint, as the writer names it."""
+        return os.path.join(checkpoints_path, str(tag), checkpoint.moe.expp_file_name(expp_rank))
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
         """DeepSpeed's name for making the saved zero_to_fp32.py executable, where a file
@@ -873,7 +898,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                         load_module_only: bool = False, trust_pickle: bool = False):
         """DeepSpeed's load_checkpoint: (path, client_state). Files are read with
         weights_only=True unless trust_pickle=True."""
-        self._refuse_sequence_checkpoint("load_checkpoint")
+        self._refuse_unsupported_checkpoint("load_checkpoint")
         return checkpoint.load(self._checkpoint_run(), load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -885,6 +910,11 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         """Move the ZeRO states named in `include` (OffloadStateTypeEnum; all when None) to
         `device` (cpu), page-locked when pin_memory; reload_states() brings them back."""
         offload_strategy_states(self.strategy, include, device, pin_memory, non_blocking)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's name: at ZeRO-3, free the full copies of gathered parameters (persistent
+        ones stay whole); at stages 0-2 parameters are never split, so nothing changes."""
+        self.strategy.empty_partition_cache()
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Put every state offload_states moved back on the device it came from."""
@@ -905,6 +935,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage is "
                              f"{self.config.zero_optimization.stage})")
         return model_export.gathered_state_dict(self.module, exclude_frozen_parameters)
+
+    @property
+    def sparse_tensor_module_names(self) -> set:
+        """DeepSpeed's set of the embeddings whose gradients it reduces sparse: always empty
+        here, since sparse_gradients is refused and every gradient is reduced dense."""
+        return set()
 
     def autotp_size(self) -> int:
         """DeepSpeed's accessor: the tensor-parallel size (tensor_parallel.autotp_size, 1 without AutoTP)."""

@@ -67,11 +67,13 @@ class DataParallelStrategy(GradientStrategy):
         # a ZeRO checkpoint's shards, keyed by name, are matched to this optimizer
         self._first_name = {id(p): n for n, p in self.module.named_parameters()}
         self._trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}
-        self._group_names = [[self._first_name.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        self._group_names = [[self._first_name.get(id(p)) for p in g["params"]] for g in groups]
         seen = set()
         params = []
         for p in self.module.parameters():
-            if p.requires_grad and id(p) not in seen:
+            # no optimizer (forward only, as DeepSpeed allows at stage 0): no buckets, hooks or masters
+            if self.optimizer is not None and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
         self.params = params
@@ -93,7 +95,7 @@ class DataParallelStrategy(GradientStrategy):
                 self.view_of[id(p)] = v
                 p.grad = v
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        if self.mixed:
+        if self.mixed and self.optimizer is not None:
             self._make_masters()
 
     # -- set-up ----------------------------------------------------------------------------

@@ -692,6 +692,13 @@ class ZeroStage3(ShardedStrategy):
         with torch.no_grad():
             chunk.copy_(flat.to(chunk.device, chunk.dtype))
 
+    def empty_partition_cache(self) -> None:
+        """Free the full copy of every gathered parameter but the persistent (small) ones,
+        prefetched ones too, as DeepSpeed's engine.empty_partition_cache does between phases
+        (after the last step, before an evaluation or a checkpoint)."""
+        self._prefetch.drop_all()
+        release([p for p in self.module.parameters() if is_partitioned(p)])
+
     # -- checkpoints --------------------------------------------------------------------------
     def module_state_dict(self) -> Dict[str, torch.Tensor]:
         """Collective: every parameter gathered, the module's state_dict cloned."""

@@ -227,15 +227,18 @@ def _whole_optimizer(run: Run, shard: ShardState) -> Dict[str, Any]:
                                      run.global_steps, deepspeed_optimizer_of(run.config))
 
 
-def _model_states(run: Run, module_state, shard: ShardState, client_state: Dict[str, Any]) -> Dict[str, Any]:
+def _model_states(run: Run, module_state, shard: ShardState, client_state: Dict[str, Any],
+                  exclude_frozen: bool = False) -> Dict[str, Any]:
     """DeepSpeed's model-states dict (engine._common_checkpoint_state plus client_state at the
     top level), with dslaunch's extras under "dslaunch". What the shard layout decides
-    (frozen parameters, placeholders, the optimizer's place) comes from `shard.layout`."""
+    (frozen parameters, placeholders, the optimizer's place) comes from `shard.layout`;
+    with exclude_frozen (DeepSpeed's exclude_frozen_parameters) the module state comes without
+    frozen parameters and no frozen shapes or fragments are recorded, as in DeepSpeed."""
     module, lay = run.module, shard.layout
     place = run.place
     scaler = run.loss_scaler
     scaler_state = scaler.state_dict() if scaler is not None else None
-    recorded = lay.frozen is not FrozenRecord.NONE
+    recorded = lay.frozen is not FrozenRecord.NONE and not exclude_frozen
     frozen = {n: module_state[n] for n in _frozen(module)} if recorded else {}
     if lay.module_in_shards:  # parameters live in the fp32 shards; DeepSpeed keeps empty placeholders
         params = dict(module.named_parameters(remove_duplicate=False))
@@ -290,11 +293,14 @@ def _model_states(run: Run, module_state, shard: ShardState, client_state: Dict[
 
 
 def _write_rank_files(run: Run, staging: str, module_state, shard: ShardState, client_state: Dict[str, Any],
-                      writes_shared: bool) -> Dict[str, FileRecord]:
+                      writes_shared: bool, exclude_frozen: bool = False) -> Dict[str, FileRecord]:
     """This rank's files: RNG states, its optimizer shard when sharded, and the model states
     (a partitioned module: every rank its own; otherwise one writer per (pipe, model) slice,
-    parallel.py), with a pipeline stage's layer files."""
+    parallel.py), with a pipeline stage's layer files. exclude_frozen leaves the frozen
+    parameters out of every file that holds module weights."""
     rank, lay = run.global_rank, shard.layout
+    if exclude_frozen:
+        module_state = _without_frozen(run.module, module_state)
     records = {rng_states_name(rank): write_torch(os.path.join(staging, rng_states_name(rank)), rng_state())}
     if lay.sharded:
         scaler = run.loss_scaler
@@ -312,7 +318,7 @@ def _write_rank_files(run: Run, staging: str, module_state, shard: ShardState, c
     if lay.own_model_file or parallel.writes_model_states(run, writes_shared):
         name = parallel.zero_model_states_file(run) if lay.own_model_file else parallel.model_states_file(run)
         records[name] = write_torch(os.path.join(staging, name),
-                                    _model_states(run, module_state, shard, client_state))
+                                    _model_states(run, module_state, shard, client_state, exclude_frozen))
         for name, layer in parallel.layer_files(run, module_state).items():
             records[name] = write_torch(os.path.join(staging, name), layer)
     return records
@@ -346,6 +352,11 @@ def _write_moe_files(run: Run, staging: str, module_state, shard: ShardState) ->
     return records
 
 
+class TagMismatchError(CheckpointError, AssertionError):
+    """checkpoint.tag_validation Fail and the ranks' tags differ: DeepSpeed asserts here, so
+    its scripts and tests catch an AssertionError."""
+
+
 def _agreed_tag(run: Run, tag) -> str:
     """Every rank's tag compared (checkpoint.tag_validation: Ignore, Warn or Fail, as in
     DeepSpeed); all ranks then save under rank 0's tag, so a mismatch can never split one
@@ -358,7 +369,7 @@ def _agreed_tag(run: Run, tag) -> str:
         msg = (f"checkpoint tag differs across ranks: rank 0 {tags[0]!r}, {', '.join(differ[:3])}"
                f"{' ...' if len(differ) > 3 else ''}")
         if mode == "fail":
-            raise CheckpointError(msg + " (checkpoint.tag_validation: Fail)")
+            raise TagMismatchError(msg + " (checkpoint.tag_validation: Fail)")
         if run.global_rank == 0:
             print(f"dslaunch: warning: {msg}; saving under rank 0's tag", file=sys.stderr, flush=True)
     return validate_tag(tags[0], "save_checkpoint tag")
@@ -371,8 +382,15 @@ def storage_leader(run: Run) -> int:
     return run.global_rank - run.local_rank if run.config.checkpoint.use_node_local_storage else 0
 
 
+def _without_frozen(module: torch.nn.Module, state: Dict[str, Any]) -> Dict[str, Any]:
+    """DeepSpeed's exclude_frozen_parameters: the module state without the parameters that
+    do not train (requires_grad False), under every name a shared one has; buffers stay."""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def save(run: Run, save_dir: str, tag=None, client_state: Optional[Dict[str, Any]] = None, save_latest: bool = True,
-         allow_pickle: bool = False) -> str:
+         allow_pickle: bool = False, exclude_frozen_parameters: bool = False) -> str:
     save_dir = str(save_dir)
     tag = _agreed_tag(run, tag)
     client_state = dict(client_state) if client_state is not None else {}
@@ -397,7 +415,7 @@ def save(run: Run, save_dir: str, tag=None, client_state: Optional[Dict[str, Any
     error = None
     try:
         records.update(_write_rank_files(run, staging, module_state, shard,
-                                         {} if pickled else client_state, writes_shared))
+                                         {} if pickled else client_state, writes_shared, exclude_frozen_parameters))
         if writes_shared and pickled:
             records[CLIENT_STATE_FILE] = write_torch(os.path.join(staging, CLIENT_STATE_FILE), client_state)
         _step("files-written")

@@ -139,6 +139,11 @@ def test_deepspeed_layout_and_resume_at_the_same_expert_parallel_size(runs):
                           "mp_rank_00_model_states.pt"]) <= set(two["files_s0"])
     assert set(experts + ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
                           "mp_rank_00_model_states.pt", "manifest.json"]) <= set(two["files_s2"])
+    # DeepSpeed's engine._get_optimizer_ckpt_name names the expert ranks' optimizer files as written
+    from dslaunch.runtime.train.engine import DeepSpeedEngine
+    named = {DeepSpeedEngine._get_optimizer_ckpt_name(None, "/ck", f"global_step{AT}", r) for r in (0, 1)}
+    assert named == {f"/ck/global_step{AT}/expp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
+    assert {os.path.basename(n) for n in named} <= set(two["files_s0"])
 
 
 @pytest.mark.timeout(600)

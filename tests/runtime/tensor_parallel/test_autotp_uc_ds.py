@@ -125,9 +125,10 @@ def test_cuts_dslaunch_does_not_provide_are_refused_in_one_line():
     solo = torch.nn.Linear(4, 4)
     with pytest.raises(TensorParallelError, match="cannot be inferred|does not view"):
         layers.SubParamLinearLayer(solo, mp_group=None, shape=(2, -1, -1), partition_dim=0)
-    block = type("GLMBlock", (torch.nn.Module,), {})()
+    # CodeGen's fused layout interleaves blocks across ranks: no per-sub-parameter cut describes it
+    block = type("CodeGenBlock", (torch.nn.Module,), {})()
     layer = layers.fused_LinearLayer(torch.nn.Linear(4, 12), mp_group=None, fused_module=block)
-    with pytest.raises(RuntimeError, match="GLMBlock.*not provided"):
+    with pytest.raises(RuntimeError, match="interleaves or replicates blocks"):
         layer.gather_params([layer.weight, layer.bias])
     layer.tp_world_size = 2
     with pytest.raises(TensorParallelError, match="cannot be split at tp 2"):

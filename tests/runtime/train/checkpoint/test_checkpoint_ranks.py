@@ -61,6 +61,10 @@ def ranks_body(root):
     out["shared_tags"] = sorted(os.listdir(shared))
     # ... Fail refuses on every rank, Ignore says nothing.
     out["fail"] = _error(_engine({"tag_validation": "Fail"}).save_checkpoint, shared, tag=f"x{rank}")
+    try:  # DeepSpeed asserts here: its tests catch an AssertionError
+        _engine({"tag_validation": "Fail"}).save_checkpoint(shared, tag=f"y{rank}")
+    except AssertionError:
+        out["fail_asserts"] = True
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         out["ignore_path"] = os.path.basename(_engine({"tag_validation": "ignore"}).save_checkpoint(
@@ -81,6 +85,7 @@ def test_node_local_storage_and_tag_validation_on_two_nodes_of_two(tmp_path):
                                      f"zero_pp_rank_{2 * node}_mp_rank_00_optim_states.pt",
                                      f"zero_pp_rank_{2 * node + 1}_mp_rank_00_optim_states.pt"], r
         assert out["warn_path"] == "step-r0"
+        assert out["fail_asserts"]
         assert out["fail"] == ("checkpoint tag differs across ranks: rank 0 'x0', rank 1 'x1', rank 2 'x2', "
                                "rank 3 'x3' (checkpoint.tag_validation: Fail)")
         assert out["ignore_path"] == "y0" and out["ignore_stderr"] == ""

@@ -1,0 +1,48 @@
+"""engine.empty_partition_cache(), DeepSpeed's call between phases: at ZeRO-3 a forward
+in grad mode with no backward after it leaves a small model's parameters gathered for a
+backward that never comes; the call frees every full copy but the persistent ones, and
+training goes on as if it had not been made. At stages 0-2 parameters are never split, so
+it changes nothing."""
+from dist_harness import run_function
+
+
+def _run(stage, evaluate):
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    batches = [torch.randn(2, 16) for _ in range(4)]
+    losses, whole = [], []
+    for step, x in enumerate(batches):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        if evaluate and step == 1:
+            engine(batches[0])  # a forward whose backward never runs (grad mode on)
+            whole.append(sum(p.data.numel() == p.ds_numel if hasattr(p, "ds_numel") else True
+                             for p in model.parameters()))
+            engine.empty_partition_cache()
+            whole.append(sum(p.data.numel() == p.ds_numel if hasattr(p, "ds_numel") else True
+                             for p in model.parameters()))
+    return losses, whole
+
+
+def _all():
+    return {(stage, ev): _run(stage, ev) for stage in (2, 3) for ev in (False, True)}
+
+
+def test_empty_partition_cache_frees_gathered_params_and_changes_no_number():
+    out = run_function(_all, nprocs=2, timeout=240)[0]
+    for stage in (2, 3):
+        assert out[(stage, True)][0] == out[(stage, False)][0]  # the same training either way
+    # ZeRO-3: all 6 parameters whole after the evaluation forward, none after the call
+    assert out[(3, True)][1] == [6, 0]
+    # ZeRO-2 never splits a parameter: nothing to free
+    assert out[(2, True)][1] == [6, 6]
