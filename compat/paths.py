@@ -164,17 +164,23 @@ PATHS: Dict[str, Entry] = {
                             **{name: "tensor_parallel.autotp_config" for name in (
                                 "AutoTPConfig", "PartitionType", "TPLayerSpec", "merge_autotp_configs")}}),
     "module_inject.autotp_config": "tensor_parallel.autotp_config",  # DeepSpeed's layer-spec objects
-    "module_inject.layers": Names("deepspeed.module_inject.layers: AutoTP's column- and row-parallel training layers "
-                                  "and the training/inference switch (DeepSpeed's other layer classes and its "
-                                  "universal-checkpoint metadata helpers are not provided).",
-                                  {"LinearLayer": "tensor_parallel.autotp_layers",
-                                   "LinearAllreduce": "tensor_parallel.autotp_layers",
-                                   # the fused qkv / gate-up layers and a layer spec's shape (sub-parameter splits)
-                                   "SubParamColumnParallel": "tensor_parallel.autotp_layers",
-                                   "GateUpPack_LinearLayer": "tensor_parallel.autotp_layers",
-                                   "fused_LinearLayer": "tensor_parallel.autotp_layers",
-                                   "SubParamLinearLayer": "tensor_parallel.autotp_layers",  # a spec's 2-D shape
-                                   "SubParamLinearAllreduce": "tensor_parallel.autotp_layers",
+    "module_inject.layers": Names("deepspeed.module_inject.layers: AutoTP's training layers (column, row, output "
+                                  "head, per-sub-parameter and fused ones), the training/inference switch and the "
+                                  "universal-checkpoint metadata helpers (DeepSpeed's embedding, conv and "
+                                  "inference-kernel layers are not provided).",
+                                  {**{n: "tensor_parallel.autotp_layers"
+                                      for n in ("LinearLayer", "LinearAllreduce", "LmHeadLinearAllreduce")},
+                                   **{n: "tensor_parallel.autotp_subparam_layers"
+                                      for n in ("SubParamLinearLayer", "SubParamLinearAllreduce",
+                                                "SubParamColumnParallel", "GateUpPack_LinearLayer",
+                                                "fused_LinearLayer", "Yuan_LinearLayer", "Yuan_LinearAllreduce")},
+                                   "_build_param_uc_restore_meta": "tensor_parallel.uc_meta:build_restore_meta",
+                                   "_build_param_uc_conversion_meta": "tensor_parallel.uc_meta:build_conversion_meta",
+                                   "_get_param_uc_conversion_meta": "tensor_parallel.uc_meta:conversion_meta",
+                                   "collect_autotp_universal_checkpoint_info":
+                                       "tensor_parallel.uc_meta:collect_universal_checkpoint_info",
+                                   "_subparam_shard_widths": "tensor_parallel.subparams:subparam_shard_widths",
+                                   "DS_AUTOTP_UC_META": "tensor_parallel.uc_keys",
                                    "AUTOTP_MODE": "tensor_parallel.mode", "set_autotp_mode": "tensor_parallel.mode",
                                    "is_autotp_training_mode": "tensor_parallel.mode",
                                    "get_auto_tp_mode": "tensor_parallel.mode:get_autotp_mode"}),
@@ -328,6 +334,12 @@ PATHS: Dict[str, Entry] = {
     # -- the runtime's own former paths (before core/, the strategies and train/) --------------
     "autotuning": "train.autotuning",
     "checkpoint.errors": "core.errors",
+    "checkpoint.universal_checkpoint": Names("deepspeed.checkpoint.universal_checkpoint: cutting an AutoTP "
+                                             "parameter's piece out of its full tensor (the engine loads universal "
+                                             "checkpoints through train.checkpoint.universal).",
+                                             {"_narrow_sub_params": "train.checkpoint.autotp_restore:narrow_sub_params",
+                                              "_resolve_autotp_partition":
+                                                  "train.checkpoint.autotp_restore:resolve_autotp_partition"}),
     "checkpoint.reshard": "zero.reshard",
     "compiling": "train.compiling",
     "consolidate": "train.checkpoint.consolidate",  # python -m dslaunch.runtime.consolidate

@@ -14,20 +14,8 @@ objects (the data is replaced by the rank's block), so an optimizer made before 
 cut sees the same tensors. Each split parameter carries DeepSpeed's `gather_params(params)` and
 `_tp_partition(params)`, which swap its data between the full tensor and the rank's block.
 
-Fused projections (fused_qkv.py) are column layers whose rank block stacks a piece of each
-sub-parameter, every sub-parameter split at its own (frozen) widths:
-
-    GateUpPack_LinearLayer(module, mp_group, ..., name=None, tp_meta=None)
-        the weight's two halves (gate, up) each split in grains (DeepSpeed's "mlp" sizing)
-    fused_LinearLayer(module, mp_group, skip_partition=False, fused_module=block, ...)
-        q, k, v (or one Bloom block) as fused_qkv reads the block's layout; QWen's
-        attn.split_size is set to this rank's query width. CodeGen / GPTBigCode layouts
-        are refused when cut or gathered (they are not split per sub-parameter).
-    SubParamLinearLayer(module, mp_group, shape, partition_dim=0, name=None, tp_meta=None)
-    SubParamLinearAllreduce(module, mp_group, shape, partition_dim=1, ...)
-        a layer spec's 2-D `shape` names the sub-parameters of the split dimension (rows of a
-        column layer, input columns of a row layer, whose bias stays whole); deeper views
-        are refused (fused_qkv.shape_subparam_sizes)
+The fused and sub-parameter layers (GateUpPack_LinearLayer, fused_LinearLayer, SubParam*, Yuan_*)
+build on these in autotp_subparam_layers.py.
 
 They are ordinary TensorParallelLayers here: the forward is layers.py's column_linear /
 row_linear, gradient norms and full_state_dict (the engine's consolidated state dict) read
@@ -45,11 +33,11 @@ from torch import nn
 
 from ..core import comm
 from .collectives import gather_last_dim
-from . import fused_qkv
-from .layers import ParamShard, TensorParallelLayer, column_linear, gather_parts_uneven, gather_uneven, row_linear
+from .layers import ParamShard, TensorParallelLayer, column_linear, gather_uneven, row_linear
 from .mode import is_autotp_training_mode
-from .shard import TensorParallelError, take
-from .tp_shard import AutoTPMeta, get_shard_size_list, settings_meta
+from .shard import TensorParallelError
+from .tp_shard import AutoTPMeta, get_shard_size_list
+from .uc_meta import set_param_meta, shape_before_zero3
 
 
 def _group_place(mp_group: Any) -> Tuple[int, int]:
@@ -61,7 +49,7 @@ def _group_place(mp_group: Any) -> Tuple[int, int]:
 
 def _full_linear(module: nn.Module, what: str) -> Tuple[nn.Parameter, Optional[nn.Parameter]]:
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if not isinstance(weight, torch.Tensor) or len(shape_before_zero3(weight)) != 2:
         raise TensorParallelError(f"{what}: {type(module).__name__} has no 2-D weight [out, in] to split")
     return weight, getattr(module, "bias", None)
 
@@ -78,7 +66,9 @@ class _AutoTPLinear(TensorParallelLayer):
         self.mp_group, self.name = mp_group, name
         self.tp_meta = tp_meta
         self.weight, self.bias = _full_linear(module, type(self).__name__)
-        self._orig_weight_shape = tuple(self.weight.shape)
+        # a ZeRO-3 parameter is empty here; its shape before partitioning is the layer's
+        self._orig_weight_shape = shape_before_zero3(self.weight)
+        self._orig_bias_shape = shape_before_zero3(self.bias) if self.bias is not None else None
         self.support_training = True
 
     # DeepSpeed's names for the group's size and this rank (tp_size/tp_rank are ours)
@@ -118,6 +108,18 @@ class _AutoTPLinear(TensorParallelLayer):
         """(parameter name, dimension) of each parameter this layer splits."""
         raise NotImplementedError
 
+    def _mark_uc_metadata(self) -> None:
+        """Write each parameter's universal-checkpoint description (uc_meta.py) from the frozen
+        split and the current local shapes; called at construction and again by
+        collect_autotp_universal_checkpoint_info, so a split changed since is what is published."""
+        raise NotImplementedError
+
+    def _param_shard(self, pname: str, dim: Optional[int]) -> ParamShard:
+        """Where the local parameter sits in the full one (full_state_dict and norms read it)."""
+        if dim is None:
+            return ParamShard(None)
+        return ParamShard(dim, self._orig_weight_shape[self.split_dim], sizes=self._partition_sizes)
+
     def _configure(self) -> None:
         """The shard map, DeepSpeed's tags and hooks, and trainability by the AutoTP mode."""
         split = dict(self._split_params())
@@ -127,8 +129,7 @@ class _AutoTPLinear(TensorParallelLayer):
             if param is None:
                 continue
             dim = split.get(pname)
-            self.shards[pname] = ParamShard(dim, self._orig_weight_shape[self.split_dim] if dim is not None else 0,
-                                            sizes=self._partition_sizes if dim is not None else ())
+            self.shards[pname] = self._param_shard(pname, dim)
             if not training:
                 param.requires_grad = False
             if dim is not None:
@@ -136,6 +137,7 @@ class _AutoTPLinear(TensorParallelLayer):
                 param._tp_partition = self._tp_partition
                 param.ds_is_replaced_module = True
         self._mark_shards()
+        self._mark_uc_metadata()
         for pname in split:
             param = getattr(self, pname)
             if param is not None:
@@ -180,6 +182,16 @@ class LinearLayer(_AutoTPLinear):
     def _split_params(self) -> List[Tuple[str, int]]:
         return [("weight", 0), ("bias", 0)]
 
+    def _mark_uc_metadata(self) -> None:
+        out = self._orig_weight_shape[0]
+        set_param_meta(self.weight, partition_type="column", partition_dim=0, logical_shape=self._orig_weight_shape,
+                       output_shape=(out,), partition_sizes=self._partition_sizes,
+                       target_partition_shape=tuple(self.weight.shape), original_shape=self._orig_weight_shape)
+        set_param_meta(self.bias, partition_type="column", partition_dim=0, logical_shape=self._orig_bias_shape,
+                       output_shape=self._orig_bias_shape, partition_sizes=self._partition_sizes,
+                       target_partition_shape=None if self.bias is None else tuple(self.bias.shape),
+                       original_shape=self._orig_bias_shape, is_bias=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_linear(x, self.weight, self.bias, self.group, label=self.label)
         if not self.gather_output or self.tp_size == 1:
@@ -213,6 +225,15 @@ class LinearAllreduce(_AutoTPLinear):
     def _split_params(self) -> List[Tuple[str, int]]:
         return [("weight", 1)]
 
+    def _mark_uc_metadata(self) -> None:
+        set_param_meta(self.weight, partition_type="row", partition_dim=1, logical_shape=self._orig_weight_shape,
+                       output_shape=(self._orig_weight_shape[0],), partition_sizes=self._partition_sizes,
+                       target_partition_shape=tuple(self.weight.shape), original_shape=self._orig_weight_shape)
+        # the bias is added once after the sum: whole, the same on every rank
+        set_param_meta(self.bias, partition_type="row", partition_dim=None, logical_shape=self._orig_bias_shape,
+                       output_shape=self._orig_bias_shape, original_shape=self._orig_bias_shape, is_bias=True,
+                       replicated=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_linear(x, self.weight, self.bias, self.group, label=self.label)
 
@@ -221,183 +242,26 @@ class LinearAllreduce(_AutoTPLinear):
                 f"tp={self.tp_size}")
 
 
-class _BlockRef:
-    """The block a fused layer belongs to, held outside the module tree (the layer is that
-    block's child: registering the block back would make a cycle). DeepSpeed's `.module`."""
+class LmHeadLinearAllreduce(LinearAllreduce):
+    """DeepSpeed's row-parallel output head: the whole hidden state comes in, each rank
+    multiplies its columns of it by its block of the weight, and the products are summed.
 
-    def __init__(self, module: nn.Module):
-        self.module = module
+    The head gets Parameters of its own (a tied input embedding stays whole), is named
+    "lm_head" for the shard sizes, and cuts its input with the split frozen when it was built:
+    re-deriving it from tp_shard's process-wide settings, which a later model may change, would
+    slice the input differently from the weight (and the sum would hide it)."""
 
-
-class SubParamColumnParallel(LinearLayer):
-    """A column layer whose rank block stacks this rank's piece of every sub-parameter of a
-    fused weight. A subclass sets `_subparam_layout_spec` = (sub-parameter sizes or None, layer
-    name for the sizing) before LinearLayer builds it; the widths are frozen with the split."""
-
-    _unsupported_reason = "its tensor parallel layout cannot be described per sub-parameter"
-    _subparam_layout_spec: Tuple[Optional[Tuple[int, ...]], Optional[str]]
-
-    def __init__(self, module: nn.Module, mp_group: Any = None, skip_partition: bool = False,
-                 gather_output: bool = False, name: Optional[str] = None, tp_meta: Optional[AutoTPMeta] = None):
-        if gather_output:
-            # DeepSpeed gathers such outputs in rank order, which interleaves the sub-parameters
-            raise TensorParallelError(f"{type(self).__name__}: gather_output is not provided (its rank blocks stack "
-                                      f"pieces of several sub-parameters, so a rank-order gather is not the output)")
-        super().__init__(module, mp_group, skip_partition=skip_partition, name=name, tp_meta=tp_meta)
-
-    def _meta(self) -> AutoTPMeta:
-        return self.tp_meta if self.tp_meta is not None else settings_meta()
-
-    def _freeze_partition_sizes(self, total: int) -> Tuple[int, ...]:
-        sizes = super()._freeze_partition_sizes(total)
-        sub_sizes, sizing_name = self._subparam_layout_spec
-        self._subparam_sizes = sub_sizes
-        self._subparam_shard_widths = (fused_qkv.subparam_widths(sub_sizes, self.tp_size, self._meta(), sizing_name)
-                                       if sub_sizes is not None else None)
-        return sizes
-
-    def _configure(self) -> None:
-        super()._configure()
-        if self._subparam_shard_widths is None:
-            return
-        parts = tuple(tuple(w) for w in self._subparam_shard_widths)
-        for pname in ("weight", "bias"):
-            if getattr(self, pname) is not None:
-                self.shards[pname] = ParamShard(0, self._orig_weight_shape[0], part_sizes=parts)
-
-    def _widths(self) -> List[List[int]]:
-        if self._subparam_sizes is None:
-            raise RuntimeError(f"{type(self).__name__} {self.label}: {self._unsupported_reason}")
-        return self._subparam_shard_widths
-
-    @torch.no_grad()
-    def _tp_partition(self, params_list: Sequence[Optional[torch.Tensor]]) -> None:
-        """Each full parameter of `params_list` becomes this rank's stacked pieces, at the
-        widths frozen when the layer was built (never re-read from tp_shard's settings)."""
-        widths = self._widths()
-        rows = fused_qkv.rank_rows(widths, self.tp_rank)
-        for param in params_list:
-            if param is None:
-                continue
-            if param.shape[0] != sum(self._subparam_sizes):
-                raise TensorParallelError(f"{type(self).__name__} {self.label}: a tensor of {param.shape[0]} rows is "
-                                          f"not the full fused parameter of {sum(self._subparam_sizes)}")
-            param.data = take(param.data, 0, rows).detach().clone()
-
-    @torch.no_grad()
-    def gather_params(self, params_list: Sequence[Optional[torch.Tensor]]) -> None:
-        """Each parameter of `params_list` (this rank's pieces) becomes the full fused tensor,
-        sub-parameter by sub-parameter (collective over the group)."""
-        widths = self._widths()
-        for param in params_list:
-            if param is None:
-                continue
-            if self.tp_size == 1:
-                param.data = param.data.contiguous()
-            else:
-                param.data = gather_parts_uneven(param.data, 0, widths, self.tp_rank, self.group,
-                                                 f"tp gather_params {self.label}")
-
-
-class GateUpPack_LinearLayer(SubParamColumnParallel):
-    """DeepSpeed's layer for a packed gate+up projection (ChatGLM2/3): its two halves split
-    separately, sized as an MLP layer (grains, never heads)."""
-
-    def __init__(self, module: nn.Module, mp_group: Any = None, skip_partition: bool = False,
-                 gather_output: bool = False, name: Optional[str] = None, tp_meta: Optional[AutoTPMeta] = None):
-        half = _full_linear(module, type(self).__name__)[0].shape[0] // 2
-        self._subparam_layout_spec = ((half, half), "mlp")
-        super().__init__(module, mp_group, skip_partition, gather_output, name, tp_meta)
-
-
-class fused_LinearLayer(SubParamColumnParallel):  # noqa: N801  DeepSpeed's class name
-    """DeepSpeed's layer for a fused qkv projection of the block `fused_module` (fused_qkv.py
-    reads its layout)."""
-
-    _unsupported_reason = ("its fused qkv layout interleaves or replicates blocks across tensor parallel ranks, "
-                           "so it is not cut or gathered here (CodeGen / GPTBigCode layouts are not provided)")
-
-    def __init__(self, module: nn.Module, mp_group: Any, skip_partition: bool = False, *,
-                 fused_module: Optional[nn.Module] = None, gather_output: bool = False, name: Optional[str] = None,
+    def __init__(self, module: nn.Module, mp_group: Any = None, name: Optional[str] = None,
                  tp_meta: Optional[AutoTPMeta] = None):
-        if fused_module is None:
-            raise TensorParallelError("fused_LinearLayer: 'fused_module' (the block holding the projection) is required")
-        self.fused_module = _BlockRef(fused_module)
-        weight = _full_linear(module, type(self).__name__)[0]
-        meta = tp_meta if tp_meta is not None else settings_meta()
-        # the fused qkv sizes are split without a layer name, as DeepSpeed sizes them
-        self._subparam_layout_spec = (fused_qkv.subparam_sizes(fused_module, tuple(weight.shape), meta), None)
-        super().__init__(module, mp_group, skip_partition, gather_output, name, tp_meta)
+        module.weight = nn.Parameter(module.weight.detach().clone())
+        if getattr(module, "bias", None) is not None:
+            module.bias = nn.Parameter(module.bias.detach().clone())
+        super().__init__(module, mp_group, name="lm_head", tp_meta=tp_meta)
 
-    def _freeze_partition_sizes(self, total: int) -> Tuple[int, ...]:
-        sizes = super()._freeze_partition_sizes(total)
-        block = self.fused_module.module
-        if self._subparam_shard_widths is not None and fused_qkv.fused_qkv_type(block) == "qwentype":
-            # QWen unpacks q, k, v from the layer's output by attn.split_size: this rank's width
-            block.attn.split_size = fused_qkv.qwen_split_size(self._subparam_shard_widths, self.tp_rank)
-        return sizes
-
-
-class SubParamLinearLayer(SubParamColumnParallel):
-    """DeepSpeed's column layer for a layer spec with a `shape`: the weight's output rows are
-    the sub-parameters `shape` names (fused_qkv.shape_subparam_sizes), each split at the
-    layer's sizing (its name), the bias split as the rows."""
-
-    def __init__(self, module: nn.Module, mp_group: Any, shape: Any, partition_dim: int = 0,
-                 name: Optional[str] = None, tp_meta: Optional[AutoTPMeta] = None):
-        self.shape, self.partition_dim = shape, partition_dim
-        if partition_dim != 0:
-            raise TensorParallelError(f"SubParamLinearLayer {name}: a column layer splits dim 0, not "
-                                      f"partition_dim={partition_dim}")
-        weight = _full_linear(module, type(self).__name__)[0]
-        sizes = fused_qkv.shape_subparam_sizes(tuple(weight.shape), shape, partition_dim, name)
-        # -1 at the partition dim: one block of the whole dim (DeepSpeed reports its sizes as None)
-        self._subparam_layout_spec = (sizes or (int(weight.shape[0]),), name)
-        super().__init__(module, mp_group, name=name, tp_meta=tp_meta)
-
-
-class SubParamLinearAllreduce(LinearAllreduce):
-    """DeepSpeed's row layer for a layer spec with a `shape`: the weight's input columns are
-    the sub-parameters `shape` names, each split at the layer's sizing; the bias stays whole
-    (added once after the sum), and is recognised by identity, not by its place in a list."""
-
-    def __init__(self, module: nn.Module, mp_group: Any, shape: Any, partition_dim: int = 1,
-                 name: Optional[str] = None, tp_meta: Optional[AutoTPMeta] = None):
-        self.shape, self.partition_dim = shape, partition_dim
-        if partition_dim != 1:
-            raise TensorParallelError(f"SubParamLinearAllreduce {name}: a row layer splits dim 1, not "
-                                      f"partition_dim={partition_dim}")
-        weight = _full_linear(module, type(self).__name__)[0]
-        self._subparam_sizes = fused_qkv.shape_subparam_sizes(tuple(weight.shape), shape, partition_dim, name)
-        self._layout_sizes = self._subparam_sizes or (weight.shape[1],)
-        super().__init__(module, mp_group, name=name, tp_meta=tp_meta)
-
-    def _freeze_partition_sizes(self, total: int) -> Tuple[int, ...]:
-        sizes = super()._freeze_partition_sizes(total)
-        meta = self.tp_meta if self.tp_meta is not None else settings_meta()
-        self._subparam_shard_widths = fused_qkv.subparam_widths(self._layout_sizes, self.tp_size, meta, self.name)
-        return sizes
-
-    def _configure(self) -> None:
-        super()._configure()
-        parts = tuple(tuple(w) for w in self._subparam_shard_widths)
-        self.shards["weight"] = ParamShard(1, self._orig_weight_shape[1], part_sizes=parts)
-
-    @torch.no_grad()
-    def _tp_partition(self, params_list: Sequence[Optional[torch.Tensor]]) -> None:
-        rows = fused_qkv.rank_rows(self._subparam_shard_widths, self.tp_rank)
-        for param in params_list:
-            if param is None or param is self.bias:
-                continue
-            param.data = take(param.data, 1, rows).detach().clone()
-
-    @torch.no_grad()
-    def gather_params(self, params_list: Sequence[Optional[torch.Tensor]]) -> None:
-        for param in params_list:
-            if param is None or param is self.bias:
-                continue
-            if self.tp_size == 1:
-                param.data = param.data.contiguous()
-            else:
-                param.data = gather_parts_uneven(param.data, 1, self._subparam_shard_widths, self.tp_rank, self.group,
-                                                 f"tp gather_params {self.label}")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = self._partition_sizes
+        if x.shape[-1] != sum(sizes):
+            raise TensorParallelError(f"{self.label}: built for {sum(sizes)} input features, got {x.shape[-1]}")
+        start = sum(sizes[:self.tp_rank])
+        return row_linear(x[..., start:start + sizes[self.tp_rank]], self.weight, self.bias, self.group,
+                          label=self.label)

@@ -4,20 +4,21 @@ few sub-parameters stacked (q, k, v; or gate, up), each split over the tensor-pa
 its own, and a rank keeps its piece of every sub-parameter, concatenated in order.
 
 Pure logic, no process group: which fused layout a block has, the sub-parameter sizes of that
-layout, and every rank's width of each sub-parameter (tp_shard's sizes, so kv-head and grain
-aware, uneven allowed); and the sub-parameters a layer spec's `shape` names.
+layout, and the query width QWen unpacks with. The per-rank widths and the cuts are
+subparams.py's (the same maths as every other sub-parameter layer).
 
 The layout is read, as DeepSpeed does, from the block's printed form: the longest known block
 class name that appears in it (a GLM block prints "GLMBlock"; an unknown block is read as
 Bloom's single stacked block). CodeGen (blocks interleaved across ranks) and GPTBigCode (the kv
 block kept whole on every rank) are not per-sub-parameter splits: `subparam_sizes` answers None
-for them and the layers refuse to cut or gather them.
+for them and the layers refuse to cut or gather them
+(autotp_subparam_layers.fused_LinearLayer).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
-from .tp_shard import AutoTPMeta, get_shard_size_list
+from .tp_shard import AutoTPMeta
 
 # Block class name -> fused layout, as DeepSpeed's table names them.
 FUSED_QKV_TYPES = {
@@ -59,22 +60,6 @@ def subparam_sizes(block: Any, weight_shape: Sequence[int], meta: AutoTPMeta) ->
     return None
 
 
-def subparam_widths(sizes: Sequence[int], tp: int, meta: AutoTPMeta, name: Optional[str]) -> List[List[int]]:
-    """Every rank's width of each sub-parameter: one list (in rank order) per sub-parameter.
-    A rank may get 0 of a narrow sub-parameter (fewer heads than ranks), as in DeepSpeed."""
-    return [list(get_shard_size_list(size, tp, meta, name)) for size in sizes]
-
-
-def rank_rows(widths: Sequence[Sequence[int]], rank: int) -> List[Tuple[int, int]]:
-    """The [start, stop) row ranges of the fused weight that `rank` keeps, in its block's order."""
-    out, offset = [], 0
-    for per_rank in widths:
-        start = offset + sum(per_rank[:rank])
-        out.append((start, start + per_rank[rank]))
-        offset += sum(per_rank)
-    return out
-
-
 def qwen_split_size(widths: Sequence[Sequence[int]], rank: int) -> int:
     """The query width QWen must unpack its fused output with on `rank` (attn.split_size)."""
     width = widths[0][rank]
@@ -83,42 +68,3 @@ def qwen_split_size(widths: Sequence[Sequence[int]], rank: int) -> int:
         raise RuntimeError(f"AutoTP cannot split this QWen attention over {len(widths[0])} ranks: rank {rank} "
                            f"would hold an empty query/key/value shard; use a smaller tensor parallel size")
     return width
-
-
-def _as_tuple(spec: Any) -> Any:
-    return tuple(_as_tuple(v) for v in spec) if isinstance(spec, (list, tuple)) else spec
-
-
-def shape_subparam_sizes(weight_shape: Sequence[int], shape: Any, partition_dim: int,
-                         name: Optional[str]) -> Optional[Tuple[int, ...]]:
-    """The sub-parameter sizes a layer spec's `shape` gives the weight [out, in] along
-    `partition_dim` (DeepSpeed's SubParamLinearLayer / SubParamLinearAllreduce views):
-
-        (n, -1)  / (-1, n)           n equal sub-parameters
-        ((a, b, c), -1) / (-1, (a, b, c))  sub-parameters of those sizes
-        -1 at partition_dim          None: one block, split plainly
-
-    Only a 2-D view splitting the weight's own dimension is provided; a deeper view (heads x
-    head_dim x in) is refused with the reason, as is any size that does not fit the weight."""
-    label = f"AutoTP layer '{name}'" if name else "AutoTP layer"
-    shape = _as_tuple(shape)
-    if not isinstance(shape, tuple) or len(shape) != 2 or partition_dim not in (0, 1):
-        raise ValueError(f"{label}: only a 2-D shape split along dim 0 or 1 is provided here, not shape={shape!r} "
-                         f"with partition_dim={partition_dim}")
-    other = shape[1 - partition_dim]
-    if other != -1 and other != weight_shape[1 - partition_dim]:
-        raise ValueError(f"{label}: shape {shape!r} does not fit the weight {tuple(weight_shape)}")
-    size, spec = int(weight_shape[partition_dim]), shape[partition_dim]
-    if isinstance(spec, tuple):
-        if not spec or any(not isinstance(v, int) or isinstance(v, bool) or v <= 0 for v in spec):
-            raise ValueError(f"{label}: sub-parameter sizes must be positive integers, not {spec!r}")
-        if sum(spec) != size:
-            raise ValueError(f"{label}: sub-parameter sizes {spec!r} sum to {sum(spec)}, not the weight's {size}")
-        return spec
-    if not isinstance(spec, int) or isinstance(spec, bool) or (spec <= 0 and spec != -1):
-        raise ValueError(f"{label}: the partition dim's spec must be a positive integer, -1 or a tuple, not {spec!r}")
-    if spec == -1:
-        return None
-    if size % spec:
-        raise ValueError(f"{label}: the weight's {size} does not split into {spec} equal sub-parameters")
-    return (size // spec,) * spec

@@ -76,8 +76,9 @@ class ParamShard:
     split evenly), or by vocabulary blocks (`vocab`: full rows, the local tensor padded), or
     into one block per rank of the widths `sizes` (in rank order: DeepSpeed's uneven AutoTP
     split), or into stacked sub-parameters each split over the ranks at its own widths
-    (`part_sizes`: one rank-ordered list per sub-parameter; DeepSpeed's fused qkv / gate-up
-    layers), or replicated (`dim` None). `conv1d`: the full tensor is stored transposed (HF Conv1D)."""
+    (`sub_widths`: one rank-ordered list per sub-parameter, a width may be 0; DeepSpeed's fused
+    and SubParam layers), or replicated (`dim` None). `conv1d`: the full tensor is stored
+    transposed (HF Conv1D)."""
 
     dim: Optional[int]
     full: int = 0
@@ -85,15 +86,15 @@ class ParamShard:
     vocab: bool = False
     conv1d: bool = False
     sizes: Tuple[int, ...] = ()
-    part_sizes: Tuple[Tuple[int, ...], ...] = ()
+    sub_widths: Tuple[Tuple[int, ...], ...] = ()  # per sub-parameter, each rank's width (may be 0)
 
     def ranges(self, tp: int, rank: int) -> List[Tuple[int, int]]:
-        if self.part_sizes:
+        if self.sub_widths:  # one piece of each sub-parameter (DeepSpeed's SubParam layers)
             out, offset = [], 0
-            for widths in self.part_sizes:
-                start = offset + sum(widths[:rank])
-                out.append((start, start + widths[rank]))
-                offset += sum(widths)
+            for per_rank in self.sub_widths:
+                start = offset + sum(per_rank[:rank])
+                out.append((start, start + per_rank[rank]))
+                offset += sum(per_rank)
             return out
         if self.sizes:
             start = sum(self.sizes[:rank])
@@ -469,8 +470,8 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
             local = value.detach().contiguous()
             if spec.dim is None or layer.tp_size == 1:
                 done[id(value)] = spec.assemble([local])
-            elif spec.part_sizes:
-                done[id(value)] = gather_parts_uneven(local, spec.dim, spec.part_sizes, layer.tp_rank, layer.group,
+            elif spec.sub_widths:
+                done[id(value)] = gather_parts_uneven(local, spec.dim, spec.sub_widths, layer.tp_rank, layer.group,
                                                       f"tp full_state_dict {key}")
             elif spec.sizes:
                 done[id(value)] = gather_uneven(local, spec.dim, spec.sizes, layer.group, f"tp full_state_dict {key}")

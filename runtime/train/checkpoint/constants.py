@@ -34,24 +34,21 @@ FP16_ZERO_FILE_PREFIX = "fp16_" + ZERO_FILE_PREFIX
 DS_VERSION = "ds_version"
 PARAM_SLICE_MAPPINGS = "param_slice_mappings"
 
-# universal checkpoints
+# universal checkpoints (AutoTP's keys are written by the layers, on the strategies' floor)
+from ...tensor_parallel.uc_keys import (AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, DS_AUTOTP_UC_META,  # noqa: E402,F401
+                                        ORIGINAL_VOCAB_SIZE, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+                                        PARAMETER_WITH_SUB_PARAMS, SUB_PARAM_SHARD_WIDTHS,
+                                        TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                        UNIVERSAL_CHECKPOINT_VERSION_VALUE, VOCABULARY_PARAMETER_PATTERNS)
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
-UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
-UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4
 VOCAB_TENSOR = "vocab_tensor"
 PADDED_VOCAB_SIZE = "padded_vocab_size"
-ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 CAT_DIM = "cat_dim"
 PARAM_N_SUB_PARAMS = "param_n_sub_params"
 SUB_PARAM_SHAPE = "sub_param_shape"
-VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
 PIPELINE_REPLICATED_PARAMETER_PATTERNS = "pipeline_replicated_parameter_patterns"
 PARAMETER_TO_AVERAGE_PATTERNS = "parameter_to_average_patterns"
-PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
-TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
-PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
-SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"
 SUB_PARAMS_SHAPE = "sub_params_shape"
 CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
 CHECKPOINT_PP_DEGREE = "pp_degree"

@@ -1,5 +1,6 @@
 """deepspeed.module_inject.layers' fused column layers, GateUpPack_LinearLayer (packed gate+up)
-and fused_LinearLayer (fused qkv), in runtime/tensor_parallel/autotp_layers.py, against
+and fused_LinearLayer (fused qkv), and the layer specs' SubParamLinearLayer /
+SubParamLinearAllreduce, in runtime/tensor_parallel/autotp_subparam_layers.py, against
 DeepSpeed 0.19.8: each rank's block of a full nn.Linear, every sub-parameter split at its own
 uneven (kv-head or grain) widths, QWen's attn.split_size, and the layouts refused, as recorded
 in tests/data/ds_fused_layers.json (scripts/make_ds_fused_layer_fixtures.py cuts the same
@@ -15,6 +16,7 @@ import torch
 
 import dslaunch.runtime  # noqa: F401  installs the alias table
 from dist_harness import run_function
+from dslaunch.runtime.tensor_parallel.shard import TensorParallelError
 from repo_paths import DATA
 from script_modules import load_script
 
@@ -23,7 +25,6 @@ cases = load_script("fused_layer_cases")
 layers = importlib.import_module("dslaunch.runtime.module_inject.layers")
 mode = importlib.import_module("dslaunch.runtime.tensor_parallel.mode")
 tp_shard = importlib.import_module("dslaunch.runtime.tensor_parallel.tp_shard")
-fused_qkv = importlib.import_module("dslaunch.runtime.tensor_parallel.fused_qkv")
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def test_recorded_from_deepspeed_0_19_8():
 
 
 def test_the_deepspeed_paths_are_our_layers():
-    ours = importlib.import_module("dslaunch.runtime.tensor_parallel.autotp_layers")
+    ours = importlib.import_module("dslaunch.runtime.tensor_parallel.autotp_subparam_layers")
     for name in ("GateUpPack_LinearLayer", "fused_LinearLayer", "SubParamColumnParallel", "SubParamLinearLayer",
                  "SubParamLinearAllreduce"):
         assert getattr(layers, name) is getattr(ours, name)
@@ -111,7 +112,8 @@ def test_the_layouts_deepspeed_refuses_are_refused(case, training_mode, settings
     assert layer._subparam_sizes is None
     with pytest.raises(RuntimeError, match="interleaves or replicates blocks"):
         layer.gather_params([torch.nn.Parameter(torch.zeros(case["out"] // case["tp"], case["in"])), None])
-    with pytest.raises(RuntimeError, match="interleaves or replicates blocks"):  # and not cut either
+    # and not cut either (a one-line TensorParallelError naming the reason)
+    with pytest.raises(TensorParallelError, match="cannot be split at tp .*interleaves or replicates blocks"):
         layer._tp_partition([torch.nn.Parameter(torch.zeros(case["out"], case["in"])), None])
 
 
@@ -123,7 +125,7 @@ def test_gather_output_and_a_missing_block_are_refused():
 
 
 def test_the_shard_map_reassembles_the_stacked_layout(training_mode):
-    """ParamShard's part_sizes (what full_state_dict and load_full_ read) inverts the cut."""
+    """ParamShard's sub_widths (what full_state_dict and load_full_ read) inverts the cut."""
     full = cases.full_linear(3, 10, True)
     spec = None
     blocks = []
@@ -135,6 +137,16 @@ def test_the_shard_map_reassembles_the_stacked_layout(training_mode):
         assert torch.equal(spec.cut(full.weight.detach(), 2, rank), layer.weight.detach())
         blocks.append(layer.weight.detach())
     assert torch.equal(spec.assemble(blocks), full.weight.detach())
+
+
+def _rank_rows(widths, rank):
+    """The full weight's rows `rank` keeps: its piece of each sub-parameter, in order."""
+    out, offset = [], 0
+    for per_rank in widths:
+        start = offset + sum(per_rank[:rank])
+        out.append(torch.arange(start, start + per_rank[rank]))
+        offset += sum(per_rank)
+    return torch.cat(out)
 
 
 def _two_ranks():
@@ -159,7 +171,7 @@ def _two_ranks():
         lin = torch.nn.Linear(6, fout)
         lin.load_state_dict(full.state_dict())
         layer = make(lin)
-        rows = torch.cat([torch.arange(a, b) for a, b in fused_qkv.rank_rows(layer._subparam_shard_widths, rank)])
+        rows = _rank_rows(layer._subparam_shard_widths, rank)
         y = layer(x)
         y.square().sum().backward()
         model = torch.nn.Sequential(layer)
@@ -203,19 +215,21 @@ def test_a_layer_specs_shape_splits_as_deepspeeds(case, training_mode, settings)
                     partition_dim=0 if column else 1, name=case["name"], tp_meta=meta)
         layer.tp_world_size, layer.tp_index = case["tp"], rank
         layer._freeze_partition_sizes(case["out"] if column else case["in"])
-        # DeepSpeed reports no sizes for a -1 (one block); ours names that block's size
-        assert list(layer._subparam_sizes) == (case["subparam_sizes"] or [case["out"] if column else case["in"]])
+        # a -1 at the partition dim is one block: no sub-parameter sizes, as DeepSpeed reports
+        sizes = layer._subparam_sizes
+        assert (list(sizes) if sizes is not None else None) == case["subparam_sizes"]
         assert layer._subparam_shard_widths == case["widths"]
         layer._tp_partition([layer.weight, layer.bias])
         assert layer.weight.detach().tolist() == want["weight"] and layer.bias.detach().tolist() == want["bias"]
 
 
 def test_a_shape_that_does_not_fit_is_refused():
-    with pytest.raises(ValueError, match="sum to 15, not the weight's 16"):
+    with pytest.raises(TensorParallelError, match="sum to 15, not the weight's 16"):
         layers.SubParamLinearLayer(torch.nn.Linear(2, 16), None, shape=((8, 4, 3), -1))
-    with pytest.raises(ValueError, match="only a 2-D shape"):
-        layers.SubParamLinearLayer(torch.nn.Linear(2, 16), None, shape=(2, 8, -1))
-    with pytest.raises(ValueError, match="does not split into 3 equal"):
+    # deeper views (heads x head_dim x in) are provided; one that cannot view the weight is refused
+    with pytest.raises(TensorParallelError, match="cannot be inferred"):
+        layers.SubParamLinearLayer(torch.nn.Linear(2, 16), None, shape=(3, 8, -1))
+    with pytest.raises(TensorParallelError, match="does not split into 3 equal"):
         layers.SubParamLinearAllreduce(torch.nn.Linear(16, 2), None, shape=(-1, 3))
 
 
