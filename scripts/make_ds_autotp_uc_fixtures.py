@@ -22,6 +22,9 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fused_layer_cases import full_linear  # noqa: E402  the same reference weights as the fused-layer cases
+
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "ds_autotp_uc.json")
 
 # (case id, layer class, in, out, bias, extra kwargs, tp); shape specs are lists in JSON
@@ -36,15 +39,6 @@ LAYERS = [
     ("gate_up", "GateUpPack_LinearLayer", 4, 12, False, {}, 2),
     ("gate_up_uneven", "GateUpPack_LinearLayer", 3, 10, True, {}, 4),
 ]
-
-
-def full_linear(fin: int, fout: int, bias: bool) -> torch.nn.Linear:
-    lin = torch.nn.Linear(fin, fout, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.arange(fout * fin, dtype=torch.float32).view(fout, fin))
-        if bias:
-            lin.bias.copy_(torch.arange(fout, dtype=torch.float32) + 1000)
-    return lin
 
 
 def plain(value):

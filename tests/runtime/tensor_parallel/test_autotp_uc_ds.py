@@ -17,6 +17,7 @@ import torch
 import dslaunch.runtime  # noqa: F401  installs the alias table
 from dist_harness import run_function
 from repo_paths import DATA
+from script_modules import load_script
 
 DS = json.loads((DATA / "ds_autotp_uc.json").read_text())
 layers = importlib.import_module("dslaunch.runtime.module_inject.layers")
@@ -25,21 +26,14 @@ constants = importlib.import_module("dslaunch.runtime.checkpoint.constants")
 mode = importlib.import_module("dslaunch.runtime.tensor_parallel.mode")
 from dslaunch.runtime.core.errors import CheckpointError  # noqa: E402
 
+_full_linear_of = load_script("fused_layer_cases").full_linear  # the weights DeepSpeed's recorded run used
+
 
 @pytest.fixture
 def training_mode():
     mode.set_autotp_mode(training=True)
     yield
     mode.set_autotp_mode(training=False)
-
-
-def _full_linear(fin, fout, bias):
-    lin = torch.nn.Linear(fin, fout, bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(torch.arange(fout * fin, dtype=torch.float32).view(fout, fin))
-        if bias:
-            lin.bias.copy_(torch.arange(fout, dtype=torch.float32) + 1000)
-    return lin
 
 
 def _plain(value):
@@ -59,7 +53,7 @@ def _build(case, rank):
     cls, tp, kw = getattr(layers, case["cls"]), case["tp"], dict(case["kwargs"])
     if "shape" in kw:
         kw["shape"] = _spec(kw["shape"])
-    layer = cls(_full_linear(case["in"], case["out"], case["bias"]), mp_group=None, **kw)
+    layer = cls(_full_linear_of(case["in"], case["out"], case["bias"]), mp_group=None, **kw)
     layer.tp_world_size, layer.tp_index = tp, rank
     if case["cls"].startswith("SubParamLinear"):
         sizes = layer._subparam_sizes or (layer._logical_shape[layer.partition_dim],)
@@ -89,7 +83,7 @@ def test_each_rank_cut_metadata_info_and_restore_equal_deepspeeds(case, training
                 continue
             assert param.detach().tolist() == want[pname], (pname, rank)
             assert _plain(getattr(param, constants.DS_AUTOTP_UC_META)) == want[f"{pname}_meta"], (pname, rank)
-            full = getattr(_full_linear(case["in"], case["out"], case["bias"]), pname).detach().flatten()
+            full = getattr(_full_linear_of(case["in"], case["out"], case["bias"]), pname).detach().flatten()
             piece = uc._resolve_autotp_partition(param, {}, full, rank, case["tp"])
             assert (None if piece is None else piece.tolist()) == want[f"restored_{pname}"], (pname, rank)
 
