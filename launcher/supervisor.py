@@ -48,6 +48,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -189,9 +190,19 @@ class Supervisor:
             pass
 
     def run(self) -> GroupResult:
+        # The caller's signal handlers (Ctrl-C, a node agent's SIGTERM) run in the main thread
+        # only, but the kernel may deliver the signal to any thread (an output writer, a
+        # heartbeat): the main thread would then sleep on in select() with the handler
+        # pending, until something else woke it. Python writes every signal's number to the
+        # wakeup fd, so the loop wakes and the handler runs at once.
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         try:
             return self._run()
         finally:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
