@@ -29,13 +29,6 @@ from dslaunch.runtime.core.errors import CheckpointError  # noqa: E402
 _full_linear_of = load_script("fused_layer_cases").full_linear  # the weights DeepSpeed's recorded run used
 
 
-@pytest.fixture
-def training_mode():
-    mode.set_autotp_mode(training=True)
-    yield
-    mode.set_autotp_mode(training=False)
-
-
 def _plain(value):
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}

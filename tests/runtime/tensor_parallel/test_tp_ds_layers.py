@@ -27,14 +27,6 @@ def _full_linear(fin, fout):
     return lin
 
 
-@pytest.fixture
-def training_mode():
-    was = mode.is_autotp_training_mode()
-    mode.set_autotp_mode(training=True)
-    yield
-    mode.set_autotp_mode(training=was)
-
-
 def test_recorded_from_deepspeed_0_19_8():
     assert DS["deepspeed"] == "0.19.8"
 

@@ -23,16 +23,7 @@ from script_modules import load_script
 DS = json.loads((DATA / "ds_fused_layers.json").read_text())
 cases = load_script("fused_layer_cases")
 layers = importlib.import_module("dslaunch.runtime.module_inject.layers")
-mode = importlib.import_module("dslaunch.runtime.tensor_parallel.mode")
 tp_shard = importlib.import_module("dslaunch.runtime.tensor_parallel.tp_shard")
-
-
-@pytest.fixture
-def training_mode():
-    was = mode.is_autotp_training_mode()
-    mode.set_autotp_mode(training=True)
-    yield
-    mode.set_autotp_mode(training=was)
 
 
 @pytest.fixture
