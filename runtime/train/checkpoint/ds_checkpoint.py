@@ -76,13 +76,9 @@ def zero_files(folder: str) -> List[str]:
 def get_model_3d_descriptor(dir: str) -> model_3d_desc:  # noqa: A002 (DeepSpeed's name)
     """The (pp, tp, dp) degrees the folder `dir` was saved at (reshape3d.descriptor_from_metadata)."""
     files = folder_files(dir)
-    metadata = [(f, {CHECKPOINT_PARALLEL_DIMS: _read(f).get(CHECKPOINT_PARALLEL_DIMS)})
+    metadata = [(f, {CHECKPOINT_PARALLEL_DIMS: load_torch(f).get(CHECKPOINT_PARALLEL_DIMS)})
                 for f in with_prefix(files, MODEL_FILE_PREFIX)]
     return descriptor_from_metadata(files, zero_files(dir), metadata)
-
-
-def _read(path: str) -> Any:
-    return load_torch(path)
 
 
 # -- merging per-rank states --------------------------------------------------------------------
@@ -155,7 +151,7 @@ class ZeROCheckpoint:
         none), and partition_count names the target's data-parallel degree."""
         merged = None
         for path in self.get_files_for_rank(pp_index, tp_index, dp_index):
-            state = _read(path)
+            state = load_torch(path)
             for key in keys_to_ignore:
                 state.pop(key, None)
             if strip_tensor_paddings:
@@ -269,7 +265,7 @@ class DeepSpeedCheckpoint:
     def _read_model_states(self) -> Tuple[List[Tuple[str, Dict[str, Any]]], Dict[str, Any]]:
         metadata, global_state = [], {}
         for i, path in enumerate(self.mp_rank_files):
-            state = _read(path)
+            state = load_torch(path)
             if not isinstance(state, dict):
                 raise CheckpointError(f"checkpoint file {path} is not a model-states dictionary")
             metadata.append((path, {CHECKPOINT_PARALLEL_DIMS: _light_dims(state), PARAM_SHAPES: _light_param_shapes(state),
@@ -298,7 +294,7 @@ class DeepSpeedCheckpoint:
     # the first model-state file's values
     def _value(self, key: str) -> Any:
         if key not in self.global_state:
-            self.global_state[key] = _read(self.mp_rank_files[0]).get(key)
+            self.global_state[key] = load_torch(self.mp_rank_files[0]).get(key)
         return self.global_state[key]
 
     def get_iteration(self) -> Any:
@@ -327,7 +323,7 @@ class DeepSpeedCheckpoint:
     def get_2d_parallel_state(self, tp_index: int, pp_index: int) -> Any:
         merged = None
         for path in self.get_2d_parallel_files(tp_index=tp_index, pp_index=pp_index):
-            state = _read(path)
+            state = load_torch(path)
             merged = state if merged is None else merge_state(merged, state)
         return merged
 
@@ -342,13 +338,13 @@ class DeepSpeedCheckpoint:
         return self._tp_files(self.tp_to_embedding_map, tp_index, "embedding")
 
     def get_embedding_state(self, tp_index: int) -> Dict[str, torch.Tensor]:
-        return self._merge_slices([_read(f) for f in self.get_embedding_files(tp_index)])
+        return self._merge_slices([load_torch(f) for f in self.get_embedding_files(tp_index)])
 
     def get_final_norm_files(self, tp_index: int) -> List[str]:
         return self._tp_files(self.tp_to_final_norm_map, tp_index, "final norm")
 
     def get_final_norm_state(self, tp_index: int) -> Any:
-        return _read(self.get_final_norm_files(tp_index)[0])
+        return load_torch(self.get_final_norm_files(tp_index)[0])
 
     def get_pp_transformer_map(self, pp_index: int) -> List[str]:
         self._check_cell(0, pp_index)
@@ -356,7 +352,7 @@ class DeepSpeedCheckpoint:
 
     def get_transformer_state(self, tp_index: int, pp_index: int) -> List[Dict[str, torch.Tensor]]:
         self._check_cell(tp_index, pp_index)
-        return [self._merge_slices([_read(f) for f in files])
+        return [self._merge_slices([load_torch(f) for f in files])
                 for files in self.transformer_file_map.get((tp_index, pp_index), [])]
 
     def _check_cell(self, tp_index: int, pp_index: int) -> None:
