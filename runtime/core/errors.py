@@ -1,5 +1,7 @@
-"""The failure types raised on more than one floor: CheckpointError, and DeepSpeed's
-ZeRORuntimeException (deepspeed.runtime.zero.utils, compat/paths.py).
+"""The failure types raised on more than one floor: CheckpointError, DeepSpeed's
+ZeRORuntimeException (deepspeed.runtime.zero.utils, compat/paths.py), and the refusals that
+are also the builtin type DeepSpeed raises at the same place (so its scripts and tests
+catch them as before).
 
 Every problem with a checkpoint (a bad tag, an unwritable or full disk, a missing,
 damaged or foreign file, a model that does not match) is a CheckpointError whose message
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 from dslaunch.launcher.errors import OneLineMessage
 
+from .strict import ConfigError
+
 
 class CheckpointError(OneLineMessage, RuntimeError):
     pass
@@ -19,6 +23,16 @@ class CheckpointError(OneLineMessage, RuntimeError):
 
 class CheckpointDirError(CheckpointError, ValueError):
     """No checkpoint directory given (None or ""): DeepSpeed raises a ValueError here."""
+
+
+class TagMismatchError(CheckpointError, AssertionError):
+    """checkpoint.tag_validation Fail and the ranks' tags differ: DeepSpeed asserts here, so
+    its scripts and tests catch an AssertionError."""
+
+
+class OptimizerRequiredError(ConfigError, AssertionError):
+    """No optimizer where one is needed (ZeRO 1-2, backward, step): DeepSpeed asserts here,
+    so its tests catch an AssertionError."""
 
 
 class ZeRORuntimeException(Exception):

@@ -54,14 +54,10 @@ from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
 from ..zero.hook_scope import apply_leaf_module_config
 from ..zero.offload_states import offload_strategy_states, reload_strategy_states
 from ..core.config.zero import OffloadDeviceEnum
+from ..core.errors import OptimizerRequiredError
 from ..core.strict import ConfigError
 from .accumulation import check_accumulation_mode, samples_in_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
-
-
-class OptimizerRequiredError(ConfigError, AssertionError):
-    """No optimizer where one is needed (ZeRO 1-2, backward, step): DeepSpeed asserts here,
-    so its tests catch an AssertionError."""
 
 
 def _config_source(args, config, config_params):

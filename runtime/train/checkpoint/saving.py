@@ -43,7 +43,7 @@ import torch
 
 from .run import Run
 from .agree import agree
-from ...core.errors import CheckpointError
+from ...core.errors import CheckpointError, TagMismatchError
 from .files import FileRecord, ensure_writable_dir, fsync_dir, plain_value_problem, remove_tree, write_bytes, \
     write_torch
 from . import tensor_slices
@@ -350,11 +350,6 @@ def _write_moe_files(run: Run, staging: str, module_state, shard: ShardState) ->
         records[name] = write_torch(os.path.join(staging, name), {
             "optimizer": _whole_optimizer(run, shard), "dslaunch": {"param_names": shard.state["param_names"]}})
     return records
-
-
-class TagMismatchError(CheckpointError, AssertionError):
-    """checkpoint.tag_validation Fail and the ranks' tags differ: DeepSpeed asserts here, so
-    its scripts and tests catch an AssertionError."""
 
 
 def _agreed_tag(run: Run, tag) -> str:
