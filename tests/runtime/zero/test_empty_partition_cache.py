@@ -6,6 +6,11 @@ it changes nothing."""
 from dist_harness import run_function
 
 
+def _count_whole(model):
+    """How many parameters hold their full data here (one never split by ZeRO counts as whole)."""
+    return sum(p.data.numel() == p.ds_numel if hasattr(p, "ds_numel") else True for p in model.parameters())
+
+
 def _run(stage, evaluate):
     import torch
 
@@ -26,11 +31,9 @@ def _run(stage, evaluate):
         losses.append(float(loss))
         if evaluate and step == 1:
             engine(batches[0])  # a forward whose backward never runs (grad mode on)
-            whole.append(sum(p.data.numel() == p.ds_numel if hasattr(p, "ds_numel") else True
-                             for p in model.parameters()))
+            whole.append(_count_whole(model))
             engine.empty_partition_cache()
-            whole.append(sum(p.data.numel() == p.ds_numel if hasattr(p, "ds_numel") else True
-                             for p in model.parameters()))
+            whole.append(_count_whole(model))
     return losses, whole
 
 
