@@ -30,6 +30,11 @@ class TagMismatchError(CheckpointError, AssertionError):
     its scripts and tests catch an AssertionError."""
 
 
+class CoalesceUnsupportedError(OneLineMessage, NotImplementedError):
+    """engine.coalesce_grad_reduction() where it cannot hold the reductions (ZeRO stage 0, a
+    pipeline): DeepSpeed raises a NotImplementedError here."""
+
+
 class OptimizerRequiredError(ConfigError, AssertionError):
     """No optimizer where one is needed (ZeRO 1-2, backward, step): DeepSpeed asserts here,
     so its tests catch an AssertionError."""

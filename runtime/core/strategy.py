@@ -294,6 +294,20 @@ class GradientStrategy:
     def after_backward(self, is_boundary: bool) -> None:
         """Called just after loss.backward()."""
 
+    # -- coalesced reduction (engine.coalesce_grad_reduction) ---------------------------
+    def hold_reductions(self) -> None:
+        """From now on a backward reduces nothing: each rank sums its own gradients (stage 3:
+        in a full-size buffer per parameter, as DeepSpeed holds them in param.grad) until
+        release_held_reductions. ZeRO stages 1-3 only; the engine refuses the others."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold its gradient reductions")
+
+    def release_held_reductions(self, reduce: bool) -> None:
+        """End the hold. reduce: one reduction pass over everything summed since
+        hold_reductions, as a boundary backward's would be. Otherwise (the block raised) the
+        gradients stay where the next reduction finds them, so nothing is lost and no rank
+        enters a collective the others may never reach."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold its gradient reductions")
+
     # -- boundary ------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         raise NotImplementedError

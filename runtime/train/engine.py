@@ -54,7 +54,7 @@ from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
 from ..zero.hook_scope import apply_leaf_module_config
 from ..zero.offload_states import offload_strategy_states, reload_strategy_states
 from ..core.config.zero import OffloadDeviceEnum
-from ..core.errors import OptimizerRequiredError
+from ..core.errors import CoalesceUnsupportedError, OptimizerRequiredError
 from ..core.strict import ConfigError
 from .accumulation import check_accumulation_mode, samples_in_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
@@ -232,7 +232,8 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         # gradients run this engine's backward prologue and epilogue
         self._own_backward = 0  # this engine's engine.backward() calls in progress
         self._scale_called = False  # engine.scale(loss) since the last backward the script started itself
-        self._no_sync = False  # inside no_sync(): backward reduces nothing
+        self._no_sync = False  # inside no_sync() or coalesce_grad_reduction(): backward reduces nothing
+        self.pipeline_parallelism = False  # DeepSpeed's flag; the pipeline engine is PipelineEngine
         self._prologue_open = False  # a backward's prologue ran and its epilogue has not yet
         self._output_grads = OutputGrads(self._tensor_backward_started, self.gradient_accumulation_steps,
                                          lambda: self._own_backward > 0)
@@ -662,6 +663,41 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             yield
         finally:
             self._no_sync = False
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """DeepSpeed 0.19's one reduction for many backwards, at ZeRO stages 1-3: every backward
+        inside the block keeps its gradients on this rank (summed into param.grad, or at stage 3
+        a full-size buffer per parameter), and leaving the block reduces them all in one pass,
+        so one with-block is one optimizer step's worth of gradients. step() inside the block
+        is refused, and so is nesting with no_sync(). If the block raises, nothing is reduced:
+        the gradients wait for the next reduction, and no rank enters a collective alone."""
+        if not self._managed:
+            raise BackwardUsageError("coalesce_grad_reduction is not supported with managed_gradient_accumulation="
+                                     "False: the script already owns the accumulation boundary via step()")
+        stage = self.config.zero_optimization.stage
+        if stage not in (1, 2, 3):
+            raise CoalesceUnsupportedError(f"coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage {stage}: "
+                                           "at stage 0 use engine.no_sync() to accumulate without reducing")
+        if self.pipeline_parallelism:
+            raise CoalesceUnsupportedError("coalesce_grad_reduction is not supported under pipeline parallelism: "
+                                           "train_batch() reduces once per batch already")
+        if self._no_sync:
+            raise BackwardUsageError("coalesce_grad_reduction cannot be nested inside another no_sync context")
+        self._require_optimizer("coalesce_grad_reduction")
+        backwards = self._backwards_since_step
+        self._no_sync = True
+        self.strategy.hold_reductions()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._no_sync = False
+            reduce = ok and self._backwards_since_step != backwards
+            self.strategy.release_held_reductions(reduce)
+        if reduce and self.is_gradient_accumulation_boundary():
+            self.strategy.open_grad_window()  # safe_get_full_grad reads them until step()
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:

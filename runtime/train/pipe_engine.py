@@ -47,6 +47,7 @@ import torch
 from .accumulation import check_accumulation_mode
 from ..core import comm
 from .dataloader import DistributedDataLoader, RepeatingLoader, move_to
+from ..core.errors import CoalesceUnsupportedError
 from ..core.config import DeepSpeedConfig
 from .engine import DeepSpeedEngine, _config_source
 from ..core.strict import ConfigError
@@ -276,6 +277,10 @@ class PipelineEngine(torch.nn.Module):
         # DeepSpeed's pipeline accepts the block and reduces anyway: train_batch reduces and steps
         raise PipelineError("pipeline: no_sync() is not available in pipeline mode: train_batch() reduces the "
                             "gradients of its micro-batches and steps every call")
+
+    def coalesce_grad_reduction(self):
+        raise CoalesceUnsupportedError("coalesce_grad_reduction is not supported under pipeline parallelism: "
+                                       "train_batch() reduces once per batch already")
 
     # -- batches ---------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):

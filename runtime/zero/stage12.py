@@ -140,6 +140,7 @@ class _PartitionedStage(ShardedStrategy):
         self.check_unused = offload is not None and not z.ignore_unused_parameters
         self._got_grad: set = set()
         self._boundary = True
+        self._holding = False  # inside engine.coalesce_grad_reduction(): gradients stay in param.grad
         self._hooks = []
         self._bucket_plan: List[List[tuple]] = []
         self._inflight: List[_Inflight] = []  # reduces issued by the hooks, not yet added to the partition
@@ -212,7 +213,7 @@ class _PartitionedStage(ShardedStrategy):
         def hook(param):
             if self.check_unused:
                 self._got_grad.add((gi, pi))
-            if not self.overlap_comm or (self.stage == 1 and not self._boundary):
+            if not self.overlap_comm or self._holding or (self.stage == 1 and not self._boundary):
                 return
             bi = self._bucket_of[(gi, pi)]
             self._pending[bi] -= 1
@@ -277,7 +278,17 @@ class _PartitionedStage(ShardedStrategy):
         self._boundary = is_boundary
 
     def after_backward(self, is_boundary: bool) -> None:
-        if self.stage == 2 or is_boundary:
+        if is_boundary or (self.stage == 2 and not self._holding):
+            self._flush_buckets()
+            self._reduced = True
+
+    def hold_reductions(self) -> None:
+        self._holding = True
+
+    def release_held_reductions(self, reduce: bool) -> None:
+        # autograd summed every held backward into param.grad; the buckets read it from there
+        self._holding = False
+        if reduce:
             self._flush_buckets()
             self._reduced = True
 

@@ -128,6 +128,9 @@ class ZeroStage3(ShardedStrategy):
         self.reduce_numel = int(z.reduce_bucket_size)
         self._bucket: List = []
         self._bucket_numel = 0
+        # inside engine.coalesce_grad_reduction(): each parameter's padded full gradient, summed
+        # over the block's backwards and reduce-scattered once when it ends (None: not holding)
+        self._held: Optional[Dict[int, tuple]] = None
         self.check = DivergenceCheck(group) if z.sanity_checks() else None
         self.param_device = torch.device("cpu") if getattr(offload_param, "device", "none") in ("cpu", "nvme") else None
         names = {}
@@ -412,8 +415,18 @@ class ZeroStage3(ShardedStrategy):
 
     def _queue_grad(self, p) -> None:
         z = p._zero
+        if self._held is not None and id(p) in self._held:
+            self._held[id(p)][1][:z.numel].add_(p.grad.reshape(-1).to(self._held[id(p)][1].dtype))
+            p.grad = None
+            release([p])
+            return
         full = torch.zeros(z.chunk * self.world, dtype=p.grad.dtype, device=p.grad.device)  # reduced in module dtype
         full[:z.numel].copy_(p.grad.reshape(-1))
+        if self._held is not None:
+            self._held[id(p)] = (p, full)
+            p.grad = None
+            release([p])
+            return
         self._bucket.append((p, full))
         self._bucket_numel += full.numel()
         p.grad = None
@@ -472,6 +485,22 @@ class ZeroStage3(ShardedStrategy):
             self.check("end of backward")
         for g in self.groups:
             release(g["params"])
+
+    def hold_reductions(self) -> None:
+        self._held = {}
+
+    def release_held_reductions(self, reduce: bool) -> None:
+        """The held gradients join the reduce queue in the order they first arrived, which
+        is the same on every rank (one backward order); reduce: flushed now, in buckets of
+        reduce_bucket_size, otherwise the next backward's flush takes them."""
+        held, self._held = self._held or {}, None
+        for p, full in held.values():
+            self._bucket.append((p, full))
+            self._bucket_numel += full.numel()
+            if reduce and self._bucket_numel >= self.reduce_numel:
+                self._flush_grads()
+        if reduce:
+            self._flush_grads()
 
     # -- boundary -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
