@@ -514,6 +514,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             return self._boundary_override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
+    @property
+    def _is_gradient_accumulation_boundary(self) -> Optional[bool]:
+        """DeepSpeed's name for what set_gradient_accumulation_boundary() said last (None: not
+        called, the micro-step count decides); its tests and some scripts read it."""
+        return self._boundary_override
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Say whether the next backward/step ends an accumulation window (Accelerate and the HF
         Trainer call this before every backward and step only at the boundary); overrides the

@@ -141,6 +141,15 @@ def _refusals():
     attempt("inside_no_sync", inside_no_sync)
     attempt("unmanaged", lambda: enter(engine_at(1, managed_gradient_accumulation=False)))
     attempt("empty_block", lambda: enter(e1))
+    # DeepSpeed's pattern: the boundary said before the block is what it is after it
+    e1.set_gradient_accumulation_boundary(False)
+    with e1.coalesce_grad_reduction():
+        e1.backward(e1(torch.randn(1, 4)).sum())
+    out["boundary_after"] = e1._is_gradient_accumulation_boundary
+    steps = e1.global_steps
+    e1.set_gradient_accumulation_boundary(True)
+    e1.step()
+    out["stepped"] = e1.global_steps - steps
     return out
 
 
@@ -152,5 +161,6 @@ def test_the_refusals_are_deepspeeds_types_in_one_line():
     assert out["inside_no_sync"][0] and "cannot be nested inside another no_sync" in out["inside_no_sync"][2]
     assert out["unmanaged"][0] and "managed_gradient_accumulation=False" in out["unmanaged"][2]
     assert out["empty_block"] is None  # nothing to reduce
+    assert out.pop("boundary_after") is False and out.pop("stepped") == 1
     for name, value in out.items():
         assert value is None or "\n" not in value[2], (name, value)
