@@ -66,20 +66,29 @@ def _step(name: str) -> None:
     _crash_hook(name)
 
 
-def _client_keys_problem(client_state: Dict[str, Any]) -> Optional[str]:
+# A script's own universal_checkpoint_info (Megatron-DeepSpeed passes its parameter patterns
+# under it in every save) is stored as DeepSpeed stores it, unless the checkpoint writes its own
+# (AutoEP's layer records), where DeepSpeed refuses it too.
+CLIENT_UC_INFO = "universal_checkpoint_info"
+
+
+def _client_keys_problem(client_state: Dict[str, Any], writes_uc_info: bool = False) -> Optional[str]:
     if not isinstance(client_state, dict):
         return f"client_state must be a dict, not {type(client_state).__name__}"
     for k in client_state:
         if not isinstance(k, str):
             return f"client_state key {k!r} is not a string"
+        if k == CLIENT_UC_INFO and not writes_uc_info:
+            continue
         if k in dsformat.DS_KEYS:  # DeepSpeed stores client_state beside its own keys
             return f"client_state key {k!r} is reserved for the checkpoint's own {k!r} entry"
     return None
 
 
-def _prepare(save_dir: str, staging: str, client_state: Dict[str, Any], allow_pickle: bool) -> bool:
+def _prepare(save_dir: str, staging: str, client_state: Dict[str, Any], allow_pickle: bool,
+             writes_uc_info: bool = False) -> bool:
     """Rank 0, phase 1. Returns whether client_state needs its own pickled file."""
-    keys = _client_keys_problem(client_state)
+    keys = _client_keys_problem(client_state, writes_uc_info)
     if keys:
         raise CheckpointError(f"save_checkpoint: {keys}")
     problem = plain_value_problem(client_state, "client_state")
@@ -398,7 +407,8 @@ def save(run: Run, save_dir: str, tag=None, client_state: Optional[Dict[str, Any
     error, pickled = None, False
     if writes_shared:
         try:
-            pickled = _prepare(save_dir, staging, client_state, allow_pickle)
+            pickled = _prepare(save_dir, staging, client_state, allow_pickle,
+                               writes_uc_info=bool(autoep.layers(run.module)))
         except CheckpointError as exc:
             error = str(exc)
     agree(error)
