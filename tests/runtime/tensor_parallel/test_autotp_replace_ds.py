@@ -224,24 +224,39 @@ def _two_rank_job():
     c.init_distributed()
     groups._init_tp_mesh_device(tensor_model_parallel_size=2)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 4))
-    reference = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 4))
+    model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 4), nn.LayerNorm(4))
+    reference = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 4), nn.LayerNorm(4))
     reference.load_state_dict(model.state_dict())
-    config = AutoTPConfig.from_dict({"layer_specs": [{"patterns": [r"0\.weight$"], "partition_type": "column"},
-                                                     {"patterns": [r"1\.weight$"], "partition_type": "row"}]})
+    config = AutoTPConfig.from_dict({"layer_specs": [
+        {"patterns": [r"0\.weight$"], "partition_type": "column"},
+        {"patterns": [r"1\.weight$"], "partition_type": "row"},
+        {"patterns": [r"2\.weight$"], "partition_type": "skip", "grad_allreduce": True}]})
     autotp = AutoTP(module=model, all_reduce_linears=[], prefix="", state_dict=None, linear_layer_setting=None,
                     orig_layer_impl=None, partition_config=config)
     autotp.set_tensor_parallel_config(2, groups.get_tensor_model_parallel_group())
     autotp.update_linear_policies()
     autotp._replace_module(model)
-    x = torch.randn(3, 6)
+    autotp.register_replicated_grad_hooks(model)
+    x = torch.randn(3, 6)  # the same on both ranks, as a tensor group's input is
     with torch.no_grad():
-        return {"classes": [type(m).__name__ for m in model], "tp": groups.get_tensor_model_parallel_world_size(),
-                "shapes": [tuple(m.weight.shape) for m in model], "out": model(x), "ref": reference(x)}
+        out, ref = model(x), reference(x)
+    # the norm applied to rank-local activations (as a norm over local heads is): its gradient
+    # differs per rank, and the hook sums it over the group
+    torch.manual_seed(1 + c.get_rank())
+    local = torch.randn(3, 4)
+    model[2](local).square().sum().backward()
+    reference[2](local).square().sum().backward()
+    return {"classes": [type(m).__name__ for m in model], "tp": groups.get_tensor_model_parallel_world_size(),
+            "shapes": [tuple(m.weight.shape) for m in model], "out": out.detach(), "ref": ref.detach(),
+            "norm_grad": model[2].weight.grad, "ref_norm_grad": reference[2].weight.grad}
 
 
 def test_on_two_ranks_the_mesh_and_the_layers_compute_the_unsplit_model():
-    for r in run_function(_two_rank_job, nprocs=2, timeout=240):
-        assert r["classes"] == ["LinearLayer", "LinearAllreduce"] and r["tp"] == 2
-        assert r["shapes"] == [(5, 6), (4, 5)]
+    runs = run_function(_two_rank_job, nprocs=2, timeout=240)
+    summed = runs[0]["ref_norm_grad"] + runs[1]["ref_norm_grad"]
+    for r in runs:
+        assert r["classes"] == ["LinearLayer", "LinearAllreduce", "LayerNorm"] and r["tp"] == 2
+        assert r["shapes"] == [(5, 6), (4, 5), (4,)]
         torch.testing.assert_close(r["out"], r["ref"])
+        # grad_allreduce: the replicated norm's gradient is summed over the tensor group
+        torch.testing.assert_close(r["norm_grad"], summed)
