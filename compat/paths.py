@@ -164,6 +164,8 @@ PATHS: Dict[str, Entry] = {
                             **{name: "tensor_parallel.autotp_config" for name in (
                                 "AutoTPConfig", "PartitionType", "TPLayerSpec", "merge_autotp_configs")}}),
     "module_inject.autotp_config": "tensor_parallel.autotp_config",  # DeepSpeed's layer-spec objects
+    "module_inject.auto_tp": "tensor_parallel.autotp_replace",  # DeepSpeed's AutoTP class (the layer-spec walk)
+    "module_inject.auto_tp_model_utils": "tensor_parallel.head_helpers",  # ALiBi / attention bias per local head
     "module_inject.layers": Names("deepspeed.module_inject.layers: AutoTP's training layers (column, row, output "
                                   "head, per-sub-parameter and fused ones), the training/inference switch and the "
                                   "universal-checkpoint metadata helpers (DeepSpeed's embedding, conv and "

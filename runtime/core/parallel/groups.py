@@ -3,13 +3,19 @@ engine built last (runtime.parallel.current). Accelerate and Hugging Face call t
 ones (`_get_sequence_parallel_group()` for Ulysses); scripts call the public ones.
 
 Before any engine exists every size is 1 and every rank 0 (one process's view), and asking
-for a group is an error naming what to do, instead of DeepSpeed's world-group guesses.
+for a group is an error naming what to do, instead of DeepSpeed's world-group guesses;
+`_init_tp_mesh_device` builds the (data, tensor) mesh over the world without an engine, for
+scripts that run AutoTP by hand.
 """
 from __future__ import annotations
 
 from typing import List
 
-from .current import current
+from .. import comm
+from .current import current, set_current
+from .dims import MeshDims
+from .layout import topology_for
+from .mesh import ProcessMesh
 
 
 class GroupsError(RuntimeError):
@@ -81,6 +87,25 @@ get_model_parallel_world_size = get_tensor_model_parallel_world_size = _get_mode
 get_model_parallel_rank = get_tensor_model_parallel_rank = _get_model_parallel_rank
 bwc_tensor_model_parallel_world_size = _get_model_parallel_world_size
 bwc_pipeline_parallel_world_size = _get_pipeline_parallel_world_size
+
+
+def _init_tp_mesh_device(tensor_model_parallel_size: int = 1, data_parallel_size=None) -> None:
+    """DeepSpeed's tensor-parallel groups without an engine: the world as data x tensor, tensor
+    ranks adjacent (DeepSpeed's order), made the mesh the getters answer from. As in DeepSpeed,
+    a mesh that already has tensor-parallel groups is kept. Collective: every rank calls it."""
+    mesh = current()
+    if mesh is not None and mesh.size("tensor") > 1:
+        return
+    tp = int(tensor_model_parallel_size)
+    world = comm.get_world_size()
+    if tp < 1 or world % tp:
+        raise GroupsError(f"deepspeed.utils.groups._init_tp_mesh_device: tensor_model_parallel_size {tp} does not "
+                          f"divide the world size {world}")
+    dp = world // tp if data_parallel_size is None else int(data_parallel_size)
+    if dp * tp != world:
+        raise GroupsError(f"deepspeed.utils.groups._init_tp_mesh_device: data_parallel_size {dp} x "
+                          f"tensor_model_parallel_size {tp} is not the world size {world}")
+    set_current(ProcessMesh(topology_for(MeshDims(data=dp, tensor=tp))))
 
 
 def get_tensor_model_parallel_src_rank() -> int:
