@@ -134,6 +134,10 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        # DeepSpeed's cache of which blocks of `activation_checkpoint_interval` layers forward
+        # checkpoints, rebuilt whenever the interval changes (_precompute_checkpointable_values)
+        self.is_checkpointable_results: List[bool] = []
+        self.is_checkpointable_results_interval: Optional[int] = None
         self.dynamic_shape = dynamic_shape
         self.micro_offset = 0
 
@@ -297,6 +301,16 @@ class PipelineModule(nn.Module):
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
 
+    def _precompute_checkpointable_values(self) -> None:
+        """Which blocks of activation_checkpoint_interval layers (counted from the first local
+        layer, as forward cuts them) are checkpointed; kept until the interval changes."""
+        k = self.activation_checkpoint_interval
+        if k > 0 and self.is_checkpointable_results_interval != k:
+            n = len(self.forward_funcs)
+            self.is_checkpointable_results = [self._checkpointable(self.forward_funcs[i:min(i + k, n)])
+                                              for i in range(0, n, k)]
+            self.is_checkpointable_results_interval = k
+
     def forward(self, forward_input, chunk: Optional[int] = None):
         lo, n = self._funcs_of(chunk)
         self.micro_offset += 1
@@ -304,12 +318,16 @@ class PipelineModule(nn.Module):
         k = self.activation_checkpoint_interval
         if k == 0 or not torch.is_grad_enabled():
             return self._run(lo, n, offset)(forward_input)
+        self._precompute_checkpointable_values()
         x = forward_input
         for start in range(lo, n, k):
             end = min(start + k, n)
             fn = self._run(start, end, offset)
             args = x if isinstance(x, tuple) else (x,)
-            if self._checkpointable(self.forward_funcs[start:end]):
+            # a virtual stage's chunk is part of the list, off the cached blocks' grid: decided in place
+            checkpointed = self.is_checkpointable_results[start // k] if (lo, n) == (0, len(self.forward_funcs)) \
+                else self._checkpointable(self.forward_funcs[start:end])
+            if checkpointed:
                 if self.activation_checkpoint_func is not None:
                     x = self.activation_checkpoint_func(fn, *args)
                 else:
@@ -344,6 +362,7 @@ class PipelineModule(nn.Module):
         if interval < 0:
             raise PipelineError(f"activation_checkpoint_interval must be >= 0, got {interval}")
         self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
 
     def partitions(self) -> List[int]:
         return list(self.parts)

@@ -54,6 +54,7 @@ from ..core.strict import ConfigError
 from ..pipe import schedule as S
 from ..pipe.module import Piece, PipelineError, PipelineModule, detach_floating
 from ..pipe.p2p import AbortNotice, StageLink, floating, share_memory
+from .activation_checkpointing import checkpointing
 
 
 # nn.Module's own bookkeeping, which both objects have: never written through to the engine
@@ -89,6 +90,11 @@ class PipelineEngine(torch.nn.Module):
         # engine's name for it, so parameters and state_dict keys read "module.<name>" as DeepSpeed's
         object.__setattr__(self, "_engine", engine)
         self.module = engine.module
+        use_reentrant = engine.config.pipeline.use_reentrant
+        if use_reentrant is False:
+            model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
+        elif use_reentrant and model.activation_checkpoint_func is None:
+            model.activation_checkpoint_func = checkpointing.checkpoint  # as DeepSpeed: a module's own func stays
         if engine.config.pipeline.activation_checkpoint_interval > 0:
             model.set_checkpoint_interval(engine.config.pipeline.activation_checkpoint_interval)
         self.num_stages = engine.grid.get_pipe_parallel_world_size()
@@ -418,12 +424,23 @@ class PipelineEngine(torch.nn.Module):
         """Whether this chunk is the pipeline's last virtual stage (it computes the loss)."""
         return self.is_last_stage() and chunk == self.chunks - 1
 
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the layers are checkpointed with a reentrant function (anything but torch's
+        default and DeepSpeed's non_reentrant_checkpoint): its first segment then needs inputs
+        that require grad, or its parameters get no gradient. Read from the module, which
+        set_checkpoint_interval() may have changed since the config was read."""
+        m = self.module
+        return m.activation_checkpoint_interval > 0 and m.activation_checkpoint_func is not None \
+            and m.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
+
     def _load(self, cmd) -> None:
         batch = self._batch_data.pop(0)
         if self.is_first_stage():
             x = batch[0]
-            self._buf["inputs"][0, cmd.buffer_id] = (move_to(tuple(x), self._engine.device) if isinstance(x, (tuple, list))
-                                                     else move_to(x, self._engine.device))
+            x = move_to(tuple(x), self._engine.device) if isinstance(x, (tuple, list)) else move_to(x, self._engine.device)
+            if torch.is_grad_enabled() and self._reentrant_activation_checkpointing():
+                x = tuple(_grad_leaf(t) for t in x) if isinstance(x, tuple) else _grad_leaf(x)
+            self._buf["inputs"][0, cmd.buffer_id] = x
         if self.is_last_stage():
             self._buf["labels"][self.chunks - 1, cmd.buffer_id] = move_to(batch[1], self._engine.device)
 
@@ -585,6 +602,13 @@ class PipelineEngine(torch.nn.Module):
             comm.broadcast(value, src=self._engine.grid.stage_to_global(self.num_stages - 1),
                            group=self._engine.grid.get_pipe_parallel_group(), label="pipeline loss")
         return value[0]
+
+
+def _grad_leaf(t):
+    """A floating input as a leaf that requires grad, for a reentrant checkpoint's first segment."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
+        return t.detach().requires_grad_(True)
+    return t
 
 
 def _checked_schedule(name, model: PipelineModule) -> str:

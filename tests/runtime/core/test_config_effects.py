@@ -86,7 +86,7 @@ ALL = {
                    "max_gpus": 8, "min_time": 0, "version": 0.1, "ignore_non_elastic_batch_info": True,
                    "prefer_larger_batch": True, "num_gpus_per_node": 1, "model_parallel_size": 1},
     "pipeline": {"activation_checkpoint_interval": 1, "pipe_partitioned": True, "grad_partitioned": True,
-                 "schedule": "zb-h1"},
+                 "schedule": "zb-h1", "use_reentrant": False},
     "expert_parallel": EXPERT_PARALLEL,
     "checkpoint": {"tag_validation": "Warn", "use_node_local_storage": False, "load_universal": False},
     "compression_training": {
