@@ -131,10 +131,14 @@ PATHS: Dict[str, Entry] = {
                                          "all_to_all_quant_reduce": "core.comm.coalesced"}),
     "compression": "train.compression",  # deepspeed.compression
     "config": "core.config",  # deepspeed.runtime.config
+    "config_utils": "core.config.model_base",  # deepspeed.runtime.config_utils: DeepSpeedConfigModel, helpers
     "constants": "core.config.constants",  # deepspeed.runtime.constants: config keys and their defaults
     "dataloader": "train.dataloader",  # deepspeed.runtime.dataloader
     "elasticity": "core.config.elasticity",  # deepspeed.elasticity
     "engine": "train.engine",  # deepspeed.runtime.engine
+    "progressive_layer_drop": Refused(
+        "deepspeed.runtime.progressive_layer_drop (ProgressiveLayerDrop) is not provided: DeepSpeed 0.19.8 removed "
+        "progressive layer drop and refuses its config section, as dslaunch does"),
     "fp16": Names("deepspeed.runtime.fp16: where DeepSpeed's scripts import its loss scalers from.",
                   {"loss_scaler": "core"}),  # the module core/loss_scaler.py
     "fp16.fused_optimizer": Names("DeepSpeed's fp16 optimizer wrapper, named for isinstance checks only.",
@@ -237,6 +241,7 @@ PATHS: Dict[str, Entry] = {
                     # deepspeed.utils imports its groups module, so scripts reach it as an attribute
                     "groups": "core.parallel",
                     **{name: "zero.fragments" for name in _FRAGMENTS}}),
+    "utils.nvtx": "core.accelerator.nvtx",  # deepspeed.utils.nvtx: instrument_w_nvtx
     "torch_autocast": "core.autocast",  # deepspeed.runtime.torch_autocast: gradients' reduction dtypes
     "tensor_parallel.config": Names("deepspeed.runtime.tensor_parallel.config: the Hugging Face tp plan reader "
                                     "(the section itself is parsed with the config).",
@@ -514,8 +519,16 @@ def install() -> None:
 
 def top_level(name: str) -> Optional[types.ModuleType]:
     """dslaunch.runtime.<name> for a top-level entry (the runtime's module __getattr__), else None."""
-    if name not in PATHS:
+    return child(PACKAGE, name)
+
+
+def child(package: str, name: str) -> Optional[types.ModuleType]:
+    """<package>.<name> when that path is an entry of the table, imported on first use (a
+    package's module __getattr__: DeepSpeed's packages import their submodules, so a script may
+    reach `deepspeed.runtime.zero.utils` as an attribute without importing it), else None."""
+    rel = f"{package}.{name}"[len(PACKAGE) + 1:]
+    if rel not in PATHS:
         return None
-    if isinstance(PATHS[name], Refused):  # an attribute lookup's failure, so hasattr() answers False
-        raise AttributeError(PATHS[name].message())
-    return importlib.import_module(f"{PACKAGE}.{name}")
+    if isinstance(PATHS[rel], Refused):  # an attribute lookup's failure, so hasattr() answers False
+        raise AttributeError(PATHS[rel].message())
+    return importlib.import_module(f"{package}.{name}")

@@ -8,6 +8,8 @@ reshard.py's. DeepSpeed's user-facing names live here too:
 modifier_rank=None)` gives temporary full access; `unwrap_model_for_generation(engine)` holds
 the whole model gathered, without hooks, for a generation loop.
 """
+from dslaunch.compat import paths as _paths
+
 from ..core.errors import CheckpointError
 from .reshard import consolidated_state_dict, tied_aliases
 from .hook_scope import register_external_parameter, unregister_external_parameter
@@ -21,3 +23,12 @@ __all__ = ["Init", "GatheredParameters", "RankDivergenceError", "CheckpointError
            "tied_aliases", "register_external_parameter", "unregister_external_parameter",
            "DataParallelStrategy", "ZeroStage1", "ZeroStage2", "ZeroStage3", "ZeroParamStatus",
            "unwrap_model_for_generation"]
+
+
+def __getattr__(name):
+    """DeepSpeed's ZeRO paths of the alias table (`deepspeed.runtime.zero.utils`, `.config`, ...)
+    as attributes, imported on first use: DeepSpeed's zero package imports them itself."""
+    module = _paths.child(__name__, name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return module

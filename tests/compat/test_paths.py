@@ -76,3 +76,16 @@ def test_python_dash_m_runs_the_module_an_alias_names():
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "CKPT_DIR" in res.stdout
+
+
+def test_zero_entries_are_attributes_of_the_zero_package():
+    """`deepspeed.runtime.zero.utils.ZeRORuntimeException` without importing zero.utils first
+    (DeepSpeed's checkpoint tests do): the zero package imports its table entries on first use."""
+    code = ("import sys, dslaunch.runtime as ds\n"
+            "assert 'dslaunch.runtime.zero.utils' not in sys.modules\n"
+            "from dslaunch.runtime.core.errors import ZeRORuntimeException\n"
+            "assert ds.zero.utils.ZeRORuntimeException is ZeRORuntimeException\n"
+            "assert not hasattr(ds.zero, 'parameter_offload')  # a refused entry is an absent attribute\n"
+            "assert not hasattr(ds.zero, 'no_such_module')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

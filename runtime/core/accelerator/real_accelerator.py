@@ -54,6 +54,15 @@ class DeepSpeedAccelerator:
     def is_available(self) -> bool:
         return True
 
+    # -- profiler ranges (deepspeed.utils.nvtx's instrument_w_nvtx) ----------------------------
+    def range_push(self, msg: str):
+        """Open a named range in the CUDA profiler's timeline (NVTX); nothing on the CPU."""
+        return torch.cuda.nvtx.range_push(msg) if self._cuda else None
+
+    def range_pop(self):
+        """Close the innermost range range_push opened; nothing on the CPU."""
+        return torch.cuda.nvtx.range_pop() if self._cuda else None
+
     def is_synchronized_device(self) -> bool:
         """True where work runs in program order (the CPU), so no stream waits are needed."""
         return not self._cuda

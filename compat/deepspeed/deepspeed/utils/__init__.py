@@ -21,6 +21,7 @@ from dslaunch.runtime.zero.fragments import (
 
 from dslaunch.runtime.train.compression.helper import recursive_getattr, recursive_setattr
 from dslaunch.runtime.inference import OnDevice
+from dslaunch.runtime.core.accelerator.nvtx import instrument_w_nvtx  # deepspeed.utils.nvtx's
 
 logger = _logging.getLogger("dslaunch.runtime")
 
@@ -44,27 +45,6 @@ def set_log_level_from_string(log_level_str: str, custom_logger=None) -> None:
     if not isinstance(level, int):
         raise ValueError(f"log level {log_level_str!r}: expected debug, info, warning, error or critical")
     (custom_logger or logger).setLevel(level)
-
-
-def instrument_w_nvtx(func):
-    """Wrap func in an NVTX range named after it when CUDA is there (profilers show it);
-    otherwise func itself."""
-    import functools
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return func
-
-    @functools.wraps(func)
-    def wrapped(*args, **kwargs):
-        torch.cuda.nvtx.range_push(func.__qualname__)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            torch.cuda.nvtx.range_pop()
-
-    return wrapped
 
 
 class DeprecatedException(Exception):
