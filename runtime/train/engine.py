@@ -60,6 +60,10 @@ from .accumulation import check_accumulation_mode, samples_in_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
 
 
+def _groups_hold_fp32_partitions() -> None:
+    """Nothing to do: the stage-3 optimizer's param groups hold this rank's fp32 partitions."""
+
+
 def _config_source(args, config, config_params):
     if config is None:
         config = config_params
@@ -185,6 +189,13 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             # wrap, so the optimizer that steps is its own .optimizer (unless it has one already).
             if not hasattr(self.optimizer, "optimizer"):
                 self.optimizer.optimizer = self.optimizer
+            if self.config.zero_optimization.stage == 3:
+                # DeepSpeed's stage-3 optimizer empties its inner param groups between steps, and
+                # scripts bracket a state_dict() of it with these two calls to put this rank's fp32
+                # partitions back and take them out again; here the groups hold them all along
+                for name in ("_set_fp32_optimizer_param_groups", "_clear_fp32_optimizer_param_groups"):
+                    if not hasattr(self.optimizer, name):
+                        setattr(self.optimizer, name, _groups_hold_fp32_partitions)
         check_in_memory_flag(self.config, self.optimizer)
         if self.seq_parallel_size > 1 and self.optimizer is not None and any(
                 g.get("moe", False) for g in self.optimizer.param_groups):

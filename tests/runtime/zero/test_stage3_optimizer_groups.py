@@ -1,0 +1,45 @@
+"""DeepSpeed's stage-3 pattern for reading the optimizer state of this rank's partition:
+`engine.optimizer._set_fp32_optimizer_param_groups(); engine.optimizer.optimizer.state_dict();
+engine.optimizer._clear_fp32_optimizer_param_groups()` (its universal-checkpoint tests and
+Megatron-style tools do this). Here the groups always hold the fp32 partitions, so the calls
+change nothing, and the state they bracket is the partition laid out as DeepSpeed's: each
+parameter's ceil(numel / world) slice, in order. Checked against the whole per-parameter
+state (safe_get_full_optimizer_state)."""
+from dist_harness import run_function
+
+
+def _partition_state():
+    import math
+
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.zero.fragments import safe_get_full_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 5)).pow(2).mean())
+        engine.step()
+    engine.optimizer._set_fp32_optimizer_param_groups()
+    sd = engine.optimizer.optimizer.state_dict()
+    engine.optimizer._clear_fp32_optimizer_param_groups()
+    flat = sd["state"][0]["exp_avg"]
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mismatches, off = 0, 0
+    for p in model.parameters():
+        full = safe_get_full_optimizer_state(p, "exp_avg").reshape(-1)
+        chunk = math.ceil(full.numel() / world)
+        mine = full[rank * chunk:(rank + 1) * chunk]
+        mismatches += int(not torch.equal(flat[off:off + mine.numel()], mine))
+        off += chunk
+    return len(sd["param_groups"][0]["params"]), flat.numel(), off, mismatches
+
+
+def test_the_bracketed_state_is_this_ranks_partition_in_deepspeeds_layout():
+    for groups, numel, expected, mismatches in run_function(_partition_state, nprocs=2, timeout=180):
+        assert groups == 1 and numel == expected and mismatches == 0
