@@ -346,7 +346,11 @@ PATHS: Dict[str, Entry] = {
                                              "checkpoints through train.checkpoint.universal).",
                                              {"_narrow_sub_params": "train.checkpoint.autotp_restore:narrow_sub_params",
                                               "_resolve_autotp_partition":
-                                                  "train.checkpoint.autotp_restore:resolve_autotp_partition"}),
+                                                  "train.checkpoint.autotp_restore:resolve_autotp_partition",
+                                              "_get_param_uc_restore_meta":
+                                                  "train.checkpoint.autotp_restore:get_param_uc_restore_meta",
+                                              "load_hp_checkpoint_state": "train.checkpoint.autotp_restore",
+                                              "SubparamShape": "train.checkpoint.foreign"}),
     "checkpoint.reshard": "zero.reshard",
     "compiling": "train.compiling",
     "consolidate": "train.checkpoint.consolidate",  # python -m dslaunch.runtime.consolidate

@@ -3,8 +3,9 @@
 They name what is in the files (dsformat.py writes and reader.py reads the same names), so a
 script that builds or inspects a checkpoint with DeepSpeed's constants (Megatron-DeepSpeed puts
 UNIVERSAL_CHECKPOINT_INFO with its parameter patterns in client_state) finds them here. The
-universal-checkpoint pattern keys are carried in client_state as given; the converter here
-does not re-cut tensor-parallel slices by them (see docs/checkpoints.md).
+universal-checkpoint pattern keys are carried in client_state as given; tp_merge.py merges a
+DeepSpeed slice folder's tensor-parallel slices by them, while the converter (universal.py)
+still refuses tensor-parallel checkpoints (see docs/checkpoints.md).
 """
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 FP32_GROUPS = "fp32_groups"

@@ -27,6 +27,13 @@ import click
 from ...core.errors import CheckpointError
 # DeepSpeed's name for the check of a folder's per-file AutoEP metadata, which its tests import
 from .ds_checkpoint import autoep_zero12_metadata as _aggregate_autoep_zero12_metadata  # noqa: F401
+# DeepSpeed's names of the tensor-parallel merge steps its converter runs per parameter, for
+# scripts and tests that call them on a slice folder (tp_merge.py); this converter's own main
+# still refuses tensor-parallel checkpoints (universal.py)
+from .tp_merge import group_per_tp_shapes as _group_per_tp_shapes  # noqa: F401
+from .tp_merge import merge_tp_slices  # noqa: F401
+from .tp_merge import merge_zero_shards as _merge_zero_shards  # noqa: F401
+from .tp_merge import validate_autotp_conversion_support as _validate_autotp_conversion_support  # noqa: F401
 from .universal import convert
 
 _HELP = ("Write the checkpoint in --input_folder (a tag folder, or a save dir whose `latest` names one; "

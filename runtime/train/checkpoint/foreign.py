@@ -61,6 +61,18 @@ class FragmentAddress(PickledRecord):
     ds_global = ("deepspeed.utils.tensor_fragment", "fragment_address")
 
 
+class SubparamShape(PickledRecord):
+    """How a fused parameter's sub-parameters sit (DeepSpeed's universal_checkpoint.SubparamShape):
+    the name patterns it covers, its view spec (at `partition_dim` a sub-parameter count or
+    their sizes) and the dimension they are side by side along. A universal checkpoint's
+    merged files carry one under "sub_param_shape"; tp_merge.py writes it."""
+
+    ds_global = ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape")
+
+    def __init__(self, patterns, shape, partition_dim):
+        super().__init__(patterns=patterns, shape=shape, partition_dim=partition_dim)
+
+
 def _zero_stage(value: int) -> int:
     """ZeroStageEnum(value): an IntEnum in DeepSpeed; its int here."""
     return int(value)
@@ -69,7 +81,8 @@ def _zero_stage(value: int) -> int:
 def read_globals():
     """The allow-list: DeepSpeed's names -> inert stand-ins (and argparse.Namespace, which
     unpickles as a plain attribute bag)."""
-    out = [(cls, ".".join(cls.ds_global)) for cls in (LossScaler, DynamicLossScaler, FragmentAddress)]
+    out = [(cls, ".".join(cls.ds_global)) for cls in (LossScaler, DynamicLossScaler, FragmentAddress,
+                                                          SubparamShape)]
     out.append((_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"))
     out.append(argparse.Namespace)
     return out

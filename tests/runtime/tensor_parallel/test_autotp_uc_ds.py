@@ -92,8 +92,10 @@ def test_narrow_sub_params_equals_deepspeeds(case):
 def test_refusals_are_one_line_where_deepspeed_refuses():
     recorded = {r["case"]: r for r in DS["refusals"]}
     assert recorded["legacy_uneven"]["error"] == "AssertionError"  # DeepSpeed asserts; we raise one line
-    with pytest.raises(CheckpointError, match=r"sizes \[6\] do not divide by tp 4.*records no shard widths"):
+    with pytest.raises(CheckpointError,
+                       match=r"sizes \[6\] are not divisible by tp_world_size 4.*records no sub_param_shard_widths") as err:
         uc._narrow_sub_params(torch.zeros(10, 2), 0, (6, 4), None, 0, 4, 0.3)
+    assert isinstance(err.value, AssertionError)  # as DeepSpeed's assert: scripts catching it still do
     param = torch.nn.Parameter(torch.zeros(6, 4))
     setattr(param, constants.DS_AUTOTP_UC_META,
             layers._build_param_uc_restore_meta(partition_type="column", partition_dim=0, logical_shape=(12, 4),
