@@ -19,11 +19,13 @@ import contextlib
 import copy
 import os
 import dataclasses
-from typing import Any, Dict, Optional
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from . import checkpoint, model_export
+from .checkpoint import dsformat
 # DeepSpeed's engine-level name for the parallel degrees a checkpoint records, which its tests import
 from .checkpoint.ds_checkpoint import parallel_dimensions_of as _checkpoint_parallel_metadata  # noqa: F401
 from .. import zero  # noqa: F401  (registers the ZeRO stages 0-3, the strategies strategy_for_stage picks)
@@ -964,6 +966,20 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         """Move the ZeRO states named in `include` (OffloadStateTypeEnum; all when None) to
         `device` (cpu), page-locked when pin_memory; reload_states() brings them back."""
         offload_strategy_states(self.strategy, include, device, pin_memory, non_blocking)
+
+    def _get_zero_param_shapes(self) -> List["OrderedDict[str, torch.Size]"]:
+        """DeepSpeed's param_shapes of this engine's ZeRO partition, as its checkpoints record
+        them: one ordered dict of parameter name -> torch.Size per param group (ZeRO-3: per
+        sub-group of sub_group_size elements). Read from the layout, so no collective."""
+        stage = self.config.zero_optimization.stage
+        if stage == 3:
+            s = self.strategy
+            return dsformat.stage3_param_shapes({"world_size": s.world, "groups": s.groups},
+                                                s.shard_layout().sub_group_size)
+        if stage in (1, 2):
+            return [OrderedDict((n, p.shape) for n, p in zip(g.names, g.params)) for g in self.strategy.groups]
+        raise FragmentError("_get_zero_param_shapes: ZeRO stage 0 partitions nothing, so there are no ZeRO "
+                            "parameter shapes")
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's name: at ZeRO-3, free the full copies of gathered parameters (persistent

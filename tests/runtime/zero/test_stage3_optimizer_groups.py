@@ -37,9 +37,34 @@ def _partition_state():
         mine = full[rank * chunk:(rank + 1) * chunk]
         mismatches += int(not torch.equal(flat[off:off + mine.numel()], mine))
         off += chunk
-    return len(sd["param_groups"][0]["params"]), flat.numel(), off, mismatches
+    shapes = [{n: tuple(s) for n, s in group.items()} for group in engine._get_zero_param_shapes()]
+    return len(sd["param_groups"][0]["params"]), flat.numel(), off, mismatches, shapes
 
 
 def test_the_bracketed_state_is_this_ranks_partition_in_deepspeeds_layout():
-    for groups, numel, expected, mismatches in run_function(_partition_state, nprocs=2, timeout=180):
+    for groups, numel, expected, mismatches, shapes in run_function(_partition_state, nprocs=2, timeout=180):
         assert groups == 1 and numel == expected and mismatches == 0
+        # the layout's parameter shapes, in the partition's order (what a checkpoint's param_shapes holds)
+        assert shapes == [{"0.weight": (3, 5), "0.bias": (3,), "1.weight": (1, 3), "1.bias": (1,)}]
+
+
+def _shapes_at(stage):
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    try:
+        return [{n: tuple(s) for n, s in group.items()} for group in engine._get_zero_param_shapes()]
+    except Exception as exc:  # noqa: BLE001 (stage 0's refusal is the result)
+        return str(exc)
+
+
+def test_the_zero_param_shapes_at_stages_0_to_2():
+    want = [{"0.weight": (3, 5), "0.bias": (3,), "1.weight": (1, 3), "1.bias": (1,)}]
+    assert run_function(_shapes_at, nprocs=2, kwargs={"stage": 2}, timeout=120)[0] == want
+    assert run_function(_shapes_at, nprocs=2, kwargs={"stage": 1}, timeout=120)[0] == want
+    assert "ZeRO stage 0 partitions nothing" in run_function(_shapes_at, nprocs=1, kwargs={"stage": 0}, timeout=120)[0]
