@@ -304,8 +304,8 @@ class GradientStrategy:
     def release_held_reductions(self, reduce: bool) -> None:
         """End the hold. reduce: one reduction pass over everything summed since
         hold_reductions, as a boundary backward's would be. Otherwise (the block raised) the
-        gradients stay where the next reduction finds them, so nothing is lost and no rank
-        enters a collective the others may never reach."""
+        gradients stay where the next reduction (a backward's or the step's) finds them, so
+        nothing is lost; every rank must then end the hold the same way."""
         raise NotImplementedError(f"{type(self).__name__} cannot hold its gradient reductions")
 
     # -- boundary ------------------------------------------------------------------------

@@ -183,6 +183,11 @@ class AutoTP:
                 return self._slice_embedding(child, full_name, False)
             return None
         if _weight_ndim(getattr(child, "weight", None)) == 2:
+            if type(child).__name__ == "Conv1D":  # transformers' GPT-2 layer: its weight is stored [in, out]
+                spec = self.partition_config.find_matching_spec(f"{full_name}.weight", self._get_model_type())
+                if spec is not None and spec.partition_type != PartitionType.SKIP:
+                    raise _refuse(f"{full_name}: GPT-2's Conv1D layers (weight stored [in, out]) are not provided")
+                return None
             return self._replace_with_config(child, full_name)
         return _DESCEND
 

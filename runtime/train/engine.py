@@ -689,8 +689,10 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         inside the block keeps its gradients on this rank (summed into param.grad, or at stage 3
         a full-size buffer per parameter), and leaving the block reduces them all in one pass,
         so one with-block is one optimizer step's worth of gradients. step() inside the block
-        is refused, and so is nesting with no_sync(). If the block raises, nothing is reduced:
-        the gradients wait for the next reduction, and no rank enters a collective alone."""
+        is refused, and so is nesting with no_sync(). If the block raises, this rank reduces
+        nothing on the way out: the gradients wait for the next reduction (the next backward's
+        or the step's). When every rank raises alike that keeps the ranks in step; a rank that
+        raised alone leaves the others waiting in their reduction, as any lone failure does."""
         if not self._managed:
             raise BackwardUsageError("coalesce_grad_reduction is not supported with managed_gradient_accumulation="
                                      "False: the script already owns the accumulation boundary via step()")
@@ -705,8 +707,8 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             raise BackwardUsageError("coalesce_grad_reduction cannot be nested inside another no_sync context")
         self._require_optimizer("coalesce_grad_reduction")
         backwards = self._backwards_since_step
-        self._no_sync = True
         self.strategy.hold_reductions()
+        self._no_sync = True
         ok = False
         try:
             yield
@@ -977,7 +979,8 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             return dsformat.stage3_param_shapes({"world_size": s.world, "groups": s.groups},
                                                 s.shard_layout().sub_group_size)
         if stage in (1, 2):
-            return [OrderedDict((n, p.shape) for n, p in zip(g.names, g.params)) for g in self.strategy.groups]
+            return dsformat.stage12_param_shapes({"groups": [{"shapes": {n: p.shape for n, p in zip(g.names, g.params)}}
+                                                             for g in self.strategy.groups]})
         raise FragmentError("_get_zero_param_shapes: ZeRO stage 0 partitions nothing, so there are no ZeRO "
                             "parameter shapes")
 

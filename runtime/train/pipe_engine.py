@@ -89,6 +89,7 @@ class PipelineEngine(torch.nn.Module):
         # kept out of nn.Module's registry: the stage's module is registered here under the
         # engine's name for it, so parameters and state_dict keys read "module.<name>" as DeepSpeed's
         object.__setattr__(self, "_engine", engine)
+        engine.pipeline_parallelism = True  # DeepSpeed's flag, read through this engine's attributes
         self.module = engine.module
         use_reentrant = engine.config.pipeline.use_reentrant
         if use_reentrant is False:

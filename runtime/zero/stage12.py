@@ -290,7 +290,8 @@ class _PartitionedStage(ShardedStrategy):
         self._holding = False
         if reduce:
             self._flush_buckets()
-            self._reduced = True
+        # not reduced: the next boundary backward's flush, or the step's, reduces param.grad
+        self._reduced = reduce
 
     def _flush_buckets(self) -> None:
         """Reduce the buckets not yet complete (unused params, or overlap_comm off), in plan

@@ -492,7 +492,7 @@ class ZeroStage3(ShardedStrategy):
     def release_held_reductions(self, reduce: bool) -> None:
         """The held gradients join the reduce queue in the order they first arrived, which
         is the same on every rank (one backward order); reduce: flushed now, in buckets of
-        reduce_bucket_size, otherwise the next backward's flush takes them."""
+        reduce_bucket_size, otherwise the next backward's flush or the step's takes them."""
         held, self._held = self._held or {}, None
         for p, full in held.values():
             self._bucket.append((p, full))
@@ -505,6 +505,7 @@ class ZeroStage3(ShardedStrategy):
     # -- boundary -------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
         comm.comms_logger.set_phase("step")
+        self._flush_grads()  # gradients a coalesce block left queued when it raised (nothing otherwise)
         for g in self.groups:
             if g["grad"] is not None:
                 self.reduction.finish_(g["grad"])

@@ -12,7 +12,10 @@ and the wrapper carries the function's name and docstring (functools.wraps).
 """
 import functools
 
-from torch.compiler import is_compiling
+import torch
+
+# torch.compiler.is_compiling arrived in torch 2.3; dynamo's own answer before that
+is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
 from .real_accelerator import get_accelerator
 

@@ -22,9 +22,10 @@ class PipelineConfig:
         0, "when > 0, replaces PipelineModule(activation_checkpoint_interval=): every N layers are recomputed in backward")
     use_reentrant: Optional[bool] = supported(
         None, "the checkpoint function of the checkpointed layers: false is deepspeed.checkpointing."
-              "non_reentrant_checkpoint, true the reentrant deepspeed.checkpointing.checkpoint (with the first "
-              "stage's inputs made to require grad, as DeepSpeed does); unset keeps PipelineModule("
-              "activation_checkpoint_func=), or torch's non-reentrant checkpoint")
+              "non_reentrant_checkpoint, true the reentrant deepspeed.checkpointing.checkpoint unless "
+              "PipelineModule(activation_checkpoint_func=) gave one (with the first stage's inputs made to "
+              "require grad, as DeepSpeed does); unset keeps PipelineModule(activation_checkpoint_func=), or "
+              "torch's non-reentrant checkpoint")
     pipe_partitioned: bool = supported(True, "no effect needed: training has no tensor-parallel group to split "
                                              "activations over, so they go between stages whole")
     grad_partitioned: bool = supported(True, "no effect needed: as pipe_partitioned, for the gradients sent back")

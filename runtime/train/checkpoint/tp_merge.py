@@ -268,6 +268,8 @@ def merge_tp_slices(uc_info: Dict[str, Any], out_dir: str, slice_dir: str, tp_de
         write_torch(os.path.join(dst, "step.pt"), steps[0], checksum=False)
     for state in MERGED_STATES:
         slices = merge_zero_shards(src, state, tp_degree, per_tp_shapes)
+        if not slices:  # never stepped: ZeRO holds no optimizer state for it
+            continue
         record: Dict[str, Any] = {}
         if match(replicated):
             _require(all(torch.equal(slices[0], s) for s in slices[1:]),
@@ -283,8 +285,6 @@ def merge_tp_slices(uc_info: Dict[str, Any], out_dir: str, slice_dir: str, tp_de
             param, record[SUB_PARAM_SHAPE] = _merge_sub_params(name, slices, sub_hit[0], sub_hit[1], uc_info,
                                                                tp_degree)
         else:
-            if not slices:  # never stepped: ZeRO holds no optimizer state for it
-                continue
             record[CAT_DIM] = 1 if match(row) else 0
             param = torch.cat(slices, dim=record[CAT_DIM])
         if match(vocab):

@@ -40,6 +40,13 @@ def _train(use_reentrant):
                                       else "checkpoint" if func is checkpointing.checkpoint else "other")
     diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), reference.parameters()))
     moved = float((model.forward_funcs[0].weight - layers()[0].weight).abs().max())
+    try:
+        engine.coalesce_grad_reduction()
+        refusal = None
+    except NotImplementedError as exc:
+        refusal = str(exc)
+    assert engine.pipeline_parallelism is True, "DeepSpeed's flag on a pipeline engine"
+    assert refusal and "not supported under pipeline parallelism" in refusal, refusal
     return name, engine._reentrant_activation_checkpointing(), diff, moved, list(model.is_checkpointable_results)
 
 

@@ -47,7 +47,10 @@ def fake_groups(monkeypatch):
     get_rank, get_world_size = cases.fake_comm(comm, comm.get_rank, comm.get_world_size)
     monkeypatch.setattr(comm, "get_rank", get_rank)
     monkeypatch.setattr(comm, "get_world_size", get_world_size)
+    was = mode.is_autotp_training_mode()
     mode.set_autotp_mode(training=False)  # the recording's mode (DeepSpeed's default): frozen layers
+    yield
+    mode.set_autotp_mode(training=was)
 
 
 def _autotp(model, config=None, **kwargs):
@@ -262,3 +265,27 @@ def test_on_two_ranks_the_mesh_and_the_layers_compute_the_unsplit_model():
         torch.testing.assert_close(r["out"], r["ref"])
         # grad_allreduce: the replicated norm's gradient is summed over the tensor group
         torch.testing.assert_close(r["norm_grad"], summed)
+
+
+class Conv1D(nn.Module):
+    """Stands in for transformers' GPT-2 layer of that name: a 2-D weight stored [in, out]."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 6))
+
+
+def test_a_matched_conv1d_is_refused_and_an_unmatched_one_left_whole():
+    model = nn.Sequential()
+    model.c_attn, model.c_proj = Conv1D(), Conv1D()
+    config = AutoTPConfig.from_dict({"layer_specs": [{"patterns": [r"c_attn\.weight$"], "partition_type": "column"}]})
+    autotp = _autotp(model, config)
+    autotp.set_tensor_parallel_config(1, None)
+    with pytest.raises(TensorParallelError, match=r"c_attn: GPT-2's Conv1D layers .* are not provided") as info:
+        autotp._replace_module(model)
+    assert "\n" not in str(info.value)
+    config = AutoTPConfig.from_dict({"layer_specs": [{"patterns": [r"other\.weight$"], "partition_type": "column"}]})
+    autotp = _autotp(model, config)
+    autotp.set_tensor_parallel_config(1, None)
+    autotp._replace_module(model)
+    assert type(model.c_attn) is Conv1D and type(model.c_proj) is Conv1D

@@ -8,7 +8,7 @@ import pytest
 from dist_harness import run_function
 
 
-def _train(stage, coalesce, extra=(), steps=2, chunks=4, raise_in_block=False):
+def _train(stage, coalesce, extra=(), steps=2, chunks=4, raise_at=None):
     import contextlib
 
     import torch
@@ -48,13 +48,13 @@ def _train(stage, coalesce, extra=(), steps=2, chunks=4, raise_in_block=False):
                     x, y = batches[step * chunks + i]
                     engine.set_gradient_accumulation_boundary(i == chunks - 1)
                     engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
-                    if raise_in_block and step == 0 and i == 1:
+                    if raise_at is not None and step == 0 and i == raise_at:
                         phase["now"] = "raise"  # what leaving the block by an exception issues
                         raise KeyError("the script's own error")
                 phase["now"] = "exit"
         except KeyError:
             phase["now"] = "backward"  # the script carries on, outside the block, with the rest of the chunks
-            for i in range(2, chunks):
+            for i in range(raise_at + 1, chunks):
                 x, y = batches[step * chunks + i]
                 engine.set_gradient_accumulation_boundary(i == chunks - 1)
                 engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
@@ -81,16 +81,19 @@ def test_one_reduction_per_block_gives_the_same_weights(stage, extra):
             assert ref_calls["backward"] > got_calls["exit"], (ref_calls, got_calls)
 
 
-def _after_a_raise(stage):
-    ref, _ = _train(stage, False, steps=1)
-    got, calls = _train(stage, True, steps=1, raise_in_block=True)
+def _after_a_raise(stage, raise_at):
+    ref, _ = _train(stage, False)
+    got, calls = _train(stage, True, raise_at=raise_at)
     return max(float((a - b).abs().max()) for a, b in zip(ref, got)), calls
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_block_that_raises_reduces_nothing_and_loses_no_gradient(stage):
-    # the two backwards of the failed block are reduced with the later ones, outside it
-    for diff, calls in run_function(_after_a_raise, nprocs=2, kwargs={"stage": stage}, timeout=240):
+@pytest.mark.parametrize("raise_at", [1, 3])
+def test_a_block_that_raises_reduces_nothing_and_loses_no_gradient(stage, raise_at):
+    # raise_at 1: the failed block's two backwards are reduced with the later ones, outside it;
+    # raise_at 3: after the block's last backward, so the step itself reduces them; then a second step
+    for diff, calls in run_function(_after_a_raise, nprocs=2, kwargs={"stage": stage, "raise_at": raise_at},
+                                    timeout=240):
         assert diff < 1e-6, diff
         assert calls["raise"] == 0, calls
 
