@@ -33,7 +33,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ..core import comm
-from .tp_shard import AutoTPMeta, get_shard_size_list
+from .tp_shard import AutoTPMeta, bind_convention, get_shard_size_list
 
 __all__ = ["build_bloom_alibi_tensor", "build_mpt_alibi_tensor", "build_mpt_atten_bias_tensor", "get_alibi_mask",
            "get_head_shard_sizes", "install_head_sharded_helper"]
@@ -86,19 +86,11 @@ def install_head_sharded_helper(module: Any, name: str, wrapper: Any, *args: Any
 
 
 def _install_args(args: tuple, kwargs: dict) -> Tuple[Optional[AutoTPMeta], Any, Optional[int], Optional[int]]:
-    """(meta, mp_group, num_heads, num_kv_heads) from either convention (module docstring)."""
-    new = (args and isinstance(args[0], AutoTPMeta)) or isinstance(kwargs.get("meta"), AutoTPMeta)
-    names = ("meta", "mp_group") if new else ("mp_group", "num_heads", "num_kv_heads")
-    if len(args) > len(names):
-        raise TypeError(f"install_head_sharded_helper takes at most {len(names) + 3} positional arguments "
-                        f"({len(args) + 3} given)")
-    bound = dict(zip(names, args))
-    for key, value in kwargs.items():
-        if key not in names:
-            raise TypeError(f"install_head_sharded_helper got an unexpected keyword argument {key!r}")
-        if key in bound:
-            raise TypeError(f"install_head_sharded_helper got multiple values for argument {key!r}")
-        bound[key] = value
+    """(meta, mp_group, num_heads, num_kv_heads) from either convention (module docstring);
+    the helper binds three arguments of its own first."""
+    _, bound = bind_convention("install_head_sharded_helper", (("meta", "mp_group"),
+                                                               ("mp_group", "num_heads", "num_kv_heads")),
+                               args, kwargs, fixed=3)
     return bound.get("meta"), bound.get("mp_group"), bound.get("num_heads"), bound.get("num_kv_heads")
 
 

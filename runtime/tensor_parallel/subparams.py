@@ -137,11 +137,12 @@ def take_rank_pieces(full: torch.Tensor, dim: int, sub_sizes: Sequence[int], wid
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def even_widths(sub_sizes: Sequence[int], tp_world_size: int) -> list:
-    """The equal split, the only layout a checkpoint without recorded widths can describe;
-    a sub-parameter that does not divide evenly is refused (guessing would shift every cut)."""
+def even_widths(sub_sizes: Sequence[int], tp_world_size: int) -> Tuple[Optional[list], list]:
+    """(the equal split, the sizes that do not divide by `tp_world_size`). The equal split is
+    the only layout a checkpoint without recorded widths can describe; it is None when a
+    sub-parameter does not divide evenly, since guessing would shift every cut after it (each
+    caller refuses in its own words)."""
     uneven = [s for s in sub_sizes if s % tp_world_size]
     if uneven:
-        raise TensorParallelError(f"sub-parameter sizes {uneven} do not divide by tp {tp_world_size} and the "
-                                  f"checkpoint records no shard widths, so its uneven split cannot be rebuilt")
-    return [[s // tp_world_size] * tp_world_size for s in sub_sizes]
+        return None, uneven
+    return [[s // tp_world_size] * tp_world_size for s in sub_sizes], uneven

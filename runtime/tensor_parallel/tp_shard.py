@@ -149,13 +149,16 @@ _SIZE_ARGS = (("meta", "name", "rank", "mp_group"), ("name", "rank", "mp_group",
 _LIST_ARGS = (("meta", "name"), ("name", "num_kv_heads"))
 
 
-def _bind(what: str, conventions, args: tuple, kwargs: dict):
-    """(meta, name, rank, mp_group) from either calling convention (module docstring): the
-    0.19.8 one when the meta is given, else the module settings' one."""
+def bind_convention(what: str, conventions, args: tuple, kwargs: dict, fixed: int):
+    """(whether the 0.19.8 convention was used, the arguments it names) for a helper that
+    takes either calling convention (module docstring): the first names when the meta is
+    given, else the second. `fixed` counts the leading arguments the helper binds itself, so
+    the errors count positional arguments as Python would."""
     new = (args and isinstance(args[0], AutoTPMeta)) or isinstance(kwargs.get("meta"), AutoTPMeta)
     names = conventions[0] if new else conventions[1]
     if len(args) > len(names):
-        raise TypeError(f"{what} takes at most {len(names) + 2} positional arguments ({len(args) + 2} given)")
+        raise TypeError(f"{what} takes at most {len(names) + fixed} positional arguments "
+                        f"({len(args) + fixed} given)")
     bound = dict(zip(names, args))
     for key, value in kwargs.items():
         if key not in names:
@@ -163,6 +166,13 @@ def _bind(what: str, conventions, args: tuple, kwargs: dict):
         if key in bound:
             raise TypeError(f"{what} got multiple values for argument {key!r}")
         bound[key] = value
+    return bool(new), bound
+
+
+def _bind(what: str, conventions, args: tuple, kwargs: dict):
+    """(meta, name, rank, mp_group) for the shard-size helpers, which take two arguments of
+    their own before either convention."""
+    new, bound = bind_convention(what, conventions, args, kwargs, fixed=2)
     meta = bound["meta"] if new else _settings_meta(bound.get("num_kv_heads"))
     return meta, bound.get("name"), bound.get("rank"), bound.get("mp_group")
 

@@ -25,7 +25,7 @@ import torch
 
 from ...core.errors import CheckpointError
 from ...tensor_parallel.shard import TensorParallelError
-from ...tensor_parallel.subparams import check_shard_widths, take_rank_pieces
+from ...tensor_parallel.subparams import check_shard_widths, even_widths, take_rank_pieces
 from .constants import (CAT_DIM, DS_AUTOTP_UC_META, FP32_WEIGHT_KEY, PARAM, PARAM_N_SUB_PARAMS, SUB_PARAM_SHAPE,
                         UNIVERSAL_CHECKPOINT_VERSION_KEY, VOCAB_TENSOR)
 from .files import load_torch
@@ -52,12 +52,11 @@ def narrow_sub_params(full_view: torch.Tensor, partition_dim: int, sub_dim_sizes
     if uc_version < 0.4 or shard_widths is None:
         # only an even split is recoverable without widths; assuming it for an uneven
         # sub-parameter would shift every cut after it
-        uneven = [s for s in sub_dim_sizes if s % tp_world_size]
-        if uneven:
+        shard_widths, uneven = even_widths(sub_dim_sizes, tp_world_size)
+        if shard_widths is None:
             raise UniversalLayoutError(f"sub-parameter sizes {uneven} are not divisible by tp_world_size "
                                        f"{tp_world_size} and the metadata records no sub_param_shard_widths, so "
                                        f"its uneven split cannot be rebuilt")
-        shard_widths = [[s // tp_world_size] * tp_world_size for s in sub_dim_sizes]
     try:
         check_shard_widths(shard_widths, sub_dim_sizes, tp_world_size)
     except TensorParallelError as exc:

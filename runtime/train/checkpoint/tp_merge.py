@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ...core.errors import CheckpointError
+from ...tensor_parallel.subparams import even_widths
 from .constants import (CAT_DIM, PARAM, PARAM_N_SUB_PARAMS, PARAMETER_TO_AVERAGE_PATTERNS,
                         PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
                         PARAMETER_WITH_SUB_PARAMS, SUB_PARAM_SHAPE, SUB_PARAM_SHARD_WIDTHS,
@@ -195,11 +196,11 @@ def _merge_sub_params(name: str, slices: List[torch.Tensor], sub: SubparamShape,
             sizes = (total // entry,) * entry
             spec = tuple(sizes if i == dim else d for i, d in enumerate(spec))
             normalized = SubparamShape(patterns=sub.patterns, shape=spec, partition_dim=dim)
-        uneven = [s for s in sizes if s % tp_degree]
-        _require(not uneven, f"sub-parameter sizes {uneven} of {name} are not divisible by tp_degree {tp_degree}, and "
-                             f"universal checkpoint version {version} predates {SUB_PARAM_SHARD_WIDTHS}, so its "
-                             f"uneven split cannot be rebuilt")
-        widths = [[s // tp_degree] * tp_degree for s in sizes]
+        widths, uneven = even_widths(sizes, tp_degree)
+        _require(widths is not None,
+                 f"sub-parameter sizes {uneven} of {name} are not divisible by tp_degree {tp_degree}, and "
+                 f"universal checkpoint version {version} predates {SUB_PARAM_SHARD_WIDTHS}, so its "
+                 f"uneven split cannot be rebuilt")
     _require(len(widths) == len(sizes), f"{len(widths)} shard-width lists for {len(sizes)} sub-parameters of {name}")
     for size, w in zip(sizes, widths):
         _require(len(w) == tp_degree and sum(w) == size,

@@ -8,7 +8,9 @@ steps straight, and again for 2 steps, saved, a fresh engine loaded from the che
 more steps: the resumed losses equal the uninterrupted run's to 1e-5 (fp32). ZeRO 0, 1, 2
 with AdamW, and ZeRO 2 with Muon (its momentum buffer resumes too). The same checkpoint loads
 at autoep_size 1 with load_optimizer_states=False (the weights, every expert on every rank,
-equal the saved run's gathered model); with the optimizer state it is refused in one line.
+equal the saved run's gathered model); with the optimizer state it is refused in one line. A
+script's own universal_checkpoint_info in client_state is refused in one line, since the
+checkpoint writes its own (DeepSpeed's MoE save refuses it too).
 """
 import os
 
@@ -62,6 +64,12 @@ def _worker(tmp):
         _steps(first, 0, SAVE_AT, rank)
         path = os.path.join(tmp, name)
         first.save_checkpoint(path)
+        if name == "s1":  # the layer records are the checkpoint's own universal_checkpoint_info
+            try:
+                first.save_checkpoint(os.path.join(tmp, "client_uc"), client_state={"universal_checkpoint_info": {}})
+                out["client_uc_info"] = None
+            except deepspeed.CheckpointError as exc:
+                out["client_uc_info"] = str(exc)
         gathered = autoep.hf_state_dict(first.module)
         files = sorted(os.listdir(os.path.join(path, f"global_step{SAVE_AT}"))) if rank == 0 else None
         resumed = _engine(deepspeed, case)
@@ -116,3 +124,11 @@ def test_weights_load_at_another_autoep_size_and_the_optimizer_state_is_refused_
         assert msg is not None and "\n" not in msg
         assert "saved at expert_parallel.autoep_size 2 and this job runs 1" in msg
         assert "load_optimizer_states=False" in msg
+
+
+def test_a_scripts_universal_checkpoint_info_is_refused_where_autoep_writes_its_own(runs):
+    for rank in (0, 1):
+        msg = runs[rank]["client_uc_info"]
+        assert msg is not None and "\n" not in msg
+        assert msg.endswith("save_checkpoint: client_state key 'universal_checkpoint_info' is reserved for the "
+                            "checkpoint's own 'universal_checkpoint_info' entry"), msg

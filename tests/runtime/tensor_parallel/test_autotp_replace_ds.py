@@ -16,6 +16,7 @@ from torch import nn
 
 import dslaunch.runtime  # noqa: F401  installs the alias table
 from dist_harness import run_function
+from recorded_values import as_recorded
 from repo_paths import DATA
 from script_modules import load_script
 
@@ -31,14 +32,6 @@ from dslaunch.runtime.core.config.partition import TensorParallelError  # noqa: 
 from dslaunch.runtime.tensor_parallel.uc_keys import DS_AUTOTP_UC_META  # noqa: E402
 
 AutoTP, AutoTPConfig = auto_tp.AutoTP, auto_tp.AutoTPConfig
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, torch.Size)):
-        return [_plain(v) for v in value]
-    return value
 
 
 @pytest.fixture
@@ -67,7 +60,7 @@ def test_the_walk_matches_deepspeed_on_every_rank(walk, fake_groups):
         autotp.update_linear_policies()
         assert autotp._replace_module(model) is model
         got = cases.record(model)
-        got["embed_tokens"]["uc_meta"] = _plain(getattr(model.embed_tokens.weight, DS_AUTOTP_UC_META))
+        got["embed_tokens"]["uc_meta"] = as_recorded(getattr(model.embed_tokens.weight, DS_AUTOTP_UC_META))
         assert got == expected, f"tp {walk['tp']} rank {rank}"
 
 

@@ -16,6 +16,7 @@ import torch
 
 import dslaunch.runtime  # noqa: F401  installs the alias table
 from dist_harness import run_function
+from recorded_values import as_recorded
 from repo_paths import DATA
 from script_modules import load_script
 
@@ -27,14 +28,6 @@ mode = importlib.import_module("dslaunch.runtime.tensor_parallel.mode")
 from dslaunch.runtime.core.errors import CheckpointError  # noqa: E402
 
 _full_linear_of = load_script("fused_layer_cases").full_linear  # the weights DeepSpeed's recorded run used
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, torch.Size)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _spec(value):
@@ -68,14 +61,14 @@ def test_each_rank_cut_metadata_info_and_restore_equal_deepspeeds(case, training
         layer = _build(case, rank)
         model = torch.nn.Module()
         model.proj = layer
-        assert _plain(layers.collect_autotp_universal_checkpoint_info(model)) == want["info"], rank
+        assert as_recorded(layers.collect_autotp_universal_checkpoint_info(model)) == want["info"], rank
         for pname in ("weight", "bias"):
             param = getattr(layer, pname)
             if param is None:
                 assert pname not in want
                 continue
             assert param.detach().tolist() == want[pname], (pname, rank)
-            assert _plain(getattr(param, constants.DS_AUTOTP_UC_META)) == want[f"{pname}_meta"], (pname, rank)
+            assert as_recorded(getattr(param, constants.DS_AUTOTP_UC_META)) == want[f"{pname}_meta"], (pname, rank)
             full = getattr(_full_linear_of(case["in"], case["out"], case["bias"]), pname).detach().flatten()
             piece = uc._resolve_autotp_partition(param, {}, full, rank, case["tp"])
             assert (None if piece is None else piece.tolist()) == want[f"restored_{pname}"], (pname, rank)

@@ -48,7 +48,7 @@ def test_the_bracketed_state_is_this_ranks_partition_in_deepspeeds_layout():
         assert shapes == [{"0.weight": (3, 5), "0.bias": (3,), "1.weight": (1, 3), "1.bias": (1,)}]
 
 
-def _shapes_at(stage):
+def _shapes_at(stage, sub_group_size=None):
     import torch
 
     import dslaunch.runtime as deepspeed
@@ -56,6 +56,8 @@ def _shapes_at(stage):
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": stage}}
+    if sub_group_size is not None:
+        cfg["zero_optimization"]["sub_group_size"] = sub_group_size
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     try:
         return [{n: tuple(s) for n, s in group.items()} for group in engine._get_zero_param_shapes()]
@@ -68,3 +70,12 @@ def test_the_zero_param_shapes_at_stages_0_to_2():
     assert run_function(_shapes_at, nprocs=2, kwargs={"stage": 2}, timeout=120)[0] == want
     assert run_function(_shapes_at, nprocs=2, kwargs={"stage": 1}, timeout=120)[0] == want
     assert "ZeRO stage 0 partitions nothing" in run_function(_shapes_at, nprocs=1, kwargs={"stage": 0}, timeout=120)[0]
+
+
+def test_the_zero3_param_shapes_split_per_sub_group():
+    # DeepSpeed closes a sub-group once its partitions (ceil(numel / 2) each here: 8, 2, 2, 1)
+    # reach sub_group_size, and at the group's last parameter; `want` is what DeepSpeed 0.19.8's
+    # engine._get_zero_param_shapes() returned for this model and config on 2 CPU ranks
+    got = run_function(_shapes_at, nprocs=2, kwargs={"stage": 3, "sub_group_size": 3}, timeout=120)
+    want = [{"0.weight": (3, 5)}, {"0.bias": (3,), "1.weight": (1, 3)}, {"1.bias": (1,)}]
+    assert got[0] == got[1] == want
