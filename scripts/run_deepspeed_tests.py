@@ -18,7 +18,11 @@ with that folder first on PYTHONPATH, CUDA hidden, DS_ACCELERATOR=cpu, and LOCAL
 (--local-size, default 4): the CPU accelerator counts LOCAL_SIZE as its devices, as DeepSpeed's
 does, so DeepSpeed's DistributedTest starts its 2- and 4-rank tests instead of skipping them.
 Every test runs in a forked process under a per-test time limit (--test-timeout; DeepSpeed's
-own DS_UNITTEST_TIMEOUT for its ranks is set to the same), so a hang is one failure.
+own DS_UNITTEST_TIMEOUT for its ranks is set to the same), so a hang is one failure. One fix to
+DeepSpeed's harness goes into the package folder (HARNESS_PATCH, a sitecustomize): a rank's
+pytest.fail, or a pytest.raises that saw nothing, reaches DistributedTest as an AssertionError
+with the same message, where DeepSpeed's pool worker dies of it and the test waits for the time
+limit, whose pytest.exit ends the whole run (under real DeepSpeed such tests pass).
 
 Counting. A file that fails to import here counts each of its tests as a failure, not one per
 file: how many tests it holds is read from tests/data/deepspeed_unit_collection.json, pytest's
@@ -539,6 +543,9 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         f"DeepSpeed's `tests/unit` tree at commit `{commit}`, run by `scripts/run_deepspeed_tests.py` on CPU "
         f"(Python {sys.version.split()[0]}) the way DeepSpeed's CPU CI runs it (`pytest --forked -n 4 unit/`, "
         "pytest.ini's default marker selection)" + (f"; {settings}" if settings else "") + ". "
+        "One fix to DeepSpeed's harness: a rank's pytest.fail (or a pytest.raises that saw nothing) reaches "
+        "DistributedTest as an AssertionError with the same message, where DeepSpeed's pool worker dies of it and "
+        "the test hangs until its time limit (under real DeepSpeed such tests pass). "
         "Passed is counted over passed + failed. A file that fails to import counts every test it holds as a "
         f"failure (a collection error), counted by {counting or 'its reference collection'}. Skipped tests are "
         "DeepSpeed's own skips on a CPU (below, by reason). Every failure on purpose is counted as a failure "
@@ -591,6 +598,66 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
     return "\n".join(line for line in lines) + "\n"
 
 
+# DeepSpeed's DistributedTest runs each rank in a multiprocessing pool and re-raises whatever
+# the test raised. pytest's outcomes (Failed, from pytest.fail or a pytest.raises that saw
+# nothing) are BaseExceptions, which a pool worker does not catch: the worker dies, its result
+# is lost, and the test waits for the harness's time limit, whose pytest.exit then ends the whole
+# run. Under real DeepSpeed such a test passes, so its harness never meets this. Every process
+# of the run (the pool's forkserver children included) imports this sitecustomize, which turns
+# such an outcome into an ordinary exception with the same message after unit.common loads: the
+# test fails at once with what it would have said, and the run goes on.
+HARNESS_PATCH = '''"""Written by dslaunch's scripts/run_deepspeed_tests.py: a rank's pytest failure reaches
+DeepSpeed's test harness as an ordinary exception (see HARNESS_PATCH there)."""
+import sys
+
+
+def _patch(common):
+    original = common.DistributedExec._dist_run
+
+    def _dist_run(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except Exception:
+            raise
+        except BaseException as exc:
+            from _pytest.outcomes import OutcomeException  # pytest's own outcome types
+
+            if isinstance(exc, OutcomeException):
+                # an AssertionError, so the pool can carry it back (pickled by its built-in type)
+                raise AssertionError(f"pytest.fail in a rank: {exc.msg or exc}") from None
+            raise
+
+    common.DistributedExec._dist_run = _dist_run
+
+
+class _AfterUnitCommon:
+    """Patches unit.common right after it is imported, in whichever process imports it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "unit.common":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _AfterUnitCommon())
+'''
+
+
 def install_site(site: str) -> Optional[str]:
     """The compatibility package and the test plug-ins into `site`; an error message, or None."""
     dslaunch = os.path.join(os.path.dirname(sys.executable), "dslaunch")
@@ -603,6 +670,8 @@ def install_site(site: str) -> Optional[str]:
                          capture_output=True, text=True)
     if res.returncode != 0:
         return f"installing {TEST_DEPS} failed:\n{res.stderr[-2000:]}"
+    with open(os.path.join(site, "sitecustomize.py"), "w") as fh:
+        fh.write(HARNESS_PATCH)
     return None
 
 

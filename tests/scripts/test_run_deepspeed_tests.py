@@ -221,3 +221,41 @@ def test_collection_pass_and_sampled_run_on_a_small_tree(tmp_path):
     ok, broken = results["test_ok.py"], results["test_broken.py"]
     assert (ok.collected, ok.passed, ok.failed, ok.not_run) == (3, 2, 1, 0)
     assert (broken.failed, broken.collection_errors, broken.failed_ids) == (1, 1, ["unit.test_broken"])
+
+
+HARNESS_CHILD = """
+import multiprocessing as mp
+from unit.common import DistributedExec
+
+if __name__ == "__main__":
+    ctx = mp.get_context("forkserver")
+    with ctx.Pool(1) as pool:
+        try:
+            pool.starmap_async(DistributedExec()._dist_run, [(0,)]).get(60)
+            print("RESULT none")
+        except mp.TimeoutError:
+            print("RESULT lost")  # the worker died with the task: the hang the patch prevents
+        except Exception as exc:  # noqa: BLE001 (what reaches the harness is the result)
+            print(f"RESULT {type(exc).__module__}.{type(exc).__name__}: {exc}")
+"""
+
+
+def test_a_ranks_pytest_failure_reaches_deepspeeds_harness_instead_of_killing_the_pool(tmp_path):
+    """DeepSpeed's DistributedExec re-raises a rank's pytest.fail (a BaseException) out of a pool
+    worker, which kills it: the runner's sitecustomize turns it into an ordinary exception in
+    every process that imports unit.common, the pool's forkserver children included."""
+    import os
+    import subprocess
+
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "__init__.py").write_text("")
+    (tmp_path / "unit" / "common.py").write_text(
+        "import pytest\n\n\nclass DistributedExec:\n    def _dist_run(self, local_rank):\n"
+        "        pytest.fail('DID NOT RAISE <class RuntimeError>')\n")
+    (tmp_path / "sitecustomize.py").write_text(_script().HARNESS_PATCH)
+    (tmp_path / "child.py").write_text(HARNESS_CHILD)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "child.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=180)
+    result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result == ["RESULT builtins.AssertionError: pytest.fail in a rank: DID NOT RAISE <class RuntimeError>"], (out.stdout, out.stderr[-2000:])
