@@ -6,7 +6,7 @@ that scripts/run_deepspeed_tests.py can mark a failure of ours that DeepSpeed ha
     /work/ds-venv/bin/python scripts/make_ds_unit_cpu_failures.py --deepspeed-src /work/ds-src \\
         unit/v1/zero/test_zero_user_backward.py::TestZeroUserBackwardBasic ...
 
-runs `pytest --forked` in the checkout's tests/ folder with DeepSpeed's own package (this
+runs `pytest --forked` in a copy of the checkout's tests/ folder with DeepSpeed's own package (this
 interpreter's), DS_ACCELERATOR=cpu, CUDA hidden and LOCAL_SIZE=2, as DeepSpeed's CPU runs do,
 and merges the outcomes into the table: a test run again replaces its earlier entry, the others
 stay. `--junit FILE` records an earlier run's junit report of the same invocation instead of
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,10 +48,18 @@ def outcomes_of(junit: str) -> Dict[str, Dict[str, str]]:
     return out
 
 
-def run_pytest(src: str, tests: List[str], junit: str, timeout: int) -> None:
+def run_pytest(src: str, tests: List[str], workdir: str, timeout: int) -> str:
+    """pytest over `tests` in a copy of the checkout's tests/ folder (DeepSpeed's conftest.py puts
+    the folder above tests/ first on sys.path: in the checkout that is DeepSpeed's source tree,
+    whose unbuilt package shadows the installed one and every forked test exits with status 3);
+    the junit report's path."""
+    copy = os.path.join(workdir, "tests")
+    shutil.copytree(os.path.join(src, "tests"), copy, symlinks=True)
+    junit = os.path.join(workdir, "ds.xml")
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", LOCAL_SIZE="2")
     cmd = [sys.executable, "-m", "pytest", "--forked", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *tests]
-    subprocess.run(cmd, cwd=os.path.join(src, "tests"), env=env, timeout=timeout)
+    subprocess.run(cmd, cwd=copy, env=env, timeout=timeout)
+    return junit
 
 
 def merge(path: str, outcomes: Dict[str, Dict[str, str]], version: str, commit: str) -> dict:
@@ -84,9 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("make_ds_unit_cpu_failures: name the tests to run (or --junit FILE)", file=sys.stderr)
             return 2
         with tempfile.TemporaryDirectory() as tmp:
-            junit = os.path.join(tmp, "ds.xml")
-            run_pytest(args.deepspeed_src, args.tests, junit, args.timeout)
-            outcomes = outcomes_of(junit)
+            outcomes = outcomes_of(run_pytest(args.deepspeed_src, args.tests, tmp, args.timeout))
     table = merge(args.out, outcomes, deepspeed.__version__, commit)
     with open(args.out, "w") as fh:
         json.dump(table, fh, indent=1)
