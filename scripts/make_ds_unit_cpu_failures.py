@@ -6,7 +6,7 @@ that scripts/run_deepspeed_tests.py can mark a failure of ours that DeepSpeed ha
     /work/ds-venv/bin/python scripts/make_ds_unit_cpu_failures.py --deepspeed-src /work/ds-src \\
         unit/v1/zero/test_zero_user_backward.py::TestZeroUserBackwardBasic ...
 
-runs `pytest --forked` in a copy of the checkout's tests/ folder with DeepSpeed's own package (this
+runs pytest (without --forked: see run_pytest) in a copy of the checkout's tests/ folder with DeepSpeed's own package (this
 interpreter's), DS_ACCELERATOR=cpu, CUDA hidden and LOCAL_SIZE=2, as DeepSpeed's CPU runs do,
 and merges the outcomes into the table: a test run again replaces its earlier entry, the others
 stay. `--junit FILE` records an earlier run's junit report of the same invocation instead of
@@ -49,15 +49,16 @@ def outcomes_of(junit: str) -> Dict[str, Dict[str, str]]:
 
 
 def run_pytest(src: str, tests: List[str], workdir: str, timeout: int) -> str:
-    """pytest over `tests` in a copy of the checkout's tests/ folder (DeepSpeed's conftest.py puts
-    the folder above tests/ first on sys.path: in the checkout that is DeepSpeed's source tree,
-    whose unbuilt package shadows the installed one and every forked test exits with status 3);
-    the junit report's path."""
+    """pytest over `tests` in a copy of the checkout's tests/ folder, as run_deepspeed_tests.py
+    runs them (DeepSpeed's conftest.py puts the folder above tests/ first on sys.path: in the
+    checkout that is DeepSpeed's source tree, not the installed package); the junit report's path."""
     copy = os.path.join(workdir, "tests")
     shutil.copytree(os.path.join(src, "tests"), copy, symlinks=True)
     junit = os.path.join(workdir, "ds.xml")
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", LOCAL_SIZE="2")
-    cmd = [sys.executable, "-m", "pytest", "--forked", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *tests]
+    # without --forked: under the pytest DeepSpeed's environment holds, every forked test exits
+    # with status 3 before its ranks report (DeepSpeed's DistributedTest starts its own processes)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *tests]
     subprocess.run(cmd, cwd=copy, env=env, timeout=timeout)
     return junit
 
