@@ -40,6 +40,12 @@ listed by reason.
 
 Causes: a failure's first line (exception type and message), with memory addresses, temporary
 paths and numbers blanked, so one missing name counts once however many tests hit it.
+
+DeepSpeed's own failures: tests/data/deepspeed_unit_ds_cpu_outcomes.json records what real
+DeepSpeed 0.19.8 answers on a CPU to the tests it was run on (scripts/make_ds_unit_cpu_failures.py);
+a failed test of ours that DeepSpeed fails there too is listed with DeepSpeed's cause in a section
+of its own and named in the headline, and still counted as a failure. A test with no recorded
+answer is not marked.
 """
 from __future__ import annotations
 
@@ -76,6 +82,9 @@ TEST_DEPS = ["hjson", "py-cpuinfo", "pytest>=7.2.0,<8.4.0", "pytest-forked", "py
 REASONS_FILE = os.path.join(ROOT, "tests", "data", "deepspeed_unit_test_reasons.txt")
 # Each file's test count under DeepSpeed's own package (scripts/make_ds_unit_collection.py).
 COLLECTION_FILE = os.path.join(ROOT, "tests", "data", "deepspeed_unit_collection.json")
+# What real DeepSpeed answers on a CPU to the tests it was run on (scripts/make_ds_unit_cpu_failures.py):
+# a failure of ours that DeepSpeed has there too is marked so (and still counted as a failure).
+DS_CPU_FILE = os.path.join(ROOT, "tests", "data", "deepspeed_unit_ds_cpu_outcomes.json")
 
 
 def load_reasons(path: str) -> Dict[str, str]:
@@ -92,6 +101,20 @@ def load_reasons(path: str) -> Dict[str, str]:
                 raise SystemExit(f"run_deepspeed_tests: {path}:{n}: expected `<test id prefix> | reason`")
             reasons[test] = why
     return reasons
+
+
+def load_ds_cpu(path: Optional[str]) -> Dict[str, Dict[str, str]]:
+    """test id -> {"outcome", "cause"} under DeepSpeed on a CPU; {} where nothing is recorded."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return json.load(fh)["tests"]
+
+
+def deepspeed_fails_too(results: List["FileResult"], ds_cpu: Dict[str, Dict[str, str]]) -> List[tuple]:
+    """(test, DeepSpeed's cause) for every failed test of ours that DeepSpeed fails on a CPU too."""
+    return [(t, ds_cpu[t]["cause"]) for r in results for t in r.failed_ids
+            if ds_cpu.get(t, {}).get("outcome") == "failed"]
 
 
 @dataclass
@@ -532,10 +555,12 @@ def headline(total: FileResult, import_failed: int, results: Optional[List[FileR
 
 
 def render(results: List[FileResult], commit: str, python: str, reasons: Optional[Dict[str, str]] = None,
-           counting: str = "", settings: str = "") -> str:
+           counting: str = "", settings: str = "", ds_cpu: Optional[Dict[str, Dict[str, str]]] = None) -> str:
     total = totals(results)
     ran = total.passed + total.failed
     purposed = on_purpose(results, reasons or {})
+    theirs = deepspeed_fails_too(results, ds_cpu or {})
+    known = sum(1 for r in results for t in r.failed_ids if t in (ds_cpu or {}))
     import_failed = sum(1 for r in results if r.collection_errors)
     lines = [
         "# DeepSpeed's unit tests against the compatibility package",
@@ -552,7 +577,9 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         "and listed with its reason.",
         "",
         headline(total, import_failed, results) + (f"; {sum(n for _, _, n in purposed)} of the failures are on purpose "
-                                          "(below)." if ran else ""),
+                                          "(below)." if ran else "")
+        + (f" {len(theirs)} of the failures fail under DeepSpeed 0.19.8 on a CPU too (below; DeepSpeed's answer "
+           f"is recorded for {known} of the failed tests)." if theirs else ""),
         "",
         "Reproduce with `python scripts/run_deepspeed_tests.py --deepspeed-src DIR` for a full run of the tree "
         "(hours on a 2-core machine: about 2,000 tests that collect, most of them multi-rank), or add "
@@ -573,6 +600,13 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
     if purposed:
         lines += ["", "## Failed on purpose", "", "| test | tests | why dslaunch differs |", "|---|---|---|"]
         lines += [f"| `{t}` | {n} | {why.replace('|', '/')} |" for t, why, n in purposed]
+    if theirs:
+        lines += ["", "## Failures DeepSpeed has on a CPU too", "",
+                  "Real DeepSpeed 0.19.8 fails these tests on a CPU as well (its own package, DS_ACCELERATOR=cpu, "
+                  "recorded by `scripts/make_ds_unit_cpu_failures.py` into "
+                  "`tests/data/deepspeed_unit_ds_cpu_outcomes.json`); they still count as failures above.", "",
+                  "| test | DeepSpeed's failure on a CPU |", "|---|---|"]
+        lines += [f"| `{t}` | {cause.replace('|', '/')} |" for t, cause in theirs]
     causes: Dict[str, int] = collections.Counter()
     skips: Dict[str, int] = collections.Counter()
     for r in results:
@@ -703,6 +737,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--settings", default=None, help="with --render-json: the run's settings as the table states "
                                                      "them, in place of those recorded in the JSON")
     ap.add_argument("--reasons", default=REASONS_FILE, help="the tests failed on purpose, with the reasons")
+    ap.add_argument("--ds-cpu", default=DS_CPU_FILE,
+                    help="DeepSpeed's own outcomes on a CPU (scripts/make_ds_unit_cpu_failures.py), to mark its failures")
     ap.add_argument("--collection", default=COLLECTION_FILE,
                     help="each file's test count under DeepSpeed's own package")
     args = ap.parse_args(argv)
@@ -866,7 +902,8 @@ def write_table(results: List[FileResult], commit: str, counting: str, settings:
                 reasons: Dict[str, str]) -> int:
     if getattr(args, "readme", None):
         update_readme(args.readme, readme_row(results, commit))
-    text = render(results, commit, sys.executable, reasons, counting, settings)
+    text = render(results, commit, sys.executable, reasons, counting, settings,
+                  load_ds_cpu(getattr(args, "ds_cpu", None)))
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)

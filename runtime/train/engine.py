@@ -53,7 +53,7 @@ from .progress import ProgressLog
 from .resize import batch as resize_batch
 from .resize.contract import ResizeEnv
 from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
-from ..zero.hook_scope import apply_leaf_module_config
+from ..zero.hook_scope import apply_leaf_module_config, leaf_parameters
 from ..zero.offload_states import offload_strategy_states, reload_strategy_states
 from ..core.config.zero import OffloadDeviceEnum
 from ..core.errors import CoalesceUnsupportedError, OptimizerRequiredError
@@ -212,6 +212,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                               mesh=self.mesh, loss_scale=self.loss_scale, precision=self.precision)
         self.strategy = strategy_for_stage(self.config.zero_optimization.stage)(ctx)
         self.strategy.wrap_module()
+        if self.config.zero_optimization.stage == 3 and self.optimizer is not None:
+            # DeepSpeed's stage-3 optimizer lists each leaf module's trained parameters (scripts and
+            # its tests read it); here the leaf marks drive stage 3's hooks, and this is their account.
+            # The optimizer's groups hold fp32 partitions at stage 3, so the model's order stands in
+            # for theirs (DeepSpeed's groups follow model_parameters, the model's order as a rule).
+            self.optimizer.leaf_parameters = leaf_parameters(model, model.parameters())
         self.loss_scaler = self.precision.loss_scaler
         if self.loss_scaler is not None and self.optimizer is not None:
             expose_on_optimizer(self.optimizer, self.loss_scaler)

@@ -51,6 +51,29 @@ def _matches(module: torch.nn.Module, classes: tuple) -> bool:
         or f"{cls.__module__}.{cls.__qualname__}" in names
 
 
+def leaf_parameters(model: torch.nn.Module, stepped: Iterable[torch.nn.Parameter]
+                    ) -> Dict[torch.nn.Module, List[torch.nn.Parameter]]:
+    """DeepSpeed's stage-3 optimizer.leaf_parameters: each outermost leaf module (one inside
+    another leaf is part of it) -> the parameters of its subtree that train, in the order of
+    `stepped` (the optimizer's groups); a leaf with none is left out."""
+    owner: Dict[int, torch.nn.Module] = {}
+
+    def walk(m: torch.nn.Module) -> None:
+        if getattr(m, _FLAG, False):
+            for p in m.parameters():
+                owner[id(p)] = m
+            return
+        for child in m.children():
+            walk(child)
+
+    walk(model)
+    out: Dict[torch.nn.Module, List[torch.nn.Parameter]] = {}
+    for p in stepped:
+        if p.requires_grad and id(p) in owner:
+            out.setdefault(owner[id(p)], []).append(p)
+    return out
+
+
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
                         ) -> List[torch.nn.Module]:
     """Mark every submodule of `model` whose class is one of `leaf_module_classes` (classes or

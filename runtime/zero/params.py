@@ -150,6 +150,9 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     if not persistent:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE
+    # DeepSpeed's flag for a parameter kept whole through training (never released): its tests
+    # skip those when they check that the others are released after backward
+    p.ds_persist = persistent
     return z
 
 

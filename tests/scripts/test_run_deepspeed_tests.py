@@ -259,3 +259,52 @@ def test_a_ranks_pytest_failure_reaches_deepspeeds_harness_instead_of_killing_th
                          timeout=180)
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert result == ["RESULT builtins.AssertionError: pytest.fail in a rank: DID NOT RAISE <class RuntimeError>"], (out.stdout, out.stderr[-2000:])
+
+
+DS_JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="unit.runtime.test_a.TestA" name="test_ok" time="1"/>
+<testcase classname="unit.runtime.test_a.TestA" name="test_bad[1]" time="1"><failure message="">
+E   ValueError: DistributedDataParallel device_ids [1] only work with GPU modules</failure></testcase>
+<testcase classname="unit.runtime.test_a.TestA" name="test_skip" time="0">
+<skipped message="unit/common.py:273: not enough GPUs: 8 required"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_failures_deepspeed_has_on_a_cpu_too_are_marked_and_still_counted(tmp_path):
+    s = _script()
+    make = load_script("make_ds_unit_cpu_failures")
+    (tmp_path / "ds.xml").write_text(DS_JUNIT)
+    ds = make.outcomes_of(str(tmp_path / "ds.xml"))
+    assert ds["unit.runtime.test_a.TestA::test_ok"] == {"outcome": "passed", "cause": ""}
+    assert ds["unit.runtime.test_a.TestA::test_bad[1]"] == {
+        "outcome": "failed", "cause": "ValueError: DistributedDataParallel device_ids [N] only work with GPU modules"}
+    assert ds["unit.runtime.test_a.TestA::test_skip"]["outcome"] == "skipped"
+    # a rerun replaces its own entries and keeps the others; another DeepSpeed is refused
+    table = make.merge(str(tmp_path / "none.json"), ds, "0.19.8", "abc")
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    again = make.merge(str(tmp_path / "t.json"), {"unit.x::y": {"outcome": "passed", "cause": ""}}, "0.19.8", "abc")
+    assert len(again["tests"]) == 4
+    with pytest.raises(SystemExit, match="0.19.8 at abc, not 0.20.0"):
+        make.merge(str(tmp_path / "t.json"), {}, "0.20.0", "abc")
+    # ours: both test_bad[1] (DeepSpeed fails it too) and test_bad[2] (DeepSpeed's answer unrecorded) fail
+    (tmp_path / "r.xml").write_text(JUNIT)
+    results = sorted(s.parse_junit(str(tmp_path / "r.xml"), reference=REFERENCE).values(), key=lambda r: r.path)
+    (tmp_path / "o.json").write_text(json.dumps(again))
+    text = s.render(results, "abc", "py", {}, "", "", s.load_ds_cpu(str(tmp_path / "o.json")))
+    assert "**2 of 11 passed (18.2%)**, 9 failed" in text  # still counted as a failure
+    assert "1 of the failures fail under DeepSpeed 0.19.8 on a CPU too (below; DeepSpeed's answer is recorded " \
+           "for 1 of the failed tests)" in text
+    assert ("| `unit.runtime.test_a.TestA::test_bad[1]` | ValueError: DistributedDataParallel device_ids [N] only "
+            "work with GPU modules |") in text
+    assert "test_bad[2]` |" not in text.split("## Failures DeepSpeed has on a CPU too")[1].split("## ")[0]
+    assert "Failures DeepSpeed has" not in s.render(results, "abc", "py", {}, "", "", {})
+
+
+def test_recorded_deepspeed_cpu_outcomes_are_well_formed():
+    s = _script()
+    with open(s.DS_CPU_FILE) as fh:
+        table = json.load(fh)
+    assert table["deepspeed"] == "0.19.8" and table["tests"]
+    for test, o in table["tests"].items():
+        assert test.startswith("unit.") and "::" in test, test
+        assert o["outcome"] in ("passed", "failed", "skipped") and bool(o["cause"]) == (o["outcome"] != "passed")

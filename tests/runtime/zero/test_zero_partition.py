@@ -146,15 +146,20 @@ def _ds_attributes():
         seen["gathered"] = (w.numel(), w.ds_status)
     seen["released"] = (w.numel(), w.ds_status)
     seen["ids"] = sorted(p.ds_id for p in net.parameters())
+    seen["persist"] = [p.ds_persist for p in net.parameters()]
     return {k: [v.name if isinstance(v, ZeroParamStatus) else v for v in vals] for k, vals in seen.items()}
 
 
 def test_zero3_parameters_carry_deepspeeds_numel_shape_id_and_status():
     """ds_numel/ds_shape are the full size while only a shard is held; ds_status follows
-    gather and release (DeepSpeed's ZeroParamStatus values); ds_id is unique."""
+    gather and release (DeepSpeed's ZeroParamStatus values); ds_id is unique; ds_persist marks
+    the parameters kept whole."""
     from dist_harness import run_function
 
     for seen in run_function(_ds_attributes, nprocs=2, timeout=120):
         assert seen["at rest"] == [0, 128, (16, 8), "NOT_AVAILABLE", "NOT_AVAILABLE"]
         assert seen["gathered"] == [128, "AVAILABLE"] and seen["released"] == [0, "NOT_AVAILABLE"]
         assert len(set(seen["ids"])) == 4
+        # DeepSpeed's rule (zero.Init): ds_persist is numel <= stage3_param_persistence_threshold (10):
+        # only the 4-element bias of the second layer stays whole
+        assert seen["persist"] == [False, False, False, True]
