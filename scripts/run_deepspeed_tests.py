@@ -716,7 +716,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="run nothing: write the table of earlier runs' --json files (same commit), in order; a "
                          "later file's result for a test file replaces an earlier one's, unless it ran none of that "
                          "file's tests while the file imports")
-    ap.add_argument("--paths", nargs="*", default=["."], help="paths under tests/unit/ (default: the whole tree)")
+    ap.add_argument("--paths", nargs="*", default=["."], help="paths under tests/unit/, or test ids in them (file.py::Class::test; default: the whole tree)")
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers (-n; DeepSpeed's CI uses 4; 0: none)")
     ap.add_argument("--local-size", type=int, default=4, help="LOCAL_SIZE: the CPU devices the accelerator reports, "
                                                               "so the most ranks a test may start")
@@ -755,7 +755,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 2
     for p in args.paths:
-        if not os.path.exists(os.path.join(unit, p)):
+        if not os.path.exists(os.path.join(unit, p.split("::")[0])):  # a file or folder, or a test id in one
             print(f"run_deepspeed_tests: --paths {p}: not in {unit}", file=sys.stderr)
             return 2
     commit = args.commit or subprocess.run(["git", "-C", args.deepspeed_src, "rev-parse", "HEAD"],

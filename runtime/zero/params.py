@@ -20,13 +20,15 @@ call may then be several collectives ("legs"), one per kind. Full-value gathers
 DeepSpeed's own attributes are kept on each partitioned parameter too, because tools read
 them (the Hugging Face Trainer counts parameters with `ds_numel`, since `numel()` of a
 parameter at rest is 0): `ds_numel` and `ds_shape` (the full size), `ds_id` (unique in
-the process, in partitioning order) and `ds_status` (a ZeroParamStatus, kept current by
-gather and release).
+the process, in partitioning order), `ds_status` (a ZeroParamStatus, kept current by
+gather and release), `ds_persist` (kept whole throughout) and `ds_tensor` (this rank's
+partition: the shard itself, republished whenever the shard is replaced).
 """
 from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, List, Optional
@@ -57,8 +59,10 @@ class ZeroParam:
     shape: torch.Size
     numel: int
     chunk: int
-    resident: Optional[torch.Tensor]  # this rank's chunk (compute dtype), padded to `chunk` elements;
-    # None while it rests in a file (offload_param nvme): read `shard` instead
+    # this rank's chunk (compute dtype), padded to `chunk` elements; None while it rests in a file
+    # (offload_param nvme) or is kept as int8 blocks: read `shard` instead. Set through `resident`,
+    # which also republishes it as the parameter's `ds_tensor`.
+    _resident: Optional[torch.Tensor]
     persistent: bool = False  # small: kept whole, never released
     master_offset: int = -1  # where the chunk sits in its group's fp32 master partition
     group_index: int = -1
@@ -74,6 +78,18 @@ class ZeroParam:
     quantize: bool = False
     packed: Optional[object] = field(default=None, repr=False)
     secondary: Optional[object] = field(default=None, repr=False)
+    param: Optional[weakref.ref] = field(default=None, repr=False)  # the parameter this describes
+
+    @property
+    def resident(self) -> Optional[torch.Tensor]:
+        return self._resident
+
+    @resident.setter
+    def resident(self, value: Optional[torch.Tensor]) -> None:
+        self._resident = value
+        p = self.param() if self.param is not None else None
+        if p is not None:
+            publish_ds_tensor(p, self)
 
     @property
     def shard(self) -> torch.Tensor:
@@ -102,6 +118,19 @@ class ZeroParam:
     def written(self) -> None:
         """The value changed: a second shard (hpZ) cut from the old one is no longer valid."""
         self.secondary = None
+
+
+def publish_ds_tensor(p: torch.nn.Parameter, z: ZeroParam) -> None:
+    """DeepSpeed's `param.ds_tensor`: this rank's partition, a flat tensor of
+    ceil(numel / world) elements (the last rank's tail is padding), here the very tensor the
+    engine gathers from and the step writes (so it never goes stale: every change of the shard
+    goes through `ZeroParam.resident`, which calls this). Like DeepSpeed's, it carries its
+    `ds_numel` (the partition's size). None while no float partition is held in memory: the shard
+    rests in a file (offload_param nvme) or is kept as int8 blocks (ZeRO++ frozen weights)."""
+    t = z.resident
+    if t is not None:
+        t.ds_numel = z.chunk
+    p.ds_tensor = t
 
 
 def pack_shard(z: ZeroParam) -> None:
@@ -144,7 +173,10 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     shard[:piece.numel].copy_(p.data.reshape(-1)[piece.start:piece.end])
     z = ZeroParam(name, p.shape, numel, chunk, shard, persistent, group=group, world=world, rank=rank)
     p._zero = z
+    z.param = weakref.ref(p)
+    publish_ds_tensor(p, z)
     p.ds_numel, p.ds_shape = numel, p.shape
+    p.ds_persist = persistent  # DeepSpeed's flag for a parameter kept whole (gathered) throughout
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_next_id)
     if not persistent:

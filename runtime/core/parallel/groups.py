@@ -155,6 +155,13 @@ def _get_expert_parallel_rank(group_name=None) -> int:
     return _rank("expert")
 
 
+def _get_expert_model_parallel_world_size() -> int:
+    """DeepSpeed's tensor-parallel degree inside an expert: 1, because experts are never split over
+    tensor-parallel ranks here (MoE refuses enable_expert_tensor_parallelism in one line), which is
+    DeepSpeed's own answer whenever that option is off."""
+    return 1
+
+
 def _get_expert_data_parallel_group(group_name=None):
     _expert(group_name, "_get_expert_data_parallel_group")
     return _mesh("_get_expert_data_parallel_group").group("expert_data")

@@ -62,3 +62,18 @@ __all__ = ["logger", "log_dist", "log_dist_once", "is_initialized", "RepeatingLo
 
 # `deepspeed.utils.logging` is the submodule (DeepSpeed's logger module), not the standard library's
 from . import logging  # noqa: E402,F401
+
+
+def __getattr__(name):
+    """DeepSpeed's deepspeed.utils submodules of dslaunch's alias table (`groups`, `timer`,
+    `zero_to_fp32`, ...) as attributes, imported on first use: DeepSpeed's utils package imports
+    them itself, so a script may reach `deepspeed.utils.groups` without importing it. The module
+    is the one `import deepspeed.utils.<name>` gives; a refused entry, or no entry, is an absent
+    attribute (hasattr() answers False)."""
+    import importlib
+
+    from dslaunch.compat import paths as _paths
+
+    if name.startswith("_") or _paths.child(f"{_paths.PACKAGE}.utils", name) is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
