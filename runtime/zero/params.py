@@ -176,15 +176,14 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     z.param = weakref.ref(p)
     publish_ds_tensor(p, z)
     p.ds_numel, p.ds_shape = numel, p.shape
-    p.ds_persist = persistent  # DeepSpeed's flag for a parameter kept whole (gathered) throughout
+    # DeepSpeed's flag for a parameter kept whole through training (never released): its tests
+    # skip those when they check that the others are released after backward
+    p.ds_persist = persistent
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_next_id)
     if not persistent:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE
-    # DeepSpeed's flag for a parameter kept whole through training (never released): its tests
-    # skip those when they check that the others are released after backward
-    p.ds_persist = persistent
     return z
 
 
