@@ -18,11 +18,13 @@ with that folder first on PYTHONPATH, CUDA hidden, DS_ACCELERATOR=cpu, and LOCAL
 (--local-size, default 4): the CPU accelerator counts LOCAL_SIZE as its devices, as DeepSpeed's
 does, so DeepSpeed's DistributedTest starts its 2- and 4-rank tests instead of skipping them.
 Every test runs in a forked process under a per-test time limit (--test-timeout; DeepSpeed's
-own DS_UNITTEST_TIMEOUT for its ranks is set to the same), so a hang is one failure. One fix to
-DeepSpeed's harness goes into the package folder (HARNESS_PATCH, a sitecustomize): a rank's
+own DS_UNITTEST_TIMEOUT for its ranks is set 30 s shorter), so a hang is one failure. Two fixes
+to DeepSpeed's harness go into the package folder (HARNESS_PATCH, a sitecustomize): a rank's
 pytest.fail, or a pytest.raises that saw nothing, reaches DistributedTest as an AssertionError
 with the same message, where DeepSpeed's pool worker dies of it and the test waits for the time
-limit, whose pytest.exit ends the whole run (under real DeepSpeed such tests pass).
+limit (under real DeepSpeed such tests pass); and a rank that never answers (waiting in a
+collective for a rank that failed) fails its test with a TimeoutError and its pool is ended,
+where DeepSpeed's harness calls pytest.exit and ends the whole run.
 
 Counting. A file that fails to import here counts each of its tests as a failure, not one per
 file: how many tests it holds is read from tests/data/deepspeed_unit_collection.json, pytest's
@@ -568,9 +570,10 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         f"DeepSpeed's `tests/unit` tree at commit `{commit}`, run by `scripts/run_deepspeed_tests.py` on CPU "
         f"(Python {sys.version.split()[0]}) the way DeepSpeed's CPU CI runs it (`pytest --forked -n 4 unit/`, "
         "pytest.ini's default marker selection)" + (f"; {settings}" if settings else "") + ". "
-        "One fix to DeepSpeed's harness: a rank's pytest.fail (or a pytest.raises that saw nothing) reaches "
+        "Two fixes to DeepSpeed's harness: a rank's pytest.fail (or a pytest.raises that saw nothing) reaches "
         "DistributedTest as an AssertionError with the same message, where DeepSpeed's pool worker dies of it and "
-        "the test hangs until its time limit (under real DeepSpeed such tests pass). "
+        "the test hangs until its time limit (under real DeepSpeed such tests pass); and a rank that never answers "
+        "fails its test with a TimeoutError, where DeepSpeed's harness ends the whole run. "
         "Passed is counted over passed + failed. A file that fails to import counts every test it holds as a "
         f"failure (a collection error), counted by {counting or 'its reference collection'}. Skipped tests are "
         "DeepSpeed's own skips on a CPU (below, by reason). Every failure on purpose is counted as a failure "
@@ -663,6 +666,37 @@ def _patch(common):
 
     common.DistributedExec._dist_run = _dist_run
 
+    close = common.DistributedExec._close_pool
+
+    def _close_pool(self, pool, num_procs, force=False):
+        # a task still pending means a rank never answered (it waits in a collective for a rank
+        # that failed, say): joining the pool would wait forever, so its workers are ended
+        if getattr(pool, "_cache", None):
+            pool.terminate()
+            cached = getattr(self, "_pool_cache", {})
+            for key in [k for k, v in cached.items() if v is pool]:
+                del cached[key]
+            return None
+        return close(self, pool, num_procs, force)
+
+    common.DistributedExec._close_pool = _close_pool
+    common.pytest = _HarnessPytest(common.pytest)
+
+
+class _HarnessPytest:
+    """pytest as unit.common sees it, except that the harness's pytest.exit on a rank that never
+    answers fails that test (a TimeoutError) instead of ending the whole run."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def exit(self, reason="", returncode=None):
+        raise TimeoutError(f"{reason}: a rank did not finish within DS_UNITTEST_TIMEOUT (DeepSpeed's harness "
+                           f"would end the whole run here)")
+
 
 class _AfterUnitCommon:
     """Patches unit.common right after it is imported, in whichever process imports it."""
@@ -690,6 +724,13 @@ class _AfterUnitCommon:
 
 sys.meta_path.insert(0, _AfterUnitCommon())
 '''
+
+
+def harness_timeout(test_timeout: int) -> int:
+    """DeepSpeed's own limit for its ranks (DS_UNITTEST_TIMEOUT): short of the per-test limit, so
+    a test whose rank never answers fails through the harness (HARNESS_PATCH) and the run goes
+    on, before pytest-timeout would stop the worker that runs it."""
+    return max(test_timeout - 30, test_timeout // 2, 1)
 
 
 def install_site(site: str) -> Optional[str]:
@@ -785,7 +826,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # the caller's PYTHONPATH stays behind the package folder (a snapshot of dslaunch, say)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([site] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                    CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
-                   LOCAL_SIZE=str(args.local_size), DS_UNITTEST_TIMEOUT=str(args.test_timeout),
+                   LOCAL_SIZE=str(args.local_size), DS_UNITTEST_TIMEOUT=str(harness_timeout(args.test_timeout)),
                    HF_HOME=os.path.join(tmp, "hf_home"), HF_HUB_OFFLINE="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         results: Dict[str, FileResult] = {}

@@ -223,42 +223,93 @@ def test_collection_pass_and_sampled_run_on_a_small_tree(tmp_path):
     assert (broken.failed, broken.collection_errors, broken.failed_ids) == (1, 1, ["unit.test_broken"])
 
 
-HARNESS_CHILD = """
+# a stand-in for DeepSpeed's unit.common with the shape of its DistributedExec: ranks in a
+# forkserver pool, the result awaited for exec_timeout, pytest.exit when it never comes, the pool
+# closed and joined in a finally
+HARNESS_COMMON = """
 import multiprocessing as mp
+import time
+
+import pytest
+
+
+class DistributedExec:
+    exec_timeout = 3
+    reuse_dist_env = False
+    _pool_cache = {}
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def _dist_run(self, local_rank):
+        if self.mode == "fail" and local_rank == 0:
+            pytest.fail("DID NOT RAISE <class RuntimeError>")
+        if self.mode == "hang" and local_rank == 1:
+            time.sleep(3600)  # waits in a collective for a rank that is gone, say
+        return ""
+
+    def _dist_destroy(self):
+        return None
+
+    def _close_pool(self, pool, num_procs, force=False):
+        if force or not self.reuse_dist_env:
+            pool.starmap(self._dist_destroy, [() for _ in range(num_procs)])
+            pool.close()
+            pool.join()
+
+    def launch(self, num_procs):
+        pool = mp.get_context("forkserver").Pool(num_procs)
+        pending = pool.starmap_async(self._dist_run, [(rank,) for rank in range(num_procs)])
+        try:
+            return pending.get(self.exec_timeout)
+        except mp.TimeoutError:
+            pytest.exit("Test hanged, exiting", returncode=1)
+        finally:
+            self._close_pool(pool, num_procs)
+"""
+
+HARNESS_CHILD = """
+import sys
+
 from unit.common import DistributedExec
 
 if __name__ == "__main__":
-    ctx = mp.get_context("forkserver")
-    with ctx.Pool(1) as pool:
-        try:
-            pool.starmap_async(DistributedExec()._dist_run, [(0,)]).get(60)
-            print("RESULT none")
-        except mp.TimeoutError:
-            print("RESULT lost")  # the worker died with the task: the hang the patch prevents
-        except Exception as exc:  # noqa: BLE001 (what reaches the harness is the result)
-            print(f"RESULT {type(exc).__module__}.{type(exc).__name__}: {exc}")
+    try:
+        DistributedExec(sys.argv[1]).launch(2)
+        print("RESULT none")
+    except BaseException as exc:  # noqa: BLE001 (what reaches the test is the result)
+        print(f"RESULT {type(exc).__module__}.{type(exc).__name__}: {exc}")
 """
 
 
-def test_a_ranks_pytest_failure_reaches_deepspeeds_harness_instead_of_killing_the_pool(tmp_path):
-    """DeepSpeed's DistributedExec re-raises a rank's pytest.fail (a BaseException) out of a pool
-    worker, which kills it: the runner's sitecustomize turns it into an ordinary exception in
-    every process that imports unit.common, the pool's forkserver children included."""
+@pytest.mark.parametrize("mode, want", [
+    ("fail", "builtins.AssertionError: pytest.fail in a rank: DID NOT RAISE <class RuntimeError>"),
+    ("hang", "builtins.TimeoutError: Test hanged, exiting: a rank did not finish within DS_UNITTEST_TIMEOUT "
+             "(DeepSpeed's harness would end the whole run here)"),
+])
+def test_deepspeeds_harness_fails_the_test_instead_of_hanging_or_ending_the_run(tmp_path, mode, want):
+    """Under the runner's sitecustomize (every process that imports unit.common, the pool's
+    forkserver children included): a rank's pytest.fail (a BaseException, which kills DeepSpeed's
+    pool worker and loses its result) comes back as an AssertionError; a rank that never answers
+    fails the test with a TimeoutError and its pool is ended, where joining it would wait forever."""
     import os
     import subprocess
 
     (tmp_path / "unit").mkdir()
     (tmp_path / "unit" / "__init__.py").write_text("")
-    (tmp_path / "unit" / "common.py").write_text(
-        "import pytest\n\n\nclass DistributedExec:\n    def _dist_run(self, local_rank):\n"
-        "        pytest.fail('DID NOT RAISE <class RuntimeError>')\n")
+    (tmp_path / "unit" / "common.py").write_text(HARNESS_COMMON)
     (tmp_path / "sitecustomize.py").write_text(_script().HARNESS_PATCH)
     (tmp_path / "child.py").write_text(HARNESS_CHILD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "child.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run([sys.executable, "child.py", mode], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=180)
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result == ["RESULT builtins.AssertionError: pytest.fail in a rank: DID NOT RAISE <class RuntimeError>"], (out.stdout, out.stderr[-2000:])
+    assert result == [f"RESULT {want}"], (out.stdout, out.stderr[-2000:])
+
+
+def test_deepspeeds_rank_limit_falls_short_of_the_test_limit():
+    s = _script()
+    assert s.harness_timeout(300) == 270 and s.harness_timeout(40) == 20 and s.harness_timeout(1) == 1
 
 
 DS_JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
