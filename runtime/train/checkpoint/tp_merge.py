@@ -317,7 +317,9 @@ def uc_info_from_shard_specs(specs: Dict[str, Dict[str, Any]], local_shapes: Dic
             info[TP_REPLICATED_PARAMETER_PATTERNS].append(pattern)
             continue
         spec = ParamShard(dim=raw["dim"], full=raw["full"], parts=tuple(raw.get("parts") or ()),
-                          vocab=bool(raw.get("vocab")), conv1d=bool(raw.get("conv1d")))
+                          vocab=bool(raw.get("vocab")), conv1d=bool(raw.get("conv1d")),
+                          sizes=tuple(raw.get("sizes") or ()),
+                          sub_widths=tuple(tuple(w) for w in raw.get("sub_widths") or ()))
         shape = list(local_shapes[name])
         if spec.conv1d:
             # the slices hold the transposed (nn.Linear) layout of an HF Conv1D weight
@@ -338,12 +340,13 @@ def uc_info_from_shard_specs(specs: Dict[str, Dict[str, Any]], local_shapes: Dic
                                       f"universal_checkpoint_info records one {ORIGINAL_VOCAB_SIZE}")
             vocab_rows = spec.full
             info[VOCABULARY_PARAMETER_PATTERNS].append(pattern)
-        elif not spec.parts and spec.dim == 0:
-            pass  # joined along dim 0, each rank at its own recorded shape
-        elif not spec.parts and spec.dim == 1 and len(shape) == 2:
+        elif not spec.parts and not spec.sub_widths and spec.dim == 0:
+            pass  # joined along dim 0, each rank at its own recorded shape (an uneven split too)
+        elif not spec.parts and not spec.sub_widths and spec.dim == 1 and len(shape) == 2:
             info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
         else:
-            sizes = tuple(spec.parts or (spec.full,))
+            sizes = (tuple(sum(w) for w in spec.sub_widths) if spec.sub_widths else tuple(spec.parts or
+                                                                                          (spec.full,)))
             per_rank = [spec.ranges(tp_degree, r) for r in range(tp_degree)]
             widths = [[b - a for a, b in (ranks[i] for ranks in per_rank)] for i in range(len(sizes))]
             shape[spec.dim] = sizes

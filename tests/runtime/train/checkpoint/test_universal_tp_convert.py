@@ -1,6 +1,6 @@
 """ds_to_universal on a tensor-parallel checkpoint (DeepSpeed 0.19.8's main(args)): a tiny
 Llama trained at tp 2 under ZeRO-2 and saved by our engine, converted, then loaded universal
-at tp 1 on one rank and on two data ranks. The loaded weights must be the saving run's full
+at tp 1 on one rank and on two data ranks, and at tp 2 again. The loaded weights must be the saving run's full
 weights, and one more step from the universal folder must match one more step from the
 tensor-parallel checkpoint itself (resumed at tp 1 by re-cutting its slices, an independent
 path), which holds only if the Adam moments and step came through whole."""
@@ -37,10 +37,14 @@ def body(tp, stage, steps=0, load=None, tag=None, universal=False, save=None):
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    def whole():
+        full = full_state_dict(engine.module) if tp > 1 else dict(engine.module.state_dict())
+        return {k: v.detach().float().clone() for k, v in full.items()}
+
     loaded = None
     if load:
         engine.load_checkpoint(load, tag=tag)
-        loaded = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+        loaded = whole()
     d, rows = engine.mesh.rank("data"), MICRO // dp
     losses = []
     for _ in range(steps):
@@ -55,8 +59,7 @@ def body(tp, stage, steps=0, load=None, tag=None, universal=False, save=None):
         losses.append(float(t))
     if save:
         engine.save_checkpoint(save, tag="t")
-    full = full_state_dict(engine.module) if tp > 1 else dict(engine.module.state_dict())
-    full = {k: v.detach().float().clone() for k, v in full.items()}
+    full = whole()
     return (losses, loaded, full) if engine.global_rank == 0 else None
 
 
@@ -77,7 +80,7 @@ def _convert(src, dst, **extra):
     main(args)
 
 
-def test_tp2_checkpoint_converts_and_loads_universal_at_tp1_on_one_and_two_ranks(saved):
+def test_tp2_checkpoint_converts_and_loads_universal_at_tp1_on_one_and_two_ranks_and_at_tp2(saved):
     root, trained = saved
     _convert(str(root / "t"), str(root / "t_universal"))
     zero = root / "t_universal" / "zero"
@@ -96,13 +99,16 @@ def test_tp2_checkpoint_converts_and_loads_universal_at_tp1_on_one_and_two_ranks
                                                    universal=True), timeout=300)[0]
     two = run_function(body, nprocs=2, kwargs=dict(tp=1, stage=2, steps=1, load=str(root), tag="t_universal",
                                                    universal=True), timeout=300)[0]
-    for got in (one, two):
+    # back at tp 2 (ZeRO-1): each rank cuts its slices from the whole tensors by its layers' splits
+    tp2 = run_function(body, nprocs=2, kwargs=dict(tp=2, stage=1, steps=1, load=str(root), tag="t_universal",
+                                                   universal=True), timeout=300)[0]
+    for got, tol in ((one, 1e-5), (two, 1e-5), (tp2, 1e-4)):
         for name, value in trained.items():
             torch.testing.assert_close(got[1][name], value, rtol=0, atol=0, msg=name)
         # the step after the load: same loss and weights as resuming the tp-2 checkpoint itself
-        assert got[0] == pytest.approx(direct[0], rel=1e-5)
+        assert got[0] == pytest.approx(direct[0], rel=tol)
         for name, value in direct[2].items():
-            torch.testing.assert_close(got[2][name], value, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(got[2][name], value, rtol=tol, atol=tol / 10, msg=name)
 
 
 def test_patterns_matching_nothing_and_unsupported_layouts_are_one_line(saved, tmp_path):
