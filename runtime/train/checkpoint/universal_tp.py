@@ -8,7 +8,9 @@ checkpoint records its splits instead ("dslaunch"/"tensor_parallel_shards"), whi
 tp_merge.uc_info_from_shard_specs turns into the same patterns. Without either, the
 conversion is refused as DeepSpeed's is (--inject_missing_state: every split parameter is
 joined along dim 0, DeepSpeed's default). A pattern no parameter matched is refused unless
---no_strict, as DeepSpeed's strict check does.
+--no_strict, as DeepSpeed's strict check does. DeepSpeed 0.19.8's AutoTP also writes an affine
+map, which its converter prefers; the patterns it keeps beside the map are read here instead
+(the map is not), and every joined parameter is held to the map's logical shape.
 
 The output is universal.py's layout: zero/<param>/<state>.pt, zero/optimizer_state.pt, and
 every tensor rank's model-states file (its sharded module kept, as DeepSpeed copies them;
@@ -18,6 +20,7 @@ from the module: made whole by the recorded splits, else tensor rank 0's copy, a
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
@@ -29,7 +32,7 @@ from . import parallel, tensor_slices
 from .constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE
 from .files import load_torch, write_torch
 from .layout import model_states_name, zero_model_states_name
-from .tp_merge import (MERGED_STATES, group_per_tp_shapes, merge_tp_slices, uc_info_from_shard_specs,
+from .tp_merge import (AFFINE_MAP, MERGED_STATES, group_per_tp_shapes, merge_tp_slices, uc_info_from_shard_specs,
                        validate_autotp_conversion_support)
 
 SLICE_DIR = "tmp"  # under the output folder, removed when done (DeepSpeed's name)
@@ -52,6 +55,33 @@ def _uc_info(ck, local_shapes: Dict[str, List[int]], tp: int, inject_missing_sta
         raise CheckpointError(f"checkpoint {ck.path}: {UNIVERSAL_CHECKPOINT_INFO} is not a dict")
     validate_autotp_conversion_support(info)
     return info
+
+
+def _without_affine_map(info: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, List[int]]]:
+    """DeepSpeed 0.19.8's AutoTP also publishes an affine map (each rank's pieces of each
+    parameter) and keeps the category patterns beside it so that a converter which does not
+    read the map still can: this one joins by the patterns, and holds each joined parameter
+    to the map's logical shape (pattern -> shape)."""
+    amap = info.get(AFFINE_MAP)
+    if not amap:
+        return info, {}
+    params = amap.get("params") if isinstance(amap, dict) else None
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{UNIVERSAL_CHECKPOINT_INFO}: its {AFFINE_MAP} has no params")
+    shapes = {p: list(e.get("logical_shape") or []) for p, e in params.items() if isinstance(e, dict)}
+    return {k: v for k, v in info.items() if k != AFFINE_MAP}, shapes
+
+
+def _check_logical_shapes(zero: str, names, shapes: Dict[str, List[int]], path: str) -> None:
+    for name in names:
+        want = next((s for p, s in shapes.items() if re.match(p, name)), None)
+        fpath = os.path.join(zero, *name.split("/"), FP32 + ".pt")
+        if want is None or not os.path.isfile(fpath):
+            continue
+        got = list(load_torch(fpath)["param"].shape)
+        if got != want:
+            raise CheckpointError(f"checkpoint {path}: {name} joined by its patterns has shape {got}, its affine "
+                                  f"map's logical shape is {want}; the patterns and the map disagree")
 
 
 def _write_slice(folder: str, tp: int, name: str, entry: Dict[str, Any]) -> None:
@@ -89,6 +119,7 @@ def convert_tensor_parallel(ck, output_folder: str, whole_of, extract_workers: i
     if missing:
         raise CheckpointError(f"checkpoint {ck.path}: {missing[0]} is trained on some tensor ranks only")
     info = _uc_info(ck, {n: per_tp[0] for n, per_tp in shapes.items()}, tp, inject_missing_state)
+    info, logical = _without_affine_map(info)
     zero = os.path.join(output_folder, "zero")
     tmp = os.path.join(output_folder, SLICE_DIR)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -105,6 +136,7 @@ def convert_tensor_parallel(ck, output_folder: str, whole_of, extract_workers: i
     if unused and strict:
         raise CheckpointError(f"checkpoint {ck.path}: universal_checkpoint_info patterns {unused} match no "
                               "parameter (pass --no_strict to convert anyway)")
+    _check_logical_shapes(zero, shapes, logical, ck.path)
     # frozen parameters and buffers: from the module, made whole where the splits are recorded
     module = tensor_slices.module_state(ck, None, 1, 0)
     for name, value in module.items():

@@ -173,3 +173,57 @@ def test_uc_info_from_shard_specs_maps_each_split():
     specs["c.weight"] = {"dim": 0, "full": 4, "parts": [], "vocab": False, "conv1d": True}
     with pytest.raises(CheckpointError, match="HF Conv1D weight split by tensor parallelism"):
         uc_info_from_shard_specs(specs, dict(shapes, **{"c.weight": [8, 2]}), 2)
+
+
+def _ds_fixture():
+    import json
+
+    from repo_paths import DATA
+
+    root = os.path.join(DATA, "ds_tp_universal")
+    with open(os.path.join(root, "expected.json")) as fh:
+        return os.path.join(root, "ckpt", "t"), json.load(fh)
+
+
+def test_deepspeeds_tp2_checkpoint_converts_as_deepspeeds_converter_did(tmp_path):
+    """A checkpoint real DeepSpeed saved at autotp_size 2 under ZeRO-1 (q/k/v column, o row,
+    lm_head of 11 rows split 6/5, a replicated norm; scripts/make_ds_tp_universal_fixtures.py):
+    our main(args) writes the tensors DeepSpeed's converter wrote. DeepSpeed joined them by its
+    affine map, ours by the patterns it keeps beside the map, so only the tensors and steps
+    are compared (DeepSpeed's map branch writes no cat_dim)."""
+    src, expected = _ds_fixture()
+    _convert(src, str(tmp_path / "u"))
+    zero = tmp_path / "u" / "zero"
+    assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == sorted(expected["universal"])
+    for name, rec in expected["universal"].items():
+        for state, value in rec.items():
+            got = torch.load(zero / name / f"{state}.pt", weights_only=False)
+            if state == "step":
+                assert float(got) == value, name
+            else:
+                torch.testing.assert_close(got["param"], torch.tensor(value["param"]), rtol=0, atol=0,
+                                           msg=f"{name} {state}")
+    # and it loads universal at tp 1: the weights are each tensor rank's, joined
+    out = run_function(ds_body, nprocs=1, kwargs=dict(root=str(tmp_path), tag="u"), timeout=300)[0]
+    for name, per_rank in expected["local"].items():
+        pieces = [torch.tensor(t) for t in per_rank]
+        full = (pieces[0] if name in ("norm.weight", "norm.bias", "self_attn.o_proj.bias") else
+                torch.cat(pieces, dim=1 if name == "self_attn.o_proj.weight" else 0))
+        torch.testing.assert_close(out[name], full, rtol=0, atol=0, msg=name)
+
+
+def ds_body(root, tag):
+    import sys
+
+    import dslaunch.runtime as deepspeed
+    from repo_paths import SCRIPTS
+
+    sys.path.insert(0, str(SCRIPTS))
+    from make_ds_tp_universal_fixtures import Net
+
+    net = Net()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+           "zero_optimization": {"stage": 1}, "checkpoint": {"load_universal": True}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    engine.load_checkpoint(root, tag=tag)
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
