@@ -305,12 +305,12 @@ def uc_info_from_shard_specs(specs: Dict[str, Dict[str, Any]], local_shapes: Dic
     trained parameter (`local_shapes`: name -> tensor rank 0's shape) gets one `^name$`
     pattern: unsplit ones are replicated, a plain split of dim 0 is joined along it, of dim 1
     of a matrix as row-parallel, fused parts (or another dim) as sub-parameters at the widths
-    each rank holds, a padded vocabulary split along dim 0 then trimmed to its rows. A split
-    the merge cannot rebuild is refused in one line."""
+    each rank holds; a vocabulary split is joined along dim 0 as well, its padding rows having
+    been left out of the slices (vocab_rows). A split the merge cannot rebuild is refused in
+    one line."""
     info: Dict[str, Any] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4, TP_REPLICATED_PARAMETER_PATTERNS: [],
                             PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], VOCABULARY_PARAMETER_PATTERNS: [],
                             PARAMETER_WITH_SUB_PARAMS: [], SUB_PARAM_SHARD_WIDTHS: {}}
-    vocab_rows: Optional[int] = None
     for name in sorted(local_shapes):
         pattern, raw = f"^{re.escape(name)}$", specs.get(name)
         if raw is None or raw.get("dim") is None:
@@ -327,19 +327,8 @@ def uc_info_from_shard_specs(specs: Dict[str, Dict[str, Any]], local_shapes: Dic
                                   "transposed, which DeepSpeed's universal layout cannot describe")
         _require(0 <= spec.dim < len(shape), f"{name}: split dim {spec.dim} of a {len(shape)}-dim tensor")
         if spec.vocab:
+            # the converter writes each rank's real rows only (vocab_rows), so the join is plain
             _require(spec.dim == 0 and not spec.parts, f"{name}: a vocabulary split along dim {spec.dim}")
-            before = 0
-            for r in range(tp_degree):  # cat-then-trim is right only when every pad row trails the real ones
-                start, stop, rows = vocab_range(spec.full, tp_degree, r)
-                if stop > start and start != before:
-                    raise CheckpointError(f"{name}: its vocabulary of {spec.full} rows over {tp_degree} ranks pads "
-                                          f"rank {r - 1}'s slice before real rows, which DeepSpeed's merge cannot trim")
-                before += rows
-            if vocab_rows not in (None, spec.full):
-                raise CheckpointError(f"{name}: vocabularies of {vocab_rows} and {spec.full} rows, where DeepSpeed's "
-                                      f"universal_checkpoint_info records one {ORIGINAL_VOCAB_SIZE}")
-            vocab_rows = spec.full
-            info[VOCABULARY_PARAMETER_PATTERNS].append(pattern)
         elif not spec.parts and not spec.sub_widths and spec.dim == 0:
             pass  # joined along dim 0, each rank at its own recorded shape (an uneven split too)
         elif not spec.parts and not spec.sub_widths and spec.dim == 1 and len(shape) == 2:
@@ -353,11 +342,18 @@ def uc_info_from_shard_specs(specs: Dict[str, Dict[str, Any]], local_shapes: Dic
             info[PARAMETER_WITH_SUB_PARAMS].append({"patterns": [pattern], "shape": shape,
                                                     "partition_dim": spec.dim})
             info[SUB_PARAM_SHARD_WIDTHS][pattern] = widths
-    if vocab_rows is not None:
-        info[ORIGINAL_VOCAB_SIZE] = vocab_rows
     return info
 
 
+def vocab_rows(spec: Dict[str, Any], tp_degree: int, tp_rank: int) -> Optional[int]:
+    """How many of a tensor rank's rows of a vocabulary-split parameter are real (the rest
+    pad every rank to the same size); None for any other split."""
+    if not spec or not spec.get("vocab"):
+        return None
+    start, stop, _ = vocab_range(spec["full"], tp_degree, tp_rank)
+    return stop - start
+
+
 __all__ = ["MERGED_STATES", "SubparamShape", "UniversalLayoutError", "UnsupportedAutoTPLayout", "group_per_tp_shapes",
-           "merge_tp_slices", "merge_zero_shards", "uc_info_from_shard_specs",
+           "merge_tp_slices", "merge_zero_shards", "uc_info_from_shard_specs", "vocab_rows",
            "validate_autotp_conversion_support"]

@@ -33,7 +33,7 @@ from .constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_K
 from .files import load_torch, write_torch
 from .layout import model_states_name, zero_model_states_name
 from .tp_merge import (AFFINE_MAP, MERGED_STATES, group_per_tp_shapes, merge_tp_slices, uc_info_from_shard_specs,
-                       validate_autotp_conversion_support)
+                       validate_autotp_conversion_support, vocab_rows)
 
 SLICE_DIR = "tmp"  # under the output folder, removed when done (DeepSpeed's name)
 FP32, STEP = "fp32", "step"
@@ -114,6 +114,14 @@ def convert_tensor_parallel(ck, output_folder: str, whole_of, extract_workers: i
         raise CheckpointError(f"checkpoint {ck.path}: optimizer state {', '.join(extra)} has no place in DeepSpeed's "
                               f"tensor-parallel universal layout, which carries {', '.join(MERGED_STATES[1:])} "
                               "(Adam's)")
+    # a vocabulary split pads every rank to the same rows: only the real ones go to the slices
+    specs = (ck.model_of(0).get("dslaunch") or {}).get("tensor_parallel_shards") or {}
+    for s, per in enumerate(slices):
+        for name, entry in per.items():
+            rows = vocab_rows(specs.get(name), tp, s)
+            if rows is not None:
+                per[name] = {k: (v.narrow(0, 0, rows) if torch.is_tensor(v) and k != STEP and v.dim() else v)
+                             for k, v in entry.items()}
     shapes = group_per_tp_shapes([{n: list(e[FP32].shape) for n, e in per.items()} for per in slices], 1, tp)
     missing = sorted(n for n, per_tp in shapes.items() if any(s is None for s in per_tp))
     if missing:

@@ -155,7 +155,7 @@ def test_patterns_matching_nothing_and_unsupported_layouts_are_one_line(saved, t
 
 def test_uc_info_from_shard_specs_maps_each_split():
     from dslaunch.runtime.checkpoint import CheckpointError
-    from dslaunch.runtime.checkpoint.tp_merge import uc_info_from_shard_specs
+    from dslaunch.runtime.checkpoint.tp_merge import uc_info_from_shard_specs, vocab_rows
 
     specs = {"row.weight": {"dim": 1, "full": 8, "parts": [], "vocab": False, "conv1d": False},
              "col.weight": {"dim": 0, "full": 5, "parts": [], "vocab": False, "conv1d": False},
@@ -166,7 +166,10 @@ def test_uc_info_from_shard_specs_maps_each_split():
     info = uc_info_from_shard_specs(specs, shapes, 2)
     assert info["parameter_with_row_parallelism_patterns"] == [r"^row\.weight$"]
     assert info["tp_replicated_parameter_patterns"] == [r"^norm\.weight$"]
-    assert info["vocabulary_parameter_patterns"] == [r"^embed\.weight$"] and info["original_vocab_size"] == 7
+    # a vocabulary split joins along dim 0: the converter leaves its padding rows out of the slices
+    assert info["vocabulary_parameter_patterns"] == [] and "original_vocab_size" not in info
+    assert vocab_rows(specs["embed.weight"], 2, 0) == 4 and vocab_rows(specs["embed.weight"], 2, 1) == 3
+    assert vocab_rows(specs["col.weight"], 2, 1) is None
     assert info["parameter_with_sub_params"] == [{"patterns": [r"^qkv\.weight$"], "shape": [(4, 4, 4), 8],
                                                   "partition_dim": 0}]
     assert info["sub_param_shard_widths"] == {r"^qkv\.weight$": [[2, 2], [2, 2], [2, 2]]}
