@@ -145,6 +145,8 @@ def test_patterns_matching_nothing_and_unsupported_layouts_are_one_line(saved, t
     with pytest.raises(CheckpointError, match="AutoTP universal checkpoint conversion is not supported for "
                                               r"\^x\$: interleaved heads"):
         convert(str(src), str(tmp_path / "u2"))
+    with pytest.raises(CheckpointError, match="interleaved heads"):  # injecting missing state does not skip it
+        convert(str(src), str(tmp_path / "u2"), inject_missing_state=True)
     for i in range(2):
         m = torch.load(src / f"mp_rank_0{i}_model_states.pt", weights_only=False)
         m.pop(UNIVERSAL_CHECKPOINT_INFO)
