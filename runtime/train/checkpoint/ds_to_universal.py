@@ -10,9 +10,10 @@ The arguments are DeepSpeed's, declared once (_OPTIONS) for both the click comma
 DeepSpeed's argparse `parse_arguments()`. --num_extract_workers and --num_merge_workers size
 the thread pools that assemble and write the parameters; --inject_missing_state writes
 universal_checkpoint_info into the output when the source lacks it, as DeepSpeed's does.
---keep_temp_folder and --no_strict are refused in one line: this converter writes no
-temporary folder, and --no_strict only relaxes DeepSpeed's tensor-parallel slice patterns,
-which a converter that refuses tensor-parallel checkpoints never matches.
+A tensor-parallel (AutoTP) checkpoint's slices are joined by its merge patterns
+(universal_tp.py, tp_merge.py); --no_strict lets patterns that match no parameter pass, as
+DeepSpeed's does (refused in one line for a checkpoint without tensor slices, which has
+none to relax). --keep_temp_folder is refused in one line: the slice folder is always removed.
 Bad input is one line and exit status 2.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ from ...core.errors import CheckpointError
 # DeepSpeed's name for the check of a folder's per-file AutoEP metadata, which its tests import
 from .ds_checkpoint import autoep_zero12_metadata as _aggregate_autoep_zero12_metadata  # noqa: F401
 # DeepSpeed's names of the tensor-parallel merge steps its converter runs per parameter, for
-# scripts and tests that call them on a slice folder (tp_merge.py); this converter's own main
-# still refuses tensor-parallel checkpoints (universal.py)
+# scripts and tests that call them on a slice folder (tp_merge.py); main runs them through
+# universal_tp.py
 from .tp_merge import group_per_tp_shapes as _group_per_tp_shapes  # noqa: F401
 from .tp_merge import merge_tp_slices  # noqa: F401
 from .tp_merge import merge_zero_shards as _merge_zero_shards  # noqa: F401
@@ -57,24 +58,23 @@ _OPTIONS = (
     _Option("num_extract_workers", "threads that assemble whole parameters from the saved partitions", int, 4),
     _Option("num_merge_workers", "threads that write the per-parameter files", int, 2),
     _Option("inject_missing_state", "write universal_checkpoint_info into the output if the source lacks it"),
-    _Option("keep_temp_folder", "refused: this converter writes no temporary folder",
-            refused="--keep_temp_folder: this converter writes no temporary folder, so there is none to keep; "
-                    "drop the flag"),
-    _Option("no_strict", "refused: it relaxes DeepSpeed's tensor-parallel slice patterns, which do not apply here",
-            refused="--no_strict: it relaxes only DeepSpeed's tensor-parallel slice-pattern check, and this "
-                    "converter refuses tensor-parallel checkpoints; drop the flag"),
+    _Option("keep_temp_folder", "refused: the slice folder of a tensor-parallel conversion is always removed",
+            refused="--keep_temp_folder: this converter always removes its slice folder (tensor-parallel "
+                    "conversions) or writes none; drop the flag"),
+    _Option("no_strict", "convert a tensor-parallel checkpoint even if some merge patterns match no parameter"),
 )
 
 
 def run(input_folder: str, output_folder: str, num_extract_workers: int = 4, num_merge_workers: int = 2,
-        inject_missing_state: bool = False, **flags) -> int:
+        inject_missing_state: bool = False, no_strict: bool = False, **flags) -> int:
     for opt in _OPTIONS:
         if opt.refused and flags.get(opt.name):
             print(f"ds_to_universal: {opt.refused}", file=sys.stderr)
             return 2
     try:
         done = convert(input_folder, output_folder, extract_workers=num_extract_workers,
-                       merge_workers=num_merge_workers, inject_missing_state=inject_missing_state)
+                       merge_workers=num_merge_workers, inject_missing_state=inject_missing_state,
+                       strict=not no_strict)
     except CheckpointError as exc:
         print(f"ds_to_universal: {exc}", file=sys.stderr)
         return 2

@@ -181,18 +181,23 @@ def _read_universal(run: Run, layout: ShardLayout, path: str, strict: bool, load
     parameter, handed to the strategy as one name-keyed shard it re-cuts for this world size
     and stage, as any re-shard."""
     place = run.place
-    if parallel.is_pipeline(run) or place.mp_size > 1:
-        raise CheckpointError(f"universal checkpoint {path}: loading one into a pipeline or a tensor-parallel job is "
-                              "not supported (load it without them, save, and resume from that checkpoint)")
+    if parallel.is_pipeline(run):
+        raise CheckpointError(f"universal checkpoint {path}: loading one into a pipeline is not supported (load it "
+                              "without one, save, and resume from that checkpoint)")
     uc = universal.open_universal(path, trust_pickle=trust_pickle)
     module = uc.module_state()
-    check_module_shapes(run.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
-    optim = None
+    shard = None
     if load_optimizer_states and not load_module_only:
         if not layout.recuts:
             raise CheckpointError(f"universal checkpoint {path}: ZeRO stage {layout.zero_stage} cannot load "
                                   "re-cut optimizer state (load with load_optimizer_states=False)")
-        optim = optimizer_state.to_ours([uc.shard()], getattr(run.strategy, "optimizer", None),
+        shard = uc.shard()
+    if place.mp_size > 1:  # this tensor rank's slices, cut by the splits the model's layers record
+        module, shard = tensor_slices.cut_whole(module, shard, run.module, place.mp_size, place.mp_rank, path)
+    check_module_shapes(run.module, {k: tuple(v.shape) for k, v in module.items()}, path, strict)
+    optim = None
+    if shard is not None:
+        optim = optimizer_state.to_ours([shard], getattr(run.strategy, "optimizer", None),
                                         f"universal checkpoint {path}")
     return _Loaded(path, module, optim, None, uc.client_state(), uc.counters(run.accumulation),
                    uc.model.get("lr_scheduler"),

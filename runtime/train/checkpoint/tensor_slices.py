@@ -36,7 +36,8 @@ def shard_specs(module: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
                 if spec.dim is not None:
                     out[f"{mname}.{pname}" if mname else pname] = {
                         "dim": spec.dim, "full": spec.full, "parts": list(spec.parts), "vocab": spec.vocab,
-                        "conv1d": spec.conv1d}
+                        "conv1d": spec.conv1d, "sizes": list(spec.sizes),
+                        "sub_widths": [list(w) for w in spec.sub_widths]}
     return out
 
 
@@ -44,8 +45,48 @@ def _specs(saved: Dict[str, Dict[str, Any]], module: Optional[torch.nn.Module]):
     merged = dict(saved or {})
     if module is not None:
         merged.update(shard_specs(module))
-    return {n: ParamShard(dim=d["dim"], full=d["full"], parts=tuple(d["parts"]), vocab=d["vocab"],
-                          conv1d=d["conv1d"]) for n, d in merged.items()}
+    return {n: spec_of(d) for n, d in merged.items()}
+
+
+def spec_of(d: Dict[str, Any]) -> ParamShard:
+    """A saved shard_specs entry as a ParamShard (uneven sizes and sub-parameter widths are
+    recorded since they are known; older entries split evenly)."""
+    return ParamShard(dim=d["dim"], full=d["full"], parts=tuple(d.get("parts") or ()), vocab=bool(d.get("vocab")),
+                      conv1d=bool(d.get("conv1d")), sizes=tuple(d.get("sizes") or ()),
+                      sub_widths=tuple(tuple(w) for w in d.get("sub_widths") or ()))
+
+
+def cut_whole(module_state: Dict[str, torch.Tensor], shard: Dict[str, Any], module: torch.nn.Module, tp: int,
+              rank: int, path: str):
+    """Tensor rank `rank`'s module state and one-shard optimizer state (reshard.py's form,
+    stage 0, every parameter whole, e.g. a universal folder's) cut by the split each of
+    `module`'s tensor-parallel parameters records; unsplit ones stay whole."""
+    specs = _specs({}, module)
+    local = _retile([module_state], specs, tp, rank, path)
+    if shard is None:
+        return local, None
+    out = dict(shard, groups=[])
+    for g in shard["groups"]:
+        ng = {"pieces": [], "shapes": {}, "master": {}, "state": {k: ({} if isinstance(v, dict) else v)
+                                                                  for k, v in g["state"].items()}}
+        for piece in g["pieces"]:
+            name = piece["name"]
+            shape, spec = g["shapes"][name], specs.get(name)
+            if piece["start"] != 0 or piece["end"] != int(torch.Size(shape).numel()):
+                raise CheckpointError(f"checkpoint {path}: {name} is not whole in the optimizer state being cut")
+
+            def cut(t: torch.Tensor, spec=spec, shape=shape) -> torch.Tensor:
+                return t if spec is None else spec.cut(t.view(shape), tp, rank).contiguous()
+
+            master = cut(g["master"][name])
+            ng["master"][name] = master.reshape(-1)
+            ng["shapes"][name] = list(master.shape) if spec is not None else list(shape)
+            ng["pieces"].append({"name": name, "start": 0, "end": master.numel(), "offset": 0})
+            for k, v in g["state"].items():
+                if isinstance(v, dict) and name in v:
+                    ng["state"][k][name] = cut(v[name]).reshape(-1)
+        out["groups"].append(ng)
+    return local, out
 
 
 def saved_size(ck) -> int:

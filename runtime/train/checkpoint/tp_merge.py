@@ -39,6 +39,8 @@ from .constants import (CAT_DIM, PARAM, PARAM_N_SUB_PARAMS, PARAMETER_TO_AVERAGE
                         VOCABULARY_PARAMETER_PATTERNS, AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, ORIGINAL_VOCAB_SIZE)
 from .files import load_torch, write_torch
 from .foreign import SubparamShape
+from ...tensor_parallel.layers import ParamShard
+from ...tensor_parallel.shard import vocab_range
 
 AFFINE_MAP = "affine_map"  # DeepSpeed's key of a layer-written layout map in universal_checkpoint_info
 MERGED_STATES = ("fp32", "exp_avg", "exp_avg_sq")  # the states DeepSpeed's merge writes
@@ -296,5 +298,63 @@ def merge_tp_slices(uc_info: Dict[str, Any], out_dir: str, slice_dir: str, tp_de
     return unmatched
 
 
+def uc_info_from_shard_specs(specs: Dict[str, Dict[str, Any]], local_shapes: Dict[str, Sequence[int]],
+                             tp_degree: int) -> Dict[str, Any]:
+    """The universal_checkpoint_info patterns of a dslaunch tensor-parallel checkpoint, which
+    records how each split parameter sits in its full one (tensor_slices.shard_specs: split
+    dim, full size, fused parts, vocabulary padding) instead of DeepSpeed's patterns. Every
+    trained parameter (`local_shapes`: name -> tensor rank 0's shape) gets one `^name$`
+    pattern: unsplit ones are replicated, a plain split of dim 0 is joined along it, of dim 1
+    of a matrix as row-parallel, fused parts (or another dim) as sub-parameters at the widths
+    each rank holds; a vocabulary split is joined along dim 0 as well, its padding rows having
+    been left out of the slices (vocab_rows). A split the merge cannot rebuild is refused in
+    one line."""
+    info: Dict[str, Any] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4, TP_REPLICATED_PARAMETER_PATTERNS: [],
+                            PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [], VOCABULARY_PARAMETER_PATTERNS: [],
+                            PARAMETER_WITH_SUB_PARAMS: [], SUB_PARAM_SHARD_WIDTHS: {}}
+    for name in sorted(local_shapes):
+        pattern, raw = f"^{re.escape(name)}$", specs.get(name)
+        if raw is None or raw.get("dim") is None:
+            info[TP_REPLICATED_PARAMETER_PATTERNS].append(pattern)
+            continue
+        spec = ParamShard(dim=raw["dim"], full=raw["full"], parts=tuple(raw.get("parts") or ()),
+                          vocab=bool(raw.get("vocab")), conv1d=bool(raw.get("conv1d")),
+                          sizes=tuple(raw.get("sizes") or ()),
+                          sub_widths=tuple(tuple(w) for w in raw.get("sub_widths") or ()))
+        shape = list(local_shapes[name])
+        if spec.conv1d:
+            # the slices hold the transposed (nn.Linear) layout of an HF Conv1D weight
+            raise CheckpointError(f"{name} is an HF Conv1D weight split by tensor parallelism: its slices are stored "
+                                  "transposed, which DeepSpeed's universal layout cannot describe")
+        _require(0 <= spec.dim < len(shape), f"{name}: split dim {spec.dim} of a {len(shape)}-dim tensor")
+        if spec.vocab:
+            # the converter writes each rank's real rows only (vocab_rows), so the join is plain
+            _require(spec.dim == 0 and not spec.parts, f"{name}: a vocabulary split along dim {spec.dim}")
+        elif not spec.parts and not spec.sub_widths and spec.dim == 0:
+            pass  # joined along dim 0, each rank at its own recorded shape (an uneven split too)
+        elif not spec.parts and not spec.sub_widths and spec.dim == 1 and len(shape) == 2:
+            info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
+        else:
+            sizes = (tuple(sum(w) for w in spec.sub_widths) if spec.sub_widths else tuple(spec.parts or
+                                                                                          (spec.full,)))
+            per_rank = [spec.ranges(tp_degree, r) for r in range(tp_degree)]
+            widths = [[b - a for a, b in (ranks[i] for ranks in per_rank)] for i in range(len(sizes))]
+            shape[spec.dim] = sizes
+            info[PARAMETER_WITH_SUB_PARAMS].append({"patterns": [pattern], "shape": shape,
+                                                    "partition_dim": spec.dim})
+            info[SUB_PARAM_SHARD_WIDTHS][pattern] = widths
+    return info
+
+
+def vocab_rows(spec: Dict[str, Any], tp_degree: int, tp_rank: int) -> Optional[int]:
+    """How many of a tensor rank's rows of a vocabulary-split parameter are real (the rest
+    pad every rank to the same size); None for any other split."""
+    if not spec or not spec.get("vocab"):
+        return None
+    start, stop, _ = vocab_range(spec["full"], tp_degree, tp_rank)
+    return stop - start
+
+
 __all__ = ["MERGED_STATES", "SubparamShape", "UniversalLayoutError", "UnsupportedAutoTPLayout", "group_per_tp_shapes",
-           "merge_tp_slices", "merge_zero_shards", "validate_autotp_conversion_support"]
+           "merge_tp_slices", "merge_zero_shards", "uc_info_from_shard_specs", "vocab_rows",
+           "validate_autotp_conversion_support"]

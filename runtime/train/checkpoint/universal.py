@@ -25,9 +25,9 @@ any ZeRO stage (1-3) and world size. Buffers get a fp32.pt too, as DeepSpeed's c
 writes them (DeepSpeed's universal loading does not restore buffers; ours takes them from the
 model states).
 
-Not covered (one line each): pipeline checkpoints, tensor-parallel slices (DeepSpeed needs
-per-parameter merge patterns for those), and DeepSpeed's stage-0 checkpoints (no parameter
-names; DeepSpeed's converter refuses them too). Every file is read with weights_only=True.
+Tensor-parallel checkpoints are joined by their merge patterns (universal_tp.py). Not
+covered (one line each): pipeline checkpoints and DeepSpeed's stage-0 checkpoints (no
+parameter names; DeepSpeed's converter refuses them too). Every file is read with weights_only=True.
 """
 from __future__ import annotations
 
@@ -322,10 +322,6 @@ def _check_convertible(ck) -> None:
     if ck.layers:
         raise CheckpointError(f"checkpoint {ck.path} is a pipeline's (one file per layer); converting pipeline "
                               "checkpoints to the universal layout is not supported")
-    if ck.topology.get("model", 1) > 1:
-        raise CheckpointError(f"checkpoint {ck.path} holds {ck.topology['model']} tensor-parallel slices; converting "
-                              "tensor-parallel checkpoints to the universal layout is not supported (consolidate "
-                              "it, or resume it with dslaunch at any tensor size)")
     if not ck.sharded and "param_names" not in ck.stage0_state():
         raise CheckpointError(f"checkpoint {ck.path} is DeepSpeed's without ZeRO: it records no parameter names, so "
                               "its optimizer state cannot be matched to parameters (DeepSpeed's converter refuses "
@@ -333,13 +329,15 @@ def _check_convertible(ck) -> None:
 
 
 def convert(input_folder: str, output_folder: str, extract_workers: int = 4, merge_workers: int = 2,
-            inject_missing_state: bool = False) -> Converted:
+            inject_missing_state: bool = False, strict: bool = True) -> Converted:
     """Write the universal layout of the checkpoint in `input_folder` (a tag folder, or a
     save dir whose `latest` names one; dslaunch's or DeepSpeed's, any ZeRO stage and world
     size) into `output_folder`, and `latest_universal` beside it. `extract_workers` threads
     assemble whole parameters, `merge_workers` threads write their files;
     `inject_missing_state` adds universal_checkpoint_info to the output's model states when
-    the source has none, as DeepSpeed's converter does."""
+    the source has none, as DeepSpeed's converter does. A tensor-parallel checkpoint's slices
+    are joined by universal_tp.py; `strict` (DeepSpeed's, off with --no_strict) refuses its
+    patterns that match no parameter, and has nothing to relax without tensor slices."""
     for flag, n in (("--num_extract_workers", extract_workers), ("--num_merge_workers", merge_workers)):
         if not isinstance(n, int) or n < 1:
             raise CheckpointError(f"{flag} must be a whole number >= 1, got {n!r}")
@@ -355,6 +353,12 @@ def convert(input_folder: str, output_folder: str, extract_workers: int = 4, mer
     if os.path.commonpath([real_in, real_out]) == real_in:
         raise CheckpointError(f"--output_folder {output_folder} is inside the checkpoint {ck.path} being converted; "
                               "choose a folder outside it")
+    if int(ck.topology.get("model", 1)) > 1:
+        return _convert_tensor_parallel(ck, output_folder, extract_workers, merge_workers, inject_missing_state,
+                                        strict)
+    if not strict:
+        raise CheckpointError("--no_strict: it relaxes only the check of tensor-parallel merge patterns, and checkpoint "
+                              f"{ck.path} has no tensor-parallel slices; drop the flag")
     shards = parallel.all_shards(ck)  # ZeRO files of every rank, or a stage-0 state cut by name
     whole = _whole(shards, extract_workers)
     hyper = shards[0].get("param_groups") if shards else None
@@ -368,13 +372,9 @@ def convert(input_folder: str, output_folder: str, extract_workers: int = 4, mer
     for name, value in module.items():  # buffers and frozen weights, as DeepSpeed's converter writes them
         if name not in whole and torch.is_tensor(value):
             whole[name] = {FP32: value.detach().float()}
-    try:
-        if os.path.exists(output_folder):
-            shutil.rmtree(os.path.join(output_folder, ZERO_DIR), ignore_errors=True)
-        os.makedirs(os.path.join(output_folder, ZERO_DIR), exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create {output_folder}: {exc.strerror or exc}") from None
+    _prepare_output(output_folder)
     zero = os.path.join(output_folder, ZERO_DIR)
+
     def write_param(item) -> None:
         name, entry = item
         folder = os.path.join(zero, *name.split("/"))
@@ -396,6 +396,33 @@ def convert(input_folder: str, output_folder: str, extract_workers: int = 4, mer
     keys = sorted({k for e in whole.values() for k in e if k not in (FP32, STEP)})
     return Converted(output_folder, sum(1 for e in whole.values() if len(e) > 1), keys, ck.zero_stage,
                      ck.world_size)
+
+
+def _convert_tensor_parallel(ck, output_folder: str, extract_workers: int, merge_workers: int,
+                             inject_missing_state: bool, strict: bool) -> Converted:
+    from .universal_tp import convert_tensor_parallel
+
+    _prepare_output(output_folder)
+    steps, hyper = convert_tensor_parallel(ck, output_folder, _whole, extract_workers, merge_workers, strict,
+                                           inject_missing_state)
+    if not hyper:
+        raise CheckpointError(f"checkpoint {ck.path} records no optimizer param_groups; it cannot be converted")
+    zero = os.path.join(output_folder, ZERO_DIR)
+    write_torch(os.path.join(zero, OPTIMIZER_STATE), _global_state(ck, steps, hyper), deepspeed_objects=True,
+                checksum=False)
+    root, leaf = os.path.split(os.path.abspath(output_folder))
+    _write_text(os.path.join(root, LATEST_UNIVERSAL), leaf)
+    return Converted(output_folder, len(steps), [k for k in ("exp_avg", "exp_avg_sq")], ck.zero_stage,
+                     ck.world_size * int(ck.topology["model"]))
+
+
+def _prepare_output(output_folder: str) -> None:
+    try:
+        if os.path.exists(output_folder):
+            shutil.rmtree(os.path.join(output_folder, ZERO_DIR), ignore_errors=True)
+        os.makedirs(os.path.join(output_folder, ZERO_DIR), exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {output_folder}: {exc.strerror or exc}") from None
 
 
 __all__ = ["LATEST_UNIVERSAL", "Converted", "UniversalCheckpoint", "convert", "is_universal", "open_universal"]
