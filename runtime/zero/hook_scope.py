@@ -4,7 +4,9 @@ By default each module's hooks gather the parameters it owns directly. Two DeepS
 widen that:
 
 `set_z3_leaf_modules(model, classes)` (deepspeed.utils): a leaf module's whole subtree is
-gathered in one collective when the leaf's forward starts and released when it ends; no hooks are placed on its descendants. Mixture-of-experts
+gathered in one collective when the leaf's forward starts and released when it ends; no hooks are placed on its descendants.
+A leaf without a forward (a ModuleList: its parent's forward indexes it) is gathered by the
+hooks of the module that holds it. Mixture-of-experts
 layers need this: a router calls a different subset of experts on each rank and step, and
 per-expert hooks would then issue a different number of collectives on each rank (a hang).
 Accelerate marks the classes named in `transformer_moe_cls_names` this way.
@@ -208,20 +210,52 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
     registrations += 1
 
 
+def _runs_forward(m: torch.nn.Module) -> bool:
+    """False for torch's containers without a forward (ModuleList, ModuleDict, ParameterList...):
+    their hooks never fire, the parent's forward indexes them."""
+    return type(m).forward is not torch.nn.Module.forward
+
+
+def _adopted(m: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The parameters of the leaves below m that cannot run a forward (a ModuleList marked as a
+    leaf, reached through containers that are not leaves either). m's hooks gather them: the
+    leaf's own would never fire. DeepSpeed finds such parameters when the forward first reads
+    them (its parameter getter registers them on the running module), gathering only those
+    read; gathering the whole leaf up front issues the same collectives on every rank whatever
+    each one reads, so a router that reads different experts per rank cannot hang."""
+    out: List[torch.nn.Parameter] = []
+    for c in m.children():
+        if _runs_forward(c):
+            continue
+        if z3_leaf_module(c):
+            out.extend(c.parameters())
+        else:
+            out.extend(_adopted(c))
+    return out
+
+
 def module_params(m: torch.nn.Module) -> List[torch.nn.Parameter]:
-    """What m's hooks gather: its own parameters (its whole subtree for a leaf) and external ones."""
+    """What m's hooks gather: its own parameters (its whole subtree for a leaf), those of the
+    forward-less leaves it holds (_adopted) and external ones."""
     own = list(m.parameters(recurse=z3_leaf_module(m)))
+    if not z3_leaf_module(m) and _runs_forward(m):
+        for p in _adopted(m):
+            if all(p is not q for q in own):  # a parameter tied between the leaf and m counts once
+                own.append(p)
     return own + [p for p in m.__dict__.get(_EXTERNAL, ()) if all(p is not q for q in own)]
 
 
 def hooked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The modules stage 3 hooks: leaves, and modules outside any leaf that have parameters to gather."""
+    """The modules stage 3 hooks: leaves that run a forward, and modules outside any leaf that
+    have parameters to gather (a forward-less leaf's go to the module holding it)."""
     out, inside = [], set()
     for m in model.modules():
         if id(m) in inside:
             continue
         if z3_leaf_module(m):
             inside.update(id(c) for c in m.modules())
+            if not _runs_forward(m):
+                continue
         if module_params(m):
             out.append(m)
     return out
