@@ -928,6 +928,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         """The process group of this rank's sequence axis (DistributedAttention's group)."""
         return self.seq_parallel_group
 
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """DeepSpeed's: the model-parallel rank this rank's checkpoint files are named by
+        (mp_rank_XX): its tensor rank, 0 without tensor parallelism."""
+        return self.mesh.rank("tensor")
+
     def _checkpoint_run(self) -> checkpoint.Run:
         """What checkpoint/ sees of this engine for one save or load: plain values as of now,
         and the objects that own state (it never gets the engine itself)."""

@@ -44,6 +44,9 @@ def run_body(tp, stage, first, steps, load=None, save=None, full_out=None):
     losses = train_lm_steps(engine, _tokens, range(first, first + steps), MICRO // dp)
     if save:
         engine.save_checkpoint(save, tag="t")
+        # DeepSpeed's engine.checkpoint_mp_rank names this rank's model-states file
+        assert engine.checkpoint_mp_rank == engine.mesh.rank("tensor")
+        assert os.path.exists(os.path.join(save, "t", f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt"))
     full = None
     if full_out:
         from dslaunch.runtime.tensor_parallel import full_state_dict
