@@ -67,9 +67,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     `mpu` is a Megatron-style object (get_model_parallel_rank/world_size/group,
     get_data_parallel_rank/world_size/group) whose groups the engine then uses; a
     `deepspeed.pipe.PipelineModule` brings its own topology and gets a PipelineEngine.
-    `mesh_param=(data, sequence)` is DeepSpeed's shorthand for a data x sequence mesh; a
-    sequence size of 1 is the plain data-parallel world, larger ones are refused in one line
-    (pass the Ulysses `mpu` instead)."""
+    `mesh_param=(data, sequence)` is DeepSpeed's shorthand for a data x sequence mesh: the
+    mesh `sequence_parallel_size` builds (the sequence groups DistributedAttention takes as
+    engine.seq_parallel_group; gradients averaged over data x sequence)."""
     _check_mesh_param(mesh_param)
     if dist_init_required is not False and distributed_port is not None:
         init_distributed(distributed_port=distributed_port)
@@ -79,7 +79,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     cls = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine
     engine = cls(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                  training_data=training_data, lr_scheduler=lr_scheduler, config=config, config_params=config_params,
-                 collate_fn=collate_fn, dist_init_required=dist_init_required, mpu=mpu)
+                 collate_fn=collate_fn, dist_init_required=dist_init_required, mpu=mpu, mesh_param=mesh_param)
     if engine._resize_env.active:
         # --checkpoint_dir / an elastic launch: save every N steps, stop for a resize, and resume
         # now from the latest complete checkpoint (train/resize_driver.py)
@@ -105,9 +105,6 @@ def _check_mesh_param(mesh_param) -> None:
     world = comm.get_world_size() if comm.is_initialized() else 1
     if data * sequence != world:
         raise ConfigError(f"initialize: mesh_param={tuple(mesh_param)}: {data} x {sequence} is not the world size {world}")
-    if sequence != 1:
-        raise ConfigError(f"initialize: mesh_param={tuple(mesh_param)}: a sequence-parallel mesh from mesh_param is not "
-                          "supported; pass the mpu that UlyssesSPAttentionHF.register_with_transformers returns")
 
 
 def load_ds_config(config) -> dict:

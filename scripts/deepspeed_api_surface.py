@@ -197,8 +197,9 @@ DIFFERENCES: Dict[str, str] = {
     "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "named for isinstance checks (nothing is one: "
                                                                       "the engine keeps fp16 in its strategy); "
                                                                       "constructing it raises with the reason",
-    "deepspeed.initialize": "mesh_param=(data, sequence) with a sequence size above 1 is refused in one line; "
-                            "pass the Ulysses mpu instead",
+    "deepspeed.initialize": "mesh_param=(data, sequence) builds the mesh sequence_parallel_size builds, with "
+                            "gradients averaged over data x sequence; DeepSpeed 0.19.8 reduces them over the data "
+                            "group alone, so its sequence ranks drift apart",
     "deepspeed.DeepSpeedConfig": "a typed dataclass of the JSON (unknown keys are errors); the three batch-size "
                                  "keys come out resolved, as in DeepSpeed",
     "deepspeed.zero.Init": "mem_efficient_linear has nothing to switch (F.linear keeps only its input); "

@@ -106,11 +106,12 @@ def batch(step, rows):
 
 
 def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config=None, init_kwargs=None, tp=1,
-          net=None):
+          net=None, sp_key=True):
     """Train STEPS steps; return (the loss of each step averaged over every rank, the
     module's weights at the end as one flat list; stages 0-2 keep them whole on every rank).
     tp > 1: `net` (make_tp_net()) sharded by TP_SPECS over tensor groups of tp adjacent
-    ranks (dslaunch only: the weights returned are the shards reassembled)."""
+    ranks (dslaunch only: the weights returned are the shards reassembled). sp_key=False
+    leaves sequence_parallel_size out of the config (init_kwargs' mesh_param then gives sp)."""
     import torch
     import torch.distributed as dist
 
@@ -120,7 +121,7 @@ def train(ds, attention_cls, sp, micro, stage=0, optimizer="adamw", extra_config
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
            "gradient_clipping": 1.0,  # explicit: the global norm must count sequence ranks once
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
-    if sp > 1:
+    if sp > 1 and sp_key:
         cfg["sequence_parallel_size"] = sp
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp, "partition_config": TP_SPECS}

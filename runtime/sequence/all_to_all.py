@@ -123,3 +123,55 @@ def _check_dims(x: torch.Tensor, seq_dim: int, head_dim: int) -> None:
     if seq_dim == head_dim or not (0 <= seq_dim < x.dim() and 0 <= head_dim < x.dim()):
         raise SequenceParallelError(f"sequence dim {seq_dim} and head dim {head_dim} must be two different dims "
                                     f"of a {x.dim()}-d tensor")
+
+
+def _local_head_counts(y: torch.Tensor, group, head_dim: int) -> List[int]:
+    """Every rank's head count, in rank order: the splits of a heads->sequence exchange whose
+    total the caller does not give (DeepSpeed's _SeqAllToAll takes none)."""
+    sp, _ = _place(group)
+    mine = torch.tensor([y.shape[head_dim]], dtype=torch.int64, device=y.device)
+    counts = torch.empty(sp, dtype=torch.int64, device=y.device)
+    comm.all_gather_into_tensor(counts, mine, group=group, label="ulysses head counts")
+    return [int(c) for c in counts.tolist()]
+
+
+class _SeqAllToAll:
+    """DeepSpeed's `deepspeed.sequence.layer._SeqAllToAll`, the exchange its Ulysses layers and
+    scripts call directly:
+
+        _SeqAllToAll.apply(group, x, scatter_idx, gather_idx, batch_dim_idx)
+
+    scatter_idx 2 (heads) sends this rank's sequence slice of every head and returns the whole
+    sequence of its share of the heads; scatter_idx 0 or 1 is the way back. As in DeepSpeed the
+    sequence dim is the one of 0 and 1 that batch_dim_idx does not name, and an uneven head
+    count splits as AutoTP's shard sizes do (heads.head_splits). Differentiable: the backward of
+    one direction is the other. The way back learns the split from the ranks' head counts (one
+    small all-gather), where DeepSpeed reads a head count kept from an earlier call.
+    DeepSpeed's overlapped variant (a stream and a handle dict filled with pending work) is
+    refused: exchanges here are synchronous."""
+
+    @staticmethod
+    def apply(group, input: torch.Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int, stream=None,
+              handle=None, type=None, is_fwd: bool = True) -> torch.Tensor:
+        if stream is not None or handle is not None:
+            raise SequenceParallelError("_SeqAllToAll: the overlapped all-to-all (stream, handle) is not supported; "
+                                        "call it with stream=None and handle=None")
+        if batch_dim_idx not in (0, 1):
+            raise SequenceParallelError(f"_SeqAllToAll: batch_dim_idx {batch_dim_idx} must be 0 ([b, s, h, d]) or 1 "
+                                        "([s, b, h, d])")
+        if input.dim() != 4:
+            raise SequenceParallelError(f"_SeqAllToAll: the input has {input.dim()} dims; expected 4 ([s, b, h, d] "
+                                        "or [b, s, h, d])")
+        if 2 not in (scatter_idx, gather_idx) or not {scatter_idx, gather_idx} - {2} <= {0, 1}:
+            raise SequenceParallelError(f"_SeqAllToAll: scatter_idx {scatter_idx} and gather_idx {gather_idx}: one "
+                                        "must be the head dim 2 and the other a sequence dim (0 or 1)")
+        seq_dim = 1 - batch_dim_idx
+        if scatter_idx == 2:
+            return sequence_to_heads(input, group, seq_dim)
+        sp, _ = _place(group)
+        if sp == 1:
+            return input
+        if input.shape[seq_dim] % sp:
+            raise SequenceParallelError(f"_SeqAllToAll: sequence length {input.shape[seq_dim]} does not split evenly "
+                                        f"over sequence parallel size {sp}")
+        return _HeadsToSequence.apply(input, group, seq_dim, 2, _local_head_counts(input, group, 2))

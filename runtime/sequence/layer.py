@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from .all_to_all import heads_to_sequence, sequence_to_heads
+# _SeqAllToAll: DeepSpeed keeps its exchange in this module, where scripts import it from
+from .all_to_all import _SeqAllToAll, heads_to_sequence, sequence_to_heads  # noqa: F401
 from .heads import SequenceParallelError
 from .rotary import _rotate_half, _torchembed_available, apply_rotary_pos_emb  # noqa: F401  (DeepSpeed keeps them here)
 

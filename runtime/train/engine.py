@@ -84,6 +84,26 @@ def _config_source(args, config, config_params):
     return source
 
 
+def _with_mesh_param(source, mesh_param):
+    """The config with initialize(mesh_param=(data, sequence))'s sequence size in it: DeepSpeed
+    builds its data x sequence mesh from mesh_param, which is the mesh sequence_parallel_size
+    builds here. A config that says otherwise is one line; sizes were checked by initialize."""
+    from ..core.strict import load_file
+
+    if mesh_param is None or mesh_param[1] == 1:
+        return source
+    data, sequence = mesh_param
+    if isinstance(source, DeepSpeedConfig):
+        source = source.to_dict()
+    raw = copy.deepcopy(source) if isinstance(source, dict) else load_file(str(source))
+    for key, size in (("sequence_parallel_size", sequence), ("data_parallel_size", data)):
+        if raw.get(key, size) != size:
+            raise ConfigError(f"config: {key}: {raw[key]} but initialize(mesh_param={tuple(mesh_param)}) gives {size}; "
+                              "set one of the two")
+    raw["sequence_parallel_size"] = sequence
+    return raw
+
+
 def _with_tp_model_init(source, mpu):
     """The config with what deepspeed.tp_model_init recorded merged in (DeepSpeed 0.19's
     contract: the config's values win, a disagreement is one line), and the tp_group it was
@@ -111,10 +131,11 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
     def __init__(self, args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
                  training_data=None, lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None,
                  collate_fn=None, config=None, config_class=None, mesh_device=None, dont_change_device: bool = False,
-                 config_params=None):
+                 config_params=None, mesh_param=None):
         # DeepSpeed's parameter order, so a subclass or a direct call written for it binds alike;
         # config_class is a parsed config (DeepSpeed's DeepSpeedConfig object) and wins over
-        # config; dont_change_device leaves the model where the caller put it.
+        # config; dont_change_device leaves the model where the caller put it. mesh_param is
+        # initialize's (DeepSpeed passes the mesh it built from it as mesh_device).
         super().__init__()
         if model is None:
             raise ValueError("initialize: model= is required")
@@ -124,6 +145,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         trial_baseline = TrialProbe.baseline(model)  # under `dslaunch --autotuning` only
         source = config_class if config_class is not None else _config_source(args, config, config_params)
         source, self._given_tp_group = _with_tp_model_init(source, mpu)
+        source = _with_mesh_param(source, mesh_param)
         self.config = DeepSpeedConfig.load(source)
         check_accumulation_mode(self.config, pipeline=False)
         if dist_init_required is not False:
@@ -138,6 +160,10 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         parallel_current.set_current(self.mesh)  # deepspeed.utils.groups answers from it
         self.mpu = mpu if mpu is not None else self.mesh
         self.dp_world_size = self.mesh.size("data")
+        if self.config.data_parallel_size not in (None, self.dp_world_size):
+            raise ConfigError(f"config: data_parallel_size: {self.config.data_parallel_size} but {self.world_size} "
+                              f"ranks laid out as {self.mesh.dims} leave {self.dp_world_size} data-parallel "
+                              "ranks; set it to that or remove it")
         self.dp_rank = self.mesh.rank("data")
         self.dp_group = self.mesh.group("data")
         self.mp_world_size = self.mesh.size("replica")
@@ -901,6 +927,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
     def get_sequence_parallel_group(self):
         """The process group of this rank's sequence axis (DistributedAttention's group)."""
         return self.seq_parallel_group
+
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """DeepSpeed's: the model-parallel rank this rank's checkpoint files are named by
+        (mp_rank_XX): its tensor rank, 0 without tensor parallelism."""
+        return self.mesh.rank("tensor")
 
     def _checkpoint_run(self) -> checkpoint.Run:
         """What checkpoint/ sees of this engine for one save or load: plain values as of now,

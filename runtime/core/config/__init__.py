@@ -143,6 +143,9 @@ class DeepSpeedConfig:
     sequence_parallel_size: int = supported(1, "Ulysses sequence-parallel degree: ranks sharing one sequence (the "
                                                   "mesh's sequence axis); the batch counts data-parallel ranks only, "
                                                   "gradients are averaged over data x sequence")
+    data_parallel_size: Optional[int] = supported(None, "DeepSpeed's data-parallel size beside sequence_parallel_size "
+                                                        "(its data x sequence mesh is built from the two); checked: "
+                                                        "it must be what the world leaves after the other axes")
     seq_parallel_communication_data_type: Any = refused(
         "the Ulysses all-to-alls send activations in their own dtype (no separate communication dtype); remove it",
         "fp32")
@@ -178,6 +181,8 @@ class DeepSpeedConfig:
             positive(path, key, getattr(self, key))
         positive(path, "gradient_clipping", self.gradient_clipping, allow_zero=True)
         positive(path, "sequence_parallel_size", self.sequence_parallel_size)
+        if self.data_parallel_size is not None:
+            positive(path, "data_parallel_size", self.data_parallel_size)
         positive(path, "steps_per_print", self.steps_per_print)
         if self.steps_per_print != float("inf") and not float(self.steps_per_print).is_integer():
             raise ConfigError(f"{path + '.' if path else ''}steps_per_print: must be a whole number of steps "

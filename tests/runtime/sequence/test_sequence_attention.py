@@ -123,3 +123,56 @@ def test_distributed_attention_refuses_what_it_cannot_do():
         attn(q, q, q, 0, (q, q))
     with pytest.raises(SequenceParallelError, match="batch_dim_idx 2"):
         attn(q, q, q, 2)
+
+
+def seq_all_to_all_body(cases):
+    """DeepSpeed's _SeqAllToAll, called as its Ulysses tests call it: this rank's sequence
+    slice -> the whole sequence of its heads (compared with the full tensor's head slice) ->
+    back (compared with the input), and the gradient through both (an all-to-all only moves
+    elements, so d sum(s2h * W_r) / d x is W's slice and the round trip passes w through)."""
+    import torch
+
+    from dslaunch.runtime import comm
+    from dslaunch.runtime.parallel import MeshDims, ProcessMesh, topology_for
+    from dslaunch.runtime.sequence import head_splits
+    from dslaunch.runtime.sequence.layer import _SeqAllToAll
+
+    world = comm.get_world_size()
+    mesh = ProcessMesh(topology_for(MeshDims.for_world(world, sequence=world)))
+    group, sp, r = mesh.group("sequence"), mesh.size("sequence"), mesh.rank("sequence")
+    diffs = []
+    for batch_dim_idx, seq, heads in cases:
+        seq_dim = 1 - batch_dim_idx
+        g = torch.Generator().manual_seed(11)
+        shape = (2, seq, heads, 3) if batch_dim_idx == 0 else (seq, 2, heads, 3)
+        full, weight = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        first = sum(head_splits(heads, sp)[:r])
+        mine_heads = slice(first, first + head_splits(heads, sp)[r])
+        local = full.chunk(sp, dim=seq_dim)[r].clone().requires_grad_()
+        s2h = _SeqAllToAll.apply(group, local, 2, seq_dim, batch_dim_idx)
+        back = _SeqAllToAll.apply(group, s2h, seq_dim, 2, batch_dim_idx)
+        w_back = weight.chunk(sp, dim=seq_dim)[r]
+        ((s2h * weight[:, :, mine_heads]).sum() + (back * w_back).sum()).backward()
+        diffs.append((float((s2h - full[:, :, mine_heads]).abs().max()), float((back - local).abs().max()),
+                      float((local.grad - 2 * w_back).abs().max())))
+    return diffs
+
+
+def test_seq_all_to_all_moves_heads_and_sequence_as_deepspeed_does():
+    cases = [(0, 4, 4), (1, 4, 3), (0, 6, 7)]  # even heads, and 3 and 7 heads over 2 ranks (2/1, 4/3)
+    for rank, per_case in enumerate(run_function(seq_all_to_all_body, nprocs=2, timeout=120, kwargs=dict(cases=cases))):
+        for case, diffs in zip(cases, per_case):
+            assert max(diffs) == 0.0, (rank, case, diffs)  # s2h, the round trip, the gradient
+
+
+def test_seq_all_to_all_refuses_the_overlapped_variant():
+    import torch
+
+    from dslaunch.runtime.sequence import SequenceParallelError
+    from dslaunch.runtime.sequence.layer import _SeqAllToAll
+
+    x = torch.zeros(2, 4, 2, 3)
+    with pytest.raises(SequenceParallelError, match="overlapped all-to-all"):
+        _SeqAllToAll.apply(None, x, 2, 1, 0, handle={}, type="q")
+    with pytest.raises(SequenceParallelError, match="one must be the head dim 2"):
+        _SeqAllToAll.apply(None, x, 1, 3, 0)

@@ -96,6 +96,43 @@ def test_sp4_and_sp2_x_dp2_equal_one_process():
     _check(results, cases)
 
 
+def mesh_param_body():
+    """sp=2 x dp=2 from DeepSpeed's initialize(mesh_param=(2, 2)) alone (the config names no
+    sequence size), then what a config that disagrees with mesh_param says."""
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    import sp_workload
+    from dslaunch.runtime.sequence import DistributedAttention
+    from dslaunch.runtime.strict import ConfigError
+
+    losses, weights = sp_workload.train(deepspeed, DistributedAttention, 2, 2, stage=1, optimizer="sgd",
+                                        init_kwargs={"mesh_param": (2, 2)}, sp_key=False)
+    refusals = []
+    for extra in ({"sequence_parallel_size": 4}, {"data_parallel_size": 1}):
+        net = torch.nn.Linear(2, 2)
+        cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, **extra}
+        try:
+            deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg, mesh_param=(2, 2))
+            refusals.append(None)
+        except ConfigError as exc:
+            refusals.append(str(exc))
+    return (losses, weights, 2), refusals
+
+
+def test_mesh_param_builds_the_sequence_mesh():
+    """DeepSpeed's initialize(mesh_param=(dp, sp)) gives the data x sequence mesh that
+    sequence_parallel_size gives, with gradients averaged over both axes (where DeepSpeed
+    0.19.8 reduces them over the data group alone and its sequence ranks drift apart)."""
+    results = run_function(mesh_param_body, nprocs=4, timeout=300, env={"PYTHONPATH": HERE})
+    _check([[trained] for trained, _ in results], [(2, 2, 1, "sgd")])
+    for _, refusals in results:
+        assert refusals == ["config: sequence_parallel_size: 4 but initialize(mesh_param=(2, 2)) gives 2; set one of "
+                            "the two",
+                            "config: data_parallel_size: 1 but initialize(mesh_param=(2, 2)) gives 2; set one of the "
+                            "two"], refusals
+
+
 def tp_sp_body(cases):
     """Each (tp, sp, micro, stage, optimizer) case on the tiny network whose q, k, v and o
     projections tensor parallelism shards by heads (sp_workload.make_tp_net); tp=1, sp=1 is
@@ -136,6 +173,8 @@ BAD = [
     ({"sequence_parallel_size": 0}, "sequence_parallel_size: must be > 0"),
     ({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}},
      "pipe 1 x sequence 2 x tensor 2 = 4 does not divide world 2"),
+    ({"sequence_parallel_size": 2, "data_parallel_size": 2},
+     "data_parallel_size: 2 but 2 ranks laid out as data=1 x sequence=2 leave 1 data-parallel ranks"),
 ]
 
 

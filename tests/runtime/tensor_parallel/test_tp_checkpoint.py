@@ -9,6 +9,7 @@ import pytest
 
 from dist_harness import run_function
 from hf_fixture import tiny_llama
+from lm_steps import train_lm_steps
 import repo_paths
 from script_modules import load_script
 
@@ -25,8 +26,6 @@ def _tokens(step):
 def run_body(tp, stage, first, steps, load=None, save=None, full_out=None):
     """Train steps [first, first + steps) at tensor size tp (dp = world / tp, the same global
     batch of MICRO rows split over data ranks), after loading `load`, then save to `save`."""
-    import torch
-
     import dslaunch.runtime as deepspeed
     from dslaunch.runtime import comm
 
@@ -42,20 +41,12 @@ def run_body(tp, stage, first, steps, load=None, save=None, full_out=None):
     if load:
         engine.load_checkpoint(load)
         assert engine.global_steps == first
-    d, rows = engine.mesh.rank("data"), MICRO // dp
-    losses = []
-    for step in range(first, first + steps):
-        batch = _tokens(step)[d * rows:(d + 1) * rows]
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().reshape(1).clone()
-        if dp > 1:
-            comm.all_reduce(t, group=engine.mesh.group("data"), label="test loss")
-            t /= dp
-        losses.append(float(t))
+    losses = train_lm_steps(engine, _tokens, range(first, first + steps), MICRO // dp)
     if save:
         engine.save_checkpoint(save, tag="t")
+        # DeepSpeed's engine.checkpoint_mp_rank names this rank's model-states file
+        assert engine.checkpoint_mp_rank == engine.mesh.rank("tensor")
+        assert os.path.exists(os.path.join(save, "t", f"mp_rank_{engine.checkpoint_mp_rank:02d}_model_states.pt"))
     full = None
     if full_out:
         from dslaunch.runtime.tensor_parallel import full_state_dict
@@ -82,8 +73,6 @@ def test_resume_across_tensor_sizes_2_to_1_to_4_equals_uninterrupted(tmp_path):
 
 
 def test_tp2_by_dp2_resumes_at_tp1_by_dp2_and_consolidates(tmp_path):
-    import torch
-
     from dslaunch.runtime.checkpoint.consolidate import consolidate_checkpoint
 
     whole = run_function(run_body, nprocs=4, kwargs=dict(tp=2, stage=2, first=0, steps=4), timeout=400)[0][0]
@@ -121,18 +110,7 @@ def resume_ds_body(case, tp, stage):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     engine.load_checkpoint(os.path.join(FIXTURES, case))
     assert engine.global_steps == fx.SAVE_AT
-    d, rows = engine.mesh.rank("data"), fx.ROWS // dp
-    losses = []
-    for step in range(fx.SAVE_AT, fx.STEPS):
-        batch = fx.tokens(step)[d * rows:(d + 1) * rows]
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().reshape(1).clone()
-        if dp > 1:
-            comm.all_reduce(t, group=engine.mesh.group("data"), label="test loss")
-            t /= dp
-        losses.append(float(t))
+    losses = train_lm_steps(engine, fx.tokens, range(fx.SAVE_AT, fx.STEPS), fx.ROWS // dp)
     return losses
 
 

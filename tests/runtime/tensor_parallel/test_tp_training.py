@@ -8,8 +8,9 @@ micro-batch; data-parallel ranks get different ones. Bad input is one line.
 """
 import pytest
 
-from dist_harness import RankFailed, run_function
+from dist_harness import run_function
 from hf_fixture import tiny_llama
+from lm_steps import train_lm_steps
 
 SEQ = 8
 VOCAB = 64
@@ -66,18 +67,7 @@ def train_body(model="llama", tp=1, stage=0, micro=2, dp_expected=None, clip=0.0
         assert type(layer.self_attn.q_proj) is torch.nn.Linear
     if dp_expected is not None:
         assert engine.mesh.size("data") == dp_expected
-    d = engine.mesh.rank("data")
-    losses = []
-    for step in range(STEPS):
-        batch = _tokens(step, micro * dp)[d * micro:(d + 1) * micro]
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().float().reshape(1)
-        if dp > 1:
-            comm.all_reduce(t, group=engine.mesh.group("data"), label="test loss")
-            t /= dp
-        losses.append(float(t))
+    losses = train_lm_steps(engine, lambda step: _tokens(step, micro * dp), range(STEPS), micro)
     from dslaunch.runtime.tensor_parallel import full_state_dict
 
     full = full_state_dict(engine.module) if tp > 1 else \

@@ -12,6 +12,7 @@ import torch
 
 from dist_harness import run_function
 from hf_fixture import tiny_llama
+from lm_steps import train_lm_steps
 
 SEQ, VOCAB, MICRO = 8, 64, 2
 
@@ -45,18 +46,8 @@ def body(tp, stage, steps=0, load=None, tag=None, universal=False, save=None):
     if load:
         engine.load_checkpoint(load, tag=tag)
         loaded = whole()
-    d, rows = engine.mesh.rank("data"), MICRO // dp
-    losses = []
-    for _ in range(steps):
-        batch = _tokens(engine.global_steps)[d * rows:(d + 1) * rows]
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().reshape(1).clone()
-        if dp > 1:
-            comm.all_reduce(t, group=engine.mesh.group("data"), label="test loss")
-            t /= dp
-        losses.append(float(t))
+    first = engine.global_steps
+    losses = train_lm_steps(engine, _tokens, range(first, first + steps), MICRO // dp)
     if save:
         engine.save_checkpoint(save, tag="t")
     full = whole()
