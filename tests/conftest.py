@@ -14,16 +14,11 @@ import sys
 import time
 import uuid
 
-# DeepSpeed's answers in tests/data were recorded on AVX2 machines. On a machine with AVX-512
-# (with AVX512-BF16 or AMX) torch's CPU kernels take other code paths whose rounding differs in
-# the last bits (Muon's bf16 Newton-Schulz steps moved a loss by 4e-5; an fp32 GEMM moved a
-# weight past its tolerance), so this session, and every process it starts, computes on the
-# AVX2 paths the fixtures were made with: oneDNN (bf16 matmul), MKL (fp32 GEMM) and ATen's
-# vectorised kernels. Set before torch is imported; a variable already set wins.
-for _var, _isa in (("ONEDNN_MAX_CPU_ISA", "AVX2"), ("MKL_CBWR", "AVX2"), ("ATEN_CPU_CAPABILITY", "avx2")):
-    os.environ.setdefault(_var, _isa)
+from kernel_paths import pin_environment
 
-import pytest  # noqa: E402  (after the variables above)
+pin_environment()  # before torch loads: the CPU kernel paths DeepSpeed's fixtures were recorded on
+
+import pytest  # noqa: E402  (after the pins above)
 
 from cluster_fixture import ns_cluster, ssh_home  # noqa: F401  (the multi-host SSH test cluster, issue #3)
 from hf_fixture import deepspeed_compat, tiny_gpt2  # noqa: F401  (the deepspeed compatibility package, issue #14)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+import kernel_paths
+
 SSHD = "/usr/sbin/sshd"  # sshd re-executes itself, so it must be started by absolute path
 
 
@@ -164,7 +166,7 @@ class Testbed:
         conf = self.dir / f"sshd-{h.name}.conf"
         pidfile = self.dir / f"sshd-{h.name}.pid"
         pidfile.unlink(missing_ok=True)
-        conf.write_text(_SSHD_CONFIG.format(ip=h.ip, dir=self.dir, name=h.name))
+        conf.write_text(_SSHD_CONFIG.format(ip=h.ip, dir=self.dir, name=h.name) + kernel_paths.sshd_setenv())
         script = (
             f"mount --bind {self.dir}/hosts /etc/hosts && hostname {h.name} && "
             f"exec {SSHD} -D -f {conf} -E {self.dir}/sshd-{h.name}.log"
