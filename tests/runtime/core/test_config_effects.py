@@ -109,6 +109,7 @@ ALL = {
         "layer_reduction": {"enabled": False, "keep_number_layer": 2, "module_name_prefix": "layers",
                             "teacher_layer": [1, 3], "other_module_name": ["emb"]}},
     "sequence_parallel_size": 1,
+    "data_parallel_size": 1,
     "tensor_parallel": {"autotp_size": 0, "dtype": "bf16", "tensor_parallel": {"tp_size": 1}, "tp": {"tp_size": 1},
                         "partition_config": {"layer_specs": [{"patterns": [r".*\.o_proj\.weight$"],
                                                               "partition_type": "row"}]}},
@@ -126,6 +127,8 @@ C = "tests/runtime/train/test_compression.py::"
 U = "tests/compat/test_ds_unit_paths.py::"
 EFFECTS = {
     "sequence_parallel_size": "tests/runtime/sequence/test_sequence_engine.py::test_sp2_and_zero2_equal_one_process_and_deepspeed",
+    # checked against the mesh (a bad value is in that test's BAD list) and against mesh_param
+    "data_parallel_size": "tests/runtime/sequence/test_sequence_engine.py::test_mesh_param_builds_the_sequence_mesh",
     "tensor_parallel": TP + "test_tp2_equals_one_process",
     "tensor_parallel.autotp_size": TP + "test_tp2_equals_one_process",
     "tensor_parallel.partition_config": TP + "test_partition_config_layer_specs_decide_the_split",
