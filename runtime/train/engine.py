@@ -84,18 +84,24 @@ def _config_source(args, config, config_params):
     return source
 
 
+def _raw_config(source) -> dict:
+    """A private, editable dict of the config `source` (a dict, a parsed config or a file path),
+    for the helpers below that add what initialize() was told outside the config."""
+    from ..core.strict import load_file
+
+    if isinstance(source, DeepSpeedConfig):
+        source = source.to_dict()
+    return copy.deepcopy(source) if isinstance(source, dict) else load_file(str(source))
+
+
 def _with_mesh_param(source, mesh_param):
     """The config with initialize(mesh_param=(data, sequence))'s sequence size in it: DeepSpeed
     builds its data x sequence mesh from mesh_param, which is the mesh sequence_parallel_size
     builds here. A config that says otherwise is one line; sizes were checked by initialize."""
-    from ..core.strict import load_file
-
     if mesh_param is None or mesh_param[1] == 1:
         return source
     data, sequence = mesh_param
-    if isinstance(source, DeepSpeedConfig):
-        source = source.to_dict()
-    raw = copy.deepcopy(source) if isinstance(source, dict) else load_file(str(source))
+    raw = _raw_config(source)
     for key, size in (("sequence_parallel_size", sequence), ("data_parallel_size", data)):
         if raw.get(key, size) != size:
             raise ConfigError(f"config: {key}: {raw[key]} but initialize(mesh_param={tuple(mesh_param)}) gives {size}; "
@@ -109,15 +115,11 @@ def _with_tp_model_init(source, mpu):
     contract: the config's values win, a disagreement is one line), and the tp_group it was
     given, if any (kept out of the config: a process group is no config value)."""
     from .. import tensor_parallel
-    from ..core.strict import load_file
 
     if tensor_parallel.recorded_tp_model_init() is None:
         return source, None
-    if isinstance(source, DeepSpeedConfig):
-        source = source.to_dict()
-    raw = copy.deepcopy(source) if isinstance(source, dict) else load_file(str(source))
     try:
-        raw = tensor_parallel.merge_tp_model_init_into_config(raw, mpu)
+        raw = tensor_parallel.merge_tp_model_init_into_config(_raw_config(source), mpu)
     except tensor_parallel.TensorParallelError as exc:
         raise ConfigError(str(exc)) from None
     group = raw["tensor_parallel"].get("tp", {}).pop("tp_group", None)

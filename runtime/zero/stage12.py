@@ -12,7 +12,11 @@ views into one flat buffer per group so the post-step all-gather writes them in 
 Gradient flow:
   stage 1  grads accumulate in param.grad as usual; the boundary micro-step's backward
            reduces them as stage 2 does (below), overlapped with backward, into an fp32
-           partition that lives until the step; no communication off the boundary.
+           partition that lives until the step; no communication off the boundary. With
+           data_types.grad_accum_dtype fp32 and a 16-bit model, each backward's gradient
+           moves at once from param.grad into param.grad_accum (fp32), as DeepSpeed's
+           stage 1 does there, and the boundary reduces that sum, in the communication
+           dtype (default: the model's, as DeepSpeed's).
   stage 2  grads are reduced to their owner during backward, bucket by bucket in
            reverse registration order (about the order backward produces them), and
            param.grad is freed at once; a rank accumulates only its partition. With
@@ -34,6 +38,7 @@ counting every parameter once.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -109,6 +114,15 @@ class _PartitionedStage(ShardedStrategy):
         # the boundary backward to the step): the precision policy's
         self.precision = ctx.precision
         self.master_dtype, self.accum_dtype = ctx.precision.master, ctx.precision.grad
+        # stage 1 with grad_accum_dtype other than the model's (the config allows fp32 for a
+        # 16-bit model): micro-batch sums in param.grad_accum, not in the model dtype's .grad
+        accum = ctx.config.grad_accum_dtype
+        self.separate_accum = accum if self.stage == 1 and accum not in (None, ctx.precision.compute) else None
+        if self.separate_accum is not None and self.reduction.dtype is None:
+            # on the wire in the model dtype, as DeepSpeed's default communication_data_type
+            self.reduction = dataclasses.replace(self.reduction, dtype=ctx.precision.compute)
+            self._reductions = {name: dataclasses.replace(r, dtype=ctx.precision.compute)
+                                for name, r in self._reductions.items()}
         ctx.precision.check_optimizer(optimizer, offload is not None, self.stage)
         names = named_trainable(module)
         seen = set()
@@ -123,6 +137,9 @@ class _PartitionedStage(ShardedStrategy):
                                                  axis))
         for pg, g in zip(optimizer.param_groups, self.groups):
             pg["params"] = [g.master]
+        if self.separate_accum is not None:
+            for p in (p for g in self.groups for p in g.params):
+                p.grad_accum = None  # DeepSpeed's attribute: the micro-batch sum, read by the boundary's reduce
         # DeepSpeed's name for this rank's master partition of each group, which scripts (and
         # its offload_states tests) read off engine.optimizer; the same tensor objects for the
         # engine's life (offload_states swaps their .data, never the objects)
@@ -209,8 +226,20 @@ class _PartitionedStage(ShardedStrategy):
         self._pending = [len(b) for b in self._bucket_plan]
         self._next_bucket = 0
 
+    def _fold(self, p) -> None:
+        """Move p.grad into p.grad_accum (separate_accum's dtype), adding to what is there."""
+        if p.grad is None:
+            return
+        if p.grad_accum is None:
+            p.grad_accum = p.grad.to(self.separate_accum)
+        else:
+            p.grad_accum.add_(p.grad.to(self.separate_accum))
+        p.grad = None
+
     def _make_hook(self, gi, pi):
         def hook(param):
+            if self.separate_accum is not None:
+                self._fold(param)  # every backward, at once: the sum never rounds to the model dtype
             if self.check_unused:
                 self._got_grad.add((gi, pi))
             if not self.overlap_comm or self._holding or (self.stage == 1 and not self._boundary):
@@ -236,17 +265,21 @@ class _PartitionedStage(ShardedStrategy):
             self._grad_partition(g)  # exists from the window's first reduce (stage 1: the boundary's) to the step
             s = g.layout.slots[pi]
             p = g.params[pi]
-            gflat = p.grad.reshape(-1) if p.grad is not None else None
+            src = p.grad_accum if self.separate_accum is not None else p.grad
+            gflat = src.reshape(-1) if src is not None else None
             P = g.layout.partition_size
             for r in g.layout.owner_ranks(s.name) if s.numel else []:
                 a, b = max(r * P, s.offset), min((r + 1) * P, s.offset + s.numel)
                 by_owner.setdefault(r, []).append((gi, gflat, a - s.offset, b - s.offset, a - r * P))
             p.grad = None  # no full gradient survives the bucket (stage 1: from the boundary backward on)
+            if self.separate_accum is not None:
+                p.grad_accum = None
         for owner in sorted(by_owner):
             parts = by_owner[owner]
             # reduced in the module's dtype like stage 0 (half the bytes in bf16), summed into fp32
-            buf = torch.cat([gf[a:b] if gf is not None else torch.zeros(b - a, dtype=self.groups[gi].flat.dtype,
-                                                                         device=self.groups[gi].flat.device)
+            buf = torch.cat([gf[a:b] if gf is not None else
+                             torch.zeros(b - a, dtype=self.separate_accum or self.groups[gi].flat.dtype,
+                                         device=self.groups[gi].flat.device)
                              for gi, gf, a, b, _ in parts])
             buf = self._reductions[axis.name].outgoing(buf)
             work = comm.reduce(buf, group_dst=owner, group=axis.group, async_op=async_op,
@@ -296,6 +329,10 @@ class _PartitionedStage(ShardedStrategy):
     def _flush_buckets(self) -> None:
         """Reduce the buckets not yet complete (unused params, or overlap_comm off), in plan
         order, and land every reduce still in flight."""
+        if self.separate_accum is not None:
+            for g in self.groups:  # a .grad the hooks did not see (set by hand) joins the sum
+                for p in g.params:
+                    self._fold(p)
         while self._next_bucket < len(self._bucket_plan):
             self._reduce_bucket(self._next_bucket)
             self._next_bucket += 1
@@ -406,6 +443,8 @@ class _PartitionedStage(ShardedStrategy):
         for g in self.groups:
             for p in g.params:
                 p.grad = None
+                if self.separate_accum is not None:
+                    p.grad_accum = None
             g.grad = None
         self._reduced = self.stage == 2
 

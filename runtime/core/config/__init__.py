@@ -225,13 +225,12 @@ class DeepSpeedConfig:
         model = torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16.enabled else torch.float32
         name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
         # each message ends in a fixed reason, which docs/configuration.md lists among the refused combinations
-        if self.zero_optimization.stage <= 1 and accum != model:
-            # stages 0-1 accumulate the full gradients in param.grad, in the model dtype (DeepSpeed
-            # refuses other mixes at stage 0 too; at stage 1 it takes them)
-            raise GradAccumDtypeError(f"data_types.grad_accum_dtype: stage {self.zero_optimization.stage} accumulates "
-                              f"gradients in the model dtype ({name[model]}), not {name[accum]}: stages 0 and 1 "
-                              "sum micro-batch gradients in the parameters' own .grad; another dtype needs ZeRO "
-                              "stage 2 or 3, or remove the key")
+        if self.zero_optimization.stage == 0 and accum != model:
+            # stage 0 accumulates the full gradients in param.grad, in the model dtype (DeepSpeed
+            # refuses other mixes there too); stage 1 keeps a separate param.grad_accum (zero/stage12.py)
+            raise GradAccumDtypeError(f"data_types.grad_accum_dtype: stage 0 accumulates gradients in the model dtype "
+                              f"({name[model]}), not {name[accum]}: stage 0 sums micro-batch gradients in the "
+                              "parameters' own .grad; another dtype needs ZeRO stage 1, 2 or 3, or remove the key")
         if accum not in (model, torch.float32):
             raise GradAccumDtypeError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model: accumulating "
                               "gradients in a dtype other than fp32 or the model's is not supported; use one of "
