@@ -65,6 +65,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -87,6 +88,9 @@ COLLECTION_FILE = os.path.join(ROOT, "tests", "data", "deepspeed_unit_collection
 # What real DeepSpeed answers on a CPU to the tests it was run on (scripts/make_ds_unit_cpu_failures.py):
 # a failure of ours that DeepSpeed has there too is marked so (and still counted as a failure).
 DS_CPU_FILE = os.path.join(ROOT, "tests", "data", "deepspeed_unit_ds_cpu_outcomes.json")
+# Every measured run's --json, kept (--keep) so docs/deepspeed-unit-tests.md can be rendered
+# again on any machine: `--render-json tests/data/deepspeed_unit_runs` merges them in time order.
+RUNS_DIR = os.path.join(ROOT, "tests", "data", "deepspeed_unit_runs")
 
 
 def load_reasons(path: str) -> Dict[str, str]:
@@ -588,7 +592,8 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         "(hours on a 2-core machine: about 2,000 tests that collect, most of them multi-rank), or add "
         "`--sample N --seed S` for the sampled estimate; DIR is a DeepSpeed checkout, fetched by hand (DeepSpeed's "
         "tests are not on PyPI, and none is copied into this repository). `--render-json` rebuilds this page from "
-        "a run's `--json`, merging runs per file.",
+        "a run's `--json`, merging runs per file; `--keep` keeps a run's JSON in tests/data/deepspeed_unit_runs/, "
+        "and `--render-json tests/data/deepspeed_unit_runs` merges every kept run in time order.",
         "",
         "| directory | collected | passed | failed | skipped | collection errors | not run (outside the sample) | "
         "passed of ran |",
@@ -756,7 +761,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--render-json", nargs="+", default=None, metavar="JSON",
                     help="run nothing: write the table of earlier runs' --json files (same commit), in order; a "
                          "later file's result for a test file replaces an earlier one's, unless it ran none of that "
-                         "file's tests while the file imports")
+                         "file's tests while the file imports; a folder stands for its *.json files in name order "
+                         "(--keep's names sort by time)")
     ap.add_argument("--paths", nargs="*", default=["."], help="paths under tests/unit/, or test ids in them (file.py::Class::test; default: the whole tree)")
     ap.add_argument("--workers", type=int, default=4, help="pytest-xdist workers (-n; DeepSpeed's CI uses 4; 0: none)")
     ap.add_argument("--local-size", type=int, default=4, help="LOCAL_SIZE: the CPU devices the accelerator reports, "
@@ -770,6 +776,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the --sample's random seed")
     ap.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--keep", action="store_true", help=f"also keep the results as JSON in "
+                    f"{os.path.relpath(RUNS_DIR, ROOT)}/, named by the time the run ended (UTC), for --render-json")
     ap.add_argument("--log", default=None, help="write pytest's output here")
     ap.add_argument("--workdir", default=None, help="keep the tests' copy and the installed package here between "
                                                     "runs (default: a temporary folder, removed)")
@@ -869,6 +877,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         settings = f"only {', '.join(args.paths)} under tests/unit; " + settings
     if args.sample is not None:
         settings += f"; a uniform random sample of {args.sample} of the tests that collect (seed {args.seed}) ran"
+    if args.keep:
+        os.makedirs(RUNS_DIR, exist_ok=True)
+        written = time.strftime("%Y-%m-%dT%H-%M-%SZ", time.gmtime())
+        write_json(os.path.join(RUNS_DIR, f"{written}.json"), out, commit, counting, settings)
     return write_table(out, commit, counting, settings, args, reasons)
 
 
@@ -883,10 +895,21 @@ def merged_result(earlier: FileResult, later: FileResult) -> FileResult:
     return dataclasses.replace(earlier, collected=later.collected, not_run=max(0, later.collected - earlier_ran))
 
 
+def json_files(paths: List[str]) -> List[str]:
+    """The --render-json arguments with each folder replaced by its *.json files, in name order."""
+    out = []
+    for path in paths:
+        if os.path.isdir(path):
+            out += sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".json"))
+        else:
+            out.append(path)
+    return out
+
+
 def from_json(paths: List[str]) -> "tuple[List[FileResult], str, str, str]":
     results: Dict[str, FileResult] = {}  # a later run of a file replaces an earlier one
     commits, counting, settings = set(), "", ""
-    for path in paths:
+    for path in json_files(paths):
         with open(path) as fh:
             data = json.load(fh)
         commits.add(data["commit"])
@@ -951,10 +974,14 @@ def write_table(results: List[FileResult], commit: str, counting: str, settings:
     else:
         print(text)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"commit": commit, "counting": counting, "settings": settings,
-                       "results": [asdict(r) for r in results]}, fh, indent=1)
+        write_json(args.json, results, commit, counting, settings)
     return 0
+
+
+def write_json(path: str, results: List[FileResult], commit: str, counting: str, settings: str) -> None:
+    with open(path, "w") as fh:
+        json.dump({"commit": commit, "counting": counting, "settings": settings,
+                   "results": [asdict(r) for r in results]}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,15 @@ def test_table_counts_causes_skips_and_the_failures_on_purpose(tmp_path):
     merged = {m.path: m for m in s.from_json([str(tmp_path / "v.json"), str(tmp_path / "w.json")])[0]}
     assert (merged["runtime/test_a.py"].passed, merged["runtime/test_a.py"].not_run) == (1, 9)
     assert (merged["runtime/test_b.py"].failed, merged["runtime/test_b.py"].not_run) == (0, 3)
+    # a folder of kept runs (--keep) stands for its JSON files in name order: the later run wins
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name, run in (("2026-01-02T00-00-00Z.json", "w.json"), ("2026-01-01T00-00-00Z.json", "v.json")):
+        (runs / name).write_text((tmp_path / run).read_text())
+    (runs / "notes.txt").write_text("not a run")
+    assert s.json_files([str(runs)]) == [str(runs / "2026-01-01T00-00-00Z.json"),
+                                         str(runs / "2026-01-02T00-00-00Z.json")]
+    assert s.from_json([str(runs)]) == s.from_json([str(tmp_path / "v.json"), str(tmp_path / "w.json")])
 
 
 def test_sample_counts_import_failures_exactly_and_estimates_the_rest(tmp_path):
@@ -170,6 +179,17 @@ def test_reference_is_used_only_at_its_commit(tmp_path):
 def test_recorded_collection_covers_the_tree():
     data = json.loads((ROOT / "tests/data/deepspeed_unit_collection.json").read_text())
     assert data["tests"] == sum(data["files"].values()) > 3000 and not data["collection_errors"]
+
+
+def test_kept_runs_render_against_the_recorded_commit():
+    # every kept run (--keep) reads back, all of them ran DeepSpeed's recorded commit, and each
+    # file's counts add up
+    s = _script()
+    data = json.loads((ROOT / "tests/data/deepspeed_unit_collection.json").read_text())
+    results, commit, _, _ = s.from_json([s.RUNS_DIR])
+    assert results and commit == data["commit"]
+    for r in results:
+        assert r.passed + r.failed + r.skipped + r.not_run == r.collected, r
 
 
 def test_command_is_deepspeeds_ci_invocation():
