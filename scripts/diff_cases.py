@@ -350,6 +350,12 @@ DEEPSPEED_WRONG: Dict[str, str] = {
         "the StepLR equal its losses with no scheduler (1.9144802, 1.3824923), and at stage 1 in fp32 on one "
         "rank its losses equal its own no-scheduler run while its stage-0 run, which keeps the optimizer, gives "
         "our stage-1 losses exactly",
+    "model=mlp stage=1 opt=adagrad sched=client gad=bf16 batch=1 steps=6 backward=torch allow_untested=1":
+        "DeepSpeed 0.19.8's ZeRO 1-3 replace a torch Adagrad with a new one over the flat fp32 partitions, while a "
+        "client scheduler given as a callable is built on the optimizer it was given (engine.basic_optimizer), "
+        "which no longer steps: the learning rate never moves. Confirmed on DeepSpeed: the same case without the "
+        "scheduler gives its recorded losses (5.5071130, 2.1815097, 1.4881861, 1.4671140, 0.3743645), and ours "
+        "without the scheduler equal them",
 }
 
 
