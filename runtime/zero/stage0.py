@@ -131,6 +131,12 @@ class DataParallelStrategy(GradientStrategy):
                 master_of[id(p)] = m
         self.masters = [m for b in self.buckets for m in b.masters]
         for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in master_of:
+                    # state an optimizer made for the 16-bit parameter (torch's Adagrad fills its
+                    # sums at construction) would outlive it, keyed by a tensor no group holds,
+                    # and break state_dict(); the master's state starts at its first step
+                    self.optimizer.state.pop(p, None)
             group["params"] = [master_of.get(id(p), p) for p in group["params"]]
 
     # -- backward --------------------------------------------------------------------------

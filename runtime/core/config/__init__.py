@@ -227,16 +227,11 @@ class DeepSpeedConfig:
         # each message ends in a fixed reason, which docs/configuration.md lists among the refused combinations
         if self.zero_optimization.stage == 0 and accum != model:
             # stage 0 accumulates the full gradients in param.grad, in the model dtype (DeepSpeed
-            # refuses other mixes there too); stage 1 keeps a separate param.grad_accum (zero/stage12.py)
+            # refuses other mixes there too); stage 1 keeps a separate param.grad_accum
+            # (zero/stage12.py), stages 2-3 partitions in the key's dtype
             raise GradAccumDtypeError(f"data_types.grad_accum_dtype: stage 0 accumulates gradients in the model dtype "
                               f"({name[model]}), not {name[accum]}: stage 0 sums micro-batch gradients in the "
                               "parameters' own .grad; another dtype needs ZeRO stage 1, 2 or 3, or remove the key")
-        if accum not in (model, torch.float32) and self.zero_optimization.stage >= 2:
-            # stage 1 sums in param.grad_accum in any dtype; stages 2-3 add each micro-batch's
-            # reduced gradients to partitions that are fp32 or the model dtype
-            raise GradAccumDtypeError(f"data_types.grad_accum_dtype: {name[accum]} with a {name[model]} model at ZeRO "
-                              f"stage {self.zero_optimization.stage}: stages 2 and 3 accumulate gradients in fp32 or "
-                              "the model dtype only; use one of those, ZeRO stage 1, or remove the key")
 
     def _check_allreduce_op(self) -> None:
         op = self.gradient_allreduce_op.lower() if isinstance(self.gradient_allreduce_op, str) else None

@@ -115,9 +115,10 @@ class TorchAutocastConfig:
 @dataclass
 class DataTypesConfig:
     grad_accum_dtype: Optional[str] = supported(
-        None, "dtype gradients are accumulated in (fp32, bf16, fp16): stage 0/1 full gradients (the model dtype "
-              "only), the reduced partitions of stages 1-3; unset: the model dtype for full gradients, fp32 for "
-              "partitions (DeepSpeed 0.19.8: the model dtype for both)")
+        None, "dtype gradients are accumulated in (fp32, bf16, fp16): stage 0 full gradients (the model dtype "
+              "only), stage 1 micro-batch sums (param.grad_accum, when not the model dtype), the reduced "
+              "partitions of stages 1-3; unset: the model dtype for full gradients, fp32 for partitions "
+              "(DeepSpeed 0.19.8: the model dtype for both)")
     param_dtype: Any = refused("a separate parameter dtype is not supported; use fp16/bf16", None)
     buffer_dtype: Any = refused("a separate buffer dtype is not supported; buffers follow the model dtype", None)
     keep_in_fp32_modules: Any = refused("keeping chosen modules in fp32 is not supported; remove it", "auto", None)
