@@ -13,10 +13,10 @@ Gradient flow:
   stage 1  grads accumulate in param.grad as usual; the boundary micro-step's backward
            reduces them as stage 2 does (below), overlapped with backward, into an fp32
            partition that lives until the step; no communication off the boundary. With
-           data_types.grad_accum_dtype fp32 and a 16-bit model, each backward's gradient
-           moves at once from param.grad into param.grad_accum (fp32), as DeepSpeed's
-           stage 1 does there, and the boundary reduces that sum, in the communication
-           dtype (default: the model's, as DeepSpeed's).
+           data_types.grad_accum_dtype other than the model dtype, each backward's gradient
+           moves at once from param.grad into param.grad_accum (in that dtype), as
+           DeepSpeed's stage 1 does, and the boundary reduces that sum, in the
+           communication dtype (default: the model's, as DeepSpeed's).
   stage 2  grads are reduced to their owner during backward, bucket by bucket in
            reverse registration order (about the order backward produces them), and
            param.grad is freed at once; a rank accumulates only its partition. With
@@ -114,8 +114,8 @@ class _PartitionedStage(ShardedStrategy):
         # the boundary backward to the step): the precision policy's
         self.precision = ctx.precision
         self.master_dtype, self.accum_dtype = ctx.precision.master, ctx.precision.grad
-        # stage 1 with grad_accum_dtype other than the model's (the config allows fp32 for a
-        # 16-bit model): micro-batch sums in param.grad_accum, not in the model dtype's .grad
+        # stage 1 with grad_accum_dtype other than the model's (any of fp32, bf16, fp16):
+        # micro-batch sums in param.grad_accum, not in the model dtype's .grad
         accum = ctx.config.grad_accum_dtype
         self.separate_accum = accum if self.stage == 1 and accum not in (None, ctx.precision.compute) else None
         if self.separate_accum is not None and self.reduction.dtype is None:
