@@ -201,6 +201,10 @@ def convert(value, tp, path: str, infinite: bool = False):
     if tp is bool:
         if isinstance(value, bool):
             return value
+        # DeepSpeed takes 0 and 1 for a switch (pydantic's bool, or a key read by truthiness);
+        # any other number or a string is more likely a slip than a switch
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
         raise _fail(path, value, tp)
     if tp is int:
         # JSON configs write 5e8 for bucket sizes: an integral float is an int.

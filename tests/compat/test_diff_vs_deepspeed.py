@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import repo_paths
+import torch
 
 sys.path.insert(0, str(repo_paths.SCRIPTS))
 
@@ -103,6 +104,39 @@ def test_refused_combinations_end_in_a_listed_reason(cfg):
     with pytest.raises(ConfigError) as err:
         DeepSpeedConfig.load({"train_batch_size": 2, **cfg})
     assert dvd.is_listed(str(err.value), dvd.listed_reasons()), str(err.value)
+
+
+def both_sources_body():
+    """initialize() given an optimizer (or scheduler) both ways: the refusal's line."""
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.strict import ConfigError
+
+    lines = []
+    for kind in ("optimizer", "scheduler"):
+        model = torch.nn.Linear(2, 2)
+        cfg = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        kw = {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+        if kind == "scheduler":
+            cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+            kw = {"lr_scheduler": lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1)}
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, **kw)
+            lines.append(None)
+        except ConfigError as err:
+            lines.append(str(err))
+    return lines
+
+
+def test_an_optimizer_or_scheduler_given_both_ways_is_refused_for_a_listed_reason():
+    """DeepSpeed 0.19.8 takes the passed optimizer or scheduler and silently drops the config's
+    section; here the pair is refused in one line, and the refused-combinations list gives why."""
+    from dist_harness import run_function
+
+    lines = run_function(both_sources_body, nprocs=1, timeout=120)[0]
+    assert lines == ["optimizer: given both as initialize(optimizer=...) and in the config; pass one",
+                     "scheduler: given both as initialize(lr_scheduler=...) and in the config; pass one"]
+    reasons = dvd.listed_reasons()
+    assert all(dvd.is_listed("ConfigError: " + line, reasons) for line in lines)
 
 
 def ci_cases(fixtures):

@@ -58,6 +58,7 @@ BAD_CONFIGS = [
      "config: zero_optimization.offload_param.nvme_path: required when device is \"nvme\""),
     ({"zero_optimization": {"stage": 4}}, "config: zero_optimization.stage: must be 0, 1, 2 or 3, got 4"),
     ({"fp16": {"enabled": "yes"}}, "config: fp16.enabled: expected bool, got \"yes\""),
+    ({"zero_allow_untested_optimizer": 2}, "config: zero_allow_untested_optimizer: expected bool, got 2"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
      "config: fp16.enabled and bf16.enabled: choose one of fp16 and bf16"),
     ({"train_batch_size": 8.5}, "config: train_batch_size: expected int, got 8.5"),
@@ -77,6 +78,15 @@ def test_bad_config_table(raw, message):
     with pytest.raises(ConfigError) as info:
         DeepSpeedConfig.load(raw)
     assert str(info.value) == message
+
+
+def test_a_switch_written_as_0_or_1_is_taken_as_deepspeed_takes_it():
+    """DeepSpeed's tests write "zero_allow_untested_optimizer": 1; pydantic's bool and its
+    truthiness reads take 0 and 1, so they are switches here too (and nothing else is)."""
+    on = DeepSpeedConfig.load({"train_batch_size": 1, "zero_allow_untested_optimizer": 1,
+                               "bf16": {"enabled": 1}, "dataloader_drop_last": 0})
+    assert on.zero_allow_untested_optimizer is True and on.bf16.enabled is True
+    assert on.dataloader_drop_last is False
 
 
 def test_json_syntax_error_has_line_and_column(tmp_path):
