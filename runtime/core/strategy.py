@@ -339,6 +339,11 @@ class GradientStrategy:
         self._grad_window = self._reduced_early = False
 
     @property
+    def grad_window_open(self) -> bool:
+        """The boundary's backward ran and no step has consumed its gradients yet."""
+        return self._grad_window
+
+    @property
     def grads_reduced_early(self) -> bool:
         return self._reduced_early
 
@@ -357,6 +362,12 @@ class GradientStrategy:
         if not self._reduced_early:
             self.reduce_gradients()
             self._reduced_early = True
+
+    def complete_reductions(self, what: str) -> None:
+        """DeepSpeed's engine.allreduce_gradients(): the boundary's gradients reduced now, where
+        the step reads them (once: the step does not reduce again, and a further backward before
+        it is refused). ZeRO-3, whose backwards reduce as they go, overrides it."""
+        self.grads_for_access(what)
 
     # -- whole-parameter access (zero/fragments.py); defaults for no trainable parameter --------
     def link_params(self) -> None:

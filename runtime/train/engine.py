@@ -54,11 +54,13 @@ from .resize import batch as resize_batch
 from .resize.contract import ResizeEnv
 from ..core.strategy import FragmentError, StrategyContext, strategy_for_stage
 from ..zero.hook_scope import apply_leaf_module_config, leaf_parameters
+from ..zero.grad_views import publish_grad_partitions
 from ..zero.offload_states import offload_strategy_states, reload_strategy_states
 from ..core.config.zero import OffloadDeviceEnum
 from ..core.errors import CoalesceUnsupportedError, OptimizerRequiredError
 from ..core.strict import ConfigError
 from .accumulation import check_accumulation_mode, samples_in_step
+from .direct_step import route_direct_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
 
 
@@ -246,10 +248,14 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             # The optimizer's groups hold fp32 partitions at stage 3, so the model's order stands in
             # for theirs (DeepSpeed's groups follow model_parameters, the model's order as a rule).
             self.optimizer.leaf_parameters = leaf_parameters(model, model.parameters())
+            publish_grad_partitions(self.optimizer, self.strategy)
         self.loss_scaler = self.precision.loss_scaler
         if self.loss_scaler is not None and self.optimizer is not None:
             expose_on_optimizer(self.optimizer, self.loss_scaler)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self._stepping_optimizer = False
+        if self.optimizer is not None:
+            route_direct_step(self)  # a script's engine.optimizer.step() takes the engine's step
 
         self.training_dataloader = None
         if training_data is not None:
@@ -540,6 +546,15 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
     def get_lr(self):
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
+    def allreduce_gradients(self, bucket_size: Optional[int] = None) -> None:
+        """DeepSpeed's call to finish the boundary's gradient reduction now, after backward:
+        the averaged gradients are then where the step reads them (stages 0-2 reduce once, so
+        a further backward must wait for the step; stage 3's backwards reduce as they go).
+        bucket_size, DeepSpeed's fallback bucket, changes no value: zero_optimization's
+        bucket sizes cut the reductions here."""
+        self._require_optimizer("allreduce_gradients")
+        self.strategy.complete_reductions("allreduce_gradients")
+
     def get_global_grad_norm(self) -> Optional[float]:
         return self._last_grad_norm
 
@@ -797,8 +812,22 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         if self._trial is not None:
             self._trial.step_done()  # raises TrialComplete after end_profile_step
 
-    def _boundary_step(self, lr_kwargs: Dict[str, Any], reduced: bool = False) -> None:
-        """Reduce (unless the caller already did), clip, step, zero; count the step."""
+    def _script_optimizer_step(self) -> None:
+        """engine.optimizer.step() called by the script where the strategy owns the step
+        (direct_step.py): DeepSpeed's ZeRO optimizer's step (reduce, clip, step, free the
+        gradients, update the loss scale), without the LR scheduler and the step counters
+        that engine.step() also moves."""
+        if self._no_sync:
+            raise BackwardUsageError("engine.optimizer.step() inside no_sync: leave the block first (the step needs "
+                                     "the reduced gradients)")
+        if not self.strategy.grad_window_open:
+            raise BackwardUsageError("engine.optimizer.step(): no gradients to step with; call it after "
+                                     "engine.backward() on the gradient-accumulation boundary, or call engine.step()")
+        self._boundary_step({}, scheduled=False)
+
+    def _boundary_step(self, lr_kwargs: Dict[str, Any], reduced: bool = False, scheduled: bool = True) -> None:
+        """Reduce (unless the caller already did), clip, step, zero; count the step and move
+        the LR scheduler (unless not `scheduled`: the script's engine.optimizer.step())."""
         s = self.strategy
         with self._meter.timed("backward_allreduce"):
             if not reduced:
@@ -813,22 +842,30 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             overflow = not (norm == norm and norm != float("inf"))  # nan or inf
             true_norm = norm / scale
             self._last_grad_norm = true_norm
+            self.optimizer._global_grad_norm = true_norm  # DeepSpeed's ZeRO optimizers keep it there
             if not overflow and clip > 0 and true_norm > clip:
                 coef *= clip / (true_norm + 1e-6)
         self._step_applied = not overflow
         self.optimizer.overflow = overflow
         if overflow:
-            self.skipped_steps += 1
+            if scheduled:
+                self.skipped_steps += 1
         else:
             if coef != 1.0:
                 s.scale_gradients_(coef)
-            s.optimizer_step()
-            if self.lr_scheduler is not None:
+            self._stepping_optimizer = True  # the optimizer's own step, past direct_step's route
+            try:
+                s.optimizer_step()
+            finally:
+                self._stepping_optimizer = False
+            if self.lr_scheduler is not None and scheduled:
                 self.lr_scheduler.step(**lr_kwargs)
         s.zero_grad()
         s.close_grad_window()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+        if not scheduled:
+            return
         self.global_steps += 1
         self.global_samples += samples_in_step(self.batch.train_batch_size, self.batch.gradient_accumulation_steps,
                                                self._managed, self._backwards_since_step)

@@ -162,6 +162,25 @@ def is_present(p: torch.Tensor) -> bool:
     return z.persistent or p.data.numel() == z.numel
 
 
+class _DsSummary:
+    """`param.ds_summary()`: DeepSpeed's one-dict account of a partitioned parameter, which its
+    tests print when a status check fails. Holds the parameter weakly (no cycle through it)."""
+
+    def __init__(self, p: torch.nn.Parameter):
+        self._param = weakref.ref(p)
+
+    def __call__(self, use_debug_name: bool = False) -> dict:
+        p = self._param()
+        if p is None:
+            return {}
+        z = p._zero
+        t = getattr(p, "ds_tensor", None)
+        return {"id": z.name if use_debug_name and z.name else p.ds_id, "status": p.ds_status.name,
+                "numel": p.numel(), "ds_numel": p.ds_numel, "shape": tuple(p.shape), "ds_shape": tuple(p.ds_shape),
+                "requires_grad": p.requires_grad, "grad_shape": tuple(p.grad.shape) if p.grad is not None else None,
+                "persist": p.ds_persist, "ds_tensor.shape": t.shape if t is not None else None}
+
+
 def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = False,
                     device: Optional[torch.device] = None, group=None) -> ZeroParam:
     """Cut `p` over `group` (the default group when None): keep this rank's chunk."""
@@ -181,6 +200,7 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     p.ds_persist = persistent
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_next_id)
+    p.ds_summary = _DsSummary(p)
     if not persistent:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE

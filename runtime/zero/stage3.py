@@ -131,6 +131,9 @@ class ZeroStage3(ShardedStrategy):
         # inside engine.coalesce_grad_reduction(): each parameter's padded full gradient, summed
         # over the block's backwards and reduce-scattered once when it ends (None: not holding)
         self._held: Optional[Dict[int, tuple]] = None
+        # ids of parameters whose gradient landed since a script's optimizer.zero_grad() (None: none
+        # pending; restart_accumulation)
+        self._restarted: Optional[set] = None
         self.check = DivergenceCheck(group) if z.sanity_checks() else None
         self.param_device = torch.device("cpu") if getattr(offload_param, "device", "none") in ("cpu", "nvme") else None
         names = {}
@@ -454,8 +457,7 @@ class ZeroStage3(ShardedStrategy):
                                     [self._qgz_blocks[id(p)] for p, _ in quant], f"stage3 qgZ reduce grads {names}")
             for (p, _), part in zip(quant, parts):
                 z = p._zero
-                g = self._grad(z.group_index)
-                g[z.master_offset:z.master_offset + z.chunk] += part.to(g.device, g.dtype)
+                self._land(p, self._averaged(part))
 
     def _reduce_scatter(self, bucket) -> None:
         width = sum(p._zero.chunk for p, _ in bucket)
@@ -466,12 +468,39 @@ class ZeroStage3(ShardedStrategy):
         part = torch.empty(width, dtype=flat.dtype, device=device)
         comm.reduce_scatter_tensor(part, flat, group=self.group,
                                    label=f"stage3 reduce grads {bucket[0][0]._zero.name}..{bucket[-1][0]._zero.name}")
+        part = self._averaged(part)
         off = 0
         for p, _ in bucket:
-            z = p._zero
-            g = self._grad(z.group_index)
-            g[z.master_offset:z.master_offset + z.chunk] += part[off:off + z.chunk].to(g.device, g.dtype)
-            off += z.chunk
+            self._land(p, part[off:off + p._zero.chunk])
+            off += p._zero.chunk
+
+    def _land(self, p, piece: torch.Tensor) -> None:
+        """This rank's averaged share of p's gradient into its partition: added to what
+        earlier backwards left, or written over it on p's first landing after a script's
+        optimizer.zero_grad() (restart_accumulation)."""
+        z = p._zero
+        g = self._grad(z.group_index)
+        dest = g[z.master_offset:z.master_offset + z.chunk]
+        if self._restarted is not None and id(p) not in self._restarted:
+            self._restarted.add(id(p))
+            dest.copy_(piece)
+        else:
+            dest += piece.to(g.device)
+
+    def restart_accumulation(self) -> None:
+        """A script's optimizer.zero_grad() at stage 3, as DeepSpeed's: the next backward's
+        gradients overwrite the partitions instead of adding to them. Until then the partitions
+        stand, and a step taken before that backward uses them, as DeepSpeed's does."""
+        self._restarted = set()
+
+    def _averaged(self, part: torch.Tensor) -> torch.Tensor:
+        """A reduce-scatter's result in the partitions' dtype, divided the rest of the way to the
+        mean: each micro-step's share is averaged as it lands, as DeepSpeed's stage 3 does, so the
+        partitions hold averaged gradients between any backward and the step (what
+        get_fp32_grad_partitions and averaged_gradients show, accumulating until a step or
+        zero_grad frees them)."""
+        accum = self.precision.grad
+        return self.reduction.finish_(part if part.dtype == accum else part.to(accum))
 
     def before_backward(self, is_boundary: bool = True) -> None:
         pass
@@ -481,6 +510,7 @@ class ZeroStage3(ShardedStrategy):
         for m in [self._leaf_pending.pop(k) for k in list(self._leaf_pending)]:  # in backward order
             self._queue_leaf(m)
         self._flush_grads()
+        self._restarted = None  # the backward after a restart is over: later ones add again
         if self.check is not None:
             self.check("end of backward")
         for g in self.groups:
@@ -506,9 +536,6 @@ class ZeroStage3(ShardedStrategy):
     def reduce_gradients(self) -> None:
         comm.comms_logger.set_phase("step")
         self._flush_grads()  # gradients a coalesce block left queued when it raised (nothing otherwise)
-        for g in self.groups:
-            if g["grad"] is not None:
-                self.reduction.finish_(g["grad"])
         if self.muon is not None:
             for gi in self.muon.groups():
                 g = self.groups[gi]
@@ -583,12 +610,27 @@ class ZeroStage3(ShardedStrategy):
 
     def zero_grad(self) -> None:
         # no gradient is held between steps: the next reduce-scatter allocates the chunks again
+        self._restarted = None
         if self.muon is not None:
             self.muon.discard()
         for g in self.groups:
             g["grad"] = None
             for p in g["params"]:
                 p.grad = None
+
+    def grad_partitions(self) -> Dict[int, List[torch.Tensor]]:
+        """DeepSpeed's stage-3 `averaged_gradients`: per param group, this rank's averaged
+        gradient partition of each trained parameter (ceil(numel / world) elements, the last
+        rank's tail zero padding), views of the buffer the step reads, so a write is stepped.
+        Empty for a group no backward has reached since the last step or zero_grad."""
+        self._flush_grads()
+        return {gi: [g["grad"][p._zero.master_offset:p._zero.master_offset + p._zero.chunk] for p in g["params"]]
+                for gi, g in enumerate(self.groups) if g["grad"] is not None}
+
+    def complete_reductions(self, what: str) -> None:
+        """Every gradient reduction a backward started has landed in the partitions (each
+        backward's own flush does it; a bucket a raised coalesce block left queued goes now)."""
+        self._flush_grads()
 
     def _grad(self, gi: int) -> torch.Tensor:
         """Group gi's reduced-gradient chunks (beside its master, in grad_accum_dtype), zeroed
