@@ -456,7 +456,6 @@ class ZeroStage3(ShardedStrategy):
             parts = self.zeropp.qgz([self.reduction.outgoing(full) for _, full in quant],
                                     [self._qgz_blocks[id(p)] for p, _ in quant], f"stage3 qgZ reduce grads {names}")
             for (p, _), part in zip(quant, parts):
-                z = p._zero
                 self._land(p, self._averaged(part))
 
     def _reduce_scatter(self, bucket) -> None:
@@ -497,8 +496,8 @@ class ZeroStage3(ShardedStrategy):
         """A reduce-scatter's result in the partitions' dtype, divided the rest of the way to the
         mean: each micro-step's share is averaged as it lands, as DeepSpeed's stage 3 does, so the
         partitions hold averaged gradients between any backward and the step (what
-        get_fp32_grad_partitions and averaged_gradients show, accumulating until a step or
-        zero_grad frees them)."""
+        get_fp32_grad_partitions and averaged_gradients show, accumulating until the step frees
+        them or a script's optimizer.zero_grad() restarts them)."""
         accum = self.precision.grad
         return self.reduction.finish_(part if part.dtype == accum else part.to(accum))
 
