@@ -95,6 +95,8 @@ def test_listed_reasons_come_from_the_config_page():
 
 @pytest.mark.parametrize("cfg", [
     {"prescale_gradients": True, "gradient_predivide_factor": 2.0},
+    {"gradient_allreduce_op": "sum", "prescale_gradients": True},
+    {"gradient_allreduce_op": "SUM", "gradient_predivide_factor": 2.0},
     {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 0}},
 ])
 def test_refused_combinations_end_in_a_listed_reason(cfg):
