@@ -53,6 +53,7 @@ from .offload import OptimizerHost, make_host, pin_host
 from .offload_states import StateMover
 from ..core.config.zero import OffloadStateTypeEnum
 from .partition import FlatLayout, Piece, pieces_to_dict
+from .partition_views import publish_partitions
 from .sharded import ShardedStrategy, offload_optimizer
 from .reshard import assemble
 
@@ -144,6 +145,7 @@ class _PartitionedStage(ShardedStrategy):
         # its offload_states tests) read off engine.optimizer; the same tensor objects for the
         # engine's life (offload_states swaps their .data, never the objects)
         optimizer.single_partition_of_fp32_groups = [g.master for g in self.groups]
+        publish_partitions(optimizer, self.groups)  # parallel_partitioned_bit16_groups, read live
         optimizer.state.clear()
         # Where the update runs: in place on the masters, on the CPU with the fused
         # kernel, or with state swapped to NVMe files.

@@ -1,0 +1,42 @@
+"""DeepSpeed's stage 1/2 optimizer attributes for how the flat parameter buffers split.
+
+DeepSpeed's ZeRO-1/2 optimizer keeps each parameter group in one flat 16-bit buffer and lists
+each rank's slice of it: `optimizer.parallel_partitioned_bit16_groups[group][rank]`. Slices
+start at multiples of `optimizer.nccl_start_alignment_factor` elements (2: 4 bytes of fp16),
+so every all-gather send buffer is 4-byte aligned; DeepSpeed's tests check the data pointers.
+
+Here each group's flat buffer is in the model dtype (fp32, bf16 or fp16) and its partition
+size is padded to a multiple of 2 x world (partition.py), so the same alignment holds. The
+slices are read from the strategy's groups on every access: offload_states moves a buffer's
+storage, and views taken earlier would keep pointing at the old one.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import List
+
+import torch
+
+ALIGNMENT_ELEMENTS = 2  # DeepSpeed's nccl_start_alignment_factor: 4 bytes / sizeof(fp16)
+
+
+class PartitionedGroups(Sequence):
+    """`optimizer.parallel_partitioned_bit16_groups`: per group, every rank's slice of its flat buffer."""
+
+    def __init__(self, groups):
+        self._groups = groups  # the strategy's list of groups (flat buffer, layout, axis)
+
+    def __getitem__(self, index) -> List[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        g = self._groups[index]
+        return list(g.flat.view(g.axis.size, g.layout.partition_size).unbind(0))
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+def publish_partitions(optimizer, groups) -> None:
+    """Give the engine's optimizer DeepSpeed's stage 1/2 names for the flat buffers' slices."""
+    optimizer.nccl_start_alignment_factor = ALIGNMENT_ELEMENTS
+    optimizer.parallel_partitioned_bit16_groups = PartitionedGroups(groups)
