@@ -557,7 +557,10 @@ class Init:
 
     def _partition_own(self, module) -> None:
         for name, p in module.named_parameters(recurse=False):
-            if not is_partitioned(p):
+            # a meta parameter has no values to cut: torch.nn.utils.skip_init (or a model built on
+            # the meta device) materialises it with to_empty, which makes a new Parameter; that
+            # one is partitioned there (the to_empty wrapper below)
+            if not is_partitioned(p) and not p.is_meta:
                 if self.dtype is not None and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
                 z = partition_param(p, name=name, persistent=p.numel() <= self.threshold, group=self.group)
@@ -573,8 +576,22 @@ class Init:
             if "__init__" in cls.__dict__:
                 orig = cls.__dict__["__init__"]
                 cls.__init__ = self._wrap(orig)
-                self._patched.append((cls, orig))
+                self._patched.append((cls, "__init__", orig))
+        to_empty = torch.nn.Module.__dict__["to_empty"]
+        torch.nn.Module.to_empty = self._wrap_to_empty(to_empty)
+        self._patched.append((torch.nn.Module, "to_empty", to_empty))
         return self
+
+    def _wrap_to_empty(self, orig):
+        init = self
+
+        def to_empty(module, *args, **kwargs):
+            out = orig(module, *args, **kwargs)
+            for sub in module.modules():
+                init._partition_own(sub)
+            return out
+        to_empty.__wrapped__ = orig
+        return to_empty
 
     def _wrap(self, orig):
         init = self
@@ -586,8 +603,8 @@ class Init:
         return __init__
 
     def __exit__(self, *exc):
-        for cls, orig in reversed(self._patched):
-            cls.__init__ = orig
+        for cls, attr, orig in reversed(self._patched):
+            setattr(cls, attr, orig)
         self._patched.clear()
         return False
 

@@ -218,6 +218,12 @@ class ZeroStage3(ShardedStrategy):
             pg["params"] = [master]
         if optimizer is not None:
             optimizer.state.clear()
+            # DeepSpeed's stage-3 names for each sub-group's parameters and its flat fp32 partition
+            # (the key of optimizer.state), which its tests and tools read. A param group is one
+            # sub-group here: sub_group_size chunks the offloaded step instead (offload.py), while
+            # engine._get_zero_param_shapes() gives DeepSpeed's sub-group split, for checkpoints
+            optimizer.fp16_groups = [g["params"] for g in self.groups]
+            optimizer.fp32_partitioned_groups_flat = [g["master"] for g in self.groups]
         self.optimizer_on_host = offload is not None  # offload_states leaves masters, state and gradients there
         self.mover = StateMover()  # what engine.offload_states moved (offload_states.py)
         self.swapper = None

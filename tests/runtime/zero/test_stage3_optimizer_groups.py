@@ -79,3 +79,39 @@ def test_the_zero3_param_shapes_split_per_sub_group():
     got = run_function(_shapes_at, nprocs=2, kwargs={"stage": 3, "sub_group_size": 3}, timeout=120)
     want = [{"0.weight": (3, 5)}, {"0.bias": (3,), "1.weight": (1, 3)}, {"1.bias": (1,)}]
     assert got[0] == got[1] == want
+
+
+def _sub_groups():
+    import torch
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.zero.fragments import safe_get_local_fp32_param
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    groups = [{"params": [model[0].weight, model[1].weight]}, {"params": [model[0].bias, model[1].bias],
+                                                                 "weight_decay": 0.0}]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4}}
+    listed = [[id(p) for p in g["params"]] for g in groups]  # torch's optimizer takes these dicts over
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    torch.manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(3):
+        engine.backward(engine(torch.randn(2, 5)).pow(2).mean())
+        engine.step()
+    out = {"members": [[id(p) for p in g] for g in optimizer.fp16_groups] == listed,
+           "steps": [int(optimizer.optimizer.state[flat]["step"]) for flat in optimizer.fp32_partitioned_groups_flat],
+           "global_steps": engine.global_steps}
+    # each sub-group's flat partition is its parameters' local fp32 slices, in order
+    out["flat_is_slices"] = all(
+        torch.equal(flat, torch.cat([safe_get_local_fp32_param(p) for p in members]))
+        for flat, members in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups))
+    return out
+
+
+def test_the_zero3_sub_groups_name_the_parameters_and_the_flat_partition_that_keys_the_state():
+    # DeepSpeed's TestZeroAdamOptimizerStepCount pattern: optimizer.fp16_groups[i]'s flat fp32
+    # partition is optimizer.fp32_partitioned_groups_flat[i], the key of its Adam state
+    for r in run_function(_sub_groups, nprocs=2, timeout=120):
+        assert r["members"] and r["flat_is_slices"], r
+        assert r["steps"] == [r["global_steps"]] * 2 and r["global_steps"] == 3, r
