@@ -121,6 +121,9 @@ PATHS: Dict[str, Entry] = {
                                          {"CPU_Accelerator": "core.accelerator.real_accelerator"}),
     # deepspeed.runtime.activation_checkpointing, its children included (.checkpointing, .offload_activations)
     "activation_checkpointing": "train.activation_checkpointing",
+    "base_optimizer": Names("deepspeed.runtime.base_optimizer: the base classes of DeepSpeed's optimizer wrappers, "
+                            "for isinstance checks (the engine's optimizer answers for its role).",
+                            {"DeepSpeedOptimizer": "core.internals", "ZeROOptimizer": "core.internals"}),
     "bf16_optimizer": Names("DeepSpeed's bf16 optimizer wrapper, named for isinstance checks only.",
                             {"BF16_Optimizer": "core.internals"}),
     "checkpoint": "train.checkpoint",  # deepspeed.checkpoint

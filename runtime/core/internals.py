@@ -4,10 +4,16 @@ DeepSpeed's engine wraps the optimizer in a class per precision and ZeRO stage
 (DeepSpeedZeroOptimizer, FP16_Optimizer, ...); code written against DeepSpeed, its own
 tests included, imports them to ask `isinstance(engine.optimizer, ...)`. dslaunch's engine
 keeps precision and partitioning in its strategy and exposes the plain torch optimizer as
-`engine.optimizer`, so these names exist for that question (whose answer here is always
-no) and refuse construction with the reason.
+`engine.optimizer`, so these names exist for that question and refuse construction with the
+reason. For the concrete wrappers (FP16_Optimizer, DeepSpeedZeroOptimizer, ...) the answer is
+always no: their internals (flat fp16 groups, bucket state) are not all here. For DeepSpeed's
+two base classes (DeepSpeedOptimizer, ZeROOptimizer: deepspeed.runtime.base_optimizer) the
+answer is the role the engine gave its optimizer (engine_roles below), as DeepSpeed's engine
+would have wrapped it, because the methods scripts call through them (needs_scaler) are here.
 """
 from __future__ import annotations
+
+import torch
 
 
 class DeepSpeedInternalOptimizer:
@@ -37,3 +43,31 @@ BF16_Optimizer = internal_optimizer(
     "BF16_Optimizer", "bf16 with fp32 master weights is set by \"bf16\": {\"enabled\": true} in the config")
 DeepSpeedZeroOptimizer = internal_optimizer(
     "DeepSpeedZeroOptimizer", "ZeRO stages 1 and 2 are set by \"zero_optimization.stage\" in the config")
+
+
+class _EngineRole(type):
+    """isinstance(obj, cls) holds when an engine drives obj in the role named cls.__name__
+    (the engine's optimizer carries the names of DeepSpeed's base classes its wrapper has)."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return cls.__name__ in getattr(obj, ROLES_ATTRIBUTE, ()) or super().__instancecheck__(obj)
+
+
+ROLES_ATTRIBUTE = "_deepspeed_roles"
+# deepspeed.runtime.base_optimizer: every wrapper DeepSpeed's engine builds is a DeepSpeedOptimizer,
+# and the ZeRO ones (stages 1-3, and BF16_Optimizer) are also ZeROOptimizers
+DeepSpeedOptimizer = _EngineRole("DeepSpeedOptimizer", (DeepSpeedInternalOptimizer,), {
+    "_replacement": "deepspeed.initialize's engine.optimizer answers isinstance for it where DeepSpeed's wrapper would",
+    "__doc__": "DeepSpeed's base of its optimizer wrappers: isinstance holds for an fp16/bf16 or ZeRO engine's optimizer."})
+ZeROOptimizer = _EngineRole("ZeROOptimizer", (DeepSpeedOptimizer,), {
+    "__doc__": "DeepSpeed's base of its ZeRO optimizers: isinstance holds for the optimizer of an engine at ZeRO 1-3."})
+
+
+def engine_roles(zero_stage: int, compute_dtype, pipeline: bool) -> frozenset:
+    """The base classes of the wrapper DeepSpeed 0.19.8's engine would return as engine.optimizer:
+    a ZeRO optimizer at stages 1-3; at stage 0, BF16_Optimizer (a ZeROOptimizer) for bf16 under
+    its pipeline engine, FP16_Optimizer (a DeepSpeedOptimizer) for fp16 or bf16 otherwise, and
+    the client's own optimizer for fp32."""
+    if zero_stage >= 1 or (pipeline and compute_dtype == torch.bfloat16):
+        return frozenset({"DeepSpeedOptimizer", "ZeROOptimizer"})
+    return frozenset({"DeepSpeedOptimizer"}) if compute_dtype != torch.float32 else frozenset()

@@ -19,8 +19,9 @@ import contextlib
 import copy
 import os
 import dataclasses
+import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -36,6 +37,7 @@ from .compiling import compile_module
 from .compression import compression_schedule
 from ..core.config import DeepSpeedConfig
 from .dataloader import DistributedDataLoader
+from ..core.internals import ROLES_ATTRIBUTE, engine_roles
 from ..core.loss_scaler import expose_on_optimizer
 from .lr_schedules import build_scheduler
 from .optim import OptimizerTarget, build_optimizer
@@ -62,6 +64,20 @@ from ..core.strict import ConfigError
 from .accumulation import check_accumulation_mode, samples_in_step
 from .direct_step import route_direct_step
 from .tensor_backward import SCALE_REQUIRED, SCALE_REQUIRED_STATIC, BackwardUsageError, OutputGrads, engine_backward
+
+
+def _needs_scaler_of(engine) -> Callable[[], bool]:
+    """DeepSpeed's optimizer.needs_scaler(): whether loss.backward() must be engine.scale(loss).backward().
+    DeepSpeed answers True for a dynamic fp16 scale only; here a static scale other than 1 needs it
+    too, as the engine refuses an unscaled backward there (_needs_scaled_loss). A weak reference:
+    the optimizer must not keep its engine alive."""
+    ref = weakref.ref(engine)
+
+    def needs_scaler() -> bool:
+        live = ref()
+        return live is not None and live._needs_scaled_loss()
+
+    return needs_scaler
 
 
 def _groups_hold_fp32_partitions() -> None:
@@ -228,6 +244,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                 for name in ("_set_fp32_optimizer_param_groups", "_clear_fp32_optimizer_param_groups"):
                     if not hasattr(self.optimizer, name):
                         setattr(self.optimizer, name, _groups_hold_fp32_partitions)
+            # isinstance(engine.optimizer, ZeROOptimizer / DeepSpeedOptimizer) as DeepSpeed's wrapper
+            # would answer, and its needs_scaler() (PyTorch-style backward scripts ask it)
+            setattr(self.optimizer, ROLES_ATTRIBUTE, engine_roles(self.config.zero_optimization.stage,
+                                                                  self.compute_dtype, pipeline=False))
+            if not hasattr(self.optimizer, "needs_scaler"):
+                self.optimizer.needs_scaler = _needs_scaler_of(self)
         check_in_memory_flag(self.config, self.optimizer)
         if self.seq_parallel_size > 1 and self.optimizer is not None and any(
                 g.get("moe", False) for g in self.optimizer.param_groups):

@@ -48,6 +48,7 @@ from .accumulation import check_accumulation_mode
 from ..core import comm
 from .dataloader import DistributedDataLoader, RepeatingLoader, move_to
 from ..core.errors import CoalesceUnsupportedError
+from ..core.internals import ROLES_ATTRIBUTE, engine_roles
 from ..core.config import DeepSpeedConfig
 from .engine import DeepSpeedEngine, _config_source
 from ..core.strict import ConfigError
@@ -90,6 +91,9 @@ class PipelineEngine(torch.nn.Module):
         # engine's name for it, so parameters and state_dict keys read "module.<name>" as DeepSpeed's
         object.__setattr__(self, "_engine", engine)
         engine.pipeline_parallelism = True  # DeepSpeed's flag, read through this engine's attributes
+        if engine.optimizer is not None:  # DeepSpeed's pipeline engine wraps bf16 at stage 0 in a ZeROOptimizer
+            setattr(engine.optimizer, ROLES_ATTRIBUTE, engine_roles(loaded.zero_optimization.stage,
+                                                                    engine.compute_dtype, pipeline=True))
         self.module = engine.module
         use_reentrant = engine.config.pipeline.use_reentrant
         if use_reentrant is False:

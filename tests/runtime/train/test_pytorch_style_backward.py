@@ -162,6 +162,39 @@ def test_scale_refuses_what_is_no_scalar_loss():
     assert engine.scale(loss) is loss  # fp32: nothing to scale
 
 
+# DeepSpeed 0.19.8's engine.optimizer, one CPU rank, torch 2.13, Adam: (stage, precision) ->
+# (its class, isinstance ZeROOptimizer, isinstance DeepSpeedOptimizer, needs_scaler()); at stage
+# 0 its FP16_UnfusedOptimizer has no needs_scaler (here it answers as the engine would refuse)
+DEEPSPEED_OPTIMIZER_ROLES = {
+    (0, "fp32"): ("AdamW", False, False, None), (0, "bf16"): ("FP16_UnfusedOptimizer", False, True, None),
+    (0, "fp16"): ("FP16_UnfusedOptimizer", False, True, None),
+    (1, "fp32"): ("DeepSpeedZeroOptimizer", True, True, False), (1, "bf16"): ("DeepSpeedZeroOptimizer", True, True, False),
+    (1, "fp16"): ("DeepSpeedZeroOptimizer", True, True, True), (2, "fp32"): ("DeepSpeedZeroOptimizer", True, True, False),
+    (2, "bf16"): ("DeepSpeedZeroOptimizer", True, True, False), (2, "fp16"): ("DeepSpeedZeroOptimizer", True, True, True),
+    (3, "fp32"): ("DeepSpeedZeroOptimizer_Stage3", True, True, False),
+    (3, "bf16"): ("DeepSpeedZeroOptimizer_Stage3", True, True, False),
+    (3, "fp16"): ("DeepSpeedZeroOptimizer_Stage3", True, True, True),
+}
+
+
+@pytest.mark.parametrize("stage,precision", sorted(DEEPSPEED_OPTIMIZER_ROLES))
+def test_optimizer_answers_deepspeeds_base_classes_and_needs_scaler(stage, precision):
+    """`isinstance(engine.optimizer, ZeROOptimizer)` and `engine.optimizer.needs_scaler()`, which
+    PyTorch-style scripts (and DeepSpeed's tests of them) ask before choosing engine.scale."""
+    import torch
+    from dslaunch.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+
+    extra = {} if precision == "fp32" else {precision: {"enabled": True}}
+    engine = _engine(stage=stage, extra=extra)
+    _, zero, base, needs = DEEPSPEED_OPTIMIZER_ROLES[stage, precision]
+    assert isinstance(engine.optimizer, ZeROOptimizer) is zero
+    assert isinstance(engine.optimizer, DeepSpeedOptimizer) is base
+    assert engine.optimizer.needs_scaler() is (precision == "fp16" if needs is None else needs)
+    assert not isinstance(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), ZeROOptimizer)
+    with pytest.raises(TypeError, match="ZeROOptimizer is DeepSpeed's internal optimizer wrapper"):
+        ZeROOptimizer()
+
+
 def test_no_sync_is_refused_where_deepspeed_refuses_it():
     import torch
 
