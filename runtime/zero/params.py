@@ -26,6 +26,7 @@ partition: the shard itself, republished whenever the shard is replaced).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import weakref
@@ -488,9 +489,12 @@ def single_rank_group_contradiction(dp_world_size: int, explicit_process_group=N
 class Init:
     """`with Init():` modules constructed inside have their parameters partitioned as
     soon as each module's own __init__ returns, so the whole model never exists on one
-    rank. Parameters must be initialised in the constructor that creates them (the
-    usual case); code that later rewrites a child's weights should use
-    GatheredParameters(..., modifier_rank=0).
+    rank. As in DeepSpeed, each parameter takes the first rank's values before it is cut
+    (ranks seeded differently still build one model), and `module.apply(fn)` inside the
+    context runs fn on each module with its cut parameters whole, the first rank's result
+    kept (a parent's _init_weights over children built, and cut, before it: Hugging Face's
+    post_init); other code that rewrites a cut parameter uses GatheredParameters(...,
+    modifier_rank=0).
 
     Parameters at most `param_persistence_threshold` elements are kept whole. They are cut
     over `data_parallel_group`, else `mpu.get_data_parallel_group()`, else the world: the
@@ -563,6 +567,7 @@ class Init:
             if not is_partitioned(p) and not p.is_meta:
                 if self.dtype is not None and p.is_floating_point():
                     p.data = p.data.to(self.dtype)
+                comm.broadcast(p.data, group_src=0, group=self.group, label=f"zero.Init {name}")
                 z = partition_param(p, name=name, persistent=p.numel() <= self.threshold, group=self.group)
                 z.quantize = self.quantize_weights
                 if self.quantize_frozen and not p.requires_grad and not z.persistent:
@@ -580,6 +585,9 @@ class Init:
         to_empty = torch.nn.Module.__dict__["to_empty"]
         torch.nn.Module.to_empty = self._wrap_to_empty(to_empty)
         self._patched.append((torch.nn.Module, "to_empty", to_empty))
+        apply = torch.nn.Module.__dict__["apply"]
+        torch.nn.Module.apply = _apply_gathering(apply)
+        self._patched.append((torch.nn.Module, "apply", apply))
         return self
 
     def _wrap_to_empty(self, orig):
@@ -607,6 +615,33 @@ class Init:
             setattr(cls, attr, orig)
         self._patched.clear()
         return False
+
+
+def _apply_gathering(orig):
+    """Module.apply whose fn sees each module's cut parameters whole (DeepSpeed's Init does so)."""
+
+    def apply(module, fn):
+        return orig(module, _gathering(fn))
+    apply.__wrapped__ = orig
+    return apply
+
+
+def _gathering(fn):
+    """fn(module) with the module's own cut parameters gathered, and the first rank's values
+    made every rank's shards afterwards. Module.apply recurses through the patched apply, and
+    nested Init contexts wrap twice: a function wrapped once is not wrapped again."""
+    if getattr(fn, "_zero_gathering", False):
+        return fn
+
+    @functools.wraps(fn)
+    def gathering(module):
+        params = [p for p in module.parameters(recurse=False) if is_partitioned(p)]
+        if not params:
+            return fn(module)
+        with GatheredParameters(params, modifier_rank=0):
+            return fn(module)
+    gathering._zero_gathering = True
+    return gathering
 
 
 def _all_module_classes():
