@@ -24,30 +24,66 @@ calls it itself.
 """
 from __future__ import annotations
 
+import contextlib
 import types
+from typing import Callable
 
 
-def route_direct_step(engine) -> None:
-    """Install the route on engine.optimizer where the strategy owns the step."""
+class DirectStepRoute:
+    """The route on one engine's optimizer: a script's step() runs `script_step`; inside
+    `passing_through()` (the engine's own step) it is the optimizer's real step."""
+
+    def __init__(self, script_step: Callable[[], None]):
+        self._script_step = script_step
+        self._passing = False
+
+    @contextlib.contextmanager
+    def passing_through(self):
+        self._passing = True
+        try:
+            yield
+        finally:
+            self._passing = False
+
+    def install(self, optimizer) -> None:
+        real_step = optimizer.step
+        route = self
+
+        def step(opt, *args, **kwargs):
+            if route._passing:
+                return real_step(*args, **kwargs)
+            if args or kwargs:
+                raise TypeError("engine.optimizer.step() takes no closure or arguments: the engine computes the "
+                                "loss and gradients (engine.backward) before the step")
+            route._script_step()
+            return None
+
+        optimizer.step = types.MethodType(step, optimizer)
+
+
+def route_direct_step(engine, script_step: Callable[[], None]) -> "DirectStepRoute | _NoRoute":
+    """Install the route on engine.optimizer where the strategy owns the step. The engine runs its
+    own optimizer step inside the returned object's passing_through(), a no-op where nothing was
+    routed (no optimizer, or stage 0 with the module's own parameters in the groups)."""
     optimizer = engine.optimizer
+    if optimizer is None:
+        return _NoRoute()
     module_params = {id(p) for p in engine.module.parameters()}
     owns_groups = all(id(p) in module_params for g in optimizer.param_groups for p in g["params"])
     if engine.zero_optimization_stage() == 0 and owns_groups:
-        return
-    real_step = optimizer.step
-
-    def step(opt, *args, **kwargs):
-        if engine._stepping_optimizer:
-            return real_step(*args, **kwargs)
-        if args or kwargs:
-            raise TypeError("engine.optimizer.step() takes no closure or arguments: the engine computes the loss "
-                            "and gradients (engine.backward) before the step")
-        engine._script_optimizer_step()
-        return None
-
-    optimizer.step = types.MethodType(step, optimizer)
+        return _NoRoute()
+    route = DirectStepRoute(script_step)
+    route.install(optimizer)
     if engine.zero_optimization_stage() >= 1:
         optimizer.zero_grad = types.MethodType(_zero_grad_for(engine), optimizer)
+    return route
+
+
+class _NoRoute:
+    """Where step() is torch's own: the engine's step needs no pass-through."""
+
+    def passing_through(self):
+        return contextlib.nullcontext()
 
 
 def _zero_grad_for(engine):

@@ -275,9 +275,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         if self.loss_scaler is not None and self.optimizer is not None:
             expose_on_optimizer(self.optimizer, self.loss_scaler)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
-        self._stepping_optimizer = False
-        if self.optimizer is not None:
-            route_direct_step(self)  # a script's engine.optimizer.step() takes the engine's step
+        # a script's engine.optimizer.step() takes the engine's step (direct_step.py); the
+        # engine's own optimizer step passes through the route
+        self._direct_step = route_direct_step(self, self._script_optimizer_step)
 
         self.training_dataloader = None
         if training_data is not None:
@@ -875,11 +875,8 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         else:
             if coef != 1.0:
                 s.scale_gradients_(coef)
-            self._stepping_optimizer = True  # the optimizer's own step, past direct_step's route
-            try:
+            with self._direct_step.passing_through():  # the optimizer's own step, past the route
                 s.optimizer_step()
-            finally:
-                self._stepping_optimizer = False
             if self.lr_scheduler is not None and scheduled:
                 self.lr_scheduler.step(**lr_kwargs)
         s.zero_grad()

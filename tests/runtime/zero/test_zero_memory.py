@@ -122,7 +122,8 @@ def _worker():
         params = list(engine.module.parameters())
         del model
         g = torch.Generator().manual_seed(7 + rank)
-        bound = formula(stage, dtype, numels, world, 200) + BUCKET * 4
+        expected = formula(stage, dtype, numels, world, 200)
+        bound = expected + BUCKET * 4
         losses, held = [], []
         for _ in range(2):  # the second step runs on gradients allocated again after the first freed them
             total = 0.0
@@ -136,7 +137,7 @@ def _worker():
             losses.append(total / 2)
             held.append(settled_bytes(base, params, bound))
         out[(stage, dtype, offload)] = {"losses": losses, "held": held,
-                                        "formula": formula(stage, dtype, numels, world, 200),
+                                        "formula": expected,
                                         "bucket": BUCKET * 4, "P": sum(numels)}
         engine.destroy()
         del engine, params
