@@ -410,6 +410,17 @@ def gather(params: Iterable[torch.nn.Parameter], check=None, what: str = "", tra
         pending.finish()
 
 
+def keep_whole(params: Iterable[torch.nn.Parameter]) -> None:
+    """Make cut parameters persistent: gathered now (collective, the same list on every rank) and
+    never released again; their shards stay as they are."""
+    params = [p for p in params if not p._zero.persistent]
+    gather(params)
+    for p in params:
+        p._zero.persistent = True
+        p.ds_persist = True
+        p.ds_status = ZeroParamStatus.AVAILABLE
+
+
 def release(params: Iterable[torch.nn.Parameter]) -> None:
     for p in params:
         if is_partitioned(p) and not p._zero.persistent and p.data.numel():
@@ -496,9 +507,12 @@ class Init:
     post_init); other code that rewrites a cut parameter uses GatheredParameters(...,
     modifier_rank=0).
 
-    Parameters at most `param_persistence_threshold` elements are kept whole. They are cut
-    over `data_parallel_group`, else `mpu.get_data_parallel_group()`, else the world: the
-    engine refuses a model cut over another group than its data-parallel one."""
+    Every parameter is cut, as DeepSpeed 0.19.8's Init cuts them (it never applies the config's
+    stage3_param_persistence_threshold there): the engine makes the small ones whole again when
+    it takes the model, as DeepSpeed's marks them persistent. dslaunch's keyword-only
+    `param_persistence_threshold` keeps parameters of at most that many elements whole from the
+    start. They are cut over `data_parallel_group`, else `mpu.get_data_parallel_group()`, else
+    the world: the engine refuses a model cut over another group than its data-parallel one."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear: bool = True, remote_device=None,
                  pin_memory: bool = False, config_dict_or_path=None, config=None, enabled: bool = True, dtype=None,
@@ -533,10 +547,9 @@ class Init:
         if data_parallel_group is None and mpu is not None:
             data_parallel_group = mpu.get_data_parallel_group()
         self.group = data_parallel_group
-        self.threshold = param_persistence_threshold
+        # -1: no parameter (not even an empty one) is kept whole unless the keyword asks
+        self.threshold = -1 if param_persistence_threshold is None else param_persistence_threshold
         zero_section = _zero_section(config_dict_or_path or config)
-        if self.threshold is None:
-            self.threshold = _threshold_from(zero_section)
         # ZeRO++ (zeropp.py), from the arguments or the config as DeepSpeed reads them: qwZ for
         # these parameters' training gathers, and frozen ones kept as int8 blocks
         self.quantize_weights = bool(zero_quantized_weights or zero_section.get("zero_quantized_weights", False))
@@ -665,11 +678,3 @@ def _zero_section(config) -> dict:
         config = load_file(os.fspath(config))
     zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
     return zero if isinstance(zero, dict) else {}
-
-
-def _threshold_from(zero: dict) -> int:
-    default = 100_000
-    value = zero.get("stage3_param_persistence_threshold", default)
-    # "auto": a Hugging Face placeholder that from_pretrained's zero.Init sees before the Trainer
-    # fills it from the model's hidden size (DeepSpeed reads it as unset too).
-    return default if value == "auto" else int(value)

@@ -46,7 +46,7 @@ from .hook_scope import (hooked_modules, module_params, set_leaves_by_granularit
 from .offload import OptimizerHost, make_host, pin_host
 from .offload_states import StateMover
 from ..core.config.zero import OffloadStateTypeEnum
-from .params import gather, is_partitioned, is_present, pack_shard, partition_param, release, rest
+from .params import gather, is_partitioned, is_present, keep_whole, pack_shard, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
 from .prefetch import ModuleTrace, Prefetcher
 from .sharded import ShardedStrategy, offload_optimizer
@@ -151,6 +151,9 @@ class ZeroStage3(ShardedStrategy):
         for old in {id(z.owner): z.owner for z in (getattr(p, "_zero", None) for p in module.parameters())
                     if z is not None and z.owner is not None}.values():
             old.remove_hooks()
+        # zero.Init cuts every parameter, as DeepSpeed's does; the small ones become whole here, as
+        # DeepSpeed's engine marks them persistent (mark_persistent_parameters)
+        kept_whole: List[torch.nn.Parameter] = []
         for n, p in module.named_parameters():
             if not is_partitioned(p):
                 frozen_whole = not p.requires_grad and not pp.quantize_frozen  # packed below otherwise
@@ -160,6 +163,8 @@ class ZeroStage3(ShardedStrategy):
                 raise ValueError(f"ZeRO-3: {n} was partitioned (zero.Init) over {p._zero.world} ranks, but the "
                                  f"data-parallel group has {self.world}; pass zero.Init(data_parallel_group=...) "
                                  "or mpu= so both use the same group")
+            elif not p._zero.persistent and p._zero.numel <= persistence_threshold:
+                kept_whole.append(p)
             p._zero.group = group
             p._zero.name = n
             p._zero.owner = self
@@ -171,10 +176,12 @@ class ZeroStage3(ShardedStrategy):
                 p._zero.zeropp = self.zeropp
                 p._zero.quantize = p._zero.quantize or pp.quantize_weights
                 p._zero.secondary = None
-                if pp.quantize_frozen and not p.requires_grad and not p._zero.persistent:
+                if pp.quantize_frozen and not p.requires_grad and not p._zero.persistent and \
+                        not (kept_whole and kept_whole[-1] is p):  # this one is about to be kept whole
                     pack_shard(p._zero)
             if offload_param is not None and offload_param.device == "cpu" and p._zero.packed is None:
                 p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
+        keep_whole(kept_whole)
         self.groups: List[Dict[str, Any]] = []
         # summed in fp16: divided before the sum, as DeepSpeed's stage 3 does (core/precision.py)
         self.reduction = GradReduction.from_config(ctx.config, self.world, ctx.precision.sums_in_fp16)
