@@ -618,8 +618,20 @@ class Init:
         init = self
 
         def __init__(module, *args, **kwargs):
-            orig(module, *args, **kwargs)
-            init._partition_own(module)
+            # a subclass's __init__ runs its bases' (wrapped too) and may still write what they
+            # made (`super().__init__(); self.weight.data.mul_(0.5)`): only the outermost one
+            # cuts, once the whole chain has run, as DeepSpeed's Init does
+            depth = module.__dict__.get(_INIT_DEPTH, 0)
+            object.__setattr__(module, _INIT_DEPTH, depth + 1)
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                if depth:
+                    object.__setattr__(module, _INIT_DEPTH, depth)
+                else:
+                    object.__delattr__(module, _INIT_DEPTH)
+            if not depth:
+                init._partition_own(module)
         __init__.__wrapped__ = orig
         return __init__
 
@@ -628,6 +640,9 @@ class Init:
             setattr(cls, attr, orig)
         self._patched.clear()
         return False
+
+
+_INIT_DEPTH = "_zero_init_depth"  # how many wrapped __init__ of a module's class chain are running
 
 
 def _apply_gathering(orig):

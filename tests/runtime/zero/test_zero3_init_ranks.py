@@ -5,7 +5,9 @@
   cut parameters and the whole ones under the persistence threshold alike);
 - `module.apply(fn)` inside the context runs fn with each module's cut parameters whole and
   keeps the first rank's result: DeepSpeed's own test (a parent filling its child's weight with
-  1 + rank) sees every shard equal 1. Nested contexts still call fn once per module.
+  1 + rank) sees every shard equal 1. Nested contexts still call fn once per module;
+- a module is cut when its outermost __init__ returns, so a subclass that rewrites what its
+  base's __init__ made (DeepSpeed's ancestry test) keeps its writes.
 
 Measured under DeepSpeed 0.19.8 (2 CPU ranks, seeds 0 and 1, torch.nn.Linear(4, 4) under Init):
 both ranks' gathered weights equal the seed-0 model's, at threshold 0 and at the default."""
@@ -91,3 +93,45 @@ def test_apply_inside_init_sees_whole_parameters_and_keeps_the_first_ranks_resul
         assert r["restored"]  # Module.apply is torch's own again after the context
     for name in ("linear.bias", "head.bias"):  # the first rank's draw on every rank
         assert torch.equal(results[0][name], results[1][name]), name
+
+
+class _HalvedLinear(torch.nn.Linear):
+    """Writes what its base made after super().__init__() returns."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        with torch.no_grad():
+            self.weight.mul_(0.5)
+            self.bias.data = self.bias.data + 1
+
+
+class _Son(_HalvedLinear):
+    """DeepSpeed's ancestry test: each level rewrites its bases' parameters in its own __init__."""
+
+    def __init__(self):
+        super().__init__(4, 3)
+        self.extra = torch.nn.Parameter(torch.ones(5))
+        with torch.no_grad():
+            self.weight.add_(1)
+            self.extra.data = self.extra.data + 2
+
+
+def subclass_body():
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        model = _Son()
+    out = {"held": [p.numel() for p in model.parameters()]}
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        out.update({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def test_a_subclass_writing_its_bases_parameters_is_cut_after_its_whole_init():
+    torch.manual_seed(0)
+    reference = _Son()
+    for got in run_function(subclass_body, nprocs=2, timeout=180):
+        assert got.pop("held") == [0, 0, 0]  # cut once the outermost __init__ returned
+        for name, p in reference.named_parameters():
+            assert torch.equal(got[name], p.detach()), name
