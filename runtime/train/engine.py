@@ -248,7 +248,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             # would answer, and its needs_scaler() (PyTorch-style backward scripts ask it)
             setattr(self.optimizer, ROLES_ATTRIBUTE, engine_roles(self.config.zero_optimization.stage,
                                                                   self.compute_dtype, pipeline=False))
-            if not hasattr(self.optimizer, "needs_scaler"):
+            # (an optimizer class's own needs_scaler stays; one an earlier engine set answers for
+            # that engine, so it is replaced)
+            if not hasattr(type(self.optimizer), "needs_scaler"):
                 self.optimizer.needs_scaler = _needs_scaler_of(self)
         check_in_memory_flag(self.config, self.optimizer)
         if self.seq_parallel_size > 1 and self.optimizer is not None and any(

@@ -155,6 +155,7 @@ class ZeroStage3(ShardedStrategy):
         # DeepSpeed's engine marks them persistent (mark_persistent_parameters)
         kept_whole: List[torch.nn.Parameter] = []
         for n, p in module.named_parameters():
+            becomes_whole = False
             if not is_partitioned(p):
                 frozen_whole = not p.requires_grad and not pp.quantize_frozen  # packed below otherwise
                 partition_param(p, name=n, persistent=frozen_whole or p.numel() <= persistence_threshold,
@@ -164,6 +165,7 @@ class ZeroStage3(ShardedStrategy):
                                  f"data-parallel group has {self.world}; pass zero.Init(data_parallel_group=...) "
                                  "or mpu= so both use the same group")
             elif not p._zero.persistent and p._zero.numel <= persistence_threshold:
+                becomes_whole = True
                 kept_whole.append(p)
             p._zero.group = group
             p._zero.name = n
@@ -176,8 +178,7 @@ class ZeroStage3(ShardedStrategy):
                 p._zero.zeropp = self.zeropp
                 p._zero.quantize = p._zero.quantize or pp.quantize_weights
                 p._zero.secondary = None
-                if pp.quantize_frozen and not p.requires_grad and not p._zero.persistent and \
-                        not (kept_whole and kept_whole[-1] is p):  # this one is about to be kept whole
+                if pp.quantize_frozen and not p.requires_grad and not p._zero.persistent and not becomes_whole:
                     pack_shard(p._zero)
             if offload_param is not None and offload_param.device == "cpu" and p._zero.packed is None:
                 p._zero.shard = pin_host(p._zero.shard, bool(getattr(offload_param, "pin_memory", False)))
