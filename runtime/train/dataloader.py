@@ -53,14 +53,18 @@ class ResumableSampler(DistributedSampler):
 
 
 class DistributedDataLoader:
+    """`sampler`: a script's own (DeepSpeed's deepspeed_io(data_sampler=...)), used as it is;
+    its position is the script's, so checkpoints record none (offset() is 0)."""
+
     def __init__(self, dataset, batch_size: int, rank: int, world_size: int, collate_fn: Optional[Callable] = None,
                  shuffle: bool = True, seed: int = 0, num_workers: int = 0, drop_last: bool = False,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, sampler=None):
         self.dataset = dataset
         self.batch_size = batch_size
         self.world_size = world_size
-        self.sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                                        drop_last=drop_last)
+        self.resumable = sampler is None
+        self.sampler = sampler if sampler is not None else ResumableSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
                                  num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory)
         self.epoch = 0  # epochs started
@@ -72,8 +76,9 @@ class DistributedDataLoader:
         return len(self.loader)
 
     def __iter__(self):
-        self.sampler.set_epoch(self.epoch)
-        self.sampler.start = self._epoch_start = self._resume_at
+        if self.resumable:
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.start = self._epoch_start = self._resume_at
         self._resume_at = 0
         self._taken = 0
         self.epoch += 1
@@ -87,7 +92,7 @@ class DistributedDataLoader:
     def offset(self) -> int:
         """Samples of the epoch in progress the job has taken, over all ranks; 0 when no
         epoch is in progress (not started, or taken to its end)."""
-        if self.epoch == 0:
+        if self.epoch == 0 or not self.resumable:
             return 0
         done = self._epoch_start + self._taken * self.batch_size * self.world_size
         return done if done < len(self.dataset) else 0
@@ -138,3 +143,32 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
+
+
+# DeepSpeed's routes for deepspeed_io: training shuffles; evaluation and prediction read in order
+ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict", "encode"
+_SHUFFLED_ROUTES = {ROUTE_TRAIN: True, ROUTE_ENCODE: True, ROUTE_EVAL: False, ROUTE_PREDICT: False}
+
+
+def route_loader(dataset, batch_size: int, rank: int, world_size: int, route: str = ROUTE_TRAIN,
+                 pin_memory: bool = True, data_sampler=None, collate_fn: Optional[Callable] = None,
+                 num_local_io_workers: Optional[int] = None, drop_last: bool = False,
+                 shuffle: Optional[bool] = None) -> DistributedDataLoader:
+    """DeepSpeed's engine.deepspeed_io, given the engine's data-parallel rank and size.
+
+    As DeepSpeed: a torch Dataset, else ValueError; each rank reads its 1/world of the data
+    (a DistributedSampler, shuffled on the train route, in order on eval and predict) unless
+    the script gives its own `data_sampler`. `shuffle` (dslaunch's) overrides the route's
+    choice. Worker processes default to none (DeepSpeed starts 2 per rank): the batches are
+    the same either way. Pinning happens only where there is a CUDA device to pin for."""
+    if not isinstance(dataset, torch.utils.data.Dataset):
+        raise ValueError(f"deepspeed_io: training data must be a torch Dataset, got {type(dataset).__name__}")
+    if route not in _SHUFFLED_ROUTES:
+        raise ValueError(f"deepspeed_io: route {route!r} is not one of {', '.join(map(repr, _SHUFFLED_ROUTES))}")
+    if isinstance(dataset, torch.utils.data.IterableDataset) and data_sampler is None:
+        raise ValueError("deepspeed_io: an IterableDataset cannot be split over ranks by a sampler; shard it "
+                         "by rank inside the dataset and iterate a torch DataLoader over it")
+    return DistributedDataLoader(dataset, batch_size, rank, world_size, collate_fn=collate_fn,
+                                 shuffle=_SHUFFLED_ROUTES[route] if shuffle is None else shuffle,
+                                 num_workers=num_local_io_workers or 0, drop_last=drop_last,
+                                 pin_memory=bool(pin_memory) and torch.cuda.is_available(), sampler=data_sampler)

@@ -36,7 +36,7 @@ from ..core.parallel import select as mesh_select
 from .compiling import compile_module
 from .compression import compression_schedule
 from ..core.config import DeepSpeedConfig
-from .dataloader import DistributedDataLoader
+from .dataloader import ROUTE_TRAIN, DistributedDataLoader, route_loader
 from ..core.internals import ROLES_ATTRIBUTE, engine_roles
 from ..core.loss_scaler import expose_on_optimizer
 from .lr_schedules import build_scheduler
@@ -281,11 +281,11 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         # engine's own optimizer step passes through the route
         self._direct_step = route_direct_step(self, self._script_optimizer_step)
 
+        self.collate_fn = collate_fn
         self.training_dataloader = None
         if training_data is not None:
-            self.training_dataloader = DistributedDataLoader(
-                training_data, self.batch.micro_batch_per_gpu, self.dp_rank, self.dp_world_size,
-                collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last)
+            # through the method, as DeepSpeed does: a script (or test) that wraps it sees this call
+            self.training_dataloader = self.deepspeed_io(training_data)
 
         self.global_steps = 0
         self.micro_steps = 0
@@ -515,6 +515,16 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         return None
 
     # -- DeepSpeed's accessors ---------------------------------------------------------------
+    def deepspeed_io(self, dataset, batch_size=None, route=ROUTE_TRAIN, pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None, *, shuffle=None):
+        """DeepSpeed's: a loader giving this data-parallel rank its share of `dataset`, with the
+        micro batch size and initialize's collate_fn unless given (dataloader.route_loader)."""
+        return route_loader(dataset, self.train_micro_batch_size_per_gpu() if batch_size is None else batch_size,
+                            self.dp_rank, self.dp_world_size, route=route, pin_memory=pin_memory,
+                            data_sampler=data_sampler, collate_fn=self.collate_fn if collate_fn is None else collate_fn,
+                            num_local_io_workers=num_local_io_workers, drop_last=self.config.dataloader_drop_last,
+                            shuffle=shuffle)
+
     def train_batch_size(self) -> int:
         return self.batch.train_batch_size
 

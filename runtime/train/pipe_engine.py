@@ -46,7 +46,7 @@ import torch
 
 from .accumulation import check_accumulation_mode
 from ..core import comm
-from .dataloader import DistributedDataLoader, RepeatingLoader, move_to
+from .dataloader import RepeatingLoader, move_to
 from ..core.errors import CoalesceUnsupportedError
 from ..core.internals import ROLES_ATTRIBUTE, engine_roles
 from ..core.config import DeepSpeedConfig
@@ -132,9 +132,8 @@ class PipelineEngine(torch.nn.Module):
             # last stage of a pipeline must see the same samples, and do with the same sampler.
             # The engine keeps it: its checkpoints record the loader's position.
             loader = engine.training_dataloader
-            engine.training_dataloader = DistributedDataLoader(loader.dataset, loader.batch_size, engine.dp_rank,
-                                                               engine.dp_world_size,
-                                                               collate_fn=loader.loader.collate_fn, shuffle=False)
+            engine.training_dataloader = engine.deepspeed_io(loader.dataset, loader.batch_size,
+                                                             collate_fn=loader.loader.collate_fn, shuffle=False)
         if engine.training_dataloader is not None and self._reads_data():
             self.data_iterator = RepeatingLoader(engine.training_dataloader)
         self.batch_fn = None

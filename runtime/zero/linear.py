@@ -29,8 +29,14 @@ class LinearFunctionForZeroStage3(torch.autograd.Function):
 
     @staticmethod
     def forward(input, weight, bias=None):
+        # DeepSpeed's forms: under autocast the product's dtype must survive the bias (a plain
+        # `out + bias` would promote a bf16 product back to the fp32 bias's dtype)
+        if input.dim() == 2 and bias is not None:
+            return torch.addmm(bias, input, weight.t())
         out = input.matmul(weight.t())
-        return out + bias if bias is not None else out
+        if bias is not None:
+            out += bias
+        return out
 
     @staticmethod
     def setup_context(ctx, inputs, output):

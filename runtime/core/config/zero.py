@@ -250,11 +250,6 @@ class ZeroConfig:
                     target.pin_memory = True
 
     @property
-    def gather_16bit_weights_on_model_save(self) -> bool:
-        """DeepSpeed's attribute name for stage3_gather_16bit_weights_on_model_save."""
-        return self.stage3_gather_16bit_weights_on_model_save
-
-    @property
     def offload_optimizer_device(self) -> str:
         return self.offload_optimizer.device if self.offload_optimizer else "none"
 
@@ -271,6 +266,20 @@ class ZeroConfig:
         """enable_sanity_checks, unless DSLAUNCH_ZERO3_CHECK says otherwise."""
         env = os.environ.get("DSLAUNCH_ZERO3_CHECK", "")
         return self.enable_sanity_checks if env == "" else env != "0"
+
+
+def _unprefixed(name: str) -> property:
+    full = "stage3_" + name
+    return property(lambda self: getattr(self, full), lambda self, value: setattr(self, full, value),
+                    doc=f"DeepSpeed's attribute name for {full}.")
+
+
+# DeepSpeed's model names its stage-3 fields without the prefix (the prefixed spellings are its
+# aliases): a script reading config.prefetch_bucket_size gets the same field
+for _name in ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+              "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+              "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential"):
+    setattr(ZeroConfig, _name, _unprefixed(_name))
 
 
 # -- DeepSpeed's names for this schema (deepspeed.runtime.zero.config and .offload_config) ----

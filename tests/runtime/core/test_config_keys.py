@@ -146,6 +146,14 @@ def test_deepspeed_zero_config_takes_deepspeeds_spellings_and_attribute_names():
         assert isinstance(cfg, ZeroConfig) and isinstance(cfg, DeepSpeedZeroConfig)
     assert DeepSpeedZeroConfig().gather_16bit_weights_on_model_save is False
     assert DeepSpeedZeroConfig(stage=2, reduce_bucket_size=100).reduce_bucket_size == 100
+    # DeepSpeed's field names are the unprefixed ones (its test_zero_config_aliasfields)
+    for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+                 "max_reuse_distance", "module_granularity_threshold"):
+        cfg = DeepSpeedZeroConfig(**{"stage3_" + name: 12345})
+        assert getattr(cfg, name) == 12345 == getattr(cfg, "stage3_" + name), name
+        setattr(cfg, name, 7)
+        assert getattr(cfg, "stage3_" + name) == 7, name
+    assert DeepSpeedZeroConfig().prefetch_bucket_size == 50_000_000
     with pytest.raises(ConfigError, match=r"zero_optimization.stage: must be 0, 1, 2 or 3, got 7"):
         DeepSpeedZeroConfig(stage=7)
 
