@@ -257,7 +257,10 @@ def parse_dataclass(cls, data: Dict[str, Any], path: str = ""):
         name = aliases.get(key, key)
         where = f"{path}.{key}" if path else key
         if name not in fields:
-            raise ConfigError(f"{where}: unknown key{suggest(key, list(fields) + list(aliases))}")
+            # a section may say where such a key belongs (UNKNOWN_KEY_HINT, formatted with it)
+            hint = suggest(key, list(fields) + list(aliases)) or getattr(cls, "UNKNOWN_KEY_HINT", "").format(
+                path=path, key=key)
+            raise ConfigError(f"{where}: unknown key{hint}")
         info = key_info(fields[name])
         if info.refused is not None:
             if not any(_same(value, ok) for ok in info.accepted):

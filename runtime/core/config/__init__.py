@@ -43,6 +43,9 @@ class OptimizerConfig:
     params: Dict[str, Any] = supported(factory=dict, note="the optimizer's constructor arguments, checked by name")
     legacy_fusion: Any = refused("the legacy fused fp16 optimizer is not supported; remove it", False)
 
+    # DeepSpeed reads an optimizer's arguments only from its params and ignores keys beside them
+    UNKNOWN_KEY_HINT = "; optimizer arguments belong in {path}.params (DeepSpeed ignores keys beside it): move it there"
+
     def validate(self, path: str) -> None:
         check_optimizer_params(path or "optimizer", self.type, self.params)
 

@@ -119,6 +119,10 @@ def test_auto_names_its_key(raw, key):
     ({"flops_profiler": {"profile_stepp": 3}}, "config: flops_profiler.profile_stepp: unknown key; did you mean "
                                                 "'profile_step'?"),
     ({"tensorbord": {"enabled": True}}, "config: tensorbord: unknown key; did you mean 'tensorboard'?"),
+    # DeepSpeed's test_fp16 writes torch_adam beside params, where DeepSpeed never reads it
+    ({"optimizer": {"type": "Adam", "torch_adam": True, "params": {"lr": 1e-3}}},
+     "config: optimizer.torch_adam: unknown key; optimizer arguments belong in optimizer.params (DeepSpeed "
+     "ignores keys beside it): move it there"),
 ])
 def test_typos_still_get_did_you_mean(raw, message):
     with pytest.raises(ConfigError) as err:
