@@ -331,6 +331,9 @@ class GradientStrategy:
     # -- the gradient window (see "Whole-parameter access" above) ---------------------------
     _grad_window = False  # the boundary backward ran and step() has not consumed its gradients
     _reduced_early = False  # a fragment access reduced them inside the window
+    # inside engine.no_sync(): safe_get_full_grad answers as DeepSpeed's does there, with the
+    # gradient as it stands (this rank's unreduced sum in the model dtype; nothing is reduced)
+    local_grads_readable = False
 
     def open_grad_window(self) -> None:
         self._grad_window = True

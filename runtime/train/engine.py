@@ -761,10 +761,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             raise BackwardUsageError("no_sync context manager reentry is unsupported: this engine is already inside "
                                      "no_sync()")
         self._no_sync = True
+        self.strategy.local_grads_readable = True
         try:
             yield
         finally:
             self._no_sync = False
+            self.strategy.local_grads_readable = False
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self):

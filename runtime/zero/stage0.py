@@ -316,6 +316,8 @@ class DataParallelStrategy(GradientStrategy):
         place = self._place(param)
         if place is None:
             return None
+        if self.local_grads_readable and not self.grad_window_open:
+            return param.grad  # DeepSpeed's answer inside no_sync: param.grad itself
         self.grads_for_access("safe_get_full_grad")
         return self._reduced_grad(*place).detach().to(self.ctx.device, torch.float32, copy=True).view(param.shape)
 

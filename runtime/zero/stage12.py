@@ -509,6 +509,8 @@ class _PartitionedStage(ShardedStrategy):
         found = self._slot(param)
         if found is None:
             return None
+        if self.local_grads_readable and not self.grad_window_open:  # DeepSpeed's answer inside no_sync
+            return param.grad_accum if self.separate_accum is not None else param.grad
         self.grads_for_access("safe_get_full_grad")
         g, s, mine = found
         if g.grad is None:  # no gradient reached the group on any rank: zeros, as the step would see

@@ -211,6 +211,32 @@ def test_no_sync_is_refused_where_deepspeed_refuses_it():
     assert engine.global_steps == 1
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_safe_get_full_grad_inside_no_sync_is_the_local_sum(stage):
+    """DeepSpeed 0.19.8 (2 ranks, measured): inside no_sync, safe_get_full_grad returns
+    param.grad as it stands, this rank's unreduced sum of the block's backwards; its
+    test_no_sync_ctxt reads it there."""
+    import copy
+
+    import torch
+    from dslaunch.runtime.zero.fragments import safe_get_full_grad
+
+    model = W.make_model()
+    plain = copy.deepcopy(model)
+    engine = _engine(stage=stage, model=model)
+    batches = [W.batch(0, k, 1, torch.float32) for k in range(2)]
+    with engine.no_sync():
+        for x, y in batches:
+            W._mse(engine(x), y).backward()
+            W._mse(plain(x), y).backward()
+        for (name, p), q in zip(engine.module.named_parameters(), plain.parameters()):
+            got = safe_get_full_grad(p)
+            assert got is not None, name
+            torch.testing.assert_close(got.float(), q.grad, rtol=1e-6, atol=1e-7)
+    engine.step()
+    assert engine.global_steps == 1
+
+
 def test_outputs_in_containers_are_divided_once():
     """A dict output holding the loss and the output it came from, and a namedtuple: each
     gradient the script sends in is divided by gas once (engine.backward's gradients)."""
