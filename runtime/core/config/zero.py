@@ -87,6 +87,10 @@ class OffloadOptimizerConfig(_OffloadTarget):
     cpuadam_cores_perc: Any = refused("CPU Adam core pinning is not supported; OMP_NUM_THREADS sets its threads",
                                       0.8)
 
+    def __post_init__(self) -> None:
+        # DeepSpeed's model sets pipeline from its two halves, and scripts read it back
+        self.pipeline = bool(self.pipeline or self.pipeline_read or self.pipeline_write)
+
 
 @dataclass
 class OffloadParamConfig(_OffloadTarget):

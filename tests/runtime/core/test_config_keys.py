@@ -158,6 +158,10 @@ def test_deepspeed_zero_config_takes_deepspeeds_spellings_and_attribute_names():
         setattr(cfg, name, 7)
         assert getattr(cfg, "stage3_" + name) == 7, name
     assert DeepSpeedZeroConfig().prefetch_bucket_size == 50_000_000
+    from dslaunch.runtime.core.config.zero import DeepSpeedZeroOffloadOptimizerConfig
+
+    for read, write in ((False, False), (True, False), (False, True), (True, True)):
+        assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_read=read, pipeline_write=write).pipeline is (read or write)
     with pytest.raises(ConfigError, match=r"zero_optimization.stage: must be 0, 1, 2 or 3, got 7"):
         DeepSpeedZeroConfig(stage=7)
 
