@@ -37,6 +37,7 @@ from .compiling import compile_module
 from .compression import compression_schedule
 from ..core.config import DeepSpeedConfig
 from .dataloader import ROUTE_TRAIN, DistributedDataLoader, route_loader
+from .throughput import ThroughputTimer
 from ..core.internals import ROLES_ATTRIBUTE, engine_roles
 from ..core.loss_scaler import expose_on_optimizer
 from .lr_schedules import build_scheduler
@@ -426,6 +427,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                                     throughput=c.timers.throughput.enabled)
         self.monitor = build_monitor(c, self.global_rank, self.progress)
         self._meter = StepMeter(breakdown, synchronize=c.timers.throughput.synchronized or breakdown)
+        # DeepSpeed's engine.tput_timer: started at each forward, stopped at each step()
+        self.tput_timer = ThroughputTimer(c.timers.throughput, batch_size=self.train_batch_size(),
+                                          steps_per_output=c.steps_per_print)
         self._flops = StepProfiler(c.flops_profiler, self.module, self.global_rank)
         self._gc = report.PythonGC()
         if c.disable_python_gc:
@@ -632,6 +636,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             self._resize.check_stop()
         if self.config.fp16.auto_cast and self.compute_dtype == torch.float16:
             args, kwargs = cast_floating(args, torch.float16), cast_floating(kwargs, torch.float16)
+        self.tput_timer.start()
         try:
             with self._meter.timed("forward"), self._flops.forward(self.global_steps), \
                     forward_context(self.precision, self.device), \
@@ -825,6 +830,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                 self.micro_steps += 1
         finally:
             self._in_step = False
+        self.tput_timer.stop(global_step=boundary)
         if boundary:
             self._report_step()
             if self._resize is not None:

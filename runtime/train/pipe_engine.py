@@ -303,6 +303,7 @@ class PipelineEngine(torch.nn.Module):
             self.set_dataiterator(data_iter)
         self.module.train()
         self._compute_loss = True
+        self._engine.tput_timer.start()
         start = time.perf_counter()
         sched = S.train_schedule(self.schedule_name, self.micro_batches, self.num_stages, self.stage_id, self.chunks)
         if self._engine._trial is not None:
@@ -310,6 +311,7 @@ class PipelineEngine(torch.nn.Module):
         losses = self._exec_schedule(sched)
         self.agg_train_loss = self._aggregate_loss(losses, self.micro_batches)
         self.step_timings["total"] = time.perf_counter() - start
+        self._engine.tput_timer.stop(global_step=True)
         self._engine._meter.add_loss(float(self.agg_train_loss))
         self._engine._report_step()  # the log line and monitors, once the batch's loss is known
         if self._engine._resize is not None:

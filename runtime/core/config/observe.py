@@ -68,7 +68,7 @@ class FlopsProfilerConfig:
 
 @dataclass
 class ThroughputTimerConfig:
-    enabled: bool = supported(True, "samples/s in the progress line")
+    enabled: bool = supported(True, "samples/s in the progress line, and engine.tput_timer's counters")
     synchronized: bool = supported(True, "waits for the GPU before reading the clock (CUDA only)")
 
 
