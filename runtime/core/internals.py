@@ -5,11 +5,13 @@ DeepSpeed's engine wraps the optimizer in a class per precision and ZeRO stage
 tests included, imports them to ask `isinstance(engine.optimizer, ...)`. dslaunch's engine
 keeps precision and partitioning in its strategy and exposes the plain torch optimizer as
 `engine.optimizer`, so these names exist for that question and refuse construction with the
-reason. For the concrete wrappers (FP16_Optimizer, DeepSpeedZeroOptimizer, ...) the answer is
-always no: their internals (flat fp16 groups, bucket state) are not all here. For DeepSpeed's
-two base classes (DeepSpeedOptimizer, ZeROOptimizer: deepspeed.runtime.base_optimizer) the
-answer is the role the engine gave its optimizer (engine_roles below), as DeepSpeed's engine
-would have wrapped it, because the methods scripts call through them (needs_scaler) are here.
+reason. For the concrete wrappers of stages 0-2 (FP16_Optimizer, DeepSpeedZeroOptimizer, ...)
+the answer is always no: their internals (flat fp16 groups, bucket state) are not all here.
+For DeepSpeed's two base classes (DeepSpeedOptimizer, ZeROOptimizer:
+deepspeed.runtime.base_optimizer) and its stage-3 optimizer the answer is the role the engine
+gave its optimizer (engine_roles below), as DeepSpeed's engine would have wrapped it, because
+what scripts and DeepSpeed's tests use through them (needs_scaler; at stage 3 the flat fp32
+partitions and _get_norm_groups) is here.
 """
 from __future__ import annotations
 
@@ -63,11 +65,20 @@ ZeROOptimizer = _EngineRole("ZeROOptimizer", (DeepSpeedOptimizer,), {
     "__doc__": "DeepSpeed's base of its ZeRO optimizers: isinstance holds for the optimizer of an engine at ZeRO 1-3."})
 
 
+# deepspeed.runtime.zero.stage3's optimizer: what its tests read of it is published on a stage-3
+# engine's optimizer (fp16_groups, fp32_partitioned_groups_flat, _get_norm_groups, _global_grad_norm)
+DeepSpeedZeroOptimizer_Stage3 = _EngineRole("DeepSpeedZeroOptimizer_Stage3", (ZeROOptimizer,), {
+    "_replacement": "ZeRO stage 3 is set by \"zero_optimization.stage\" in the config",
+    "__doc__": "DeepSpeed's ZeRO-3 optimizer: isinstance holds for the optimizer of an engine at ZeRO 3."})
+
+
 def engine_roles(zero_stage: int, compute_dtype, pipeline: bool) -> frozenset:
     """The base classes of the wrapper DeepSpeed 0.19.8's engine would return as engine.optimizer:
     a ZeRO optimizer at stages 1-3; at stage 0, BF16_Optimizer (a ZeROOptimizer) for bf16 under
     its pipeline engine, FP16_Optimizer (a DeepSpeedOptimizer) for fp16 or bf16 otherwise, and
-    the client's own optimizer for fp32."""
+    the client's own optimizer for fp32; at stage 3 also DeepSpeedZeroOptimizer_Stage3."""
+    if zero_stage == 3:
+        return frozenset({"DeepSpeedOptimizer", "ZeROOptimizer", "DeepSpeedZeroOptimizer_Stage3"})
     if zero_stage >= 1 or (pipeline and compute_dtype == torch.bfloat16):
         return frozenset({"DeepSpeedOptimizer", "ZeROOptimizer"})
     return frozenset({"DeepSpeedOptimizer"}) if compute_dtype != torch.float32 else frozenset()

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..core.internals import internal_optimizer
+# DeepSpeed's ZeRO-3 optimizer class, for isinstance (core/internals.py); deepspeed.runtime.zero.stage3 names it
+from ..core.internals import DeepSpeedZeroOptimizer_Stage3  # noqa: F401
 from ..core.muon.sharded import ShardedMuon, resident_keys, chunked_updates
 from ..core.reduction import GradReduction
 from ..core.shard_state import FrozenRecord, ShardKind, ShardLayout
@@ -232,6 +234,7 @@ class ZeroStage3(ShardedStrategy):
             # engine._get_zero_param_shapes() gives DeepSpeed's sub-group split, for checkpoints
             optimizer.fp16_groups = [g["params"] for g in self.groups]
             optimizer.fp32_partitioned_groups_flat = [g["master"] for g in self.groups]
+            optimizer._get_norm_groups = _norm_groups_of(self)
         self.optimizer_on_host = offload is not None  # offload_states leaves masters, state and gradients there
         self.mover = StateMover()  # what engine.offload_states moved (offload_states.py)
         self.swapper = None
@@ -558,21 +561,33 @@ class ZeroStage3(ShardedStrategy):
                     chunked_updates(self.muon, gi, self._grad(gi), g["master"], layout, self.world, self.rank,
                                     self.group, self.ctx.distributed)
 
-    def global_grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float32)
+    def _group_squares(self, label: str) -> torch.Tensor:
+        """Per param group, the sum of squares of the reduced gradient partitions over the
+        whole data-parallel group (one all-reduce)."""
+        sq = torch.zeros(len(self.groups), dtype=torch.float32)
         skip = self.ctx.norm_exclude
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             if g["grad"] is None:
                 continue
             if not skip:
-                sq += g["grad"].float().pow(2).sum().cpu()
+                sq[i] += g["grad"].float().pow(2).sum().cpu()
                 continue
             for p in g["params"]:
                 if id(p) not in skip:
                     z = p._zero
-                    sq += g["grad"][z.master_offset:z.master_offset + z.chunk].float().pow(2).sum().cpu()
-        comm.all_reduce(sq, group=self.group, label="stage3 grad norm")
-        return float(sq.sqrt())
+                    sq[i] += g["grad"][z.master_offset:z.master_offset + z.chunk].float().pow(2).sum().cpu()
+        comm.all_reduce(sq, group=self.group, label=label)
+        return sq
+
+    def global_grad_norm(self) -> float:
+        return float(self._group_squares("stage3 grad norm").sum().sqrt())
+
+    def norm_groups(self) -> List[torch.Tensor]:
+        """DeepSpeed's stage-3 optimizer._get_norm_groups(): per param group, the norm of the
+        gradients as they stand (loss-scaled under fp16), -1 where it is not finite. Collective."""
+        self._flush_grads()
+        norms = self._group_squares("stage3 norm groups").sqrt().to(self.ctx.device)
+        return [torch.where(torch.isfinite(n), n, torch.full_like(n, -1.0)) for n in norms]
 
     def scale_gradients_(self, factor: float) -> None:
         if factor != 1.0:
@@ -953,6 +968,14 @@ def _wrap_outputs(engine, m, out):
     return out
 
 
-# DeepSpeed's ZeRO-3 optimizer wrapper, named for isinstance checks only (runtime/internals.py).
-DeepSpeedZeroOptimizer_Stage3 = internal_optimizer(
-    "DeepSpeedZeroOptimizer_Stage3", "ZeRO stage 3 is set by \"zero_optimization.stage\" in the config")
+def _norm_groups_of(strategy: ZeroStage3):
+    # a weak reference: the optimizer object (the script's) must not keep the strategy alive
+    ref = weakref.ref(strategy)
+
+    def _get_norm_groups():
+        s = ref()
+        if s is None:
+            raise RuntimeError("_get_norm_groups: the stage-3 engine that built this optimizer is gone")
+        return s.norm_groups()
+
+    return _get_norm_groups

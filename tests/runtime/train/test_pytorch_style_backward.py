@@ -183,10 +183,13 @@ def test_optimizer_answers_deepspeeds_base_classes_and_needs_scaler(stage, preci
     PyTorch-style scripts (and DeepSpeed's tests of them) ask before choosing engine.scale."""
     import torch
     from dslaunch.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+    from dslaunch.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     extra = {} if precision == "fp32" else {precision: {"enabled": True}}
     engine = _engine(stage=stage, extra=extra)
-    _, zero, base, needs = DEEPSPEED_OPTIMIZER_ROLES[stage, precision]
+    cls, zero, base, needs = DEEPSPEED_OPTIMIZER_ROLES[stage, precision]
+    # of DeepSpeed's concrete classes only the stage-3 optimizer answers (its members are here)
+    assert isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3) is (cls == "DeepSpeedZeroOptimizer_Stage3")
     assert isinstance(engine.optimizer, ZeROOptimizer) is zero
     assert isinstance(engine.optimizer, DeepSpeedOptimizer) is base
     assert engine.optimizer.needs_scaler() is (precision == "fp16" if needs is None else needs)
