@@ -169,8 +169,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         source = _with_mesh_param(source, mesh_param)
         self.config = DeepSpeedConfig.load(source)
         check_accumulation_mode(self.config, pipeline=False)
-        if dist_init_required is not False:
-            comm.init_distributed()
+        comm.init_distributed(dist_init_required=dist_init_required)
         section = self.config.comms_logger
         comm.configure(enabled=section.enabled, prof_all=section.prof_all, prof_ops=section.prof_ops,
                        verbose=section.verbose, debug=section.debug, timeout=self.config.comms_timeout)

@@ -18,8 +18,15 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..strict import ConfigError
 from . import watchdog
 from .collectives import recorder
+
+
+class DistributedNotInitializedError(ConfigError, AssertionError):
+    """dist_init_required=False with no process group: DeepSpeed asserts here (so its tests
+    catch an AssertionError). Going on would leave each rank of a multi-rank launch training
+    alone, without a word."""
 
 _WORLD_SOURCE = None  # set when init_distributed creates the default group
 
@@ -74,7 +81,11 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         configure(deepspeed_config=config)
     if timeout is not None:
         watchdog.set_timeout(_seconds(timeout))
-    if dist.is_initialized() or dist_init_required is False:
+    if dist_init_required is False and not dist.is_initialized():
+        raise DistributedNotInitializedError(
+            "dist_init_required=False, but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group first, or leave dist_init_required unset (initialized here)")
+    if dist.is_initialized():
         watchdog.ensure(recorder)
         return
     if auto_mpi_discovery:

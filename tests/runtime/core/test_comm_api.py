@@ -310,3 +310,33 @@ def test_one_process_groups_never_reuse_a_port_a_store_may_still_hold(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["child", "ok", "second", "ok", "True"], res.stdout + res.stderr[-2000:]
+
+
+NOT_INITIALIZED = """
+import torch
+import dslaunch.runtime as deepspeed
+try:
+    deepspeed.init_distributed(dist_init_required=False)
+except AssertionError as exc:  # DeepSpeed asserts here; its tests catch AssertionError
+    print("refused:", exc)
+model = torch.nn.Linear(2, 2)
+deepspeed.initialize(model=model, model_parameters=model.parameters(), dist_init_required=False,
+                     config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+"""
+
+
+def test_dist_init_required_false_without_a_process_group_is_refused(tmp_path):
+    """DeepSpeed asserts when dist_init_required=False finds no process group; going on would
+    leave each rank of a launch training alone. Uncaught, it is one line and exit status 2."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_init.py"
+    script.write_text(NOT_INITIALIZED)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    line = ("dist_init_required=False, but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group first, or leave dist_init_required unset (initialized here)")
+    assert res.stdout.strip() == "refused: " + line, res.stdout + res.stderr[-2000:]
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1].endswith(line), res.stderr[-2000:]

@@ -150,4 +150,4 @@ def test_mpu_missing_methods_is_one_error():
             return None
 
     with pytest.raises(ConfigError, match="the mpu object lacks get_model_parallel_rank"):
-        deepspeed.initialize(model=Net(), config=_config(0), mpu=Half(), dist_init_required=False)
+        deepspeed.initialize(model=Net(), config=_config(0), mpu=Half())
