@@ -427,8 +427,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         self.monitor = build_monitor(c, self.global_rank, self.progress)
         self._meter = StepMeter(breakdown, synchronize=c.timers.throughput.synchronized or breakdown)
         # DeepSpeed's engine.tput_timer: started at each forward, stopped at each step()
-        self.tput_timer = ThroughputTimer(c.timers.throughput, batch_size=self.train_batch_size(),
-                                          steps_per_output=c.steps_per_print)
+        self.tput_timer = ThroughputTimer(c.timers.throughput, batch_size=self.train_batch_size())
         self._flops = StepProfiler(c.flops_profiler, self.module, self.global_rank)
         self._gc = report.PythonGC()
         if c.disable_python_gc:

@@ -18,12 +18,11 @@ import torch
 
 
 class ThroughputTimer:
-    def __init__(self, config, batch_size=None, start_step: int = 2, steps_per_output=None):
+    def __init__(self, config, batch_size=None, start_step: int = 2):
         self.enabled = bool(config.enabled)
         self.synchronized = bool(config.synchronized)
         self.batch_size = 1 if batch_size is None else batch_size
         self.start_step = start_step
-        self.steps_per_output = steps_per_output
         self.initialized = False  # any start() so far
         self.started = False  # between a start() and its stop()
         self.start_time = 0.0  # 0 while warming up: nothing is being timed
