@@ -40,6 +40,11 @@ class OptimizerRequiredError(ConfigError, AssertionError):
     so its tests catch an AssertionError."""
 
 
+class ModelRequiredError(ConfigError, AssertionError):
+    """initialize without a model (none given, or the model passed in `args`' place):
+    DeepSpeed asserts here, so its tests catch an AssertionError."""
+
+
 class ZeRORuntimeException(Exception):
     """The class DeepSpeed raises its ZeRO refusals as. dslaunch's refusals that DeepSpeed
     raises as this (a client optimizer under offload_optimizer with zero_force_ds_cpu_optimizer,

@@ -36,6 +36,8 @@ from ..core.parallel import select as mesh_select
 from .compiling import compile_module
 from .compression import compression_schedule
 from ..core.config import DeepSpeedConfig
+from ..core.config.precision import check_param_dtype
+from ..core.module_cast import cast_module, keep_in_fp32_pattern, training_dtypes
 from .dataloader import ROUTE_TRAIN, DistributedDataLoader, route_loader
 from .throughput import ThroughputTimer
 from ..core.internals import ROLES_ATTRIBUTE, engine_roles
@@ -60,7 +62,7 @@ from ..zero.hook_scope import apply_leaf_module_config, leaf_parameters
 from ..zero.grad_views import publish_grad_partitions
 from ..zero.offload_states import offload_strategy_states, reload_strategy_states
 from ..core.config.zero import OffloadDeviceEnum
-from ..core.errors import CoalesceUnsupportedError, OptimizerRequiredError
+from ..core.errors import CoalesceUnsupportedError, ModelRequiredError, OptimizerRequiredError
 from ..core.strict import ConfigError
 from .accumulation import check_accumulation_mode, samples_in_step
 from .direct_step import route_direct_step
@@ -159,7 +161,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         # initialize's (DeepSpeed passes the mesh it built from it as mesh_device).
         super().__init__()
         if model is None:
-            raise ValueError("initialize: model= is required")
+            raise ModelRequiredError("initialize: model= is required" + (
+                " (a model was passed as the first argument, which is args; pass model=...)"
+                if isinstance(args, torch.nn.Module) else ""))
         if mesh_device is not None:
             raise ConfigError("DeepSpeedEngine: mesh_device is not supported; the engine builds its mesh from the "
                               "config and mpu (dslaunch.runtime.parallel)")
@@ -216,8 +220,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
 
         if not dont_change_device:
             model.to(self.device)
-        if self.compute_dtype != torch.float32:
-            model.to(self.compute_dtype)
+        # parameters to fp16/bf16; buffers keep their dtype unless data_types says (core/module_cast.py)
+        param_dtype, buffer_dtype = training_dtypes(self.fp16_enabled(), self.bfloat16_enabled(),
+                                                    self.config.buffer_dtype)
+        if param_dtype is not None:
+            cast_module(model, param_dtype, buffer_dtype,
+                        keep=keep_in_fp32_pattern(model, self.config.keep_in_fp32_modules, param_dtype))
         self._broadcast_initial_state(model)
         self.module = model
         self._compression = self._compression_schedule(model)
@@ -569,6 +577,22 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
+
+    @property
+    def _config(self) -> DeepSpeedConfig:
+        """DeepSpeed's name for the engine's parsed config."""
+        return self.config
+
+    # DeepSpeed's private helpers of its fp16/bf16 cast, under its names (its tests call them
+    # with a stand-in engine); initialize does the same through core/module_cast.py
+    def _assert_valid_mixed_precision_config(self) -> None:
+        check_param_dtype(self._config.param_dtype, self.fp16_enabled(), self.bfloat16_enabled())
+
+    def _mixed_precision_dtypes(self):
+        return training_dtypes(self.fp16_enabled(), self.bfloat16_enabled(), self._config.buffer_dtype)
+
+    def _cast_module_mixed_precision(self, param_dtype, buffer_dtype, is_zero_init_model, keep_pattern=None) -> None:
+        cast_module(self.module, param_dtype, buffer_dtype, cast_params=not is_zero_init_model, keep=keep_pattern)
 
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled

@@ -20,6 +20,10 @@ ZERO_TESTED_OPTIMIZERS = {"Adam", "AdamW", "CPUAdam", "FusedAdam", "DeepSpeedCPU
                           "Lion", "FusedLion", "CPUAdagrad", "DeepSpeedCPUAdagrad", "Adagrad", "MuonWithAuxAdam"}
 
 
+class UntestedOptimizerError(ConfigError, AssertionError):
+    """The refusal DeepSpeed asserts (its tests catch an AssertionError); a ConfigError here too."""
+
+
 class ForcedCPUOptimizerError(ConfigError, ZeRORuntimeException):
     """The refusal DeepSpeed raises as ZeRORuntimeException; a ConfigError here too."""
 
@@ -29,7 +33,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config, client: bool = Tru
     name = type(optimizer).__name__
     zero = config.zero_optimization
     if zero.stage >= 1 and name not in ZERO_TESTED_OPTIMIZERS and not config.zero_allow_untested_optimizer:
-        raise ConfigError(f"zero_allow_untested_optimizer: ZeRO stage {zero.stage} is not tested with {name} "
+        raise UntestedOptimizerError(f"zero_allow_untested_optimizer: ZeRO stage {zero.stage} is not tested with {name} "
                           f"(tested: {', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); add "
                           f"\"zero_allow_untested_optimizer\": true to use it")
     if client and zero.offload_optimizer_device != "none" and config.zero_force_ds_cpu_optimizer:

@@ -96,6 +96,31 @@ def test_deepspeed_config_from_a_path_resolves_batch_sizes(tmp_path):
         DeepSpeedConfig({"zero_optimization": {"stagee": 2}})
 
 
+def test_configure_train_batch_size_fills_and_checks_against_the_world_size():
+    # DeepSpeed's TestBatchConfig drives this: set the three keys, re-resolve, expect an
+    # AssertionError where they do not fit the data-parallel size
+    from dslaunch.runtime import DeepSpeedConfig, ConfigError
+
+    class Mpu:
+        def get_data_parallel_world_size(self):
+            return 2
+
+    cfg = DeepSpeedConfig({"train_batch_size": 2}, mpu=Mpu())
+    assert cfg.world_size == 2
+    for given, want in [((32, 16, 1), (32, 16, 1)), ((32, 16, None), (32, 16, 1)), ((32, None, 2), (32, 8, 2)),
+                        ((None, 8, 2), (32, 8, 2)), ((None, 16, None), (32, 16, 1)), ((32, None, None), (32, 16, 1))]:
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = given
+        cfg._configure_train_batch_size()
+        assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == want
+    for given in [(33, 17, 2), (33, 17, None), (None, None, 2), (32, 18, 1)]:
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = given
+        with pytest.raises(AssertionError, match="batch size: ") as err:
+            cfg._configure_train_batch_size()
+        assert isinstance(err.value, ConfigError)
+        assert given[:2] == (None, None) or "data-parallel size 2 (mpu)" in str(err.value)
+    assert DeepSpeedConfig({"zero_optimization": {"stage": 1}}).world_size == 1  # no process group
+
+
 def test_see_memory_usage_prints_only_when_forced():
     code = ("from dslaunch.runtime.utils import see_memory_usage\n"
             "see_memory_usage('quiet')\nsee_memory_usage('after init', force=True)\n")

@@ -29,7 +29,7 @@ from .backend import default_backend, get_local_rank, init_distributed, local_ra
 from .collectives import (ReduceOp, all_gather, all_gather_into_tensor, all_gather_object, all_reduce,
                           all_to_all_single, allgather_fn, barrier, broadcast, broadcast_object_list, comms_logger,
                           force_fallback, gather, has_all_gather_into_tensor, has_reduce_scatter_tensor,
-                          inference_all_reduce, irecv, isend, monitored_barrier, recorder, recv, reduce,
+                          inference_all_reduce, irecv, isend, labelled, monitored_barrier, recorder, recv, reduce, scope_label,
                           release_completed,
                           reduce_scatter, reduce_scatter_fn, reduce_scatter_tensor, scatter, send)
 from .coalesced import P2POp, all_gather_coalesced, all_reduce_coalesced, all_to_all, batch_isend_irecv
@@ -40,7 +40,7 @@ from .groups import (destroy_process_group, get_all_ranks_from_group, get_global
 __all__ = [
     "init_distributed", "is_initialized", "is_available", "destroy_process_group", "new_group", "get_rank",
     "get_world_size", "get_local_rank", "get_global_rank", "get_world_group", "get_all_ranks_from_group",
-    "ReduceOp", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "ReduceOp", "labelled", "scope_label", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor",
     "reduce_scatter_fn", "all_gather", "all_gather_into_tensor", "allgather_fn", "broadcast", "gather", "scatter",
     "all_to_all_single", "all_gather_object", "broadcast_object_list", "barrier", "monitored_barrier", "send",
     "recv", "isend", "irecv", "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "configure",

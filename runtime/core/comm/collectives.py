@@ -4,6 +4,9 @@ Signatures are torch.distributed's (and deepspeed.comm's), plus keyword options:
   label=      what the caller is doing ("stage3 gather blocks.2 (forward)"): it goes into
               the flight record, so a hang report says which collective of which layer
   prof=, log_name=, debug=   DeepSpeed's comms-logger options (logger.py)
+  labelled(text)  a `with` block giving that label to the collectives inside it that pass
+              none: for a caller that calls in deepspeed.comm's exact signature (DeepSpeed's
+              tests replace some functions with ones of that signature)
 Roots of rooted collectives are global ranks (`src`, `dst`) or ranks within the group
 (`group_src`, `group_dst`), as in torch.distributed.
 
@@ -23,6 +26,8 @@ torch.distributed's functions are looked up at call time (tests wrap them to cou
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import time
 from typing import Any, Callable, List, Optional
@@ -67,6 +72,24 @@ def _caller() -> str:
     return f.f_code.co_name if f is not None else "?"
 
 
+_SCOPE_LABEL: contextvars.ContextVar = contextvars.ContextVar("collective_label", default=None)
+
+
+@contextlib.contextmanager
+def labelled(text: str):
+    """The label of every collective inside the block that passes none (see the module docstring)."""
+    token = _SCOPE_LABEL.set(text)
+    try:
+        yield
+    finally:
+        _SCOPE_LABEL.reset(token)
+
+
+def scope_label() -> Optional[str]:
+    """The label `labelled` gives collectives here, or None outside such a block."""
+    return _SCOPE_LABEL.get()
+
+
 def _run(op: str, group, nbytes: int, call: Callable[[], Any], async_op: bool, label: Optional[str],
          prof: bool = False, log_name: Optional[str] = None, debug: Optional[str] = None, group_key=None,
          device_tensor: Optional[torch.Tensor] = None):
@@ -76,7 +99,7 @@ def _run(op: str, group, nbytes: int, call: Callable[[], Any], async_op: bool, l
     gname = group_name(group)
     if group_key is None:
         group_key = None if gname == "world" else id(group)  # None and group.WORLD count together
-    entry = recorder.begin(op, group_key, gname, nbytes, label or "")
+    entry = recorder.begin(op, group_key, gname, nbytes, label or scope_label() or "")
     name = log_name or op
     profile = comms_logger.wants(name, prof)
     start = time.perf_counter()

@@ -28,7 +28,7 @@ from .observe import (CometConfig, CSVConfig, FlopsProfilerConfig, TensorBoardCo
                       WandbConfig)
 from .parallel import ElasticityConfig, PipelineConfig, TensorParallelConfig
 from .precision import (BF16Config, DataTypesConfig, FP16Config, NonFiniteCheckConfig, TorchAutocastConfig,
-                        check_precision, check_master_states, dtype_named)
+                        check_param_dtype, check_precision, check_master_states, dtype_named)
 from .zero import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 REMOVED = "{what} is not supported (DeepSpeed removed it too); remove it"
@@ -192,6 +192,12 @@ class DeepSpeedConfig:
                               f"(or Infinity for never), got {self.steps_per_print}")
         positive(path, "comms_timeout", self.comms_timeout)
         check_precision(self.fp16, self.bf16, self.torch_autocast)
+        check_param_dtype(self.data_types.param_dtype, self.fp16.enabled, self.bf16.enabled)
+        self._check_immediate_grad_update()
+        if self.data_types.buffer_dtype is not None and not (self.fp16.enabled or self.bf16.enabled):
+            # DeepSpeed casts buffers only inside its fp16/bf16 branch, so there it is read and unused
+            raise ConfigError("data_types.buffer_dtype: applies only with fp16 or bf16 enabled (under fp32 "
+                              "training buffers keep their dtype); remove it")
         if self.torch_autocast.enabled and self.zero_optimization.zero_quantized_weights:
             # DeepSpeed asserts the same when it sets up autocast
             raise ConfigError("torch_autocast.enabled: cannot be combined with zero_optimization.zero_quantized_weights "
@@ -209,6 +215,18 @@ class DeepSpeedConfig:
                               "ZeRO-3 partitions them, so use stage 2 or remove compression_training")
         if self.log_level is not None and self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    def _check_immediate_grad_update(self) -> None:
+        import torch
+
+        if not self.bf16.immediate_grad_update:
+            return
+        # DeepSpeed's BF16_Optimizer, the only reader of the key, runs exactly here
+        if not (self.bf16.enabled and self.zero_optimization.stage == 1 and self.grad_accum_dtype == torch.float32
+                and self.zero_optimization.offload_optimizer_device == "none"):
+            raise ConfigError("bf16.immediate_grad_update: only read at ZeRO stage 1 with bf16, data_types."
+                              "grad_accum_dtype fp32 and no offload_optimizer (DeepSpeed's bf16 optimizer); "
+                              "elsewhere it changes nothing: remove it")
 
     def _check_reduction(self) -> None:
         if not self.gradient_predivide_factor > 0:
@@ -261,6 +279,19 @@ class DeepSpeedConfig:
         if self.communication_data_type is None:
             return None
         return dtype_named("communication_data_type", self.communication_data_type, COMM_DTYPES)
+
+    # DeepSpeed's config object keeps the data_types keys flat, as their spellings
+    @property
+    def param_dtype(self) -> Optional[str]:
+        return self.data_types.param_dtype
+
+    @property
+    def buffer_dtype(self) -> Optional[str]:
+        return self.data_types.buffer_dtype
+
+    @property
+    def keep_in_fp32_modules(self):
+        return self.data_types.keep_in_fp32_modules
 
     @property
     def grad_accum_dtype(self):
@@ -334,20 +365,29 @@ def _deepspeed_style_init(self, config=None, mpu=None, mesh_device=None, **field
                           "and mpu")
     parsed = DeepSpeedConfig.load(config)
     _schema_init(self, **{f.name: getattr(parsed, f.name) for f in dataclasses.fields(DeepSpeedConfig) if f.init})
+    self.world_size, self._dp_source = 1, "no process group"
+    if mpu is not None:
+        self.world_size, self._dp_source = mpu.get_data_parallel_world_size(), "mpu"
+    elif _world_size() is not None:
+        self.world_size, self._dp_source = _world_size(), "world size"
     if self.train_batch_size is None and self.train_micro_batch_size_per_gpu is None:
         return  # nothing to resolve (an inference or partial config)
-    dp, source = 1, "no process group"
-    if mpu is not None:
-        dp, source = mpu.get_data_parallel_world_size(), "mpu"
-    elif _world_size() is not None:
-        dp, source = _world_size(), "world size"
-    sizes = resolve_batch_sizes(self, dp, source)
+    self._configure_train_batch_size()
+
+
+def _configure_train_batch_size(self) -> None:
+    """DeepSpeed's name: fill in the batch-size key left unset from the other two and check
+    the three against the data-parallel size (`world_size`, as DeepSpeed calls it: the one the
+    DeepSpeed-style constructor found, else 1). A BatchSizeError (an AssertionError, as
+    DeepSpeed's) when they disagree."""
+    sizes = resolve_batch_sizes(self, getattr(self, "world_size", 1), getattr(self, "_dp_source", "no process group"))
     self.train_batch_size = sizes.train_batch_size
     self.train_micro_batch_size_per_gpu = sizes.micro_batch_per_gpu
     self.gradient_accumulation_steps = sizes.gradient_accumulation_steps
 
 
 DeepSpeedConfig.__init__ = _deepspeed_style_init
+DeepSpeedConfig._configure_train_batch_size = _configure_train_batch_size
 
 
 def _world_size() -> Optional[int]:
@@ -388,6 +428,11 @@ __all__ = ["DeepSpeedConfig", "ZeroConfig", "OptimizerConfig", "SchedulerConfig"
            "ConfigError"]
 
 
+class BatchSizeError(ConfigError, AssertionError):
+    """Batch-size keys that do not fit together or the data-parallel size; also an
+    AssertionError, the type DeepSpeed raises for them."""
+
+
 @dataclass(frozen=True)
 class BatchSizes:
     train_batch_size: int
@@ -422,12 +467,12 @@ def resolve_batch_sizes(cfg: DeepSpeedConfig, dp_size: int, dp_source: str = "wo
     ws = f"data-parallel size {dp_size} ({dp_source})"
 
     def bad(detail: str) -> ConfigError:
-        return ConfigError(f"batch size: {detail}; the rule is {rule}")
+        return BatchSizeError(f"batch size: {detail}; the rule is {rule}")
 
     if tb is not None and mb is not None and gas is not None:
         if tb != mb * gas * world_size:
             if tb == mb * gas and _filled_by_accelerate_for_one_process():
-                raise ConfigError(
+                raise BatchSizeError(
                     f"batch size: train_batch_size {tb} = {mb} x {gas} x 1 was filled in (\"auto\") for a world of "
                     f"1 process, but this is {ws}: on a machine without GPUs Accelerate starts no process group "
                     "for DeepSpeed. Before TrainingArguments: os.environ[\"ACCELERATE_USE_DEEPSPEED\"] = \"true\"; "

@@ -13,6 +13,10 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "float": "float32", "tor
                "bf16": "bfloat16", "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16"}
 
 
+KEEP_IN_FP32_AUTO = "auto"
+_SHORT = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
+
+
 def dtype_named(path: str, value: str, names=DTYPE_NAMES):
     """The torch dtype a config spells `value`; a ConfigError naming the key otherwise."""
     import torch
@@ -66,8 +70,11 @@ class FP16Config:
 @dataclass
 class BF16Config:
     enabled: bool = supported(False, "bf16 compute with fp32 master weights")
-    immediate_grad_update: Any = refused(
-        "applying bf16 gradients to the fp32 masters during backward is not supported; remove it", False)
+    immediate_grad_update: bool = supported(
+        False, "read where DeepSpeed reads it, ZeRO stage 1 with bf16 and data_types.grad_accum_dtype fp32: "
+               "each parameter's bf16 gradient is added into its fp32 sum in its accumulation hook and freed, "
+               "which this engine's stage 1 always does there (false, DeepSpeed adds at the end of backward: "
+               "the same sums, measured equal); elsewhere refused, as DeepSpeed never reads it")
     check_grad_overflow: bool = supported(True, "an inf/nan gradient norm skips the step (counted as skipped)")
     bf16_master_weights_and_grads: bool = supported(
         False, "ZeRO 1-3 keep master weights and gradient partitions in bf16; see check_master_states")
@@ -119,13 +126,53 @@ class DataTypesConfig:
               "only), stage 1 micro-batch sums (param.grad_accum, when not the model dtype), the reduced "
               "partitions of stages 1-3; unset: the model dtype for full gradients, fp32 for partitions "
               "(DeepSpeed 0.19.8: the model dtype for both)")
-    param_dtype: Any = refused("a separate parameter dtype is not supported; use fp16/bf16", None)
-    buffer_dtype: Any = refused("a separate buffer dtype is not supported; buffers follow the model dtype", None)
-    keep_in_fp32_modules: Any = refused("keeping chosen modules in fp32 is not supported; remove it", "auto", None)
+    param_dtype: Optional[str] = supported(
+        None, "a check, as DeepSpeed's: it must name the dtype fp16/bf16 trains the parameters in (fp32 when "
+              "neither), else initialize raises an AssertionError naming both")
+    buffer_dtype: Optional[str] = supported(
+        None, "under fp16/bf16, the dtype floating buffers are cast to; unset, buffers keep the dtype they "
+              "came in (a rotary inv_freq stays fp32), as DeepSpeed 0.19.8")
+    keep_in_fp32_modules: Any = supported(
+        KEEP_IN_FP32_AUTO, "buffers kept in (or brought back to) fp32 under fp16/bf16, by name: \"auto\" "
+                           "the model's transformers lists (_keep_in_fp32_modules_strict, and under fp16 "
+                           "_keep_in_fp32_modules), a list of patterns (* is any characters, matched "
+                           "anywhere in the buffer's full name), [] none")
 
     def validate(self, path: str) -> None:
-        if self.grad_accum_dtype is not None:
-            dtype_named(f"{path}.grad_accum_dtype" if path else "grad_accum_dtype", self.grad_accum_dtype)
+        prefix = f"{path}." if path else ""
+        for key in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
+            if getattr(self, key) is not None:
+                dtype_named(prefix + key, getattr(self, key))
+        keep = self.keep_in_fp32_modules
+        if keep is None:
+            self.keep_in_fp32_modules = KEEP_IN_FP32_AUTO
+        elif keep != KEEP_IN_FP32_AUTO and not (isinstance(keep, list) and all(isinstance(n, str) for n in keep)):
+            raise ConfigError(f"{prefix}keep_in_fp32_modules: must be \"auto\" or a list of name patterns, "
+                              f"got {keep!r}")
+
+
+class ParamDtypeError(ConfigError, AssertionError):
+    """data_types.param_dtype naming another dtype than the one the parameters train in; also
+    an AssertionError, the type DeepSpeed raises."""
+
+
+def training_dtype(fp16: bool, bf16: bool):
+    """The dtype fp16/bf16 puts the parameters in (fp32 when neither is enabled)."""
+    import torch
+
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
+def check_param_dtype(param_dtype: Optional[str], fp16: bool, bf16: bool) -> None:
+    """DeepSpeed's rule: data_types.param_dtype, when set, is the dtype fp16/bf16 already gives;
+    the masters, reductions and loss scaling all follow those flags, so another would be unsafe."""
+    if param_dtype is None:
+        return
+    requested, model = dtype_named("data_types.param_dtype", param_dtype), training_dtype(fp16, bf16)
+    if requested != model:
+        raise ParamDtypeError(
+            f"data_types.param_dtype: {param_dtype!r} conflicts with the enabled precision "
+            f"({_SHORT[str(model)]}); set the matching fp16/bf16 \"enabled\" flag or remove the key")
 
 
 def check_precision(fp16: FP16Config, bf16: BF16Config, autocast: TorchAutocastConfig) -> None:

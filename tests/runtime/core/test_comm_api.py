@@ -87,7 +87,8 @@ def _ops_worker():
     comm.broadcast(t, group_src=1, group=g)
     out["bcast"] = t.item()
     t = torch.tensor([float(rank + 1)])
-    comm.reduce(t, group_dst=1, group=g)
+    with comm.labelled("scoped reduce"):  # deepspeed.comm's signature, the label from the block
+        comm.reduce(t, comm.get_global_rank(g, 1), comm.ReduceOp.SUM, g, False)
     out["reduce"] = t.item() if me == 1 else None
     t = torch.tensor([1.0])
     work = comm.all_reduce(t, group=None, async_op=True, label="async world")
@@ -138,6 +139,9 @@ def test_ops_on_subgroups_through_deepspeed_comm():
         assert [e["seq"] for e in on_group] == list(range(1, len(on_group) + 1))
         assert [e["op"] for e in on_group[:2]] == ["reduce_scatter_tensor", "all_gather_into_tensor"]
         assert on_group[0]["label"] == "test rs" and on_group[0]["nbytes"] == 32
+        reduces = [e for e in on_group if e["op"] == "reduce"]
+        assert [e["label"] for e in reduces] == ["scoped reduce"]
+        assert on_group[-1]["op"] == "barrier" and on_group[-1]["label"] == ""  # the block is over
         world = [e for e in fl if e["group"] == "world"]
         assert world[0]["op"] == "all_reduce" and world[0]["label"] == "async world"
         assert all(e["state"] == "done" for e in fl)

@@ -61,7 +61,8 @@ ALL = {
              "fp16_master_weights_and_grads": False},
     "bf16": {"enabled": True, "check_grad_overflow": True, "bf16_master_weights_and_grads": True,
              "bf16_optimizer_states": True}, "bfloat16": {"enabled": True},
-    "torch_autocast": {"enabled": False, "dtype": "bfloat16"}, "data_types": {"grad_accum_dtype": "fp32"},
+    "torch_autocast": {"enabled": False, "dtype": "bfloat16"}, "data_types": {"grad_accum_dtype": "fp32", "param_dtype": "bf16", "buffer_dtype": "bf16",
+                                                                    "keep_in_fp32_modules": ["inv_freq"]},
     "prescale_gradients": True, "gradient_predivide_factor": 1.0, "communication_data_type": "fp32",
     "gradient_allreduce_op": "mean",
     "zero_optimization": ZERO,
@@ -115,7 +116,7 @@ ALL = {
                                                               "partition_type": "row"}]}},
 }
 # Keys that cannot sit in ALL next to the others (each is tested below on its own).
-ALONE = {"allgather_size"}
+ALONE = {"allgather_size", "bf16.immediate_grad_update"}  # the latter: ZeRO 1 only
 # Sections whose keys other parts of the runtime own, with their own tests.
 # expert_parallel: tests/runtime/moe/test_autoep_config.py (every key DeepSpeed reads, defaults, refusals) and test_autoep.py.
 ELSEWHERE = ("pipeline.", "checkpoint.", "comms_logger.", "expert_parallel.", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
@@ -174,6 +175,10 @@ EFFECTS = {
     "communication_data_type": "tests/runtime/core/test_reduction_keys.py::test_reduction_keys_at_every_stage",
     "gradient_allreduce_op": "tests/runtime/core/test_reduction_keys.py::test_reduction_keys_at_every_stage",
     "data_types.grad_accum_dtype": "tests/runtime/core/test_reduction_keys.py::test_reduction_keys_at_every_stage",
+    "bf16.immediate_grad_update": "tests/runtime/train/test_precision_vs_deepspeed.py::test_immediate_grad_update_equals_deepspeed",
+    "data_types.param_dtype": "tests/runtime/train/test_precision_vs_deepspeed.py::test_data_types_keys_are_checked_in_one_line",
+    "data_types.buffer_dtype": "tests/runtime/train/test_precision_vs_deepspeed.py::test_module_cast_equals_deepspeed",
+    "data_types.keep_in_fp32_modules": "tests/runtime/train/test_precision_vs_deepspeed.py::test_module_cast_equals_deepspeed",
     "zero_optimization": "tests/runtime/zero/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
     "zero_optimization.stage": "tests/runtime/zero/test_zero_engine.py::test_engine_stages_match_stage0_resume_on_fewer_ranks_and_consolidate",
     "zero_optimization.overlap_comm": "tests/runtime/train/test_engine_parity.py::test_two_ranks_match_one_rank_and_resume_exactly",
@@ -407,6 +412,7 @@ def _effects():
             out[name] = "ok"
         except Err as exc:
             out[name] = str(exc)
+            out[f"{name}_is_assertion"] = isinstance(exc, AssertionError)  # DeepSpeed's type, for its tests
     # the guard looks at client optimizers only (as DeepSpeed's): torch's AdamW that the config asks for
     # (torch_adam) steps on the host
     try:
@@ -457,6 +463,7 @@ def test_engine_effects_of_reporting_and_guard_keys():
     out = run_function(_effects, nprocs=1, timeout=240)[0]
     assert out["batches"] == [3, 2]
     assert out["untested"].startswith("zero_allow_untested_optimizer: ZeRO stage 1 is not tested with SGD")
+    assert out["untested_is_assertion"]
     assert out["untested_allowed"] == "ok" and out["not_forced"] == "ok"
     assert out["forced"].startswith("zero_force_ds_cpu_optimizer: offload_optimizer would step SGD with torch's")
     assert out["config_torch_adam"] == "ok"

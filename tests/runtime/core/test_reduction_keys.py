@@ -37,7 +37,7 @@ def _train(stage, extra, bf16=False, steps=2):
 
     def spy(name):
         def call(*args, **kwargs):
-            label = kwargs.get("label") or ""
+            label = kwargs.get("label") or comm.scope_label() or ""  # stage 2 labels its reduces by block
             if label.startswith(GRAD_LABELS):
                 t = args[1] if name == "reduce_scatter_tensor" else args[0]
                 seen.append(t.detach().clone())

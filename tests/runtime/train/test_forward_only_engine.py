@@ -4,6 +4,9 @@ module's outputs; backward and step are refused in one line with DeepSpeed's err
 (AssertionError); stages 1-2 refuse it at initialize, as DeepSpeed asserts "zero stage N
 requires an optimizer". Checkpoints are refused in one line (their files carry the weights
 with the optimizer's state); save_16bit_model writes the weights."""
+import pytest
+import torch
+
 from dist_harness import run_function
 
 
@@ -62,3 +65,17 @@ def test_forward_only_engine(tmp_path):
                                f"initialize(optimizer=)), so this engine runs forward only; {what}() needs one"), stage
         assert r["save"].startswith("CheckpointError: save_checkpoint: this engine has no optimizer (forward only)")
         assert r["weights"], stage
+
+
+def test_initialize_without_a_model_is_one_line_and_an_assertion_error():
+    # DeepSpeed asserts here (its TestNoModel catches AssertionError), before any process group
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.core.errors import ModelRequiredError
+
+    config = {"train_batch_size": 1}
+    with pytest.raises(AssertionError, match=r"^initialize: model= is required$") as err:
+        deepspeed.initialize(model=None, config=config)
+    assert isinstance(err.value, ModelRequiredError) and isinstance(err.value, ValueError)
+    # the model in args' place, as `initialize(model, config=...)` puts it
+    with pytest.raises(AssertionError, match=r"a model was passed as the first argument, which is args"):
+        deepspeed.initialize(torch.nn.Linear(2, 2), config=config)
