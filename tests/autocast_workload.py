@@ -43,12 +43,8 @@ def train(ds, torch_autocast, autocast_config):
     net = make_net()
     cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000, "torch_autocast": autocast_config}
     engine, _, _, _ = ds.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), config=cfg)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    from engine_steps import train_steps
+
+    losses = train_steps(engine, batch, STEPS)
     comm = {name: str(torch_autocast.get_comm_dtype(p)) for name, p in engine.module.named_parameters()}
     return losses, net.seen, comm

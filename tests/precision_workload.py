@@ -65,15 +65,10 @@ def train(ds, name):
            "zero_allow_untested_optimizer": True,
            "data_types": data_types, **precision}
     engine, _, _, _ = ds.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), config=cfg)
+    from engine_steps import train_steps
+
     dtypes = {n: str(t.dtype) for n, t in list(engine.module.named_buffers()) + list(engine.module.named_parameters())}
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
-    return losses, dtypes
+    return train_steps(engine, batch, STEPS), dtypes
 
 
 # name: (bf16 section, gradient_accumulation_steps); ZeRO 1, grad_accum_dtype fp32, Adam
