@@ -7,7 +7,9 @@ Runs tests/precision_workload.py under DeepSpeed's engine (CPU, gloo) and record
   param_dtype, keep_in_fp32_modules, ZeRO 0-3): the losses and the dtype of every buffer and
   parameter after initialize;
 - "accumulation": two ranks at ZeRO 1, bf16, grad_accum_dtype fp32, with
-  bf16.immediate_grad_update unset, false and true: each rank's losses.
+  bf16.immediate_grad_update unset, false and true: each rank's losses;
+- "zero_init": the buffer dtypes of a model built inside zero.Init under a bf16 config (after
+  Init and after initialize) and of one partitioned by Init(module=...).
 tests/runtime/train/test_precision_vs_deepspeed.py runs the same under dslaunch and compares.
 DeepSpeed is run, never imported by the project.
 """
@@ -31,6 +33,8 @@ def worker(rank, world, port, job, out):
 
     if job["part"] == "cases":
         write_result(out, rank, {name: w.train(deepspeed, name) for name in w.CASES})
+    elif job["part"] == "zero_init":
+        write_result(out, rank, w.zero_init_buffers(deepspeed))
     else:
         write_result(out, rank, {name: w.train_accumulation(deepspeed, name, rank) for name in w.ACCUM_CASES})
 
@@ -47,7 +51,8 @@ def main() -> None:
     # so a build for another DeepSpeed source in the shared cache cannot be picked up
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "ds-autocast-fixture-ext"))
     result = {"deepspeed": deepspeed.__version__, "cases": spawn(worker, 1, {"part": "cases"})[0],
-              "accumulation": spawn(worker, 2, {"part": "accumulation"})}
+              "accumulation": spawn(worker, 2, {"part": "accumulation"}),
+              "zero_init": spawn(worker, 1, {"part": "zero_init"})[0]}
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "expected.json"), "w") as fh:
         json.dump(result, fh, indent=1)

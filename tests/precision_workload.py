@@ -1,6 +1,10 @@
 """The precision workloads both sides run: scripts/make_ds_precision_fixtures.py under real
 DeepSpeed 0.19.8 and tests/runtime/train/test_precision_vs_deepspeed.py under dslaunch.
 
+`zero_init_buffers` (one process): the dtypes of the buffers of a model built inside
+zero.Init under a bf16 config, after Init and after initialize, and of one partitioned by
+Init(module=...).
+
 `train` (the fp16/bf16 module cast, one process): a Linear with a rotary-style fp32 buffer `inv_freq` the forward multiplies in, a `route_bias`
 buffer its class names for fp32 the way a transformers model does
 (`_keep_in_fp32_modules_strict`), and an integer `count` buffer. Trained a few steps (one
@@ -101,3 +105,40 @@ def train_accumulation(ds, name, rank):
         engine.step()
         losses.append(float(loss))
     return losses
+
+
+ZERO_INIT_CASES = {"bf16": {}, "bf16_buffer_fp32": {"buffer_dtype": "fp32"}}
+
+
+def zero_init_buffers(ds):
+    """{case: [buffer dtypes after Init, after initialize, built outside and Init(module=)]}."""
+    import torch
+
+    class Net(torch.nn.Module):
+        _keep_in_fp32_modules_strict = ["keep"]
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("inv", torch.ones(4))
+            self.register_buffer("keep", torch.ones(4))
+            self.register_buffer("later", torch.ones(4))
+
+    def dtypes(module):
+        return {n: str(b.dtype) for n, b in module.named_buffers()}
+
+    out = {}
+    for name, data_types in ZERO_INIT_CASES.items():
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+               "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}, "data_types": data_types}
+        with ds.zero.Init(config_dict_or_path=cfg):
+            net = Net()
+        after_init = dtypes(net)
+        net.later.data = net.later.data.float()  # set by the script after Init: the engine keeps it
+        engine, _, _, _ = ds.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), config=cfg)
+        outside = Net()
+        ds.zero.Init(module=outside, config_dict_or_path=cfg)
+        engine2, _, _, _ = ds.initialize(model=outside, optimizer=torch.optim.SGD(outside.parameters(), lr=0.1),
+                                         config=cfg)
+        out[name] = [after_init, dtypes(engine.module), dtypes(engine2.module)]
+    return out

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..core import comm
 from ..core.autocast import get_comm_dtype, has_comm_dtype
+from ..core.module_cast import CASTABLE, cast_module, keep_in_fp32_pattern
 from ..core.strict import ConfigError
 from .partition import padded_size, param_shard
 
@@ -549,19 +550,29 @@ class Init:
         self.group = data_parallel_group
         # -1: no parameter (not even an empty one) is kept whole unless the keyword asks
         self.threshold = -1 if param_persistence_threshold is None else param_persistence_threshold
-        zero_section = _zero_section(config_dict_or_path or config)
+        config_dict = _config_dict(config_dict_or_path or config)
+        zero_section = _zero_section(config_dict)
         # ZeRO++ (zeropp.py), from the arguments or the config as DeepSpeed reads them: qwZ for
         # these parameters' training gathers, and frozen ones kept as int8 blocks
         self.quantize_weights = bool(zero_quantized_weights or zero_section.get("zero_quantized_weights", False))
         self.quantize_frozen = bool(zero_quantized_nontrainable_weights
                                     or zero_section.get("zero_quantized_nontrainable_weights", False))
         self.dtype = dtype
+        # as DeepSpeed's Init, which makes every floating tensor created inside it this dtype:
+        # the buffers of each module built in the context, less those the model names for
+        # fp32 (core/module_cast.py); the engine leaves buffers as they are
+        self.buffer_dtype = _buffer_dtype(dtype, config_dict)
+        data_types = config_dict.get("data_types")
+        self.keep_in_fp32 = (data_types.get("keep_in_fp32_modules", "auto") if isinstance(data_types, dict)
+                             else "auto")
         self._patched = []
         if module is not None and enabled:
-            # DeepSpeed's form for a model built outside the context: partition it now
+            # DeepSpeed's form for a model built outside the context: partition it now (its
+            # buffers keep their dtype, except those named for fp32)
             self._require_process_group()
             for sub in module.modules():
                 self._partition_own(sub)
+            self._keep_named_buffers_fp32(module)
 
     def _require_process_group(self) -> None:
         # as DeepSpeed's Init: the process group is set up here when the script has not done
@@ -571,6 +582,19 @@ class Init:
         problem = single_rank_group_contradiction(comm.get_world_size(self.group), self._explicit_group)
         if problem is not None:
             raise RuntimeError(problem)
+
+    def _keep_named_buffers_fp32(self, module) -> None:
+        cast_module(module, None, None, keep=keep_in_fp32_pattern(module, self.keep_in_fp32, self.buffer_dtype))
+
+    def _cast_own_buffers(self, module) -> None:
+        """A module just built in the context: its own floating buffers to buffer_dtype, then
+        the buffers it names for fp32 (its subtree's, as the names are relative to it) back."""
+        if self.buffer_dtype is None:
+            return
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.dtype in CASTABLE and buf.dtype != self.buffer_dtype:
+                buf.data = buf.data.to(self.buffer_dtype)
+        self._keep_named_buffers_fp32(module)
 
     def _partition_own(self, module) -> None:
         for name, p in module.named_parameters(recurse=False):
@@ -631,6 +655,7 @@ class Init:
                 else:
                     object.__delattr__(module, _INIT_DEPTH)
             if not depth:
+                init._cast_own_buffers(module)
                 init._partition_own(module)
         __init__.__wrapped__ = orig
         return __init__
@@ -683,13 +708,34 @@ def _all_module_classes():
     return seen
 
 
-def _zero_section(config) -> dict:
-    """The config's zero_optimization section ({} without one)."""
+def _config_dict(config) -> dict:
+    """The config as a dict ({} without one); a path is read."""
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
         from ..core.strict import load_file  # bounded, regular files only, one-line errors
 
         config = load_file(os.fspath(config))
-    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+    return config if isinstance(config, dict) else {}
+
+
+def _zero_section(config: dict) -> dict:
+    """The config's zero_optimization section ({} without one)."""
+    zero = config.get("zero_optimization", {})
     return zero if isinstance(zero, dict) else {}
+
+
+def _enabled(config: dict, *names: str) -> bool:
+    return any(isinstance(config.get(n), dict) and config[n].get("enabled") is True for n in names)
+
+
+def _buffer_dtype(dtype, config: dict):
+    """The dtype DeepSpeed's Init gives the floating buffers a module makes in its __init__:
+    Init's dtype, else the config's fp16/bf16 (None: they keep theirs)."""
+    if dtype is not None:
+        return dtype
+    if _enabled(config, "bf16", "bfloat16"):
+        return torch.bfloat16
+    if _enabled(config, "fp16"):
+        return torch.float16
+    return None

@@ -4,7 +4,9 @@
   buffers kept in their dtype unless data_types.buffer_dtype names one, buffers the model
   names for fp32 kept (and brought back to) fp32; the data_types keys' one-line refusals;
 - bf16.immediate_grad_update at ZeRO 1 with grad_accum_dtype fp32 (2 ranks, accumulation 3):
-  unset, false and true give DeepSpeed's losses; elsewhere the key is refused in one line."""
+  unset, false and true give DeepSpeed's losses; elsewhere the key is refused in one line;
+- zero.Init under a bf16 config: the buffers a module makes in its __init__ become bf16 (less
+  those named for fp32), the engine then leaves buffers alone; Init(module=...) casts none."""
 from __future__ import annotations
 
 import json
@@ -73,6 +75,23 @@ def test_immediate_grad_update_outside_deepspeeds_bf16_optimizer_is_refused():
     with pytest.raises(ConfigError, match="bf16.immediate_grad_update: only read at"):
         _config({}, bf16=on, zero_optimization={"stage": 1})
     assert _config({}, bf16={"enabled": True, "immediate_grad_update": False}).bf16.immediate_grad_update is False
+
+
+def zero_init_body():
+    import precision_workload
+    import dslaunch.runtime as deepspeed
+
+    return precision_workload.zero_init_buffers(deepspeed)
+
+
+def test_zero_init_buffer_dtypes_equal_deepspeed():
+    expected = json.load(open(FIXTURE))["zero_init"]
+    got = run_function(zero_init_body, nprocs=1, timeout=240, env={"PYTHONPATH": HERE})[0]
+    assert got == expected
+    # what DeepSpeed's answer is: built in the context, bf16 but the named buffer; the engine keeps
+    # what the script set after Init, unless data_types.buffer_dtype says
+    assert expected["bf16"][0] == {"inv": "torch.bfloat16", "keep": "torch.float32", "later": "torch.bfloat16"}
+    assert expected["bf16"][1]["later"] == "torch.float32"
 
 
 def _net():
