@@ -33,9 +33,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config, client: bool = Tru
     name = type(optimizer).__name__
     zero = config.zero_optimization
     if zero.stage >= 1 and name not in ZERO_TESTED_OPTIMIZERS and not config.zero_allow_untested_optimizer:
-        raise UntestedOptimizerError(f"zero_allow_untested_optimizer: ZeRO stage {zero.stage} is not tested with {name} "
-                          f"(tested: {', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); add "
-                          f"\"zero_allow_untested_optimizer\": true to use it")
+        raise UntestedOptimizerError(
+            f"zero_allow_untested_optimizer: ZeRO stage {zero.stage} is not tested with {name} "
+            f"(tested: {', '.join(sorted(ZERO_TESTED_OPTIMIZERS))}); add "
+            f"\"zero_allow_untested_optimizer\": true to use it")
     if client and zero.offload_optimizer_device != "none" and config.zero_force_ds_cpu_optimizer:
         from dslaunch.kernels.fused_step import FusedStepUnavailable, KernelUnavailable, fused_cpu_step
 
