@@ -4,7 +4,7 @@ The config's `type` names the algorithm; `OptimizerTarget` (offload or not, CUDA
 picks the implementation, as DeepSpeed does:
 
   type                          offload_optimizer cpu/nvme   CUDA, no offload   CPU, no offload
-  Adam (AdamW unless            CPUAdam (C++ SIMD kernel)    FusedAdam (CUDA)   CPUAdam (C++ SIMD kernel)
+  Adam (AdamW unless            DeepSpeedCPUAdam (C++ SIMD)  FusedAdam (CUDA)   FusedAdam (C++ SIMD CPU kernel)
     adam_w_mode false), AdamW
   Lion                          DeepSpeedCPULion (C++ SIMD)  FusedLion (torch ops, as Lion)
   Adagrad                       CPUAdagrad (C++ SIMD)        torch.optim.Adagrad
@@ -72,8 +72,6 @@ def _only_fp32_states(fp32_optimizer_states: bool, target: Optional[OptimizerTar
 
 
 def _adam_impl(params, target: OptimizerTarget, adam_w_mode: bool, torch_adam: bool, **kw):
-    from dslaunch.kernels import CPUAdam, FusedAdam
-
     betas = tuple(kw.pop("betas"))
     if torch_adam:  # DeepSpeed's switch to torch's implementation, wherever the step runs
         if not kw.pop("bias_correction"):
@@ -86,21 +84,25 @@ def _adam_impl(params, target: OptimizerTarget, adam_w_mode: bool, torch_adam: b
         optimizer = cls(params, betas=betas, **kw)
         optimizer.torch_step_requested = True  # offload then runs this step, not a kernel
         return optimizer
+    from dslaunch.runtime.train.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
     if kw.get("weight_decay") is None:
         kw["weight_decay"] = 0.0  # DeepSpeed's FusedAdam and CPU Adam default
     if target.master_dtype != torch.float32 and (target.offload or not target.cuda):
         # low-precision masters on the CPU: DeepSpeedCPUAdam steps them with fp32 maths rounded back, its
         # moments in the policy's optimizer-state dtype (DeepSpeed's engine builds the same under offload)
-        from dslaunch.runtime.train.ops.adam import DeepSpeedCPUAdam
-
         return DeepSpeedCPUAdam(params, kw["lr"], kw["bias_correction"], betas, kw["eps"], kw["weight_decay"],
                                 kw["amsgrad"], adam_w_mode, target.state_dtype == torch.float32)
-    if target.cuda and not target.offload:
-        return FusedAdam(params, betas=betas, decoupled_weight_decay=adam_w_mode, **kw)
-    # offloaded, or parameters on the CPU: the SIMD kernel (DeepSpeed's CPU accelerator builds its
-    # FusedAdam from the same kind of C++ kernel). torch's AdamW on CPU tensors takes its
-    # per-tensor loop: 12.5 ms against the kernel's 2.7 ms for GPT-lite's 3.2M parameters.
-    return CPUAdam(params, betas=betas, decoupled_weight_decay=adam_w_mode, **kw)
+    # The classes DeepSpeed 0.19.8's engine builds, so a script's isinstance checks and its reads of
+    # adam_w_mode hold: DeepSpeedCPUAdam under offload, FusedAdam otherwise, on CUDA and on the CPU
+    # alike (its CPU accelerator builds FusedAdam from its CPU Adam kernel, as ours steps CPU
+    # parameters with the SIMD kernel; torch's AdamW on CPU tensors takes its per-tensor loop:
+    # 12.5 ms against the kernel's 2.7 ms for GPT-lite's 3.2M parameters).
+    if target.offload:
+        return DeepSpeedCPUAdam(params, kw["lr"], kw["bias_correction"], betas, kw["eps"], kw["weight_decay"],
+                                kw["amsgrad"], adam_w_mode)
+    return FusedAdam(params, kw["lr"], kw["bias_correction"], betas, kw["eps"], adam_w_mode, kw["weight_decay"],
+                     kw["amsgrad"])
 
 
 def _adam(params, target, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: Optional[float] = None,

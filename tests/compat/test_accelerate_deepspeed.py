@@ -54,7 +54,7 @@ def test_accelerate_launch_deepspeed_plugin_two_processes(deepspeed_compat, tmp_
                          env=deepspeed_compat.env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
     got = _check(tmp_path, sharded=stage == 3)
-    assert got["optimizer"] == "CPUAdam"  # the config's AdamW, built for CPU parameters (not the script's)
+    assert got["optimizer"] == "FusedAdam"  # the config's AdamW, DeepSpeed's class for CPU parameters (not the script's)
     # WarmupDecayLR (warmup 2 of total 4) after 4 steps stands at DeepSpeed's iteration 3:
     # lr = LR * (4 - 3) / (4 - 2), the lr the next step would use
     assert got["lr"] == [pytest.approx(0.01 * 0.5)]

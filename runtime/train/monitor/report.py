@@ -34,8 +34,8 @@ _ADAM_TYPES = ("adam", "adamw", "cpuadam", "deepspeedcpuadam", "fusedadam")
 
 def optimizer_label(optimizer, config) -> str:
     """The optimizer as the config asked for it, then what implements it and, for the Adam
-    family, which weight decay: `AdamW (CPUAdam, adam_w_mode)`. The class alone would say
-    CPUAdam for a config that asked for AdamW, and not whether the decay is AdamW's."""
+    family, which weight decay: `AdamW (FusedAdam, adam_w_mode)`. The class alone would say
+    FusedAdam for a config that asked for AdamW, and not whether the decay is AdamW's."""
     cls = type(optimizer).__name__
     asked = config.optimizer.type if getattr(config, "optimizer", None) is not None else None
     if asked is None:

@@ -194,12 +194,13 @@ def test_optimizers_by_deepspeed_name():
     from dslaunch.runtime.config import OptimizerConfig
 
     p = [torch.nn.Parameter(torch.zeros(2))]
-    from dslaunch.kernels import CPUAdam
+    from dslaunch.runtime.ops.adam import FusedAdam
 
-    adamw = build_optimizer(OptimizerConfig("Adam", {"lr": 0.1}), p)  # CPU parameters: the SIMD kernel
-    assert isinstance(adamw, CPUAdam) and adamw.param_groups[0]["decoupled_weight_decay"]
+    # CPU parameters, no offload: DeepSpeed's class for them, FusedAdam (stepped by the SIMD kernel)
+    adamw = build_optimizer(OptimizerConfig("Adam", {"lr": 0.1}), p)
+    assert isinstance(adamw, FusedAdam) and adamw.param_groups[0]["decoupled_weight_decay"] and adamw.adam_w_mode
     adam = build_optimizer(OptimizerConfig("Adam", {"adam_w_mode": False}), p)
-    assert isinstance(adam, CPUAdam) and not adam.param_groups[0]["decoupled_weight_decay"]
+    assert isinstance(adam, FusedAdam) and not adam.param_groups[0]["decoupled_weight_decay"]
     assert isinstance(build_optimizer(OptimizerConfig("sgd", {"lr": 0.1, "momentum": 0.9}), p), torch.optim.SGD)
     with pytest.raises(ConfigError, match=r"optimizer.params.lrr: not a parameter of Adam; did you mean 'lr'\?"):
         build_optimizer(OptimizerConfig("Adam", {"lrr": 0.1}), p)

@@ -120,7 +120,7 @@ def test_getting_started_script_on_two_ranks(tmp_path, script):
     assert "step 4" not in runs[1].stdout
     # rank 0 says once what is running
     assert len(re.findall(r"dslaunch: ZeRO stage 0 \| fp32 \| offload optimizer none, params none \| optimizer "
-                          r"Adam \(CPUAdam, adam_w_mode\) stepped by dslaunch CPU Adam \(\w+\) \| world 2 = data 2 x pipeline 1 x model 1 \| "
+                          r"Adam \(FusedAdam, adam_w_mode\) stepped by dslaunch CPU Adam \(\w+\) for CPU parameters \| world 2 = data 2 x pipeline 1 x model 1 \| "
                           r"batch 32 = micro 8 x accumulation 2 x data 2", runs[0].stdout)) == 1
     assert "dslaunch: ZeRO" not in runs[1].stdout
     assert (save / "latest").read_text() == "global_step24"

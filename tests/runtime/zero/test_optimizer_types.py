@@ -24,7 +24,7 @@ def _build(name, params=None, target=CPU):
 
 
 @pytest.mark.parametrize("name,target,cls", [
-    ("Adam", CPU, "CPUAdam"), ("adam", OFFLOAD, "CPUAdam"), ("AdamW", OFFLOAD, "CPUAdam"),
+    ("Adam", CPU, "FusedAdam"), ("adam", OFFLOAD, "DeepSpeedCPUAdam"), ("AdamW", OFFLOAD, "DeepSpeedCPUAdam"),
     ("Lion", CPU, "FusedLion"), ("Lion", OFFLOAD, "DeepSpeedCPULion"), ("Adagrad", CPU, "Adagrad"), ("Adagrad", OFFLOAD, "CPUAdagrad"),
     ("Lamb", CPU, "Lamb"), ("FusedLamb", OFFLOAD, "FusedLamb"), ("CPUAdam", CPU, "DeepSpeedCPUAdam"),
     ("DeepSpeedCPUAdam", OFFLOAD, "DeepSpeedCPUAdam"), ("CPULion", OFFLOAD, "DeepSpeedCPULion"),
@@ -36,8 +36,9 @@ def test_each_type_builds_the_implementation_for_where_the_step_runs(name, targe
 
 
 def test_adam_modes_and_deepspeed_defaults():
-    adam = _build("Adam", {"adam_w_mode": False})  # CPU parameters: the SIMD kernel in Adam's L2 form
-    assert type(adam).__name__ == "CPUAdam" and adam.param_groups[0]["decoupled_weight_decay"] is False
+    adam = _build("Adam", {"adam_w_mode": False})  # CPU parameters: FusedAdam (the SIMD kernel) in Adam's L2 form
+    assert type(adam).__name__ == "FusedAdam" and adam.param_groups[0]["decoupled_weight_decay"] is False
+    assert adam.adam_w_mode is False  # DeepSpeed's attribute, which scripts read
     assert type(_build("Adam", {"torch_adam": True})) is torch.optim.AdamW  # torch's own, when asked
     # with torch_adam an unset weight_decay is torch's class default, as DeepSpeed passes the params as they are
     assert _build("Adam", {"torch_adam": True}).param_groups[0]["weight_decay"] == 0.01
@@ -49,8 +50,8 @@ def test_adam_modes_and_deepspeed_defaults():
     assert _build("AdamW").param_groups[0]["weight_decay"] == 0.0
     lion = _build("Lion", target=OFFLOAD).param_groups[0]
     assert lion["lr"] == 1e-3 and lion["betas"] == (0.9, 0.999)
-    # bias_correction false: torch's Adam cannot, so the CPU kernel steps it.
-    assert type(_build("Adam", {"bias_correction": False})).__name__ == "CPUAdam"
+    # bias_correction false: torch's Adam cannot, so the CPU kernel steps it (DeepSpeed's FusedAdam).
+    assert type(_build("Adam", {"bias_correction": False})).__name__ == "FusedAdam"
     # torch_adam: torch's own step even with offload; the offload is told not to fuse it.
     from dslaunch.kernels import describe
 
@@ -124,7 +125,7 @@ CASES = {
              [(2, "cpu", "DeepSpeedCPULion", "dslaunch CPU Lion"), (2, "none", "FusedLion", None)]),
     "Adagrad": ({"lr": 0.05, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
                 [(1, "nvme", "CPUAdagrad", "dslaunch CPU Adagrad"), (3, "none", "Adagrad", None)]),
-    "Adam": ({"lr": 0.03, "weight_decay": 0.1}, [(2, "cpu", "CPUAdam", "dslaunch CPU Adam")]),
+    "Adam": ({"lr": 0.03, "weight_decay": 0.1}, [(2, "cpu", "DeepSpeedCPUAdam", "dslaunch CPU Adam")]),
     "DeepSpeedCPUAdam": ({"lr": 0.03, "adamw_mode": False},
                          [(3, "cpu", "DeepSpeedCPUAdam", "dslaunch CPU Adam")]),
     "DeepSpeedCPULion": ({"lr": 0.003}, [(1, "cpu", "DeepSpeedCPULion", "dslaunch CPU Lion")]),
@@ -203,7 +204,7 @@ def test_each_type_under_zero_with_and_without_offload_matches_stage0(tmp_path):
                 if kernel:
                     assert kernel in r["describe"], (key, r["describe"])
                     # the type the config asked for, then the class that implements it (and
-                    # Adam's weight decay): "optimizer Adam (CPUAdam, adam_w_mode) stepped by ..."
+                    # Adam's weight decay): "optimizer Adam (DeepSpeedCPUAdam, adam_w_mode) stepped by ..."
                     label = opt_type if cls == opt_type else f"{opt_type} ({cls}"
                     assert f"optimizer {label}" in r["startup"], (key, r["startup"])
                     assert f") stepped by {kernel}" in r["startup"] or f"{cls} stepped by {kernel}" in r["startup"]
@@ -214,8 +215,8 @@ def test_each_type_under_zero_with_and_without_offload_matches_stage0(tmp_path):
 
 
 @pytest.mark.parametrize("opt_type,params,label", [
-    ("AdamW", {}, "AdamW (CPUAdam, adam_w_mode)"),
-    ("Adam", {"adam_w_mode": False}, "Adam (CPUAdam, adam_w_mode false: L2 weight decay)"),
+    ("AdamW", {}, "AdamW (FusedAdam, adam_w_mode)"),
+    ("Adam", {"adam_w_mode": False}, "Adam (FusedAdam, adam_w_mode false: L2 weight decay)"),
     ("Adam", {"torch_adam": True}, "Adam (AdamW, adam_w_mode)"),
     ("SGD", {"lr": 0.1}, "SGD"),
 ])
@@ -227,3 +228,39 @@ def test_the_start_up_line_names_the_optimizer_the_config_asked_for(opt_type, pa
     engine, *_ = deepspeed.initialize(model=model, config={"train_batch_size": 1, "log_level": "warning",
                                                            "optimizer": {"type": opt_type, "params": params}})
     assert f"| optimizer {label} stepped by " in startup_line(engine)
+
+
+# DeepSpeed 0.19.8's table for "Adam"/"AdamW" (its ops/adam/test_adamw.py, recorded from its
+# engine): (type, offload, torch_adam, adam_w_mode) -> (class, the class's adam_w_mode). An AdamW
+# with adam_w_mode false is refused here in one line ("contradicts type AdamW", above), where
+# DeepSpeed silently keeps AdamW; those rows are left out.
+DEEPSPEED_ADAM_TABLE = [
+    ("AdamW", False, False, True, "FusedAdam", True), ("AdamW", False, True, True, "AdamW", None),
+    ("AdamW", True, False, True, "DeepSpeedCPUAdam", True), ("AdamW", True, True, True, "AdamW", None),
+    ("Adam", False, False, False, "FusedAdam", False), ("Adam", False, True, False, "Adam", None),
+    ("Adam", True, False, False, "DeepSpeedCPUAdam", False), ("Adam", True, True, False, "Adam", None),
+    ("Adam", False, False, True, "FusedAdam", True), ("Adam", False, True, True, "AdamW", None),
+    ("Adam", True, False, True, "DeepSpeedCPUAdam", True), ("Adam", True, True, True, "AdamW", None),
+]
+
+
+@pytest.mark.parametrize("opt_type,offload,torch_adam,adam_w_mode,cls,mode", DEEPSPEED_ADAM_TABLE)
+def test_adam_classes_are_deepspeeds(opt_type, offload, torch_adam, adam_w_mode, cls, mode):
+    from dslaunch.runtime.ops import adam as ds_adam
+
+    built = _build(opt_type, {"lr": 1.5e-4, "torch_adam": torch_adam, "adam_w_mode": adam_w_mode},
+                   OFFLOAD if offload else CPU)
+    assert type(built).__name__ == cls
+    if mode is not None:
+        assert isinstance(built, getattr(ds_adam, cls)) and built.adam_w_mode is mode
+
+
+def test_initialize_returns_deepspeeds_fused_adam_for_a_config_adam():
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.ops.adam import FusedAdam
+
+    model = torch.nn.Linear(4, 2)
+    _, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                              config={"train_batch_size": 1, "log_level": "warning",
+                                                      "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    assert isinstance(optimizer, FusedAdam) and optimizer.adam_w_mode is True
