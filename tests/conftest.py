@@ -51,6 +51,16 @@ def _children_use_the_sessions_temporary_folder(tmp_path_factory):
         os.environ["TMPDIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_rank_processes_end_with_the_session():
+    """The warm interpreters dist_harness forks ranks from (tests/warm_ranks.py) live as long
+    as the session, and end before its check for processes left behind."""
+    yield
+    import warm_ranks
+
+    warm_ranks.stop_all()
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_outlives_its_test():
     """A test that calls initialize() in this process starts the single-process default group;

@@ -1,6 +1,8 @@
 """The multi-process harness itself: results in rank order, a failing rank, a hang caught
-by the watchdog with each rank's stack. No torch here, so these cost almost nothing."""
+by the watchdog with each rank's stack, and ranks forked from warm interpreters seeing what
+fresh processes would."""
 import os
+import sys
 import time
 
 import pytest
@@ -20,6 +22,43 @@ def _rank1_fails():
 
 def _sleeps_forever_in_named_function():
     time.sleep(600)
+
+
+def _what_a_rank_sees():
+    return {"hash": hash("dslaunch"), "cwd": os.getcwd(), "probe": os.environ.get("HARNESS_PROBE"),
+            "argv0": os.path.basename(sys.argv[0]), "warm": "torch._dynamo" in sys.modules,
+            "own_group": os.getpgid(0) == os.getpid(), "stdin": os.read(0, 1)}
+
+
+def test_a_forked_rank_sees_its_own_environment_folder_argv_and_session(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    seen = run_function(_what_a_rank_sees, nprocs=2, init_process_group=False, env={"HARNESS_PROBE": "x"})
+    for s in seen:
+        assert s["warm"] and s["own_group"], s
+        assert (s["cwd"], s["probe"], s["argv0"], s["stdin"]) == (str(tmp_path), "x", "dist_harness.py", b""), s
+    if "PYTHONHASHSEED" not in os.environ:  # one warm interpreter per rank number: each its own hash seed
+        assert seen[0]["hash"] != seen[1]["hash"]
+    assert run_function(_what_a_rank_sees, nprocs=1, init_process_group=False)[0]["probe"] is None
+
+
+def test_fresh_ranks_when_asked():
+    seen = run_function(_what_a_rank_sees, nprocs=2, init_process_group=False, env={"DSLAUNCH_TEST_FORK": "0"})
+    assert not any(s["warm"] for s in seen) and all(s["own_group"] for s in seen)
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_forked_rank_ends_as_a_fresh_one(tmp_path, fork):
+    """Exit codes, a signal's negative code, atexit handlers and flushed output, both ways."""
+    script = tmp_path / "ends.py"
+    script.write_text("import atexit, os, signal, sys\n"
+                      "atexit.register(lambda: print('atexit ran'))\n"
+                      "print('buffered', end='')\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                      "sys.exit(3)\n")
+    runs = run_script([str(script)], nprocs=2, env={"DSLAUNCH_TEST_FORK": fork})
+    assert runs[0].returncode == 3 and runs[0].stdout == "bufferedatexit ran\n", runs[0]
+    assert runs[1].returncode == -15, runs[1]
 
 
 def test_results_come_back_in_rank_order():

@@ -230,8 +230,9 @@ def test_the_start_up_line_names_the_optimizer_the_config_asked_for(opt_type, pa
     assert f"| optimizer {label} stepped by " in startup_line(engine)
 
 
-# DeepSpeed 0.19.8's table for "Adam"/"AdamW" (its ops/adam/test_adamw.py, recorded from its
-# engine): (type, offload, torch_adam, adam_w_mode) -> (class, the class's adam_w_mode). An AdamW
+# DeepSpeed 0.19.8's table for "Adam"/"AdamW", taken from the expectations written in its own
+# ops/adam/test_adamw.py (not recorded by running DeepSpeed): (type, offload, torch_adam,
+# adam_w_mode) -> (class, the class's adam_w_mode). An AdamW
 # with adam_w_mode false is refused here in one line ("contradicts type AdamW", above), where
 # DeepSpeed silently keeps AdamW; those rows are left out.
 DEEPSPEED_ADAM_TABLE = [
