@@ -71,12 +71,9 @@ def _key(env: Dict[str, str]) -> Tuple:
 
 # ---------------------------------------------------------------------------------- client side
 
-def _send_msg(sock: socket.socket, payload: bytes, fds: List[int] = ()) -> None:
-    header = struct.pack("!Q", len(payload))
-    if fds:
-        socket.send_fds(sock, [header], list(fds))
-    else:
-        sock.sendall(header)
+def _send_msg(sock: socket.socket, payload: bytes, fds: List[int]) -> None:
+    """A length-prefixed pickle, with the rank's stdout and stderr passed beside its header."""
+    socket.send_fds(sock, [struct.pack("!Q", len(payload))], list(fds))
     sock.sendall(payload)
 
 
@@ -100,8 +97,15 @@ class _Warm:
 _warm: Dict[Tuple, _Warm] = {}
 
 
+# A Unix socket's path has room for 107 bytes; a long TMPDIR falls back to /tmp.
+_SOCK_PATH_MAX = 100
+
+
 def _spawn_warm(env: Dict[str, str]) -> _Warm:
     folder = tempfile.mkdtemp(prefix="warm-rank-")
+    if len(os.path.join(folder, "sock")) > _SOCK_PATH_MAX:
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="warm-rank-", dir="/tmp")
     sock_path = os.path.join(folder, "sock")
     start_env = {k: v for k, v in env.items()
                  if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -111,30 +115,42 @@ def _spawn_warm(env: Dict[str, str]) -> _Warm:
     return _Warm(proc, sock_path, folder)
 
 
-def _await_ready(warm: _Warm) -> None:
+def _await_ready(warm: _Warm) -> Optional[str]:
+    """None once the process says it is ready; else why it did not start (it is then ended)."""
     ready, _, _ = select.select([warm.proc.stdout], [], [], _START_TIMEOUT)
     line = warm.proc.stdout.readline() if ready else b""
-    if line != _READY:
-        warm.proc.kill()
-        warm.proc.wait()
-        with open(os.path.join(warm.folder, "log")) as fh:
-            raise RuntimeError(f"the warm rank process did not start ({FORK_VAR}=0 starts fresh ones):\n{fh.read()[-3000:]}")
+    if line == _READY:
+        return None
+    with open(os.path.join(warm.folder, "log")) as fh:
+        log = fh.read()[-3000:]
+    _stop(warm)
+    return log
 
 
 def prepare(envs: List[Dict[str, str]]) -> None:
-    """Start the warm processes these ranks need and do not have yet, side by side."""
+    """Start the warm processes these ranks need and do not have yet, side by side. Every one
+    started is awaited, so none stays registered before its socket is bound; one that does not
+    start is dropped and the call raises."""
     started = []
     for env in envs:
         key = _key(env)
         warm = _warm.pop(key, None)  # re-inserted last: the dict's order is the order of use
         if warm is None or warm.proc.poll() is not None:
+            if warm is not None:
+                _stop(warm)
             while len(_warm) >= _MAX_WARM:
                 _stop(_warm.pop(next(iter(_warm))))
             warm = _spawn_warm(env)
-            started.append(warm)
+            started.append((key, warm))
         _warm[key] = warm
-    for warm in started:
-        _await_ready(warm)
+    failures = []
+    for key, warm in started:
+        log = _await_ready(warm)
+        if log is not None:
+            del _warm[key]
+            failures.append(log)
+    if failures:
+        raise RuntimeError(f"the warm rank process did not start ({FORK_VAR}=0 starts fresh ones):\n{failures[0]}")
 
 
 class WarmRank:
@@ -142,8 +158,9 @@ class WarmRank:
     (pid, poll, wait, returncode)."""
 
     def __init__(self, cmd: List[str], env: Dict[str, str], stdout, stderr, cwd: Optional[str]):
-        prepare([env])
-        warm = _warm[_key(env)]
+        warm = _warm.get(_key(env))
+        if warm is None:
+            raise RuntimeError("warm_ranks.prepare() was not called for this rank's environment")
         request = {"argv": list(cmd[1:]), "env": dict(env), "cwd": os.path.abspath(cwd or os.getcwd()),
                    "umask": _current_umask()}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -61,6 +61,22 @@ def test_a_forked_rank_ends_as_a_fresh_one(tmp_path, fork):
     assert runs[1].returncode == -15, runs[1]
 
 
+def test_a_warm_start_that_fails_is_named_and_its_siblings_are_ready(tmp_path):
+    """One start failing in a prepare() does not leave the others started beside it registered
+    before their sockets are bound, nor itself registered at all."""
+    import warm_ranks
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "torch.py").write_text("raise ImportError('this torch is broken on purpose')\n")
+    good = dict(os.environ, RANK="0", HARNESS_PROBE_START="good")
+    bad = dict(os.environ, RANK="0", PYTHONPATH=str(broken))
+    with pytest.raises(RuntimeError, match="this torch is broken on purpose"):
+        warm_ranks.prepare([good, bad])
+    assert warm_ranks._key(bad) not in warm_ranks._warm
+    assert os.path.exists(warm_ranks._warm[warm_ranks._key(good)].sock_path)
+
+
 def test_results_come_back_in_rank_order():
     assert run_function(_rank_and_world, nprocs=2, init_process_group=False) == [(0, 2), (1, 2)]
 
