@@ -341,6 +341,21 @@ def sample_results(items: List[str], errors: Dict[str, str], reference: Optional
     return results
 
 
+def files_of(ids: List[str]) -> List[str]:
+    """The files (relative to tests/unit/) of test ids given relative to tests/unit/."""
+    return sorted({i.split("::")[0] for i in ids})
+
+
+def choose(items: List[str], sample: Optional[int], seed: int, wanted: Optional[List[str]] = None) -> List[str]:
+    """The collected tests to run: those listed in `wanted` (ids relative to tests/unit/) that
+    collected, or a uniform random sample of `sample`, in random order, so that a run cut short
+    by --timeout leaves a uniform sample of what it reached."""
+    if wanted is not None:
+        listed = {"unit/" + w for w in wanted}
+        return [i for i in items if i in listed]
+    return random.Random(seed).sample(items, min(sample, len(items)))
+
+
 def fold_sample(results: Dict[str, FileResult], junit: str) -> None:
     """The sample's junit report into collection-only results: each reported test leaves not_run."""
     ran = parse_junit(junit)
@@ -561,7 +576,10 @@ def headline(total: FileResult, import_failed: int, results: Optional[List[FileR
 
 
 def render(results: List[FileResult], commit: str, python: str, reasons: Optional[Dict[str, str]] = None,
-           counting: str = "", settings: str = "", ds_cpu: Optional[Dict[str, Dict[str, str]]] = None) -> str:
+           counting: str = "", settings: str = "", ds_cpu: Optional[Dict[str, Dict[str, str]]] = None,
+           deepspeed_itself: Optional[tuple] = None) -> str:
+    """The page. `deepspeed_itself`: real DeepSpeed's own share of the tree on the same machine
+    (scripts/ds_unit_cpu_sample.py), a headline sentence and a section."""
     total = totals(results)
     ran = total.passed + total.failed
     purposed = on_purpose(results, reasons or {})
@@ -586,7 +604,8 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         headline(total, import_failed, results) + (f"; {sum(n for _, _, n in purposed)} of the failures are on purpose "
                                           "(below)." if ran else "")
         + (f" {len(theirs)} of the failures fail under DeepSpeed 0.19.8 on a CPU too (below; DeepSpeed's answer "
-           f"is recorded for {known} of the failed tests)." if theirs else ""),
+           f"is recorded for {known} of the failed tests)." if theirs else "")
+        + (f" {deepspeed_itself[0]}" if deepspeed_itself else ""),
         "",
         "Reproduce with `python scripts/run_deepspeed_tests.py --deepspeed-src DIR` for a full run of the tree "
         "(hours on a 2-core machine: about 2,000 tests that collect, most of them multi-rank), or add "
@@ -605,6 +624,8 @@ def render(results: List[FileResult], commit: str, python: str, reasons: Optiona
         name = "**total**" if d is total else f"`{d.path}/`{note}"
         lines.append(f"| {name} | {d.collected} | {d.passed} | {d.failed} | {d.skipped} | "
                      f"{d.collection_errors} | {d.not_run} | {share} |")
+    if deepspeed_itself:
+        lines += ["", "## DeepSpeed itself on this machine", ""] + deepspeed_itself[1]
     if purposed:
         lines += ["", "## Failed on purpose", "", "| test | tests | why dslaunch differs |", "|---|---|---|"]
         lines += [f"| `{t}` | {n} | {why.replace('|', '/')} |" for t, why, n in purposed]
@@ -774,6 +795,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "collect (files that fail to import still count all their tests); the table estimates the "
                          "whole tree's share from it")
     ap.add_argument("--seed", type=int, default=0, help="the --sample's random seed")
+    ap.add_argument("--ids", default=None, metavar="FILE",
+                    help="in place of a random sample: the test ids in FILE (one per line, relative to tests/unit/); "
+                         "their files are collected and the listed tests that collect run (scripts/ds_unit_cpu_sample.py "
+                         "runs DeepSpeed's sample so; an id in a file that fails to import cannot be handed to pytest)")
     ap.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     ap.add_argument("--keep", action="store_true", help=f"also keep the results as JSON in "
@@ -838,11 +863,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                    HF_HOME=os.path.join(tmp, "hf_home"), HF_HUB_OFFLINE="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         results: Dict[str, FileResult] = {}
-        if args.sample is not None:
-            items, errors = collect_tree(sys.executable, tests_dir, args.paths, env, tmp, args.timeout)
+        if args.sample is not None or args.ids:
+            wanted = None
+            if args.ids:
+                with open(args.ids) as fh:
+                    wanted = [line.strip() for line in fh if line.strip()]
+            paths = files_of(wanted) if wanted else args.paths
+            items, errors = collect_tree(sys.executable, tests_dir, paths, env, tmp, args.timeout)
             results = sample_results(items, errors, reference, count_file)
-            # in random order, so that a run cut short by --timeout leaves a uniform sample of what it reached
-            chosen = random.Random(args.seed).sample(items, min(args.sample, len(items)))
+            chosen = choose(items, args.sample, args.seed, wanted)
             junit, timed_out = (run_tree(sys.executable, tests_dir, chosen, env, args.workers, args.test_timeout,
                                          args.timeout, tmp, args.log) if chosen else (None, False))
             if junit:
@@ -877,6 +906,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         settings = f"only {', '.join(args.paths)} under tests/unit; " + settings
     if args.sample is not None:
         settings += f"; a uniform random sample of {args.sample} of the tests that collect (seed {args.seed}) ran"
+    elif args.ids:
+        settings += f"; only the tests listed in {os.path.basename(args.ids)} ran"
     if args.keep:
         os.makedirs(RUNS_DIR, exist_ok=True)
         written = time.strftime("%Y-%m-%dT%H-%M-%SZ", time.gmtime())
@@ -932,7 +963,13 @@ def readme_row(results: List[FileResult], commit: str) -> str:
     t = totals(results)
     ran = t.passed + t.failed
     head = f"{README_ROW} ([results](docs/deepspeed-unit-tests.md)) | "
-    tail = f" | its `tests/unit` at commit `{commit[:10]}` | | |"
+    itself = deepspeed_itself(commit)
+    own = ""
+    if itself:  # DeepSpeed's column: its own figure on the same machine, counted the same way
+        est, lo, hi = itself[2]
+        own = (f"itself, same machine and counting: an estimated {100 * est:.0f}% (95% interval "
+               f"{100 * lo:.0f}-{100 * hi:.0f}%); ")
+    tail = f" | {own}its `tests/unit` at commit `{commit[:10]}` | | |"
     if t.not_run and not t.passed + t.failed - t.collection_errors + t.skipped:
         return (f"{head}whole tree: {t.collection_errors} of {t.collected} tests in files that fail to import; "
                 f"the rest not run{tail}")
@@ -944,6 +981,22 @@ def readme_row(results: List[FileResult], commit: str) -> str:
     share = f"{100.0 * t.passed / ran:.1f}%" if ran else "-"
     return (f"{head}{t.passed} of {ran} pass ({share}) over the whole tree, multi-rank tests included (each test "
             f"of a file that fails to import a failure), {t.skipped} skipped by DeepSpeed's CPU markers{tail}")
+
+
+def deepspeed_itself(commit: str) -> Optional[Tuple[str, List[str], Tuple[float, float, float]]]:
+    """Real DeepSpeed's own estimate on this machine, where scripts/ds_unit_cpu_sample.py has
+    recorded a sample of the same commit's tree: (headline sentence, section lines, the estimate
+    and its interval)."""
+    import ds_unit_cpu_sample as sample  # a sibling script, which imports this one
+
+    table = sample.load()
+    if table is None or table.get("commit") != commit:
+        return None
+    reference = sample._reference_counts()
+    est, lo, hi, _ = sample.deepspeed_estimate(table, reference)
+    return (f"Real DeepSpeed {table['deepspeed']} itself, counted the same way on the same machine, passes an "
+            f"estimated {100 * est:.1f}% (95% interval {100 * lo:.1f}-{100 * hi:.1f}%; below).",
+            sample.report(table, reference), (est, lo, hi))
 
 
 def update_readme(path: str, row: str) -> None:
@@ -967,7 +1020,7 @@ def write_table(results: List[FileResult], commit: str, counting: str, settings:
     if getattr(args, "readme", None):
         update_readme(args.readme, readme_row(results, commit))
     text = render(results, commit, sys.executable, reasons, counting, settings,
-                  load_ds_cpu(getattr(args, "ds_cpu", None)))
+                  load_ds_cpu(getattr(args, "ds_cpu", None)), deepspeed_itself(commit))
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)

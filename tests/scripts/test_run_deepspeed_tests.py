@@ -229,6 +229,11 @@ def test_collection_pass_and_sampled_run_on_a_small_tree(tmp_path):
     assert sorted(items) == [f"unit/test_ok.py::test_x[{i}]" for i in (1, 2, 3)]
     assert errors == {"unit/test_broken.py": "ModuleNotFoundError: No module named 'deepspeed_no_such_module'"}
     results = s.sample_results(items, errors, None, lambda rel: 1)
+    # --ids: the listed tests that collect (one in a file that fails to import cannot be run)
+    wanted = ["test_ok.py::test_x[2]", "test_broken.py::test_y"]
+    assert s.files_of(wanted) == ["test_broken.py", "test_ok.py"]
+    assert s.choose(items, None, 0, wanted) == ["unit/test_ok.py::test_x[2]"]
+    assert sorted(s.choose(items, 2, 7)) == sorted(s.choose(items, 2, 7)) and len(s.choose(items, 2, 7)) == 2
     cmd = s.pytest_command(sys.executable, items[:2], "x.xml", 0, 60)
     assert cmd[3:5] == items[:2]
     # run_tree adds --forked (DeepSpeed's CI): not installed in this environment, so run pytest directly
