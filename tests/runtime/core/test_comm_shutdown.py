@@ -76,7 +76,11 @@ def test_exit_leaves_no_group_and_no_thread(tmp_path, mode):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     out = tmp_path / "left"
-    runs = run_script([str(script), str(out), mode, str(nvme)], nprocs=2, timeout=150)
+    # fresh interpreters: what is left at exit is the subject here, and a rank forked from a warm
+    # one (tests/warm_ranks.py) leaves rank 0's swap files at exit in about 4 runs of 10 of the
+    # destroy case, where fresh ranks left none in 8; why is not yet known
+    runs = run_script([str(script), str(out), mode, str(nvme)], nprocs=2, timeout=150,
+                      env={"DSLAUNCH_TEST_FORK": "0"})
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-3000:] + runs[1].stderr[-3000:]
     for rank, run in enumerate(runs):
         during = json.loads(run.stdout.split("THREADS-DURING ", 1)[1].splitlines()[0])
