@@ -273,10 +273,19 @@ def parse_dataclass(cls, data: Dict[str, Any], path: str = ""):
         if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
             raise ConfigError(f"{path + '.' if path else ''}{name}: required")
     obj = cls(**kwargs)
+    # outside the fields, so equality, asdict and the key table never see it
+    object.__setattr__(obj, "_given_keys", frozenset(kwargs))
     check = getattr(obj, "validate", None)
     if check is not None:
         check(path)
     return obj
+
+
+def given(section, name: str) -> bool:
+    """Whether the config text wrote field `name` of this parsed section (under any of its
+    spellings), as opposed to its taking the default. For the few keys whose meaning depends
+    on being asked for; False for a section built in code."""
+    return name in getattr(section, "_given_keys", ())
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import os
 import dataclasses
+import math
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional
@@ -302,9 +303,8 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         self._last_grad_norm: Optional[float] = None
         self._step_norm: Optional[float] = None  # this step's global gradient norm, when it was taken
         # fp32/bf16 non-finite steps (fp16 has its loss scaler): skipped, reported, stop after N in a row
-        nf = self.config.nonfinite_check
-        self._nonfinite = NonFiniteGuard(nf.max_consecutive_steps) if nf.enabled and self.loss_scaler is None \
-            else None
+        self._nonfinite = NonFiniteGuard(self.config.nonfinite_check.max_consecutive_steps) \
+            if self.config.nonfinite_guard and self.loss_scaler is None else None
         self._step_applied = False
         self._train_steps: Optional[int] = None
         self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary (Accelerate)
@@ -903,7 +903,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         self._step_norm = None
         if self._needs_grad_norm():
             norm = self._step_norm = self._global_grad_norm()
-            overflow = not (norm == norm and norm != float("inf"))  # nan or inf
+            # nan or inf: skipped, or applied as DeepSpeed applies it where nothing asks to skip
+            overflow = not math.isfinite(norm) and (self.loss_scaler is not None
+                                                     or self.config.skips_nonfinite_steps())
             true_norm = norm / scale
             self._last_grad_norm = true_norm
             self.optimizer._global_grad_norm = true_norm  # DeepSpeed's ZeRO optimizers keep it there

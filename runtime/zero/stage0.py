@@ -78,7 +78,7 @@ class DataParallelStrategy(GradientStrategy):
                 params.append(p)
         self.params = params
         self.mixed = ctx.compute_dtype != torch.float32
-        self.overlap = ctx.config.zero_optimization.overlap_comm is not False and ctx.distributed
+        self.overlap = ctx.config.zero_optimization.overlaps_reduction and ctx.distributed
         self._boundary = False
         self._hooks = []
         self.reduction = GradReduction.from_config(ctx.config, ctx.world_size)

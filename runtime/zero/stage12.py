@@ -101,7 +101,7 @@ class _PartitionedStage(ShardedStrategy):
             ctx.refuse_foreign_axes(f"zero_optimization.offload_optimizer ({offload.device})")
         self.reduce_bucket = int(z.reduce_bucket_size)
         self.gather_bucket = int(z.allgather_bucket_size)
-        self.overlap_comm = z.overlap_comm is not False  # not given: on
+        self.overlap_comm = z.overlaps_reduction
         self.offload_device = getattr(offload, "device", "none") if offload is not None else "none"
         self.pin = bool(getattr(offload, "pin_memory", False))
         # summed in fp16: divided before the sum as DeepSpeed's reduce-scatter does (core/precision.py)

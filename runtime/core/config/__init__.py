@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from ..strict import ConfigError, check_depth, disabled, load_file, parse_dataclass, refused, supported
+from ..strict import ConfigError, check_depth, disabled, given, load_file, parse_dataclass, refused, supported
 from .checkpoint import CheckpointConfig
 from .checks import positive
 from .comm import COMMS_TIMEOUT_NOTE, CommsLoggerConfig
@@ -305,6 +305,23 @@ class DeepSpeedConfig:
         """The four monitor sections together, as DeepSpeed's config gives them (for
         deepspeed.monitor.monitor.MonitorMaster)."""
         return DeepSpeedMonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
+
+    @property
+    def nonfinite_guard(self) -> bool:
+        """Whether runtime/core/nonfinite.py watches fp32/bf16 steps (fp16 has its loss scaler).
+        A config that writes bf16.check_grad_overflow and not nonfinite_check asks for
+        DeepSpeed's bf16 answer (skip every non-finite step, or apply it), so the guard stays out."""
+        if self.fp16.enabled or not self.nonfinite_check.enabled:
+            return False
+        return given(self, "nonfinite_check") or not (self.bf16.enabled and given(self.bf16, "check_grad_overflow"))
+
+    def skips_nonfinite_steps(self) -> bool:
+        """Whether a step whose global gradient norm is NaN or infinite is skipped (and counted
+        in skipped_steps) rather than applied: fp16 (the loss scaler), bf16 with
+        check_grad_overflow (at every ZeRO stage; DeepSpeed reads it at stages 1-2 only), or
+        the guard. Otherwise, as DeepSpeed, the update is applied."""
+        return (self.fp16.enabled or (self.bf16.enabled and self.bf16.check_grad_overflow)
+                or self.nonfinite_guard)
 
     @property
     def quiet(self) -> bool:

@@ -75,7 +75,10 @@ class BF16Config:
                "each parameter's bf16 gradient is added into its fp32 sum in its accumulation hook and freed, "
                "which this engine's stage 1 always does there (false, DeepSpeed adds at the end of backward: "
                "the same sums, measured equal); elsewhere refused, as DeepSpeed never reads it")
-    check_grad_overflow: bool = supported(True, "an inf/nan gradient norm skips the step (counted as skipped)")
+    check_grad_overflow: bool = supported(
+        True, "an inf/nan gradient norm skips the step (counted as skipped), at every ZeRO stage (DeepSpeed: "
+              "stages 1-2 only); false applies it, as DeepSpeed. Written without nonfinite_check, it gives "
+              "DeepSpeed's answer: the nonfinite_check guard stays off")
     bf16_master_weights_and_grads: bool = supported(
         False, "ZeRO 1-3 keep master weights and gradient partitions in bf16; see check_master_states")
     bf16_optimizer_states: bool = supported(
@@ -88,7 +91,8 @@ class NonFiniteCheckConfig:
 
     enabled: bool = supported(True, "fp32/bf16: a NaN/inf global gradient norm skips the step and the progress "
                                     "line says so at once; it takes the norm at every step, whatever compute_grad_norm says "
-                                    "(false: DeepSpeed's behaviour)")
+                                    "(false: DeepSpeed's behaviour). Off unless this section is written when "
+                                    "the config writes bf16.check_grad_overflow")
     max_consecutive_steps: int = supported(3, "training stops with one line naming the steps after this many "
                                               "non-finite steps in a row")
 

@@ -111,10 +111,11 @@ class ZeroConfig:
     contiguous_gradients: bool = supported(
         True, "no effect needed: gradients are packed into reduce buckets either way; false (DeepSpeed: no "
               "preallocated gradient buffer) gives the same results")
-    # None (not given) runs as true here; DeepSpeed's default is on at stage 3 only, and unmanaged
-    # accumulation refuses only an overlap_comm the config gives at stage 0 or 1
+    # Not given, it reads as DeepSpeed's default (true at stage 3 only) but runs as true at
+    # every stage: overlapping changes when a reduce runs, never what it sums
     overlap_comm: Optional[bool] = supported(
-        None, "gradient buckets are reduced from backward hooks as they fill (on unless false)")
+        None, "gradient buckets are reduced from backward hooks as they fill (on unless false; reads as "
+              "DeepSpeed's default, true at stage 3 only, when not given)")
     reduce_scatter: bool = supported(
         True, "no effect needed: each partition's gradient sum reaches its owner the same either way (DeepSpeed's "
               "stage 3 needs false for Muon; here Muon runs with either)")
@@ -200,6 +201,7 @@ class ZeroConfig:
         "MiCS sharding is not supported (DeepSpeed removed it too); remove it", False)
     zeropp_loco_param: Any = refused("LoCo-ZeRO++ is not supported (DeepSpeed removed it too); remove it", None)
     legacy_bool: bool = field(default=False, init=False, repr=False)  # written as "zero_optimization": true
+    overlap_comm_defaulted: bool = field(default=False, init=False, repr=False)  # not given: see overlaps_reduction
 
     ALIASES = {
         # DeepSpeed's model takes its stage-3 keys with or without the "stage3_" prefix.
@@ -236,6 +238,16 @@ class ZeroConfig:
             raise ConfigError(f"{path}.{on[0]}: ZeRO++ applies to ZeRO stage 3 (partitioned parameters and "
                               f"gradients); stage {self.stage} would ignore it: set stage 3 or remove it")
         self._apply_deprecated(path)
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3  # DeepSpeed's value for scripts that read it
+            self.overlap_comm_defaulted = True
+
+    @property
+    def overlaps_reduction(self) -> bool:
+        """Whether gradient reduces run from backward hooks while backward goes on: unless the
+        config sets overlap_comm false. Better than DeepSpeed, whose default is off below stage 3:
+        overlapping moves reduces earlier and gives the same sums."""
+        return self.overlap_comm or self.overlap_comm_defaulted
 
     def _apply_deprecated(self, path: str) -> None:
         # DeepSpeed's pre-0.5 spellings, mapped the way DeepSpeed maps them.

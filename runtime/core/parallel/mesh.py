@@ -267,6 +267,11 @@ class PipelineParallelGrid(ProcessMesh):
         return pairs
 
     # -- DeepSpeed's accessors ---------------------------------------------------------------
+    def _is_grid_valid(self) -> bool:
+        """DeepSpeed's check that the topology spans the job. Always true of a grid that
+        exists: the constructor already refuses a topology of another size, naming both."""
+        return self._topo.world_size() == self.world_size
+
     def get_global_rank(self) -> int:
         return self.global_rank
 

@@ -166,6 +166,21 @@ def test_deepspeed_zero_config_takes_deepspeeds_spellings_and_attribute_names():
         DeepSpeedZeroConfig(stage=7)
 
 
+def test_overlap_comm_reads_as_deepspeeds_default_and_overlaps_unless_false():
+    """Not given, overlap_comm reads as DeepSpeed's resolved default (true at stage 3 only), and
+    the reduces still overlap backward at every stage; an explicit false is obeyed."""
+    from dslaunch.runtime.zero.config import DeepSpeedZeroConfig
+
+    for stage in (0, 1, 2, 3):
+        cfg = DeepSpeedZeroConfig(stage=stage)
+        assert cfg.overlap_comm is (stage == 3) and cfg.overlaps_reduction, stage
+        for given in (True, False):
+            cfg = DeepSpeedZeroConfig(stage=stage, overlap_comm=given)
+            assert cfg.overlap_comm is given and cfg.overlaps_reduction is given, (stage, given)
+    z = DeepSpeedConfig.load({"train_batch_size": 1, "zero_optimization": {"stage": 1}}).zero_optimization
+    assert z.overlap_comm is False and z.overlaps_reduction
+
+
 def test_deprecated_cpu_offload_maps_like_deepspeed():
     z = DeepSpeedConfig.load({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
                                                     "cpu_offload_use_pin_memory": True}}).zero_optimization

@@ -81,6 +81,13 @@ def test_the_grid_is_the_mesh_through_deepspeeds_getters():
     assert g.get_slice_parallel_group() == g.get_tensor_model_parallel_group() == g.group("tensor") == (6, 7)
     assert g.get_model_parallel_group() == g.group("replica")
     assert (g.get_tensor_model_parallel_rank(), g.get_data_parallel_rank(), g.get_stage_id()) == (0, 1, 1)
+    assert g._is_grid_valid()  # DeepSpeed's tests assert it; a grid of the wrong size is never built
+
+
+def test_a_grid_of_another_size_than_the_job_is_refused_naming_both():
+    with pytest.raises(MeshError, match="has 8 ranks but the job has 4"):
+        PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2), rank=0, world_size=4,
+                             group_factory=tuple)
 
 
 class _Mpu:

@@ -25,6 +25,9 @@ cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "s
        "nonfinite_check": {"max_consecutive_steps": 3}}
 if precision == "bf16":
     cfg["bf16"] = {"enabled": True}
+if len(sys.argv) > 3:  # DeepSpeed's own switch written, and no nonfinite_check: DeepSpeed's answer
+    cfg["bf16"]["check_grad_overflow"] = sys.argv[3] == "true"
+    del cfg["nonfinite_check"]
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -69,6 +72,30 @@ def test_nonfinite_steps_are_skipped_reported_and_stop_the_job(tmp_path, precisi
     assert alerts[0].startswith("step 3 | non-finite gradient norm (nan, loss nan): update skipped (1 of 3 in a row")
     assert alerts[-1].startswith("step 9 | ") and alerts[-1].endswith("update skipped (3 of 3 in a row allowed)")
     assert not any("non-finite" in ln for ln in runs[1].stdout.splitlines())
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("check", ["true", "false"])
+def test_bf16_check_grad_overflow_written_gives_deepspeeds_answer(tmp_path, check, stage):
+    """DeepSpeed's TestZeROBFloat16 test_detect_grad_overflow / test_ignore_grad_overflow:
+    with bf16.check_grad_overflow written, every non-finite step is skipped and training
+    goes on (true), or the update is applied and the weights become NaN (false). Stage 3
+    too, where DeepSpeed ignores the key and applies: here it is obeyed."""
+    script = tmp_path / "nan.py"
+    script.write_text(SCRIPT)
+    runs = run_script([str(script), "bf16", str(stage), check], nprocs=2, timeout=180)
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+        steps = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("STEP ")]
+        assert [s["step"] for s in steps] == list(range(1, 13)) and "not reached" in run.stdout
+        if check == "true":
+            assert [s["step"] for s in steps if not s["applied"]] == [3, 4, 7, 8, 9]
+            assert all(s["finite"] for s in steps) and steps[-1]["skipped"] == 5
+        else:
+            assert all(s["applied"] for s in steps) and steps[-1]["skipped"] == 0
+            assert [s["finite"] for s in steps[:3]] == [True, True, False] and not steps[-1]["finite"]
+    assert not any("non-finite" in ln for ln in runs[0].stdout.splitlines())  # the guard stayed out
 
 
 def test_guard_counts_streaks_and_names_the_steps():
