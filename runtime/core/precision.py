@@ -7,8 +7,9 @@ engine does to a forward's inputs and context for mixed precision.
   compute          the module's parameters and the forward (fp16.enabled / bf16.enabled, else fp32;
                    torch_autocast keeps fp32 parameters and runs the forward in `autocast`)
   master           ZeRO's master weights (fp32; bf16.bf16_master_weights_and_grads: bf16)
-  grad             ZeRO's reduced gradient partitions, where micro-steps accumulate (the master's
-                   dtype, or data_types.grad_accum_dtype)
+  grad             ZeRO's reduced gradient partitions, where micro-steps accumulate: the compute
+                   dtype, DeepSpeed's default gradient_accumulation_dtype (so bf16 and fp16 runs
+                   round their sums exactly as DeepSpeed's do), or data_types.grad_accum_dtype
   optimizer_state  what the optimizer keeps its moments in (fp32; bf16.bf16_optimizer_states: bf16;
                    beside bf16/fp16 masters under CPU offload, optimizer.params.fp32_optimizer_states
                    false: the masters' dtype, as DeepSpeed's DeepSpeedCPUAdam then keeps them)
@@ -70,7 +71,7 @@ class PrecisionPolicy:
             # dtype of the masters it steps
             state = master
         ac = config.torch_autocast
-        return cls(compute=compute, master=master, grad=accum or master, optimizer_state=state,
+        return cls(compute=compute, master=master, grad=accum or compute, optimizer_state=state,
                    comm=config.communication_dtype, autocast=ac.torch_dtype if ac.enabled else None,
                    loss_scaler=make_loss_scaler(config.fp16) if config.fp16.enabled else None)
 

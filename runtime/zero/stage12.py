@@ -11,12 +11,13 @@ views into one flat buffer per group so the post-step all-gather writes them in 
 
 Gradient flow:
   stage 1  grads accumulate in param.grad as usual; the boundary micro-step's backward
-           reduces them as stage 2 does (below), overlapped with backward, into an fp32
-           partition that lives until the step; no communication off the boundary. With
-           data_types.grad_accum_dtype other than the model dtype, each backward's gradient
-           moves at once from param.grad into param.grad_accum (in that dtype), as
-           DeepSpeed's stage 1 does, and the boundary reduces that sum, in the
-           communication dtype (default: the model's, as DeepSpeed's).
+           reduces them as stage 2 does (below), overlapped with backward, into a
+           partition (the policy's grad dtype) that lives until the step; no
+           communication off the boundary. With data_types.grad_accum_dtype other
+           than the model dtype, each backward's gradient moves at once from
+           param.grad into param.grad_accum (in that dtype), as DeepSpeed's stage 1
+           does, and the boundary reduces that sum, in the communication dtype
+           (default: the model's, as DeepSpeed's).
   stage 2  grads are reduced to their owner during backward, bucket by bucket in
            reverse registration order (about the order backward produces them), and
            param.grad is freed at once; a rank accumulates only its partition. With
@@ -25,7 +26,7 @@ Gradient flow:
            are issued strictly in plan order so every rank issues the same collectives
            in the same sequence whatever order its hooks fire in. This happens on every
            micro-step (the price of keeping only a partition), as in DeepSpeed.
-  both     the fp32 gradient partition is freed at the step (zero_grad) and allocated
+  both     the gradient partition is freed at the step (zero_grad) and allocated
            again by the next window's first reduce: between steps no gradient is held,
            as in DeepSpeed, so the next forward's activations have that room.
 
@@ -64,8 +65,8 @@ class _Group:
     names: List[str]
     layout: FlatLayout
     flat: torch.Tensor  # module-dtype full buffer; the params are views into it
-    master: torch.Tensor  # fp32 partition (this rank's slice of the flat layout)
-    grad: Optional[torch.Tensor]  # fp32 partition gradient (stage 2, and stage 1 after reduce)
+    master: torch.Tensor  # the masters' partition (this rank's slice of the flat layout)
+    grad: Optional[torch.Tensor]  # partition gradient in the policy's grad dtype (stage 2; stage 1 after reduce)
     pieces: List[Piece]
     axis: ReduceAxis  # what the group is partitioned over and its gradients reduced on
     master_is_view: bool = False  # the master is this rank's slice of `flat` (one copy, fp32 or bf16 masters)
@@ -278,7 +279,7 @@ class _PartitionedStage(ShardedStrategy):
                 p.grad_accum = None
         for owner in sorted(by_owner):
             parts = by_owner[owner]
-            # reduced in the module's dtype like stage 0 (half the bytes in bf16), summed into fp32
+            # reduced in the module's dtype like stage 0 (half the bytes in bf16), summed into the partition
             buf = torch.cat([gf[a:b] if gf is not None else
                              torch.zeros(b - a, dtype=self.separate_accum or self.groups[gi].flat.dtype,
                                          device=self.groups[gi].flat.device)

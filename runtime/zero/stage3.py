@@ -9,12 +9,12 @@ Around every module that owns parameters directly:
                 the parameters are gathered again (pre-backward)
   post-accumulate-grad (per parameter)  queue the full gradient, release the parameter;
                 a queue of reduce_bucket_size elements is reduce-scattered in one
-                collective into each rank's fp32 gradient chunks. Autograd
+                collective into each rank's gradient chunks (the policy's grad dtype). Autograd
                 runs a leaf's AccumulateGrad once per backward after every use of the
                 leaf has contributed, so tied and reused parameters are safe to drop.
 
 Every micro-step gathers parameters and reduce-scatters gradients (as in DeepSpeed); the
-boundary adds only the norm and the refresh of persistent parameters. The fp32 gradient
+boundary adds only the norm and the refresh of persistent parameters. The gradient
 chunks are freed at the step and allocated again by the next reduce-scatter: between steps
 no gradient is held (as in DeepSpeed), leaving the room to the next forward's activations.
 

@@ -128,8 +128,8 @@ class DataTypesConfig:
     grad_accum_dtype: Optional[str] = supported(
         None, "dtype gradients are accumulated in (fp32, bf16, fp16): stage 0 full gradients (the model dtype "
               "only), stage 1 micro-batch sums (param.grad_accum, when not the model dtype), the reduced "
-              "partitions of stages 1-3; unset: the model dtype for full gradients, fp32 for partitions "
-              "(DeepSpeed 0.19.8: the model dtype for both)")
+              "partitions of stages 1-3; unset: the model dtype for both, as DeepSpeed 0.19.8 (bf16 sums "
+              "round as DeepSpeed's do)")
     param_dtype: Optional[str] = supported(
         None, "a check, as DeepSpeed's: it must name the dtype fp16/bf16 trains the parameters in (fp32 when "
               "neither), else initialize raises an AssertionError naming both")

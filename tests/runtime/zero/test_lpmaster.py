@@ -208,8 +208,14 @@ def test_policy_from_config():
                                                                  torch.float32)
     assert p.loss_scaler is not None and p.loss_scaler.dynamic
     p = PrecisionPolicy.from_config(DeepSpeedConfig.load(fx.config(2, "fp16", 2)))
-    assert (p.compute, p.master, p.grad, p.optimizer_state) == (torch.float16,) + (torch.float32,) * 3
+    # gradients accumulate in the model dtype unless data_types.grad_accum_dtype says otherwise (DeepSpeed's
+    # gradient_accumulation_dtype default)
+    assert (p.compute, p.master, p.grad, p.optimizer_state) == (torch.float16, torch.float32, torch.float16,
+                                                                 torch.float32)
     assert p.loss_scaler is not None
+    cfg = fx.config(2, "fp16", 2)
+    cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    assert PrecisionPolicy.from_config(DeepSpeedConfig.load(cfg)).grad == torch.float32
 
 
 @pytest.mark.timeout(600)
