@@ -140,18 +140,15 @@ def save(table: dict, path: str = OUT) -> None:
 
 
 def sample_ids(table: dict, files: List[str]) -> List[str]:
-    """The sample's ids as run_deepspeed_tests.py --paths takes them (relative to unit/)."""
+    """The sample's ids as run_deepspeed_tests.py --ids takes them (relative to unit/)."""
     return [_path_id(t, files).split("/", 1)[1] for t in sorted(table["tests"])]
 
 
 def _tree_files(src: str) -> List[str]:
-    unit = os.path.join(src, "tests")
-    found = []
-    for root, _, names in os.walk(os.path.join(unit, "unit")):
-        for name in names:
-            if name.startswith("test_") and name.endswith(".py"):
-                found.append(os.path.relpath(os.path.join(root, name), unit))
-    return sorted(found, key=len, reverse=True)  # the longest module name matches first
+    """DeepSpeed's test files as unit/... paths, the longest first (so the longest module name
+    matches an id first)."""
+    found = ["unit/" + rel for rel in run.test_files(os.path.join(src, "tests", "unit"))]
+    return sorted(found, key=len, reverse=True)
 
 
 def add_dslaunch(table: dict, junit: str, run_json: Optional[str] = None) -> int:
@@ -252,7 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--local-size", type=int, default=4)
     r.add_argument("--junit", default=None, help="record this junit report of the same sample instead of running")
     r.add_argument("--timeout", type=int, default=3 * 3600)
-    i = sub.add_parser("ids", help="print the sample's ids for run_deepspeed_tests.py --paths")
+    i = sub.add_parser("ids", help="print the sample's ids for run_deepspeed_tests.py --ids")
     i.add_argument("--deepspeed-src", required=True)
     a = sub.add_parser("add-dslaunch", help="fold run_deepspeed_tests.py's junit report of the sample in")
     a.add_argument("--junit", required=True)

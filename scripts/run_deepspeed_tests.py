@@ -882,12 +882,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if junit:
                 parse_junit(junit, results, reference, count_file)
         if reference is None:  # at an unrecorded commit, the syntax tree says which files hold tests
-            reference = {}
-            for dirpath, _, files in os.walk(unit):
-                for name in files:
-                    if name.startswith("test_") and name.endswith(".py"):
-                        rel = os.path.relpath(os.path.join(dirpath, name), unit).replace(os.sep, "/")
-                        reference[rel] = count_file(rel)
+            reference = {rel: count_file(rel) for rel in test_files(unit)}
             reference = {k: v for k, v in reference.items() if v}
         # in a sample, every file not collected here was never reported (the sample's time limit
         # leaves tests not run, not files unreached)
@@ -959,11 +954,21 @@ README_ROW = "| DeepSpeed's own unit tests"
 API_ROW = "| DeepSpeed names scripts import"  # the row the unit-test row follows
 
 
-def readme_row(results: List[FileResult], commit: str) -> str:
+def test_files(unit: str) -> List[str]:
+    """Every test_*.py under the folder `unit`, relative to it, with / separators, sorted."""
+    found = []
+    for dirpath, _, files in os.walk(unit):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                found.append(os.path.relpath(os.path.join(dirpath, name), unit).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def readme_row(results: List[FileResult], commit: str, itself=None) -> str:
+    """The README's row; `itself` is deepspeed_itself(commit)'s answer, for DeepSpeed's column."""
     t = totals(results)
     ran = t.passed + t.failed
     head = f"{README_ROW} ([results](docs/deepspeed-unit-tests.md)) | "
-    itself = deepspeed_itself(commit)
     own = ""
     if itself:  # DeepSpeed's column: its own figure on the same machine, counted the same way
         est, lo, hi = itself[2]
@@ -1017,10 +1022,11 @@ def update_readme(path: str, row: str) -> None:
 
 def write_table(results: List[FileResult], commit: str, counting: str, settings: str, args,
                 reasons: Dict[str, str]) -> int:
+    itself = deepspeed_itself(commit)
     if getattr(args, "readme", None):
-        update_readme(args.readme, readme_row(results, commit))
+        update_readme(args.readme, readme_row(results, commit, itself))
     text = render(results, commit, sys.executable, reasons, counting, settings,
-                  load_ds_cpu(getattr(args, "ds_cpu", None)), deepspeed_itself(commit))
+                  load_ds_cpu(getattr(args, "ds_cpu", None)), itself)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text)

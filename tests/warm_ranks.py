@@ -123,6 +123,9 @@ def _await_ready(warm: _Warm) -> Optional[str]:
         return None
     with open(os.path.join(warm.folder, "log")) as fh:
         log = fh.read()[-3000:]
+    if warm.proc.poll() is None:  # hung in its start: nothing to end gracefully, so no 20 s wait
+        os.killpg(warm.proc.pid, signal.SIGKILL)
+        warm.proc.wait()
     _stop(warm)
     return log
 
