@@ -1125,8 +1125,9 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
                             "parameter shapes")
 
     def empty_partition_cache(self) -> None:
-        """DeepSpeed's name: at ZeRO-3, free the full copies of gathered parameters (persistent
-        ones stay whole); at stages 0-2 parameters are never split, so nothing changes."""
+        """DeepSpeed's name: at ZeRO-3, free the full copies of gathered parameters, persistent
+        ones too (the next forward gathers them again); at stages 0-2 parameters are never
+        split, so nothing changes."""
         self.strategy.empty_partition_cache()
 
     def reload_states(self, non_blocking: bool = False) -> None:

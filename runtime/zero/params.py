@@ -65,7 +65,7 @@ class ZeroParam:
     # (offload_param nvme) or is kept as int8 blocks: read `shard` instead. Set through `resident`,
     # which also republishes it as the parameter's `ds_tensor`.
     _resident: Optional[torch.Tensor]
-    persistent: bool = False  # small: kept whole, never released
+    persistent: bool = False  # small: kept whole, released only by engine.empty_partition_cache
     master_offset: int = -1  # where the chunk sits in its group's fp32 master partition
     group_index: int = -1
     owner: Optional[object] = field(default=None, repr=False)  # the Stage3 engine, once attached
@@ -160,8 +160,9 @@ def is_partitioned(p: torch.Tensor) -> bool:
 
 
 def is_present(p: torch.Tensor) -> bool:
-    z = p._zero
-    return z.persistent or p.data.numel() == z.numel
+    """Whether the whole parameter is in p.data (a persistent one is, unless
+    engine.empty_partition_cache released it: then the next use gathers it again)."""
+    return p.data.numel() == p._zero.numel
 
 
 class _DsSummary:
@@ -422,9 +423,10 @@ def keep_whole(params: Iterable[torch.nn.Parameter]) -> None:
         p.ds_status = ZeroParamStatus.AVAILABLE
 
 
-def release(params: Iterable[torch.nn.Parameter]) -> None:
+def release(params: Iterable[torch.nn.Parameter], persistent: bool = False) -> None:
+    """Free the whole copies of these parameters (persistent ones only when `persistent`)."""
     for p in params:
-        if is_partitioned(p) and not p._zero.persistent and p.data.numel():
+        if is_partitioned(p) and (persistent or not p._zero.persistent) and p.data.numel():
             z = p._zero
             if z.zeropp is not None and z.zeropp.hpz > 1 and z.secondary is None:
                 z.zeropp.keep_secondary(p)  # hpZ: the next gathers stay inside the host

@@ -19,7 +19,7 @@ chunks are freed at the step and allocated again by the next reduce-scatter: bet
 no gradient is held (as in DeepSpeed), leaving the room to the next forward's activations.
 
 Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
-whole (frozen ones are partitioned, kept as int8 blocks, under
+whole until engine.empty_partition_cache frees them as DeepSpeed's does (frozen ones are partitioned, kept as int8 blocks, under
 zero_quantized_nontrainable_weights). Optimizer partitions are the concatenation of this
 rank's chunks per param group. With offload_param.device "nvme" the other shards rest in
 files between uses (param_swap.py). ZeRO++ (qwZ, qgZ, hpZ) changes what the gathers and the
@@ -192,7 +192,9 @@ class ZeroStage3(ShardedStrategy):
         self.precision = ctx.precision
         master_dtype, accum = ctx.precision.master, ctx.precision.grad
         ctx.precision.check_optimizer(optimizer, offload is not None, 3)
-        # optimizer None: forward only (ZeRO inference), no masters, gradients or optimizer host
+        # optimizer None: forward only (ZeRO inference), no masters, gradients or optimizer host;
+        # no backward can follow a forward (engine.backward needs an optimizer, as DeepSpeed's)
+        self._forward_only = optimizer is None
         param_groups = optimizer.param_groups if optimizer is not None else []
         self.listed_names = [[names.get(id(p), "") for p in pg["params"]] for pg in param_groups]
         seen = set()
@@ -404,10 +406,11 @@ class ZeroStage3(ShardedStrategy):
 
     def _reused_soon(self, at: int) -> bool:
         """Whether the parameters of trace entry `at` stay gathered after its forward
-        (stage3_max_reuse_distance), unless stage3_max_live_parameters are already live."""
+        (stage3_max_reuse_distance), unless stage3_max_live_parameters are already live. The
+        backward counts only where one can come: in grad mode, with an optimizer."""
         if self._total_numel > self.max_live and self._live_numel() > self.max_live:
             return False
-        return self._index.reused_within(at, self.max_reuse, torch.is_grad_enabled())
+        return self._index.reused_within(at, self.max_reuse, torch.is_grad_enabled() and not self._forward_only)
 
     def _grad_ready(self, p) -> None:
         """Queue this parameter's full gradient (module dtype, padded) and release the parameter;
@@ -633,7 +636,8 @@ class ZeroStage3(ShardedStrategy):
             rows, off = out.view(self.world, -1), 0
             for p in ps:
                 z = p._zero
-                p.data.copy_(rows[:, off:off + z.chunk].reshape(-1)[:z.numel].view(z.shape))
+                if is_present(p):  # else released by empty_partition_cache: its next use gathers the new shards
+                    p.data.copy_(rows[:, off:off + z.chunk].reshape(-1)[:z.numel].view(z.shape))
                 off += z.chunk
 
     def zero_grad(self) -> None:
@@ -793,11 +797,11 @@ class ZeroStage3(ShardedStrategy):
             chunk.copy_(flat.to(chunk.device, chunk.dtype))
 
     def empty_partition_cache(self) -> None:
-        """Free the full copy of every gathered parameter but the persistent (small) ones,
-        prefetched ones too, as DeepSpeed's engine.empty_partition_cache does between phases
-        (after the last step, before an evaluation or a checkpoint)."""
+        """Free the full copy of every gathered parameter, prefetched and persistent ones too,
+        as DeepSpeed's engine.empty_partition_cache does between phases (after the last step,
+        before an evaluation or a checkpoint): the next forward gathers what it uses again."""
         self._prefetch.drop_all()
-        release([p for p in self.module.parameters() if is_partitioned(p)])
+        release([p for p in self.module.parameters() if is_partitioned(p)], persistent=True)
 
     # -- checkpoints --------------------------------------------------------------------------
     def module_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -829,7 +833,7 @@ class ZeroStage3(ShardedStrategy):
                     z.shard.zero_()
                     z.shard[:sh.numel].copy_(src[sh.start:sh.end])
                 z.written()
-                if z.persistent:
+                if z.persistent and is_present(p):
                     p.data.copy_(src.view(z.shape))
                 self.shard_changed(p)
                 rest([p], dirty=True)

@@ -1,7 +1,8 @@
 """engine.empty_partition_cache(), DeepSpeed's call between phases: at ZeRO-3 a forward
 in grad mode with no backward after it leaves a small model's parameters gathered for a
-backward that never comes; the call frees every full copy but the persistent ones, and
-training goes on as if it had not been made. At stages 0-2 parameters are never split, so
+backward that never comes; the call frees every full copy, the persistent ones too (the
+biases here, as DeepSpeed's TestZeroPartitionCache expects), and training goes on as if it had
+not been made: the next forward gathers them again. At stages 0-2 parameters are never split, so
 it changes nothing."""
 from dist_harness import run_function
 
@@ -19,7 +20,7 @@ def _run(stage, evaluate):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16}}  # biases persist
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     torch.manual_seed(1 + torch.distributed.get_rank())
     batches = [torch.randn(2, 16) for _ in range(4)]
@@ -45,7 +46,34 @@ def test_empty_partition_cache_frees_gathered_params_and_changes_no_number():
     out = run_function(_all, nprocs=2, timeout=240)[0]
     for stage in (2, 3):
         assert out[(stage, True)][0] == out[(stage, False)][0]  # the same training either way
-    # ZeRO-3: all 6 parameters whole after the evaluation forward, none after the call
+    # ZeRO-3: all 6 parameters whole after the evaluation forward, none after the call (not even
+    # the 3 persistent biases)
     assert out[(3, True)][1] == [6, 0]
     # ZeRO-2 never splits a parameter: nothing to free
     assert out[(2, True)][1] == [6, 6]
+
+
+def _forward_only():
+    import torch
+
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 16}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)  # no optimizer: forward only
+    whole = []
+    for _ in range(3):
+        engine(torch.randn(2, 16)).sum()  # grad mode on, as DeepSpeed's TestZeroPartitionCache[False]
+        whole.append(_count_whole(model))
+    engine.empty_partition_cache()
+    whole.append(_count_whole(model))
+    return whole
+
+
+def test_an_engine_without_optimizer_releases_after_each_forward():
+    """No backward can follow (engine.backward needs an optimizer), so a grad-mode forward
+    keeps nothing gathered for one: only the 3 persistent biases stay whole, as in DeepSpeed,
+    until empty_partition_cache frees them too."""
+    assert run_function(_forward_only, nprocs=2, timeout=120)[0] == [3, 3, 3, 0]
