@@ -37,6 +37,8 @@ def publish_grad_partitions(optimizer, strategy) -> None:
     optimizer.averaged_gradients = AveragedGradients(strategy)
 
     def get_fp32_grad_partitions() -> Dict[int, Dict[int, object]]:
-        return {group: dict(enumerate(parts)) for group, parts in strategy.grad_partitions().items()}
+        # in fp32 whatever the partitions' dtype (data_types.grad_accum_dtype), as DeepSpeed's .float()
+        return {group: {i: part.float() for i, part in enumerate(parts)}
+                for group, parts in strategy.grad_partitions().items()}
 
     optimizer.get_fp32_grad_partitions = get_fp32_grad_partitions

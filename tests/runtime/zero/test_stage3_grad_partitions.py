@@ -86,6 +86,26 @@ def test_averaged_gradient_partitions_accumulate_and_restart_as_deepspeeds():
         assert seen["summary"]["status"] == "NOT_AVAILABLE" and seen["summary"]["ds_tensor.shape"] == (8,)
 
 
+def bf16_partitions_body():
+    import dslaunch.runtime as deepspeed
+    import torch.distributed as dist
+
+    engine, optimizer, _, _ = deepspeed.initialize(model=_Net(), config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine.backward(engine(_batch(dist.get_rank(), 0).to(torch.bfloat16)).float())
+    stored = list(optimizer.averaged_gradients[0])
+    fp32 = list(optimizer.get_fp32_grad_partitions()[0].values())
+    return [t.dtype for t in stored], [t.dtype for t in fp32], all(torch.equal(a.float(), b) for a, b in zip(stored, fp32))
+
+
+def test_fp32_grad_partitions_are_fp32_whatever_the_partitions_dtype():
+    """bf16 partitions (data_types.grad_accum_dtype's default: the model dtype) read back through
+    get_fp32_grad_partitions() in fp32, as DeepSpeed's (its test_zero.py checks the dtype)."""
+    for stored, fp32, equal in run_function(bf16_partitions_body, nprocs=2, timeout=180):
+        assert stored == [torch.bfloat16] * 3 and fp32 == [torch.float32] * 3 and equal
+
+
 def stage1_allreduce_body():
     import dslaunch.runtime as deepspeed
     import torch.distributed as dist
