@@ -27,8 +27,8 @@ def main() -> None:
         sys.exit(f"error: run this with a Python that has deepspeed installed ({exc})")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", "29711", os.path.join(HERE, "grad_accum_case.py"),
-           "deepspeed"] + [f"{s}:{o}:{a}" for s, o, a in CASES]
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", os.path.join(HERE, "grad_accum_case.py"),
+           "deepspeed"] + [f"{s}:{o}:{a}" for s, o, a in CASES]  # --standalone: a free port
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     cases = [json.loads(ln[len("RESULT "):]) for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or len(cases) != len(CASES):

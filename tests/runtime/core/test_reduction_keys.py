@@ -91,7 +91,7 @@ def _matrix():
         out[(stage, "bf16 model")] = _train(stage, {}, bf16=True)
         out[(stage, "bf16 model, comm fp32")] = _train(stage, {"communication_data_type": "fp32"}, bf16=True)
         if stage >= 1:
-            out[(stage, "bf16 model, accum bf16")] = _train(stage, {"data_types": {"grad_accum_dtype": "bf16"}},
+            out[(stage, "bf16 model, accum fp32")] = _train(stage, {"data_types": {"grad_accum_dtype": "fp32"}},
                                                             bf16=True)
             out[(stage, "accum bf16")] = _train(stage, {"data_types": {"grad_accum_dtype": "bf16"}})
     return out
@@ -124,9 +124,10 @@ def test_reduction_keys_at_every_stage():
             assert {t.dtype for t in res[(stage, "bf16 model")]["wire"]} == {torch.bfloat16}
             assert {t.dtype for t in res[(stage, "bf16 model, comm fp32")]["wire"]} == {torch.float32}
             if stage >= 1:  # stage 1's partition too, from the boundary backward to the step
-                assert res[(stage, "bf16 model")]["partition_dtypes"] == ["torch.float32"]
-                accum = res[(stage, "bf16 model, accum bf16")]
-                assert accum["partition_dtypes"] == ["torch.bfloat16"]
+                # the model dtype by default, as DeepSpeed's gradient_accumulation_dtype
+                assert res[(stage, "bf16 model")]["partition_dtypes"] == ["torch.bfloat16"]
+                accum = res[(stage, "bf16 model, accum fp32")]
+                assert accum["partition_dtypes"] == ["torch.float32"]
                 assert accum["losses"] == pytest.approx(res[(stage, "bf16 model")]["losses"], abs=5e-2)
                 # an fp32 model summing in bf16 (DeepSpeed takes it at stages 1-3): bf16 partitions,
                 # fp32 on the wire (the model's dtype)
