@@ -2,7 +2,7 @@
 micro-batches at ZeRO stages 1-3, with and without optimizer offload, with
 data_types.grad_accum_dtype not written and written as fp32 (scripts/grad_accum_case.py, 2
 ranks under torchrun). tests/runtime/zero/test_grad_accum_dtype_vs_deepspeed.py runs the same
-cases here and compares bit for bit.
+cases here and compares them.
 
 Run it with a DeepSpeed install, in its own environment (it is never a dependency here):
 
@@ -16,8 +16,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(os.path.dirname(HERE), "tests", "data", "ds_grad_accum.json")
-CASES = [(stage, offload, accum) for stage, offload, accum in
-         itertools.product((1, 2, 3), ("none", "cpu"), ("default", "fp32"))]
+CASES = list(itertools.product((1, 2, 3), ("none", "cpu"), ("default", "fp32")))  # (stage, offload, accum)
 
 
 def main() -> None:

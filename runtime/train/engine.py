@@ -904,8 +904,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         if self._needs_grad_norm():
             norm = self._step_norm = self._global_grad_norm()
             # nan or inf: skipped, or applied as DeepSpeed applies it where nothing asks to skip
-            overflow = not math.isfinite(norm) and (self.loss_scaler is not None
-                                                     or self.config.skips_nonfinite_steps())
+            overflow = not math.isfinite(norm) and self.config.skips_nonfinite_steps()
             true_norm = norm / scale
             self._last_grad_norm = true_norm
             self.optimizer._global_grad_norm = true_norm  # DeepSpeed's ZeRO optimizers keep it there

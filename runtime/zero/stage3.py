@@ -19,8 +19,8 @@ chunks are freed at the step and allocated again by the next reduce-scatter: bet
 no gradient is held (as in DeepSpeed), leaving the room to the next forward's activations.
 
 Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
-whole until engine.empty_partition_cache frees them as DeepSpeed's does (frozen ones are partitioned, kept as int8 blocks, under
-zero_quantized_nontrainable_weights). Optimizer partitions are the concatenation of this
+whole until engine.empty_partition_cache frees them as DeepSpeed's does (frozen ones are
+partitioned, kept as int8 blocks, under zero_quantized_nontrainable_weights). Optimizer partitions are the concatenation of this
 rank's chunks per param group. With offload_param.device "nvme" the other shards rest in
 files between uses (param_swap.py). ZeRO++ (qwZ, qgZ, hpZ) changes what the gathers and the
 gradient reduction send, not what is computed: zeropp.py.
