@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +42,7 @@ from ..core import comm
 from ..core.autocast import get_comm_dtype, has_comm_dtype
 from ..core.module_cast import CASTABLE, cast_module, keep_in_fp32_pattern
 from ..core.strict import ConfigError
+from .init_dtype import CreateInDtype, paused
 from .partition import padded_size, param_shard
 
 
@@ -568,6 +570,7 @@ class Init:
         self.keep_in_fp32 = (data_types.get("keep_in_fp32_modules", "auto") if isinstance(data_types, dict)
                              else "auto")
         self._patched = []
+        self._create_in = None  # the CreateInDtype mode while the context is open
         if module is not None and enabled:
             # DeepSpeed's form for a model built outside the context: partition it now (its
             # buffers keep their dtype, except those named for fp32)
@@ -627,6 +630,11 @@ class Init:
         apply = torch.nn.Module.__dict__["apply"]
         torch.nn.Module.apply = _apply_gathering(apply)
         self._patched.append((torch.nn.Module, "apply", apply))
+        if self.buffer_dtype is not None:
+            # DeepSpeed's target dtype for every floating tensor made in the context, so weights
+            # are sampled in it (init_dtype.py says why that changes their values)
+            self._create_in = CreateInDtype(self.buffer_dtype)
+            self._create_in.__enter__()
         return self
 
     def _wrap_to_empty(self, orig):
@@ -634,8 +642,9 @@ class Init:
 
         def to_empty(module, *args, **kwargs):
             out = orig(module, *args, **kwargs)
-            for sub in module.modules():
-                init._partition_own(sub)
+            with paused():
+                for sub in module.modules():
+                    init._partition_own(sub)
             return out
         to_empty.__wrapped__ = orig
         return to_empty
@@ -657,12 +666,16 @@ class Init:
                 else:
                     object.__delattr__(module, _INIT_DEPTH)
             if not depth:
-                init._cast_own_buffers(module)
-                init._partition_own(module)
+                with paused():
+                    init._cast_own_buffers(module)
+                    init._partition_own(module)
         __init__.__wrapped__ = orig
         return __init__
 
     def __exit__(self, *exc):
+        if self._create_in is not None:
+            self._create_in.__exit__(*exc)
+            self._create_in = None
         for cls, attr, orig in reversed(self._patched):
             setattr(cls, attr, orig)
         self._patched.clear()
@@ -693,8 +706,19 @@ def _gathering(fn):
         params = [p for p in module.parameters(recurse=False) if is_partitioned(p)]
         if not params:
             return fn(module)
-        with GatheredParameters(params, modifier_rank=0):
-            return fn(module)
+        # the gather and the write-back keep their buffers' dtypes; fn is the script's code
+        gathered = GatheredParameters(params, modifier_rank=0)
+        with paused():
+            gathered.__enter__()
+        try:
+            out = fn(module)
+        except BaseException:
+            with paused():
+                gathered.__exit__(*sys.exc_info())
+            raise
+        with paused():
+            gathered.__exit__(None, None, None)
+        return out
     gathering._zero_gathering = True
     return gathering
 
