@@ -279,6 +279,8 @@ PATHS: Dict[str, Entry] = {
                                         "partitioned_param_data_shape": "zero.params",
                                         "CUDAQuantizer": "zero.zeropp",
                                         "get_allgather_dtype": "zero.params",
+                                        "register_external_parameter": "zero.hook_scope",
+                                        "unregister_external_parameter": "zero.hook_scope",
                                         "zero3_linear_wrap": "zero.linear",  # DeepSpeed imports it here too
                                         "_contradicting_single_rank_pg_error":  # DeepSpeed's private name
                                             "zero.params:single_rank_group_contradiction"},
@@ -291,8 +293,9 @@ PATHS: Dict[str, Entry] = {
                                       "DeepSpeedZeroLeafModuleConfig": "core.config.zero:LeafModuleConfig"}),
     "zero.parameter_offload": Refused(
         "deepspeed.runtime.zero.parameter_offload (DeepSpeedZeRoOffload, ZeROOrderedDict) is not provided: dslaunch's "
-        "stage 3 gathers parameters in module hooks, not through the modules' _parameters dicts; outside forward "
-        "read them with deepspeed.zero.GatheredParameters"),
+        "stage 3 gathers parameters in module hooks, and a parameter a forward reads outside its module is found by "
+        "stage 3's own watch on the modules' _parameters; outside forward read them with "
+        "deepspeed.zero.GatheredParameters"),
     "zero.muon": "core.muon",  # deepspeed.runtime.zero.muon: DeepSpeed's Muon package
     "zero.muon.muon_optimizer": "core.muon.optimizer",  # where DeepSpeed's MuonWithAuxAdam is imported from
     "zero.utils": Names("deepspeed.runtime.zero.utils: the class DeepSpeed raises its ZeRO refusals as.",

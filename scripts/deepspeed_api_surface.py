@@ -19,6 +19,7 @@ Status of an entry:
   differs    provided with a documented difference (DIFFERENCES: the reason);
   refused    deliberately absent (REFUSED, by name prefix: the reason);
   missing    none of the above: work to do.
+`--restatus` probes only our side again for the recorded entries (a name added here).
 Writes tests/data/deepspeed_api.json (tests/compat/test_deepspeed_api.py re-checks every entry
 against the package, so the table cannot claim what the package does not do) and
 docs/deepspeed-api.md.
@@ -420,19 +421,41 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def restatus(table: dict) -> dict:
+    """The table with every entry's status probed again under our package, DeepSpeed's side
+    (its names, signatures and the users' counts) kept as recorded: what changes when a name
+    is added here, without DeepSpeed or the scanned trees at hand."""
+    ours = probe(sys.executable, [], [e["name"] for e in table["entries"]], pythonpath=COMPAT)["names"]
+    for e in table["entries"]:
+        e["status"], e["note"] = status_of(e["name"], {"kind": e["kind"], "params": e["params"]}, ours[e["name"]])
+    return table
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ds-python", required=True, help="the interpreter of an environment with real DeepSpeed")
+    ap.add_argument("--ds-python", help="the interpreter of an environment with real DeepSpeed")
     ap.add_argument("--scan", action="append", default=[], metavar="NAME=DIR",
                     help="a source tree whose deepspeed imports count as users' names")
+    ap.add_argument("--restatus", action="store_true",
+                    help="only probe our package again for the recorded entries (no DeepSpeed, no scans)")
     args = ap.parse_args(argv)
+    if args.restatus:
+        with open(JSON_OUT) as fh:
+            table = restatus(json.load(fh))
+        _write(table)
+        return
+    if not args.ds_python:
+        ap.error("--ds-python is required (unless --restatus)")
     scans = {}
     for item in args.scan:
         name, sep, path = item.partition("=")
         if not sep or not os.path.isdir(path):
             ap.error(f"--scan {item!r}: expected NAME=DIR with an existing DIR")
         scans[name] = path
-    table = build(args.ds_python, scans)
+    _write(build(args.ds_python, scans))
+
+
+def _write(table: dict) -> None:
     with open(JSON_OUT, "w") as fh:
         json.dump(table, fh, indent=1, sort_keys=True)
         fh.write("\n")

@@ -22,7 +22,8 @@ them (the Hugging Face Trainer counts parameters with `ds_numel`, since `numel()
 parameter at rest is 0): `ds_numel` and `ds_shape` (the full size), `ds_id` (unique in
 the process, in partitioning order), `ds_status` (a ZeroParamStatus, kept current by
 gather and release), `ds_persist` (kept whole throughout) and `ds_tensor` (this rank's
-partition: the shard itself, republished whenever the shard is replaced).
+partition: the shard itself, republished whenever the shard is replaced); and DeepSpeed's
+methods `all_gather`, `all_gather_coalesced` and `partition`, which gather and release too.
 """
 from __future__ import annotations
 
@@ -186,6 +187,54 @@ class _DsSummary:
                 "persist": p.ds_persist, "ds_tensor.shape": t.shape if t is not None else None}
 
 
+class _CoalescedGather:
+    """The handle `param.all_gather_coalesced(params)` returns: `wait()` finishes the gather (the
+    parameters whole and AVAILABLE), as DeepSpeed's AllGatherCoalescedHandle does."""
+
+    def __init__(self, pending: Optional["PendingGather"]):
+        self._pending = pending
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        if self._pending is not None:
+            self._pending.finish()
+            self._pending = None
+
+
+class _ParamMethods:
+    """DeepSpeed's methods on a partitioned parameter, which scripts and its tests call on any one
+    of them for a list (`params[0].all_gather_coalesced(params)`): all_gather, all_gather_coalesced
+    and partition. Collective like their DeepSpeed originals (every rank calls them with the same
+    list). Holds the parameter weakly (no cycle through it)."""
+
+    def __init__(self, p: torch.nn.Parameter, kind: str):
+        self._param, self._kind = weakref.ref(p), kind
+
+    def _list(self, param_list) -> list:
+        return [self._param()] if param_list is None else list(param_list)
+
+    def __call__(self, *args, **kwargs):
+        return getattr(self, "_" + self._kind)(*args, **kwargs)
+
+    def _all_gather(self, param_list=None, async_op: bool = False, hierarchy=None):
+        pending = start_gather(self._list(param_list), what="param.all_gather", async_op=async_op)
+        handle = _CoalescedGather(pending)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def _all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False):
+        return _CoalescedGather(start_gather(list(params), what="param.all_gather_coalesced", async_op=True))
+
+    def _partition(self, param_list=None, hierarchy=None, has_been_updated: bool = False, free_data: bool = True):
+        # has_been_updated: the whole value was written, so each shard is cut from it again first
+        params = [q for q in self._list(param_list) if is_partitioned(q) and is_present(q)]
+        if has_been_updated:
+            for q in params:
+                refresh_shard_from_full(q)
+        release(params)
+
+
 def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = False,
                     device: Optional[torch.device] = None, group=None) -> ZeroParam:
     """Cut `p` over `group` (the default group when None): keep this rank's chunk."""
@@ -206,6 +255,8 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_next_id)
     p.ds_summary = _DsSummary(p)
+    for kind in ("all_gather", "all_gather_coalesced", "partition"):
+        setattr(p, kind, _ParamMethods(p, kind))
     if not persistent:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE

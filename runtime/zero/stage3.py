@@ -48,6 +48,7 @@ from .hook_scope import (hooked_modules, module_params, set_leaves_by_granularit
 from .offload import OptimizerHost, make_host, pin_host
 from .offload_states import StateMover
 from ..core.config.zero import OffloadStateTypeEnum
+from .param_reads import ReadWatches
 from .params import gather, is_partitioned, is_present, keep_whole, pack_shard, partition_param, release, rest
 from .partition import Piece, param_shard, pieces_to_dict
 from .prefetch import ModuleTrace, Prefetcher
@@ -263,6 +264,10 @@ class ZeroStage3(ShardedStrategy):
         self._own_version = -1
         self._index: Optional[ModuleTrace] = None
         self._stack: List[int] = []  # trace entry of each module whose forward is running (-1: none)
+        self._running: List[torch.nn.Module] = []  # those modules and the root, innermost last
+        self._hooked: set = set()  # id of each module with the forward hooks
+        self._rerecord = False  # the recorded module order no longer says where parameters are used
+        self._watches: Optional[ReadWatches] = None  # parameters read by name (_read)
         self._prefetch = Prefetcher(self._own, self._name, self.check)
         self._total_numel = sum(p._zero.numel for p in module.parameters() if not p._zero.persistent)
         # leaf modules' gradients are queued together once the leaf's backward is done (below)
@@ -288,9 +293,9 @@ class ZeroStage3(ShardedStrategy):
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre))
         self._hooks.append(self.module.register_forward_hook(self._root_post))
         trained = {id(p) for g in self.groups for p in g["params"]}
+        self._hooked = set()
         for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(m.register_forward_hook(self._post_forward))
+            self._hook_module(m)
             if z3_leaf_module(m):
                 params = [p for p in self._own(m) if id(p) in trained]
                 if params:
@@ -300,18 +305,30 @@ class ZeroStage3(ShardedStrategy):
         for g in self.groups:
             for p in g["params"]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+        self._watches = ReadWatches(self.module, self._read)
+
+    def _hook_module(self, m) -> None:
+        self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+        self._hooks.append(m.register_forward_hook(self._post_forward))
+        self._hooked.add(id(m))
 
     def _root_pre(self, module, args):
         comm.comms_logger.set_phase("forward")  # the comms logger's traffic rows (comm/traffic.py)
         self._prefetch.start_forward()  # a forward-only pass may have left prefetches behind
         self._pos = 0
         self._stack.clear()
+        self._running[:] = [module]  # the root's own code may read parameters too (_read)
 
     def _root_post(self, module, args, out):
+        self._running.clear()
         if self._recording and self._trace:
             self._recording = False
             self._index = ModuleTrace(self._trace, self._own, self._numel_of)
             self._trace_ok = True
+        if self._rerecord:  # a parameter became external during this forward: the next one records anew
+            self._rerecord = False
+            self._prefetch.drop_all()
+            self._trace, self._recording, self._trace_ok, self._index = [], True, False, None
         if torch.is_grad_enabled():
             comm.comms_logger.set_phase("backward")
             self._prefetch.start_backward(len(self._trace))
@@ -381,6 +398,7 @@ class ZeroStage3(ShardedStrategy):
         else:
             self._trace_ok = False  # this forward differs from the recorded one: no more prefetching
         self._stack.append(at)
+        self._running.append(m)
         self.gather_module(m, "forward", at)
         if self.swapper is not None and self._trace_ok:  # read while this module computes, beyond
             # the modules whose gathers are already started (those read their shards when issued)
@@ -388,6 +406,8 @@ class ZeroStage3(ShardedStrategy):
 
     def _post_forward(self, m, args, out):
         at = self._stack.pop() if self._stack else -1
+        if self._running:
+            self._running.pop()
         params = self._own(m)
         if not (self._trace_ok and at >= 0):
             release(params)
@@ -396,6 +416,24 @@ class ZeroStage3(ShardedStrategy):
         if torch.is_grad_enabled():
             return _wrap_outputs(self, m, out)
         return out
+
+    def _read(self, p) -> None:
+        """A parameter read by name while a forward runs (param_reads.py). One that is not whole
+        (its module's forward has released it, or never ran) is gathered now and registered as
+        external to the innermost module whose forward is running, whose hooks gather it from
+        then on and release it with their own, as DeepSpeed's ZeROOrderedDict does."""
+        if not self._running or not is_partitioned(p) or is_present(p) or torch.compiler.is_compiling():
+            return
+        m = self._running[-1]
+        hook_scope.register_external_parameter(m, p)
+        if id(m) not in self._hooked:
+            # the root, hooked from now on: its post-forward hook (running at the end of this forward)
+            # releases p, and its outputs' backward gathers it again
+            self._hook_module(m)
+        self._trace_ok = False  # no prefetching for the rest of this forward, and the next one records
+        self._rerecord = True
+        self._prefetch.land([p])
+        gather([p], check=self.check, what=f"{p._zero.name} read in {self._name(m)}", training=True)
 
     def _numel_of(self, m) -> int:
         return sum(p._zero.numel for p in self._own(m) if is_partitioned(p) and not p._zero.persistent)
@@ -941,6 +979,9 @@ class ZeroStage3(ShardedStrategy):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._watches is not None:
+            self._watches.remove()
+            self._watches = None
 
     def close(self) -> None:
         self.remove_hooks()

@@ -1,0 +1,85 @@
+"""A ZeRO-3 forward that reads another module's parameter by name, after that module's own
+forward has released it, trains as DeepSpeed 0.19.8 trains it: the read gathers the parameter
+and registers it as external to the module whose forward is running (DeepSpeed's own test,
+TestSerialContext::test_ext_param_getattr, is the first model here). Before, the read saw the
+empty tensor of a released parameter and F.linear failed on a size mismatch.
+
+Reference: the same script at ZeRO stage 0 (every parameter whole), 2 ranks, same data."""
+import pytest
+import torch
+
+from dist_harness import run_function
+
+
+class RootReads(torch.nn.Module):
+    """The root, with no parameter of its own, reads linear1.weight after linear1 ran."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.linear1 = torch.nn.Linear(dim, dim)
+        self.linear2 = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.linear2(self.linear1(x))
+        return torch.nn.functional.linear(h, self.linear1.weight).pow(2).mean()
+
+
+class Head(torch.nn.Module):
+    """A module with a parameter of its own whose forward also reads a sibling's weight."""
+
+    def __init__(self, owner, dim=8):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(dim))
+        self.__dict__["owner"] = owner  # a reference, not a child: the weight stays owner's
+
+    def forward(self, h):
+        return torch.nn.functional.linear(h * self.scale, self.owner.weight)
+
+
+class SiblingReads(torch.nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.embed = torch.nn.Linear(dim, dim, bias=False)
+        self.mid = torch.nn.Linear(dim, dim)
+        self.head = Head(self.embed, dim)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.embed(x)))).pow(2).mean()
+
+
+MODELS = {"root": RootReads, "sibling": SiblingReads}
+
+
+def train_body(model: str, stage: int):
+    import torch.distributed as dist
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    net = MODELS[model]()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(8):
+        loss = engine(torch.randn(2, 8, generator=g))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    weights = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return losses, weights
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_parameter_read_outside_its_module_trains_as_at_stage_0(model):
+    want = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 0}, timeout=240)
+    got = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 3}, timeout=240)
+    for (want_losses, want_weights), (got_losses, got_weights) in zip(want, got):
+        assert got_losses == pytest.approx(want_losses, rel=1e-6, abs=1e-7)
+        assert got_weights.keys() == want_weights.keys()
+        for name in want_weights:
+            torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-5, atol=1e-6)
