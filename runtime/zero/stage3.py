@@ -292,6 +292,8 @@ class ZeroStage3(ShardedStrategy):
     def wrap_module(self) -> None:
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre))
         self._hooks.append(self.module.register_forward_hook(self._root_post))
+        # and if the forward raises: no module runs any more, so no read by name gathers (_read)
+        self._hooks.append(self.module.register_forward_hook(lambda *_: self._running.clear(), always_call=True))
         trained = {id(p) for g in self.groups for p in g["params"]}
         self._hooked = set()
         for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit

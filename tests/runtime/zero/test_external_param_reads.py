@@ -83,3 +83,30 @@ def test_a_parameter_read_outside_its_module_trains_as_at_stage_0(model):
         assert got_weights.keys() == want_weights.keys()
         for name in want_weights:
             torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-5, atol=1e-6)
+
+
+class FailsAfterFirst(RootReads):
+    def forward(self, x):
+        self.linear1(x)
+        raise ValueError("the script's own error")
+
+
+def raise_body():
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    net = FailsAfterFirst()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    try:
+        engine(torch.randn(2, 8))
+    except ValueError:
+        pass
+    # read by name outside any forward: the released parameter stays released (no collective)
+    return net.linear1.weight.numel(), net.linear2.weight.numel()
+
+
+def test_a_read_after_a_forward_that_raised_gathers_nothing():
+    for sizes in run_function(raise_body, nprocs=2, timeout=180):
+        assert sizes == (0, 0)
