@@ -529,7 +529,8 @@ class GatheredParameters:
                 comm.broadcast(p.data, group_src=self.modifier_rank, group=p._zero.group,
                                label=f"GatheredParameters {p._zero.name}")
                 refresh_shard_from_full(p)
-        release([p for p, was in zip(self.params, self._was_present) if not was])
+        # as found: persistent ones too (empty_partition_cache may have freed them)
+        release([p for p, was in zip(self.params, self._was_present) if not was], persistent=True)
         return False
 
 

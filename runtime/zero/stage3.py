@@ -852,7 +852,8 @@ class ZeroStage3(ShardedStrategy):
         try:
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         finally:
-            release([p for p, w in zip(params, was) if not w])
+            # as found: a persistent parameter freed by empty_partition_cache is freed again
+            release([p for p, w in zip(params, was) if not w], persistent=True)
 
     def load_module_state_dict(self, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
         self._module_state = state
