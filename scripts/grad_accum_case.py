@@ -11,10 +11,11 @@ written) or a dtype name for it. The cases run one after another in the same pro
 scripts/make_ds_grad_accum_fixtures.py runs them under DeepSpeed;
 tests/runtime/zero/test_grad_accum_dtype_vs_deepspeed.py under dslaunch.
 """
-import json
 import sys
 
 import torch
+
+from ds_case_runs import import_side, print_result
 
 GAS = 4
 HIDDEN = 8
@@ -51,20 +52,18 @@ def run_case(deepspeed, safe_get_full_fp32_param, stage: int, offload: str, accu
     after = [safe_get_full_fp32_param(p).double() for p in engine.module.parameters()]
     if rank == 0:
         delta = {n: (b - a).flatten().tolist() for n, b, a in zip(names, before, after)}
-        print("RESULT " + json.dumps({"stage": stage, "offload": offload, "accum": accum,
-                                      "steps": engine.global_steps, "delta": delta}), flush=True)
+        print_result({"stage": stage, "offload": offload, "accum": accum, "steps": engine.global_steps,
+                      "delta": delta})
     engine.destroy()
 
 
 def main() -> None:
     side, cases = sys.argv[1], sys.argv[2:]
+    deepspeed = import_side(side)
     if side == "deepspeed":
-        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
     else:
-        import dslaunch.runtime as deepspeed
         from dslaunch.runtime.utils import safe_get_full_fp32_param
-    deepspeed.init_distributed(dist_backend="gloo")
     for case in cases:
         stage, offload, accum = case.split(":")
         run_case(deepspeed, safe_get_full_fp32_param, int(stage), offload, accum)

@@ -11,10 +11,11 @@ the context its target dtype at creation, so weights are sampled in it.
 scripts/make_ds_zero_init_dtype_fixtures.py runs the cases under DeepSpeed;
 tests/runtime/zero/test_zero_init_dtype_vs_deepspeed.py under dslaunch.
 """
-import json
 import sys
 
 import torch
+
+from ds_case_runs import import_side, print_result
 
 DTYPES = {"none": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,18 +41,13 @@ def run_case(deepspeed, precision: str, dtype: str) -> None:
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         params = {n: _record(p) for n, p in model.named_parameters()}
     if torch.distributed.get_rank() == 0:
-        print("RESULT " + json.dumps({"case": f"{precision}:{dtype}", "params": params,
-                                      "loose": {k: _record(v) for k, v in loose.items()}}), flush=True)
+        print_result({"case": f"{precision}:{dtype}", "params": params,
+                      "loose": {k: _record(v) for k, v in loose.items()}})
 
 
 def main() -> None:
-    side, cases = sys.argv[1], sys.argv[2:]
-    if side == "deepspeed":
-        import deepspeed
-    else:
-        import dslaunch.runtime as deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
-    for case in cases:
+    deepspeed = import_side(sys.argv[1])
+    for case in sys.argv[2:]:
         run_case(deepspeed, *case.split(":"))
 
 
