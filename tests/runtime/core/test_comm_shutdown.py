@@ -29,8 +29,14 @@ os.makedirs(nvme, exist_ok=True)
 def threads():  # C++ threads by their OS names, Python threads by theirs
     import threading
 
-    return (sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-            + sorted(t.name for t in threading.enumerate() if t is not threading.main_thread()))
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as fh:
+                names.append(fh.read().strip())
+        except FileNotFoundError:  # it ended between the listing and the read (backend threads
+            pass                   # are being joined at exit): gone, as the check wants
+    return sorted(names) + sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
 
 
 def what_is_left():  # registered before dslaunch.runtime: runs after its exit handler
