@@ -200,39 +200,37 @@ class _CoalescedGather:
             self._pending = None
 
 
-class _ParamMethods:
-    """DeepSpeed's methods on a partitioned parameter, which scripts and its tests call on any one
-    of them for a list (`params[0].all_gather_coalesced(params)`): all_gather, all_gather_coalesced
-    and partition. Collective like their DeepSpeed originals (every rank calls them with the same
-    list). Holds the parameter weakly (no cycle through it)."""
+# DeepSpeed's methods on a partitioned parameter, which scripts and its tests call on any one of
+# them for a list (`params[0].all_gather_coalesced(params)`). Collective like their DeepSpeed
+# originals (every rank calls them with the same list). Each is bound to its parameter through a
+# weak reference (partition_param), so the parameter holds no cycle through itself.
+def _listed(ref, param_list) -> list:
+    return [ref()] if param_list is None else list(param_list)
 
-    def __init__(self, p: torch.nn.Parameter, kind: str):
-        self._param, self._kind = weakref.ref(p), kind
 
-    def _list(self, param_list) -> list:
-        return [self._param()] if param_list is None else list(param_list)
+def _param_all_gather(ref, param_list=None, async_op: bool = False, hierarchy=None):
+    handle = _CoalescedGather(start_gather(_listed(ref, param_list), what="param.all_gather", async_op=async_op))
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
 
-    def __call__(self, *args, **kwargs):
-        return getattr(self, "_" + self._kind)(*args, **kwargs)
 
-    def _all_gather(self, param_list=None, async_op: bool = False, hierarchy=None):
-        pending = start_gather(self._list(param_list), what="param.all_gather", async_op=async_op)
-        handle = _CoalescedGather(pending)
-        if not async_op:
-            handle.wait()
-            return None
-        return handle
+def _param_all_gather_coalesced(ref, params, safe_mode: bool = False, quantize: bool = False):
+    return _CoalescedGather(start_gather(list(params), what="param.all_gather_coalesced", async_op=True))
 
-    def _all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False):
-        return _CoalescedGather(start_gather(list(params), what="param.all_gather_coalesced", async_op=True))
 
-    def _partition(self, param_list=None, hierarchy=None, has_been_updated: bool = False, free_data: bool = True):
-        # has_been_updated: the whole value was written, so each shard is cut from it again first
-        params = [q for q in self._list(param_list) if is_partitioned(q) and is_present(q)]
-        if has_been_updated:
-            for q in params:
-                refresh_shard_from_full(q)
-        release(params)
+def _param_partition(ref, param_list=None, hierarchy=None, has_been_updated: bool = False, free_data: bool = True):
+    # has_been_updated: the whole value was written, so each shard is cut from it again first
+    params = [q for q in _listed(ref, param_list) if is_partitioned(q) and is_present(q)]
+    if has_been_updated:
+        for q in params:
+            refresh_shard_from_full(q)
+    release(params)
+
+
+_PARAM_METHODS = {"all_gather": _param_all_gather, "all_gather_coalesced": _param_all_gather_coalesced,
+                  "partition": _param_partition}
 
 
 def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = False,
@@ -255,8 +253,9 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_next_id)
     p.ds_summary = _DsSummary(p)
-    for kind in ("all_gather", "all_gather_coalesced", "partition"):
-        setattr(p, kind, _ParamMethods(p, kind))
+    ref = weakref.ref(p)
+    for name, method in _PARAM_METHODS.items():
+        setattr(p, name, functools.partial(method, ref))
     if not persistent:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     p.ds_status = ZeroParamStatus.AVAILABLE if persistent else ZeroParamStatus.NOT_AVAILABLE

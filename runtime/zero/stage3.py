@@ -322,7 +322,7 @@ class ZeroStage3(ShardedStrategy):
         self._running[:] = [module]  # the root's own code may read parameters too (_read)
 
     def _root_post(self, module, args, out):
-        self._running.clear()
+        # `_running` is cleared by the always_call hook registered after this one (wrap_module)
         if self._recording and self._trace:
             self._recording = False
             self._index = ModuleTrace(self._trace, self._own, self._numel_of)
