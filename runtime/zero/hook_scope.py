@@ -201,6 +201,10 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
         registrations += 1
 
 
+def is_external_to(module: torch.nn.Module, parameter: torch.nn.Parameter) -> bool:
+    return any(p is parameter for p in module.__dict__.get(_EXTERNAL, ()))
+
+
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     ext = module.__dict__.get(_EXTERNAL, [])
     if all(p is not parameter for p in ext):

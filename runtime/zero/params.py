@@ -253,6 +253,12 @@ def partition_param(p: torch.nn.Parameter, name: str = "", persistent: bool = Fa
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_next_id)
     p.ds_summary = _DsSummary(p)
+    # the ds_ids of the modules whose hooks gathered it since it was last released (a persistent
+    # one is whole throughout, so no module holds it): DeepSpeed's name, its tests read it
+    p.ds_active_sub_modules = set()
+    # DeepSpeed's mark of a parameter a module's forward returned (stage3._handed_out)
+    if not hasattr(p, "is_external_param"):
+        p.is_external_param = False
     ref = weakref.ref(p)
     for name, method in _PARAM_METHODS.items():
         setattr(p, name, functools.partial(method, ref))
@@ -484,6 +490,7 @@ def release(params: Iterable[torch.nn.Parameter], persistent: bool = False) -> N
                 z.zeropp.keep_secondary(p)  # hpZ: the next gathers stay inside the host
             p.data = _empty_like(p)
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            p.ds_active_sub_modules.clear()
 
 
 def refresh_shard_from_full(p: torch.nn.Parameter) -> None:

@@ -28,6 +28,7 @@ gradient reduction send, not what is computed: zeropp.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import weakref
 from typing import Any, Dict, List, Optional
@@ -358,6 +359,7 @@ class ZeroStage3(ShardedStrategy):
         params = self._own(m)
         self._prefetch.land(params)
         gather(params, check=self.check, what=f"{self._name(m)} ({phase})", training=True)
+        self._hold(m, params)
         if phase == "backward" and id(m) in self._leaf_params:
             self._leaf_pending[id(m)] = m
         if not (self._trace_ok and self.prefetch_numel > 0):
@@ -411,6 +413,9 @@ class ZeroStage3(ShardedStrategy):
         if self._running:
             self._running.pop()
         params = self._own(m)
+        handed = self._handed_out(m, out)
+        if handed:
+            params = [p for p in params if all(p is not q for q in handed)]
         if not (self._trace_ok and at >= 0):
             release(params)
         elif not self._reused_soon(at):
@@ -418,6 +423,30 @@ class ZeroStage3(ShardedStrategy):
         if torch.is_grad_enabled():
             return _wrap_outputs(self, m, out)
         return out
+
+    def _handed_out(self, m, out) -> List[torch.nn.Parameter]:
+        """The partitioned parameters m's forward returns (`return out, self.bias`), which the
+        module running around m uses after m's forward ends: m's post-forward leaves them whole.
+        The first time, each is registered as external to that module, whose hooks then gather
+        and release it with their own, and marked `is_external_param`, as DeepSpeed 0.19.8 does
+        with its "dangling" parameters (it looks at the same places: the output itself, the
+        items of a list or tuple, the values of a dict or of an output object's attributes)."""
+        if not self._running or torch.compiler.is_compiling():
+            return []
+        handed = [x for x in _output_items(out) if isinstance(x, torch.nn.Parameter) and is_partitioned(x)]
+        for p in handed:
+            if any(hook_scope.is_external_to(mm, p) for mm in self._running):
+                continue  # a module running around m already gathers it
+            outer = self._running[-1]
+            p.is_external_param = True
+            hook_scope.register_external_parameter(outer, p)
+            if id(outer) not in self._hooked:
+                self._hook_module(outer)  # the root: as in _read
+            if hook_scope.is_external_to(m, p):
+                hook_scope.unregister_external_parameter(m, p)  # the outer module covers it now
+            self._trace_ok = False
+            self._rerecord = True
+        return handed
 
     def _read(self, p) -> None:
         """A parameter read by name while a forward runs (param_reads.py). One that is not whole
@@ -436,6 +465,16 @@ class ZeroStage3(ShardedStrategy):
         self._rerecord = True
         self._prefetch.land([p])
         gather([p], check=self.check, what=f"{p._zero.name} read in {self._name(m)}", training=True)
+        self._hold(m, [p])
+
+    @staticmethod
+    def _hold(m, params) -> None:
+        # DeepSpeed's ds_active_sub_modules: m's hooks hold these until release() empties the set
+        if "ds_id" not in m.__dict__:  # DeepSpeed numbers the modules it hooks the same way
+            m.ds_id = next(_module_ids)
+        for p in params:
+            if is_partitioned(p) and not p._zero.persistent:
+                p.ds_active_sub_modules.add(m.ds_id)
 
     def _numel_of(self, m) -> int:
         return sum(p._zero.numel for p in self._own(m) if is_partitioned(p) and not p._zero.persistent)
@@ -997,6 +1036,23 @@ class ZeroStage3(ShardedStrategy):
 
 def _device(params):
     return params[0].device if params else torch.device("cpu")
+
+
+_module_ids = itertools.count()
+
+
+def _output_items(out) -> list:
+    """Where a module's output can carry a parameter for DeepSpeed's dangling-parameter rule."""
+    if isinstance(out, (list, tuple)):
+        return list(out)
+    if isinstance(out, dict):
+        return list(out.values())
+    if out is None or torch.is_tensor(out):
+        return [out]
+    try:
+        return [v for k, v in vars(out).items() if not k.startswith("__")]
+    except TypeError:  # no __dict__ (a number, a slotted object): nothing to look at
+        return []
 
 
 def _wrap_outputs(engine, m, out):

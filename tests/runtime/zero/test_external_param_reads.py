@@ -4,6 +4,11 @@ and registers it as external to the module whose forward is running (DeepSpeed's
 TestSerialContext::test_ext_param_getattr, is the first model here). Before, the read saw the
 empty tensor of a released parameter and F.linear failed on a size mismatch.
 
+A module whose forward returns one of its parameters (`return out, self.bias`) hands it to the
+module running around it, which uses it after the child's forward ended: DeepSpeed registers
+it as external to that module ("dangling" parameters) and trains it. Before, the child's
+post-forward released it and the parent's `h + bias` failed on a size mismatch (8 and 0).
+
 Reference: the same script at ZeRO stage 0 (every parameter whole), 2 ranks, same data."""
 import pytest
 import torch
@@ -47,7 +52,48 @@ class SiblingReads(torch.nn.Module):
         return self.head(torch.tanh(self.mid(self.embed(x)))).pow(2).mean()
 
 
-MODELS = {"root": RootReads, "sibling": SiblingReads}
+class BiasOut(torch.nn.Linear):
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias), self.bias
+
+
+class ReturnsBias(torch.nn.Module):
+    """A child returns its trainable bias in a tuple; the root adds it after the child ran."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.producer = BiasOut(dim, dim)
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h, bias = self.producer(x)
+        return self.head(torch.tanh(h + bias)).pow(2).mean()
+
+
+class PassesOn(torch.nn.Module):
+    """Receives the child's weight and returns it again, in a dict: it travels two levels up."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.inner = BiasOut(dim, dim)
+
+    def forward(self, x):
+        h, bias = self.inner(x)
+        return {"h": torch.tanh(h + bias), "weight": self.inner.weight}
+
+
+class ReturnsTwice(torch.nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.block = PassesOn(dim)
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        out = self.block(x)
+        return torch.nn.functional.linear(self.head(out["h"]), out["weight"]).pow(2).mean()
+
+
+MODELS = {"root": RootReads, "sibling": SiblingReads, "returned": ReturnsBias, "returned_twice": ReturnsTwice}
 
 
 def train_body(model: str, stage: int):
@@ -75,7 +121,7 @@ def train_body(model: str, stage: int):
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_a_parameter_read_outside_its_module_trains_as_at_stage_0(model):
+def test_a_parameter_used_outside_its_module_trains_as_at_stage_0(model):
     want = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 0}, timeout=240)
     got = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 3}, timeout=240)
     for (want_losses, want_weights), (got_losses, got_weights) in zip(want, got):
