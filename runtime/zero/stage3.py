@@ -437,16 +437,22 @@ class ZeroStage3(ShardedStrategy):
         for p in handed:
             if any(hook_scope.is_external_to(mm, p) for mm in self._running):
                 continue  # a module running around m already gathers it
-            outer = self._running[-1]
             p.is_external_param = True
-            hook_scope.register_external_parameter(outer, p)
-            if id(outer) not in self._hooked:
-                self._hook_module(outer)  # the root: as in _read
+            self._make_external(self._running[-1], p)
             if hook_scope.is_external_to(m, p):
                 hook_scope.unregister_external_parameter(m, p)  # the outer module covers it now
-            self._trace_ok = False
-            self._rerecord = True
         return handed
+
+    def _make_external(self, m, p) -> None:
+        """Register p as external to m, a module whose forward is running, for a read by name
+        (_read) or a parameter handed out by a child (_handed_out)."""
+        hook_scope.register_external_parameter(m, p)
+        if id(m) not in self._hooked:
+            # the root, hooked from now on: its post-forward hook (running at the end of this forward)
+            # releases p, and its outputs' backward gathers it again
+            self._hook_module(m)
+        self._trace_ok = False  # no prefetching for the rest of this forward, and the next one records
+        self._rerecord = True
 
     def _read(self, p) -> None:
         """A parameter read by name while a forward runs (param_reads.py). One that is not whole
@@ -456,13 +462,7 @@ class ZeroStage3(ShardedStrategy):
         if not self._running or not is_partitioned(p) or is_present(p) or torch.compiler.is_compiling():
             return
         m = self._running[-1]
-        hook_scope.register_external_parameter(m, p)
-        if id(m) not in self._hooked:
-            # the root, hooked from now on: its post-forward hook (running at the end of this forward)
-            # releases p, and its outputs' backward gathers it again
-            self._hook_module(m)
-        self._trace_ok = False  # no prefetching for the rest of this forward, and the next one records
-        self._rerecord = True
+        self._make_external(m, p)
         self._prefetch.land([p])
         gather([p], check=self.check, what=f"{p._zero.name} read in {self._name(m)}", training=True)
         self._hold(m, [p])
