@@ -18,10 +18,14 @@ boundary adds only the norm and the refresh of persistent parameters. The gradie
 chunks are freed at the step and allocated again by the next reduce-scatter: between steps
 no gradient is held (as in DeepSpeed), leaving the room to the next forward's activations.
 
-Parameters at most stage3_param_persistence_threshold elements, and frozen ones, stay
-whole until engine.empty_partition_cache frees them as DeepSpeed's does (frozen ones are
-partitioned, kept as int8 blocks, under zero_quantized_nontrainable_weights). Optimizer partitions are the concatenation of this
-rank's chunks per param group. With offload_param.device "nvme" the other shards rest in
+Parameters at most stage3_param_persistence_threshold elements stay whole until
+engine.empty_partition_cache frees them, as DeepSpeed's do. Frozen parameters (and any the
+optimizer does not hold) are partitioned by the same size rule, gathered around their modules
+like the rest, and released when their module's backward is done (an autograd function on the
+module's inputs, as DeepSpeed's post-backward hook), or at the end of the backward when no
+input of the module needs a gradient; under zero_quantized_nontrainable_weights their shards
+are kept as int8 blocks. Optimizer partitions are the concatenation of this rank's chunks per
+param group. With offload_param.device "nvme" the other shards rest in
 files between uses (param_swap.py). ZeRO++ (qwZ, qgZ, hpZ) changes what the gathers and the
 gradient reduction send, not what is computed: zeropp.py.
 """
@@ -88,6 +92,24 @@ class DivergenceCheck:
         if len(set(seen)) > 1:
             lines = "; ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
             raise RankDivergenceError(f"ZeRO-3 ranks diverged (modules called in a different order or number): {lines}")
+
+
+class _PostBackward(torch.autograd.Function):
+    """Applied to a module's inputs: its backward runs once the gradients of all of them are
+    computed, i.e. once the module's own backward is done (DeepSpeed's PostBackwardFunctionModule).
+    Detached outputs, not views: the module may modify its inputs in place."""
+    @staticmethod
+    def forward(engine, module, *xs):
+        return tuple(x.detach() for x in xs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.engine, ctx.module = inputs[0], inputs[1]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine.module_backward_done(ctx.module)
+        return (None, None) + grads
 
 
 class _PreBackward(torch.autograd.Function):
@@ -161,8 +183,8 @@ class ZeroStage3(ShardedStrategy):
         for n, p in module.named_parameters():
             becomes_whole = False
             if not is_partitioned(p):
-                frozen_whole = not p.requires_grad and not pp.quantize_frozen  # packed below otherwise
-                partition_param(p, name=n, persistent=frozen_whole or p.numel() <= persistence_threshold,
+                # by size alone, frozen or not, as DeepSpeed's stage 3 partitions them
+                partition_param(p, name=n, persistent=p.numel() <= persistence_threshold,
                                 device=self.param_device, group=group)
             elif (p._zero.world, p._zero.rank) != (self.world, self.rank):
                 raise ValueError(f"ZeRO-3: {n} was partitioned (zero.Init) over {p._zero.world} ranks, but the "
@@ -296,6 +318,10 @@ class ZeroStage3(ShardedStrategy):
         # and if the forward raises: no module runs any more, so no read by name gathers (_read)
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._running.clear(), always_call=True))
         trained = {id(p) for g in self.groups for p in g["params"]}
+        # frozen parameters (and any the optimizer does not hold): no post-accumulate-grad hook
+        # releases them after their module's backward; module_backward_done and after_backward do
+        self._untrained = [p for p in self.module.parameters() if id(p) not in trained]
+        self._untrained_ids = {id(p) for p in self._untrained}
         self._hooked = set()
         for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit
             self._hook_module(m)
@@ -407,6 +433,27 @@ class ZeroStage3(ShardedStrategy):
         if self.swapper is not None and self._trace_ok:  # read while this module computes, beyond
             # the modules whose gathers are already started (those read their shards when issued)
             self._swap_ahead(range(max(self._pos, self._prefetch.ahead), len(self._trace)))
+        if torch.is_grad_enabled() and not self._forward_only and self._untrained_of(m):
+            return _wrap_inputs(self, m, args)
+        return None
+
+    def _untrained_of(self, m) -> List[torch.nn.Parameter]:
+        """m's partitioned parameters that no gradient hook releases (frozen ones)."""
+        return [p for p in self._own(m) if id(p) in self._untrained_ids and is_partitioned(p)
+                and not p._zero.persistent]
+
+    def module_backward_done(self, m) -> None:
+        """m's backward is done: its frozen parameters that no other module's backward holds are
+        released, as DeepSpeed's release_sub_module does after a module's backward. (The trained
+        ones are released by their gradient hooks, once every use has contributed.)"""
+        if "ds_id" not in m.__dict__:
+            return
+        done = []
+        for p in self._untrained_of(m):
+            p.ds_active_sub_modules.discard(m.ds_id)
+            if not p.ds_active_sub_modules:
+                done.append(p)
+        release(done)
 
     def _post_forward(self, m, args, out):
         at = self._stack.pop() if self._stack else -1
@@ -613,6 +660,9 @@ class ZeroStage3(ShardedStrategy):
             self.check("end of backward")
         for g in self.groups:
             release(g["params"])
+        # frozen parameters of modules none of whose inputs needed a gradient (module_backward_done
+        # never ran for them) and of modules that took no part in this backward
+        release(self._untrained)
 
     def hold_reductions(self) -> None:
         self._held = {}
@@ -1053,6 +1103,19 @@ def _output_items(out) -> list:
         return [v for k, v in vars(out).items() if not k.startswith("__")]
     except TypeError:  # no __dict__ (a number, a slotted object): nothing to look at
         return []
+
+
+def _wrap_inputs(engine, m, args: tuple):
+    """m's positional inputs, those that need a gradient passed through _PostBackward (None:
+    none does, so nothing tells when m's backward ends)."""
+    idx = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+    if not idx:
+        return None
+    wrapped = _PostBackward.apply(engine, m, *[args[i] for i in idx])
+    new = list(args)
+    for i, w in zip(idx, wrapped):
+        new[i] = w
+    return tuple(new)
 
 
 def _wrap_outputs(engine, m, out):

@@ -8,9 +8,8 @@ qwZ   The all-gathers of ZeRO-3's forward and backward send each rank's shards a
       to the parameter's dtype. The shards and the fp32 masters are never quantized: only what
       crosses the wire. Full-value gathers (checkpoints, GatheredParameters) stay exact, as
       DeepSpeed's do.
-frozen With zero_quantized_nontrainable_weights, frozen parameters are partitioned (not kept
-      whole) and their shards kept as int8 blocks (`Packed`): a quarter of fp32's memory, and
-      gathered as they are.
+frozen With zero_quantized_nontrainable_weights, the shards of frozen parameters are kept as
+      int8 blocks (`Packed`): a quarter of fp32's memory, and gathered as they are.
 hpZ   After a module's forward releases a parameter, this rank keeps a second shard of it, cut
       over the zero_hpz_partition_size ranks of its host (`secondary`); the next gathers of
       that parameter (backward, the forwards of further micro-steps) read those shards over

@@ -176,7 +176,7 @@ class ZeroConfig:
     zero_quantized_weights: bool = supported(
         False, "ZeRO++ qwZ (stage 3): parameter all-gathers carry int8 blocks with fp32 scales; masters stay fp32")
     zero_quantized_nontrainable_weights: bool = supported(
-        False, "ZeRO++ (stage 3): frozen parameters are partitioned, kept and gathered as int8 blocks")
+        False, "ZeRO++ (stage 3): the shards of frozen parameters are kept and gathered as int8 blocks")
     zero_quantized_gradients: bool = supported(
         False, "ZeRO++ qgZ (stage 3): gradients reduce as int4 blocks, inside each host first, then across hosts")
     memory_efficient_linear: Any = refused(
