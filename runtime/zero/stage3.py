@@ -478,8 +478,15 @@ class ZeroStage3(ShardedStrategy):
         and release it with their own, and marked `is_external_param`, as DeepSpeed 0.19.8 does
         with its "dangling" parameters (it looks at the same places: the output itself, the
         items of a list or tuple, the values of a dict or of an output object's attributes)."""
-        if not self._running or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return []
+        if not self._running:
+            if torch._C._current_graph_task_id() == -1:
+                return []  # a module called on its own, outside any forward of the model: nothing uses them
+            # activation checkpointing's recompute, inside the backward: the function around m uses
+            # them next, as in the forward; they were registered then, and are released as usual
+            # (gradient hook, end of the module's backward, end of the backward)
+            return [x for x in _output_items(out) if isinstance(x, torch.nn.Parameter) and is_partitioned(x)]
         handed = [x for x in _output_items(out) if isinstance(x, torch.nn.Parameter) and is_partitioned(x)]
         for p in handed:
             if any(hook_scope.is_external_to(mm, p) for mm in self._running):

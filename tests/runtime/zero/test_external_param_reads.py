@@ -93,7 +93,22 @@ class ReturnsTwice(torch.nn.Module):
         return torch.nn.functional.linear(self.head(out["h"]), out["weight"]).pow(2).mean()
 
 
-MODELS = {"root": RootReads, "sibling": SiblingReads, "returned": ReturnsBias, "returned_twice": ReturnsTwice}
+class ReturnsBiasCheckpointed(ReturnsBias):
+    """The same under activation checkpointing: the recompute, inside the backward, runs the
+    child again with no forward of the model around it, and its bias must stay whole for the
+    `h + bias` that follows (DeepSpeed's test_checkpoint_external_parameter_lifecycle)."""
+
+    def _block(self, x):
+        h, bias = self.producer(x)
+        return torch.tanh(h + bias)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self._block, x, use_reentrant=False)
+        return self.head(h).pow(2).mean()
+
+
+MODELS = {"root": RootReads, "sibling": SiblingReads, "returned": ReturnsBias, "returned_twice": ReturnsTwice,
+          "returned_checkpointed": ReturnsBiasCheckpointed}
 
 
 def train_body(model: str, stage: int):
