@@ -1112,17 +1112,23 @@ def _output_items(out) -> list:
         return []
 
 
+def _through(fn, engine, m, items) -> Optional[list]:
+    """items, with those that are tensors needing a gradient passed through fn (one call for all
+    of them); None when none needs one."""
+    idx = [i for i, x in enumerate(items) if torch.is_tensor(x) and x.requires_grad]
+    if not idx:
+        return None
+    new = list(items)
+    for i, w in zip(idx, fn.apply(engine, m, *[items[i] for i in idx])):
+        new[i] = w
+    return new
+
+
 def _wrap_inputs(engine, m, args: tuple):
     """m's positional inputs, those that need a gradient passed through _PostBackward (None:
     none does, so nothing tells when m's backward ends)."""
-    idx = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
-    if not idx:
-        return None
-    wrapped = _PostBackward.apply(engine, m, *[args[i] for i in idx])
-    new = list(args)
-    for i, w in zip(idx, wrapped):
-        new[i] = w
-    return tuple(new)
+    new = _through(_PostBackward, engine, m, args)
+    return None if new is None else tuple(new)
 
 
 def _wrap_outputs(engine, m, out):
@@ -1131,13 +1137,9 @@ def _wrap_outputs(engine, m, out):
             return _PreBackward.apply(engine, m, out)[0]
         return out
     if isinstance(out, (tuple, list)):
-        idx = [i for i, o in enumerate(out) if torch.is_tensor(o) and o.requires_grad]
-        if not idx:
+        new = _through(_PreBackward, engine, m, out)
+        if new is None:
             return out
-        wrapped = _PreBackward.apply(engine, m, *[out[i] for i in idx])
-        new = list(out)
-        for i, w in zip(idx, wrapped):
-            new[i] = w
         return type(out)(new) if isinstance(out, tuple) and type(out) is tuple else (tuple(new) if isinstance(out, tuple) else new)
     return out
 
