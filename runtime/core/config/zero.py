@@ -7,6 +7,7 @@ refused unless they hold DeepSpeed's default.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
@@ -14,6 +15,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from ..strict import ConfigError, disabled, parse_dataclass, refused, supported
 from .checks import positive
+
+logger = logging.getLogger("dslaunch.runtime")
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
@@ -153,7 +156,7 @@ class ZeroConfig:
     stage3_allgather_sequential: Any = refused("per-parameter sequential all-gather is not supported; remove it",
                                                False)
     elastic_checkpoint: bool = supported(False, "no effect needed: every checkpoint loads at any world size and "
-                                                "stage")
+                                                "stage (true at stage 3: DeepSpeed's deprecation warning)")
     load_from_fp32_weights: Any = refused(
         "false (rebuild masters from the 16-bit weights) is not supported: masters load from the fp32 copies",
         True)
@@ -238,6 +241,10 @@ class ZeroConfig:
             raise ConfigError(f"{path}.{on[0]}: ZeRO++ applies to ZeRO stage 3 (partitioned parameters and "
                               f"gradients); stage {self.stage} would ignore it: set stage 3 or remove it")
         self._apply_deprecated(path)
+        if self.stage == 3 and self.elastic_checkpoint:  # DeepSpeed 0.19.8 warns; the key changes nothing here
+            logger.warning(f"{path}.elastic_checkpoint: ZeRO-3 elastic checkpointing is deprecated in DeepSpeed "
+                           "(use universal checkpointing); here every checkpoint loads at any world size and "
+                           "stage, so the key has no effect")
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3  # DeepSpeed's value for scripts that read it
             self.overlap_comm_defaulted = True

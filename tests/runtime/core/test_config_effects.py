@@ -479,3 +479,17 @@ def test_engine_effects_of_reporting_and_guard_keys():
     lines = [ln for ln in text.splitlines() if ln.startswith("step 1 |")]
     assert len(lines) == 1 and "samples/s" not in lines[0]  # the quiet engine printed no step line
     assert text.count("dslaunch: ZeRO stage 0") == 1  # nor a start-up line
+
+
+def test_elastic_checkpoint_at_stage_3_warns_as_deepspeed_does(caplog):
+    # DeepSpeed 0.19.8 logs "ZeRO-3 elastic checkpointing is deprecated" (its unit test looks for
+    # that phrase); the key changes nothing here at any stage, so below stage 3 nothing is said
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="dslaunch.runtime"):
+        DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 2, "elastic_checkpoint": True}})
+        assert not [r for r in caplog.records if "elastic" in r.getMessage()]
+        DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 3, "elastic_checkpoint": True}})
+    said = [r.getMessage() for r in caplog.records if "elastic" in r.getMessage()]
+    assert len(said) == 1 and "elastic checkpointing is deprecated" in said[0].lower()
+    assert "has no effect" in said[0]
