@@ -185,32 +185,41 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [m for m in model.modules() if z3_leaf_module(m)]
 
 
-_EXTERNAL = "_zero_external_params"
+# DeepSpeed's attribute: {id(parameter): parameter} on every module of a stage-3 model
+# (init_external_params), which scripts and DeepSpeed's tests read to see where a parameter
+# used outside its owner was registered
+_EXTERNAL = "_external_params"
 # bumped on every (un)registration: stage 3 caches module_params per module and rebuilds the
 # cache when this moves, so a registration made after deepspeed.initialize still counts
 registrations = 0
+
+
+def init_external_params(module: torch.nn.Module) -> None:
+    """Give `module` its (empty) registry of external parameters, as DeepSpeed's initialize does
+    for every module of a stage-3 model."""
+    module.__dict__.setdefault(_EXTERNAL, {})
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
     if not isinstance(parameter, torch.nn.Parameter):
         raise TypeError(f"register_external_parameter: expected a torch.nn.Parameter, got {type(parameter).__name__}")
     global registrations
-    ext = module.__dict__.setdefault(_EXTERNAL, [])
-    if all(p is not parameter for p in ext):
-        ext.append(parameter)
+    ext = module.__dict__.setdefault(_EXTERNAL, {})
+    if id(parameter) not in ext:
+        ext[id(parameter)] = parameter
         registrations += 1
 
 
 def is_external_to(module: torch.nn.Module, parameter: torch.nn.Parameter) -> bool:
-    return any(p is parameter for p in module.__dict__.get(_EXTERNAL, ()))
+    return id(parameter) in module.__dict__.get(_EXTERNAL, {})
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    ext = module.__dict__.get(_EXTERNAL, [])
-    if all(p is not parameter for p in ext):
+    ext = module.__dict__.get(_EXTERNAL, {})
+    if id(parameter) not in ext:
         raise ValueError("unregister_external_parameter: this parameter was not registered with the module")
     global registrations
-    ext[:] = [p for p in ext if p is not parameter]
+    del ext[id(parameter)]
     registrations += 1
 
 
@@ -246,7 +255,7 @@ def module_params(m: torch.nn.Module) -> List[torch.nn.Parameter]:
         for p in _adopted(m):
             if all(p is not q for q in own):  # a parameter tied between the leaf and m counts once
                 own.append(p)
-    return own + [p for p in m.__dict__.get(_EXTERNAL, ()) if all(p is not q for q in own)]
+    return own + [p for p in m.__dict__.get(_EXTERNAL, {}).values() if all(p is not q for q in own)]
 
 
 def hooked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:

@@ -323,6 +323,8 @@ class ZeroStage3(ShardedStrategy):
         self._untrained = [p for p in self.module.parameters() if id(p) not in trained]
         self._untrained_ids = {id(p) for p in self._untrained}
         self._hooked = set()
+        for m in self.module.modules():
+            hook_scope.init_external_params(m)
         for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit
             self._hook_module(m)
             if z3_leaf_module(m):
@@ -446,9 +448,7 @@ class ZeroStage3(ShardedStrategy):
         """m's backward is done: its frozen parameters that no other module's backward holds are
         released, as DeepSpeed's release_sub_module does after a module's backward. (The trained
         ones are released by their gradient hooks, once every use has contributed.)"""
-        if "ds_id" not in m.__dict__:
-            return
-        done = []
+        done = []  # m.ds_id was set by m's pre-forward gather (_hold), before _PostBackward was applied
         for p in self._untrained_of(m):
             p.ds_active_sub_modules.discard(m.ds_id)
             if not p.ds_active_sub_modules:
@@ -480,14 +480,18 @@ class ZeroStage3(ShardedStrategy):
         items of a list or tuple, the values of a dict or of an output object's attributes)."""
         if torch.compiler.is_compiling():
             return []
+        if not self._running and torch._C._current_graph_task_id() == -1:
+            return []  # a module called on its own, outside any forward of the model: nothing uses them
+        handed = []
+        for x in _output_items(out):
+            p = _param_behind(x)
+            if p is not None and all(p is not q for q in handed):
+                handed.append(p)
         if not self._running:
-            if torch._C._current_graph_task_id() == -1:
-                return []  # a module called on its own, outside any forward of the model: nothing uses them
             # activation checkpointing's recompute, inside the backward: the function around m uses
             # them next, as in the forward; they were registered then, and are released as usual
             # (gradient hook, end of the module's backward, end of the backward)
-            return [x for x in _output_items(out) if isinstance(x, torch.nn.Parameter) and is_partitioned(x)]
-        handed = [x for x in _output_items(out) if isinstance(x, torch.nn.Parameter) and is_partitioned(x)]
+            return handed
         for p in handed:
             if any(hook_scope.is_external_to(mm, p) for mm in self._running):
                 continue  # a module running around m already gathers it
@@ -1112,14 +1116,27 @@ def _output_items(out) -> list:
         return []
 
 
+def _param_behind(x) -> Optional[torch.nn.Parameter]:
+    """The partitioned parameter x is, or stands for (`ds_param_alias`: what _through returned
+    for it), else None."""
+    if isinstance(x, torch.nn.Parameter) and is_partitioned(x):
+        return x
+    return getattr(x, "ds_param_alias", None) if torch.is_tensor(x) else None
+
+
 def _through(fn, engine, m, items) -> Optional[list]:
     """items, with those that are tensors needing a gradient passed through fn (one call for all
-    of them); None when none needs one."""
+    of them); None when none needs one. What comes back for a partitioned parameter is a plain
+    tensor: its `ds_param_alias` names the parameter, as DeepSpeed's does, so a module that
+    returns it again (a parameter handed up two levels) still hands out the parameter."""
     idx = [i for i, x in enumerate(items) if torch.is_tensor(x) and x.requires_grad]
     if not idx:
         return None
     new = list(items)
     for i, w in zip(idx, fn.apply(engine, m, *[items[i] for i in idx])):
+        p = _param_behind(items[i])
+        if p is not None and w is not p:
+            w.ds_param_alias = p
         new[i] = w
     return new
 

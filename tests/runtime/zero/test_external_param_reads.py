@@ -93,6 +93,32 @@ class ReturnsTwice(torch.nn.Module):
         return torch.nn.functional.linear(self.head(out["h"]), out["weight"]).pow(2).mean()
 
 
+class PassesTupleOn(torch.nn.Module):
+    """Receives the child's bias in a tuple and returns it again in one (DeepSpeed's DanglingAttention)."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.inner = BiasOut(dim, dim)
+
+    def forward(self, x):
+        h, bias = self.inner(x)
+        return torch.tanh(h), bias
+
+
+class ReturnsTwiceTuple(torch.nn.Module):
+    """The bias travels two levels up as tuple items: what the middle module returns for it is
+    no longer the parameter but the tensor its output hooks made of it."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.block = PassesTupleOn(dim)
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h, bias = self.block(x)
+        return self.head(h + bias).pow(2).mean()
+
+
 class ReturnsBiasCheckpointed(ReturnsBias):
     """The same under activation checkpointing: the recompute, inside the backward, runs the
     child again with no forward of the model around it, and its bias must stay whole for the
@@ -108,7 +134,7 @@ class ReturnsBiasCheckpointed(ReturnsBias):
 
 
 MODELS = {"root": RootReads, "sibling": SiblingReads, "returned": ReturnsBias, "returned_twice": ReturnsTwice,
-          "returned_checkpointed": ReturnsBiasCheckpointed}
+          "returned_checkpointed": ReturnsBiasCheckpointed, "returned_twice_tuple": ReturnsTwiceTuple}
 
 
 def train_body(model: str, stage: int):
@@ -144,6 +170,29 @@ def test_a_parameter_used_outside_its_module_trains_as_at_stage_0(model):
         assert got_weights.keys() == want_weights.keys()
         for name in want_weights:
             torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def registry_body():
+    import dslaunch.runtime as deepspeed
+
+    torch.manual_seed(0)
+    net = ReturnsTwiceTuple()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    engine.backward(engine(torch.randn(2, 8)))
+    engine.step()
+    bias = net.block.inner.bias
+    sizes = [len(m._external_params) for m in (net, net.block, net.block.inner, net.head)]
+    return sizes, [p is bias for p in net._external_params.values()]
+
+
+def test_a_parameter_handed_up_two_levels_is_external_to_the_module_that_uses_it():
+    """DeepSpeed's test_ext_param_return checks where the bias ends up registered: with the
+    module whose forward uses it (the root), and no longer with the middle one that passed it on."""
+    for sizes, is_bias in run_function(registry_body, nprocs=2, timeout=240):
+        assert sizes == [1, 0, 0, 0]
+        assert is_bias == [True]
 
 
 class FailsAfterFirst(RootReads):
