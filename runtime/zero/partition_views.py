@@ -1,4 +1,4 @@
-"""DeepSpeed's stage 1/2 optimizer attributes for how the flat parameter buffers split.
+"""DeepSpeed's stage 1/2 optimizer attributes for the flat parameter buffers and how they split.
 
 DeepSpeed's ZeRO-1/2 optimizer keeps each parameter group in one flat 16-bit buffer and lists
 each rank's slice of it: `optimizer.parallel_partitioned_bit16_groups[group][rank]`. Slices
@@ -36,7 +36,24 @@ class PartitionedGroups(Sequence):
         return len(self._groups)
 
 
+class FlatGroups(Sequence):
+    """`optimizer.bit16_groups_flat`: per group, its whole flat buffer (the parameters are views
+    into it), detached from autograd as DeepSpeed's is."""
+
+    def __init__(self, groups):
+        self._groups = groups
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self._groups[index].flat
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
 def publish_partitions(optimizer, groups) -> None:
-    """Give the engine's optimizer DeepSpeed's stage 1/2 names for the flat buffers' slices."""
+    """Give the engine's optimizer DeepSpeed's stage 1/2 names for the flat buffers and their slices."""
     optimizer.nccl_start_alignment_factor = ALIGNMENT_ELEMENTS
+    optimizer.bit16_groups_flat = FlatGroups(groups)
     optimizer.parallel_partitioned_bit16_groups = PartitionedGroups(groups)
