@@ -93,12 +93,8 @@ class ReturnsTwice(torch.nn.Module):
         return torch.nn.functional.linear(self.head(out["h"]), out["weight"]).pow(2).mean()
 
 
-class PassesTupleOn(torch.nn.Module):
+class PassesTupleOn(PassesOn):
     """Receives the child's bias in a tuple and returns it again in one (DeepSpeed's DanglingAttention)."""
-
-    def __init__(self, dim=8):
-        super().__init__()
-        self.inner = BiasOut(dim, dim)
 
     def forward(self, x):
         h, bias = self.inner(x)
@@ -172,14 +168,20 @@ def test_a_parameter_used_outside_its_module_trains_as_at_stage_0(model):
             torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-5, atol=1e-6)
 
 
-def registry_body():
+def stage3_engine(model_class):
+    """model_class's model (seeded) in a stage-3 engine that partitions every parameter."""
     import dslaunch.runtime as deepspeed
 
     torch.manual_seed(0)
-    net = ReturnsTwiceTuple()
+    net = model_class()
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    return net, engine
+
+
+def registry_body():
+    net, engine = stage3_engine(ReturnsTwiceTuple)
     engine.backward(engine(torch.randn(2, 8)))
     engine.step()
     bias = net.block.inner.bias
@@ -202,13 +204,7 @@ class FailsAfterFirst(RootReads):
 
 
 def raise_body():
-    import dslaunch.runtime as deepspeed
-
-    torch.manual_seed(0)
-    net = FailsAfterFirst()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    net, engine = stage3_engine(FailsAfterFirst)
     try:
         engine(torch.randn(2, 8))
     except ValueError:
