@@ -20,36 +20,37 @@ import torch
 ALIGNMENT_ELEMENTS = 2  # DeepSpeed's nccl_start_alignment_factor: 4 bytes / sizeof(fp16)
 
 
-class PartitionedGroups(Sequence):
-    """`optimizer.parallel_partitioned_bit16_groups`: per group, every rank's slice of its flat buffer."""
+class _GroupViews(Sequence):
+    """A list-like view that reads one value per strategy group on every access, never caching."""
 
     def __init__(self, groups):
         self._groups = groups  # the strategy's list of groups (flat buffer, layout, axis)
 
-    def __getitem__(self, index) -> List[torch.Tensor]:
+    def _view(self, group):
+        raise NotImplementedError
+
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        g = self._groups[index]
-        return list(g.flat.view(g.axis.size, g.layout.partition_size).unbind(0))
+        return self._view(self._groups[index])
 
     def __len__(self) -> int:
         return len(self._groups)
 
 
-class FlatGroups(Sequence):
+class PartitionedGroups(_GroupViews):
+    """`optimizer.parallel_partitioned_bit16_groups`: per group, every rank's slice of its flat buffer."""
+
+    def _view(self, group) -> List[torch.Tensor]:
+        return list(group.flat.view(group.axis.size, group.layout.partition_size).unbind(0))
+
+
+class FlatGroups(_GroupViews):
     """`optimizer.bit16_groups_flat`: per group, its whole flat buffer (the parameters are views
     into it), detached from autograd as DeepSpeed's is."""
 
-    def __init__(self, groups):
-        self._groups = groups
-
-    def __getitem__(self, index) -> torch.Tensor:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        return self._groups[index].flat
-
-    def __len__(self) -> int:
-        return len(self._groups)
+    def _view(self, group) -> torch.Tensor:
+        return group.flat
 
 
 def publish_partitions(optimizer, groups) -> None:
