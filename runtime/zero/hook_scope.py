@@ -274,6 +274,20 @@ def hooked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     return out
 
 
+def tracked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """Every module stage 3 keeps on its stack of running modules: those that run a forward,
+    outside any leaf's subtree (a leaf counts as one module)."""
+    out, inside = [], set()
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        if z3_leaf_module(m):
+            inside.update(id(c) for c in m.modules())
+        if _runs_forward(m):
+            out.append(m)
+    return out
+
+
 def unmarked_expert_lists(model: torch.nn.Module) -> List[tuple]:
     """(name, class name) of the modules outside any leaf whose `experts` is a ModuleList of modules with
     parameters: routers that call only the experts with tokens need such a module as a leaf."""

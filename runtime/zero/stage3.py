@@ -48,8 +48,8 @@ from ..core.strict import ConfigError
 from ..core.strategy import StrategyContext, check_numel, register_strategy, state_tensor
 from ..core import comm
 from . import hook_scope
-from .hook_scope import (hooked_modules, module_params, set_leaves_by_granularity, unmarked_expert_lists,
-                         z3_leaf_module)
+from .hook_scope import (hooked_modules, module_params, set_leaves_by_granularity, tracked_modules,
+                         unmarked_expert_lists, z3_leaf_module)
 from .offload import OptimizerHost, make_host, pin_host
 from .offload_states import StateMover
 from ..core.config.zero import OffloadStateTypeEnum
@@ -286,9 +286,11 @@ class ZeroStage3(ShardedStrategy):
         self._own_cache: Dict[int, List[torch.nn.Parameter]] = {}
         self._own_version = -1
         self._index: Optional[ModuleTrace] = None
-        self._stack: List[int] = []  # trace entry of each module whose forward is running (-1: none)
+        # trace entry of each module whose forward is running (-1: none; None: one that gathers nothing)
+        self._stack: List[Optional[int]] = []
         self._running: List[torch.nn.Module] = []  # those modules and the root, innermost last
-        self._hooked: set = set()  # id of each module with the forward hooks
+        self._hooked: set = set()  # id of each module whose forward hooks gather its parameters
+        self._tracked: set = set()  # id of each module with the forward hooks (a superset)
         self._rerecord = False  # the recorded module order no longer says where parameters are used
         self._watches: Optional[ReadWatches] = None  # parameters read by name (_read)
         self._prefetch = Prefetcher(self._own, self._name, self.check)
@@ -322,11 +324,19 @@ class ZeroStage3(ShardedStrategy):
         # releases them after their module's backward; module_backward_done and after_backward do
         self._untrained = [p for p in self.module.parameters() if id(p) not in trained]
         self._untrained_ids = {id(p) for p in self._untrained}
-        self._hooked = set()
+        self._hooked, self._tracked = set(), set()
         for m in self.module.modules():
             hook_scope.init_external_params(m)
         for m in hooked_modules(self.module):  # leaf modules (set_z3_leaf_modules) as one unit
             self._hook_module(m)
+        # the modules with nothing to gather are hooked too, only to be on the stack of running
+        # modules: a parameter handed up through one (`return out, self.bias`) or read by name in
+        # its forward is registered with it, as DeepSpeed (which hooks every module) does
+        for m in tracked_modules(self.module):
+            if id(m) not in self._tracked and m is not self.module:
+                self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(m.register_forward_hook(self._post_forward))
+                self._tracked.add(id(m))
             if z3_leaf_module(m):
                 params = [p for p in self._own(m) if id(p) in trained]
                 if params:
@@ -342,6 +352,7 @@ class ZeroStage3(ShardedStrategy):
         self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(m.register_forward_hook(self._post_forward))
         self._hooked.add(id(m))
+        self._tracked.add(id(m))
 
     def _root_pre(self, module, args):
         comm.comms_logger.set_phase("forward")  # the comms logger's traffic rows (comm/traffic.py)
@@ -422,6 +433,13 @@ class ZeroStage3(ShardedStrategy):
                 return
 
     def _pre_forward(self, m, args):
+        if id(m) not in self._hooked:
+            if self._own(m):  # a parameter registered with it since (register_external_parameter)
+                self._hooked.add(id(m))
+            else:  # nothing to gather: only where the forward is (wrap_module)
+                self._stack.append(None)
+                self._running.append(m)
+                return None
         at = -1
         if self._recording:
             self._trace.append(m)
@@ -459,6 +477,11 @@ class ZeroStage3(ShardedStrategy):
         at = self._stack.pop() if self._stack else -1
         if self._running:
             self._running.pop()
+        if at is None:
+            if id(m) not in self._hooked:
+                self._handed_out(m, out)  # registered with the module around m, as any module's
+                return None
+            at = -1  # made external to m during this forward (_make_external): released below
         params = self._own(m)
         handed = self._handed_out(m, out)
         if handed:
@@ -505,9 +528,12 @@ class ZeroStage3(ShardedStrategy):
         """Register p as external to m, a module whose forward is running, for a read by name
         (_read) or a parameter handed out by a child (_handed_out)."""
         hook_scope.register_external_parameter(m, p)
-        if id(m) not in self._hooked:
-            # the root, hooked from now on: its post-forward hook (running at the end of this forward)
+        if id(m) in self._tracked:
+            # its hooks gather from now on; its post-forward hook (at the end of this forward)
             # releases p, and its outputs' backward gathers it again
+            self._hooked.add(id(m))
+        elif id(m) not in self._hooked:
+            # the root, the same from now on
             self._hook_module(m)
         self._trace_ok = False  # no prefetching for the rest of this forward, and the next one records
         self._rerecord = True

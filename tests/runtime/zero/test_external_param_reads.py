@@ -115,6 +115,18 @@ class ReturnsTwiceTuple(torch.nn.Module):
         return self.head(h + bias).pow(2).mean()
 
 
+class WrapsReturnsTwiceTuple(torch.nn.Module):
+    """DeepSpeed's DanglingExt: neither the root nor the module that adds the bias (the
+    ReturnsTwiceTuple inside) has a parameter of its own."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.container = ReturnsTwiceTuple(dim)
+
+    def forward(self, x):
+        return self.container(x) * 0.5
+
+
 class ReturnsBiasCheckpointed(ReturnsBias):
     """The same under activation checkpointing: the recompute, inside the backward, runs the
     child again with no forward of the model around it, and its bias must stay whole for the
@@ -130,7 +142,8 @@ class ReturnsBiasCheckpointed(ReturnsBias):
 
 
 MODELS = {"root": RootReads, "sibling": SiblingReads, "returned": ReturnsBias, "returned_twice": ReturnsTwice,
-          "returned_checkpointed": ReturnsBiasCheckpointed, "returned_twice_tuple": ReturnsTwiceTuple}
+          "returned_checkpointed": ReturnsBiasCheckpointed, "returned_twice_tuple": ReturnsTwiceTuple,
+          "returned_to_a_module_without_parameters": WrapsReturnsTwiceTuple}
 
 
 def train_body(model: str, stage: int):
@@ -194,6 +207,24 @@ def test_a_parameter_handed_up_two_levels_is_external_to_the_module_that_uses_it
     module whose forward uses it (the root), and no longer with the middle one that passed it on."""
     for sizes, is_bias in run_function(registry_body, nprocs=2, timeout=240):
         assert sizes == [1, 0, 0, 0]
+        assert is_bias == [True]
+
+
+def nested_registry_body():
+    net, engine = stage3_engine(WrapsReturnsTwiceTuple)
+    for _ in range(2):  # the second forward runs with the registration the first one made
+        engine.backward(engine(torch.randn(2, 8)))
+        engine.step()
+    c = net.container
+    sizes = [len(m._external_params) for m in (net, c, c.block, c.block.inner, c.head)]
+    return sizes, [p is c.block.inner.bias for p in c._external_params.values()]
+
+
+def test_a_parameter_handed_to_a_module_without_parameters_is_external_to_it():
+    """DeepSpeed hooks every module, so the bias registers with the module that uses it even
+    when that module has no parameter of its own, and not with the root above it."""
+    for sizes, is_bias in run_function(nested_registry_body, nprocs=2, timeout=240):
+        assert sizes == [0, 1, 0, 0, 0]
         assert is_bias == [True]
 
 
