@@ -239,6 +239,8 @@ PATHS: Dict[str, Entry] = {
                    {"zero_to_fp32": "train.checkpoint", "clip_grad_norm_": "train.helpers",
                     "is_model_parallel_parameter": "train.helpers", "move_to_device": "train.helpers",
                     "see_memory_usage": "train.helpers", "set_random_seed": "train.helpers",
+                    "call_to_str": "train.helpers", "count_used_parameters_in_backward": "train.helpers",
+                    "CheckOverflow": "train.overflow_check", "get_weight_norm": "train.overflow_check",
                     "PartitionedTensor": "pipe.partitioned", "partition_uniform": "pipe.partitioned",
                     "partition_balanced": "pipe.partition", "prefix_sum_inc": "pipe.partitioned",
                     # deepspeed.utils imports its groups module, so scripts reach it as an attribute

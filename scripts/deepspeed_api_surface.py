@@ -128,14 +128,14 @@ _internal("deepspeed.runtime.zero.partition_parameters",
           "zero_wrapper_for_fp_tensor_constructor get_accelerator init_distributed see_memory_usage "
           "DeepSpeedZeroConfig OffloadDeviceEnum", ZERO3)
 _internal("deepspeed.runtime.utils",
-          "CheckOverflow DummyOptim OutputBackwardHookManager TLinear align_dense_tensors all_gather_dp_groups "
+          "DummyOptim OutputBackwardHookManager TLinear align_dense_tensors all_gather_dp_groups "
           "all_gather_into_tensor_dp_groups bwc_pipeline_parallel_group bwc_pipeline_parallel_world_size "
-          "bwc_tensor_model_parallel_rank call_to_str check_internal_apis_for_count_used_parameters "
+          "bwc_tensor_model_parallel_rank check_internal_apis_for_count_used_parameters "
           "clip_tensors_by_global_norm combine_grad_norm_groups compare_tensors_in_structures copy_to_device "
-          "count_used_parameters_in_backward empty_cache ensure_directory_exists filter_empty_parameters "
+          "empty_cache ensure_directory_exists filter_empty_parameters "
           "get_accelerator get_checkpoint_folder_size get_flattened_grad_norm get_global_norm "
           "get_global_norm_of_tensors get_grad_zeros get_inactive_params get_ma_status get_norm_with_moe_layers "
-          "get_norm_with_moe_layers_fast get_only_unique_item get_tensor_bytes get_weight_norm has_inf_or_nan "
+          "get_norm_with_moe_layers_fast get_only_unique_item get_tensor_bytes has_inf_or_nan "
           "is_invalid_grad_norm is_moe_param is_optimized_parameter is_transformers_cache "
           "mask_nan_or_inf_with_val_inplace maybe_loss_for_backward memory_status noop_context noop_decorator "
           "offload_adam_states partition_uniform prefix_sum_inc register_output_backward_hooks "

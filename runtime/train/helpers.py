@@ -102,3 +102,28 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     for p in params:
         p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
     return total
+
+
+def call_to_str(base: str, *args, **kwargs) -> str:
+    """How a call reads in a log line: `call_to_str("f", 1, x=2)` is "f(1, x=2)"."""
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{base}({', '.join(parts)})"
+
+
+def count_used_parameters_in_backward(parameters: Iterable[torch.Tensor]) -> int:
+    """How many of `parameters` the backward now running will reach (their gradient
+    accumulators, each counted once, that the autograd engine is set to execute). For a hook
+    running inside that backward; outside one it raises, as DeepSpeed's does."""
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+    if torch._C._current_graph_task_id() == -1:
+        raise RuntimeError("count_used_parameters_in_backward must be called during backward execution")
+    nodes = set()  # two parameters may share one accumulator: counted once
+    for p in parameters:
+        if not isinstance(p, torch.Tensor) or not p.requires_grad:
+            continue
+        with torch.enable_grad():  # backward hooks run without grad mode; the lookup needs it for leaves
+            node = _get_grad_fn_or_grad_acc(p)
+        if node is not None:
+            nodes.add(node)
+    return sum(int(torch._C._will_engine_execute_node(n)) for n in nodes)

@@ -177,6 +177,39 @@ def _get_expert_data_parallel_rank(group_name=None) -> int:
     return _rank("expert_data")
 
 
+def _get_max_expert_parallel_group():
+    """The group of the largest expert-parallel degree: the mesh has one."""
+    return _mesh("_get_max_expert_parallel_group").group("expert")
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size=None, pp_size=None, mp_mode: str = "tp",
+                                     use_data_before_expert_parallel_: bool = False, folding_spec=None) -> None:
+    """DeepSpeed's expert and expert-data groups without an engine: the world as data ranks split
+    into expert groups of `expert_parallel_size_` consecutive ranks (DeepSpeed's order), made the
+    mesh the getters answer from. A mesh with these expert groups already is kept. DeepSpeed
+    keeps groups of several expert degrees side by side; the mesh has one, so asking for another
+    degree once there is one is refused. Collective: every rank calls it."""
+    what = "deepspeed.utils.groups._create_expert_and_data_parallel"
+    ep = int(expert_parallel_size_)
+    if (mp_size or 1) > 1 or folding_spec is not None or use_data_before_expert_parallel_:
+        raise GroupsError(f"{what}: only the plain expert x data layout is built without an engine "
+                          "(mp_size 1, no folding_spec, use_data_before_expert_parallel_ False); "
+                          "configure tensor or sequence parallelism with MoE through deepspeed.initialize")
+    mesh = current()
+    if mesh is not None:
+        if mesh.size("expert") == ep:
+            return
+        if mesh.size("expert") > 1:
+            raise GroupsError(f"{what}({ep}): this job's expert groups are 'ep_size_{mesh.size('expert')}', "
+                              "and a mesh has one expert-parallel degree")
+    pipe = int(pp_size) if pp_size is not None else (1 if mesh is None else mesh.size("pipe"))
+    world = comm.get_world_size()
+    if pipe < 1 or world % pipe or (world // pipe) % ep:
+        raise GroupsError(f"{what}: expert_parallel_size_ {ep} does not divide the {world // max(pipe, 1)} ranks "
+                          f"of a pipeline stage (world {world}, pipeline {pipe})")
+    set_current(ProcessMesh(topology_for(MeshDims(pipe=pipe, data=world // pipe)), expert=ep))
+
+
 def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
                                pipeline_parallel_size_: int = 1, use_data_before_expert_parallel_: bool = False):
     """DeepSpeed's layout of the expert and expert-data groups, as rank lists (pure): expert
