@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Dict, Iterable, List, Tuple, Type, Union
+from typing import Dict, Iterable, Iterator, List, Tuple, Type, Union
 
 import torch
 
@@ -258,45 +258,36 @@ def module_params(m: torch.nn.Module) -> List[torch.nn.Parameter]:
     return own + [p for p in m.__dict__.get(_EXTERNAL, {}).values() if all(p is not q for q in own)]
 
 
-def hooked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The modules stage 3 hooks: leaves that run a forward, and modules outside any leaf that
-    have parameters to gather (a forward-less leaf's go to the module holding it)."""
-    out, inside = [], set()
-    for m in model.modules():
-        if id(m) in inside:
-            continue
-        if z3_leaf_module(m):
-            inside.update(id(c) for c in m.modules())
-            if not _runs_forward(m):
-                continue
-        if module_params(m):
-            out.append(m)
-    return out
-
-
-def tracked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """Every module stage 3 keeps on its stack of running modules: those that run a forward,
-    outside any leaf's subtree (a leaf counts as one module)."""
-    out, inside = [], set()
-    for m in model.modules():
-        if id(m) in inside:
-            continue
-        if z3_leaf_module(m):
-            inside.update(id(c) for c in m.modules())
-        if _runs_forward(m):
-            out.append(m)
-    return out
-
-
-def unmarked_expert_lists(model: torch.nn.Module) -> List[tuple]:
-    """(name, class name) of the modules outside any leaf whose `experts` is a ModuleList of modules with
-    parameters: routers that call only the experts with tokens need such a module as a leaf."""
-    out, inside = [], set()
+def _units(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
+    """(name, module) of every module outside any leaf's subtree, and of each leaf itself (a leaf
+    counts as one module: what is below it is not visited)."""
+    inside = set()
     for name, m in model.named_modules():
         if id(m) in inside:
             continue
         if z3_leaf_module(m):
             inside.update(id(c) for c in m.modules())
+        yield name, m
+
+
+def hooked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules stage 3 hooks: leaves that run a forward, and modules outside any leaf that
+    have parameters to gather (a forward-less leaf's go to the module holding it)."""
+    return [m for _, m in _units(model) if not (z3_leaf_module(m) and not _runs_forward(m)) and module_params(m)]
+
+
+def tracked_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """Every module stage 3 keeps on its stack of running modules: the units (_units) that run a
+    forward."""
+    return [m for _, m in _units(model) if _runs_forward(m)]
+
+
+def unmarked_expert_lists(model: torch.nn.Module) -> List[tuple]:
+    """(name, class name) of the modules outside any leaf whose `experts` is a ModuleList of modules with
+    parameters: routers that call only the experts with tokens need such a module as a leaf."""
+    out = []
+    for name, m in _units(model):
+        if z3_leaf_module(m):
             continue
         experts = getattr(m, "experts", None)
         if isinstance(experts, torch.nn.ModuleList) and sum(1 for e in experts if next(e.parameters(), None) is not None) > 1:
