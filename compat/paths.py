@@ -293,11 +293,13 @@ PATHS: Dict[str, Entry] = {
                                       "DEFAULT_LEAF_MODULE_NAMES": "core.config.zero",
                                       "DEFAULT_LEAF_MODULE_NAME_SUFFIXES": "core.config.zero",
                                       "DeepSpeedZeroLeafModuleConfig": "core.config.zero:LeafModuleConfig"}),
-    "zero.parameter_offload": Refused(
-        "deepspeed.runtime.zero.parameter_offload (DeepSpeedZeRoOffload, ZeROOrderedDict) is not provided: dslaunch's "
-        "stage 3 gathers parameters in module hooks, and a parameter a forward reads outside its module is found by "
-        "stage 3's own watch on the modules' _parameters; outside forward read them with "
-        "deepspeed.zero.GatheredParameters"),
+    "zero.parameter_offload": Names(
+        "deepspeed.runtime.zero.parameter_offload: the container of a stage-3 module's parameters that sees "
+        "reads by name (ZeROOrderedDict) and its helper; DeepSpeed's offload coordinator is not provided.",
+        {"ZeROOrderedDict": "zero.param_reads:ReadWatch", "ensure_zero_ordered_dict": "zero.param_reads"},
+        refused="is not provided: dslaunch's stage 3 gathers parameters in module hooks (runtime/zero/stage3.py), "
+                "not through DeepSpeed's DeepSpeedZeRoOffload; outside a forward read them with "
+                "deepspeed.zero.GatheredParameters"),
     "zero.muon": "core.muon",  # deepspeed.runtime.zero.muon: DeepSpeed's Muon package
     "zero.muon.muon_optimizer": "core.muon.optimizer",  # where DeepSpeed's MuonWithAuxAdam is imported from
     "zero.utils": Names("deepspeed.runtime.zero.utils: the class DeepSpeed raises its ZeRO refusals as.",

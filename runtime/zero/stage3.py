@@ -360,6 +360,8 @@ class ZeroStage3(ShardedStrategy):
         self._pos = 0
         self._stack.clear()
         self._running[:] = [module]  # the root's own code may read parameters too (_read)
+        if self._watches is not None:
+            self._watches.cover(module)  # a module attached since initialize is watched too
 
     def _root_post(self, module, args, out):
         # `_running` is cleared by the always_call hook registered after this one (wrap_module)

@@ -247,3 +247,81 @@ def raise_body():
 def test_a_read_after_a_forward_that_raised_gathers_nothing():
     for sizes in run_function(raise_body, nprocs=2, timeout=180):
         assert sizes == (0, 0)
+
+
+class MaybeHead(torch.nn.Module):
+    """A model whose head is attached after initialize (DeepSpeed's test_zero_late_module_attach)."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+        self.mid = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(self.fc(x)))
+        if "head" in self._modules:
+            h = self.head(h)
+        return h.pow(2).mean()
+
+
+class TiedHead(torch.nn.Module):
+    def forward(self, h):
+        return torch.nn.functional.linear(h, self.weight)
+
+
+def late_body(stage: int):
+    import torch.distributed as dist
+
+    import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.zero.param_reads import ReadWatch
+    from dslaunch.runtime.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    net = MaybeHead()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    head = TiedHead()
+    head.weight = net.fc.weight  # a partitioned parameter, registered in a module the engine never saw
+    net.head = head
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(4):
+        loss = engine(torch.randn(2, 8, generator=g))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    watched = isinstance(head._parameters, ReadWatch)
+    weights = {n: safe_get_full_fp32_param(p).clone() for n, p in net.named_parameters()}
+    engine.destroy()
+    return losses, weights, watched
+
+
+def test_a_module_attached_after_initialize_reads_a_partitioned_parameter_whole():
+    """The head, attached after initialize, holds fc's partitioned weight: the forward's first
+    read of it by name gathers it, as DeepSpeed's forward prologue converts such a module's
+    _parameters (ZeROOrderedDict); the losses and weights are stage 0's."""
+    want = run_function(late_body, nprocs=2, kwargs={"stage": 0}, timeout=240)
+    got = run_function(late_body, nprocs=2, kwargs={"stage": 3}, timeout=240)
+    for (want_losses, want_weights, _), (got_losses, got_weights, watched) in zip(want, got):
+        assert watched
+        assert got_losses == pytest.approx(want_losses, rel=1e-6, abs=1e-7)
+        for name in want_weights:
+            torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_ensure_zero_ordered_dict_wraps_a_plain_dict_once():
+    from dslaunch.runtime.zero.param_reads import ReadWatch, ensure_zero_ordered_dict
+
+    m = torch.nn.Linear(4, 4, bias=False)
+    original = m._parameters
+    ensure_zero_ordered_dict(m)
+    assert isinstance(m._parameters, ReadWatch) and "weight" in m._parameters
+    assert m._original_parameters is original
+    watched = m._parameters
+    ensure_zero_ordered_dict(m)
+    assert m._parameters is watched  # already watched: left alone
+    m._parameters = None
+    ensure_zero_ordered_dict(m)  # nothing to wrap
+    assert m._parameters is None
