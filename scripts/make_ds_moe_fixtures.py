@@ -209,16 +209,24 @@ def config(job: dict) -> dict:
 
 
 def train(deepspeed, moe_layer, job: dict, rank: int, save_dir: str = None, load_dir: str = None,
-          save_at: int = SAVE_AT) -> dict:
+          save_at: int = SAVE_AT, one_group: bool = False) -> dict:
     """Run job's steps; returns {"losses", "counts"} (the same on every rank). With
     save_dir: save a checkpoint there after `save_at` steps (and go on); with load_dir: load
-    the checkpoint there first and run the steps after the ones it holds."""
+    the checkpoint there first and run the steps after the ones it holds. one_group: the
+    script's own torch AdamW (the config's maths) over every parameter in one param group,
+    experts included, instead of the config's optimizer section."""
     import torch
     import torch.distributed as dist
 
     world, ep, gas = job["world"], job["ep"], job["gas"]
     model = make_model(moe_layer, ep, rank % ep, job["k"])
-    engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config(job))[0]
+    cfg = config(job)
+    if one_group:
+        opt = cfg.pop("optimizer")["params"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], weight_decay=opt["weight_decay"])
+        engine = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)[0]
+    else:
+        engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)[0]
     first = 0
     if load_dir is not None:
         engine.load_checkpoint(load_dir)

@@ -70,12 +70,14 @@ def expert_parallel_size(model: nn.Module) -> int:
     return sizes[0] if sizes else 1
 
 
-def check_moe_param_groups(optimizer, model: nn.Module):
+def check_moe_param_groups(optimizer, model: nn.Module, stage: int = 1):
     """`optimizer` itself, once its param groups are right for expert parallelism: with
-    ep_size > 1 every expert parameter must be in a `"moe": True` group (its gradient is
-    reduced over the replicas of its expert, not over every rank) and a moe group must hold
-    expert parameters only. One line otherwise."""
-    if optimizer is None or expert_parallel_size(model) == 1:
+    ep_size > 1 at ZeRO stage 1 or 2 every expert parameter must be in a `"moe": True` group
+    (the group's partitions are reduced over the replicas of its expert, not over every rank)
+    and a moe group must hold expert parameters only, as DeepSpeed's ZeRO optimizer requires.
+    One line otherwise. At stage 0 each parameter reduces by what it is (zero/stage0.py), as in
+    DeepSpeed, so any grouping trains."""
+    if optimizer is None or expert_parallel_size(model) == 1 or stage == 0:
         return optimizer
     for g in optimizer.param_groups:
         moe = bool(g.get("moe", False))

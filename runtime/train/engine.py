@@ -494,12 +494,12 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
         params = model_parameters if model_parameters is not None else model.parameters()
         from ..moe import utils as moe_utils
 
+        stage = self.config.zero_optimization.stage
         if isinstance(optimizer, torch.optim.Optimizer):
-            return moe_utils.check_moe_param_groups(optimizer, model)
+            return moe_utils.check_moe_param_groups(optimizer, model, stage)
         if callable(optimizer):
-            return moe_utils.check_moe_param_groups(optimizer(params), model)
+            return moe_utils.check_moe_param_groups(optimizer(params), model, stage)
         if self.config.optimizer is None:
-            stage = self.config.zero_optimization.stage
             if stage in (0, 3):
                 # forward only, as DeepSpeed allows: ZeRO inference with the model sharded (the HF
                 # Trainer's evaluate/predict), or a plain engine; backward and step are refused
@@ -510,7 +510,7 @@ class DeepSpeedEngine(torch.nn.Module, metaclass=abc.ABCMeta):
             params = moe_utils.configure_moe_param_groups(list(params))
         return moe_utils.check_moe_param_groups(
             build_optimizer(self.config.optimizer, params,
-                            OptimizerTarget.of(self.config, self.device, self.precision)), model)
+                            OptimizerTarget.of(self.config, self.device, self.precision)), model, stage)
 
     def _make_scheduler(self, lr_scheduler):
         if self.optimizer is None:  # forward only: nothing to schedule (DeepSpeed builds none either)

@@ -18,9 +18,9 @@ rewiring the optimizer's param groups to them; reduced 16-bit gradients are conv
 fp32 once per step, bucket by bucket, each 16-bit bucket freed once converted (param.grad
 is None from then until zero_grad), and updated masters are copied back into the module.
 
-Each optimizer param group reduces over its own axis (ctx.axes: the data axis, or
-expert_data for "moe" groups): a bucket never mixes axes, and is all-reduced on its axis's
-group and averaged by its axis's size. Expert parameters differ across the expert axis, so
+Each parameter reduces over its own axis (the data axis, or expert_data for an expert's
+parameter, whatever param group holds it): a bucket never mixes axes, and is all-reduced on
+its axis's group and averaged by its axis's size. Expert parameters differ across the expert axis, so
 the global norm sums their squares over it.
 
 Gradient hooks fire in autograd order, which is the same on every rank for the same
@@ -38,8 +38,8 @@ from ..core import comm
 from ..core.errors import CheckpointError
 from ..core.reduction import GradReduction
 from ..core.shard_state import SavedShards, ShardKind, ShardLayout
-from ..core.strategy import (DATA_AXIS, GradientStrategy, ReduceAxis, StrategyContext, check_numel, register_strategy,
-                             state_tensor)
+from ..core.strategy import (DATA_AXIS, EXPERT_DATA_AXIS, GradientStrategy, ReduceAxis, StrategyContext, check_numel,
+                             register_strategy, state_tensor)
 from .reshard import whole_optimizer_state
 
 
@@ -82,9 +82,13 @@ class DataParallelStrategy(GradientStrategy):
         self._boundary = False
         self._hooks = []
         self.reduction = GradReduction.from_config(ctx.config, ctx.world_size)
-        self._axis_of = ctx.axis_for_params()  # id(param) -> its param group's axis
+        # id(param) -> its axis. At stage 0 each parameter reduces by what it is, as DeepSpeed's
+        # stage 0 does (an expert parameter, `allreduce = False`, over its replicas): a script's
+        # own optimizer may hold experts and shared parameters in one group
+        self._axis_of = {id(p): ctx.axis(EXPERT_DATA_AXIS if getattr(p, "allreduce", True) is False else DATA_AXIS)
+                         for p in params}
         self._reductions = {DATA_AXIS: self.reduction}
-        for axis in ctx.axes:
+        for axis in [*ctx.axes, *self._axis_of.values()]:
             self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
         self.buckets = self._make_buckets(params, max(1, ctx.config.zero_optimization.reduce_bucket_size))
         self.bucket_of: Dict[int, _Bucket] = {}

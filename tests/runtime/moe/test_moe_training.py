@@ -17,7 +17,8 @@ Every run's losses equal DeepSpeed's for the same case and the one-process run's
 run and ours equals the one-process run),
 and the tokens routed to each expert, summed over ranks, equal the one process's exactly.
 What expert parallelism does not do here (ep_size not dividing the world, ZeRO-3, an
-optimizer without moe groups) is one line each; checkpoints are tests/runtime/moe/test_moe_checkpoint.py's.
+optimizer without moe groups at ZeRO 1-2) is one line each; at ZeRO 0 a script's own
+optimizer may hold experts in any param group, as in DeepSpeed; checkpoints are tests/runtime/moe/test_moe_checkpoint.py's.
 """
 import json
 import os
@@ -36,6 +37,10 @@ TOL = 1e-5
 COMPAT_ENV = {"PYTHONPATH": os.pathsep.join(p for p in (os.path.join(ROOT, "compat", "deepspeed"),
                                                          os.environ.get("PYTHONPATH", "")) if p)}
 BY_WORLD = {w: [n for n, job in fx.TRAINING_CASES.items() if job["world"] == w] for w in (1, 2, 4)}
+# stage-0 cases run again with the script's own optimizer holding experts and shared parameters
+# in one param group (DeepSpeed's PRMoE test does this): DeepSpeed's stage 0 reduces each
+# parameter by what it is, so the losses are the case's own
+ONE_GROUP = ["ep2_w2_s0", "ep2_w2_s0_clip"]
 
 
 def _worker(names):
@@ -52,6 +57,8 @@ def _worker(names):
     out = {n: fx.train(deepspeed, layer, fx.TRAINING_CASES[n], dist.get_rank()) for n in names}
     if dist.get_world_size() == 2:
         out["refusals"] = _refusals(deepspeed, layer)
+        for n in ONE_GROUP:
+            out[f"{n}_one_group"] = fx.train(deepspeed, layer, fx.TRAINING_CASES[n], dist.get_rank(), one_group=True)
     return out
 
 
@@ -79,7 +86,7 @@ def _refusals(deepspeed, layer):
     return {
         "ep_not_dividing_world": attempt(ep=4),
         "zero3": attempt(stage=3),
-        "optimizer_without_moe_group": attempt(optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
+        "optimizer_without_moe_group": attempt(stage=2, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
         "optimizer_with_moe_group": attempt(optimizer=lambda m: torch.optim.SGD(
             split_params_into_different_moe_groups_for_optimizer({"params": list(m.parameters()), "name": "d"}),
             lr=0.1)),
@@ -116,6 +123,14 @@ def test_expert_parallel_equals_one_process_holding_every_expert(runs, name):
     one = runs[fx.ONE_PROCESS[name]]
     assert runs[name]["losses"] == pytest.approx(one["losses"], abs=TOL), name
     assert runs[name]["counts"] == one["counts"], name
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ONE_GROUP)
+def test_stage_0_trains_experts_in_any_param_group(runs, name):
+    want = EXPECTED[fx.ONE_PROCESS[name]] if name in fx.DS_DIFFERS_FROM_ONE_PROCESS else EXPECTED[name]
+    assert runs[f"{name}_one_group"]["losses"] == pytest.approx(want["losses"], abs=TOL), name
+    assert runs[f"{name}_one_group"]["counts"] == want["counts"], name
 
 
 @pytest.mark.timeout(600)
