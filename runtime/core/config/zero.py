@@ -23,6 +23,16 @@ ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quanti
                "zero_quantized_gradients")
 
 
+# DeepSpeed's nccl_start_alignment_factor: stage 1-2 all-gathers start 4-byte aligned, two 16-bit
+# elements (zero/partition_views.py keeps the same alignment of the partitions)
+GATHER_ALIGNMENT = 2
+
+
+class BucketAlignmentError(ConfigError, AssertionError):
+    """An allgather_bucket_size stage 1-2 cannot align: DeepSpeed's assertion, so a script that
+    catches its AssertionError catches this one too."""
+
+
 @dataclass
 class _OffloadTarget:
     """Where offloaded tensors live; shared by offload_optimizer and offload_param."""
@@ -125,7 +135,8 @@ class ZeroConfig:
     reduce_bucket_size: int = supported(500_000_000, "elements per gradient reduction")
     allgather_partitions: Any = refused(
         "false (broadcast updated partitions) is not supported: they are all-gathered", True)
-    allgather_bucket_size: int = supported(500_000_000, "elements per all-gather of updated partitions (stage 1-2)")
+    allgather_bucket_size: int = supported(500_000_000, "elements per all-gather of updated partitions (stage 1-2, "
+                                                        "where it must be even, as DeepSpeed asserts)")
     use_multi_rank_bucket_allreduce: Any = refused(
         "false is not supported: each bucket is one collective for all ranks", True)
     compute_grad_norm: bool = supported(True, "stages 1-2 compute the global gradient norm at every step "
@@ -231,6 +242,11 @@ class ZeroConfig:
             raise ConfigError(f"{path}.stage: must be 0, 1, 2 or 3, got {self.stage}")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
             positive(path, key, getattr(self, key))
+        if self.stage in (1, 2) and int(self.allgather_bucket_size) % GATHER_ALIGNMENT:
+            raise BucketAlignmentError(
+                f"{path}.allgather_bucket_size: {self.allgather_bucket_size}: allgather_bucket_size must be a multiple "
+                f"of nccl_start_alignment_factor, {GATHER_ALIGNMENT} (4-byte aligned all-gathers; DeepSpeed asserts it "
+                "too)")  # short: pytest's repr of the error, which DeepSpeed's test searches, stops at 240 characters
         # 0 prefetch: every module waits for its own gather (DeepSpeed accepts 0 too)
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                     "stage3_max_reuse_distance", "zero_hpz_partition_size", "stage3_module_granularity_threshold"):

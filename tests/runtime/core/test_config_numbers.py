@@ -174,3 +174,21 @@ def test_the_autotuner_reads_the_config_with_the_same_refusal(tmp_path):
     with pytest.raises(LaunchConfigError, match=r"ds.json: train_batch_size: the key is given more than once; "
                                                 r"DeepSpeed refuses duplicate keys too: keep one$"):
         load_user_config(str(path))
+
+
+def test_an_odd_allgather_bucket_is_refused_at_stages_1_and_2_as_deepspeed_asserts():
+    """DeepSpeed's stage 1-2 optimizer asserts allgather_bucket_size % nccl_start_alignment_factor
+    (2) == 0 (its TestIncorectAllgatherBucketSize); the same words, raised as an AssertionError
+    too, where the config is read. Stage 0 and 3 never read the key."""
+    def load(stage, size):
+        DeepSpeedConfig.load({"train_batch_size": 2,
+                              "zero_optimization": {"stage": stage, "allgather_bucket_size": size}})
+
+    for stage in (1, 2):
+        with pytest.raises(AssertionError, match=r"^config: zero_optimization\.allgather_bucket_size: 1001: "
+                                                 r"allgather_bucket_size must be a multiple of "
+                                                 r"nccl_start_alignment_factor, 2 "):
+            load(stage, 1001)
+        load(stage, 1000)
+    for stage in (0, 3):
+        load(stage, 1001)
