@@ -141,23 +141,52 @@ class ReturnsBiasCheckpointed(ReturnsBias):
         return self.head(h).pow(2).mean()
 
 
+class MaybeHead(torch.nn.Module):
+    """A model whose head is attached after initialize (DeepSpeed's test_zero_late_module_attach)."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, dim)
+        self.mid = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(self.fc(x)))
+        if "head" in self._modules:
+            h = self.head(h)
+        return h.pow(2).mean()
+
+
+class TiedHead(torch.nn.Module):
+    def forward(self, h):
+        return torch.nn.functional.linear(h, self.weight)
+
+
 MODELS = {"root": RootReads, "sibling": SiblingReads, "returned": ReturnsBias, "returned_twice": ReturnsTwice,
           "returned_checkpointed": ReturnsBiasCheckpointed, "returned_twice_tuple": ReturnsTwiceTuple,
           "returned_to_a_module_without_parameters": WrapsReturnsTwiceTuple}
+# models trained with a module attached after initialize (train_body's attach_head)
+LATE = {"late_head": MaybeHead}
 
 
-def train_body(model: str, stage: int):
+def train_body(model: str, stage: int, attach_head: bool = False):
+    """Losses and final weights of 8 steps; attach_head: a TiedHead holding fc's weight is
+    attached after initialize (the model is MaybeHead)."""
     import torch.distributed as dist
 
     import dslaunch.runtime as deepspeed
+    from dslaunch.runtime.zero.param_reads import ReadWatch
     from dslaunch.runtime.utils import safe_get_full_fp32_param
 
     torch.manual_seed(0)
-    net = MODELS[model]()
+    net = {**MODELS, **LATE}[model]()
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    if attach_head:
+        head = TiedHead()
+        head.weight = net.fc.weight  # a partitioned parameter, registered in a module the engine never saw
+        net.head = head
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     losses = []
     for _ in range(8):
@@ -165,20 +194,26 @@ def train_body(model: str, stage: int):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    if attach_head:  # watched from its first forward on (stage 3 only)
+        assert isinstance(net.head._parameters, ReadWatch) == (stage == 3)
     weights = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return losses, weights
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_a_parameter_used_outside_its_module_trains_as_at_stage_0(model):
-    want = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 0}, timeout=240)
-    got = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 3}, timeout=240)
+def assert_trains_as_at_stage_0(model: str, **kwargs) -> None:
+    want = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 0, **kwargs}, timeout=240)
+    got = run_function(train_body, nprocs=2, kwargs={"model": model, "stage": 3, **kwargs}, timeout=240)
     for (want_losses, want_weights), (got_losses, got_weights) in zip(want, got):
         assert got_losses == pytest.approx(want_losses, rel=1e-6, abs=1e-7)
         assert got_weights.keys() == want_weights.keys()
         for name in want_weights:
             torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_parameter_used_outside_its_module_trains_as_at_stage_0(model):
+    assert_trains_as_at_stage_0(model)
 
 
 def stage3_engine(model_class):
@@ -249,66 +284,11 @@ def test_a_read_after_a_forward_that_raised_gathers_nothing():
         assert sizes == (0, 0)
 
 
-class MaybeHead(torch.nn.Module):
-    """A model whose head is attached after initialize (DeepSpeed's test_zero_late_module_attach)."""
-
-    def __init__(self, dim=8):
-        super().__init__()
-        self.fc = torch.nn.Linear(dim, dim)
-        self.mid = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        h = torch.tanh(self.mid(self.fc(x)))
-        if "head" in self._modules:
-            h = self.head(h)
-        return h.pow(2).mean()
-
-
-class TiedHead(torch.nn.Module):
-    def forward(self, h):
-        return torch.nn.functional.linear(h, self.weight)
-
-
-def late_body(stage: int):
-    import torch.distributed as dist
-
-    import dslaunch.runtime as deepspeed
-    from dslaunch.runtime.zero.param_reads import ReadWatch
-    from dslaunch.runtime.utils import safe_get_full_fp32_param
-
-    torch.manual_seed(0)
-    net = MaybeHead()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_allow_untested_optimizer": True,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
-    head = TiedHead()
-    head.weight = net.fc.weight  # a partitioned parameter, registered in a module the engine never saw
-    net.head = head
-    g = torch.Generator().manual_seed(100 + dist.get_rank())
-    losses = []
-    for _ in range(4):
-        loss = engine(torch.randn(2, 8, generator=g))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    watched = isinstance(head._parameters, ReadWatch)
-    weights = {n: safe_get_full_fp32_param(p).clone() for n, p in net.named_parameters()}
-    engine.destroy()
-    return losses, weights, watched
-
-
 def test_a_module_attached_after_initialize_reads_a_partitioned_parameter_whole():
     """The head, attached after initialize, holds fc's partitioned weight: the forward's first
     read of it by name gathers it, as DeepSpeed's forward prologue converts such a module's
     _parameters (ZeROOrderedDict); the losses and weights are stage 0's."""
-    want = run_function(late_body, nprocs=2, kwargs={"stage": 0}, timeout=240)
-    got = run_function(late_body, nprocs=2, kwargs={"stage": 3}, timeout=240)
-    for (want_losses, want_weights, _), (got_losses, got_weights, watched) in zip(want, got):
-        assert watched
-        assert got_losses == pytest.approx(want_losses, rel=1e-6, abs=1e-7)
-        for name in want_weights:
-            torch.testing.assert_close(got_weights[name], want_weights[name], rtol=1e-5, atol=1e-6)
+    assert_trains_as_at_stage_0("late_head", attach_head=True)
 
 
 def test_ensure_zero_ordered_dict_wraps_a_plain_dict_once():
