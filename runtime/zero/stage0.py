@@ -18,9 +18,9 @@ rewiring the optimizer's param groups to them; reduced 16-bit gradients are conv
 fp32 once per step, bucket by bucket, each 16-bit bucket freed once converted (param.grad
 is None from then until zero_grad), and updated masters are copied back into the module.
 
-Each parameter reduces over its own axis (the data axis, or expert_data for an expert's
-parameter, whatever param group holds it): a bucket never mixes axes, and is all-reduced on
-its axis's group and averaged by its axis's size. Expert parameters differ across the expert axis, so
+Each parameter reduces over its own axis (expert_data for a "moe" param group and for an
+expert's parameter in any group, else the data axis): a bucket never mixes axes, and is
+all-reduced on its axis's group and averaged by its axis's size. Expert parameters differ across the expert axis, so
 the global norm sums their squares over it.
 
 Gradient hooks fire in autograd order, which is the same on every rank for the same
@@ -82,11 +82,14 @@ class DataParallelStrategy(GradientStrategy):
         self._boundary = False
         self._hooks = []
         self.reduction = GradReduction.from_config(ctx.config, ctx.world_size)
-        # id(param) -> its axis. At stage 0 each parameter reduces by what it is, as DeepSpeed's
-        # stage 0 does (an expert parameter, `allreduce = False`, over its replicas): a script's
-        # own optimizer may hold experts and shared parameters in one group
-        self._axis_of = {id(p): ctx.axis(EXPERT_DATA_AXIS if getattr(p, "allreduce", True) is False else DATA_AXIS)
-                         for p in params}
+        # id(param) -> its axis: its param group's ("moe" groups: expert_data), and for an expert's
+        # parameter (`allreduce = False`) in any other group expert_data too, as DeepSpeed's stage 0
+        # reduces each parameter by what it is: a script's own optimizer may hold experts and
+        # shared parameters in one group
+        by_group = ctx.axis_for_params()
+        self._axis_of = {id(p): ctx.axis(EXPERT_DATA_AXIS) if getattr(p, "allreduce", True) is False
+                         and by_group.get(id(p), ctx.data_axis).name == DATA_AXIS
+                         else by_group.get(id(p), ctx.data_axis) for p in params}
         self._reductions = {DATA_AXIS: self.reduction}
         for axis in [*ctx.axes, *self._axis_of.values()]:
             self._reductions.setdefault(axis.name, GradReduction.from_config(ctx.config, axis.average_over))
