@@ -40,6 +40,14 @@ def wait_forever():
     sys.exit(99)
 
 
+def write_whole(path, text):
+    """A test polls for these files and reads them once they exist: write elsewhere and rename,
+    so the name never appears before its contents."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def ready(tag):
     print(f"ready {tag}", flush=True)
 
@@ -85,9 +93,7 @@ elif action == "tree":
                                  f"import subprocess,sys; p=subprocess.Popen([sys.executable,'-c',{sleeper!r}], stdout=subprocess.DEVNULL); print(p.pid)"],
                                 stdout=subprocess.PIPE, text=True)
     orphan = int(orphaner.communicate()[0])
-    with open(pidfile + ".tmp", "w") as f:
-        json.dump([os.getpid(), child.pid, escaped.pid, orphan], f)
-    os.replace(pidfile + ".tmp", pidfile)
+    write_whole(pidfile, json.dumps([os.getpid(), child.pid, escaped.pid, orphan]))
     world = int(os.environ["WORLD_SIZE"])
     # Act only once the test has counted every process: a rank that failed earlier would end
     # the job (and its watchdog) while the census is being taken.
@@ -104,8 +110,7 @@ elif action == "flood":
     out, mode = argv[1], argv[2]
 
     def stopped(signum, frame):
-        with open(f"{out}.stopped.{rank}", "w") as f:
-            f.write(repr(time.time()))
+        write_whole(f"{out}.stopped.{rank}", repr(time.time()))
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stopped)
@@ -115,8 +120,7 @@ elif action == "flood":
         if mode == "fail":
             while not os.path.exists(f"{out}.go"):
                 time.sleep(0.01)
-            with open(f"{out}.failed", "w") as f:
-                f.write(repr(time.time()))
+            write_whole(f"{out}.failed", repr(time.time()))
             sys.exit(3)
         wait_forever()
     line = "x" * 200 + "\n"
@@ -125,9 +129,7 @@ elif action == "flood":
         for _ in range(1000):
             sys.stdout.write(line)
         written += 1000 * len(line)
-        with open(f"{out}.bytes.tmp", "w") as f:
-            f.write(str(written))
-        os.replace(f"{out}.bytes.tmp", f"{out}.bytes")
+        write_whole(f"{out}.bytes", str(written))
 elif action == "cascade":
     out, mode = argv[1], argv[2]
 
