@@ -6,10 +6,13 @@ weight is released after forward like any other, and backward gathers it again w
 it at rest (params.gather / params.release), so a layer's activations do not pin its full
 weight between forward and backward. Backward runs under the autocast state forward ran under
 (as torch.amp.custom_bwd does), so bf16/fp16 autocast gives the same dtypes both ways.
-`LinearModuleForZeroStage3` is nn.Linear computing through it.
+`LinearModuleForZeroStage3` is nn.Linear computing through it. `autocast_custom_fwd` and
+`autocast_custom_bwd` are torch.amp's custom_fwd/custom_bwd bound to the accelerator's device
+type, as DeepSpeed's module exports them for scripts' own autograd functions.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -18,6 +21,10 @@ from torch import nn
 
 from ..core.accelerator import get_accelerator
 from .params import ZeroParamStatus, gather, release
+
+
+autocast_custom_fwd = functools.partial(torch.amp.custom_fwd, device_type=get_accelerator().device_name())
+autocast_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type=get_accelerator().device_name())
 
 
 def _at_rest(weight: torch.Tensor) -> bool:

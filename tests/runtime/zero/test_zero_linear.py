@@ -42,3 +42,36 @@ def test_autocast_keeps_the_products_dtype(shape, with_bias):
     torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
     ours.float().sum().backward()
     assert w.grad.dtype == torch.float32 and (b is None or b.grad.dtype == torch.float32)
+
+
+def test_the_exported_autocast_decorators_are_torch_amps_for_this_device():
+    """A script's own autograd function decorated with the module's autocast_custom_fwd(cast_inputs=
+    float32) gets fp32 inputs under bf16 autocast, and its backward runs under forward's autocast
+    state, as with torch.amp.custom_fwd/custom_bwd for the accelerator's device type."""
+    from dslaunch.runtime.zero.linear import autocast_custom_bwd, autocast_custom_fwd
+
+    seen = {}
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        @autocast_custom_fwd(cast_inputs=torch.float32)
+        def forward(ctx, x):
+            seen["forward"] = (x.dtype, torch.is_autocast_enabled("cpu"))
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        @autocast_custom_bwd
+        def backward(ctx, grad):
+            seen["backward"] = torch.is_autocast_enabled("cpu")
+            (x,) = ctx.saved_tensors
+            return 2 * x * grad
+
+    x = torch.randn(3, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = Square.apply(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an outer region backward must not inherit
+        y.sum().backward()
+    assert y.dtype == torch.float32
+    assert seen == {"forward": (torch.float32, False), "backward": False}
+    assert autocast_custom_fwd.func is torch.amp.custom_fwd and autocast_custom_fwd.keywords == {"device_type": "cpu"}
