@@ -82,11 +82,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--junit", default=None, help="record this junit report (of the same tests) instead of running")
     ap.add_argument("--timeout", type=int, default=3 * 3600, help="seconds for the whole pytest run")
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--commit", default=None, help="the checkout's DeepSpeed commit, for a checkout without its "
+                                                   "git history (as run_deepspeed_tests.py's --commit)")
     ap.add_argument("tests", nargs="*", help="pytest node ids under the checkout's tests/ folder (unit/...)")
     args = ap.parse_args(argv)
     import deepspeed  # DeepSpeed's own package: this script runs under its interpreter
-    commit = subprocess.run(["git", "-C", args.deepspeed_src, "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = args.commit or subprocess.run(["git", "-C", args.deepspeed_src, "rev-parse", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip() or "unknown"
+    merge(args.out, {}, deepspeed.__version__, commit)  # a table of another commit refuses before the run, not after
     if args.junit:
         outcomes = outcomes_of(args.junit)
     else:

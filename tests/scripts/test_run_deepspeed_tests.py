@@ -3,6 +3,7 @@ checkout needed): per-file and per-directory counts, a file that fails to import
 reference tests, causes, skip reasons, the tests failed on purpose and the reasons file."""
 import json
 import sys
+import types
 
 import pytest
 
@@ -384,3 +385,19 @@ def test_recorded_deepspeed_cpu_outcomes_are_well_formed():
     for test, o in table["tests"].items():
         assert test.startswith("unit.") and "::" in test, test
         assert o["outcome"] in ("passed", "failed", "skipped") and bool(o["cause"]) == (o["outcome"] != "passed")
+
+
+def test_a_table_of_another_deepspeed_refuses_before_the_run_not_after(tmp_path, monkeypatch):
+    """The run takes many minutes under real DeepSpeed: a table it could not be merged into
+    stops it before it starts. --commit names a checkout without its git history."""
+    make = load_script("make_ds_unit_cpu_failures")
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(__version__="0.19.8"))
+    monkeypatch.setattr(make, "run_pytest", lambda *a: pytest.fail("ran DeepSpeed's tests"))
+    out = tmp_path / "t.json"
+    out.write_text(json.dumps({"deepspeed": "0.19.8", "commit": "abc", "local_size": 2, "tests": {}}))
+    with pytest.raises(SystemExit, match="0.19.8 at abc, not 0.19.8 at unknown"):
+        make.main(["--deepspeed-src", str(tmp_path), "--out", str(out), "unit/x.py"])
+    (tmp_path / "ds.xml").write_text(DS_JUNIT)
+    assert make.main(["--deepspeed-src", str(tmp_path), "--out", str(out), "--commit", "abc",
+                      "--junit", str(tmp_path / "ds.xml")]) == 0
+    assert len(json.loads(out.read_text())["tests"]) == 3
