@@ -67,8 +67,15 @@ out = {"has_lists": reaper._has_children_files(), "reference": scan(me),
        "thread_child": from_thread["proc"].pid,
        "children": sorted(reaper.children(me)),
        "excluded": sorted(reaper.descendants(me, exclude=[from_thread["proc"].pid]))}
+tid = t.native_id
 held.set()
-t.join()  # the thread's child moves to the list of a thread still alive
+t.join()
+# join() returns before the kernel has finished the thread: its child moves to the list of a
+# thread still alive while the thread exits, so walk once its task is gone from /proc
+deadline = time.monotonic() + 20
+while os.path.exists(f"/proc/{me}/task/{tid}") and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert not os.path.exists(f"/proc/{me}/task/{tid}"), "the thread never ended"
 out["after_thread_exit"] = sorted(reaper.descendants(me))
 reaper.signal_processes(reaper.descendants(me), signal.SIGKILL)
 deadline = time.monotonic() + 20
